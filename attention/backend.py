@@ -1,0 +1,59 @@
+"""The attention-ops interface every backend implements (pure torch reference, Triton).
+
+Notation (DESIGN.md §4): Lkv = kv_lora_rank, R = qk_rope_head_dim, P = qk_nope_head_dim,
+V = v_head_dim, H = query heads on this rank. The paged cache of one layer is
+`[num_blocks, block_size, Lkv + R]`, one latent "head" shared by all query heads.
+
+Conventions shared by all backends:
+- LSE is the natural-log sum of exp(scaled scores), fp32. A query that sees no key gets
+  LSE = -inf and output 0 (so merging by LSE ignores it).
+- Causal attention is bottom-right aligned: with `Lq` queries and `Lk` keys in a sequence, query i
+  sees keys j <= i + Lk - Lq.
+- Index tensors (block tables, lengths, cu_seqlens, slot mappings) are int32 or int64 on the
+  device of the data.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class AttentionOps(Protocol):
+    name: str
+
+    def write_kv(self, kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store `kv [T, Lkv+R]` at flat slots `block * block_size + offset`; slot -1 is skipped."""
+
+    def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absorbed MQA decode, one query token per sequence.
+
+        q `[B, H, Lkv+R]` (`[q_lat ‖ q_pe]`) against the first `seq_lens[b]` cached tokens of
+        sequence b (blocks `block_table[b]`); scores use all Lkv+R dims, values are the first Lkv
+        dims (`c`). Returns o `[B, H, Lkv]` (q's dtype) and lse `[B, H]` fp32.
+        """
+
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Variable-length multi-head attention with QK width != V width.
+
+        q `[Tq, H, P+R]`, k `[Tk, H, P+R]`, v `[Tk, H, V]`; sequence b owns rows
+        `cu_seqlens_q[b]:cu_seqlens_q[b+1]` of q and `cu_seqlens_k[b]:cu_seqlens_k[b+1]` of k, v.
+        Returns o `[Tq, H, V]` (q's dtype) and lse `[Tq, H]` fp32.
+        """
+
+    def gather_context(self, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                       starts: torch.Tensor, cu_lens: torch.Tensor, num_tokens: int,
+                       ) -> torch.Tensor:
+        """Copy cached rows out of the paged cache into a dense workspace.
+
+        For sequence b, rows of token positions `starts[b] .. starts[b] + len_b - 1` (positions
+        index the sequence's blocks through `block_table[b]`) go to output rows
+        `cu_lens[b] .. cu_lens[b+1] - 1`, with `len_b = cu_lens[b+1] - cu_lens[b]`.
+        Returns `[num_tokens, Lkv+R]` in the cache's dtype.
+        """

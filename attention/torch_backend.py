@@ -1,0 +1,87 @@
+"""Pure-torch reference attention ops: readable, runs anywhere, the test oracle for the fast paths."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention in fp32 with LSE. q [H, Lq, Dk], k [H, Lk, Dk], v [H, Lk, Dv], mask [Lq, Lk]."""
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [H, Lq, Lk]
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [H, Lq]
+    # exp(s - lse) is 0 where masked; rows with no key have lse -inf -> nan, zero them.
+    p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    return torch.matmul(p, v.float()), lse
+
+
+class TorchAttentionOps:
+    name = "torch"
+
+    def write_kv(self, kv_cache, kv, slot_mapping):
+        flat = kv_cache.view(-1, kv_cache.shape[-1])
+        keep = slot_mapping >= 0
+        flat[slot_mapping[keep].long()] = kv[keep].to(kv_cache.dtype)
+
+    def _rows(self, kv_cache, block_row, start: int, length: int) -> torch.Tensor:
+        bs = kv_cache.shape[1]
+        pos = torch.arange(start, start + length, device=kv_cache.device)
+        blocks = block_row.long()[pos // bs]
+        return kv_cache[blocks, pos % bs]  # [length, Lkv+R]
+
+    def decode(self, q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
+        B, H, _ = q.shape
+        o = torch.zeros(B, H, kv_lora_rank, dtype=q.dtype, device=q.device)
+        lse = torch.full((B, H), float("-inf"), dtype=torch.float32, device=q.device)
+        for b, n in enumerate(seq_lens.tolist()):
+            if n == 0:
+                continue
+            kv = self._rows(kv_cache, block_table[b], 0, n)  # [n, Lkv+R]
+            ob, lb = _attend(q[b].unsqueeze(1), kv.unsqueeze(0), kv[:, :kv_lora_rank].unsqueeze(0),
+                             scale, None)
+            o[b] = ob[:, 0].to(q.dtype)
+            lse[b] = lb[:, 0]
+        return o, lse
+
+    def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
+                causal):
+        Tq, H, _ = q.shape
+        o = torch.zeros(Tq, H, v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.full((Tq, H), float("-inf"), dtype=torch.float32, device=q.device)
+        cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+        for b in range(len(cq) - 1):
+            q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+            lq, lk = q1 - q0, k1 - k0
+            if lq == 0:
+                continue
+            mask = None
+            if causal:
+                i = torch.arange(lq, device=q.device).unsqueeze(1)
+                j = torch.arange(lk, device=q.device).unsqueeze(0)
+                mask = j <= i + (lk - lq)
+            ob, lb = _attend(q[q0:q1].transpose(0, 1), k[k0:k1].transpose(0, 1),
+                             v[k0:k1].transpose(0, 1), scale, mask)
+            o[q0:q1] = ob.transpose(0, 1).to(q.dtype)
+            lse[q0:q1] = lb.transpose(0, 1)
+        return o, lse
+
+    def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens):
+        out = kv_cache.new_empty(num_tokens, kv_cache.shape[-1])
+        cu = cu_lens.tolist()
+        for b, s in enumerate(starts.tolist()):
+            if cu[b + 1] > cu[b]:
+                out[cu[b]:cu[b + 1]] = self._rows(kv_cache, block_table[b], s, cu[b + 1] - cu[b])
+        return out
+
+
+def merge_attn_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                      lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attentions over disjoint key sets. o [T, H, D], lse [T, H] fp32."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    # Both -inf: keep -inf and weights 0 (nan_to_num), output stays 0.
+    w_a = torch.exp(lse_a - lse).nan_to_num_(0.0).unsqueeze(-1)
+    w_b = torch.exp(lse_b - lse).nan_to_num_(0.0).unsqueeze(-1)
+    o = (o_a.float() * w_a + o_b.float() * w_b).to(o_a.dtype)
+    return o, lse

@@ -1,0 +1,87 @@
+"""Plain data that crosses the scheduler / model runner / front end boundaries (STYLE.md rule 2).
+
+Each step: `Scheduler.schedule()` -> `SchedulerOutput` -> runner -> `ModelRunnerOutput` ->
+`Scheduler.update_from_output()` -> `EngineCoreOutput` per request with news for the front end.
+The runner keeps its own per-request state (token ids, block table) and receives only diffs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen, or one resumed after preemption (all its tokens again)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]  # non-empty only when resuming a preempted request
+    sampling_params: SamplingParams
+    block_ids: list[int]  # virtual block ids under DCP (block_size * dcp tokens each)
+    num_computed_tokens: int  # tokens already in the KV cache (prefix-cache hit)
+
+
+@dataclass
+class CachedRequestData:
+    """A request the runner already holds: only what changed since last step."""
+
+    req_id: str
+    new_block_ids: list[int]  # appended to the request's block table
+    num_computed_tokens: int  # before this step's tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    # Requests the runner must forget before this step: finished, aborted or preempted since the
+    # last step. A preempted request comes back later as a NewRequestData.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of one chosen token, its rank (1 = most likely) and the top-N alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]  # (token_id, logprob), most likely first
+
+
+@dataclass
+class ModelRunnerOutput:
+    # Requests that sampled a token this step: those whose scheduled tokens reached the end of
+    # their known tokens. A partial prefill chunk samples nothing.
+    req_ids: list[str]
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # parallel to req_ids; None unless requested
+    # req_id -> logprobs of the prompt tokens whose predictions were computed this step, in order.
+    # The first prompt token has no prediction; the runner reports it as None once.
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+
+
+@dataclass
+class EngineCoreOutput:
+    """News about one request after a step, for the front end."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # complete, once, when known
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id that ended it, if any
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
