@@ -1,0 +1,82 @@
+"""Engine knobs (separate from model hyperparameters, STYLE.md rule 7), shared by `LLM` and `serve`."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "configs" / "models" / "tiny-deepseek-v3")
+
+
+@dataclass
+class EngineArgs:
+    model: str = DEFAULT_MODEL
+    tokenizer: str | None = None  # defaults to `model`
+    served_model_name: str | None = None
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    device: str = "auto"  # auto | cuda | cpu
+    load_format: str = "auto"  # auto | safetensors | dummy
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 1.0  # KV cache size on CPU when num_kv_blocks is not given
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    enforce_eager: bool = False
+    attention_backend: str = "auto"  # auto | torch | triton
+    hf_overrides: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.hf_overrides, str):
+            self.hf_overrides = json.loads(self.hf_overrides)
+        self.validate()
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(msg)
+
+        need(self.load_format == "dummy" or os.path.isdir(self.model) or _is_dir_spec(self.model),
+             f"--model: no such model directory: {self.model}")
+        need(self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        need(self.decode_context_parallel_size >= 1,
+             f"--decode-context-parallel-size must be >= 1, got {self.decode_context_parallel_size}")
+        need(self.tensor_parallel_size % self.decode_context_parallel_size == 0,
+             f"--decode-context-parallel-size {self.decode_context_parallel_size} must divide "
+             f"--tensor-parallel-size {self.tensor_parallel_size}")
+        need(self.max_num_batched_tokens >= 1,
+             f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
+        need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             f"--block-size must be a power of two, got {self.block_size}")
+        need(self.dtype in ("auto", "bfloat16", "float16", "float32"), f"--dtype: unknown dtype {self.dtype!r}")
+        need(self.device in ("auto", "cuda", "cpu"), f"--device: unknown device {self.device!r}")
+        need(self.load_format in ("auto", "safetensors", "dummy"), f"--load-format: unknown format {self.load_format!r}")
+        need(self.attention_backend in ("auto", "torch", "triton"),
+             f"--attention-backend: unknown backend {self.attention_backend!r}")
+        need(0 < self.gpu_memory_utilization <= 1,
+             f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+             f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        need(self.max_model_len is None or self.max_model_len >= 1,
+             f"--max-model-len must be >= 1, got {self.max_model_len}")
+
+    @property
+    def tokenizer_path(self) -> str:
+        return self.tokenizer or self.model
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def _is_dir_spec(model: str) -> bool:
+    # A dummy-weight run may name a bare config file's directory; nothing else is accepted.
+    return False
