@@ -1,0 +1,201 @@
+"""Paged KV block pool with reference counts and an LRU prefix cache.
+
+Blocks are the scheduler's unit: under DCP one block id holds `block_size * dcp_size` tokens
+(the virtual block, DESIGN.md §7); this module only sees `tokens_per_block`.
+
+A block is in exactly one of two states:
+- used: ref_cnt > 0, held by one or more requests (more than one only through prefix hits);
+- free: ref_cnt == 0, in the LRU free list. A free block may keep its hash so a later request can
+  revive it; allocation pops the front of the list (least recently freed) and drops that hash.
+So `num_free_blocks + num_used_blocks == num_total_blocks` by construction.
+
+A block is registered under its hash only when it is full and its tokens have been computed
+(`cache_full_blocks`, called after the runner step), so a block still being written is never shared.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+
+from scheduler.request import Request
+
+logger = logging.getLogger(__name__)
+
+_ROOT_HASH = b""
+
+
+def hash_block(parent_hash: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
+    """Chained hash of one full block: sha256(parent hash, token ids). Collisions are negligible."""
+    h = hashlib.sha256(parent_hash)
+    h.update(b"|")
+    h.update(",".join(map(str, token_ids)).encode())
+    return h.digest()
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: bytes | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
+
+
+class BlockManager:
+    """Allocates, shares and frees KV blocks for requests."""
+
+    def __init__(self, num_blocks: int, tokens_per_block: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if tokens_per_block < 1:
+            raise ValueError(f"tokens_per_block must be >= 1, got {tokens_per_block}")
+        self.tokens_per_block = tokens_per_block
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # LRU order: front = evicted / allocated first, end = most recently freed.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, int] = {}  # block hash -> block id (full, computed blocks)
+        self.req_blocks: dict[str, list[int]] = {}  # req_id -> block ids, in token order
+        self._num_registered: dict[str, int] = {}  # req_id -> leading blocks already hashed/cached
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self.blocks) - len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / len(self.blocks)
+
+    def get_block_ids(self, req_id: str) -> list[int]:
+        return self.req_blocks.get(req_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tokens_per_block)
+
+    # ---- prefix cache ----
+
+    def _update_hashes(self, request: Request) -> list[bytes]:
+        """Extend request.block_hashes to cover every full block of its known tokens."""
+        hashes, tpb, tokens = request.block_hashes, self.tokens_per_block, request.all_token_ids
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        for i in range(len(hashes), len(tokens) // tpb):
+            parent = hash_block(parent, tokens[i * tpb:(i + 1) * tpb])
+            hashes.append(parent)
+        return hashes
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Block ids of the longest cached prefix, never covering the request's last token."""
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self._update_hashes(request)
+        # At least one token must be computed so the runner has logits to sample from.
+        max_blocks = (request.num_tokens - 1) // self.tokens_per_block
+        hit: list[int] = []
+        for h in hashes[:max_blocks]:
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            hit.append(block_id)
+        return hit
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose tokens are all computed (after a runner step)."""
+        if not self.enable_prefix_caching:
+            return
+        block_ids = self.req_blocks.get(request.request_id)
+        if block_ids is None:
+            return
+        num_full = min(request.num_computed_tokens // self.tokens_per_block, len(block_ids))
+        start = self._num_registered.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        hashes = self._update_hashes(request)
+        for i in range(start, num_full):
+            block = self.blocks[block_ids[i]]
+            if block.block_hash is None and hashes[i] not in self.cached:
+                block.block_hash = hashes[i]
+                self.cached[hashes[i]] = block.block_id
+            # else: already cached (a prefix hit), or another block holds the same content
+            # (computed concurrently); this copy stays unhashed and is reused when freed.
+        self._num_registered[request.request_id] = num_full
+
+    # ---- allocation ----
+
+    def allocate(self, request: Request, num_new_tokens: int,
+                 prefix_block_ids: list[int] | None = None) -> list[int] | None:
+        """Make room for num_computed_tokens + num_new_tokens; return the new block ids, or None.
+
+        prefix_block_ids (a fresh admission only) are prefix-cache hits taken before new blocks.
+        On None nothing has changed.
+        """
+        req_id = request.request_id
+        held = self.req_blocks.get(req_id, [])
+        prefix_block_ids = prefix_block_ids or []
+        if prefix_block_ids and held:
+            raise RuntimeError(f"prefix hits for {req_id} which already holds blocks")
+        have = len(held) + len(prefix_block_ids)
+        num_new = max(0, self.blocks_needed(request.num_computed_tokens + num_new_tokens) - have)
+        # Hits on free (ref 0) blocks take them off the free list too.
+        revived = sum(1 for b in prefix_block_ids if self.blocks[b].ref_cnt == 0)
+        if num_new + revived > len(self.free_blocks):
+            return None
+
+        blocks = self.req_blocks.setdefault(req_id, [])
+        for b in prefix_block_ids:
+            block = self.blocks[b]
+            if block.ref_cnt == 0:
+                del self.free_blocks[b]
+            block.ref_cnt += 1
+            blocks.append(b)
+        if prefix_block_ids:
+            self._num_registered[req_id] = len(prefix_block_ids)
+        new_ids = []
+        for _ in range(num_new):
+            b, _ = self.free_blocks.popitem(last=False)
+            block = self.blocks[b]
+            if block.block_hash is not None:  # evict: its content is about to be overwritten
+                if self.cached.get(block.block_hash) == b:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            new_ids.append(b)
+        blocks.extend(new_ids)
+        return new_ids
+
+    def free(self, req_id: str) -> None:
+        """Drop the request's references; blocks reaching ref 0 go to the end of the LRU list."""
+        block_ids = self.req_blocks.pop(req_id, [])
+        self._num_registered.pop(req_id, None)
+        # Reverse order: a request's tail blocks (least likely shared) are evicted before its head.
+        for b in reversed(block_ids):
+            block = self.blocks[b]
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_blocks[b] = None
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if ref counts, the free list and the cache disagree (tests)."""
+        refs = [0] * len(self.blocks)
+        for ids in self.req_blocks.values():
+            assert len(set(ids)) == len(ids), f"duplicate block in a request: {ids}"
+            for b in ids:
+                refs[b] += 1
+        for block in self.blocks:
+            assert block.ref_cnt == refs[block.block_id], block
+            assert (block.ref_cnt == 0) == (block.block_id in self.free_blocks), block
+        for h, b in self.cached.items():
+            assert self.blocks[b].block_hash == h, (b, self.blocks[b])
+        assert self.num_free_blocks + self.num_used_blocks == self.num_total_blocks

@@ -1,0 +1,40 @@
+"""Engine knobs of the scheduler and KV block pool (not model hyperparameters)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class SchedulerConfig:
+    """Token budget, request cap and KV pool shape; validated at construction."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 4096
+    block_size: int = 16  # tokens per block on one rank
+    num_blocks: int = 1024  # KV blocks in the pool (same ids on every rank)
+    enable_prefix_caching: bool = True
+    # Decode context parallel: token i lives on DCP rank i % dcp_size, so one block id holds
+    # block_size * dcp_size tokens across the group (the "virtual block", DESIGN.md §7).
+    dcp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
+                     "num_blocks", "dcp_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(
+                f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+
+    @property
+    def virtual_block_size(self) -> int:
+        """Tokens per block id across the DCP group: the scheduler's allocation unit."""
+        return self.block_size * self.dcp_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole pool can hold for one request."""
+        return self.num_blocks * self.virtual_block_size

@@ -1,0 +1,257 @@
+"""Token-budget scheduler (DESIGN.md §3): each step decides {req_id: num_tokens}, no phases.
+
+Step protocol, strictly alternating: `schedule()` -> runner -> `update_from_output()`.
+`schedule()` advances each scheduled request's `num_computed_tokens` by its n at once (as vLLM V1
+does): from then on the tokens count as "being computed", which is what the next step's
+`CachedRequestData.num_computed_tokens` must say. Blocks are registered in the prefix cache only in
+`update_from_output()`, once the runner has really written them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable
+
+from scheduler.block_manager import BlockManager
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                               NewRequestData, SchedulerOutput)
+from scheduler.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float  # used / total blocks, 0..1
+    num_preemptions: int  # cumulative
+    prefix_cache_queries: int  # tokens looked up, cumulative
+    prefix_cache_hits: int  # tokens found, cumulative
+
+
+class Scheduler:
+    """Owns the request queues and the KV block pool; talks to the runner only through outputs.py."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.virtual_block_size,
+                                          config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # every unfinished request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: oldest first
+        self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
+        self._num_preemptions = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+
+    # ---- intake ----
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError if its prompt can never be served."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        n = request.num_prompt_tokens
+        if n > self.config.max_model_len:
+            raise ValueError(f"prompt has {n} tokens, more than max_model_len "
+                             f"({self.config.max_model_len})")
+        if n > self.config.capacity_tokens:
+            raise ValueError(f"prompt has {n} tokens, more than the KV cache capacity of "
+                             f"{self.config.capacity_tokens} tokens ({self.config.num_blocks} blocks "
+                             f"of {self.config.virtual_block_size})")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        """Finish the given requests with "abort" and free their blocks; unknown ids are ignored."""
+        outputs = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._finished_req_ids.add(req_id)  # the runner holds its state
+            else:
+                self.waiting.remove(request)  # a preempted one was already dropped by the runner
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._free(request)
+            del self.requests[req_id]
+            outputs.append(EngineCoreOutput(req_id, [], finish_reason="abort",
+                                            num_cached_tokens=max(request.num_cached_tokens, 0)))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    @property
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(len(self.running), len(self.waiting), bm.num_free_blocks,
+                              bm.num_total_blocks, bm.usage, self._num_preemptions,
+                              self._prefix_queries, self._prefix_hits)
+
+    # ---- scheduling ----
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's {req_id: n} under the token and request budgets, allocating KV first."""
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        preempted_now = False
+
+        # Running requests, oldest first. Victims come from the end of the list, i.e. from those
+        # not yet scheduled this step, so a victim never has tokens in this step.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new_block_ids = self.block_manager.allocate(request, n)
+                if new_block_ids is not None:
+                    break
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted_now = True
+                if victim is request:
+                    break
+            if new_block_ids is None:
+                break  # the request preempted itself; it was the last one
+            cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
+                                                 request.num_computed_tokens))
+            num_scheduled[request.request_id] = n
+            budget -= n
+            i += 1
+
+        # Waiting requests, FCFS. None are admitted in a step that had to preempt: the pool is
+        # short, and a victim must not come straight back in the same step.
+        while (self.waiting and budget > 0 and not preempted_now
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[0]
+            use_cache = not request.wants_prompt_logprobs  # its prompt must really be computed
+            hit_blocks = self.block_manager.find_cached_prefix(request) if use_cache else []
+            num_hit = len(hit_blocks) * self.block_manager.tokens_per_block
+            request.num_computed_tokens = num_hit
+            n = min(request.num_tokens - num_hit, budget)
+            if self.block_manager.allocate(request, n, hit_blocks) is None:
+                request.num_computed_tokens = 0
+                break  # waits; only running requests may preempt
+            self.waiting.popleft()
+            if use_cache and self.config.enable_prefix_caching:
+                self._prefix_queries += request.num_tokens
+                self._prefix_hits += num_hit
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            new_reqs.append(NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=list(self.block_manager.get_block_ids(request.request_id)),
+                num_computed_tokens=num_hit,
+            ))
+            num_scheduled[request.request_id] = n
+            budget -= n
+
+        for req_id, n in num_scheduled.items():
+            self.requests[req_id].num_computed_tokens += n
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        total = sum(num_scheduled.values())
+        assert total <= self.config.max_num_batched_tokens and len(num_scheduled) <= self.config.max_num_seqs
+        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, finished)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        if request.wants_prompt_logprobs:
+            request.prompt_logprobs.clear()  # the runner will report them again from the start
+        self.waiting.appendleft(request)
+        self._finished_req_ids.add(request.request_id)
+        self._num_preemptions += 1
+        logger.debug("preempted %s (pool has %d free blocks)", request.request_id,
+                     self.block_manager.num_free_blocks)
+
+    def _free(self, request: Request) -> None:
+        self.block_manager.free(request.request_id)
+
+    # ---- results ----
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, check stops, free finished requests; return news per request."""
+        # The step's tokens are now in the KV cache: their full blocks may be shared.
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                self.block_manager.cache_full_blocks(request)
+
+        for req_id, chunk in runner_output.prompt_logprobs.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.wants_prompt_logprobs:
+                request.prompt_logprobs.extend(chunk)
+
+        outputs = []
+        for req_id, token_id, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
+                                              runner_output.logprobs):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted while the step ran
+            request.append_output_token(token_id)
+            out = EngineCoreOutput(req_id, [token_id], [logprobs])
+            if request.num_output_tokens == 1:
+                out.num_cached_tokens = max(request.num_cached_tokens, 0)
+            if request.wants_prompt_logprobs:
+                out.prompt_logprobs = list(request.prompt_logprobs)
+                request.prompt_logprobs_emitted = True
+            if self._check_stop(request, token_id):
+                out.finish_reason = request.finish_reason
+                out.stop_reason = request.stop_reason
+                self.running.remove(request)
+                self._finish(request)
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, request: Request, token_id: int) -> bool:
+        """Set the finished status if token_id ends the request; stop tokens wait for min_tokens."""
+        sp = request.sampling_params
+        if request.num_output_tokens >= sp.min_tokens:
+            if token_id in sp.stop_token_ids:
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = token_id
+                return True
+            if not sp.ignore_eos and request.eos_token_id is not None and token_id == request.eos_token_id:
+                request.status = RequestStatus.FINISHED_STOPPED
+                return True
+        if sp.max_tokens is not None and request.num_output_tokens >= sp.max_tokens:
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        # The next step would compute token num_tokens-1, needing num_tokens KV slots: past the
+        # pool that could never run (it would preempt itself forever), so it ends like max_model_len.
+        if (request.num_tokens >= self.config.max_model_len
+                or request.num_tokens > self.config.capacity_tokens):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _finish(self, request: Request) -> None:
+        self._free(request)
+        del self.requests[request.request_id]
+        self._finished_req_ids.add(request.request_id)
