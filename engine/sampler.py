@@ -1,0 +1,277 @@
+"""Token sampling: penalties, temperature, top-k / top-p / min-p, per-request seeded draws, logprobs.
+
+Order per step (vLLM semantics): min_tokens masking -> repetition / frequency / presence penalties
+-> (greedy rows: argmax here) -> temperature -> top-k -> top-p -> min-p -> sample.
+Reported logprobs are taken from the RAW logits (log_softmax of what the model produced), as
+vLLM and OpenAI report them, not from the processed distribution that was sampled.
+
+Seeded rows draw an Exponential(1) noise vector from their own generator and take
+argmax(probs / q) (the "exponential race", equivalent to sampling from probs). The row's noise
+never depends on other rows, so a seed gives the same stream whatever the batch looks like.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+from scheduler.outputs import TokenLogprobs
+
+_NEG_INF = float("-inf")
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A generator on `device` seeded with `seed`, to be kept per request for its whole life."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling state for the N rows that sample this step (built by the model runner)."""
+
+    temperature: torch.Tensor  # [N] fp32, 0 = greedy
+    all_greedy: bool
+    top_p: torch.Tensor | None = None  # [N] fp32; None when no row uses it
+    top_k: torch.Tensor | None = None  # [N] int64, 0 = off; None when no row uses it
+    min_p: torch.Tensor | None = None  # [N] fp32; None when no row uses it
+    generators: Sequence[torch.Generator | None] = ()  # [N] or empty (no seeded rows)
+    presence_penalty: torch.Tensor | None = None  # [N]
+    frequency_penalty: torch.Tensor | None = None  # [N]
+    repetition_penalty: torch.Tensor | None = None  # [N]
+    prompt_token_ids: list[list[int]] | None = None  # [N][*], needed for repetition_penalty
+    output_token_ids: list[list[int]] | None = None  # [N][*], needed for any penalty
+    max_num_logprobs: int | None = None  # max over rows of params.logprobs; None: nobody wants them
+    # [N][*] token ids to forbid (eos / stop ids of rows still below min_tokens); None: none
+    min_tokens_masked_ids: list[list[int]] | None = None
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        prompt_token_ids: Sequence[list[int]],
+        output_token_ids: Sequence[list[int]],
+        generators: Sequence[torch.Generator | None],
+        eos_token_ids: Sequence[int],
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        """Build a batch from per-row params and token histories (host work, one copy per field)."""
+        n = len(params)
+        if not (len(prompt_token_ids) == len(output_token_ids) == len(generators) == n):
+            raise ValueError(
+                f"from_params needs one prompt, output and generator per row: got {n} params, "
+                f"{len(prompt_token_ids)} prompts, {len(output_token_ids)} outputs, "
+                f"{len(generators)} generators")
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        temperature = column([p.temperature for p in params], torch.float32)
+        all_greedy = all(p.greedy for p in params)
+        sampled = [p for p in params if not p.greedy]
+        top_p = top_k = min_p = None
+        if any(p.top_p < 1.0 for p in sampled):
+            top_p = column([p.top_p for p in params], torch.float32)
+        if any(p.top_k > 0 for p in sampled):
+            top_k = column([p.top_k for p in params], torch.int64)
+        if any(p.min_p > 0.0 for p in sampled):
+            min_p = column([p.min_p for p in params], torch.float32)
+
+        presence = frequency = repetition = None
+        prompts = outputs = None
+        if any(p.needs_penalties for p in params):
+            presence = column([p.presence_penalty for p in params], torch.float32)
+            frequency = column([p.frequency_penalty for p in params], torch.float32)
+            repetition = column([p.repetition_penalty for p in params], torch.float32)
+            outputs = [list(o) for o in output_token_ids]
+            if any(p.repetition_penalty != 1.0 for p in params):
+                prompts = [list(t) for t in prompt_token_ids]
+
+        masked = None
+        for i, (p, out) in enumerate(zip(params, output_token_ids)):
+            if len(out) < p.min_tokens:
+                stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+                if stop_ids:
+                    masked = masked or [[] for _ in range(n)]
+                    masked[i] = stop_ids
+
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=temperature,
+            all_greedy=all_greedy,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            generators=list(generators) if any(g is not None for g in generators) else (),
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            repetition_penalty=repetition,
+            prompt_token_ids=prompts,
+            output_token_ids=outputs,
+            max_num_logprobs=max(wanted) if wanted else None,
+            min_tokens_masked_ids=masked,
+        )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    # per row when max_num_logprobs is not None: the sampled token under the raw distribution, its
+    # rank and the top max_num_logprobs alternatives (the runner trims to each row's own count)
+    logprobs: list[TokenLogprobs] | None
+
+
+class Sampler:
+    """Turns fp32 logits [N, V] into one token per row, following each row's sampling params."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != batch.temperature.shape[0]:
+            raise ValueError(f"logits must be [N, V] with N = {batch.temperature.shape[0]} rows, "
+                             f"got {tuple(logits.shape)}")
+        raw = logits
+        logits = logits.float()
+        logits = _mask_min_tokens(logits, batch.min_tokens_masked_ids)
+        logits = _apply_penalties(logits, batch)
+
+        greedy_ids = logits.argmax(dim=-1)
+        if batch.all_greedy:
+            token_ids = greedy_ids
+        else:
+            token_ids = self._sample(logits, batch)
+            token_ids = torch.where(batch.temperature == 0.0, greedy_ids, token_ids)
+
+        logprobs = None
+        if batch.max_num_logprobs is not None:
+            logprobs = _gather_logprobs(torch.log_softmax(raw.float(), dim=-1), token_ids,
+                                        batch.max_num_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        # greedy rows divide by 1 here; their result is replaced by the argmax afterwards
+        temp = torch.where(batch.temperature == 0.0, 1.0, batch.temperature)
+        logits = logits / temp.unsqueeze(1)
+        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        if batch.min_p is not None:
+            logits = _apply_min_p(logits, batch.min_p)
+        probs = torch.softmax(logits, dim=-1)
+        return _exponential_race(probs, batch.generators)
+
+
+def _mask_min_tokens(logits: torch.Tensor, masked_ids: list[list[int]] | None) -> torch.Tensor:
+    if not masked_ids or not any(masked_ids):
+        return logits
+    rows = [i for i, ids in enumerate(masked_ids) for _ in ids]
+    cols = [t for ids in masked_ids for t in ids]
+    logits = logits.clone()
+    logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
+    return logits
+
+
+def _token_counts(token_ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
+    """[N, V] fp32 occurrence counts of each token id per row."""
+    n = len(token_ids)
+    width = max((len(t) for t in token_ids), default=0)
+    counts = torch.zeros(n, vocab + 1, dtype=torch.float32, device=device)
+    if width == 0:
+        return counts[:, :vocab]
+    # pad with the out-of-vocab id `vocab`, whose column is dropped after counting
+    padded = torch.full((n, width), vocab, dtype=torch.int64)
+    for i, t in enumerate(token_ids):
+        if t:
+            padded[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
+    padded = padded.to(device, non_blocking=True)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    rep, freq, pres = batch.repetition_penalty, batch.frequency_penalty, batch.presence_penalty
+    if rep is None and freq is None and pres is None:
+        return logits
+    if batch.output_token_ids is None:
+        raise ValueError("output_token_ids must be set when a penalty tensor is given")
+    n, vocab = logits.shape
+    out_counts = _token_counts(batch.output_token_ids, vocab, logits.device)  # [N, V]
+    if rep is not None:
+        # vLLM/CTRL semantics: every token seen in prompt or output is pushed towards "less likely"
+        seen = out_counts > 0
+        if batch.prompt_token_ids is not None:
+            seen = seen | (_token_counts(batch.prompt_token_ids, vocab, logits.device) > 0)
+        pen = rep.unsqueeze(1)
+        scaled = torch.where(logits > 0, logits / pen, logits * pen)
+        logits = torch.where(seen, scaled, logits)
+    if freq is not None:
+        logits = logits - freq.unsqueeze(1) * out_counts
+    if pres is not None:
+        logits = logits - pres.unsqueeze(1) * (out_counts > 0).float()
+    return logits
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                       top_p: torch.Tensor | None) -> torch.Tensor:
+    if top_k is None and top_p is None:
+        return logits
+    vocab = logits.shape[1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V] each
+    if top_k is not None:
+        k = torch.where(top_k <= 0, vocab, top_k).clamp(max=vocab)  # [N]
+        positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(positions >= k.unsqueeze(1), _NEG_INF)
+    if top_p is not None:
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p: drop a token when the mass strictly
+        # before it already does; the first token always survives (mass before it is 0 < top_p)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p); a min_p of 0 gives -inf: no-op
+    threshold = logits.max(dim=-1, keepdim=True).values + torch.log(min_p).unsqueeze(1)
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def _exponential_race(probs: torch.Tensor,
+                      generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Sample one token per row: argmax(probs / q), q ~ Exponential(1) i.i.d. per token."""
+    seeded = [(i, g) for i, g in enumerate(generators) if g is not None]
+    q = torch.empty_like(probs)
+    if len(seeded) < probs.shape[0]:
+        q.exponential_()  # unseeded rows: global RNG (seeded rows are overwritten below)
+    for i, gen in seeded:
+        q[i].exponential_(generator=gen)
+    # q == 0 has probability ~0 but would give 0/0 = nan for a filtered-out token
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+def _gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor,
+                     num_top: int) -> list[TokenLogprobs]:
+    """Logprob, rank (1 = most likely) and top-`num_top` of each row's chosen token."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [N, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1  # [N]
+    num_top = min(num_top, logprobs.shape[1])
+    top_vals, top_ids = logprobs.topk(num_top, dim=-1) if num_top > 0 else (None, None)
+    ids_l, lp_l, rank_l = token_ids.tolist(), chosen.squeeze(1).tolist(), ranks.tolist()
+    top_v_l = top_vals.tolist() if top_vals is not None else [[] for _ in ids_l]
+    top_i_l = top_ids.tolist() if top_ids is not None else [[] for _ in ids_l]
+    return [TokenLogprobs(token_id=t, logprob=lp, rank=r, top=list(zip(ti, tv)))
+            for t, lp, r, ti, tv in zip(ids_l, lp_l, rank_l, top_i_l, top_v_l)]
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor,
+                            num_top: int) -> list[TokenLogprobs]:
+    """Logprobs of the actual next prompt tokens: logits [M, V] at prompt positions, ids [M]."""
+    if logits.dim() != 2 or next_token_ids.shape != (logits.shape[0],):
+        raise ValueError(f"prompt logprobs need logits [M, V] and next_token_ids [M], got "
+                         f"{tuple(logits.shape)} and {tuple(next_token_ids.shape)}")
+    if logits.shape[0] == 0:
+        return []
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return _gather_logprobs(logprobs, next_token_ids.to(logits.device, torch.int64), num_top)

@@ -1,0 +1,246 @@
+"""Sampler tests: greedy, filters, seeded reproducibility, distribution, penalties, logprobs."""
+
+import math
+
+import pytest
+import torch
+
+from engine.sampler import (Sampler, SamplingBatch, _apply_penalties, compute_prompt_logprobs,
+                            make_generator)
+from engine.sampling_params import SamplingParams
+
+V = 32
+
+
+def batch_of(params, outputs=None, prompts=None, generators=None, eos=(), device="cpu"):
+    n = len(params)
+    return SamplingBatch.from_params(
+        params, prompts or [[] for _ in range(n)], outputs or [[] for _ in range(n)],
+        generators or [None] * n, list(eos), device)
+
+
+def random_logits(n, vocab=V, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, vocab, generator=g) * scale
+
+
+def test_greedy_is_argmax():
+    logits = random_logits(6)
+    batch = batch_of([SamplingParams(temperature=0.0)] * 6)
+    assert batch.all_greedy
+    out = Sampler()(logits, batch)
+    assert out.token_ids.dtype == torch.int64
+    assert torch.equal(out.token_ids, logits.argmax(-1))
+    assert out.logprobs is None
+
+
+def test_mixed_batch_greedy_rows_take_argmax():
+    logits = random_logits(6, scale=0.1)  # flat: sampled rows rarely hit the argmax by chance
+    params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0) for i in range(6)]
+    torch.manual_seed(0)
+    for _ in range(5):
+        ids = Sampler()(logits, batch_of(params)).token_ids
+        assert torch.equal(ids[0::2], logits.argmax(-1)[0::2])
+
+
+def test_top_k_1_equals_greedy():
+    logits = random_logits(8, scale=0.5)
+    batch = batch_of([SamplingParams(temperature=1.5, top_k=1)] * 8)
+    torch.manual_seed(1)
+    for _ in range(5):
+        assert torch.equal(Sampler()(logits, batch).token_ids, logits.argmax(-1))
+
+
+def test_tiny_top_p_is_argmax():
+    logits = random_logits(8, scale=0.5)
+    batch = batch_of([SamplingParams(temperature=1.0, top_p=1e-6)] * 8)
+    torch.manual_seed(2)
+    for _ in range(5):
+        assert torch.equal(Sampler()(logits, batch).token_ids, logits.argmax(-1))
+
+
+def _draw_many(row_logits, params, n=3000, seed=0):
+    logits = row_logits.unsqueeze(0).expand(n, -1).contiguous()
+    torch.manual_seed(seed)
+    return Sampler()(logits, batch_of([params] * n)).token_ids
+
+
+def test_top_k_and_top_p_keep_the_right_sets():
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    row = probs.log()
+    assert set(_draw_many(row, SamplingParams(top_k=2)).tolist()) == {0, 1}
+    # top_p 0.8: 0.4 + 0.3 = 0.7 < 0.8, so token 2 is needed; token 3 is not
+    assert set(_draw_many(row, SamplingParams(top_p=0.8)).tolist()) == {0, 1, 2}
+    # both: top_k 4 then top_p 0.8 renormalised over the 4 kept tokens (mass 0.95)
+    assert set(_draw_many(row, SamplingParams(top_k=4, top_p=0.75)).tolist()) == {0, 1, 2}
+
+
+def test_min_p_filters_relative_to_the_max():
+    probs = torch.tensor([0.4, 0.25, 0.19, 0.1, 0.06])
+    ids = _draw_many(probs.log(), SamplingParams(min_p=0.45))  # threshold 0.18
+    assert set(ids.tolist()) == {0, 1, 2}
+    assert set(_draw_many(probs.log(), SamplingParams(min_p=0.0)).tolist()) == {0, 1, 2, 3, 4}
+
+
+def _chi_square(ids, probs):
+    counts = torch.bincount(ids, minlength=probs.numel()).double()
+    expected = probs.double() * ids.numel()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+def test_temperature_sampling_matches_softmax():
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
+    temp = 0.7
+    ids = _draw_many(row, SamplingParams(temperature=temp), n=20000, seed=3)
+    expected = torch.softmax(row / temp, dim=-1)
+    # 5 degrees of freedom: chi2 > 20.5 has probability 0.001
+    assert _chi_square(ids, expected) < 20.5
+    # the test can fail: the untempered distribution is far off
+    assert _chi_square(ids, torch.softmax(row, dim=-1)) > 100
+
+
+def test_seeded_rows_follow_softmax():
+    row = torch.tensor([0.3, -0.2, 1.0, 0.0])
+    n = 4000
+    logits = row.unsqueeze(0).expand(n, -1).contiguous()
+    gens = [make_generator(10_000 + i, "cpu") for i in range(n)]
+    ids = Sampler()(logits, batch_of([SamplingParams(seed=1)] * n, generators=gens)).token_ids
+    assert _chi_square(ids, torch.softmax(row, dim=-1)) < 16.3  # 3 dof, p = 0.001
+
+
+def _seeded_stream(seed, position, batch_size, others, steps=12):
+    """Tokens drawn by one seeded request placed at `position` among `others`."""
+    gens = []
+    for i in range(batch_size):
+        if i == position:
+            gens.append(make_generator(seed, "cpu"))
+        else:
+            s = others[i % len(others)]
+            gens.append(None if s is None else make_generator(s, "cpu"))
+    params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=20, seed=0)] * batch_size
+    stream = []
+    for step in range(steps):
+        logits = random_logits(batch_size, seed=100 + step, scale=0.8)
+        logits[position] = random_logits(1, seed=1000 + step, scale=0.8)[0]
+        out = Sampler()(logits, batch_of(params, generators=gens))
+        stream.append(int(out.token_ids[position]))
+    return stream
+
+
+def test_seeded_rows_reproducible_across_batch_compositions():
+    torch.manual_seed(5)
+    alone = _seeded_stream(1234, 0, 1, [None])
+    assert len(set(alone)) > 3  # the stream really is random
+    torch.manual_seed(6)
+    assert _seeded_stream(1234, 3, 8, [None, 7, None, 99]) == alone
+    torch.manual_seed(7)
+    assert _seeded_stream(1234, 7, 8, [5, None]) == alone
+    torch.manual_seed(8)
+    assert _seeded_stream(1234, 0, 8, [None]) == alone
+    assert _seeded_stream(4321, 0, 1, [None]) != alone
+
+
+def test_penalties_against_hand_computation():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    prompt, output = [0, 4], [2, 2, 3]
+    batch = SamplingBatch(
+        temperature=torch.tensor([1.0]), all_greedy=False,
+        repetition_penalty=torch.tensor([2.0]), frequency_penalty=torch.tensor([0.5]),
+        presence_penalty=torch.tensor([0.25]),
+        prompt_token_ids=[prompt], output_token_ids=[output])
+    got = _apply_penalties(logits, batch)[0].tolist()
+    want = [2.0 / 2, -1.0, 0.5 / 2 - 0.5 * 2 - 0.25, 3.0 / 2 - 0.5 * 1 - 0.25, -2.0 * 2, 1.0]
+    assert got == pytest.approx(want)
+
+    # each penalty alone
+    def only(**kw):
+        b = SamplingBatch(temperature=torch.tensor([1.0]), all_greedy=False,
+                          prompt_token_ids=[prompt], output_token_ids=[output],
+                          **{k: torch.tensor([v]) for k, v in kw.items()})
+        return _apply_penalties(logits, b)[0].tolist()
+
+    assert only(repetition_penalty=2.0) == pytest.approx([1.0, -1.0, 0.25, 1.5, -4.0, 1.0])
+    assert only(frequency_penalty=0.5) == pytest.approx([2.0, -1.0, -0.5, 2.5, -2.0, 1.0])
+    assert only(presence_penalty=0.25) == pytest.approx([2.0, -1.0, 0.25, 2.75, -2.0, 1.0])
+
+
+def test_penalties_change_greedy_choice_and_min_tokens_masks_eos():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    assert Sampler()(logits, batch_of([p], outputs=[[1]])).token_ids.tolist() == [2]
+    p = SamplingParams(temperature=0.0, frequency_penalty=1.0)
+    assert Sampler()(logits, batch_of([p], outputs=[[1, 1]])).token_ids.tolist() == [2]
+    # min_tokens: eos (1) and stop id (2) are forbidden until 3 tokens exist
+    p = SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[2])
+    assert Sampler()(logits, batch_of([p], outputs=[[0]], eos=[1])).token_ids.tolist() == [3]
+    assert Sampler()(logits, batch_of([p], outputs=[[0, 0, 0]], eos=[1])).token_ids.tolist() == [1]
+    p = SamplingParams(temperature=0.0, min_tokens=3, ignore_eos=True)
+    assert Sampler()(logits, batch_of([p], outputs=[[0]], eos=[1])).token_ids.tolist() == [1]
+
+
+def test_logprobs_are_raw_with_rank_and_top():
+    logits = random_logits(5, seed=9)
+    params = [SamplingParams(temperature=0.8, top_k=5, logprobs=3, presence_penalty=1.0)] * 3 \
+        + [SamplingParams(temperature=0.0, logprobs=1)] * 2
+    torch.manual_seed(10)
+    out = Sampler()(logits, batch_of(params, outputs=[[0, 1]] * 5))
+    ref = torch.log_softmax(logits, dim=-1)
+    assert len(out.logprobs) == 5
+    for row, lp in enumerate(out.logprobs):
+        tok = int(out.token_ids[row])
+        assert lp.token_id == tok
+        assert lp.logprob == pytest.approx(float(ref[row, tok]), abs=1e-6)
+        assert lp.rank == int((ref[row] > ref[row, tok]).sum()) + 1
+        vals, ids = ref[row].topk(3)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(vals.tolist(), abs=1e-6)
+    # with penalties on, the greedy rows' rank is computed on the raw distribution
+    assert out.logprobs[3].rank == int((ref[3] > ref[3, out.token_ids[3]]).sum()) + 1
+
+
+def test_zero_logprobs_gives_empty_top():
+    logits = random_logits(2)
+    out = Sampler()(logits, batch_of([SamplingParams(temperature=0.0, logprobs=0)] * 2))
+    assert [lp.top for lp in out.logprobs] == [[], []]
+    assert [lp.rank for lp in out.logprobs] == [1, 1]
+
+
+def test_prompt_logprobs():
+    logits = random_logits(7, seed=11)
+    nxt = torch.tensor([3, 0, 31, 5, 5, 17, 2])
+    res = compute_prompt_logprobs(logits, nxt, 2)
+    ref = torch.log_softmax(logits, dim=-1)
+    for m, lp in enumerate(res):
+        t = int(nxt[m])
+        assert lp.token_id == t
+        assert math.isclose(lp.logprob, float(ref[m, t]), abs_tol=1e-6)
+        assert lp.rank == 1 + int((ref[m] > ref[m, t]).sum())
+        assert [i for i, _ in lp.top] == ref[m].topk(2).indices.tolist()
+    assert compute_prompt_logprobs(logits[:0], nxt[:0], 2) == []
+    with pytest.raises(ValueError, match="next_token_ids"):
+        compute_prompt_logprobs(logits, nxt[:3], 2)
+
+
+def test_from_params_leaves_unused_fields_none():
+    b = batch_of([SamplingParams(temperature=0.0), SamplingParams()])
+    assert not b.all_greedy
+    assert b.top_p is None and b.top_k is None and b.min_p is None
+    assert b.repetition_penalty is None and b.max_num_logprobs is None
+    assert b.min_tokens_masked_ids is None and len(b.generators) == 0
+    b = batch_of([SamplingParams(logprobs=2), SamplingParams(logprobs=5, top_k=3)])
+    assert b.max_num_logprobs == 5 and b.top_k.tolist() == [0, 3]
+    with pytest.raises(ValueError, match="one prompt"):
+        SamplingBatch.from_params([SamplingParams()], [], [[]], [None], [], "cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_seeded_matches_itself_and_greedy():
+    logits = random_logits(4).cuda()
+    greedy = Sampler()(logits, batch_of([SamplingParams(temperature=0.0)] * 4, device="cuda"))
+    assert torch.equal(greedy.token_ids.cpu(), logits.argmax(-1).cpu())
+    streams = []
+    for _ in range(2):
+        gens = [make_generator(42, "cuda"), None, None, None]
+        b = batch_of([SamplingParams(seed=42)] * 4, generators=gens, device="cuda")
+        streams.append([int(Sampler()(logits, b).token_ids[0]) for _ in range(8)])
+    assert streams[0] == streams[1]
