@@ -181,18 +181,21 @@ def test_preemption_recomputes_and_outputs_unchanged(prefix):
 
 
 def test_preempted_request_is_resumed_as_new_with_its_outputs():
-    cfg = SchedulerConfig(max_num_batched_tokens=64, num_blocks=4, block_size=4,
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2, num_blocks=4, block_size=4,
                           enable_prefix_caching=False)
     sched, runner = Scheduler(cfg), FakeRunner(cfg)
     sched.add_request(make_req("old", [1] * 4, max_tokens=9))
     sched.add_request(make_req("new", [2] * 4, max_tokens=9))
+    sched.add_request(make_req("late", [3] * 4, max_tokens=9))  # waits: max_num_seqs
     preempted_at = None
     for i in range(30):
         so, _ = step(sched, runner)
         if "new" in so.finished_req_ids and preempted_at is None:
             preempted_at = i
             assert sched.requests["new"].status == RequestStatus.PREEMPTED
-            assert sched.waiting[0].request_id == "new"  # front of the queue
+            assert sched.requests["new"].num_computed_tokens == 0
+            assert [r.request_id for r in sched.waiting] == ["new", "late"]  # front of the queue
+            assert so.num_scheduled_tokens == {"old": 1}
         resumed = [r for r in so.scheduled_new_reqs if r.req_id == "new"]
         if preempted_at is not None and resumed:
             assert resumed[0].output_token_ids and resumed[0].num_computed_tokens == 0
