@@ -118,7 +118,8 @@ class BlockManager:
         block_ids = self.req_blocks.get(request.request_id)
         if block_ids is None:
             return
-        num_full = min(request.num_computed_tokens // self.tokens_per_block, len(block_ids))
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.tokens_per_block
+        num_full = min(num_full, len(block_ids))
         start = self._num_registered.get(request.request_id, 0)
         if num_full <= start:
             return
