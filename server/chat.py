@@ -1,0 +1,147 @@
+"""`POST /v1/chat/completions`: the tokenizer's chat template, then one engine request."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.outputs import CompletionOutput, RequestOutput
+from scheduler.outputs import TokenLogprobs
+from server.completions import param_of, finite, sse, start_streams
+from server.errors import APIError, error_body
+from server.protocol import ChatCompletionRequest
+from server.streams import ClientDisconnected, EngineStreams, until_disconnect
+
+logger = logging.getLogger(__name__)
+
+
+def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
+    """Render the chat template and tokenize it without adding special tokens a second time."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
+                       param="messages")
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt)
+    except Exception as e:  # jinja raises on conversations the template refuses
+        raise APIError(400, f"messages: the chat template refused them: {e}",
+                       param="messages") from None
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+class ChatBuilder:
+    """OpenAI chat choices and stream deltas from engine outputs."""
+
+    def __init__(self, state, req: ChatCompletionRequest) -> None:
+        self.state, self.req = state, req
+        self._sent_text: dict[int, int] = {}
+        self._sent_tokens: dict[int, int] = {}
+
+    def _entry(self, tid: int, logprob: float) -> dict:
+        s = self.state.token_str(tid)
+        return {"token": s, "logprob": finite(logprob), "bytes": list(s.encode("utf-8"))}
+
+    def logprobs(self, lps: list[TokenLogprobs]) -> dict | None:
+        if not self.req.logprobs:
+            return None
+        k = self.req.top_logprobs or 0
+        return {"content": [{**self._entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._entry(t, v) for t, v in lp.top[:k]]}
+                            for lp in lps]}
+
+    def choice(self, index: int, o: CompletionOutput) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": o.text},
+                "logprobs": self.logprobs(list(o.logprobs or [])),
+                "finish_reason": o.finish_reason}
+
+    def deltas(self, index: int, o: CompletionOutput) -> list[dict]:
+        """Stream deltas for choice `index`: the role first, then new text, then the finish."""
+        out = []
+        if index not in self._sent_text:
+            self._sent_text[index] = self._sent_tokens[index] = 0
+            out.append({"index": index, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None})
+        lps = list(o.logprobs or [])
+        new_text = o.text[self._sent_text[index]:]
+        new_lps = lps[self._sent_tokens[index]:]
+        self._sent_text[index], self._sent_tokens[index] = len(o.text), len(lps)
+        if new_text or new_lps or o.finish_reason is not None:
+            out.append({"index": index, "delta": {"content": new_text} if new_text else {},
+                        "logprobs": self.logprobs(new_lps) if new_lps else None,
+                        "finish_reason": o.finish_reason})
+        return out
+
+
+def _usage(final: RequestOutput | None) -> dict:
+    prompt = len(final.prompt_token_ids) if final else 0
+    completion = sum(len(o.token_ids) for o in final.outputs) if final else 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request) -> Response:
+    """Handle one chat completions request end to end."""
+    state.check_model(req.model)
+    try:
+        params = req.to_sampling_params()
+        conversation = req.conversation()
+    except ValueError as e:
+        raise APIError(400, str(e), param=param_of(str(e))) from None
+    prompt_ids = chat_prompt_ids(state.tokenizer, conversation, req.add_generation_prompt)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    tracker = state.metrics.tracker()
+    try:
+        streams = await start_streams(state, raw, [prompt_ids], params, request_id)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    builder = ChatBuilder(state, req)
+    head = {"id": request_id, "created": int(time.time()), "model": state.model_name}
+    if req.stream:
+        return StreamingResponse(_sse(streams, builder, head, tracker, req),
+                                 media_type="text/event-stream")
+    try:
+        final = await until_disconnect(raw, _collect(streams, tracker))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        streams.close()
+    choices = [builder.choice(o.index, o) for o in sorted(final.outputs, key=lambda o: o.index)]
+    return JSONResponse({**head, "object": "chat.completion", "choices": choices,
+                         "usage": _usage(final)})
+
+
+async def _collect(streams: EngineStreams, tracker) -> RequestOutput:
+    final = None
+    async for i, out in streams:
+        tracker.observe(i, out)
+        final = out
+    if final is None or not final.finished:
+        raise RuntimeError("engine stream ended without a finished output")
+    return final
+
+
+async def _sse(streams: EngineStreams, builder: ChatBuilder, head: dict, tracker,
+               req: ChatCompletionRequest) -> AsyncIterator[str]:
+    head = {**head, "object": "chat.completion.chunk"}
+    final = None
+    try:
+        try:
+            async for i, out in streams:
+                tracker.observe(i, out)
+                final = out
+                for o in out.outputs:
+                    for delta in builder.deltas(o.index, o):
+                        yield sse({**head, "choices": [delta], "usage": None})
+            if req.include_usage:
+                yield sse({**head, "choices": [], "usage": _usage(final)})
+        except Exception as e:  # headers are gone: report in-band
+            logger.exception("stream %s failed", head["id"])
+            yield sse(error_body(500, f"internal server error ({type(e).__name__})"))
+        yield sse("[DONE]")
+    finally:
+        streams.close()

@@ -1,0 +1,207 @@
+"""`POST /v1/completions`: one engine request per prompt, `n` choices each, JSON or SSE."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from engine.outputs import CompletionOutput, RequestOutput
+from scheduler.outputs import TokenLogprobs
+from server.errors import APIError, error_body
+from server.protocol import CompletionRequest
+from server.streams import ClientDisconnected, EngineStreams, until_disconnect
+
+logger = logging.getLogger(__name__)
+
+# JSON has no -inf; OpenAI-compatible servers clamp impossible tokens to this.
+MIN_LOGPROB = -9999.0
+
+
+def finite(x: float) -> float:
+    return x if x > MIN_LOGPROB else MIN_LOGPROB
+
+
+async def start_streams(state, raw: Request, prompts, params, request_id: str) -> EngineStreams:
+    """Submit every prompt and wait until the engine accepted all of them (ValueError -> 400)."""
+    streams = EngineStreams(state.engine, prompts, params, request_id, state.background)
+    try:
+        await until_disconnect(raw, streams.prime())
+    except ValueError as e:
+        streams.close()
+        raise APIError(400, str(e), param=param_of(str(e))) from None
+    except BaseException:
+        streams.close()
+        raise
+    return streams
+
+
+def param_of(message: str) -> str | None:
+    """The field a validation message starts with ("max_tokens must be ...")."""
+    word = message.split(" ", 1)[0].rstrip(":")
+    return word if word.isidentifier() and word.islower() else None
+
+
+class CompletionBuilder:
+    """Turns engine outputs into OpenAI completion choices, whole or as stream deltas."""
+
+    def __init__(self, state, req: CompletionRequest) -> None:
+        self.state, self.req = state, req
+        self.drop_generated = req.max_tokens == 0  # echo-only scoring: hide the sampled token
+        self._sent_text: dict[int, int] = {}  # choice index -> chars of generated text sent
+        self._sent_tokens: dict[int, int] = {}  # choice index -> generated tokens sent
+
+    def prompt_text(self, out: RequestOutput) -> str:
+        return out.prompt if out.prompt is not None else self.state.decode(out.prompt_token_ids)
+
+    def _prompt_entries(self, out: RequestOutput) -> list[tuple[int, TokenLogprobs | None]]:
+        plps = out.prompt_logprobs
+        if plps is None or len(plps) != len(out.prompt_token_ids):
+            logger.warning("engine returned no prompt logprobs for %s", out.request_id)
+            plps = [None] * len(out.prompt_token_ids)
+        return list(zip(out.prompt_token_ids, plps))
+
+    def _generated(self, o: CompletionOutput) -> tuple[str, list[int], list[TokenLogprobs]]:
+        if self.drop_generated:
+            return "", [], []
+        return o.text, o.token_ids, list(o.logprobs or [])
+
+    def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int) -> dict:
+        """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
+        tokens, values, tops, offsets = [], [], [], []
+        for tid, lp in entries:
+            s = self.state.token_str(tid)
+            tokens.append(s)
+            offsets.append(offset)
+            offset += len(s)
+            if lp is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(finite(lp.logprob))
+            top: dict[str, float] = {}
+            for alt_id, alt_lp in lp.top[: self.req.logprobs]:
+                top.setdefault(self.state.token_str(alt_id), finite(alt_lp))
+            top.setdefault(s, finite(lp.logprob))  # the chosen token is always listed
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+    def choice(self, index: int, out: RequestOutput, o: CompletionOutput) -> dict:
+        text, _, lps = self._generated(o)
+        entries = [(lp.token_id, lp) for lp in lps]
+        if self.req.echo:
+            text = self.prompt_text(out) + text
+            entries = self._prompt_entries(out) + entries
+        logprobs = self.logprobs(entries, 0) if self.req.logprobs is not None else None
+        return {"index": index, "text": text, "logprobs": logprobs,
+                "finish_reason": _finish(o, self.drop_generated)}
+
+    def delta(self, index: int, out: RequestOutput, o: CompletionOutput) -> dict | None:
+        """The part of choice `index` not sent yet, or None when there is nothing new."""
+        text, _, lps = self._generated(o)
+        first = index not in self._sent_text
+        sent_text, sent_tok = self._sent_text.get(index, 0), self._sent_tokens.get(index, 0)
+        new_text, new_lps = text[sent_text:], lps[sent_tok:]
+        self._sent_text[index], self._sent_tokens[index] = len(text), len(lps)
+        entries = [(lp.token_id, lp) for lp in new_lps]
+        offset = sent_text
+        if self.req.echo:
+            prompt = self.prompt_text(out)
+            offset += len(prompt)
+            if first:
+                new_text, offset = prompt + new_text, 0
+                entries = self._prompt_entries(out) + entries
+        finish = _finish(o, self.drop_generated)
+        if not new_text and not entries and finish is None:
+            return None
+        logprobs = self.logprobs(entries, offset) if self.req.logprobs is not None else None
+        return {"index": index, "text": new_text, "logprobs": logprobs, "finish_reason": finish}
+
+    def usage(self, finals: list[RequestOutput]) -> dict:
+        prompt = sum(len(f.prompt_token_ids) for f in finals)
+        completion = 0 if self.drop_generated else sum(
+            len(o.token_ids) for f in finals for o in f.outputs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+
+def _finish(o: CompletionOutput, drop_generated: bool) -> str | None:
+    if o.finish_reason is None:
+        return None
+    return "length" if drop_generated else o.finish_reason
+
+
+async def create_completion(state, req: CompletionRequest, raw: Request) -> Response:
+    """Handle one completions request end to end."""
+    state.check_model(req.model)
+    try:
+        params = req.to_sampling_params()
+    except ValueError as e:
+        raise APIError(400, str(e), param=param_of(str(e))) from None
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    tracker = state.metrics.tracker()
+    try:
+        streams = await start_streams(state, raw, req.prompts(), params, request_id)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    builder = CompletionBuilder(state, req)
+    head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+            "model": state.model_name}
+    if req.stream:
+        return StreamingResponse(_sse(streams, builder, head, tracker, req),
+                                 media_type="text/event-stream")
+    try:
+        finals = await until_disconnect(raw, _collect(streams, tracker))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        streams.close()
+    n = req.n
+    choices = [builder.choice(i * n + o.index, f, o) for i, f in enumerate(finals)
+               for o in f.outputs]
+    choices.sort(key=lambda c: c["index"])
+    return JSONResponse({**head, "choices": choices, "usage": builder.usage(finals)})
+
+
+async def _collect(streams: EngineStreams, tracker) -> list[RequestOutput]:
+    last: list[RequestOutput | None] = [None] * len(streams.request_ids)
+    async for i, out in streams:
+        tracker.observe(i, out)
+        last[i] = out
+    if any(f is None or not f.finished for f in last):
+        raise RuntimeError("engine stream ended without a finished output")
+    return last
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, allow_nan=False)}\n\n"
+
+
+async def _sse(streams: EngineStreams, builder: CompletionBuilder, head: dict, tracker,
+               req: CompletionRequest) -> AsyncIterator[str]:
+    finals: list[RequestOutput | None] = [None] * len(streams.request_ids)
+    try:
+        try:
+            async for i, out in streams:
+                tracker.observe(i, out)
+                finals[i] = out
+                for o in out.outputs:
+                    delta = builder.delta(i * req.n + o.index, out, o)
+                    if delta is not None:
+                        yield sse({**head, "choices": [delta], "usage": None})
+            if req.include_usage:
+                yield sse({**head, "choices": [], "usage": builder.usage(finals)})
+        except Exception as e:  # headers are gone: report in-band, as OpenAI does
+            logger.exception("stream %s failed", head["id"])
+            status = 400 if isinstance(e, ValueError) else 500
+            msg = str(e) if status == 400 else f"internal server error ({type(e).__name__})"
+            yield sse(error_body(status, msg))
+        yield sse("[DONE]")
+    finally:
+        streams.close()

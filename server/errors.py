@@ -1,0 +1,82 @@
+"""OpenAI-style error bodies: `{"error": {"message", "type", "param", "code"}}`, never a traceback."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
+
+
+class APIError(Exception):
+    """An error the client can act on; rendered with its HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    err_type = _TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """First pydantic error as 'field: what is wrong (got value)'."""
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    err = errors[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    # Pydantic appends the failing union branch or validator kind to loc; keep the field path.
+    loc = [p for p in loc if not p.startswith(("function-", "list[", "str", "int"))]
+    param = ".".join(loc) or None
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if err.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {msg}", None
+    if err.get("type") == "missing" and param:
+        return f"{param}: field required", param
+    got = err.get("input")
+    suffix = f" (got {got!r})" if isinstance(got, (int, float, str, bool)) and len(repr(got)) < 80 else ""
+    if param and not msg.startswith(param.split(".")[0]):
+        msg = f"{param}: {msg}"
+    return msg + suffix, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Translate every failure into the OpenAI error shape."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = _validation_message(exc)
+        return error_response(400, msg, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        msg = str(exc.detail)
+        if exc.status_code == 404:
+            msg = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            msg = f"method {request.method} is not allowed on {request.url.path}"
+        return error_response(exc.status_code, msg)
+
+    @app.exception_handler(Exception)
+    async def _fault(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error on %s %s", request.method, request.url.path)
+        return error_response(500, f"internal server error ({type(exc).__name__})")

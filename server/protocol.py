@@ -1,0 +1,206 @@
+"""OpenAI request models (pydantic) and their translation to `SamplingParams`.
+
+Unknown fields are ignored, as OpenAI's clients send fields we do not implement (`suffix`,
+`logit_bias`, ...). Limits live in `Field(...)` so that a bad value is a 400 naming the field and
+the limit before anything reaches the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 128  # OpenAI's cap on choices per prompt
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions (OpenAI names, plus vLLM's extensions)."""
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_nonneg(cls, v):
+        if any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be >= 0")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """The engine's view of this request; raises ValueError naming a field."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+            min_p=self.min_p, seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+            stop=stop, stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens)
+
+
+Prompt = str | list[int]
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any = None
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_shape(cls, v):
+        return _normalize_prompt(v)
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_with_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be >= 1 (0 is allowed only with echo=true)")
+        return self
+
+    def prompts(self) -> list[Prompt]:
+        return self.prompt
+
+    def to_sampling_params(self) -> SamplingParams:
+        # echo with max_tokens=0 (prompt scoring only): the engine samples one token that the
+        # response then drops.
+        max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+
+def _normalize_prompt(v: Any) -> list[Prompt]:
+    """One of: str, list[str], list[int], list[list[int]] -> a non-empty list of prompts."""
+    shape = ("prompt must be a string, a list of strings, a list of token ids "
+             "or a list of token-id lists")
+    if v is None:
+        raise ValueError("prompt is required")
+    if isinstance(v, str):
+        prompts: list[Prompt] = [v]
+    elif isinstance(v, list) and v and all(_is_token(t) for t in v):
+        prompts = [list(v)]
+    elif isinstance(v, list) and v and all(isinstance(p, str) for p in v):
+        prompts = list(v)
+    elif (isinstance(v, list) and v and all(isinstance(p, list) for p in v)
+          and all(_is_token(t) for p in v for t in p)):
+        prompts = [list(p) for p in v]
+    else:
+        raise ValueError(shape if v != [] else "prompt must not be empty")
+    for p in prompts:
+        if len(p) == 0:
+            raise ValueError("prompt must not be empty")
+        if isinstance(p, list) and any(t < 0 for t in p):
+            raise ValueError("prompt token ids must be >= 0")
+    return prompts
+
+
+def _is_token(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+class ChatMessage(_Request):
+    role: str
+    content: str | list[dict] | None = None
+
+    def text(self) -> str:
+        """The message's text; content parts other than text are refused."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("messages: only text content parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs)
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class TokenizeRequest(_Request):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,130 @@
+"""Fan-in of several engine requests (one per prompt) and client-disconnect detection."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from fastapi import Request
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+T = TypeVar("T")
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before its response was ready."""
+
+
+class EngineStreams:
+    """Runs one engine request per prompt and yields `(prompt_index, RequestOutput)` as they come.
+
+    Each engine generator is drained by its own task into one queue, so a slow prompt never holds
+    back the others. `close()` cancels what is still running and aborts it in the engine (its KV
+    blocks are freed); call it on every exit path.
+    """
+
+    def __init__(self, engine, prompts: list[str | list[int]], params: SamplingParams,
+                 request_id: str, background: set[asyncio.Task]) -> None:
+        self._engine = engine
+        self._background = background  # strong refs to clean-up tasks that outlive the request
+        self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        # items: (prompt_idx, output | None, exception | None); (i, None, None) = generator ended
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._buffer: list[tuple[int, RequestOutput]] = []
+        self._open = set(range(len(prompts)))
+        self._tasks = [asyncio.create_task(self._pump(i, p, params))
+                       for i, p in enumerate(prompts)]
+
+    async def _pump(self, i: int, prompt: str | list[int], params: SamplingParams) -> None:
+        try:
+            async for out in self._engine.generate(prompt, params, self.request_ids[i]):
+                self._queue.put_nowait((i, out, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # delivered to the consumer, which maps it to 400/500
+            self._queue.put_nowait((i, None, e))
+            return
+        self._queue.put_nowait((i, None, None))
+
+    async def _next(self) -> tuple[int, RequestOutput | None]:
+        i, out, exc = await self._queue.get()
+        if exc is not None:
+            raise exc
+        if out is None or out.finished:
+            self._open.discard(i)
+        return i, out
+
+    async def prime(self) -> None:
+        """Wait until every prompt was accepted (first output) or one was refused (raises)."""
+        started: set[int] = set()
+        while len(started) < len(self._tasks):
+            i, out = await self._next()
+            started.add(i)
+            if out is not None:
+                self._buffer.append((i, out))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        while self._buffer:
+            yield self._buffer.pop(0)
+        while self._open:
+            i, out = await self._next()
+            if out is not None:
+                yield i, out
+
+    async def final_outputs(self) -> list[RequestOutput | None]:
+        """Drain everything; the last output of each prompt, in prompt order."""
+        last: list[RequestOutput | None] = [None] * len(self._tasks)
+        async for i, out in self:
+            last[i] = out
+        return last
+
+    def close(self) -> None:
+        """Cancel unfinished engine requests and abort them (frees their KV blocks).
+
+        Synchronous, so that it also runs to completion inside a cancelled scope (a streaming
+        response whose client left); the aborts happen in a background task.
+        """
+        running = [(rid, t) for rid, t in zip(self.request_ids, self._tasks) if not t.done()]
+        if not running:
+            return
+        for _, t in running:
+            t.cancel()
+        reap = asyncio.ensure_future(self._reap(running))
+        self._background.add(reap)
+        reap.add_done_callback(self._background.discard)
+
+    async def _reap(self, running: list[tuple[str, asyncio.Task]]) -> None:
+        await asyncio.gather(*(t for _, t in running), return_exceptions=True)
+        for rid, _ in running:
+            try:
+                await self._engine.abort(rid)
+            except Exception:  # already gone from the engine: nothing to free
+                pass
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, raising ClientDisconnected (and cancelling it) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        # The body was already read, so the next ASGI message is the disconnect.
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
