@@ -1,0 +1,263 @@
+"""Incremental detokenizer tests on a small byte-level BPE tokenizer trained offline."""
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+
+CORPUS = [
+    "Hello world, this is a naïve café.",
+    "数学 is math; 数学很好 🙂🙂",
+    "The quick brown fox jumps over the lazy dog.",
+    "naïve café 数学 🙂",
+    "  indented   text\twith tabs\nand newlines\n",
+]
+# Characters absent from CORPUS are encoded as raw byte tokens: split across several tokens.
+UNSEEN = "Grüße aus 日本語 🎉 and ½ more"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS * 3, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+def full_decode(tokenizer, ids, skip=True):
+    return tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
+def stream(tokenizer, ids, params=None, chunks=1, finish=True):
+    """Feed ids in chunks of `chunks` tokens; return (detokenizer, deltas, stop)."""
+    detok = IncrementalDetokenizer(tokenizer, [5, 6, 7], params or SamplingParams())
+    deltas, stop = [], None
+    for i in range(0, len(ids), chunks):
+        stop = detok.update(ids[i:i + chunks])
+        deltas.append(detok.get_delta())
+        if stop is not None:
+            break
+    if finish:
+        detok.finish()
+        deltas.append(detok.get_delta())
+    return detok, deltas, stop
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_unseen_text_really_splits_characters(tokenizer):
+    ids = encode(tokenizer, UNSEEN)
+    pieces = [full_decode(tokenizer, [i]) for i in ids]
+    assert any("\ufffd" in p for p in pieces)  # some token holds part of a character
+    assert full_decode(tokenizer, ids) == UNSEEN
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 5])
+def test_real_text_streams_without_partial_characters(tokenizer, chunks):
+    text = UNSEEN + " " + CORPUS[1] + " naïve"
+    ids = encode(tokenizer, text)
+    detok, deltas, _ = stream(tokenizer, ids, chunks=chunks, finish=False)
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == text == detok.output_text
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_random_token_sequences_match_full_decode(tokenizer, skip):
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    params = SamplingParams(skip_special_tokens=skip)
+    for trial in range(150):
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 40))]
+        detok = IncrementalDetokenizer(tokenizer, [], params)
+        deltas = []
+        i = 0
+        while i < len(ids):
+            n = rng.randrange(1, 4)
+            assert detok.update(ids[i:i + n]) is None
+            deltas.append(detok.get_delta())
+            i += n
+        detok.finish()
+        deltas.append(detok.get_delta())
+        want = full_decode(tokenizer, ids, skip)
+        assert detok.output_text == want, (trial, ids)
+        assert "".join(deltas) == want
+
+
+def test_special_tokens_skipped_or_kept(tokenizer):
+    ids = encode(tokenizer, "Hello") + [tokenizer.eos_token_id] + encode(tokenizer, " world")
+    assert stream(tokenizer, ids)[0].output_text == "Hello world"
+    kept = stream(tokenizer, ids, SamplingParams(skip_special_tokens=False))[0].output_text
+    assert kept == "Hello</s> world"
+
+
+def test_window_stays_small(tokenizer):
+    class Counting:
+        def __init__(self, tok):
+            self.tok, self.lengths = tok, []
+
+        def decode(self, ids, **kw):
+            self.lengths.append(len(ids))
+            return self.tok.decode(ids, **kw)
+
+    counting = Counting(tokenizer)
+    ids = encode(tokenizer, (UNSEEN + " " + CORPUS[0] + " ") * 20)
+    detok = IncrementalDetokenizer(counting, [], SamplingParams())
+    for t in ids:
+        detok.update([t])
+    assert len(ids) > 300
+    assert max(counting.lengths) <= 8  # a few tokens per update, not the whole sequence
+    assert len(counting.lengths) <= 2 * len(ids)
+    assert detok.output_text == full_decode(tokenizer, ids)
+
+
+def test_stop_string_spanning_tokens(tokenizer):
+    text = "Hello world, this is a naïve café."
+    ids = encode(tokenizer, text)
+    stop_str = "o wo"
+    assert not any(stop_str in full_decode(tokenizer, [i]) for i in ids)  # it spans tokens
+    detok, deltas, stop = stream(tokenizer, ids, SamplingParams(stop=[stop_str]))
+    assert stop == stop_str and detok.stop_str == stop_str
+    assert detok.output_text == "Hell" == "".join(deltas)
+    assert detok.finished
+
+
+def test_stop_string_with_split_characters(tokenizer):
+    ids = encode(tokenizer, UNSEEN)
+    detok, deltas, stop = stream(tokenizer, ids, SamplingParams(stop=["本語 🎉"]))
+    assert stop == "本語 🎉"
+    assert detok.output_text == "Grüße aus 日" == "".join(deltas)
+
+
+def test_stop_at_the_very_start(tokenizer):
+    ids = encode(tokenizer, "Hello world")
+    detok, deltas, stop = stream(tokenizer, ids, SamplingParams(stop=["Hel"]))
+    assert stop == "Hel"
+    assert detok.output_text == ""
+    assert all(d == "" for d in deltas)
+
+
+def test_include_stop_str_in_output(tokenizer):
+    ids = encode(tokenizer, "Hello world, this is a naïve café.")
+    params = SamplingParams(stop=["naïve"], include_stop_str_in_output=True)
+    detok, deltas, stop = stream(tokenizer, ids, params)
+    assert stop == "naïve"
+    assert detok.output_text == "Hello world, this is a naïve" == "".join(deltas)
+
+
+def test_multiple_stops_earliest_wins(tokenizer):
+    ids = encode(tokenizer, "The quick brown fox jumps over the lazy dog.")
+    params = SamplingParams(stop=["lazy", "fox", "quick brown fox jumps"])
+    for chunks in (1, 3, len(ids)):
+        detok, deltas, stop = stream(tokenizer, ids, params, chunks=chunks)
+        assert stop == "fox", chunks
+        assert detok.output_text == "The quick brown " == "".join(deltas)
+
+
+def test_earliest_completed_stop_wins_whatever_the_chunking(tokenizer):
+    # "bro" completes before "quick brown" does, so a token-by-token stream stops on it first;
+    # the same must happen when all the text arrives in one update
+    ids = encode(tokenizer, "The quick brown fox")
+    params = SamplingParams(stop=["quick brown", "bro"])
+    results = {stream(tokenizer, ids, params, chunks=c)[0].output_text for c in (1, 2, len(ids))}
+    assert results == {"The quick "}
+
+
+def test_held_back_text_is_released_at_finish(tokenizer):
+    ids = encode(tokenizer, "Hello world, this is a naïve ca")
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["cafeteria", "zzz"]))
+    assert detok.update(ids) is None
+    assert detok.get_delta() == "Hello world, this is a naïve "  # "ca" may start "cafeteria"
+    assert detok.get_delta() == ""
+    detok.finish()
+    assert detok.get_delta() == "ca"
+    assert detok.output_text == "Hello world, this is a naïve ca"
+
+
+def test_hold_back_is_only_what_could_start_a_stop(tokenizer):
+    ids = encode(tokenizer, "Hello world")
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["a long stop string"]))
+    detok.update(ids)
+    assert detok.get_delta() == "Hello world"  # no tail of it begins the stop string
+
+
+def test_stop_strings_ignored_below_min_tokens(tokenizer):
+    ids = encode(tokenizer, "Hello world, Hello world")
+    first = len(encode(tokenizer, "Hello world"))
+    params = SamplingParams(stop=["world"], min_tokens=first + 1)
+    detok, deltas, stop = stream(tokenizer, ids, params)
+    assert stop == "world"
+    assert detok.output_text == "Hello world, Hello " == "".join(deltas)
+
+
+def test_stop_terminated_token_is_left_out(tokenizer):
+    ids = encode(tokenizer, "Hello world")
+    nl = encode(tokenizer, "\n")
+    assert len(nl) == 1
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop_token_ids=nl))
+    detok.update(ids[:-1])
+    detok.update(ids[-1:] + nl, stop_terminated=True)
+    detok.finish()
+    assert detok.output_text == "Hello world"
+    assert detok.token_ids == ids + nl
+    params = SamplingParams(stop_token_ids=nl, include_stop_str_in_output=True)
+    detok = IncrementalDetokenizer(tokenizer, [], params)
+    detok.update(ids + nl, stop_terminated=True)
+    assert detok.output_text == "Hello world\n"
+
+
+def test_updates_after_stop_are_ignored(tokenizer):
+    ids = encode(tokenizer, "Hello world")
+    detok, _, stop = stream(tokenizer, ids, SamplingParams(stop=["lo"]), finish=False)
+    assert stop == "lo"
+    assert detok.update(encode(tokenizer, " more lo")) is None
+    assert detok.output_text == "Hel"
+
+
+def test_trailing_partial_character_flushed_at_finish(tokenizer):
+    ids = encode(tokenizer, "ok 🎉")
+    assert len(ids) >= 3
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    detok.update(ids[:-1])  # the emoji is incomplete
+    assert detok.get_delta() == "ok "
+    detok.finish()
+    assert detok.get_delta() == full_decode(tokenizer, ids[:-1])[3:]
+    assert detok.output_text == full_decode(tokenizer, ids[:-1])
+
+
+def _sentencepiece_like():
+    """Llama-style: "▁" for spaces, byte-fallback tokens, the first leading space stripped."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for piece in ["▁", "w", "r", "d", "H", "e", "l", "o", "a", "é", "▁w", "or", "ld", "▁Hello"]:
+        vocab.setdefault(piece, len(vocab))
+    model = models.BPE(vocab=vocab, merges=[("▁", "w"), ("o", "r"), ("l", "d")],
+                       byte_fallback=True, unk_token="<unk>")
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def test_sentencepiece_like_decoder_streams_real_text():
+    tokenizer = _sentencepiece_like()
+    assert full_decode(tokenizer, encode(tokenizer, " Hello world")) == " Hello world"
+    rng = random.Random(3)
+    alphabet = list("Hello wrdé数日本🎉 ½")
+    for _ in range(200):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 20)))
+        ids = encode(tokenizer, text)
+        detok, deltas, _ = stream(tokenizer, ids, chunks=rng.randrange(1, 4))
+        assert detok.output_text == full_decode(tokenizer, ids) == "".join(deltas), text
+        assert all("\ufffd" not in d for d in deltas)
