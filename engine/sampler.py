@@ -12,9 +12,11 @@ never depends on other rows, so a seed gives the same stream whatever the batch 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
@@ -38,6 +40,9 @@ class SamplingBatch:
     all_greedy: bool
     top_p: torch.Tensor | None = None  # [N] fp32; None when no row uses it
     top_k: torch.Tensor | None = None  # [N] int64, 0 = off; None when no row uses it
+    # host-side max of top_k when every sampled row sets one: then top-k + top-p work on
+    # topk(max_top_k) candidates instead of sorting the whole vocabulary; None: full sort
+    max_top_k: int | None = None
     min_p: torch.Tensor | None = None  # [N] fp32; None when no row uses it
     generators: Sequence[torch.Generator | None] = ()  # [N] or empty (no seeded rows)
     presence_penalty: torch.Tensor | None = None  # [N]
@@ -73,11 +78,14 @@ class SamplingBatch:
         temperature = column([p.temperature for p in params], torch.float32)
         all_greedy = all(p.greedy for p in params)
         sampled = [p for p in params if not p.greedy]
-        top_p = top_k = min_p = None
+        top_p = top_k = min_p = max_top_k = None
         if any(p.top_p < 1.0 for p in sampled):
             top_p = column([p.top_p for p in params], torch.float32)
         if any(p.top_k > 0 for p in sampled):
-            top_k = column([p.top_k for p in params], torch.int64)
+            # greedy rows take the argmax whatever their top_k: 1 keeps the candidate set small
+            top_k = column([1 if p.greedy else p.top_k for p in params], torch.int64)
+            if all(p.top_k > 0 for p in sampled):
+                max_top_k = max(p.top_k for p in sampled)
         if any(p.min_p > 0.0 for p in sampled):
             min_p = column([p.min_p for p in params], torch.float32)
 
@@ -105,6 +113,7 @@ class SamplingBatch:
             all_greedy=all_greedy,
             top_p=top_p,
             top_k=top_k,
+            max_top_k=max_top_k,
             min_p=min_p,
             generators=list(generators) if any(g is not None for g in generators) else (),
             presence_penalty=presence,
@@ -154,7 +163,7 @@ class Sampler:
         # greedy rows divide by 1 here; their result is replaced by the argmax afterwards
         temp = torch.where(batch.temperature == 0.0, 1.0, batch.temperature)
         logits = logits / temp.unsqueeze(1)
-        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p, batch.max_top_k)
         if batch.min_p is not None:
             logits = _apply_min_p(logits, batch.min_p)
         probs = torch.softmax(logits, dim=-1)
@@ -173,19 +182,16 @@ def _mask_min_tokens(logits: torch.Tensor, masked_ids: list[list[int]] | None) -
 
 def _token_counts(token_ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """[N, V] fp32 occurrence counts of each token id per row."""
-    n = len(token_ids)
-    width = max((len(t) for t in token_ids), default=0)
-    counts = torch.zeros(n, vocab + 1, dtype=torch.float32, device=device)
-    if width == 0:
-        return counts[:, :vocab]
-    # pad with the out-of-vocab id `vocab`, whose column is dropped after counting
-    padded = torch.full((n, width), vocab, dtype=torch.int64)
-    for i, t in enumerate(token_ids):
-        if t:
-            padded[i, :len(t)] = torch.tensor(t, dtype=torch.int64)
-    padded = padded.to(device, non_blocking=True)
-    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
-    return counts[:, :vocab]
+    lengths = np.fromiter((len(t) for t in token_ids), dtype=np.int64, count=len(token_ids))
+    total = int(lengths.sum())
+    counts = torch.zeros(len(token_ids) * vocab, dtype=torch.float32, device=device)
+    if total:
+        # one flat host array and one copy: row * V + token for every occurrence
+        flat = np.fromiter(itertools.chain.from_iterable(token_ids), dtype=np.int64, count=total)
+        flat += np.repeat(np.arange(len(token_ids), dtype=np.int64) * vocab, lengths)
+        index = torch.from_numpy(flat).to(device, non_blocking=True)
+        counts.index_add_(0, index, torch.ones(total, dtype=torch.float32, device=device))
+    return counts.view(len(token_ids), vocab)
 
 
 def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -212,14 +218,19 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                       top_p: torch.Tensor | None) -> torch.Tensor:
+                       top_p: torch.Tensor | None, max_top_k: int | None) -> torch.Tensor:
     if top_k is None and top_p is None:
         return logits
     vocab = logits.shape[1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V] each
+    if top_k is not None and max_top_k is not None and max_top_k < vocab:
+        # every row keeps at most max_top_k tokens: only those candidates need ordering
+        sorted_logits, order = logits.topk(max_top_k, dim=-1)  # [N, K] each, descending
+    else:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V] each
+    width = sorted_logits.shape[1]
     if top_k is not None:
-        k = torch.where(top_k <= 0, vocab, top_k).clamp(max=vocab)  # [N]
-        positions = torch.arange(vocab, device=logits.device).unsqueeze(0)
+        k = torch.where(top_k <= 0, width, top_k).clamp(max=width)  # [N]
+        positions = torch.arange(width, device=logits.device).unsqueeze(0)
         sorted_logits = sorted_logits.masked_fill(positions >= k.unsqueeze(1), _NEG_INF)
     if top_p is not None:
         probs = torch.softmax(sorted_logits, dim=-1)
@@ -228,7 +239,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         mass_before = torch.cumsum(probs, dim=-1) - probs
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
         sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    return torch.full_like(logits, _NEG_INF).scatter_(1, order, sorted_logits)
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:

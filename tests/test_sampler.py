@@ -82,6 +82,24 @@ def test_min_p_filters_relative_to_the_max():
     assert set(_draw_many(probs.log(), SamplingParams(min_p=0.0)).tolist()) == {0, 1, 2, 3, 4}
 
 
+def test_top_k_candidate_path_equals_full_sort():
+    logits = random_logits(16, scale=1.0)
+    params = [SamplingParams(temperature=0.9, top_k=k, top_p=p)
+              for k, p in zip([1, 3, 7, 30] * 4, [1.0, 0.5, 0.9, 0.99] * 4)]
+    fast = batch_of(params)
+    assert fast.max_top_k == 30
+    slow = batch_of(params)
+    slow.max_top_k = None
+    for seed in range(5):
+        torch.manual_seed(seed)
+        a = Sampler()(logits, fast).token_ids
+        torch.manual_seed(seed)
+        b = Sampler()(logits, slow).token_ids
+        assert torch.equal(a, b)
+    # a row without top_k forces the full sort
+    assert batch_of([SamplingParams(top_k=3), SamplingParams(top_p=0.5)]).max_top_k is None
+
+
 def _chi_square(ids, probs):
     counts = torch.bincount(ids, minlength=probs.numel()).double()
     expected = probs.double() * ids.numel()
@@ -108,21 +126,21 @@ def test_seeded_rows_follow_softmax():
     assert _chi_square(ids, torch.softmax(row, dim=-1)) < 16.3  # 3 dof, p = 0.001
 
 
-def _seeded_stream(seed, position, batch_size, others, steps=12):
+def _seeded_stream(seed, position, batch_size, others, steps=12, device="cpu"):
     """Tokens drawn by one seeded request placed at `position` among `others`."""
     gens = []
     for i in range(batch_size):
         if i == position:
-            gens.append(make_generator(seed, "cpu"))
+            gens.append(make_generator(seed, device))
         else:
             s = others[i % len(others)]
-            gens.append(None if s is None else make_generator(s, "cpu"))
+            gens.append(None if s is None else make_generator(s, device))
     params = [SamplingParams(temperature=0.9, top_p=0.95, top_k=20, seed=0)] * batch_size
     stream = []
     for step in range(steps):
         logits = random_logits(batch_size, seed=100 + step, scale=0.8)
         logits[position] = random_logits(1, seed=1000 + step, scale=0.8)[0]
-        out = Sampler()(logits, batch_of(params, generators=gens))
+        out = Sampler()(logits.to(device), batch_of(params, generators=gens, device=device))
         stream.append(int(out.token_ids[position]))
     return stream
 
@@ -162,6 +180,13 @@ def test_penalties_against_hand_computation():
     assert only(repetition_penalty=2.0) == pytest.approx([1.0, -1.0, 0.25, 1.5, -4.0, 1.0])
     assert only(frequency_penalty=0.5) == pytest.approx([2.0, -1.0, -0.5, 2.5, -2.0, 1.0])
     assert only(presence_penalty=0.25) == pytest.approx([2.0, -1.0, 0.25, 2.75, -2.0, 1.0])
+
+    # rows are counted separately, empty histories included
+    two = SamplingBatch(temperature=torch.tensor([1.0, 1.0]), all_greedy=False,
+                        frequency_penalty=torch.tensor([1.0, 1.0]), output_token_ids=[[], [5, 5]])
+    got = _apply_penalties(logits.repeat(2, 1), two)
+    assert torch.equal(got[0], logits[0])
+    assert got[1].tolist() == pytest.approx([2.0, -1.0, 0.5, 3.0, -2.0, -1.0])
 
 
 def test_penalties_change_greedy_choice_and_min_tokens_masks_eos():
@@ -233,14 +258,24 @@ def test_from_params_leaves_unused_fields_none():
         SamplingBatch.from_params([SamplingParams()], [], [[]], [None], [], "cpu")
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_seeded_matches_itself_and_greedy():
+def test_cuda_greedy_and_seeded_reproducibility():
     logits = random_logits(4).cuda()
     greedy = Sampler()(logits, batch_of([SamplingParams(temperature=0.0)] * 4, device="cuda"))
     assert torch.equal(greedy.token_ids.cpu(), logits.argmax(-1).cpu())
-    streams = []
-    for _ in range(2):
-        gens = [make_generator(42, "cuda"), None, None, None]
-        b = batch_of([SamplingParams(seed=42)] * 4, generators=gens, device="cuda")
-        streams.append([int(Sampler()(logits, b).token_ids[0]) for _ in range(8)])
-    assert streams[0] == streams[1]
+    alone = _seeded_stream(1234, 0, 1, [None], device="cuda")
+    assert len(set(alone)) > 3
+    assert _seeded_stream(1234, 5, 8, [None, 7, None, 99], device="cuda") == alone
+    assert _seeded_stream(1234, 7, 8, [5, None], device="cuda") == alone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_temperature_sampling_matches_softmax():
+    row = torch.tensor([1.0, 0.5, 0.0, -0.5, -1.0, 2.0])
+    n = 20000
+    logits = row.unsqueeze(0).expand(n, -1).contiguous().cuda()
+    torch.manual_seed(3)
+    ids = Sampler()(logits, batch_of([SamplingParams(temperature=0.7)] * n, device="cuda"))
+    assert _chi_square(ids.token_ids.cpu(), torch.softmax(row / 0.7, dim=-1)) < 20.5
