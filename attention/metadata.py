@@ -1,0 +1,157 @@
+"""Per-step MLA attention metadata with the decode/prefill split (DESIGN.md §5).
+
+The batch is ordered decodes first. Everything each kernel needs is precomputed here, once per
+step, and each path receives only its own rebased slices:
+- decode part: rows `[:num_decode_tokens]`, its block-table rows and (local) sequence lengths;
+- prefill part: rows `[num_decode_tokens:]`, `query_start_loc` rebased to start at 0, and, when
+  any prefill has cached context (a continuation chunk or a prefix-cache hit), the context
+  chunks to gather from the paged cache.
+
+Under DCP (D ranks share a sequence's cache), global position p lives on rank p % D at local
+index p // D; a rank holds `local_len(L)` of a length-L sequence (DESIGN.md §7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def local_len(length, dcp_size: int, dcp_rank: int):
+    """Tokens of a length-`length` sequence stored on DCP rank `dcp_rank` (works on arrays)."""
+    return length // dcp_size + (dcp_rank < length % dcp_size)
+
+
+@dataclass
+class DecodeMetadata:
+    block_table: torch.Tensor  # [Bd, max_blocks] int32
+    seq_lens: torch.Tensor  # [Bd] int32, local lengths including this step's token
+
+
+@dataclass
+class ContextChunk:
+    """One bounded slice of every prefill's cached context (local indices on this rank)."""
+
+    starts: torch.Tensor  # [Bp] local start index of this chunk per prefill
+    cu_lens: torch.Tensor  # [Bp+1] rows of this rank's gathered chunk per prefill
+    num_tokens: int  # rows this rank gathers
+    # After the DCP all-gather (`[D, max_tokens]` rows, rank-major): rows of each prefill made
+    # contiguous by `gather_index` (None when D == 1), with `cu_seqlens_k` over them.
+    max_tokens: int  # rows per rank in the all-gather buffer (max over ranks)
+    gather_index: torch.Tensor | None
+    cu_seqlens_k: torch.Tensor  # [Bp+1] int32
+    max_seqlen_k: int
+
+
+@dataclass
+class PrefillMetadata:
+    query_start_loc: torch.Tensor  # [Bp+1] int32, rebased: the prefill part's own rows
+    max_query_len: int
+    block_table: torch.Tensor  # [Bp, max_blocks] int32
+    context_lens: list[int]  # global cached tokens per prefill (host)
+    context_chunks: list[ContextChunk]
+
+    @property
+    def has_context(self) -> bool:
+        return len(self.context_chunks) > 0
+
+
+@dataclass
+class MLAMetadata:
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    slot_mapping: torch.Tensor  # [T] int64, -1: not stored on this rank
+    decode: DecodeMetadata | None
+    prefill: PrefillMetadata | None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_decode_tokens + self.num_prefill_tokens
+
+
+def build_mla_metadata(query_lens: list[int], context_lens: list[int], block_ids: list[list[int]],
+                       block_size: int, device: torch.device | str, dcp_size: int = 1,
+                       dcp_rank: int = 0, decode_threshold: int = 1,
+                       context_chunk_tokens: int = 8192) -> MLAMetadata:
+    """Metadata for a batch already ordered decodes first.
+
+    query_lens[i]: tokens computed for request i this step; context_lens[i]: tokens already in
+    the cache before them; block_ids[i]: its (virtual, under DCP) block table.
+    `context_chunk_tokens` bounds the rows one context chunk gathers on a rank.
+    """
+    n = len(query_lens)
+    q = np.asarray(query_lens, dtype=np.int64)
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    is_decode = q <= decode_threshold
+    num_decodes = int(is_decode.sum())
+    if not is_decode[:num_decodes].all():
+        raise ValueError("batch must be ordered decodes first")
+    if decode_threshold > 1 and dcp_size > 1:
+        # Multi-token decode queries would need a per-token key mask over interleaved shards.
+        raise ValueError("decode_threshold > 1 is not supported with decode context parallelism")
+    num_decode_tokens = int(q[:num_decodes].sum())
+    max_blocks = max((len(b) for b in block_ids), default=0)
+    table = np.zeros((n, max(max_blocks, 1)), dtype=np.int32)
+    for i, b in enumerate(block_ids):
+        table[i, : len(b)] = b
+
+    slot = _slot_mapping(q, ctx, table, block_size, dcp_size, dcp_rank)
+    to = lambda a, dt=torch.int32: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt)
+
+    decode = None
+    if num_decodes:
+        seq = local_len(ctx[:num_decodes] + q[:num_decodes], dcp_size, dcp_rank)
+        decode = DecodeMetadata(block_table=to(table[:num_decodes]), seq_lens=to(seq))
+
+    prefill = None
+    if num_decodes < n:
+        qp, cp = q[num_decodes:], ctx[num_decodes:]
+        qsl = np.concatenate([[0], np.cumsum(qp)])
+        chunks = _context_chunks(cp, dcp_size, dcp_rank, context_chunk_tokens, to)
+        prefill = PrefillMetadata(query_start_loc=to(qsl), max_query_len=int(qp.max()),
+                                  block_table=to(table[num_decodes:]),
+                                  context_lens=cp.tolist(), context_chunks=chunks)
+    return MLAMetadata(num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
+                       num_prefills=n - num_decodes, num_prefill_tokens=int(q.sum()) - num_decode_tokens,
+                       slot_mapping=to(slot, torch.int64), decode=decode, prefill=prefill)
+
+
+def _slot_mapping(q, ctx, table, block_size, dcp_size, dcp_rank) -> np.ndarray:
+    req = np.repeat(np.arange(len(q)), q)
+    pos = np.concatenate([np.arange(c, c + n) for c, n in zip(ctx, q)]) if len(q) else np.zeros(0, np.int64)
+    local = pos // dcp_size  # local index on the owning rank
+    slot = table[req, local // block_size].astype(np.int64) * block_size + local % block_size
+    if dcp_size > 1:
+        slot[pos % dcp_size != dcp_rank] = -1
+    return slot
+
+
+def _context_chunks(ctx, dcp_size, dcp_rank, chunk_tokens, to) -> list[ContextChunk]:
+    if not ctx.any():
+        return []
+    # local context per (rank, prefill): [D, Bp]
+    local = np.stack([local_len(ctx, dcp_size, r) for r in range(dcp_size)])
+    per_req = max(1, chunk_tokens // len(ctx))  # rows per prefill per chunk on one rank
+    chunks = []
+    for k in range(-(-int(local.max()) // per_req)):
+        start = k * per_req
+        lens = np.clip(local - start, 0, per_req)  # [D, Bp]
+        cu = np.concatenate([np.zeros((dcp_size, 1), np.int64), np.cumsum(lens, 1)], axis=1)
+        max_tokens = int(cu[:, -1].max())
+        total_per_req = lens.sum(0)  # [Bp] keys per prefill after the all-gather
+        cu_k = np.concatenate([[0], np.cumsum(total_per_req)])
+        gather_index = None
+        if dcp_size > 1:
+            # rows of prefill b from every rank d, in the buffer flattened as [D * max_tokens]
+            gather_index = to(np.concatenate([
+                d * max_tokens + np.arange(cu[d, b], cu[d, b + 1])
+                for b in range(len(ctx)) for d in range(dcp_size)]), torch.int64)
+        chunks.append(ContextChunk(
+            starts=to(np.full(len(ctx), start)), cu_lens=to(cu[dcp_rank]),
+            num_tokens=int(cu[dcp_rank, -1]), max_tokens=max_tokens, gather_index=gather_index,
+            cu_seqlens_k=to(cu_k), max_seqlen_k=int(total_per_req.max())))
+    return chunks

@@ -1,0 +1,104 @@
+"""Multi-head latent attention over a paged latent cache (DESIGN.md §4, §5, §7).
+
+Notation: T tokens this step, Hl heads on this rank, P = qk_nope_head_dim, R = qk_rope_head_dim,
+V = v_head_dim, Lkv = kv_lora_rank, D = DCP size. Cache rows are `[c ‖ k_pe]` (Lkv + R).
+
+Decode rows (absorbed, data-movement-friendly):
+    q_lat = q_nope @ W_UK            [Nd, Hl, Lkv]
+    o_lat = softmax(q_lat·c + q_pe·k_pe) @ c   over the cache (an MQA with one latent head)
+    o     = o_lat @ W_UVᵀ            [Nd, Hl, V]
+Prefill rows (up-projected, compute-friendly): k_nope, v = kv_b_proj(c); causal attention over
+the new tokens, plus non-causal attention over the cached context gathered chunk by chunk, each
+part merged by LSE.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attention.backend import AttentionOps
+from attention.metadata import ContextChunk, MLAMetadata
+from attention.torch_backend import merge_attn_states
+from engine import distributed as pd
+
+
+class MLAAttention:
+    """The attention core of one MLA layer; projections stay in the model."""
+
+    def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
+                 v_head_dim: int, kv_lora_rank: int, scale: float, ops: AttentionOps):
+        self.H, self.P, self.R = num_heads, qk_nope_head_dim, qk_rope_head_dim
+        self.V, self.Lkv, self.scale, self.ops = v_head_dim, kv_lora_rank, scale, ops
+        self.w_kv_b: torch.Tensor | None = None  # [Hl*(P+V), Lkv]
+        self.w_uk: torch.Tensor | None = None  # [Hl, P, Lkv]
+        self.w_uv: torch.Tensor | None = None  # [Hl, V, Lkv]
+
+    def set_kv_b_weight(self, w: torch.Tensor) -> None:
+        """Post-load: derive the absorbed W_UK / W_UV from kv_b_proj `[Hl*(P+V), Lkv]`."""
+        self.w_kv_b = w
+        w = w.view(self.H, self.P + self.V, self.Lkv)
+        self.w_uk, self.w_uv = w[:, : self.P], w[:, self.P:]
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor,
+                k_pe: torch.Tensor, kv_cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
+        """q_nope [T,Hl,P], q_pe [T,Hl,R], c [T,Lkv], k_pe [T,R] -> [T, Hl, V]."""
+        self.ops.write_kv(kv_cache, torch.cat([c, k_pe], dim=-1), meta.slot_mapping)
+        nd = meta.num_decode_tokens
+        out = q_nope.new_empty(q_nope.shape[0], self.H, self.V)
+        if meta.decode is not None:
+            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], kv_cache, meta)
+        if meta.prefill is not None:
+            out[nd:] = self._prefill(q_nope[nd:], q_pe[nd:], c[nd:], k_pe[nd:], kv_cache, meta)
+        return out
+
+    def _decode(self, q_nope, q_pe, kv_cache, meta):
+        q_lat = torch.einsum("thp,hpl->thl", q_nope, self.w_uk)  # [Nd, Hl, Lkv]
+        q = torch.cat([q_lat, q_pe], dim=-1)  # [Nd, Hl, Lkv+R]
+        dcp = pd.dcp()
+        if dcp.size > 1:
+            q = pd.dcp_all_gather(q, dim=1)  # [Nd, Hl*D, Lkv+R]: the group's heads, rank-major
+        d = meta.decode
+        o_lat, lse = self.ops.decode(q, kv_cache, d.block_table, d.seq_lens, self.scale, self.Lkv)
+        if dcp.size > 1:
+            # Each rank attended over its own shard of the keys: rescale by the global LSE, sum
+            # over ranks and keep this rank's heads.
+            lse_all = pd.dcp_all_gather_stacked(lse)  # [D, Nd, Hl*D]
+            lse_g = torch.logsumexp(lse_all, dim=0)
+            w = torch.exp(lse - lse_g).nan_to_num_(0.0).unsqueeze(-1)
+            o_lat = pd.dcp_reduce_scatter(o_lat.float() * w, dim=1).to(q_nope.dtype)  # [Nd, Hl, Lkv]
+        return torch.einsum("thl,hvl->thv", o_lat, self.w_uv)
+
+    def _up_project(self, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = F.linear(c, self.w_kv_b).view(-1, self.H, self.P + self.V)
+        k_nope, v = kv.split([self.P, self.V], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.H, -1)], dim=-1)  # [N, Hl, P+R]
+        return k, v
+
+    def _prefill(self, q_nope, q_pe, c, k_pe, kv_cache, meta):
+        p = meta.prefill
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [Np, Hl, P+R]
+        k, v = self._up_project(c, k_pe)
+        qsl = p.query_start_loc
+        o, lse = self.ops.prefill(q, k, v, qsl, qsl, p.max_query_len, p.max_query_len,
+                                  self.scale, causal=True)
+        for chunk in p.context_chunks:
+            rows = self._gather_chunk(kv_cache, p.block_table, chunk)  # [Nk, Lkv+R]
+            ck, cv = self._up_project(rows[:, : self.Lkv], rows[:, self.Lkv:])
+            oc, lc = self.ops.prefill(q, ck, cv, qsl, chunk.cu_seqlens_k, p.max_query_len,
+                                      chunk.max_seqlen_k, self.scale, causal=False)
+            o, lse = merge_attn_states(o, lse, oc, lc)
+        return o
+
+    def _gather_chunk(self, kv_cache, block_table, chunk: ContextChunk) -> torch.Tensor:
+        rows = self.ops.gather_context(kv_cache, block_table, chunk.starts, chunk.cu_lens,
+                                       chunk.num_tokens)
+        if chunk.gather_index is None:
+            return rows
+        # Under DCP each rank holds an interleaved share of the context: all-gather the shares
+        # (padded to the same row count) and put each prefill's rows together. Order inside a
+        # prefill's context does not matter: the attention is non-causal and k_pe has positions.
+        padded = rows.new_zeros(chunk.max_tokens, rows.shape[-1])
+        padded[: rows.shape[0]] = rows
+        every = pd.dcp_all_gather_stacked(padded).flatten(0, 1)  # [D*max_tokens, Lkv+R]
+        return every.index_select(0, chunk.gather_index)

@@ -1,0 +1,126 @@
+"""Process groups and collectives, in one module with accessor functions (STYLE.md rule 6).
+
+Ranks: `world = tp` (one TP group; pipeline parallelism is not supported). DCP groups are
+`tp / dcp` groups of `dcp` consecutive ranks inside the TP group (DESIGN.md §7). With a single
+rank nothing is initialised and every collective is the identity, so the model code never
+branches on "distributed or not".
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GroupInfo:
+    size: int = 1
+    rank: int = 0
+    group: dist.ProcessGroup | None = None
+
+
+@dataclass
+class _State:
+    tp: GroupInfo
+    dcp: GroupInfo
+    cpu: dist.ProcessGroup | None  # gloo group over all ranks, for control messages
+
+
+_state = _State(GroupInfo(), GroupInfo(), None)  # set once by init_parallel, read by accessors
+
+
+def init_parallel(tp_size: int, dcp_size: int, rank: int, init_method: str, backend: str,
+                  timeout_s: float = 600.0) -> None:
+    """Join the process group and build TP and DCP groups; every rank calls this once."""
+    global _state
+    if tp_size % dcp_size:
+        raise ValueError(f"decode context parallel size {dcp_size} must divide tensor parallel size {tp_size}")
+    if tp_size == 1:
+        _state = _State(GroupInfo(), GroupInfo(), None)
+        return
+    dist.init_process_group(backend, init_method=init_method, world_size=tp_size, rank=rank,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    tp_group = dist.new_group(list(range(tp_size)))
+    cpu_group = dist.new_group(list(range(tp_size)), backend="gloo") if backend != "gloo" else tp_group
+    dcp = GroupInfo()
+    if dcp_size > 1:
+        for start in range(0, tp_size, dcp_size):  # every rank must create every group
+            ranks = list(range(start, start + dcp_size))
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                dcp = GroupInfo(dcp_size, rank - start, g)
+    _state = _State(GroupInfo(tp_size, rank, tp_group), dcp, cpu_group)
+    log.info("rank %d: tp %d/%d, dcp %d/%d", rank, rank, tp_size, dcp.rank, dcp.size)
+
+
+def destroy_parallel() -> None:
+    global _state
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _state = _State(GroupInfo(), GroupInfo(), None)
+
+
+def tp() -> GroupInfo:
+    return _state.tp
+
+
+def dcp() -> GroupInfo:
+    return _state.dcp
+
+
+def cpu_group() -> dist.ProcessGroup | None:
+    return _state.cpu
+
+
+# ---- collectives (identity on one rank) ----
+
+def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if _state.tp.size > 1:
+        dist.all_reduce(x, group=_state.tp.group)
+    return x
+
+
+def _all_gather(x: torch.Tensor, g: GroupInfo, dim: int) -> torch.Tensor:
+    if g.size == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((g.size, *x.shape))
+    dist.all_gather_into_tensor(out, x, group=g.group)
+    # [size, ...] -> concatenated along dim, rank-major
+    return torch.cat(out.unbind(0), dim=dim) if dim != 0 else out.flatten(0, 1)
+
+
+def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    return _all_gather(x, _state.tp, dim % x.dim())
+
+
+def dcp_all_gather(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    return _all_gather(x, _state.dcp, dim % x.dim())
+
+
+def dcp_all_gather_stacked(x: torch.Tensor) -> torch.Tensor:
+    """All-gather over the DCP group, returning `[dcp, *x.shape]` (rank-major)."""
+    g = _state.dcp
+    if g.size == 1:
+        return x.unsqueeze(0)
+    x = x.contiguous()
+    out = x.new_empty((g.size, *x.shape))
+    dist.all_gather_into_tensor(out, x, group=g.group)
+    return out
+
+
+def dcp_reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over the DCP group and keep this rank's 1/dcp slice of `dim`."""
+    g = _state.dcp
+    if g.size == 1:
+        return x
+    x = x.movedim(dim, 0).contiguous()
+    out = x.new_empty((x.shape[0] // g.size, *x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=g.group)
+    return out.movedim(0, dim)

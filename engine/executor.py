@@ -1,0 +1,34 @@
+"""Executors: run each step's SchedulerOutput on every rank and return rank 0's output."""
+
+from __future__ import annotations
+
+import logging
+
+from engine.args import EngineArgs
+from engine.worker import Worker
+from models.config import ModelConfig
+from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+
+class UniProcExecutor:
+    """One rank, in the engine's own process."""
+
+    def __init__(self, args: EngineArgs, cfg: ModelConfig, eos_token_ids: list[int]):
+        self.worker = Worker(args, cfg)
+        self.num_blocks = self.worker.determine_num_blocks(args.max_num_batched_tokens)
+        self.worker.init_kv_cache(self.num_blocks, eos_token_ids)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        return self.worker.runner.execute(so)
+
+    def shutdown(self) -> None:
+        pass
+
+
+def make_executor(args: EngineArgs, cfg: ModelConfig, eos_token_ids: list[int]):
+    if args.tensor_parallel_size == 1:
+        return UniProcExecutor(args, cfg, eos_token_ids)
+    from engine.multiproc import MultiProcExecutor
+    return MultiProcExecutor(args, cfg, eos_token_ids)

@@ -1,0 +1,112 @@
+"""One rank's worker: device, model (loaded and sharded), KV cache, model runner."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from attention.backend import AttentionOps
+from attention.torch_backend import TorchAttentionOps
+from engine import distributed as pd
+from engine.args import EngineArgs
+from engine.model_runner import ModelRunner
+from models.config import ModelConfig
+from models.deepseek import DeepseekForCausalLM
+from models.loader import init_dummy_weights, load_weights
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_device(args: EngineArgs, local_rank: int = 0) -> torch.device:
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    return torch.device("cuda", local_rank)
+
+
+def resolve_dtype(args: EngineArgs, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if args.dtype != "auto":
+        return _DTYPES[args.dtype]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in bf16 are slow and lossy; tiny models are small
+    return _DTYPES.get(cfg.torch_dtype, torch.bfloat16)
+
+
+def make_attention_ops(args: EngineArgs, device: torch.device) -> AttentionOps:
+    want = args.attention_backend
+    if want == "torch" or (want == "auto" and device.type != "cuda"):
+        return TorchAttentionOps()
+    from attention.triton_backend import TritonAttentionOps
+    return TritonAttentionOps()
+
+
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return cfg.num_hidden_layers * block_size * cfg.kv_cache_dim * dtype.itemsize
+
+
+class Worker:
+    """Builds everything one rank needs; `runner` is then driven by the engine core."""
+
+    def __init__(self, args: EngineArgs, cfg: ModelConfig, local_rank: int = 0):
+        self.args, self.cfg = args, cfg
+        self.device = resolve_device(args, local_rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(args, cfg, self.device)
+        torch.manual_seed(args.seed)  # identical on every rank: unseeded sampling stays in lockstep
+        self.ops = make_attention_ops(args, self.device)
+        t0 = time.perf_counter()
+        with torch.device(self.device):
+            self.model = DeepseekForCausalLM(cfg, self.dtype, self.ops)
+        if args.load_format == "dummy":
+            init_dummy_weights(self.model, args.seed)
+        else:
+            load_weights(self.model, args.model, cfg)
+        self.model.process_weights_after_loading()
+        self.model.eval()
+        log.info("model loaded in %.1f s: %s, dtype %s, device %s, attention %s",
+                 time.perf_counter() - t0, cfg.model_type, self.dtype, self.device, self.ops.name)
+
+    def determine_num_blocks(self, max_num_batched_tokens: int) -> int:
+        """KV blocks this rank can hold: --num-kv-blocks, else GPU memory left after a profile
+        run, else the CPU memory setting."""
+        a = self.args
+        per_block = kv_cache_bytes_per_block(self.cfg, a.block_size, self.dtype)
+        if a.num_kv_blocks is not None:
+            return a.num_kv_blocks
+        if self.device.type == "cpu":
+            return max(1, int(a.cpu_kv_cache_gb * 2**30) // per_block)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._profile_run(max_num_batched_tokens)
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used_by_others = total - free - torch.cuda.memory_reserved()
+        budget = total * a.gpu_memory_utilization - used_by_others - torch.cuda.max_memory_allocated()
+        if budget < per_block:
+            raise ValueError(f"--gpu-memory-utilization {a.gpu_memory_utilization}: no memory left "
+                             f"for the KV cache after loading the model")
+        return int(budget // per_block)
+
+    def _profile_run(self, num_tokens: int) -> None:
+        """A forward pass over `num_tokens` prompt tokens to measure peak activation memory."""
+        bs = self.args.block_size
+        nblocks = -(-num_tokens // bs)
+        caches = [torch.empty(nblocks, bs, self.cfg.kv_cache_dim, dtype=self.dtype, device=self.device)
+                  for _ in range(self.cfg.num_hidden_layers)]
+        runner = ModelRunner(self.model, self.cfg, caches, bs, self.device, [])
+        batch = runner.prepare([[0] * num_tokens], [0], [list(range(nblocks))])
+        runner.logits(runner.forward(batch)[-1:])
+        del caches, runner
+
+    def init_kv_cache(self, num_blocks: int, eos_token_ids: list[int]) -> None:
+        bs = self.args.block_size
+        alloc = torch.zeros if self.device.type == "cpu" else torch.empty
+        self.kv_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.dtype, device=self.device)
+                          for _ in range(self.cfg.num_hidden_layers)]
+        self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids)

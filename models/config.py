@@ -1,0 +1,161 @@
+"""Typed DeepSeek-V2/V3 model config, built from an HF `config.json` in one place and validated."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+@dataclass
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"  # "default" | "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+    moe_intermediate_size: int = 0
+    n_routed_experts: int | None = None  # None: a dense model
+    n_shared_experts: int = 0
+    num_experts_per_tok: int = 0
+    first_k_dense_replace: int = 0
+    moe_layer_freq: int = 1
+    topk_method: str = "greedy"  # V2: greedy | group_limited_greedy; V3: noaux_tc
+    scoring_func: str = "softmax"  # softmax (V2) | sigmoid (V3)
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    torch_dtype: str = "bfloat16"
+    num_nextn_predict_layers: int = 0
+    quantization_config: dict | None = None
+
+    # ---- derived quantities (notation of DESIGN.md §4) ----
+    @property
+    def qk_head_dim(self) -> int:  # P + R
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:  # Lkv + R
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim ** -0.5
+        r = self.rope
+        if r.type == "yarn" and r.mscale_all_dim:
+            m = yarn_mscale(r.factor, r.mscale_all_dim)
+            scale *= m * m
+        return scale
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (self.n_routed_experts is not None and layer_idx >= self.first_k_dense_replace
+                and layer_idx % self.moe_layer_freq == 0)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        e = self.eos_token_id
+        return [] if e is None else [e] if isinstance(e, int) else list(e)
+
+    # ---- construction ----
+    @classmethod
+    def from_dict(cls, d: dict, overrides: dict | None = None) -> "ModelConfig":
+        d = {**d, **(overrides or {})}
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"config.json: unsupported model_type {model_type!r}; "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        known = {f.name for f in fields(cls)} - {"rope"}
+        kw = {k: v for k, v in d.items() if k in known and v is not None}
+        kw["model_type"] = model_type
+        if "torch_dtype" not in kw and isinstance(d.get("dtype"), str):
+            kw["torch_dtype"] = d["dtype"]
+        if model_type == "deepseek_v3":
+            kw.setdefault("scoring_func", "sigmoid")
+            kw.setdefault("topk_method", "noaux_tc")
+        kw["rope"] = _rope_from_dict(d)
+        try:
+            cfg = cls(**kw)
+        except TypeError as e:
+            raise ValueError(f"config.json: {e}") from None
+        cfg.validate()
+        return cfg
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, overrides: dict | None = None) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"no config.json in model directory {model_dir}")
+        return cls.from_dict(json.loads(path.read_text()), overrides)
+
+    def validate(self) -> None:
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ValueError(f"config.json: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            need(getattr(self, name) > 0, f"{name} must be > 0, got {getattr(self, name)}")
+        need(self.qk_rope_head_dim % 2 == 0, f"qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+        need(self.hidden_act == "silu", f"hidden_act {self.hidden_act!r} is not supported (only silu)")
+        if self.n_routed_experts is not None:
+            need(self.num_experts_per_tok >= 1, "num_experts_per_tok must be >= 1 for an MoE model")
+            need(self.n_routed_experts % self.n_group == 0,
+                 f"n_routed_experts {self.n_routed_experts} is not divisible by n_group {self.n_group}")
+            need(self.scoring_func in ("softmax", "sigmoid"),
+                 f"scoring_func {self.scoring_func!r} is not supported (softmax, sigmoid)")
+            need(self.topk_method in ("greedy", "group_limited_greedy", "noaux_tc"),
+                 f"topk_method {self.topk_method!r} is not supported")
+            need(self.moe_layer_freq >= 1, f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+        need(self.rope.type in ("default", "yarn"),
+             f"rope_scaling type {self.rope.type!r} is not supported (default, yarn)")
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_from_dict(d: dict) -> RopeConfig:
+    # Old spelling: rope_theta + rope_scaling {type|rope_type, ...}; new: rope_parameters {rope_type, rope_theta, ...}.
+    params = dict(d.get("rope_parameters") or {})
+    scaling = d.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", d.get("rope_theta", 10000.0))
+    rtype = params.get("rope_type", params.get("type", "default")) or "default"
+    r = RopeConfig(theta=float(theta), type=rtype)
+    if rtype == "yarn":
+        r.factor = float(params["factor"])
+        r.original_max_position_embeddings = int(params["original_max_position_embeddings"])
+        r.beta_fast = float(params.get("beta_fast") or 32)
+        r.beta_slow = float(params.get("beta_slow") or 1)
+        r.mscale = float(params.get("mscale") or 1.0)
+        r.mscale_all_dim = float(params.get("mscale_all_dim") or 0.0)
+    return r

@@ -1,0 +1,115 @@
+"""DeepSeek-V2 / V2-Lite / V3 / R1 decoder, module names equal to the checkpoint's.
+
+The model never mentions process groups beyond its layers' sharding rules; the attention core
+and the per-step metadata live in `attention/`. Notation as in attention/mla.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from attention.backend import AttentionOps
+from attention.metadata import MLAMetadata
+from attention.mla import MLAAttention
+from engine import distributed as pd
+from models.config import ModelConfig
+from models.layers import Linear, ParallelLMHead, RMSNorm, VocabParallelEmbedding, YarnRotaryEmbedding
+from models.moe import MLP, MoE
+
+
+class DeepseekAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: AttentionOps):
+        super().__init__()
+        tp = pd.tp().size
+        if cfg.num_attention_heads % tp:
+            raise ValueError(f"num_attention_heads {cfg.num_attention_heads} is not divisible by "
+                             f"tensor parallel size {tp}")
+        self.Hl = cfg.num_attention_heads // tp
+        self.P, self.R, self.Lkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        D, H, qk = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(D, H * qk, dtype, tp_dim=0)
+        else:
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, dtype, tp_dim=0)
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_cache_dim, dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype, tp_dim=0)
+        self.o_proj = Linear(H * cfg.v_head_dim, D, dtype, tp_dim=1)
+        self.mla = MLAAttention(self.Hl, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                cfg.kv_lora_rank, cfg.softmax_scale, ops)
+
+    def process_weights_after_loading(self) -> None:
+        self.mla.set_kv_b_weight(self.kv_b_proj.weight)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: YarnRotaryEmbedding,
+                kv_cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(-1, self.Hl, self.P + self.R)
+        q_nope, q_pe = q.split([self.P, self.R], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.Lkv, self.R], dim=-1)
+        c = self.kv_a_layernorm(c)
+        q_pe, k_pe = rope(positions, q_pe, k_pe)
+        o = self.mla.forward(q_nope, q_pe, c, k_pe, kv_cache, meta)  # [T, Hl, V]
+        return self.o_proj(o.flatten(1))
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, ops: AttentionOps):
+        super().__init__()
+        self.self_attn = DeepseekAttention(cfg, dtype, ops)
+        self.mlp = MoE(cfg, dtype) if cfg.is_moe_layer(layer_idx) else \
+            MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, x, positions, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: AttentionOps):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, dtype, ops)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.rotary_emb = YarnRotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope)
+
+    def forward(self, input_ids, positions, kv_caches, meta):
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary_emb, cache, meta)
+        return self.norm(x)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """Token ids + positions + per-layer caches + step metadata -> hidden states; logits on demand."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: AttentionOps):
+        super().__init__()
+        self.config = cfg
+        self.model = DeepseekModel(cfg, dtype, ops)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: MLAMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [N, vocab] fp32
+
+    def process_weights_after_loading(self) -> None:
+        """Derived weights, made once after loading: absorbed MLA matrices, fused experts."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        for layer in self.model.layers:
+            layer.self_attn.process_weights_after_loading()
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.fuse_experts()

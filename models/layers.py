@@ -1,0 +1,142 @@
+"""Building blocks: RMSNorm, YaRN RoPE, tensor-parallel linears and vocab-parallel embedding.
+
+Sharding is declared per parameter (`param.tp_dim`: the dimension split over TP ranks, or None
+for replicated); the loader reads only this rank's slice (DESIGN.md §6, STYLE.md rule 4).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import distributed as pd
+from models.config import RopeConfig, yarn_mscale
+
+
+def shard_param(shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialised parameter holding this rank's slice, tagged with its sharding rule."""
+    shape = list(shape)
+    if tp_dim is not None:
+        size = pd.tp().size
+        if shape[tp_dim] % size:
+            raise ValueError(f"dimension {shape[tp_dim]} is not divisible by tensor parallel size {size}")
+        shape[tp_dim] //= size
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.tp_dim = tp_dim
+    return p
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = shard_param((dim,), None, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Linear(nn.Module):
+    """y = x W^T with W `[out, in]` sharded by `tp_dim` (0: column-parallel, 1: row-parallel).
+
+    A row-parallel linear all-reduces its output unless `reduce=False` (the caller reduces).
+    """
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
+                 tp_dim: int | None = None, reduce: bool = True):
+        super().__init__()
+        self.weight = shard_param((out_features, in_features), tp_dim, dtype)
+        self.reduce = reduce and tp_dim == 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return pd.tp_all_reduce(y) if self.reduce else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows split by vocabulary range over TP ranks; masked lookup then all-reduce."""
+
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.padded_vocab = math.ceil(vocab_size / pd.tp().size) * pd.tp().size
+        self.weight = shard_param((self.padded_vocab, dim), 0, dtype)
+        self.weight.vocab_size = vocab_size  # rows past it are padding, zero-filled by the loader
+        self.start = pd.tp().rank * self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if pd.tp().size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        ok = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        out = out * ok.unsqueeze(-1).to(out.dtype)
+        return pd.tp_all_reduce(out)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits `[N, vocab]`: each rank computes its vocabulary slice, then all-gather."""
+
+    def __init__(self, vocab_size: int, dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.vocab_size = vocab_size
+        padded = math.ceil(vocab_size / pd.tp().size) * pd.tp().size
+        self.weight = shard_param((padded, dim), 0, dtype)
+        self.weight.vocab_size = vocab_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.weight)
+        return pd.tp_all_gather(logits, dim=-1)[..., : self.vocab_size]
+
+
+class YarnRotaryEmbedding(nn.Module):
+    """RoPE on interleaved pairs (x0, x1), (x2, x3), ... (GPT-J style, as in DeepSeek's weights).
+
+    With YaRN the frequencies blend interpolated and extrapolated ones over a linear ramp between
+    the beta_fast / beta_slow correction dims, and cos/sin carry mscale / mscale_all_dim.
+    """
+
+    def __init__(self, rot_dim: int, max_positions: int, rope: RopeConfig):
+        super().__init__()
+        inv_freq = 1.0 / rope.theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float32) / rot_dim)
+        mscale = 1.0
+        if rope.type == "yarn":
+            inv_freq = self._yarn_inv_freq(inv_freq, rot_dim, rope)
+            mscale = yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+        self.max_positions = max_positions
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_pos, R/2]
+        self.register_buffer("cos", freqs.cos() * mscale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * mscale, persistent=False)
+
+    @staticmethod
+    def _yarn_inv_freq(inv_freq_extra: torch.Tensor, dim: int, rope: RopeConfig) -> torch.Tensor:
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi)) \
+                / (2 * math.log(rope.theta))
+
+        low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001  # avoid a zero-width ramp
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+        extra_weight = 1.0 - ramp  # 1: keep the original frequency (high-frequency dims)
+        inv_freq_inter = inv_freq_extra / rope.factor
+        return inv_freq_inter * (1 - extra_weight) + inv_freq_extra * extra_weight
+
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotate each x `[T, ..., R]` by its token's position; positions `[T]`."""
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, R/2]
+        out = []
+        for x in xs:
+            shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+            c, s = cos.view(shape), sin.view(shape)
+            xf = x.float()
+            x1, x2 = xf[..., 0::2], xf[..., 1::2]
+            rot = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+            out.append(rot.to(x.dtype))
+        return tuple(out)

@@ -1,0 +1,124 @@
+"""Load a Hugging Face DeepSeek checkpoint (safetensors) or dummy weights into our model.
+
+The loader is a walk over the checkpoint's tensors: each name equals one of our parameters, and
+the parameter's `tp_dim` says which slice this rank reads (only that slice is read from disk).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from engine import distributed as pd
+from models.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [d / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"checkpoint index names missing shard files: {', '.join(missing)}")
+        return files
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"no *.safetensors files in model directory {model_dir}")
+    return files
+
+
+def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig) -> None:
+    """Read this rank's slice of every parameter; fail with a message naming any bad tensor."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if cfg.tie_word_embeddings:
+        params.pop("lm_head.weight", None)
+    loaded: set[str] = set()
+    skipped_mtp = 0
+    files = checkpoint_files(model_dir)
+    show = pd.tp().rank == 0
+    with tqdm(desc="Loading weights", unit="tensor", disable=not show) as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    bar.update(1)
+                    m = _LAYER.match(name)
+                    if m and int(m.group(1)) >= cfg.num_hidden_layers:
+                        skipped_mtp += 1  # multi-token-prediction layers of V3/R1 checkpoints
+                        continue
+                    if name.endswith("rotary_emb.inv_freq"):
+                        continue
+                    if name.endswith("weight_scale_inv") or name.endswith("weight_scale"):
+                        raise ValueError(f"checkpoint tensor {name}: FP8 block-quantized checkpoints "
+                                         "are not supported yet")
+                    p = params.get(name)
+                    if p is None:
+                        log.warning("checkpoint tensor %s has no matching parameter; ignored", name)
+                        continue
+                    _copy_slice(p, f.get_slice(name), name)
+                    loaded.add(name)
+    if skipped_mtp:
+        log.info("skipped %d tensors of multi-token-prediction layers (num_nextn_predict_layers=%d)",
+                 skipped_mtp, cfg.num_nextn_predict_layers)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint {model_dir} is missing tensor(s): {', '.join(missing[:5])}{more}")
+
+
+def _copy_slice(p: torch.Tensor, sl, name: str) -> None:
+    full = list(sl.get_shape())
+    tp_dim = getattr(p, "tp_dim", None)
+    vocab = getattr(p, "vocab_size", None)
+    expected = list(p.shape)
+    if tp_dim is not None:
+        expected[tp_dim] *= pd.tp().size
+    if vocab is not None:
+        expected[0] = vocab  # the parameter is padded to a multiple of tp; the checkpoint is not
+    if full != expected:
+        raise ValueError(f"checkpoint tensor {name} has shape {full}, expected {expected}")
+    with torch.no_grad():
+        if tp_dim is None:
+            p.copy_(sl[:])
+            return
+        n = p.shape[tp_dim]
+        start = pd.tp().rank * n
+        stop = min(start + n, full[tp_dim])
+        index = [slice(None)] * len(full)
+        index[tp_dim] = slice(start, stop)
+        part = sl[tuple(index)] if stop > start else None
+        if vocab is not None:
+            p.zero_()  # padding rows past the vocabulary
+            if part is not None:
+                p[: stop - start].copy_(part)
+        else:
+            p.copy_(part)
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights of realistic scale, with no file read (for benchmarks on real configs)."""
+    gens: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                p.zero_()
+            else:
+                g = gens.get(p.device)
+                if g is None:
+                    g = gens[p.device] = torch.Generator(device=p.device)
+                    g.manual_seed(seed + pd.tp().rank)
+                fan_in = p.shape[-1] if p.dim() > 1 else 1
+                p.normal_(0.0, 0.02 if "embed" in name else fan_in ** -0.5, generator=g)

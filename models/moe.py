@@ -1,0 +1,123 @@
+"""Dense MLP, routers (V2 softmax, V3 sigmoid + bias + group top-k) and the MoE block."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import distributed as pd
+from models.config import ModelConfig
+from models.layers import Linear, shard_param
+
+
+class MLP(nn.Module):
+    """SwiGLU: gate/up column-parallel, down row-parallel (reduced by the caller when reduce=False)."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, reduce: bool = True):
+        super().__init__()
+        self.gate_proj = Linear(hidden, inter, dtype, tp_dim=0)
+        self.up_proj = Linear(hidden, inter, dtype, tp_dim=0)
+        self.down_proj = Linear(inter, hidden, dtype, tp_dim=1, reduce=reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Picks `top_k` experts per token and their weights, by the checkpoint's rule (fp32)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        E = cfg.n_routed_experts
+        self.weight = shard_param((E, cfg.hidden_size), None, torch.float32)
+        if cfg.scoring_func == "sigmoid":
+            self.e_score_correction_bias = shard_param((E,), None, torch.float32)
+        else:
+            self.e_score_correction_bias = None
+
+    def _group_mask(self, scores: torch.Tensor, group_scores: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        top_groups = group_scores.topk(c.topk_group, dim=-1).indices  # [T, topk_group]
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+        return mask.repeat_interleave(c.n_routed_experts // c.n_group, dim=1)  # [T, E]
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cfg
+        logits = F.linear(x.float(), self.weight)  # [T, E]
+        T, E = logits.shape
+        if c.scoring_func == "softmax":
+            scores = logits.softmax(dim=-1)
+            if c.topk_method == "group_limited_greedy":
+                group_scores = scores.view(T, c.n_group, -1).amax(dim=-1)
+                scores = scores.masked_fill(~self._group_mask(scores, group_scores), 0.0)
+            weights, ids = scores.topk(c.num_experts_per_tok, dim=-1)
+        else:
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            if c.n_group > 1:
+                group_scores = choice.view(T, c.n_group, -1).topk(2, dim=-1).values.sum(-1)
+                choice = choice.masked_fill(~self._group_mask(choice, group_scores), float("-inf"))
+            ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
+            weights = scores.gather(1, ids)
+        if c.num_experts_per_tok > 1 and c.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, ids  # [T, k] fp32, [T, k] int64
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts, summed locally, one all-reduce per layer under TP.
+
+    Checkpoint names are kept (`experts.N.gate_proj`, ...) for loading; `fuse_experts()` then
+    stacks them into `w13 [E, 2*I/tp, D]` and `w2 [E, D, I/tp]` for the compute path.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        D, I = cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate = Router(cfg)
+        self.experts = nn.ModuleList(
+            MLP(D, I, dtype, reduce=False) for _ in range(cfg.n_routed_experts))
+        self.shared_experts = (MLP(D, I * cfg.n_shared_experts, dtype, reduce=False)
+                               if cfg.n_shared_experts else None)
+        self.w13: torch.Tensor | None = None
+        self.w2: torch.Tensor | None = None
+
+    def fuse_experts(self) -> None:
+        """Post-load step: stack per-expert weights and drop the per-expert modules."""
+        w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
+        w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        self.experts = None
+        self.w13 = nn.Parameter(w13, requires_grad=False)
+        self.w2 = nn.Parameter(w2, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self._routed(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return pd.tp_all_reduce(out)
+
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Plain path: tokens grouped by expert with one sort, a loop over the experts hit."""
+        T, k = ids.shape
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.cfg.n_routed_experts).tolist()
+        token_of = order // k  # token index of each sorted (token, slot) pair
+        out = torch.zeros_like(x)
+        start = 0
+        I = self.w2.shape[-1]
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            rows = token_of[start:start + n]
+            gate_up = F.linear(x[rows], self.w13[e])  # [n, 2I]
+            h = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+            y = F.linear(h, self.w2[e])  # [n, D]
+            w = weights.flatten()[order[start:start + n]].unsqueeze(-1)
+            out.index_add_(0, rows, (y * w).to(x.dtype))
+            start += n
+        return out

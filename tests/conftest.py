@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny transformers DeepSeek models built once per test session."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/ helpers (tiny_models)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_models import make_model  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs CUDA")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_v3(tmp_path_factory):
+    """(path, hf model): V3 shape, q_lora set, sigmoid + bias + group top-k routing, YaRN."""
+    path = tmp_path_factory.mktemp("tiny_v3")
+    return str(path), make_model(path, "v3")
+
+
+@pytest.fixture(scope="session")
+def tiny_v2(tmp_path_factory):
+    """(path, hf model): V2-Lite shape, no q_lora, softmax greedy routing, YaRN."""
+    path = tmp_path_factory.mktemp("tiny_v2")
+    return str(path), make_model(path, "v2")
+
+
+@pytest.fixture(scope="session")
+def tiny_v2_grouped(tmp_path_factory):
+    """(path, hf model): V2 with group_limited_greedy routing (one group of four per token)."""
+    path = tmp_path_factory.mktemp("tiny_v2g")
+    return str(path), make_model(path, "v2", topk_method="group_limited_greedy", n_group=4, topk_group=1)
