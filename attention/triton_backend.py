@@ -1,0 +1,103 @@
+"""Triton attention ops: the AttentionOps protocol (attention/backend.py) on Triton kernels.
+
+Runs on CUDA; on CPU only under TRITON_INTERPRET=1 (slow, for tests). Shapes are checked here, once,
+so the kernels can assume them; a bad argument raises ValueError naming the field and the limit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from attention.triton_cache import gather_context, write_kv
+from attention.triton_decode import DecodeConfig, mla_decode
+from attention.triton_prefill import PrefillConfig, prefill_attention
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _check_cache(kv_cache: torch.Tensor) -> None:
+    # A copy of the cache would be slow (decode) or silently drop the write (write_kv): refuse.
+    _check(kv_cache.stride(-1) == 1, f"kv_cache must have a unit last stride, got {kv_cache.stride()}")
+
+
+def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Kernels index the last dim with unit stride; other strides are passed through."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class TritonAttentionOps:
+    name = "triton"
+
+    def __init__(self, decode_config: DecodeConfig | None = None,
+                 prefill_config: PrefillConfig | None = None):
+        self.decode_config = decode_config
+        self.prefill_config = prefill_config
+        self._num_sms: dict[torch.device, int] = {}
+
+    def _sm_count(self, device: torch.device) -> int:
+        if device.type != "cuda":
+            return 1
+        if device not in self._num_sms:
+            self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
+        return self._num_sms[device]
+
+    def write_kv(self, kv_cache, kv, slot_mapping):
+        _check(kv_cache.dim() == 3, f"kv_cache must be [num_blocks, block_size, D], got {tuple(kv_cache.shape)}")
+        _check(kv.dim() == 2 and kv.shape[1] == kv_cache.shape[2],
+               f"kv must be [T, {kv_cache.shape[2]}], got {tuple(kv.shape)}")
+        _check(slot_mapping.shape == (kv.shape[0],),
+               f"slot_mapping must be [{kv.shape[0]}], got {tuple(slot_mapping.shape)}")
+        _check_cache(kv_cache)
+        write_kv(kv_cache, _last_contiguous(kv), slot_mapping.contiguous())
+
+    def decode(self, q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
+        _check(q.dim() == 3, f"q must be [B, H, Lkv+R], got {tuple(q.shape)}")
+        _check(kv_cache.dim() == 3 and kv_cache.shape[2] == q.shape[2],
+               f"kv_cache must be [num_blocks, block_size, {q.shape[2]}], got {tuple(kv_cache.shape)}")
+        _check(0 < kv_lora_rank < q.shape[2],
+               f"kv_lora_rank must be in (0, {q.shape[2]}), got {kv_lora_rank}")
+        _check(q.shape[2] - kv_lora_rank >= 16 and kv_lora_rank >= 16,
+               f"kv_lora_rank {kv_lora_rank} and rope width {q.shape[2] - kv_lora_rank} must be >= 16")
+        B = q.shape[0]
+        _check(block_table.dim() == 2 and block_table.shape[0] == B,
+               f"block_table must be [{B}, max_blocks], got {tuple(block_table.shape)}")
+        _check(seq_lens.shape == (B,), f"seq_lens must be [{B}], got {tuple(seq_lens.shape)}")
+        _check(q.dtype in _FLOAT_DTYPES and kv_cache.dtype in _FLOAT_DTYPES,
+               f"q and kv_cache must be fp16/bf16/fp32, got {q.dtype}, {kv_cache.dtype}")
+        _check_cache(kv_cache)
+        return mla_decode(_last_contiguous(q), kv_cache, _last_contiguous(block_table),
+                          seq_lens.contiguous(), scale, kv_lora_rank,
+                          num_sms=self._sm_count(q.device), cfg=self.decode_config)
+
+    def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+        _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
+               f"q, k, v must be [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        _check(k.shape[1:] == q.shape[1:], f"k must be [Tk, {q.shape[1]}, {q.shape[2]}], got {tuple(k.shape)}")
+        _check(v.shape[:2] == k.shape[:2], f"v must be [{k.shape[0]}, {k.shape[1]}, V], got {tuple(v.shape)}")
+        _check(q.shape[2] >= 16 and v.shape[2] >= 16,
+               f"head widths must be >= 16, got qk {q.shape[2]}, v {v.shape[2]}")
+        _check(q.dtype in _FLOAT_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype,
+               f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+        _check(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape == cu_seqlens_k.shape,
+               f"cu_seqlens_q and cu_seqlens_k must be [B+1], got {tuple(cu_seqlens_q.shape)}, "
+               f"{tuple(cu_seqlens_k.shape)}")
+        _check(max_seqlen_q >= 0, f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
+        return prefill_attention(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v),
+                                 cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
+                                 max_seqlen_q, scale, causal, cfg=self.prefill_config)
+
+    def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens):
+        _check(kv_cache.dim() == 3, f"kv_cache must be [num_blocks, block_size, D], got {tuple(kv_cache.shape)}")
+        B = starts.shape[0]
+        _check(block_table.dim() == 2 and block_table.shape[0] >= B,
+               f"block_table must have >= {B} rows, got {tuple(block_table.shape)}")
+        _check(cu_lens.shape == (B + 1,), f"cu_lens must be [{B + 1}], got {tuple(cu_lens.shape)}")
+        _check(num_tokens >= 0, f"num_tokens must be >= 0, got {num_tokens}")
+        _check_cache(kv_cache)
+        return gather_context(kv_cache, _last_contiguous(block_table),
+                              starts.contiguous(), cu_lens.contiguous(), num_tokens)

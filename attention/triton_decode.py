@@ -1,0 +1,226 @@
+"""Paged split-KV MLA decode in Triton: one query token per sequence, one latent KV head.
+
+Notation (DESIGN.md §4): q `[B, H, Lkv+R]` = `[q_lat ‖ q_pe]`, cache `[NB, BS, Lkv+R]` = `[c ‖ k_pe]`.
+score = q_lat·c + q_pe·k_pe, o = softmax(score) @ c.
+
+Stage 1 (`_mla_decode_partial_kernel`): program (head tile, split, b) streams the split's cache rows
+once for BLOCK_H heads (all query heads share the latent head, so a head tile re-reads nothing) and
+keeps an online softmax. Stage 2 (`_mla_decode_reduce_kernel`) merges the splits by LSE. With one
+split, stage 1 writes the final output directly and stage 2 is skipped.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_h: int = 16        # query heads per program (>= 16: tl.dot needs M >= 16)
+    block_n: int = 32        # cache rows per inner step
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 1  # resident stage-1 programs per SM, for the split heuristic
+    min_split_tokens: int = 256  # fewer rows per split and the fp32 partials cost more than they save
+    max_splits: int = 128
+
+
+def default_decode_config(num_heads: int, dtype: torch.dtype) -> DecodeConfig:
+    """Tile shape by head count: 64-head tiles for wide ranks, 16 otherwise (measured: docs/kernel_notes.md)."""
+    if dtype == torch.float32:  # fp32 tiles are twice the bytes: keep shared memory in bounds
+        return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2)
+    if num_heads >= 64:
+        return DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2)
+
+
+def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
+                      cfg: DecodeConfig) -> int:
+    """Splits per sequence so that batch * head_tiles * splits fills the GPU in whole waves.
+
+    Same idea as FlashAttention-2's split heuristic: the wave efficiency of s splits is
+    n / ceil(n) with n = programs * s / slots; take the fewest splits within 85% of the best.
+    `max_len` is an upper bound (the block table's width), so it costs no host sync.
+    """
+    programs = batch * head_tiles
+    slots = num_sms * cfg.programs_per_sm
+    if programs >= 0.8 * slots or max_len <= cfg.min_split_tokens:
+        return 1
+    limit = max(1, min(cfg.max_splits, max_len // cfg.min_split_tokens))
+    effs = []
+    for s in range(1, limit + 1):
+        waves = programs * s / slots
+        effs.append(waves / math.ceil(waves))
+    best = max(effs)
+    return next(s for s, e in enumerate(effs, start=1) if e >= 0.85 * best)
+
+
+@triton.jit
+def _mla_decode_partial_kernel(
+    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    qk_scale_log2,  # softmax scale * log2(e): scores live in the log2 domain
+    H,
+    stride_qb, stride_qh,
+    stride_kvb, stride_kvs,
+    stride_btb,
+    stride_ob, stride_os, stride_oh,
+    stride_lb, stride_ls, stride_lh,
+    PAGE: tl.constexpr, LKV: tl.constexpr, R: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid_h = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    # Split boundaries on BLOCK_N multiples, so only a split's last tile is partial.
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_l = tl.arange(0, BLOCK_L)
+    offs_r = tl.arange(0, BLOCK_R)
+    hmask = heads < H
+    lmask = offs_l < LKV
+    rmask = offs_r < R
+    kv_dtype = kv_ptr.dtype.element_ty
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q_lat = tl.load(q_row + offs_l[None, :], mask=hmask[:, None] & lmask[None, :], other=0.0)
+    q_pe = tl.load(q_row + LKV + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
+    q_lat = q_lat.to(kv_dtype)  # [BLOCK_H, BLOCK_L]
+    q_pe = q_pe.to(kv_dtype)    # [BLOCK_H, BLOCK_R]
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
+    bt_row = block_table_ptr + b.to(tl.int64) * stride_btb
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        blk = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
+        row = blk * stride_kvb + (offs_n % PAGE).to(tl.int64) * stride_kvs  # [BLOCK_N]
+        c = tl.load(kv_ptr + row[:, None] + offs_l[None, :],
+                    mask=nmask[:, None] & lmask[None, :], other=0.0)       # [BLOCK_N, BLOCK_L]
+        k_pe = tl.load(kv_ptr + row[:, None] + LKV + offs_r[None, :],
+                       mask=nmask[:, None] & rmask[None, :], other=0.0)    # [BLOCK_N, BLOCK_R]
+        s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+        s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)
+        # Every tile holds >= 1 valid row (n0 < end), so m_new is finite.
+        s = tl.where(nmask[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(kv_dtype), c, acc=acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+
+    empty = l_i == 0.0  # split (or whole sequence) without rows: lse -inf, output 0
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o_ptrs = (o_ptr + b.to(tl.int64) * stride_ob + split * stride_os
+              + heads[:, None] * stride_oh + offs_l[None, :])
+    lse_ptrs = lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + heads * stride_lh
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
+    tl.store(lse_ptrs, lse, mask=hmask)
+
+
+@triton.jit
+def _mla_decode_reduce_kernel(
+    po_ptr, plse_ptr, o_ptr, lse_ptr,
+    H,
+    stride_pob, stride_pos, stride_poh,
+    stride_plb, stride_pls, stride_plh,
+    stride_ob, stride_oh, stride_lb, stride_lh,
+    LKV: tl.constexpr, BLOCK_L: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_l = tl.arange(0, BLOCK_L)
+    lmask = offs_l < LKV
+    plse_row = plse_ptr + b * stride_plb + h * stride_plh
+    lse_s = tl.load(plse_row + offs_s * stride_pls, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.exp(lse_s - m_safe), 0)  # 0 when every split is empty
+    acc = tl.zeros([BLOCK_L], tl.float32)
+    for s in range(NUM_SPLITS):
+        lse_i = tl.load(plse_row + s * stride_pls)
+        # Empty splits (lse -inf) get weight 0 and their rows are not read.
+        read = lmask & ((tl.zeros([BLOCK_L], tl.float32) + lse_i) > float("-inf"))
+        o_i = tl.load(po_ptr + b * stride_pob + s * stride_pos + h * stride_poh + offs_l,
+                      mask=read, other=0.0)
+        acc += tl.exp(lse_i - m_safe) * o_i
+    nonempty = total > 0.0
+    o = acc / tl.where(nonempty, total, 1.0)
+    lse = tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), float("-inf"))
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_l, o.to(o_ptr.dtype.element_ty), mask=lmask)
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh, lse)
+
+
+def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
+               num_splits: int | None = None, num_sms: int | None = None,
+               cfg: DecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode: q [B, H, Lkv+R] -> (o [B, H, Lkv] in q.dtype, lse [B, H] fp32).
+
+    Inputs are assumed validated (TritonAttentionOps does it); the last dims must be contiguous.
+    """
+    B, H, D = q.shape
+    page = kv_cache.shape[1]
+    lkv, r = kv_lora_rank, D - kv_lora_rank
+    cfg = cfg or default_decode_config(H, kv_cache.dtype)
+    block_h = max(16, min(cfg.block_h, triton.next_power_of_2(H)))
+    head_tiles = triton.cdiv(H, block_h)
+    if num_splits is None:
+        max_len = block_table.shape[1] * page
+        num_splits = choose_num_splits(B, head_tiles, max_len, num_sms or 1, cfg)
+    o = torch.empty(B, H, lkv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
+    if B == 0 or H == 0:
+        return o, lse
+    precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    direct = num_splits == 1
+    if direct:
+        po, plse = o, lse
+        po_strides = (o.stride(0), 0, o.stride(1))
+        plse_strides = (lse.stride(0), 0, lse.stride(1))
+    else:
+        po = torch.empty(B, num_splits, H, lkv, dtype=torch.float32, device=q.device)
+        plse = torch.empty(B, num_splits, H, dtype=torch.float32, device=q.device)
+        po_strides = (po.stride(0), po.stride(1), po.stride(2))
+        plse_strides = (plse.stride(0), plse.stride(1), plse.stride(2))
+    block_l = triton.next_power_of_2(lkv)
+    _mla_decode_partial_kernel[(head_tiles, num_splits, B)](
+        q, kv_cache, block_table, seq_lens, po, plse,
+        scale * LOG2E, H,
+        q.stride(0), q.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1),
+        block_table.stride(0),
+        *po_strides, *plse_strides,
+        PAGE=page, LKV=lkv, R=r,
+        BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(r),
+        BLOCK_H=block_h, BLOCK_N=cfg.block_n,
+        NUM_SPLITS=num_splits, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        _mla_decode_reduce_kernel[(H, B)](
+            po, plse, o, lse, H,
+            *po_strides, *plse_strides,
+            o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+            LKV=lkv, BLOCK_L=block_l,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
+    return o, lse

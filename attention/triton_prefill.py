@@ -1,0 +1,164 @@
+"""Variable-length flash attention with LSE in Triton, QK width != V width (MLA prefill).
+
+q `[Tq, H, P+R]`, k `[Tk, H, P+R]`, v `[Tk, H, V]`, sequences delimited by cu_seqlens_q/k.
+The QK width is handled as two power-of-two parts (192 = 128 + 64), so nothing is padded to 256;
+V is read at its own width (not padded in memory). Causal masks are bottom-right aligned: query i
+of a sequence with Lq queries and Lk keys sees keys j <= i + Lk - Lq.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 2
+
+
+def default_prefill_config(dtype: torch.dtype) -> PrefillConfig:
+    """Tile shape per dtype: fp32 tiles are twice the bytes, so halve them."""
+    if dtype == torch.float32:
+        return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return PrefillConfig()
+
+
+def split_width(d: int) -> tuple[int, int]:
+    """Width d as (largest power of two <= d, next power of two >= the rest, or 0): 192 -> (128, 64)."""
+    da = 1 << (d.bit_length() - 1)
+    rest = d - da
+    return da, (triton.next_power_of_2(rest) if rest else 0)
+
+
+@triton.jit
+def _attend_range(acc, l_i, m_i, qa, qb, k_base, v_base, stride_kt, stride_vt,
+                  lo, hi, offs_m, shift, lk, qk_scale_log2,
+                  D_QK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+                  DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """Online-softmax over key rows [lo, hi); MASKED applies the length and causal masks."""
+    offs_da = tl.arange(0, DA)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < lk
+        k_cols = k_base + offs_n[None, :] * stride_kt
+        ka = tl.load(k_cols + offs_da[:, None], mask=nmask[None, :], other=0.0)  # [DA, BLOCK_N]
+        s = tl.dot(qa, ka, input_precision=PRECISION)                            # [BLOCK_M, BLOCK_N]
+        if DB > 0:
+            offs_db = DA + tl.arange(0, DB)
+            kb = tl.load(k_cols + offs_db[:, None], mask=nmask[None, :] & (offs_db[:, None] < D_QK),
+                         other=0.0)                                              # [DB, BLOCK_N]
+            s = tl.dot(qb, kb, acc=s, input_precision=PRECISION)
+        s = s * qk_scale_log2
+        if MASKED:
+            keep = nmask[None, :]
+            if CAUSAL:
+                keep = keep & (offs_n[None, :] <= offs_m[:, None] + shift)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no key yet keeps m = -inf; subtract 0 instead to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_dv[None, :],
+                    mask=nmask[:, None] & (offs_dv[None, :] < DV), other=0.0)   # [BLOCK_N, BLOCK_DV]
+        acc = tl.dot(p.to(v.dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+    qk_scale_log2,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_lt, stride_lh,
+    D_QK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+):
+    mblk = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    q0 = tl.load(cu_q_ptr + b).to(tl.int32)
+    lq = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q0
+    k0 = tl.load(cu_k_ptr + b).to(tl.int32)
+    lk = tl.load(cu_k_ptr + b + 1).to(tl.int32) - k0
+    if mblk * BLOCK_M < lq:
+        offs_m = mblk * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = offs_m < lq
+        rows = (q0 + offs_m).to(tl.int64)
+        q_base = q_ptr + rows[:, None] * stride_qt + h * stride_qh
+        qa = tl.load(q_base + tl.arange(0, DA)[None, :], mask=mmask[:, None], other=0.0)
+        if DB > 0:
+            offs_db = DA + tl.arange(0, DB)
+            qb = tl.load(q_base + offs_db[None, :], mask=mmask[:, None] & (offs_db[None, :] < D_QK),
+                         other=0.0)
+        else:
+            qb = qa
+        k_base = k_ptr + k0.to(tl.int64) * stride_kt + h * stride_kh
+        v_base = v_ptr + k0.to(tl.int64) * stride_vt + h * stride_vh
+        shift = lk - lq
+        if CAUSAL:
+            # Keys below `full` are visible to every row of the tile; none at or past `hi` is.
+            hi = tl.minimum(tl.maximum((mblk + 1) * BLOCK_M + shift, 0), lk)
+            full = tl.minimum(tl.maximum(mblk * BLOCK_M + shift + 1, 0), lk) // BLOCK_N * BLOCK_N
+        else:
+            hi = lk
+            full = lk // BLOCK_N * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        acc, l_i, m_i = _attend_range(acc, l_i, m_i, qa, qb, k_base, v_base, stride_kt, stride_vt,
+                                      0, full, offs_m, shift, lk, qk_scale_log2,
+                                      D_QK, DA, DB, DV, BLOCK_DV, BLOCK_N, False, CAUSAL, PRECISION)
+        acc, l_i, m_i = _attend_range(acc, l_i, m_i, qa, qb, k_base, v_base, stride_kt, stride_vt,
+                                      full, hi, offs_m, shift, lk, qk_scale_log2,
+                                      D_QK, DA, DB, DV, BLOCK_DV, BLOCK_N, True, CAUSAL, PRECISION)
+        empty = l_i == 0.0  # no visible key: lse -inf, output 0
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        o = acc / tl.where(empty, 1.0, l_i)[:, None]
+        offs_dv = tl.arange(0, BLOCK_DV)
+        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_dv[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=mmask[:, None] & (offs_dv[None, :] < DV))
+        tl.store(lse_ptr + rows * stride_lt + h * stride_lh, lse, mask=mmask)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                      max_seqlen_q: int, scale: float, causal: bool,
+                      cfg: PrefillConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Varlen attention: (o [Tq, H, V] in q.dtype, lse [Tq, H] fp32); last dims must be contiguous."""
+    Tq, H, d_qk = q.shape
+    dv = v.shape[-1]
+    B = cu_seqlens_q.shape[0] - 1
+    cfg = cfg or default_prefill_config(q.dtype)
+    o = torch.empty(Tq, H, dv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(Tq, H, dtype=torch.float32, device=q.device)
+    if Tq == 0 or B == 0 or H == 0 or max_seqlen_q == 0:
+        return o, lse
+    da, db = split_width(d_qk)
+    grid = (triton.cdiv(max_seqlen_q, cfg.block_m), B, H)
+    _prefill_kernel[grid](
+        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+        D_QK=d_qk, DA=da, DB=db, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return o, lse

@@ -1,0 +1,264 @@
+"""Triton attention ops vs the torch reference (attention/torch_backend.py).
+
+CPU: every kernel runs under TRITON_INTERPRET=1 in one subprocess (the flag must be set before
+triton decorates the kernels, and another test module may already have imported them here); the
+interpreter's bf16 dot is wrong, so CPU cases use fp32/fp16. GPU (`-m gpu`, skipped without CUDA):
+real shapes (Lkv+R = 576, QK 192 / V 128), bf16/fp16/fp32. scripts/bench_attention.py --check runs
+the same GPU cases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from attention.torch_backend import TorchAttentionOps  # noqa: E402
+
+# Relative-error limits vs an fp32 reference (fp32 kernels use the "ieee" dot).
+TOL = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in fp64; NaN anywhere gives inf."""
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any():
+        return float("inf")
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def poison_allocator(device: str, nbytes: int = 1 << 28) -> None:
+    """Fill freed allocator memory with NaN so outputs the kernel never writes show up as NaN."""
+    if device == "cuda":
+        torch.full((nbytes // 4,), float("nan"), device=device)  # freed at once, cached for reuse
+
+
+def check_lse(lse: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """LSE: -inf exactly where the reference has -inf, close elsewhere; no NaN."""
+    assert not torch.isnan(lse).any(), f"{what}: NaN in lse"
+    empty = torch.isinf(ref)
+    assert torch.equal(torch.isinf(lse), empty), f"{what}: -inf lse pattern differs"
+    if (~empty).any():
+        d = (lse[~empty] - ref[~empty]).abs().max().item()
+        assert d < 2e-2, f"{what}: lse max abs diff {d}"
+
+
+def paged_cache(lens, page, d, dtype, device, gen, extra_blocks=3):
+    """Cache [NB, page, d] and a block table whose rows are shuffled, disjoint block ids."""
+    per_seq = max([1] + [-(-n // page) for n in lens])
+    nb = per_seq * len(lens) + extra_blocks
+    cache = torch.randn(nb, page, d, generator=gen).to(dtype).to(device)
+    ids = torch.randperm(nb, generator=gen)[: per_seq * len(lens)]
+    return cache, ids.view(len(lens), per_seq).to(torch.int32).to(device)
+
+
+def check_decode(device, dtype, H, lkv, r, page, lens, num_splits=None, seed=0, ops=None):
+    """Triton decode vs reference on random data; returns (o rel err, splits used)."""
+    from attention.triton_backend import TritonAttentionOps
+    from attention.triton_decode import mla_decode
+    gen = torch.Generator().manual_seed(seed)
+    B = len(lens)
+    cache, bt = paged_cache(lens, page, lkv + r, dtype, device, gen)
+    q = torch.randn(B, H, lkv + r, generator=gen).to(dtype).to(device)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+    scale = (lkv + r) ** -0.5 * 3.0  # sharper than 1/sqrt(d): exercises the max tracking
+    poison_allocator(device)
+    if num_splits is None:
+        o, lse = (ops or TritonAttentionOps()).decode(q, cache, bt, seq_lens, scale, lkv)
+    else:
+        o, lse = mla_decode(q, cache, bt, seq_lens, scale, lkv, num_splits=num_splits)
+    ref_o, ref_lse = TorchAttentionOps().decode(q.float(), cache.float(), bt, seq_lens, scale, lkv)
+    assert o.shape == (B, H, lkv) and o.dtype == dtype and lse.dtype == torch.float32
+    check_lse(lse, ref_lse, "decode")
+    zero = seq_lens == 0
+    assert not zero.any() or (o[zero] == 0).all(), "decode: zero-length rows must be 0"
+    err = rel_err(o, ref_o)
+    assert err <= TOL[dtype], f"decode rel err {err} > {TOL[dtype]} ({dtype}, H={H}, page={page})"
+    return err
+
+
+def check_prefill(device, dtype, H, d_qk, d_v, lens_qk, causal, seed=0, cfg=None):
+    """Triton varlen prefill vs reference; lens_qk = [(Lq, Lk), ...]."""
+    from attention.triton_prefill import prefill_attention
+    gen = torch.Generator().manual_seed(seed)
+    cq = torch.tensor([0] + [a for a, _ in lens_qk]).cumsum(0)
+    ck = torch.tensor([0] + [b for _, b in lens_qk]).cumsum(0)
+    tq, tk = int(cq[-1]), int(ck[-1])
+    q = torch.randn(tq, H, d_qk, generator=gen).to(dtype).to(device)
+    k = torch.randn(tk, H, d_qk, generator=gen).to(dtype).to(device)
+    v = torch.randn(tk, H, d_v, generator=gen).to(dtype).to(device)
+    cq, ck = cq.to(torch.int32).to(device), ck.to(torch.int32).to(device)
+    max_q = max([0] + [a for a, _ in lens_qk])
+    max_k = max([0] + [b for _, b in lens_qk])
+    scale = d_qk ** -0.5
+    poison_allocator(device)
+    o, lse = prefill_attention(q, k, v, cq, ck, max_q, scale, causal, cfg=cfg)
+    ref_o, ref_lse = TorchAttentionOps().prefill(q.float(), k.float(), v.float(), cq, ck, max_q, max_k,
+                                                 scale, causal)
+    assert o.shape == (tq, H, d_v) and o.dtype == dtype
+    check_lse(lse, ref_lse, "prefill")
+    empty = torch.isinf(ref_lse)
+    assert not empty.any() or (o[empty] == 0).all(), "prefill: rows without keys must be 0"
+    err = rel_err(o, ref_o)
+    assert err <= TOL[dtype], f"prefill rel err {err} > {TOL[dtype]} ({dtype}, causal={causal})"
+    return err
+
+
+def check_write_kv(device, dtype, src_dtype, page, d, n_tokens, seed=0):
+    """Written slots match the reference bit for bit; every other slot keeps its NaN poison."""
+    from attention.triton_backend import TritonAttentionOps
+    gen = torch.Generator().manual_seed(seed)
+    nb = -(-n_tokens // page) + 2
+    kv = torch.randn(n_tokens, d, generator=gen).to(src_dtype).to(device)
+    slots = torch.randperm(nb * page, generator=gen)[:n_tokens]
+    slots[torch.rand(n_tokens, generator=gen) < 0.25] = -1
+    slots = slots.to(device)
+    cache = torch.full((nb, page, d), float("nan"), dtype=dtype, device=device)
+    ref = cache.clone()
+    TritonAttentionOps().write_kv(cache, kv, slots)
+    TorchAttentionOps().write_kv(ref, kv, slots)
+    assert torch.equal(cache.isnan(), ref.isnan()), "write_kv: wrong set of slots written"
+    assert torch.equal(cache.nan_to_num(0.0), ref.nan_to_num(0.0)), "write_kv: values differ"
+    return 0.0
+
+
+def check_gather(device, dtype, page, d, lens, starts, seed=0):
+    """Gathered rows equal the reference's bit for bit (and none is left unwritten)."""
+    from attention.triton_backend import TritonAttentionOps
+    gen = torch.Generator().manual_seed(seed)
+    cache, bt = paged_cache([s + n for s, n in zip(starts, lens)], page, d, dtype, device, gen)
+    cu = torch.tensor([0] + list(lens)).cumsum(0).to(torch.int32).to(device)
+    st = torch.tensor(starts, dtype=torch.int32, device=device)
+    n = int(cu[-1])
+    poison_allocator(device)
+    out = TritonAttentionOps().gather_context(cache, bt, st, cu, n)
+    ref = TorchAttentionOps().gather_context(cache, bt, st, cu, n)
+    assert out.shape == (n, d) and torch.equal(out, ref), "gather_context differs"
+    return 0.0
+
+
+f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
+# Tiny CPU cases: shuffled block tables, pages that do not divide lengths, lengths 0 and 1.
+CPU_CASES = {
+    "decode_page4_splits1": lambda: check_decode("cpu", f32, 4, 32, 16, 4, [0, 1, 37, 70], num_splits=1),
+    "decode_page4_splits3": lambda: check_decode("cpu", f32, 4, 32, 16, 4, [0, 1, 37, 70], num_splits=3),
+    "decode_page16_2tiles_fp16": lambda: check_decode("cpu", f16, 20, 32, 16, 16, [5, 0, 33], num_splits=2),
+    "decode_page64_more_splits_than_rows": lambda: check_decode("cpu", f32, 16, 32, 16, 64, [3, 90], num_splits=8),
+    "decode_ops_auto_splits": lambda: check_decode("cpu", f32, 8, 32, 16, 16, [17, 0, 1]),
+    "prefill_causal": lambda: check_prefill("cpu", f32, 2, 48, 32, [(3, 3), (0, 4), (5, 9), (1, 1), (7, 4)],
+                                            True, cfg=_small_prefill()),
+    "prefill_noncausal_empty_keys": lambda: check_prefill("cpu", f32, 2, 48, 32, [(3, 0), (6, 20), (2, 5)],
+                                                          False, cfg=_small_prefill()),
+    "prefill_causal_pow2_width_fp16": lambda: check_prefill("cpu", f16, 1, 32, 16, [(20, 20), (4, 33)],
+                                                            True, cfg=_small_prefill()),
+    "prefill_default_tiles": lambda: check_prefill("cpu", f32, 1, 48, 32, [(9, 12), (0, 0)], True),
+    "write_kv_fp32_to_fp16": lambda: check_write_kv("cpu", f16, f32, 4, 48, 21),
+    "write_kv_page16": lambda: check_write_kv("cpu", f32, f32, 16, 48, 40),
+    "gather_page4": lambda: check_gather("cpu", f32, 4, 48, [5, 0, 9, 1], [0, 3, 6, 0]),
+    "gather_page16": lambda: check_gather("cpu", f32, 16, 48, [17, 40], [15, 0]),
+}
+
+
+def _small_prefill():
+    from attention.triton_prefill import PrefillConfig
+    return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+
+
+# Real shapes. Decode lengths span 1..16k with a 0 in each batch.
+GPU_CASES = {}
+for _h in (16, 128):
+    for _page in (16, 64):
+        GPU_CASES[f"decode_bf16_H{_h}_page{_page}"] = (
+            lambda h=_h, p=_page: check_decode("cuda", bf16, h, 512, 64, p, [1, 0, 777, 4096, 16384, 3000]))
+GPU_CASES["decode_fp32_H16_page64"] = lambda: check_decode("cuda", f32, 16, 512, 64, 64, [1, 0, 1000, 5000])
+GPU_CASES["decode_bf16_H128_forced_splits7"] = (
+    lambda: check_decode("cuda", bf16, 128, 512, 64, 16, [0, 100, 2049], num_splits=7))
+GPU_CASES["decode_bf16_H16_batch64"] = (
+    lambda: check_decode("cuda", bf16, 16, 512, 64, 64, [(37 * i) % 4000 for i in range(64)]))
+_PREFILL_LENS = [(1, 1), (0, 5), (5, 0), (300, 1000), (1024, 1024), (1500, 2100), (77, 50)]
+for _dt in (bf16, f16, f32):
+    for _causal in (True, False):
+        GPU_CASES[f"prefill_{str(_dt)[6:]}_causal{int(_causal)}"] = (
+            lambda dt=_dt, c=_causal: check_prefill("cuda", dt, 16, 192, 128, _PREFILL_LENS, c))
+for _page in (16, 64):
+    GPU_CASES[f"write_kv_page{_page}"] = lambda p=_page: check_write_kv("cuda", bf16, bf16, p, 576, 3000)
+    GPU_CASES[f"gather_page{_page}"] = (
+        lambda p=_page: check_gather("cuda", bf16, p, 576, [1000, 0, 37, 4096], [0, 5, 63, 100]))
+
+
+def run_cases(cases: dict) -> dict:
+    """Run each case; {name: ["ok", err] or ["FAIL", message]}."""
+    out = {}
+    for name, fn in cases.items():
+        try:
+            out[name] = ["ok", fn()]
+        except Exception as e:  # report every case, not just the first failure
+            out[name] = ["FAIL", f"{type(e).__name__}: {e}"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def interpreted_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", sorted(CPU_CASES))
+def test_interpreted(interpreted_results, name):
+    status, detail = interpreted_results[name]
+    assert status == "ok", detail
+
+
+def test_bad_arguments_raise_value_error():
+    from attention.triton_backend import TritonAttentionOps
+    ops = TritonAttentionOps()
+    q = torch.zeros(2, 4, 48)
+    cache = torch.zeros(3, 4, 48)
+    bt = torch.zeros(2, 3, dtype=torch.int32)
+    lens = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        ops.decode(q, cache, bt, lens, 1.0, 48)
+    with pytest.raises(ValueError, match="seq_lens"):
+        ops.decode(q, cache, bt, lens[:1], 1.0, 32)
+    with pytest.raises(ValueError, match="kv_cache"):
+        ops.decode(q, torch.zeros(3, 4, 40), bt, lens, 1.0, 32)
+    with pytest.raises(ValueError, match="unit last stride"):
+        ops.write_kv(cache.transpose(1, 2), torch.zeros(1, 4), torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="v must be"):
+        ops.prefill(q, q, torch.zeros(3, 4, 16), torch.tensor([0, 2]), torch.tensor([0, 2]), 2, 2, 1.0, True)
+    with pytest.raises(ValueError, match="cu_lens"):
+        ops.gather_context(cache, bt, torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 0)
+
+
+def test_split_heuristic_fills_gpu():
+    from attention.triton_decode import DecodeConfig, choose_num_splits
+    cfg = DecodeConfig(programs_per_sm=1)
+    assert choose_num_splits(128, 1, 4096, 132, cfg) == 1          # batch alone fills 132 SMs
+    s = choose_num_splits(1, 1, 32768, 132, cfg)
+    assert 100 <= s <= cfg.max_splits                              # long single sequence: ~1 wave
+    assert choose_num_splits(1, 1, 200, 132, cfg) == 1              # too short to split
+    assert choose_num_splits(4, 2, 4096, 132, cfg) <= 4096 // cfg.min_split_tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", sorted(GPU_CASES))
+def test_gpu(name):
+    GPU_CASES[name]()
+
+
+if __name__ == "__main__" and "--interpret" in sys.argv:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before triton is imported"
+    print(json.dumps(run_cases(CPU_CASES)))
