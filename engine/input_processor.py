@@ -24,8 +24,9 @@ def load_tokenizer(path: str, required: bool = True):
 
 
 class InputProcessor:
-    def __init__(self, tokenizer, cfg: ModelConfig, max_model_len: int):
+    def __init__(self, tokenizer, cfg: ModelConfig, max_model_len: int, capacity_tokens: int = 0):
         self.tokenizer, self.cfg, self.max_model_len = tokenizer, cfg, max_model_len
+        self.capacity_tokens = capacity_tokens  # KV cache capacity; 0: unknown, unchecked
 
     @property
     def eos_token_id(self) -> int | None:
@@ -51,6 +52,9 @@ class InputProcessor:
             bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < V), None)
             if bad is not None:
                 raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {V})")
+        if self.capacity_tokens and len(ids) > self.capacity_tokens:
+            raise ValueError(f"prompt has {len(ids)} tokens, more than the KV cache holds "
+                             f"({self.capacity_tokens} tokens)")
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ValueError(f"prompt has {len(ids)} tokens; the context length (max_model_len) is "

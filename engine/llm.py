@@ -25,6 +25,7 @@ def build_engine(args: EngineArgs) -> tuple[EngineCore, InputProcessor, OutputPr
     inputs = InputProcessor(tokenizer, cfg, 0)
     core = EngineCore(args, cfg, inputs.eos_token_id)
     inputs.max_model_len = core.max_model_len
+    inputs.capacity_tokens = core.scheduler.config.capacity_tokens
     return core, inputs, OutputProcessor(tokenizer)
 
 

@@ -1,0 +1,130 @@
+"""Engine on tiny transformers models: greedy outputs equal `generate()` under every schedule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+LENS = (5, 17, 33, 64, 3, 40, 12, 50)
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def prompts_and_refs(tiny_v3):
+    path, hf = tiny_v3
+    torch.manual_seed(3)
+    prompts = [torch.randint(2, 320, (n,)).tolist() for n in LENS]
+    refs = []
+    for p in prompts:
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+        refs.append(out[0, len(p):].tolist())
+    return prompts, refs
+
+
+def make_llm(path, **kw):
+    return LLM(path, device="cpu", dtype="float32", **({"num_kv_blocks": 256} | kw))
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 8}, {"max_num_seqs": 2},
+                                {"max_num_batched_tokens": 16, "block_size": 4}],
+                         ids=["default", "budget8", "seqs2", "budget16-block4"])
+def test_greedy_equals_transformers(tiny_v3, prompts_and_refs, kw):
+    prompts, refs = prompts_and_refs
+    llm = make_llm(tiny_v3[0], **kw)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    s = llm.scheduler.stats
+    assert s.num_free_blocks == s.num_total_blocks
+
+
+def test_greedy_under_preemption(tiny_v3, prompts_and_refs):
+    prompts, refs = prompts_and_refs
+    llm = make_llm(tiny_v3[0], num_kv_blocks=22, block_size=4)  # 88 tokens for 8 requests
+    outs = llm.generate(prompts, GREEDY)
+    assert llm.scheduler.stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == refs
+
+
+def test_prefix_cache_hits_keep_outputs(tiny_v3):
+    path, hf = tiny_v3
+    torch.manual_seed(4)
+    shared = torch.randint(2, 320, (37,)).tolist()
+    prompts = [shared + torch.randint(2, 320, (n,)).tolist() for n in (3, 9, 20, 1)]
+    refs = [hf.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                        pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    llm = make_llm(path, block_size=4)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first = llm.generate(prompts[:1], params)
+    rest = llm.generate(prompts[1:], params)
+    assert llm.scheduler.stats.prefix_cache_hits >= 3 * 36
+    assert all(o.num_cached_tokens >= 36 for o in rest)
+    assert [o.outputs[0].token_ids for o in first + rest] == refs
+
+
+def test_seeded_sampling_independent_of_batch(tiny_v3):
+    llm = make_llm(tiny_v3[0])
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(["Hello world"], p)[0].outputs[0]
+    others = [SamplingParams(temperature=0.7, max_tokens=n, ignore_eos=True) for n in range(3, 10)]
+    batch = llm.generate(["The quick", "Hello", "A", "Question:", "fox", "dog", "Hello world", "x"][:7]
+                         + ["Hello world"], others + [p])
+    assert batch[-1].outputs[0].token_ids == alone.token_ids
+    assert batch[-1].outputs[0].text == alone.text
+
+
+def test_n_samples_and_logprobs(tiny_v3):
+    llm = make_llm(tiny_v3[0])
+    out = llm.generate(["Hello"], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6,
+                                                 ignore_eos=True, logprobs=2, prompt_logprobs=1))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:
+        assert len(c.logprobs) == 6 and all(len(lp.top) == 2 for lp in c.logprobs)
+        assert [lp.token_id for lp in c.logprobs] == c.token_ids
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
+    assert [lp.token_id for lp in out.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ("", SamplingParams(), "prompt"),
+    ([5, 320], SamplingParams(), "token id 320"),
+    ([5] * 250, SamplingParams(max_tokens=10), "max_tokens 10"),
+])
+def test_bad_input_named_and_engine_keeps_serving(tiny_v3, prompt, params, field):
+    llm = make_llm(tiny_v3[0])
+    with pytest.raises(ValueError, match=field):
+        llm.generate([prompt], params)
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("kw,field", [({"top_p": 0.0}, "top_p"), ({"temperature": -1.0}, "temperature"),
+                                      ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n "),
+                                      ({"logprobs": 99}, "logprobs")])
+def test_bad_sampling_params_named(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_stop_strings_and_stop_tokens(tiny_v3):
+    llm = make_llm(tiny_v3[0])
+    base = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    stop = base.text[3:6]
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                 stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[: base.text.index(stop)]
+    tok = base.token_ids[4]
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                 stop_token_ids=[tok]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == tok
+    assert out.token_ids == base.token_ids[: base.token_ids.index(tok) + 1]
+    s = llm.scheduler.stats
+    assert s.num_free_blocks == s.num_total_blocks

@@ -1,0 +1,57 @@
+"""Attention metadata: the decode/prefill split and the DCP layout (DESIGN.md §5, §7)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention.metadata import build_mla_metadata, local_len
+
+
+@pytest.mark.parametrize("D", [2, 3, 4])
+def test_local_len_matches_brute_force(D):
+    for L in range(1, 18):
+        for r in range(D):
+            assert local_len(L, D, r) == sum(1 for i in range(L) if i % D == r), (L, D, r)
+
+
+def test_split_is_rebased_and_sliced():
+    # two decodes then a first chunk (5 tokens) and a continuation (3 tokens after 6 cached)
+    m = build_mla_metadata([1, 1, 5, 3], [4, 9, 0, 6], [[7, 2], [3, 8, 1], [5, 6], [9, 4, 0]],
+                           block_size=4, device="cpu")
+    assert (m.num_decodes, m.num_decode_tokens, m.num_prefills, m.num_prefill_tokens) == (2, 2, 2, 8)
+    assert m.decode.seq_lens.tolist() == [5, 10]
+    assert m.decode.block_table.shape[0] == 2 and m.prefill.block_table.shape[0] == 2
+    assert m.prefill.query_start_loc.tolist() == [0, 5, 8]  # rebased, prefill rows only
+    assert m.prefill.context_lens == [0, 6] and m.prefill.has_context  # the flag vLLM forgot
+    # slots: position p of a request lives in block table[p // 4] at offset p % 4
+    assert m.slot_mapping.tolist() == [2 * 4 + 0, 8 * 4 + 1,
+                                       5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 6 * 4 + 0,
+                                       4 * 4 + 2, 4 * 4 + 3, 0 * 4 + 0]
+
+
+def test_unordered_batch_is_refused():
+    with pytest.raises(ValueError, match="decodes first"):
+        build_mla_metadata([3, 1], [0, 5], [[0], [1, 2]], block_size=4, device="cpu")
+
+
+def test_dcp_slots_and_context_gather_cover_every_token_once():
+    D, bs = 2, 4
+    ctx, q = [13, 0], [3, 6]
+    tables = [[3, 1, 0], [2, 5]]
+    seen = {}
+    for r in range(D):
+        m = build_mla_metadata(q, ctx, tables, bs, "cpu", dcp_size=D, dcp_rank=r, context_chunk_tokens=4)
+        slots = m.slot_mapping.tolist()
+        pos = [c + i for c, n in zip(ctx, q) for i in range(n)]
+        for p, s in zip(pos, slots):
+            assert (s >= 0) == (p % D == r)
+        # every context token gathered exactly once over ranks and chunks
+        total = sum(sum(ch.cu_seqlens_k.diff().tolist()[:1]) for ch in m.prefill.context_chunks)
+        seen[r] = total
+    assert seen[0] == seen[1] == 13  # after the all-gather each rank sees the whole context
+
+
+def test_dcp_refuses_multi_token_decode():
+    with pytest.raises(ValueError, match="decode_threshold"):
+        build_mla_metadata([2], [4], [[0, 1]], 4, "cpu", dcp_size=2, decode_threshold=2)
