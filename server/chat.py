@@ -12,8 +12,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
-from server.completions import param_of, finite, sse, start_streams
-from server.errors import APIError, error_body
+from server.completions import finite, sse, start_streams
+from server.errors import APIError, error_body, param_of
 from server.protocol import ChatCompletionRequest
 from server.streams import ClientDisconnected, EngineStreams, until_disconnect
 
@@ -43,7 +43,8 @@ class ChatBuilder:
         self._sent_tokens: dict[int, int] = {}
 
     def _entry(self, tid: int, logprob: float) -> dict:
-        s = self.state.token_str(tid)
+        s = (f"token_id:{tid}" if self.req.return_tokens_as_token_ids
+             else self.state.token_str(tid))
         return {"token": s, "logprob": finite(logprob), "bytes": list(s.encode("utf-8"))}
 
     def logprobs(self, lps: list[TokenLogprobs]) -> dict | None:
@@ -67,9 +68,10 @@ class ChatBuilder:
             out.append({"index": index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None})
         lps = list(o.logprobs or [])
-        new_text = o.text[self._sent_text[index]:]
+        new_text = o.delta_text  # not a slice of o.text: text held back for stop strings
         new_lps = lps[self._sent_tokens[index]:]
-        self._sent_text[index], self._sent_tokens[index] = len(o.text), len(lps)
+        self._sent_text[index] += len(new_text)
+        self._sent_tokens[index] = len(lps)
         if new_text or new_lps or o.finish_reason is not None:
             out.append({"index": index, "delta": {"content": new_text} if new_text else {},
                         "logprobs": self.logprobs(new_lps) if new_lps else None,

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
-from server.errors import APIError, error_body
+from server.errors import APIError, error_body, param_of
 from server.protocol import CompletionRequest
 from server.streams import ClientDisconnected, EngineStreams, until_disconnect
 
@@ -41,12 +41,6 @@ async def start_streams(state, raw: Request, prompts, params, request_id: str) -
     return streams
 
 
-def param_of(message: str) -> str | None:
-    """The field a validation message starts with ("max_tokens must be ...")."""
-    word = message.split(" ", 1)[0].rstrip(":")
-    return word if word.isidentifier() and word.islower() else None
-
-
 class CompletionBuilder:
     """Turns engine outputs into OpenAI completion choices, whole or as stream deltas."""
 
@@ -71,11 +65,16 @@ class CompletionBuilder:
             return "", [], []
         return o.text, o.token_ids, list(o.logprobs or [])
 
+    def token_str(self, token_id: int) -> str:
+        if self.req.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return self.state.token_str(token_id)
+
     def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int) -> dict:
         """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
         tokens, values, tops, offsets = [], [], [], []
         for tid, lp in entries:
-            s = self.state.token_str(tid)
+            s = self.token_str(tid)
             tokens.append(s)
             offsets.append(offset)
             offset += len(s)
@@ -86,7 +85,7 @@ class CompletionBuilder:
             values.append(finite(lp.logprob))
             top: dict[str, float] = {}
             for alt_id, alt_lp in lp.top[: self.req.logprobs]:
-                top.setdefault(self.state.token_str(alt_id), finite(alt_lp))
+                top.setdefault(self.token_str(alt_id), finite(alt_lp))
             top.setdefault(s, finite(lp.logprob))  # the chosen token is always listed
             tops.append(top)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
@@ -104,11 +103,14 @@ class CompletionBuilder:
 
     def delta(self, index: int, out: RequestOutput, o: CompletionOutput) -> dict | None:
         """The part of choice `index` not sent yet, or None when there is nothing new."""
-        text, _, lps = self._generated(o)
+        _, _, lps = self._generated(o)
         first = index not in self._sent_text
         sent_text, sent_tok = self._sent_text.get(index, 0), self._sent_tokens.get(index, 0)
-        new_text, new_lps = text[sent_text:], lps[sent_tok:]
-        self._sent_text[index], self._sent_tokens[index] = len(text), len(lps)
+        # delta_text, not a slice of o.text: the engine holds back text that may still turn
+        # into a stop string and be cut.
+        new_text = "" if self.drop_generated else o.delta_text
+        new_lps = lps[sent_tok:]
+        self._sent_text[index], self._sent_tokens[index] = sent_text + len(new_text), len(lps)
         entries = [(lp.token_id, lp) for lp in new_lps]
         offset = sent_text
         if self.req.echo:

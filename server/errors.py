@@ -33,6 +33,12 @@ def error_response(status: int, message: str, param: str | None = None,
     return JSONResponse(error_body(status, message, param, code), status_code=status)
 
 
+def param_of(message: str) -> str | None:
+    """The field a validation message starts with ("max_tokens must be ...")."""
+    word = message.split(" ", 1)[0].rstrip(":")
+    return word if word.isidentifier() and word.islower() else None
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """First pydantic error as 'field: what is wrong (got value)'."""
     errors = exc.errors()
@@ -50,7 +56,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"{param}: field required", param
     got = err.get("input")
     suffix = f" (got {got!r})" if isinstance(got, (int, float, str, bool)) and len(repr(got)) < 80 else ""
-    if param and not msg.startswith(param.split(".")[0]):
+    if param is None:  # a check across fields: its message starts with the field it blames
+        param = param_of(msg)
+    elif not msg.startswith(param.split(".")[0]):
         msg = f"{param}: {msg}"
     return msg + suffix, param
 

@@ -43,6 +43,7 @@ class _SamplingFields(_Request):
     repetition_penalty: float = Field(1.0, gt=0.0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -91,7 +92,7 @@ Prompt = str | list[int]
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Any = None
+    prompt: Any  # str | list[str] | list[int] | list[list[int]], see _normalize_prompt
     max_tokens: int | None = Field(16, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False

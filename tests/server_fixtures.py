@@ -1,0 +1,229 @@
+"""Live servers for the server tests: a fake engine in-process, or `serve` in a subprocess.
+
+The fake engine has AsyncLLM's interface (see notes/async_llm_contract.md) and makes up tokens
+deterministically, so HTTP contract tests (formats, errors, disconnects) run in milliseconds.
+The acceptance tests run the real `serve` on the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from scheduler.outputs import TokenLogprobs
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_MODEL = REPO / "configs" / "models" / "tiny-deepseek-v3"
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+NUM_SPECIAL = 5  # ids 0..4 of the tiny tokenizer are special; the fake never samples them
+
+
+@dataclass
+class FakeStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+class FakeEngine:
+    """AsyncLLM look-alike: token t+1 is a function of the context (greedy) or of the seed."""
+
+    def __init__(self, tokenizer, max_model_len: int = 128, step_delay: float = 0.0,
+                 total_blocks: int = 1024, block_size: int = 16) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = len(tokenizer)
+        self.model_name = "fake-model"
+        self.max_model_len = max_model_len
+        self.step_delay = step_delay
+        self.total_blocks, self.block_size = total_blocks, block_size
+        self.errored = False
+        self.blocks: dict[str, int] = {}  # request id -> blocks held
+        self.aborted: set[str] = set()
+        self.prompt_tokens = self.generation_tokens = 0
+
+    def stats(self) -> FakeStats:
+        used = sum(self.blocks.values())
+        return FakeStats(len(self.blocks), 0, self.total_blocks - used, self.total_blocks,
+                         used / self.total_blocks, prompt_tokens_total=self.prompt_tokens,
+                         generation_tokens_total=self.generation_tokens)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    def shutdown(self) -> None:
+        pass
+
+    def _next(self, ctx: list[int], params: SamplingParams, rng: random.Random) -> int:
+        span = self.vocab_size - NUM_SPECIAL
+        # top_k=1, min_p=1 and a tiny top_p keep only the argmax, as in the real sampler
+        if params.greedy or params.top_k == 1 or params.min_p >= 1 or params.top_p < 1e-3:
+            return NUM_SPECIAL + (sum(ctx) * 7 + len(ctx)) % span
+        return NUM_SPECIAL + rng.randrange(span)
+
+    def _lp(self, tid: int, k: int) -> TokenLogprobs:
+        lp = -0.25 - (tid % 4) * 0.5
+        top = [(tid, lp)] + [(NUM_SPECIAL + (tid + j) % (self.vocab_size - NUM_SPECIAL), lp - j)
+                             for j in range(1, k)]
+        return TokenLogprobs(tid, lp, 1, top[:k])
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str):
+        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {bad} is outside [0, {self.vocab_size})")
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        if len(ids) + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                             f"the context length {self.max_model_len}")
+        self.prompt_tokens += len(ids)
+        self.blocks[request_id] = -(-(len(ids) + max_tokens) // self.block_size)
+        plps = None
+        if params.prompt_logprobs is not None:
+            plps = [None] + [self._lp(t, params.prompt_logprobs) for t in ids[1:]]
+        outs = [CompletionOutput(index=i, logprobs=[] if params.logprobs is not None else None)
+                for i in range(params.n)]
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params) for _ in outs]
+        rngs = [random.Random(hash((params.seed, i)) if params.seed is not None else None)
+                for i in range(params.n)]
+        try:
+            while not all(o.finished for o in outs):
+                await asyncio.sleep(self.step_delay)
+                for o, d, rng in zip(outs, detoks, rngs):
+                    o.delta_text, o.delta_token_ids = "", []
+                    if o.finished:
+                        continue
+                    if request_id in self.aborted:
+                        o.finish_reason = "abort"
+                        continue
+                    tid = self._next(ids + o.token_ids, params, rng)
+                    self.generation_tokens += 1
+                    o.token_ids.append(tid)
+                    o.delta_token_ids = [tid]
+                    if o.logprobs is not None:
+                        o.logprobs.append(self._lp(tid, params.logprobs))
+                    stop_id = tid in params.stop_token_ids
+                    stop = d.update([tid], stop_terminated=stop_id)
+                    if stop_id:
+                        o.finish_reason, o.stop_reason = "stop", tid
+                        d.finish()
+                    elif stop is not None:
+                        o.finish_reason, o.stop_reason = "stop", stop
+                    elif len(o.token_ids) >= max_tokens:
+                        o.finish_reason = "length"
+                        d.finish()
+                    o.text = d.output_text
+                    o.delta_text = d.get_delta()
+                finished = all(o.finished for o in outs)
+                yield RequestOutput(request_id, prompt if isinstance(prompt, str) else None, ids,
+                                    [_copy(o) for o in outs], prompt_logprobs=plps,
+                                    finished=finished)
+        finally:
+            self.blocks.pop(request_id, None)
+
+
+def _copy(o: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(o.index, o.text, list(o.token_ids),
+                            None if o.logprobs is None else list(o.logprobs), o.finish_reason,
+                            o.stop_reason, o.delta_text, list(o.delta_token_ids))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class InProcessServer:
+    """uvicorn on a loopback port in a background thread (its own event loop)."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
+                                                     log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> InProcessServer:
+        self._thread.start()
+        deadline = time.time() + 20
+        while not self._server.started:
+            if time.time() > deadline or not self._thread.is_alive():
+                raise RuntimeError("in-process server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+class ServeProcess:
+    """`python -m server ...` on a free loopback port; waits for /health."""
+
+    def __init__(self, *flags: str, startup_timeout: float = 240.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.flags = [*flags, "--host", "127.0.0.1", "--port", str(self.port)]
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> ServeProcess:
+        env = {**os.environ, **OFFLINE_ENV}
+        self.log = open(os.environ.get("SERVE_TEST_LOG", os.devnull), "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "server", *self.flags], cwd=REPO,
+                                     env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + self.startup_timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"serve exited with {self.proc.returncode} during startup")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError(f"serve did not become healthy in {self.startup_timeout} s")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled series in a Prometheus text exposition."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)

@@ -1,0 +1,365 @@
+"""HTTP contract of the server with the `openai` client and raw HTTP.
+
+Every test runs twice: against a fake engine in-process (fast, `fake`) and against the real
+`serve` subprocess on the tiny model (`real`, marked slow). Expected values come from the server
+itself (a greedy run, a non-streamed run), never from constants.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import time
+
+import httpx
+import openai
+import pytest
+import transformers
+
+from server.api_server import build_app
+from tests.server_fixtures import (OFFLINE_ENV, TINY_MODEL, FakeEngine, InProcessServer,
+                                   ServeProcess, metric)
+
+os.environ.update(OFFLINE_ENV)
+MAX_MODEL_LEN = 512
+PROMPTS = ["Question: Mia has 7 apples. Leo has 3 pens.", "Answer: 7 + 3 =", "Emma has", "Hi"]
+
+
+def tiny_model_dir(tmp_path_factory) -> str:
+    """The trained tiny model, or a random tiny DeepSeek-V3 with its tokenizer until it exists."""
+    if (TINY_MODEL / "config.json").exists():
+        return str(TINY_MODEL)
+    from tests.tiny_models import build, v3_config
+
+    path = tmp_path_factory.mktemp("tiny-random-v3")
+    tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+    build(v3_config(vocab_size=len(tok), max_position_embeddings=512), path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_MODEL / name, path / name)
+    return str(path)
+
+
+@pytest.fixture(scope="module", params=["fake", pytest.param("real", marks=pytest.mark.slow)])
+def server(request, tmp_path_factory):
+    if request.param == "fake":
+        tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+        engine = FakeEngine(tok, max_model_len=MAX_MODEL_LEN, step_delay=0.005)
+        with InProcessServer(build_app(engine)) as s:
+            s.model = engine.model_name
+            yield s
+    else:
+        with ServeProcess("--model", tiny_model_dir(tmp_path_factory), "--served-model-name",
+                          "tiny", "--device", "cpu", "--dtype", "float32",
+                          "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", "512",
+                          "--block-size", "16") as s:
+            s.model = "tiny"
+            yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def greedy(client, server, prompt, **kw):
+    kw = {"max_tokens": 8, "temperature": 0.0, **kw}
+    return client.completions.create(model=server.model, prompt=prompt, **kw)
+
+
+def test_models_health_tokenizer_routes(server):
+    models = httpx.get(f"{server.url}/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [server.model]
+    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    info = httpx.get(f"{server.url}/tokenizer_info").json()
+    tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+    assert info["eos_token"] == tok.eos_token and info["bos_token"] == tok.bos_token
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPTS[0]}).json()
+    assert ids["tokens"] == tok(PROMPTS[0])["input_ids"] and ids["count"] == len(ids["tokens"])
+    no_bos = httpx.post(f"{server.url}/tokenize",
+                        json={"prompt": PROMPTS[0], "add_special_tokens": False}).json()
+    assert no_bos["tokens"] == ids["tokens"][1:]
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": no_bos["tokens"]}).json()
+    assert text["prompt"] == PROMPTS[0]
+
+
+def test_lm_eval_detects_remote_tokenizer(server):
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+
+    base = f"{server.url}/v1/completions"
+    assert check_remote_tokenizer_support(base)
+    rt = RemoteTokenizer(base)
+    tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+    assert rt.encode(PROMPTS[1]) == tok(PROMPTS[1], add_special_tokens=False)["input_ids"]
+    assert rt.eos_token_id == tok.eos_token_id and rt.bos_token_id == tok.bos_token_id
+    assert rt.decode(rt.encode(PROMPTS[0])) == PROMPTS[0]
+
+
+def test_completion_shape_and_usage(client, server):
+    r = greedy(client, server, PROMPTS[0], max_tokens=5, extra_body={"ignore_eos": True})
+    assert r.object == "text_completion" and r.model == server.model and r.id.startswith("cmpl-")
+    (c,) = r.choices
+    assert c.index == 0 and c.finish_reason == "length" and c.logprobs is None
+    n_prompt = len(httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPTS[0]}).json()["tokens"])
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (n_prompt, 5)
+    assert r.usage.total_tokens == n_prompt + 5
+
+
+def test_batch_index_order_matches_single_requests(client, server):
+    singles = [greedy(client, server, p).choices[0].text for p in PROMPTS]
+    batch = greedy(client, server, PROMPTS)
+    assert [c.index for c in batch.choices] == list(range(len(PROMPTS)))
+    assert [c.text for c in batch.choices] == singles
+    tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+    ids = [tok(p)["input_ids"] for p in PROMPTS[:2]]
+    by_ids = greedy(client, server, ids, n=2)  # token-id prompts; n choices per prompt
+    assert [c.index for c in by_ids.choices] == [0, 1, 2, 3]
+    assert [c.text for c in by_ids.choices] == [singles[0]] * 2 + [singles[1]] * 2
+    one_id_prompt = greedy(client, server, ids[1])
+    assert one_id_prompt.choices[0].text == singles[1]
+
+
+def test_stream_equals_non_stream(client, server):
+    kw = dict(max_tokens=12, logprobs=1)
+    full = greedy(client, server, PROMPTS[:3], **kw)
+    texts, finish, tokens = {}, {}, {}
+    chunks = list(greedy(client, server, PROMPTS[:3], stream=True,
+                         stream_options={"include_usage": True}, **kw))
+    for ch in chunks[:-1]:
+        (c,) = ch.choices
+        texts[c.index] = texts.get(c.index, "") + c.text
+        tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+        if c.finish_reason:
+            finish[c.index] = c.finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    for c in full.choices:
+        assert texts[c.index] == c.text and finish[c.index] == c.finish_reason
+        assert tokens[c.index] == c.logprobs.tokens
+
+
+def test_echo_logprobs_as_lm_eval_sends_them(client, server):
+    tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+    ctx, cont = tok("Question: Mia has", add_special_tokens=False)["input_ids"], \
+        tok(" 7 apples", add_special_tokens=False)["input_ids"]
+    # lm_eval's loglikelihood payload: token prompt, echo, logprobs=1, max_tokens=1, greedy
+    r = client.completions.create(model=server.model, prompt=[ctx + cont], echo=True, logprobs=1,
+                                  max_tokens=1, temperature=0, seed=1234)
+    lp = r.choices[0].logprobs
+    n = len(ctx) + len(cont) + 1  # every prompt token, then the sampled one
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.tokens[:-1] == [tok.decode([t]) for t in ctx + cont]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n)]
+    for v, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]):
+        assert 1 <= len(top) <= 2 and max(top.values()) >= v
+    # the sampled (greedy) token is the argmax: lm_eval's is_greedy test on the last position
+    assert lp.token_logprobs[-1] == max(lp.top_logprobs[-1].values())
+    assert r.choices[0].text.startswith(tok.decode(ctx + cont))
+    # Same prompt logprobs without the sampled token when max_tokens=0.
+    r0 = client.completions.create(model=server.model, prompt=[ctx + cont], echo=True,
+                                   logprobs=1, max_tokens=0, temperature=0)
+    lp0 = r0.choices[0].logprobs
+    assert lp0.tokens == lp.tokens[:-1] and lp0.token_logprobs == lp.token_logprobs[:-1]
+    assert r0.usage.completion_tokens == 0 and r0.choices[0].text == tok.decode(ctx + cont)
+
+
+def test_sampling_fields(client, server):
+    base = greedy(client, server, PROMPTS[0], max_tokens=10).choices[0].text
+    # top_k=1, tiny top_p and min_p=1 all reduce sampling to greedy, whatever the temperature
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        r = greedy(client, server, PROMPTS[0], max_tokens=10, temperature=1.0, extra_body=extra)
+        assert r.choices[0].text == base, extra
+    r = greedy(client, server, PROMPTS[0], max_tokens=10, temperature=1.0, top_p=1e-6)
+    assert r.choices[0].text == base
+    # seeded sampling is reproducible across requests, and the seed matters
+    kw = dict(max_tokens=16, temperature=1.0, n=2, extra_body={"ignore_eos": True})
+    a = greedy(client, server, PROMPTS[0], seed=123, **kw)
+    b = greedy(client, server, PROMPTS[0], seed=123, **kw)
+    c = greedy(client, server, PROMPTS[0], seed=124, **kw)
+    assert [x.text for x in a.choices] == [x.text for x in b.choices]
+    assert [x.text for x in a.choices] != [x.text for x in c.choices]
+    # penalties, user, repetition_penalty: accepted and well-formed
+    r = greedy(client, server, PROMPTS[0], presence_penalty=1.5, frequency_penalty=-0.5,
+               user="tester", extra_body={"repetition_penalty": 1.3, "min_tokens": 2})
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 2
+    # logprobs=k lists k alternatives + the chosen token (fewer when two decode to one string,
+    # e.g. partial UTF-8 bytes: the format is keyed by text)
+    r = greedy(client, server, PROMPTS[0], max_tokens=4, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 4 and all(1 <= len(t) <= 4 for t in lp.top_logprobs)
+    assert all(t in top for t, top in zip(lp.tokens, lp.top_logprobs))
+    assert max(len(top) for top in lp.top_logprobs) >= 3
+
+
+def test_stop_strings_and_stop_token_ids(client, server):
+    kw = dict(max_tokens=24, extra_body={"ignore_eos": True})
+    text = greedy(client, server, PROMPTS[2], **kw).choices[0].text
+    assert len(text) >= 6, "need some text to cut"
+    stop = text[3:6]
+    cut = text[: text.index(stop)]
+    for stream in (False, True):
+        r = greedy(client, server, PROMPTS[2], stop=[stop, "\x00never"], stream=stream, **kw)
+        if stream:
+            parts = list(r)
+            got = "".join(p.choices[0].text for p in parts)
+            reason = parts[-1].choices[0].finish_reason
+        else:
+            got, reason = r.choices[0].text, r.choices[0].finish_reason
+        assert (got, reason) == (cut, "stop")
+    lp = greedy(client, server, PROMPTS[2], max_tokens=3, logprobs=0,
+                extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    ids = [int(t.removeprefix("token_id:")) for t in lp.tokens]
+    r = greedy(client, server, PROMPTS[2], logprobs=0, extra_body={"stop_token_ids": ids[1:2]})
+    # generation ends at the first occurrence of the stop token; its text is left out
+    end = ids.index(ids[1]) + 1
+    assert r.choices[0].finish_reason == "stop" and len(r.choices[0].logprobs.tokens) == end
+
+
+def test_chat_stream_and_non_stream(client, server):
+    msgs = [{"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Mia has 7 apples. How many apples has Mia?"}]
+    r = client.chat.completions.create(model=server.model, messages=msgs, max_tokens=10,
+                                       temperature=0, logprobs=True, top_logprobs=2)
+    (c,) = r.choices
+    assert r.object == "chat.completion" and c.message.role == "assistant"
+    assert c.finish_reason in ("stop", "length") and len(c.logprobs.content) == r.usage.completion_tokens
+    assert all(len(e.top_logprobs) == 2 for e in c.logprobs.content)
+    tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+    prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert r.usage.prompt_tokens == len(tok(prompt, add_special_tokens=False)["input_ids"])
+    chunks = list(client.chat.completions.create(
+        model=server.model, messages=msgs, max_tokens=10, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks[:-1]) == c.message.content
+    assert chunks[-2].choices[0].finish_reason == c.finish_reason
+    assert chunks[-1].usage == r.usage
+
+
+MALFORMED = [
+    ("post", "/v1/completions", b"{not json", 400, None),
+    ("post", "/v1/completions", {"max_tokens": 4}, 400, "prompt"),
+    ("post", "/v1/completions", {"prompt": []}, 400, "prompt"),
+    ("post", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
+    ("post", "/v1/completions", {"prompt": [1, "a"]}, 400, "prompt"),
+    ("post", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("post", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ("post", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("post", "/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
+    ("post", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("post", "/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k"),
+    ("post", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("post", "/v1/completions", {"prompt": "x", "logprobs": 99}, 400, "logprobs"),
+    ("post", "/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("post", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
+    ("post", "/v1/completions", {"prompt": "x", "seed": "abc"}, 400, "seed"),
+    ("post", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
+    ("post", "/v1/completions", {"prompt": [[10 ** 9]]}, 400, None),
+    ("post", "/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, None),
+    ("post", "/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404, "model"),
+    ("post", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("post", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
+    ("post", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                      "top_logprobs": 2}, 400, None),
+    ("post", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("post", "/tokenize", {}, 400, None),
+    ("get", "/v1/no-such-route", None, 404, None),
+    ("get", "/v1/completions", None, 405, None),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status,param", MALFORMED,
+                         ids=[f"{i}-{m[1]}" for i, m in enumerate(MALFORMED)])
+def test_malformed_requests_get_4xx_and_server_keeps_serving(server, client, method, path, body,
+                                                             status, param):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body} if body is not None else {}
+    r = httpx.request(method.upper(), f"{server.url}{path}", timeout=30,
+                      headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert "Traceback" not in r.text
+    if param is not None:
+        assert err["param"].startswith(param) and param in err["message"], err
+    assert greedy(client, server, "ok", max_tokens=2).choices[0].finish_reason
+
+
+def _metrics(server) -> str:
+    return httpx.get(f"{server.url}/metrics", timeout=30).text
+
+
+def _wait_idle(server, timeout: float = 30.0) -> str:
+    """Poll /metrics until no request runs and no KV block is held."""
+    deadline = time.time() + timeout
+    while True:
+        m = _metrics(server)
+        busy = (metric(m, "mla_serve_num_requests_running"), metric(m, "mla_serve_kv_cache_blocks_used"))
+        if busy == (0, 0) or time.time() > deadline:
+            assert busy == (0, 0), f"still running/holding blocks: {busy}"
+            return m
+        time.sleep(0.05)
+
+
+def test_client_disconnect_aborts_and_frees_blocks(server):
+    url = f"{server.url}/v1/completions"
+    max_tokens = MAX_MODEL_LEN - 16
+    body = {"model": server.model, "prompt": PROMPTS[3], "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True}
+    gen0 = metric(_wait_idle(server), "mla_serve_generation_tokens_total")
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", url, json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            events = 0
+            for line in r.iter_lines():
+                events += line.startswith("data:")
+                if events == 3:
+                    break  # leaving the block drops the connection mid-stream
+    gen1 = metric(_wait_idle(server), "mla_serve_generation_tokens_total")
+    assert 3 <= gen1 - gen0 < max_tokens // 2, "the request ran on after its client left"
+    with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
+        httpx.post(url, json=body, timeout=httpx.Timeout(30, read=0.5))
+    gen2 = metric(_wait_idle(server), "mla_serve_generation_tokens_total")
+    assert gen2 - gen1 < max_tokens // 2, "the request ran on after its client left"
+    assert greedy(openai.OpenAI(base_url=f"{server.url}/v1", api_key="x"), server, "ok").choices
+
+
+def test_256_concurrent_requests(client, server):
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} {i}" for i in range(256)]
+
+    async def run():
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=256)
+        async with httpx.AsyncClient(limits=limits, timeout=600) as c:
+            async def one(p):
+                return await c.post(f"{server.url}/v1/completions", json={
+                    "model": server.model, "prompt": p, "max_tokens": 4, "temperature": 0,
+                    "ignore_eos": True})
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * 256
+    assert all(r.json()["usage"]["completion_tokens"] == 4 for r in responses)
+    for i in (0, 77, 255):  # batched under load == alone
+        alone = greedy(client, server, prompts[i], max_tokens=4, extra_body={"ignore_eos": True})
+        assert responses[i].json()["choices"][0]["text"] == alone.choices[0].text
+    _wait_idle(server)
+
+
+def test_metrics_count_requests_and_latencies(client, server):
+    before = _metrics(server)
+    r = greedy(client, server, PROMPTS[0], max_tokens=6, extra_body={"ignore_eos": True})
+    after = _metrics(server)
+    delta = {name: metric(after, name) - metric(before, name) for name in (
+        "mla_serve_generation_tokens_total", "mla_serve_prompt_tokens_total",
+        "mla_serve_time_to_first_token_seconds_count", "mla_serve_inter_token_latency_seconds_count",
+        "mla_serve_e2e_request_latency_seconds_count")}
+    assert delta["mla_serve_generation_tokens_total"] == 6
+    assert delta["mla_serve_prompt_tokens_total"] == r.usage.prompt_tokens
+    assert delta["mla_serve_time_to_first_token_seconds_count"] == 1
+    assert delta["mla_serve_inter_token_latency_seconds_count"] == 5
+    assert delta["mla_serve_e2e_request_latency_seconds_count"] == 1
+    assert 'mla_serve_request_success_total{finished_reason="length"}' in after
+    assert 0 <= metric(after, "mla_serve_kv_cache_usage_perc") <= 1
+    assert metric(after, "mla_serve_num_requests_waiting") == 0
