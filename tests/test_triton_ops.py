@@ -160,6 +160,9 @@ CPU_CASES = {
                                                           False, cfg=_small_prefill()),
     "prefill_causal_pow2_width_fp16": lambda: check_prefill("cpu", f16, 1, 32, 16, [(20, 20), (4, 33)],
                                                             True, cfg=_small_prefill()),
+    # Every causal shift Lk - Lq in 0..33 against 16-wide tiles: tile-boundary off-by-ones show up.
+    "prefill_causal_all_shifts": lambda: check_prefill("cpu", f32, 1, 48, 16, [(17, 17 + s) for s in range(34)],
+                                                       True, cfg=_small_prefill()),
     "prefill_default_tiles": lambda: check_prefill("cpu", f32, 1, 48, 32, [(9, 12), (0, 0)], True),
     "write_kv_fp32_to_fp16": lambda: check_write_kv("cpu", f16, f32, 4, 48, 21),
     "write_kv_page16": lambda: check_write_kv("cpu", f32, f32, 16, 48, 40),
