@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import datetime
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger(__name__)
+
+# torch 2.13 renames the *_tensor collectives; the older torch on our GPU machines lacks the new
+# names, so keep the old ones and silence the rename notice.
+warnings.filterwarnings("ignore", message=r".*(all_gather_into_tensor|reduce_scatter_tensor).*deprecated")
 
 
 @dataclass
@@ -86,14 +91,21 @@ def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _gather_stacked(x: torch.Tensor, g: GroupInfo) -> torch.Tensor:
+    """All-gather into `[size, *x.shape]`, rank-major."""
+    x = x.contiguous()
+    if x.dim() == 0:
+        x = x.view(1)
+    out = x.new_empty((g.size * x.shape[0], *x.shape[1:]))  # gloo wants dim 0 concatenated
+    dist.all_gather_into_tensor(out, x, group=g.group)
+    return out.view(g.size, *x.shape)
+
+
 def _all_gather(x: torch.Tensor, g: GroupInfo, dim: int) -> torch.Tensor:
     if g.size == 1:
         return x
-    x = x.contiguous()
-    out = x.new_empty((g.size, *x.shape))
-    dist.all_gather_into_tensor(out, x, group=g.group)
-    # [size, ...] -> concatenated along dim, rank-major
-    return torch.cat(out.unbind(0), dim=dim) if dim != 0 else out.flatten(0, 1)
+    out = _gather_stacked(x, g)
+    return out.flatten(0, 1) if dim == 0 else torch.cat(out.unbind(0), dim=dim)
 
 
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -107,12 +119,7 @@ def dcp_all_gather(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
 def dcp_all_gather_stacked(x: torch.Tensor) -> torch.Tensor:
     """All-gather over the DCP group, returning `[dcp, *x.shape]` (rank-major)."""
     g = _state.dcp
-    if g.size == 1:
-        return x.unsqueeze(0)
-    x = x.contiguous()
-    out = x.new_empty((g.size, *x.shape))
-    dist.all_gather_into_tensor(out, x, group=g.group)
-    return out
+    return x.unsqueeze(0) if g.size == 1 else _gather_stacked(x, g)
 
 
 def dcp_reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:

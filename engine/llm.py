@@ -13,7 +13,7 @@ from engine.input_processor import InputProcessor, load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from models.config import ModelConfig
+from models.config import ModelConfig, check_parallel_layout
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 def build_engine(args: EngineArgs) -> tuple[EngineCore, InputProcessor, OutputProcessor]:
     """Config, tokenizer, engine core and the front-end processors, shared by LLM and AsyncLLM."""
     cfg = ModelConfig.from_pretrained(args.model, args.hf_overrides)
+    check_parallel_layout(cfg, args.tensor_parallel_size, args.decode_context_parallel_size)
     tokenizer = load_tokenizer(args.tokenizer_path, required=args.load_format != "dummy")
     inputs = InputProcessor(tokenizer, cfg, 0)
     core = EngineCore(args, cfg, inputs.eos_token_id)

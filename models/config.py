@@ -139,6 +139,19 @@ class ModelConfig:
              f"rope_scaling type {self.rope.type!r} is not supported (default, yarn)")
 
 
+def check_parallel_layout(cfg: ModelConfig, tp: int, dcp: int) -> None:
+    """Refuse a TP/DCP layout this model cannot be split into, naming the flag."""
+    if tp % dcp:
+        raise ValueError(f"--decode-context-parallel-size {dcp} must divide --tensor-parallel-size {tp}")
+    if cfg.num_attention_heads % tp:
+        raise ValueError(f"--tensor-parallel-size {tp} must divide the model's "
+                         f"{cfg.num_attention_heads} attention heads")
+    for name in ("intermediate_size", "moe_intermediate_size"):
+        v = getattr(cfg, name)
+        if v and v % tp:
+            raise ValueError(f"--tensor-parallel-size {tp} must divide the model's {name} {v}")
+
+
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 

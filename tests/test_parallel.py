@@ -1,0 +1,68 @@
+"""Tensor and decode-context parallelism on CPU (gloo, 2 processes) equal one rank (issue 8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.args import EngineArgs
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    torch.manual_seed(5)
+    shared = torch.randint(2, 320, (21,)).tolist()
+    prompts = [torch.randint(2, 320, (n,)).tolist() for n in (5, 17, 33, 64)]
+    prompts += [shared + torch.randint(2, 320, (n,)).tolist() for n in (2, 9, 14, 30)]
+    return prompts
+
+
+def outputs(path, prompts, tp, dcp, **kw):
+    """Greedy outputs for two waves of prompts (the second wave hits the prefix cache)."""
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, tensor_parallel_size=tp,
+              decode_context_parallel_size=dcp, **kw)
+    try:
+        first = llm.generate(prompts[:5], GREEDY)
+        second = llm.generate(prompts[5:], GREEDY)
+        s = llm.scheduler.stats
+        assert s.num_free_blocks == s.num_total_blocks
+        return [o.outputs[0].token_ids for o in first + second], s, llm.scheduler.config.capacity_tokens
+    finally:
+        llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("budget", [2048, 16])
+def test_tp_and_dcp_equal_one_rank(tiny_v3, workload, budget):
+    path = tiny_v3[0]
+    # Same KV capacity in tokens for every layout: DCP multiplies each block's tokens by D.
+    small_pool = budget == 16  # with the small budget, also a pool small enough to preempt
+    ref, s1, cap1 = outputs(path, workload, 1, 1, max_num_batched_tokens=budget,
+                            num_kv_blocks=28 if small_pool else 256)
+    for tp, dcp in [(2, 1), (2, 2)]:
+        got, s, cap = outputs(path, workload, tp, dcp, max_num_batched_tokens=budget,
+                              num_kv_blocks=(28 if small_pool else 256) // dcp)
+        assert got == ref, (tp, dcp)
+        assert cap == cap1
+        assert s.prefix_cache_hits > 0
+        if small_pool:
+            assert s.num_preemptions > 0
+
+
+def test_dcp_multiplies_kv_capacity(tiny_v3):
+    caps = {}
+    for tp, dcp in [(2, 1), (2, 2)]:
+        llm = LLM(tiny_v3[0], device="cpu", dtype="float32", cpu_kv_cache_gb=0.001,
+                  tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+        caps[dcp] = llm.scheduler.config.capacity_tokens
+        llm.engine.shutdown()
+    assert caps[2] == 2 * caps[1]
+
+
+def test_impossible_layouts_refused(tiny_v3):
+    with pytest.raises(ValueError, match="decode-context-parallel-size 3 must divide"):
+        EngineArgs(model=tiny_v3[0], tensor_parallel_size=2, decode_context_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor-parallel-size 3 must divide the model's 4 attention heads"):
+        LLM(tiny_v3[0], device="cpu", tensor_parallel_size=3)
