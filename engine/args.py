@@ -32,6 +32,11 @@ class EngineArgs:
     enforce_eager: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
     hf_overrides: dict = field(default_factory=dict)
+    # multi-node: ranks are split evenly over nodes; node 0 runs the engine and the HTTP server
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port (single node only)
 
     def __post_init__(self) -> None:
         if isinstance(self.hf_overrides, str):
@@ -65,6 +70,10 @@ class EngineArgs:
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
              f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        need(self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0,
+             f"--nnodes {self.nnodes} must divide --tensor-parallel-size {self.tensor_parallel_size}")
+        need(0 <= self.node_rank < self.nnodes, f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
+        need(self.nnodes == 1 or self.master_port is not None, "--master-port is required with --nnodes > 1")
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"--max-model-len must be >= 1, got {self.max_model_len}")
 

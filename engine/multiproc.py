@@ -1,9 +1,13 @@
 """Multi-process executor: one spawned worker process per rank, torch.distributed between them.
 
-The engine sends each step's SchedulerOutput to every rank over a pipe (pickled plain
-dataclasses); every rank runs the step (collectives inside the model keep them in lockstep) and
-rank 0 sends back the ModelRunnerOutput. A worker that dies or raises fails the engine at once
-with its error instead of hanging.
+Each step the engine sends its SchedulerOutput (plain dataclasses) to rank 0 over a pipe; rank 0
+broadcasts it to every rank over the gloo control group (so ranks on other nodes get it the same
+way), every rank runs the step (the model's collectives keep them in lockstep) and rank 0 sends
+back the ModelRunnerOutput. A local worker that dies or raises fails the engine at once with its
+error instead of hanging.
+
+Multi-node: ranks are split evenly over `nnodes`; node 0 runs the engine and ranks
+0..local-1, node k runs ranks k*local.. only (`run_worker_node`).
 """
 
 from __future__ import annotations
@@ -35,10 +39,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker_main(rank: int, args: EngineArgs, cfg: ModelConfig, eos_token_ids: list[int],
-                 init_method: str, conn) -> None:
-    """Entry point of one rank's process."""
-    logging.basicConfig(level=logging.getLogger().level or logging.INFO,
+def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
+                 eos_token_ids: list[int], init_method: str, conn) -> None:
+    """Entry point of one rank's process; `conn` is the engine's pipe (local ranks only)."""
+    logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s")
     try:
         import torch.distributed as dist
@@ -46,22 +50,27 @@ def _worker_main(rank: int, args: EngineArgs, cfg: ModelConfig, eos_token_ids: l
         from engine import distributed as pd
         from engine.worker import Worker, resolve_device
 
-        device = resolve_device(args, rank)
+        device = resolve_device(args, local_rank)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.tensor_parallel_size))
+        local_world = args.tensor_parallel_size // args.nnodes
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         pd.init_parallel(args.tensor_parallel_size, args.decode_context_parallel_size, rank,
                          init_method, backend)
-        worker = Worker(args, cfg, local_rank=rank)
+        worker = Worker(args, cfg, local_rank=local_rank)
         n = torch.tensor([worker.determine_num_blocks(args.max_num_batched_tokens)])
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=pd.cpu_group())  # every rank the same pool
         worker.init_kv_cache(int(n), eos_token_ids)
         conn.send(("ready", int(n)))
+        box = [None]
         while True:
-            msg = conn.recv()
-            if msg is None:
+            if rank == 0:
+                box[0] = conn.recv()
+            dist.broadcast_object_list(box, src=0, group=pd.cpu_group())
+            if box[0] is None:
                 break
-            out = worker.runner.execute(msg)
-            conn.send(("out", out if rank == 0 else None))
+            out = worker.runner.execute(box[0])
+            if rank == 0:
+                conn.send(("out", out))
     except (EOFError, KeyboardInterrupt):
         pass
     except BaseException as e:  # noqa: BLE001 - report any failure to the engine
@@ -74,30 +83,33 @@ def _worker_main(rank: int, args: EngineArgs, cfg: ModelConfig, eos_token_ids: l
         pd.destroy_parallel()
 
 
-class MultiProcExecutor:
+class _LocalRanks:
+    """Spawns this node's ranks and watches them."""
+
     def __init__(self, args: EngineArgs, cfg: ModelConfig, eos_token_ids: list[int]):
-        n = args.tensor_parallel_size
-        if args.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() < n:
-            raise ValueError(f"--tensor-parallel-size {n} needs {n} GPUs, found {torch.cuda.device_count()}")
+        world, nn = args.tensor_parallel_size, args.nnodes
+        local = world // nn
+        if args.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() < local:
+            raise ValueError(f"--tensor-parallel-size {world} needs {local} GPUs on this node, "
+                             f"found {torch.cuda.device_count()}")
+        port = args.master_port or _free_port()
+        init_method = f"tcp://{args.master_addr}:{port}"
         ctx = mp.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.conns, self.procs = [], []
-        for rank in range(n):
+        for lr in range(local):
+            rank = args.node_rank * local + lr
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, name=f"worker-{rank}", daemon=True,
-                            args=(rank, args, cfg, eos_token_ids, init_method, child))
+                            args=(rank, lr, args, cfg, eos_token_ids, init_method, child))
             p.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(p)
-        blocks = [self._recv(r, "ready") for r in range(n)]
-        self.num_blocks = blocks[0]
-        log.info("started %d worker processes (tp %d, dcp %d)", n, n, args.decode_context_parallel_size)
 
-    def _recv(self, rank: int, kind: str):
-        conn, proc = self.conns[rank], self.procs[rank]
+    def recv(self, i: int, kind: str):
+        conn = self.conns[i]
         while not conn.poll(_POLL_S):
-            dead = [f"rank {r} (exit code {p.exitcode})" for r, p in enumerate(self.procs) if not p.is_alive()]
+            dead = [f"{p.name} (exit code {p.exitcode})" for p in self.procs if not p.is_alive()]
             if dead:
                 self.shutdown()
                 raise WorkerDiedError(f"worker process died: {', '.join(dead)}")
@@ -105,23 +117,17 @@ class MultiProcExecutor:
             tag, payload = conn.recv()
         except EOFError:
             self.shutdown()
-            raise WorkerDiedError(f"worker rank {rank} closed its pipe (exit code {proc.exitcode})") from None
+            raise WorkerDiedError(f"{self.procs[i].name} closed its pipe") from None
         if tag == "error":
             self.shutdown()
             raise WorkerDiedError(f"worker failed: {payload}")
         assert tag == kind, (tag, kind)
         return payload
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        for conn in self.conns:
-            conn.send(so)
-        outs = [self._recv(r, "out") for r in range(len(self.conns))]
-        return outs[0]
-
     def shutdown(self) -> None:
-        for conn in self.conns:
+        if self.conns:
             try:
-                conn.send(None)
+                self.conns[0].send(None)  # rank 0 broadcasts the stop to every rank
             except (OSError, BrokenPipeError):
                 pass
         for p in self.procs:
@@ -129,3 +135,31 @@ class MultiProcExecutor:
             if p.is_alive():
                 p.kill()
         self.conns, self.procs = [], []
+
+
+class MultiProcExecutor:
+    def __init__(self, args: EngineArgs, cfg: ModelConfig, eos_token_ids: list[int]):
+        if args.node_rank != 0:
+            raise ValueError("the engine runs on node 0; other nodes run `serve --node-rank K` (workers only)")
+        self.ranks = _LocalRanks(args, cfg, eos_token_ids)
+        blocks = [self.ranks.recv(i, "ready") for i in range(len(self.ranks.conns))]
+        self.num_blocks = blocks[0]
+        log.info("started %d local worker processes (tp %d over %d node(s), dcp %d)", len(blocks),
+                 args.tensor_parallel_size, args.nnodes, args.decode_context_parallel_size)
+
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self.ranks.conns[0].send(so)
+        return self.ranks.recv(0, "out")
+
+    def shutdown(self) -> None:
+        self.ranks.shutdown()
+
+
+def run_worker_node(args: EngineArgs, cfg: ModelConfig, eos_token_ids: list[int]) -> None:
+    """A non-zero node: run this node's ranks until the engine on node 0 stops them."""
+    ranks = _LocalRanks(args, cfg, eos_token_ids)
+    for i in range(len(ranks.conns)):
+        ranks.recv(i, "ready")
+    log.info("node %d: %d worker processes ready", args.node_rank, len(ranks.conns))
+    for p in ranks.procs:
+        p.join()

@@ -66,3 +66,33 @@ def test_impossible_layouts_refused(tiny_v3):
         EngineArgs(model=tiny_v3[0], tensor_parallel_size=2, decode_context_parallel_size=3)
     with pytest.raises(ValueError, match="tensor-parallel-size 3 must divide the model's 4 attention heads"):
         LLM(tiny_v3[0], device="cpu", tensor_parallel_size=3)
+
+
+def test_two_nodes_on_loopback(tiny_v3, workload):
+    """tp 2 split over two "nodes" (node 1 runs workers only) equals one rank."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tiny_v3[0]
+    node1 = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from engine.args import EngineArgs; from models.config import ModelConfig;"
+         "from engine.multiproc import run_worker_node;"
+         f"a = EngineArgs(model={path!r}, device='cpu', dtype='float32', block_size=4, num_kv_blocks=64,"
+         f" tensor_parallel_size=2, nnodes=2, node_rank=1, master_port={port});"
+         "run_worker_node(a, ModelConfig.from_pretrained(a.model), [])"])
+    try:
+        llm = LLM(path, device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+                  tensor_parallel_size=2, nnodes=2, node_rank=0, master_port=port)
+        got = [o.outputs[0].token_ids for o in llm.generate(workload[:4], GREEDY)]
+        llm.engine.shutdown()
+        ref_llm = LLM(path, device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+        assert got == [o.outputs[0].token_ids for o in ref_llm.generate(workload[:4], GREEDY)]
+        assert node1.wait(timeout=30) == 0  # the stop reached the other node's workers
+    finally:
+        if node1.poll() is None:
+            node1.kill()
