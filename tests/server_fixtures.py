@@ -150,6 +150,24 @@ def _copy(o: CompletionOutput) -> CompletionOutput:
                             o.stop_reason, o.delta_text, list(o.delta_token_ids))
 
 
+def tiny_model_dir(tmp_path_factory) -> str:
+    """The trained tiny model, or a random tiny DeepSeek-V3 with its tokenizer until it exists."""
+    if (TINY_MODEL / "config.json").exists():
+        return str(TINY_MODEL)
+    import shutil
+
+    import transformers
+
+    from tests.tiny_models import build, v3_config
+
+    path = tmp_path_factory.mktemp("tiny-random-v3")
+    tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+    build(v3_config(vocab_size=len(tok), max_position_embeddings=2048), path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(TINY_MODEL / name, path / name)
+    return str(path)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

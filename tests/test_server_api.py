@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import time
 
 import httpx
@@ -20,25 +19,11 @@ import transformers
 
 from server.api_server import build_app
 from tests.server_fixtures import (OFFLINE_ENV, TINY_MODEL, FakeEngine, InProcessServer,
-                                   ServeProcess, metric)
+                                   ServeProcess, metric, tiny_model_dir)
 
 os.environ.update(OFFLINE_ENV)
 MAX_MODEL_LEN = 512
 PROMPTS = ["Question: Mia has 7 apples. Leo has 3 pens.", "Answer: 7 + 3 =", "Emma has", "Hi"]
-
-
-def tiny_model_dir(tmp_path_factory) -> str:
-    """The trained tiny model, or a random tiny DeepSeek-V3 with its tokenizer until it exists."""
-    if (TINY_MODEL / "config.json").exists():
-        return str(TINY_MODEL)
-    from tests.tiny_models import build, v3_config
-
-    path = tmp_path_factory.mktemp("tiny-random-v3")
-    tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
-    build(v3_config(vocab_size=len(tok), max_position_embeddings=512), path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(TINY_MODEL / name, path / name)
-    return str(path)
 
 
 @pytest.fixture(scope="module", params=["fake", pytest.param("real", marks=pytest.mark.slow)])
