@@ -77,6 +77,16 @@ class EngineArgs:
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"--max-model-len must be >= 1, got {self.max_model_len}")
 
+    def resolve_max_model_len(self, cfg) -> int:
+        """--max-model-len, or the model's max_position_embeddings (which it may not exceed)."""
+        limit = cfg.max_position_embeddings
+        if self.max_model_len is None:
+            return limit
+        if self.max_model_len > limit:
+            raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        return self.max_model_len
+
     @property
     def tokenizer_path(self) -> str:
         return self.tokenizer or self.model

@@ -16,21 +16,11 @@ from scheduler.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 
-def resolve_max_model_len(args: EngineArgs, cfg: ModelConfig) -> int:
-    limit = cfg.max_position_embeddings
-    if args.max_model_len is None:
-        return limit
-    if args.max_model_len > limit:
-        raise ValueError(f"--max-model-len {args.max_model_len} exceeds the model's "
-                         f"max_position_embeddings {limit}")
-    return args.max_model_len
-
-
 class EngineCore:
     def __init__(self, args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None):
         self.args, self.cfg = args, cfg
         self.eos_token_id = eos_token_id
-        self.max_model_len = resolve_max_model_len(args, cfg)
+        self.max_model_len = args.resolve_max_model_len(cfg)
         self.executor = make_executor(args, cfg, [] if eos_token_id is None else [eos_token_id])
         num_blocks = self.executor.num_blocks
         self.scheduler = Scheduler(SchedulerConfig(

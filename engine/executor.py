@@ -18,7 +18,7 @@ class UniProcExecutor:
     def __init__(self, args: EngineArgs, cfg: ModelConfig, eos_token_ids: list[int]):
         self.worker = Worker(args, cfg)
         self.num_blocks = self.worker.determine_num_blocks(args.max_num_batched_tokens)
-        self.worker.init_kv_cache(self.num_blocks, eos_token_ids)
+        self.worker.init_kv_cache(self.num_blocks, eos_token_ids, args.resolve_max_model_len(cfg))
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.runner.execute(so)

@@ -65,6 +65,7 @@ class ModelRunner:
         self.context_chunk_tokens = context_chunk_tokens
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
+        self.graphs = None  # engine.cuda_graph.DecodeGraphs, set by the worker on CUDA
 
     # ---- the low-level entry the tests drive directly ----
 
@@ -92,7 +93,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Hidden states `[T, hidden]` of every row of the batch."""
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        m = batch.meta
+        if self.graphs is not None and m.prefill is None and self.graphs.bucket_for(m.num_decodes):
+            return self.graphs.run(batch.input_ids, batch.positions, m)
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, m)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -59,7 +59,7 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
         worker = Worker(args, cfg, local_rank=local_rank)
         n = torch.tensor([worker.determine_num_blocks(args.max_num_batched_tokens)])
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=pd.cpu_group())  # every rank the same pool
-        worker.init_kv_cache(int(n), eos_token_ids)
+        worker.init_kv_cache(int(n), eos_token_ids, args.resolve_max_model_len(cfg))
         conn.send(("ready", int(n)))
         box = [None]
         while True:

@@ -19,7 +19,7 @@ from scheduler.outputs import EngineCoreOutput
 @dataclass
 class _Sample:
     completion: CompletionOutput
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None  # None: no tokenizer (token-id benchmarks), no text
 
 
 @dataclass
@@ -57,8 +57,10 @@ class OutputProcessor:
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
             p = dataclasses.replace(params, n=1, seed=seed)
+            detok = None if self.tokenizer is None else \
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p)
             samples.append(_Sample(CompletionOutput(index=i, logprobs=[] if p.logprobs is not None else None),
-                                   IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p)))
+                                   detok))
             children.append((child_id(request_id, i), p))
         parent = _Parent(request_id, prompt, prompt_token_ids, params, samples)
         self._parents[request_id] = parent
@@ -94,7 +96,8 @@ class OutputProcessor:
                 parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
             # A "stop" finish from the engine is always a token (EOS or a stop token id): its
             # text is left out, as OpenAI and vLLM do.
-            stop_str = s.detok.update(o.new_token_ids, stop_terminated=o.finish_reason == "stop")
+            stop_str = None if s.detok is None else \
+                s.detok.update(o.new_token_ids, stop_terminated=o.finish_reason == "stop")
             c.token_ids.extend(o.new_token_ids)
             c.delta_token_ids.extend(o.new_token_ids)
             if c.logprobs is not None:
@@ -105,10 +108,11 @@ class OutputProcessor:
                     to_abort.append(o.req_id)
             elif o.finished:
                 c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
-            if c.finished:
-                s.detok.finish()
-            c.text = s.detok.output_text
-            c.delta_text += s.detok.get_delta()
+            if s.detok is not None:
+                if c.finished:
+                    s.detok.finish()
+                c.text = s.detok.output_text
+                c.delta_text += s.detok.get_delta()
             touched[parent.request_id] = parent
         results = [self._snapshot(p) for p in touched.values()]
         for p in touched.values():

@@ -104,9 +104,16 @@ class Worker:
         runner.logits(runner.forward(batch)[-1:])
         del caches, runner
 
-    def init_kv_cache(self, num_blocks: int, eos_token_ids: list[int]) -> None:
-        bs = self.args.block_size
+    def init_kv_cache(self, num_blocks: int, eos_token_ids: list[int], max_model_len: int) -> None:
+        a = self.args
+        bs = a.block_size
         alloc = torch.zeros if self.device.type == "cpu" else torch.empty
         self.kv_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.dtype, device=self.device)
                           for _ in range(self.cfg.num_hidden_layers)]
         self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids)
+        if self.device.type == "cuda" and not a.enforce_eager:
+            from engine.cuda_graph import DecodeGraphs, default_buckets
+            blocks_per_seq = -(-max_model_len // (bs * a.decode_context_parallel_size))
+            self.runner.graphs = DecodeGraphs(self.model, self.kv_caches, blocks_per_seq,
+                                              default_buckets(a.max_num_seqs), self.device)
+            self.runner.graphs.capture()

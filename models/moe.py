@@ -11,6 +11,11 @@ from models.config import ModelConfig
 from models.layers import Linear, shard_param
 
 
+def _use_grouped_mm(x: torch.Tensor) -> bool:
+    # torch's grouped GEMM runs on CUDA (sm90+) in bf16; elsewhere the plain path is used.
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
 class MLP(nn.Module):
     """SwiGLU: gate/up column-parallel, down row-parallel (reduced by the caller when reduce=False)."""
 
@@ -95,10 +100,44 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self._routed(x, weights, ids)
+        if _use_grouped_mm(x):
+            out = self._routed_grouped(x, weights, ids)
+        elif x.is_cuda:
+            out = self._routed_dense(x, weights, ids)
+        else:
+            out = self._routed(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return pd.tp_all_reduce(out)
+
+    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """CUDA path with no host sync (CUDA-graph safe): (token, expert) pairs sorted by expert,
+        two grouped GEMMs over the expert segments, weighted scatter-add back to tokens."""
+        T, k = ids.shape
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        offs = torch.bincount(flat, minlength=self.cfg.n_routed_experts).cumsum(0).to(torch.int32)
+        token_of = order // k
+        xs = x[token_of]  # [T*k, D], grouped by expert
+        I = self.w2.shape[-1]
+        gate_up = torch._grouped_mm(xs, self.w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
+        h = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+        y = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)  # [T*k, D]
+        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
+        return torch.zeros_like(x).index_add_(0, token_of, y)
+
+    def _routed_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """CUDA fallback without host syncs for dtypes the grouped GEMM lacks (fp32 tiny models):
+        every expert on every token, weighted by its routing weight (0 where not chosen)."""
+        E, I = self.cfg.n_routed_experts, self.w2.shape[-1]
+        dense_w = torch.zeros(x.shape[0], E, dtype=weights.dtype, device=x.device)
+        dense_w.scatter_(1, ids, weights)  # [T, E]
+        out = torch.zeros_like(x)
+        for e in range(E):
+            gate_up = F.linear(x, self.w13[e])
+            y = F.linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], self.w2[e])
+            out += y * dense_w[:, e:e + 1].to(y.dtype)
+        return out
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Plain path: tokens grouped by expert with one sort, a loop over the experts hit."""

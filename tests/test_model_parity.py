@@ -21,7 +21,7 @@ def make_worker(path, context_chunk_tokens=8192, **kw) -> Worker:
     args = EngineArgs(model=path, device="cpu", dtype="float32", num_kv_blocks=NUM_BLOCKS,
                       block_size=BLOCK, **kw)
     w = Worker(args, ModelConfig.from_pretrained(path))
-    w.init_kv_cache(NUM_BLOCKS, [])
+    w.init_kv_cache(NUM_BLOCKS, [], 256)
     w.runner.context_chunk_tokens = context_chunk_tokens
     return w
 

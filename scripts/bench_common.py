@@ -1,0 +1,60 @@
+"""Shared helpers for the benchmark scripts: engine construction, random prompts, JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+V2_LITE = str(Path(__file__).resolve().parent.parent / "configs" / "models" / "DeepSeek-V2-Lite")
+
+
+def add_engine_flags(p) -> None:
+    p.add_argument("--model", default=V2_LITE)
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
+    p.add_argument("--hf-overrides", default=None)
+    p.add_argument("--json", default=None, help="write results here")
+
+
+def engine_kwargs(a) -> dict:
+    kw = dict(model=a.model, load_format=a.load_format, dtype=a.dtype, max_model_len=a.max_model_len,
+              max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+              enforce_eager=a.enforce_eager, attention_backend=a.attention_backend,
+              gpu_memory_utilization=a.gpu_memory_utilization, tensor_parallel_size=a.tensor_parallel_size,
+              decode_context_parallel_size=a.decode_context_parallel_size)
+    if a.hf_overrides:
+        kw["hf_overrides"] = a.hf_overrides
+    return kw
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
+
+
+def environment() -> dict:
+    import torch
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "command": " ".join(sys.argv)}
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    path = path or (os.path.join(os.environ["OUT"], "bench.json") if "OUT" in os.environ else None)
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=2))
