@@ -126,8 +126,10 @@ def test_stream_equals_non_stream(client, server):
 
 def test_echo_logprobs_as_lm_eval_sends_them(client, server):
     tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
-    ctx, cont = tok("Question: Mia has", add_special_tokens=False)["input_ids"], \
-        tok(" 7 apples", add_special_tokens=False)["input_ids"]
+    # several KV blocks long: prompt logprobs must be computed, never taken from the prefix cache
+    ctx = tok(" ".join(PROMPTS) * 2 + " Question: Mia has", add_special_tokens=False)["input_ids"]
+    cont = tok(" 7 apples", add_special_tokens=False)["input_ids"]
+    assert len(ctx) > 3 * 16
     # lm_eval's loglikelihood payload: token prompt, echo, logprobs=1, max_tokens=1, greedy
     r = client.completions.create(model=server.model, prompt=[ctx + cont], echo=True, logprobs=1,
                                   max_tokens=1, temperature=0, seed=1234)
@@ -247,6 +249,8 @@ MALFORMED = [
     ("post", "/v1/completions", {"prompt": "x", "model": "no-such-model"}, 404, "model"),
     ("post", "/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("post", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages"),
+    ("post", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages"),
     ("post", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                       "top_logprobs": 2}, 400, None),
     ("post", "/detokenize", {"tokens": [-1]}, 400, "tokens"),
