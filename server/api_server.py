@@ -45,7 +45,10 @@ class ServerState:
         return self.tokenizer.decode(token_ids)
 
     def check_model(self, model: str | None) -> None:
-        """404 for a model name this server does not serve (None means the served one)."""
+        """404 for a model name this server does not serve (None means the served one); 503
+        once the engine has died."""
+        if self.engine.errored:
+            raise APIError(503, "the engine stopped; restart the server")
         if model is not None and model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")

@@ -47,8 +47,8 @@ class CompletionBuilder:
     def __init__(self, state, req: CompletionRequest) -> None:
         self.state, self.req = state, req
         self.drop_generated = req.max_tokens == 0  # echo-only scoring: hide the sampled token
-        self._sent_text: dict[int, int] = {}  # choice index -> chars of generated text sent
         self._sent_tokens: dict[int, int] = {}  # choice index -> generated tokens sent
+        self._offset: dict[int, int] = {}  # choice index -> text_offset of its next token
 
     def prompt_text(self, out: RequestOutput) -> str:
         return out.prompt if out.prompt is not None else self.state.decode(out.prompt_token_ids)
@@ -104,25 +104,25 @@ class CompletionBuilder:
     def delta(self, index: int, out: RequestOutput, o: CompletionOutput) -> dict | None:
         """The part of choice `index` not sent yet, or None when there is nothing new."""
         _, _, lps = self._generated(o)
-        first = index not in self._sent_text
-        sent_text, sent_tok = self._sent_text.get(index, 0), self._sent_tokens.get(index, 0)
+        first = index not in self._sent_tokens
+        sent_tok = self._sent_tokens.get(index, 0)
         # delta_text, not a slice of o.text: the engine holds back text that may still turn
         # into a stop string and be cut.
         new_text = "" if self.drop_generated else o.delta_text
-        new_lps = lps[sent_tok:]
-        self._sent_text[index], self._sent_tokens[index] = sent_text + len(new_text), len(lps)
-        entries = [(lp.token_id, lp) for lp in new_lps]
-        offset = sent_text
-        if self.req.echo:
-            prompt = self.prompt_text(out)
-            offset += len(prompt)
-            if first:
-                new_text, offset = prompt + new_text, 0
-                entries = self._prompt_entries(out) + entries
+        entries = [(lp.token_id, lp) for lp in lps[sent_tok:]]
+        self._sent_tokens[index] = len(lps)
+        if self.req.echo and first:
+            new_text = self.prompt_text(out) + new_text
+            entries = self._prompt_entries(out) + entries
         finish = _finish(o, self.drop_generated)
         if not new_text and not entries and finish is None:
             return None
-        logprobs = self.logprobs(entries, offset) if self.req.logprobs is not None else None
+        logprobs = None
+        if self.req.logprobs is not None:
+            # offsets continue over the token strings sent so far, as in the whole response
+            logprobs = self.logprobs(entries, self._offset.get(index, 0))
+            self._offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) \
+                if entries else self._offset.get(index, 0)
         return {"index": index, "text": new_text, "logprobs": logprobs, "finish_reason": finish}
 
     def usage(self, finals: list[RequestOutput]) -> dict:

@@ -106,22 +106,28 @@ def test_batch_index_order_matches_single_requests(client, server):
     assert one_id_prompt.choices[0].text == singles[1]
 
 
-def test_stream_equals_non_stream(client, server):
-    kw = dict(max_tokens=12, logprobs=1)
+@pytest.mark.parametrize("echo", [False, True])
+def test_stream_equals_non_stream(client, server, echo):
+    kw = dict(max_tokens=12, logprobs=1, echo=echo, n=2, temperature=0.8, seed=5)
     full = greedy(client, server, PROMPTS[:3], **kw)
-    texts, finish, tokens = {}, {}, {}
+    texts, finish, tokens, offsets, values = {}, {}, {}, {}, {}
     chunks = list(greedy(client, server, PROMPTS[:3], stream=True,
                          stream_options={"include_usage": True}, **kw))
     for ch in chunks[:-1]:
         (c,) = ch.choices
         texts[c.index] = texts.get(c.index, "") + c.text
         tokens.setdefault(c.index, []).extend(c.logprobs.tokens)
+        offsets.setdefault(c.index, []).extend(c.logprobs.text_offset)
+        values.setdefault(c.index, []).extend(c.logprobs.token_logprobs)
         if c.finish_reason:
             finish[c.index] = c.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert len(full.choices) == 6
     for c in full.choices:
         assert texts[c.index] == c.text and finish[c.index] == c.finish_reason
         assert tokens[c.index] == c.logprobs.tokens
+        assert offsets[c.index] == c.logprobs.text_offset
+        assert values[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-5)
 
 
 def test_echo_logprobs_as_lm_eval_sends_them(client, server):

@@ -105,5 +105,7 @@ def test_health_is_503_when_the_engine_died(faulty):
     try:
         r = httpx.get(f"{faulty.url}/health")
         assert r.status_code == 503 and r.json()["error"]["message"]
+        r = httpx.post(f"{faulty.url}/v1/completions", json={"prompt": "hi"})
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
     finally:
         faulty.engine.errored = False
