@@ -47,7 +47,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     err = errors[0]
     loc = [str(p) for p in err.get("loc", ()) if p != "body"]
     # Pydantic appends the failing union branch or validator kind to loc; keep the field path.
-    loc = [p for p in loc if not p.startswith(("function-", "list[", "str", "int"))]
+    loc = [p for p in loc if p not in ("str", "int", "float", "bool", "none")
+           and not p.startswith(("function-", "list[", "dict[", "constrained-"))]
     param = ".".join(loc) or None
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if err.get("type") == "json_invalid":

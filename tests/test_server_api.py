@@ -249,6 +249,8 @@ MALFORMED = [
     ("post", "/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty"),
     ("post", "/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop"),
     ("post", "/v1/completions", {"prompt": "x", "seed": "abc"}, 400, "seed"),
+    ("post", "/v1/completions", {"prompt": "x", "stream": "maybe"}, 400, "stream"),
+    ("post", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
     ("post", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
     ("post", "/v1/completions", {"prompt": [[10 ** 9]]}, 400, None),
     ("post", "/v1/completions", {"prompt": "x", "max_tokens": MAX_MODEL_LEN}, 400, None),
