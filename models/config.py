@@ -76,6 +76,14 @@ class ModelConfig:
             scale *= m * m
         return scale
 
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """Block shape of an FP8 block-quantized checkpoint, or None."""
+        q = self.quantization_config
+        if not q:
+            return None
+        return tuple(q.get("weight_block_size") or (128, 128))
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (self.n_routed_experts is not None and layer_idx >= self.first_k_dense_replace
                 and layer_idx % self.moe_layer_freq == 0)
@@ -135,6 +143,11 @@ class ModelConfig:
             need(self.topk_method in ("greedy", "group_limited_greedy", "noaux_tc"),
                  f"topk_method {self.topk_method!r} is not supported")
             need(self.moe_layer_freq >= 1, f"moe_layer_freq must be >= 1, got {self.moe_layer_freq}")
+        q = self.quantization_config
+        if q:
+            need(q.get("quant_method") == "fp8" and q.get("fmt", "e4m3") == "e4m3",
+                 f"quantization_config {q} is not supported (only fp8 e4m3 block quantization)")
+            need(len(q.get("weight_block_size") or (128, 128)) == 2, "weight_block_size must be [bn, bk]")
         need(self.rope.type in ("default", "yarn"),
              f"rope_scaling type {self.rope.type!r} is not supported (default, yarn)")
 
@@ -150,6 +163,16 @@ def check_parallel_layout(cfg: ModelConfig, tp: int, dcp: int) -> None:
         v = getattr(cfg, name)
         if v and v % tp:
             raise ValueError(f"--tensor-parallel-size {tp} must divide the model's {name} {v}")
+    if cfg.fp8_block and tp > 1:
+        H = cfg.num_attention_heads
+        split = {"q_b_proj/q_proj rows": H * cfg.qk_head_dim,
+                 "kv_b_proj rows": H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                 "o_proj columns": H * cfg.v_head_dim, "intermediate_size": cfg.intermediate_size,
+                 "moe_intermediate_size": cfg.moe_intermediate_size}
+        for name, v in split.items():
+            if v and (v // tp) % cfg.fp8_block[0]:
+                raise ValueError(f"--tensor-parallel-size {tp} would split a {cfg.fp8_block[0]}x"
+                                 f"{cfg.fp8_block[1]} FP8 block: {name} {v} gives {v // tp} per rank")
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -27,17 +27,18 @@ class DeepseekAttention(nn.Module):
                              f"tensor parallel size {tp}")
         self.Hl = cfg.num_attention_heads // tp
         self.P, self.R, self.Lkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        D, H, qk = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim
+        D, H, qk, q8 = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim, cfg.fp8_block
         if cfg.q_lora_rank is None:
-            self.q_proj = Linear(D, H * qk, dtype, tp_dim=0)
+            self.q_proj = Linear(D, H * qk, dtype, tp_dim=0, fp8_block=q8)
         else:
-            self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype)
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype, fp8_block=q8)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
-            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, dtype, tp_dim=0)
-        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_cache_dim, dtype)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, dtype, tp_dim=0, fp8_block=q8)
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_cache_dim, dtype, fp8_block=q8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype, tp_dim=0)
-        self.o_proj = Linear(H * cfg.v_head_dim, D, dtype, tp_dim=1)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype,
+                                tp_dim=0, fp8_block=q8)
+        self.o_proj = Linear(H * cfg.v_head_dim, D, dtype, tp_dim=1, fp8_block=q8)
         self.mla = MLAAttention(self.Hl, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                                 cfg.kv_lora_rank, cfg.softmax_scale, ops)
 
@@ -64,7 +65,7 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DeepseekAttention(cfg, dtype, ops)
         self.mlp = MoE(cfg, dtype) if cfg.is_moe_layer(layer_idx) else \
-            MLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+            MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block=cfg.fp8_block)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -109,6 +110,11 @@ class DeepseekForCausalLM(nn.Module):
         """Derived weights, made once after loading: absorbed MLA matrices, fused experts."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # FP8 checkpoints: every projection is dequantized to the compute dtype (the absorbed
+        # W_UK / W_UV and the fused experts derive from dequantized weights).
+        for m in self.modules():
+            if isinstance(m, Linear):
+                m.dequantize_weights()
         for layer in self.model.layers:
             layer.self_attn.process_weights_after_loading()
             if isinstance(layer.mlp, MoE):

@@ -14,6 +14,7 @@ from torch import nn
 
 from engine import distributed as pd
 from models.config import RopeConfig, yarn_mscale
+from models.fp8 import FP8, dequantize
 
 
 def shard_param(shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype) -> nn.Parameter:
@@ -48,10 +49,33 @@ class Linear(nn.Module):
     """
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
-                 tp_dim: int | None = None, reduce: bool = True):
+                 tp_dim: int | None = None, reduce: bool = True,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
-        self.weight = shard_param((out_features, in_features), tp_dim, dtype)
+        self.dtype, self.fp8_block = dtype, fp8_block
         self.reduce = reduce and tp_dim == 1
+        if fp8_block is None:
+            self.weight = shard_param((out_features, in_features), tp_dim, dtype)
+            return
+        # FP8 checkpoint: fp8 weight + one scale per block; a TP split must keep whole blocks.
+        if tp_dim is not None:
+            size = (out_features, in_features)[tp_dim] // pd.tp().size
+            if size % fp8_block[tp_dim]:
+                raise ValueError(f"tensor parallel size {pd.tp().size} would split a "
+                                 f"{fp8_block[0]}x{fp8_block[1]} FP8 block: a {out_features}x{in_features} "
+                                 f"weight split along dim {tp_dim} gives {size} per rank")
+        self.weight = shard_param((out_features, in_features), tp_dim, FP8)
+        self.weight_scale_inv = shard_param(
+            (-(-out_features // fp8_block[0]), -(-in_features // fp8_block[1])), tp_dim, torch.float32)
+
+    def dequantize_weights(self) -> None:
+        """Post-load: replace an FP8 weight by its dequantized compute-dtype copy."""
+        if self.fp8_block is None:
+            return
+        w = dequantize(self.weight, self.weight_scale_inv, self.fp8_block, self.dtype)
+        del self.weight_scale_inv
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.fp8_block = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from engine import distributed as pd
 from models.config import ModelConfig
+from models.fp8 import FP8
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,9 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig
                         continue
                     if name.endswith("rotary_emb.inv_freq"):
                         continue
-                    if name.endswith("weight_scale_inv") or name.endswith("weight_scale"):
-                        raise ValueError(f"checkpoint tensor {name}: FP8 block-quantized checkpoints "
-                                         "are not supported yet")
+                    if name.endswith("weight_scale_inv") and cfg.fp8_block is None:
+                        raise ValueError(f"checkpoint tensor {name}: an FP8-quantized checkpoint "
+                                         "whose config.json has no quantization_config")
                     p = params.get(name)
                     if p is None:
                         log.warning("checkpoint tensor %s has no matching parameter; ignored", name)
@@ -121,4 +122,12 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
                     g = gens[p.device] = torch.Generator(device=p.device)
                     g.manual_seed(seed + pd.tp().rank)
                 fan_in = p.shape[-1] if p.dim() > 1 else 1
-                p.normal_(0.0, 0.02 if "embed" in name else fan_in ** -0.5, generator=g)
+                if name.endswith("weight_scale_inv"):
+                    fan_in *= 128  # columns of blocks of the fp8 weight
+                std = 0.02 if "embed" in name else fan_in ** -0.5
+                if p.dtype == FP8:  # values ~N(0, 64) in fp8, scales bring them to std
+                    p.copy_(torch.empty(p.shape, device=p.device).normal_(0, 64, generator=g).clamp(-448, 448))
+                elif name.endswith("weight_scale_inv"):
+                    p.fill_(std / 64)
+                else:
+                    p.normal_(0.0, std, generator=g)

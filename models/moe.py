@@ -19,11 +19,12 @@ def _use_grouped_mm(x: torch.Tensor) -> bool:
 class MLP(nn.Module):
     """SwiGLU: gate/up column-parallel, down row-parallel (reduced by the caller when reduce=False)."""
 
-    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, reduce: bool = True):
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, reduce: bool = True,
+                 fp8_block: tuple[int, int] | None = None):
         super().__init__()
-        self.gate_proj = Linear(hidden, inter, dtype, tp_dim=0)
-        self.up_proj = Linear(hidden, inter, dtype, tp_dim=0)
-        self.down_proj = Linear(inter, hidden, dtype, tp_dim=1, reduce=reduce)
+        self.gate_proj = Linear(hidden, inter, dtype, tp_dim=0, fp8_block=fp8_block)
+        self.up_proj = Linear(hidden, inter, dtype, tp_dim=0, fp8_block=fp8_block)
+        self.down_proj = Linear(inter, hidden, dtype, tp_dim=1, reduce=reduce, fp8_block=fp8_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -83,9 +84,10 @@ class MoE(nn.Module):
         self.cfg = cfg
         D, I = cfg.hidden_size, cfg.moe_intermediate_size
         self.gate = Router(cfg)
+        q = cfg.fp8_block
         self.experts = nn.ModuleList(
-            MLP(D, I, dtype, reduce=False) for _ in range(cfg.n_routed_experts))
-        self.shared_experts = (MLP(D, I * cfg.n_shared_experts, dtype, reduce=False)
+            MLP(D, I, dtype, reduce=False, fp8_block=q) for _ in range(cfg.n_routed_experts))
+        self.shared_experts = (MLP(D, I * cfg.n_shared_experts, dtype, reduce=False, fp8_block=q)
                                if cfg.n_shared_experts else None)
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
