@@ -37,9 +37,14 @@ def resolve_dtype(args: EngineArgs, cfg: ModelConfig, device: torch.device) -> t
     return _DTYPES.get(cfg.torch_dtype, torch.bfloat16)
 
 
-def make_attention_ops(args: EngineArgs, device: torch.device) -> AttentionOps:
+def make_attention_ops(args: EngineArgs, cfg: ModelConfig, device: torch.device) -> AttentionOps:
     want = args.attention_backend
     if want == "torch" or (want == "auto" and device.type != "cuda"):
+        return TorchAttentionOps()
+    if want == "auto" and (cfg.kv_lora_rank < 16 or cfg.qk_rope_head_dim < 16):
+        log.warning("Triton MLA kernels need kv_lora_rank and qk_rope_head_dim >= 16 (got %d, %d): "
+                    "using the torch reference backend, without CUDA graphs",
+                    cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         return TorchAttentionOps()
     from attention.triton_backend import TritonAttentionOps
     return TritonAttentionOps()
@@ -59,7 +64,7 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(args, cfg, self.device)
         torch.manual_seed(args.seed)  # identical on every rank: unseeded sampling stays in lockstep
-        self.ops = make_attention_ops(args, self.device)
+        self.ops = make_attention_ops(args, cfg, self.device)
         t0 = time.perf_counter()
         with torch.device(self.device):
             self.model = DeepseekForCausalLM(cfg, self.dtype, self.ops)
@@ -111,7 +116,8 @@ class Worker:
         self.kv_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.dtype, device=self.device)
                           for _ in range(self.cfg.num_hidden_layers)]
         self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids)
-        if self.device.type == "cuda" and not a.enforce_eager:
+        # The torch reference ops sync with the host (lengths to Python): they cannot be captured.
+        if self.device.type == "cuda" and not a.enforce_eager and self.ops.name != "torch":
             from engine.cuda_graph import DecodeGraphs, default_buckets
             blocks_per_seq = -(-max_model_len // (bs * a.decode_context_parallel_size))
             self.runner.graphs = DecodeGraphs(self.model, self.kv_caches, blocks_per_seq,

@@ -118,7 +118,10 @@ class MoE(nn.Module):
         T, k = ids.shape
         flat = ids.flatten()
         order = flat.argsort(stable=True)
-        offs = torch.bincount(flat, minlength=self.cfg.n_routed_experts).cumsum(0).to(torch.int32)
+        # per-expert counts by scatter-add: bincount would sync to size its output
+        counts = torch.zeros(self.cfg.n_routed_experts, dtype=torch.int32, device=x.device)
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        offs = counts.cumsum(0, dtype=torch.int32)
         token_of = order // k
         xs = x[token_of]  # [T*k, D], grouped by expert
         I = self.w2.shape[-1]
