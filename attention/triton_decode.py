@@ -66,7 +66,7 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
 def _mla_decode_partial_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
     qk_scale_log2,  # softmax scale * log2(e): scores live in the log2 domain
-    H,
+    H, num_splits,  # runtime, so a new split count never recompiles
     stride_qb, stride_qh,
     stride_kvb, stride_kvs,
     stride_btb,
@@ -75,14 +75,14 @@ def _mla_decode_partial_kernel(
     PAGE: tl.constexpr, LKV: tl.constexpr, R: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     # Split boundaries on BLOCK_N multiples, so only a split's last tile is partial.
-    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
@@ -136,12 +136,11 @@ def _mla_decode_partial_kernel(
 @triton.jit
 def _mla_decode_reduce_kernel(
     po_ptr, plse_ptr, o_ptr, lse_ptr,
-    H,
+    H, num_splits,
     stride_pob, stride_pos, stride_poh,
     stride_plb, stride_pls, stride_plh,
     stride_ob, stride_oh, stride_lb, stride_lh,
-    LKV: tl.constexpr, BLOCK_L: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    LKV: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -149,12 +148,12 @@ def _mla_decode_reduce_kernel(
     offs_l = tl.arange(0, BLOCK_L)
     lmask = offs_l < LKV
     plse_row = plse_ptr + b * stride_plb + h * stride_plh
-    lse_s = tl.load(plse_row + offs_s * stride_pls, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    lse_s = tl.load(plse_row + offs_s * stride_pls, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse_s, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp(lse_s - m_safe), 0)  # 0 when every split is empty
     acc = tl.zeros([BLOCK_L], tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         lse_i = tl.load(plse_row + s * stride_pls)
         # Empty splits (lse -inf) get weight 0 and their rows are not read.
         read = lmask & ((tl.zeros([BLOCK_L], tl.float32) + lse_i) > float("-inf"))
@@ -203,7 +202,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     block_l = triton.next_power_of_2(lkv)
     _mla_decode_partial_kernel[(head_tiles, num_splits, B)](
         q, kv_cache, block_table, seq_lens, po, plse,
-        scale * LOG2E, H,
+        scale * LOG2E, H, num_splits,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
@@ -211,16 +210,15 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         PAGE=page, LKV=lkv, R=r,
         BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(r),
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
-        NUM_SPLITS=num_splits, PRECISION=precision,
+        PRECISION=precision,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
         _mla_decode_reduce_kernel[(H, B)](
-            po, plse, o, lse, H,
+            po, plse, o, lse, H, num_splits,
             *po_strides, *plse_strides,
             o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
-            LKV=lkv, BLOCK_L=block_l,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits),
+            LKV=lkv, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=4,
         )
     return o, lse

@@ -1,0 +1,244 @@
+"""Time (and with --check, verify on real shapes) the Triton MLA attention kernels on one CUDA GPU.
+
+Decode bytes = every cached row read once (Lkv+R values) + q + o; compared with the measured
+device-to-device copy rate (read + write). Prefill is reported in TFLOP/s (QK and PV products,
+causal counts only visible pairs). Times are triton.testing.do_bench medians (it flushes L2 before
+every run). Prints a table and writes JSON to --out (default $OUT/bench_attention.json).
+
+  python3 scripts/bench_attention.py --check --sweep
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import triton  # noqa: E402
+from triton.testing import do_bench  # noqa: E402
+
+from attention.triton_cache import gather_context, write_kv  # noqa: E402
+from attention.triton_decode import (DecodeConfig, choose_num_splits, default_decode_config,  # noqa: E402
+                                     mla_decode)
+from attention.triton_prefill import PrefillConfig, default_prefill_config, prefill_attention  # noqa: E402
+
+LKV, R, P, V = 512, 64, 128, 128
+DEVICE = "cuda"  # the CPU smoke run of this script (interpreter, tiny shapes) swaps it
+DECODE_SHAPES = [(1, 4096), (1, 8192), (1, 16384), (1, 32768), (32, 4096), (128, 4096)]
+PREFILL_SHAPES = [  # (name, [(Lq, Lk), ...], H, causal)
+    ("1x4096 causal", [(4096, 4096)], 16, True),
+    ("4x2048 causal", [(2048, 2048)] * 4, 16, True),
+    ("1x8192 causal", [(8192, 8192)], 16, True),
+    ("1x4096 causal H128", [(4096, 4096)], 128, True),
+    ("2x(1024q,8192ctx) noncausal", [(1024, 8192)] * 2, 16, False),
+]
+DECODE_SWEEP = {  # (block_h, block_n, num_warps, num_stages, programs_per_sm)
+    16: [(16, 32, 4, 3, 2), (16, 64, 4, 3, 2), (16, 64, 8, 2, 2), (16, 64, 8, 3, 2), (16, 128, 8, 2, 1)],
+    128: [(64, 16, 8, 3, 1), (64, 32, 8, 3, 1), (32, 32, 8, 2, 2), (32, 64, 8, 2, 1), (16, 64, 8, 2, 2)],
+}
+PREFILL_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
+                 (128, 128, 8, 2)]
+
+
+def bench_ms(fn) -> float:
+    fn()  # compile outside the timed region
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def copy_ceiling() -> float:
+    """Device-to-device copy rate in GB/s, counting bytes read + written."""
+    x = torch.randn(1 << 29, device=DEVICE, dtype=torch.bfloat16)  # 1 GiB
+    y = torch.empty_like(x)
+    ms = bench_ms(lambda: y.copy_(x))
+    return 2 * x.numel() * 2 / ms / 1e6
+
+
+def decode_inputs(B, S, H, page=64, dtype=torch.bfloat16):
+    nblk = triton.cdiv(S, page)
+    cache = torch.randn(B * nblk, page, LKV + R, device=DEVICE, dtype=dtype)
+    bt = torch.randperm(B * nblk, device=DEVICE).to(torch.int32).view(B, nblk)
+    q = torch.randn(B, H, LKV + R, device=DEVICE, dtype=dtype)
+    lens = torch.full((B,), S, dtype=torch.int32, device=DEVICE)
+    return q, cache, bt, lens
+
+
+def run_decode(rows, sweep: bool, num_sms: int, log):
+    for B, S in DECODE_SHAPES:
+        for H in (16, 128):
+            q, cache, bt, lens = decode_inputs(B, S, H)
+            nbytes = B * S * (LKV + R) * 2 + B * H * (LKV + R + LKV) * 2
+            flops = 2 * B * S * H * (LKV + R + LKV)
+            cfgs = [default_decode_config(H, torch.bfloat16)]
+            if sweep:
+                cfgs += [DecodeConfig(*c) for c in DECODE_SWEEP[H]]
+            tried = []
+            for cfg in dict.fromkeys(cfgs):
+                bh = max(16, min(cfg.block_h, H))
+                auto = choose_num_splits(B, triton.cdiv(H, bh), bt.shape[1] * 64, num_sms, cfg)
+                split_opts = [auto] + ([s for s in (32, 66, 132, 264) if s != auto]
+                                       if sweep and B == 1 and cfg == cfgs[0] else [])
+                for ns in split_opts:
+                    try:
+                        ms = bench_ms(lambda: mla_decode(q, cache, bt, lens, 0.1, LKV, num_splits=ns,
+                                                         num_sms=num_sms, cfg=cfg))
+                    except Exception as e:  # a config that does not compile is reported, not fatal
+                        log.append(f"decode B={B} S={S} H={H} {cfg} splits={ns}: {type(e).__name__} {e}"[:300])
+                        continue
+                    tried.append(dict(cfg=[cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                                           cfg.programs_per_sm], splits=ns, auto=ns == auto, ms=ms,
+                                      default=cfg == cfgs[0]))
+            if not tried:
+                continue
+            dflt = [t for t in tried if t["default"] and t["auto"]]
+            best = min(tried, key=lambda t: t["ms"])
+            for tag, t in (("default", dflt[0] if dflt else None), ("best", best)):
+                if t is None:
+                    continue
+                rows.append(dict(kind="decode", B=B, S=S, H=H, which=tag, cfg=t["cfg"], splits=t["splits"],
+                                 us=t["ms"] * 1e3, GBps=nbytes / t["ms"] / 1e6, TFLOPs=flops / t["ms"] / 1e9))
+            rows[-1]["tried"] = tried
+            print(f"decode B={B} S={S} H={H}: " + ", ".join(
+                f"{t['cfg']}/{t['splits']}={t['ms'] * 1e3:.1f}us" for t in tried), flush=True)
+            del q, cache, bt, lens
+            torch.cuda.empty_cache()
+
+
+def prefill_flops(lens, H, causal):
+    pairs = 0
+    for lq, lk in lens:
+        if causal:
+            pairs += sum(max(0, min(lk, i + lk - lq + 1)) for i in range(lq))
+        else:
+            pairs += lq * lk
+    return 2 * pairs * H * (P + R + V)
+
+
+def run_prefill(rows, sweep: bool, log):
+    for name, lens, H, causal in PREFILL_SHAPES:
+        cq = torch.tensor([0] + [a for a, _ in lens], device=DEVICE).cumsum(0).to(torch.int32)
+        ck = torch.tensor([0] + [b for _, b in lens], device=DEVICE).cumsum(0).to(torch.int32)
+        q = torch.randn(int(cq[-1]), H, P + R, device=DEVICE, dtype=torch.bfloat16)
+        k = torch.randn(int(ck[-1]), H, P + R, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn(int(ck[-1]), H, V, device=DEVICE, dtype=torch.bfloat16)
+        max_q = max(a for a, _ in lens)
+        flops = prefill_flops(lens, H, causal)
+        cfgs = [default_prefill_config(torch.bfloat16)] + ([PrefillConfig(*c) for c in PREFILL_SWEEP] if sweep else [])
+        tried = []
+        for cfg in dict.fromkeys(cfgs):
+            try:
+                ms = bench_ms(lambda: prefill_attention(q, k, v, cq, ck, max_q, 0.1, causal, cfg=cfg))
+            except Exception as e:
+                log.append(f"prefill {name} {cfg}: {type(e).__name__} {e}"[:300])
+                continue
+            tried.append(dict(cfg=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages], ms=ms,
+                              default=cfg == cfgs[0]))
+        for tag, t in (("default", tried[0] if tried and tried[0]["default"] else None),
+                       ("best", min(tried, key=lambda t: t["ms"]) if tried else None)):
+            if t is not None:
+                rows.append(dict(kind="prefill", shape=name, H=H, which=tag, cfg=t["cfg"], us=t["ms"] * 1e3,
+                                 TFLOPs=flops / t["ms"] / 1e9))
+        if tried:
+            rows[-1]["tried"] = tried
+            print(f"prefill {name}: " + ", ".join(f"{t['cfg']}={t['ms'] * 1e3:.0f}us" for t in tried), flush=True)
+
+
+def run_cache_ops(rows, T=16384, page=64):
+    D = LKV + R
+    cache = torch.randn(T // page + 8, page, D, device=DEVICE, dtype=torch.bfloat16)
+    kv = torch.randn(T, D, device=DEVICE, dtype=torch.bfloat16)
+    slots = torch.randperm(cache.shape[0] * page, device=DEVICE)[:T]
+    ms = bench_ms(lambda: write_kv(cache, kv, slots))
+    rows.append(dict(kind="write_kv", T=T, us=ms * 1e3, GBps=2 * T * D * 2 / ms / 1e6))
+    bt = torch.randperm(cache.shape[0], device=DEVICE).to(torch.int32)[: T // page].view(4, -1)
+    cu = torch.tensor([0, T // 4, T // 2, 3 * T // 4, T], device=DEVICE, dtype=torch.int32)
+    starts = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    ms = bench_ms(lambda: gather_context(cache, bt, starts, cu, T))
+    rows.append(dict(kind="gather", T=T, us=ms * 1e3, GBps=2 * T * D * 2 / ms / 1e6))
+
+
+def run_checks():
+    spec = importlib.util.spec_from_file_location("test_triton_ops", REPO / "tests" / "test_triton_ops.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.run_cases(mod.GPU_CASES)
+
+
+def print_table(info, checks, rows, log):
+    print(f"\n{info['date']}  {info['gpu']}  SMs={info['sms']}  torch {info['torch']}  triton {info['triton']}")
+    print(f"copy ceiling: {info['copy_GBps']:.0f} GB/s")
+    if checks is not None:
+        bad = {k: v for k, v in checks.items() if v[0] != "ok"}
+        print(f"checks: {len(checks) - len(bad)}/{len(checks)} ok")
+        for k, v in checks.items():
+            print(f"  {k:40s} {v[0]:4s} {v[1] if v[0] == 'ok' else v[1][:200]}")
+    print(f"\n{'decode':8s} {'B':>4s} {'S':>6s} {'H':>4s} {'which':8s} {'cfg':22s} {'splits':>6s} "
+          f"{'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'TFLOP/s':>8s}")
+    for r in rows:
+        if r["kind"] == "decode":
+            print(f"{'':8s} {r['B']:4d} {r['S']:6d} {r['H']:4d} {r['which']:8s} {str(r['cfg']):22s} "
+                  f"{r['splits']:6d} {r['us']:9.1f} {r['GBps']:7.0f} {100 * r['GBps'] / info['copy_GBps']:6.1f} "
+                  f"{r['TFLOPs']:8.1f}")
+    print(f"\n{'prefill':30s} {'H':>4s} {'which':8s} {'cfg':18s} {'us':>9s} {'TFLOP/s':>8s}")
+    for r in rows:
+        if r["kind"] == "prefill":
+            print(f"{r['shape']:30s} {r['H']:4d} {r['which']:8s} {str(r['cfg']):18s} {r['us']:9.1f} "
+                  f"{r['TFLOPs']:8.1f}")
+    for r in rows:
+        if r["kind"] in ("write_kv", "gather"):
+            print(f"{r['kind']:10s} T={r['T']} {r['us']:.1f} us {r['GBps']:.0f} GB/s")
+    for line in log:
+        print("LOG", line)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="run the real-shape correctness cases first")
+    ap.add_argument("--sweep", action="store_true", help="also time candidate tile configs and split counts")
+    ap.add_argument("--skip-bench", action="store_true", help="checks only")
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_attention.json or ./)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_attention.py needs a CUDA GPU")
+    t0 = time.time()
+    props = torch.cuda.get_device_properties(0)
+    info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                gpu=props.name, sms=props.multi_processor_count, torch=torch.__version__,
+                triton=triton.__version__, argv=sys.argv[1:])
+    info["copy_GBps"] = copy_ceiling()
+    checks = run_checks() if args.check else None
+    if checks is not None:
+        print(f"checks done in {time.time() - t0:.0f} s", flush=True)
+    rows, log = [], []
+    out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "bench_attention.json"))
+
+    def save():  # after every stage, so a run cut short still leaves its numbers
+        info["seconds"] = time.time() - t0
+        out.write_text(json.dumps(dict(info=info, checks=checks, rows=rows, log=log), indent=1))
+
+    save()
+    if not args.skip_bench:
+        run_decode(rows, args.sweep, props.multi_processor_count, log)
+        save()
+        print(f"decode done in {time.time() - t0:.0f} s", flush=True)
+        run_prefill(rows, args.sweep, log)
+        save()
+        run_cache_ops(rows)
+        save()
+    print_table(info, checks, rows, log)
+    if checks is not None and any(v[0] != "ok" for v in checks.values()):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
