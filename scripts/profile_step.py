@@ -1,0 +1,58 @@
+"""Where a decode step's time goes: cProfile of engine steps plus the CUDA-graph replay alone.
+
+    python scripts/profile_step.py --batch 1 --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+import torch
+from bench_common import add_engine_flags, engine_kwargs, random_prompts
+
+from engine import LLM, SamplingParams
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    add_engine_flags(p)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=50)
+    a = p.parse_args()
+    llm = LLM(**engine_kwargs(a))
+    core = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    for i, ids in enumerate(random_prompts(a.batch, 1000, core.cfg.vocab_size)):
+        core.add_request(str(i), ids, sp)
+    for _ in range(10):
+        core.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        core.step()
+    print(f"step: {(time.perf_counter() - t0) / a.steps * 1e3:.3f} ms")
+    runner = core.executor.worker.runner
+    g = runner.graphs
+    if g is not None:
+        b = g.bucket_for(a.batch)
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(50):
+            g.graphs[b].replay()
+        e.record()
+        torch.cuda.synchronize()
+        print(f"graph replay alone (bucket {b}): {s.elapsed_time(e) / 50:.3f} ms")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(a.steps):
+        core.step()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
