@@ -14,6 +14,7 @@ from attention.metadata import MLAMetadata
 from attention.mla import MLAAttention
 from engine import distributed as pd
 from models.config import ModelConfig
+from models.fused import add_rms_norm_op
 from models.layers import Linear, ParallelLMHead, RMSNorm, VocabParallelEmbedding, YarnRotaryEmbedding
 from models.moe import MLP, MoE
 
@@ -70,8 +71,10 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, x, positions, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+        n = self.post_attention_layernorm
+        x, h = add_rms_norm_op(x, h, n.weight, n.eps)
+        return x + self.mlp(h)
 
 
 class DeepseekModel(nn.Module):
@@ -119,3 +122,7 @@ class DeepseekForCausalLM(nn.Module):
             layer.self_attn.process_weights_after_loading()
             if isinstance(layer.mlp, MoE):
                 layer.mlp.fuse_experts()
+                if layer.mlp.shared_experts is not None:
+                    layer.mlp.shared_experts.fuse()
+            else:
+                layer.mlp.fuse()

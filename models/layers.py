@@ -15,6 +15,7 @@ from torch import nn
 from engine import distributed as pd
 from models.config import RopeConfig, yarn_mscale
 from models.fp8 import FP8, dequantize
+from models.fused import rms_norm_op, rope_op
 
 
 def shard_param(shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype) -> nn.Parameter:
@@ -37,9 +38,7 @@ class RMSNorm(nn.Module):
         self.weight = shard_param((dim,), None, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm_op(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -158,9 +157,5 @@ class YarnRotaryEmbedding(nn.Module):
         out = []
         for x in xs:
             shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-            c, s = cos.view(shape), sin.view(shape)
-            xf = x.float()
-            x1, x2 = xf[..., 0::2], xf[..., 1::2]
-            rot = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
-            out.append(rot.to(x.dtype))
+            out.append(rope_op(x, cos.view(shape), sin.view(shape)))
         return tuple(out)

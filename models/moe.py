@@ -8,6 +8,7 @@ from torch import nn
 
 from engine import distributed as pd
 from models.config import ModelConfig
+from models.fused import CudaCompiled, silu_mul_op
 from models.layers import Linear, shard_param
 
 
@@ -26,7 +27,16 @@ class MLP(nn.Module):
         self.up_proj = Linear(hidden, inter, dtype, tp_dim=0, fp8_block=fp8_block)
         self.down_proj = Linear(inter, hidden, dtype, tp_dim=1, reduce=reduce, fp8_block=fp8_block)
 
+        self.w13: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Post-load: one GEMM for gate and up (both column-parallel: local shards concatenate)."""
+        self.w13 = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]), requires_grad=False)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w13 is not None:
+            return self.down_proj(silu_mul_op(F.linear(x, self.w13)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -43,33 +53,45 @@ class Router(nn.Module):
         else:
             self.e_score_correction_bias = None
 
-    def _group_mask(self, scores: torch.Tensor, group_scores: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        top_groups = group_scores.topk(c.topk_group, dim=-1).indices  # [T, topk_group]
-        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
-        return mask.repeat_interleave(c.n_routed_experts // c.n_group, dim=1)  # [T, E]
-
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        logits = F.linear(x.float(), self.weight)  # [T, E]
-        T, E = logits.shape
-        if c.scoring_func == "softmax":
-            scores = logits.softmax(dim=-1)
-            if c.topk_method == "group_limited_greedy":
-                group_scores = scores.view(T, c.n_group, -1).amax(dim=-1)
-                scores = scores.masked_fill(~self._group_mask(scores, group_scores), 0.0)
-            weights, ids = scores.topk(c.num_experts_per_tok, dim=-1)
-        else:
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
-            if c.n_group > 1:
-                group_scores = choice.view(T, c.n_group, -1).topk(2, dim=-1).values.sum(-1)
-                choice = choice.masked_fill(~self._group_mask(choice, group_scores), float("-inf"))
-            ids = choice.topk(c.num_experts_per_tok, dim=-1).indices
-            weights = scores.gather(1, ids)
-        if c.num_experts_per_tok > 1 and c.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * c.routed_scaling_factor, ids  # [T, k] fp32, [T, k] int64
+        return route_op(x, self.weight, self.e_score_correction_bias, c.scoring_func, c.topk_method,
+                        c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob,
+                        c.routed_scaling_factor)
+
+
+def _group_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:
+    top_groups = group_scores.topk(topk_group, dim=-1).indices  # [T, topk_group]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
+    return mask.repeat_interleave(per_group, dim=1)  # [T, E]
+
+
+def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str,
+          topk_method: str, n_group: int, topk_group: int, top_k: int, norm: bool,
+          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert choice of DeepSeek's routers (fp32): weights [T, k], ids [T, k]."""
+    logits = F.linear(x.float(), weight)  # [T, E]
+    T, E = logits.shape
+    if scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+        if topk_method == "group_limited_greedy":
+            group_scores = scores.view(T, n_group, -1).amax(dim=-1)
+            scores = scores.masked_fill(~_group_mask(group_scores, topk_group, E // n_group), 0.0)
+        weights, ids = scores.topk(top_k, dim=-1)
+    else:
+        scores = logits.sigmoid()
+        choice = scores + bias
+        if n_group > 1:
+            group_scores = choice.view(T, n_group, -1).topk(2, dim=-1).values.sum(-1)
+            choice = choice.masked_fill(~_group_mask(group_scores, topk_group, E // n_group), float("-inf"))
+        ids = choice.topk(top_k, dim=-1).indices
+        weights = scores.gather(1, ids)
+    if top_k > 1 and norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
+route_op = CudaCompiled(route)
 
 
 class MoE(nn.Module):
@@ -126,7 +148,7 @@ class MoE(nn.Module):
         xs = x[token_of]  # [T*k, D], grouped by expert
         I = self.w2.shape[-1]
         gate_up = torch._grouped_mm(xs, self.w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
-        h = F.silu(gate_up[:, :I]) * gate_up[:, I:]
+        h = silu_mul_op(gate_up)
         y = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)  # [T*k, D]
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y)

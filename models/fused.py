@@ -1,0 +1,67 @@
+"""Elementwise glue of a decoder layer, written once in plain torch and compiled on CUDA.
+
+A decode step at small batch is bound by kernel count, not bytes: eager RMSNorm, RoPE and
+SwiGLU are ~6 kernels each. On CUDA these functions go through `torch.compile` (one fused
+Triton kernel each, CUDA-graph safe); on CPU, or if compilation fails, they run as written.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger(__name__)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add then norm: returns (x + h, rms_norm(x + h))."""
+    s = x + h
+    return s, rms_norm(s, w, eps)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs of x `[T, ..., R]` by cos/sin `[T, 1.., R/2]`."""
+    xf = x.float()
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on `[.., 2I]` = [gate ‖ up]."""
+    i = gate_up.shape[-1] // 2
+    return F.silu(gate_up[..., :i]) * gate_up[..., i:]
+
+
+class CudaCompiled:
+    """Calls the compiled version on CUDA tensors, the plain one elsewhere."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.compiled = None
+        self.failed = False
+
+    def __call__(self, *args):
+        if not args[0].is_cuda or self.failed:
+            return self.fn(*args)
+        if self.compiled is None:
+            self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        try:
+            return self.compiled(*args)
+        except Exception as e:  # noqa: BLE001 - a compiler problem must not take serving down
+            log.warning("torch.compile of %s failed (%s): running it eagerly", self.fn.__name__, e)
+            self.failed = True
+            return self.fn(*args)
+
+
+rms_norm_op = CudaCompiled(rms_norm)
+add_rms_norm_op = CudaCompiled(add_rms_norm)
+rope_op = CudaCompiled(rope)
+silu_mul_op = CudaCompiled(silu_mul)
