@@ -7,8 +7,10 @@ two of them, so the answer depends on tokens far back in the prompt and needs a 
     Answer: Mia has 7 apples. Leo has 3 pens. 7 + 3 = 10.
     #### 10
 
-Names and items repeat across facts (Mia may own apples and pens), so a fact is found only by the
-(name, item) pair. Values are 1..49, so sums stay below 100 and differences are >= 0.
+Each name appears once per question (items may repeat), so a fact is found by its name: a
+one-key lookup that a 6.7M-parameter model learns in a few minutes of GPU time (a first run with
+repeated names, where only the (name, item) pair identifies a fact, reached 3% after 150 s).
+Values are 1..49, so sums stay below 100 and differences are >= 0.
 
 Usage (from the repo root):
     python -m scripts.make_task_data            # writes configs/lm_eval/tiny_arith/{train,test}.jsonl
@@ -57,22 +59,32 @@ CHAT_TEMPLATE = (
 logger = logging.getLogger(__name__)
 
 
-def make_example(rng: random.Random) -> dict:
+def make_facts(rng: random.Random, num_facts: int) -> list[tuple[str, int, str]]:
+    """`num_facts` (name, value, item) facts, each name once, values 1..MAX_VALUE."""
+    names = rng.sample(NAMES, num_facts)
+    items = [rng.choice(ITEMS) for _ in names]  # draw order kept: the committed data depends on it
+    return [(name, rng.randint(1, MAX_VALUE), item) for name, item in zip(names, items)]
+
+
+def fact_text(fact: tuple[str, int, str]) -> str:
+    """'Mia has 7 apples.'"""
+    return f"{fact[0]} has {fact[1]} {fact[2]}."
+
+
+def make_example(rng: random.Random, min_facts: int = MIN_FACTS, max_facts: int = MAX_FACTS) -> dict:
     """One task item: {'question': str, 'answer': str} with the answer ending in '#### N'."""
-    num_facts = rng.randint(MIN_FACTS, MAX_FACTS)
-    pairs = rng.sample([(n, i) for n in NAMES for i in ITEMS], num_facts)
-    values = [rng.randint(1, MAX_VALUE) for _ in pairs]
-    a, b = rng.sample(range(num_facts), 2)
+    if not 2 <= min_facts <= max_facts <= len(NAMES):
+        raise ValueError(f"need 2 <= min_facts <= max_facts <= {len(NAMES)}, got {min_facts}, {max_facts}")
+    facts = make_facts(rng, rng.randint(min_facts, max_facts))
+    a, b = rng.sample(range(len(facts)), 2)
     op = rng.choice("+-")
-    if op == "-" and values[a] < values[b]:
+    if op == "-" and facts[a][1] < facts[b][1]:
         a, b = b, a
-    result = values[a] + values[b] if op == "+" else values[a] - values[b]
-    facts = " ".join(f"{n} has {v} {i}." for (n, i), v in zip(pairs, values))
+    (na, va, ia), (nb, vb, ib) = facts[a], facts[b]
+    result = va + vb if op == "+" else va - vb
     word = "plus" if op == "+" else "minus"
-    (na, ia), (nb, ib) = pairs[a], pairs[b]
-    question = f"{facts} How many are {na}'s {ia} {word} {nb}'s {ib}?"
-    answer = (f"{na} has {values[a]} {ia}. {nb} has {values[b]} {ib}. "
-              f"{values[a]} {op} {values[b]} = {result}.\n#### {result}")
+    question = " ".join(fact_text(f) for f in facts) + f" How many are {na}'s {ia} {word} {nb}'s {ib}?"
+    answer = f"{fact_text(facts[a])} {fact_text(facts[b])} {va} {op} {vb} = {result}.\n#### {result}"
     return {"question": question, "answer": answer}
 
 

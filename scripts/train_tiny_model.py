@@ -36,7 +36,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from scripts.make_task_data import ASSISTANT, EOS, USER, format_shot, make_example  # noqa: E402
+from scripts.make_task_data import (  # noqa: E402
+    ASSISTANT, EOS, MAX_FACTS, MIN_FACTS, USER, fact_text, format_shot, make_example, make_facts)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 logger = logging.getLogger(__name__)
@@ -88,11 +89,11 @@ def dense_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return torch.einsum("end,ne->nd", out, weights.to(out.dtype)).to(hidden_states.dtype)
 
 
-def use_dense_experts(model) -> list:
+def use_dense_experts(model, dense: bool = True) -> list:
     """Swap each experts module's forward for the dense one (checked equal); return the routers."""
     routers = []
     for name, module in model.named_modules():
-        if name.endswith("mlp.experts"):
+        if name.endswith("mlp.experts") and dense:
             if not (hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")):
                 raise ValueError(f"{name}: expected fused gate_up_proj/down_proj expert tensors")
             x = torch.randn(8, module.gate_up_proj.shape[-1], device=module.gate_up_proj.device)
@@ -112,16 +113,20 @@ def use_dense_experts(model) -> list:
 class TaskStream(torch.utils.data.IterableDataset):
     """Endless batches of (input_ids [B, S+1], loss_mask [B, S+1]) k-shot sequences."""
 
-    def __init__(self, tokenizer_path: Path, seed: int, batch_size: int, seq_len: int):
-        self.tokenizer_path, self.seed = str(tokenizer_path), seed
+    def __init__(self, tokenizer_path: Path, seed: int, batch_size: int, seq_len: int,
+                 facts: tuple[int, int] = (MIN_FACTS, MAX_FACTS), recall_frac: float = 0.0):
+        self.tokenizer_path, self.seed, self.facts = str(tokenizer_path), seed, facts
+        self.recall_frac = recall_frac
         self.batch_size, self.seq_len = batch_size, seq_len
 
     def _text(self, rng: random.Random) -> tuple[str, list[tuple[int, int]], bool]:
         """One sequence's text, the char spans that carry loss, and whether to prepend BOS."""
         text, spans = "", []
+        if rng.random() < self.recall_frac:
+            return self._recall_text(rng)
         mode = rng.random()
         while len(text) < self.seq_len * 5:  # >= 4.5 chars per token seen: always past seq_len
-            doc = make_example(rng)
+            doc = make_example(rng, *self.facts)
             if mode < 0.9:
                 text += "\n\n" if text else ""
                 shot, piece_start = format_shot(doc), len(text)
@@ -136,6 +141,22 @@ class TaskStream(torch.utils.data.IterableDataset):
                 text += space + doc["answer"] + EOS
                 spans.append((reply_start, len(text)))
         return text, spans, mode < 0.7 or mode >= 0.9
+
+    def _recall_text(self, rng: random.Random) -> tuple[str, list[tuple[int, int]], bool]:
+        """Fact lists each followed by 'Recall:' and the same facts shuffled (loss on the recall).
+
+        Every value in the recall is a name-keyed lookup, the skill the task's answers need, at
+        ~10 targets per list instead of 2 per question: this is what makes the binding circuit
+        (a previous-token head feeding a lookup head) form within minutes.
+        """
+        text, spans = "", []
+        while len(text) < self.seq_len * 5:
+            facts = make_facts(rng, rng.randint(2, self.facts[1]))
+            text += ("\n\n" if text else "") + " ".join(fact_text(f) for f in facts) + "\nRecall:"
+            start = len(text)
+            text += "".join(" " + fact_text(f) for f in rng.sample(facts, len(facts)))
+            spans.append((start, len(text)))
+        return text, spans, True
 
     def __iter__(self):
         from tokenizers import Tokenizer
@@ -231,8 +252,14 @@ def train(args) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     vocab = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json")).get_vocab_size()
     cfg = model_config(64 * math.ceil(vocab / 64), args.smoke)
-    model = build_model(cfg).to(device)
-    routers = use_dense_experts(model)
+    model = build_model(cfg)
+    if args.init is not None:  # continue from a saved checkpoint (official per-expert names)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(args.init), dtype=torch.float32)
+        model.config._attn_implementation = "sdpa"
+    model = model.to(device)
+    routers = use_dense_experts(model, dense=device.type == "cuda")
     loads = route_counter(routers)
     logger.info("params: %.2fM, vocab %d (tokenizer %d)",
                 sum(p.numel() for p in model.parameters()) / 1e6, cfg["vocab_size"], vocab)
@@ -240,7 +267,8 @@ def train(args) -> None:
     rest = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "gate.weight" not in n)]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
-    stream = TaskStream(args.tokenizer / "tokenizer.json", args.seed, args.batch_size, args.seq_len)
+    stream = TaskStream(args.tokenizer / "tokenizer.json", args.seed, args.batch_size, args.seq_len,
+                        (args.min_facts, args.max_facts), args.recall_frac)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
                                          pin_memory=device.type == "cuda")
     steps, start, step, marks = args.steps, time.time(), 0, {}
@@ -301,6 +329,11 @@ def main() -> None:
                         help="seconds; if >0 and steps 20..60 project past it, train fewer steps (logged)")
     parser.add_argument("--log-every", type=int, default=100, help="steps between loss lines")
     parser.add_argument("--eval-limit", type=int, default=200, help="test items to evaluate after saving (0: none)")
+    parser.add_argument("--init", type=Path, default=None, help="start from this HF-format checkpoint")
+    parser.add_argument("--min-facts", type=int, default=MIN_FACTS, help="fewest facts per training question")
+    parser.add_argument("--max-facts", type=int, default=MAX_FACTS, help="most facts per training question")
+    parser.add_argument("--recall-frac", type=float, default=0.3,
+                        help="fraction of sequences that are fact-recall drills (see TaskStream._recall_text)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes for a CPU smoke test")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
