@@ -93,7 +93,11 @@ class EngineArgs:
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        """What clients pass as `model`: --served-model-name, else --model as given (vLLM's
+        rule), except the bundled default model, which is served as "tiny-deepseek-v3"."""
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(DEFAULT_MODEL) if self.model == DEFAULT_MODEL else self.model
 
 
 def _is_dir_spec(model: str) -> bool:

@@ -54,5 +54,34 @@ def main() -> None:
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+
+
+def kernels(batch: int = 1, steps: int = 5) -> None:
+    """GPU kernel time per op over eager decode steps (what the graphs replay)."""
+    import argparse as ap
+    from torch.profiler import ProfilerActivity, profile
+    p = ap.ArgumentParser()
+    add_engine_flags(p)
+    a = p.parse_args([])
+    a.enforce_eager = True
+    llm = LLM(**engine_kwargs(a))
+    core = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    for i, ids in enumerate(random_prompts(batch, 1000, core.cfg.vocab_size)):
+        core.add_request(str(i), ids, sp)
+    for _ in range(5):
+        core.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            core.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    if "--kernels" in sys.argv:
+        kernels()
+    else:
+        main()
