@@ -83,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="reuse KV blocks of prompts that share a prefix")
     g.add_argument("--seed", type=int, default=d["seed"],
                    help="seed of the engine's random state (requests may carry their own seed)")
+    g = p.add_argument_group("multi-node (ranks split evenly over nodes; node 0 serves HTTP)")
+    g.add_argument("--nnodes", type=int, default=d["nnodes"], help="number of machines")
+    g.add_argument("--node-rank", type=int, default=d["node_rank"],
+                   help="this machine's index; nodes other than 0 run workers only")
+    g.add_argument("--master-addr", default=d["master_addr"],
+                   help="address of node 0, reachable from every node")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="free TCP port on node 0 for torch.distributed (required with --nnodes > 1)")
     g = p.add_argument_group("HTTP server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 listens on all interfaces")
@@ -112,7 +120,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
         enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
         enforce_eager=ns.enforce_eager, attention_backend=ns.attention_backend,
-        hf_overrides=overrides)
+        hf_overrides=overrides, nnodes=ns.nnodes, node_rank=ns.node_rank,
+        master_addr=ns.master_addr, master_port=ns.master_port)
     if not 1 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
     _check_devices(args)
@@ -157,6 +166,21 @@ async def _serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         engine.shutdown()
 
 
+def _worker_node(args: EngineArgs) -> int:
+    """A node other than 0: its ranks only, until node 0's engine stops them."""
+    from engine.multiproc import run_worker_node
+    from models.config import ModelConfig, check_parallel_layout
+
+    try:
+        cfg = ModelConfig.from_pretrained(args.model, args.hf_overrides)
+        check_parallel_layout(cfg, args.tensor_parallel_size, args.decode_context_parallel_size)
+        run_worker_node(args, cfg, cfg.eos_token_ids[:1])
+    except (ValueError, RuntimeError) as e:
+        print(f"serve: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `serve` console script and `python -m server`."""
     ns = build_parser().parse_args(argv)
@@ -167,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
+    if engine_args.node_rank > 0:
+        return _worker_node(engine_args)
     try:
         return asyncio.run(_serve(ns, engine_args))
     except KeyboardInterrupt:
