@@ -114,15 +114,16 @@ class TaskStream(torch.utils.data.IterableDataset):
     """Endless batches of (input_ids [B, S+1], loss_mask [B, S+1]) k-shot sequences."""
 
     def __init__(self, tokenizer_path: Path, seed: int, batch_size: int, seq_len: int,
-                 facts: tuple[int, int] = (MIN_FACTS, MAX_FACTS), recall_frac: float = 0.0):
+                 facts: tuple[int, int] = (MIN_FACTS, MAX_FACTS), recall_frac: float = 0.0,
+                 loss_all: bool = False):
         self.tokenizer_path, self.seed, self.facts = str(tokenizer_path), seed, facts
-        self.recall_frac = recall_frac
+        self.recall_frac, self.loss_all = recall_frac, loss_all
         self.batch_size, self.seq_len = batch_size, seq_len
 
     def _text(self, rng: random.Random) -> tuple[str, list[tuple[int, int]], bool]:
         """One sequence's text, the char spans that carry loss, and whether to prepend BOS."""
         text, spans = "", []
-        if rng.random() < self.recall_frac:
+        if self.recall_frac > 0 and rng.random() < self.recall_frac:  # no draw at 0: streams reproduce
             return self._recall_text(rng)
         mode = rng.random()
         while len(text) < self.seq_len * 5:  # >= 4.5 chars per token seen: always past seq_len
@@ -170,6 +171,8 @@ class TaskStream(torch.utils.data.IterableDataset):
             ids = np.zeros((self.batch_size, self.seq_len + 1), dtype=np.int64)
             mask = np.zeros((self.batch_size, self.seq_len + 1), dtype=bool)
             items = [self._text(rng) for _ in range(self.batch_size)]
+            if self.loss_all:
+                items = [(text, [(0, len(text))], bos) for text, _, bos in items]
             encs = tok.encode_batch([t for t, _, _ in items], add_special_tokens=False)
             for row, ((text, spans, with_bos), enc) in enumerate(zip(items, encs)):
                 char_mask = np.zeros(len(text) + 1, dtype=bool)
@@ -252,8 +255,9 @@ def train(args) -> None:
     torch.use_deterministic_algorithms(True, warn_only=True)
     vocab = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json")).get_vocab_size()
     cfg = model_config(64 * math.ceil(vocab / 64), args.smoke)
-    model = build_model(cfg)
-    if args.init is not None:  # continue from a saved checkpoint (official per-expert names)
+    if args.init is None:
+        model = build_model(cfg)
+    else:  # continue from a saved checkpoint (official per-expert names)
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(str(args.init), dtype=torch.float32)
@@ -268,7 +272,7 @@ def train(args) -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     stream = TaskStream(args.tokenizer / "tokenizer.json", args.seed, args.batch_size, args.seq_len,
-                        (args.min_facts, args.max_facts), args.recall_frac)
+                        (args.min_facts, args.max_facts), args.recall_frac, args.loss_all)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
                                          pin_memory=device.type == "cuda")
     steps, start, step, marks = args.steps, time.time(), 0, {}
@@ -334,6 +338,7 @@ def main() -> None:
     parser.add_argument("--max-facts", type=int, default=MAX_FACTS, help="most facts per training question")
     parser.add_argument("--recall-frac", type=float, default=0.3,
                         help="fraction of sequences that are fact-recall drills (see TaskStream._recall_text)")
+    parser.add_argument("--loss-all", action="store_true", help="loss on every token, not only answers")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes for a CPU smoke test")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
