@@ -96,3 +96,20 @@ def test_two_nodes_on_loopback(tiny_v3, workload):
     finally:
         if node1.poll() is None:
             node1.kill()
+
+
+def test_dead_worker_fails_fast(tiny_v3):
+    """A worker process that dies makes the next step raise a clear error, not hang."""
+    import time
+
+    from engine.multiproc import WorkerDiedError
+
+    llm = LLM(tiny_v3[0], device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
+    procs = llm.engine.executor.ranks.procs
+    procs[1].kill()
+    procs[1].join()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="worker"):
+        llm.generate([[5, 6, 7]], GREEDY)
+    assert time.monotonic() - t0 < 60
+    llm.engine.shutdown()
