@@ -11,6 +11,7 @@ split, stage 1 writes the final output directly and stage 2 is skipped.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ class DecodeConfig:
     programs_per_sm: int = 1  # resident stage-1 programs per SM, for the split heuristic
     min_split_tokens: int = 256  # fewer rows per split and the fp32 partials cost more than they save
     max_splits: int = 128
+    qk_t: bool = False       # compute scores transposed (tokens as MMA rows)
+    maxnreg: int | None = None  # register cap per thread, to fit more programs per SM
 
 
 def default_decode_config(num_heads: int, dtype: torch.dtype) -> DecodeConfig:
@@ -41,6 +44,7 @@ def default_decode_config(num_heads: int, dtype: torch.dtype) -> DecodeConfig:
     return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2)
 
 
+@functools.lru_cache(maxsize=1024)  # pure; called once per decode step
 def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
                       cfg: DecodeConfig) -> int:
     """Splits per sequence so that batch * head_tiles * splits fills the GPU in whole waves.
@@ -75,7 +79,7 @@ def _mla_decode_partial_kernel(
     PAGE: tl.constexpr, LKV: tl.constexpr, R: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, QK_T: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
@@ -112,8 +116,13 @@ def _mla_decode_partial_kernel(
                     mask=nmask[:, None] & lmask[None, :], other=0.0)       # [BLOCK_N, BLOCK_L]
         k_pe = tl.load(kv_ptr + row[:, None] + LKV + offs_r[None, :],
                        mask=nmask[:, None] & rmask[None, :], other=0.0)    # [BLOCK_N, BLOCK_R]
-        s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
-        s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)
+        if QK_T:  # scores as [BLOCK_N, BLOCK_H]: rows (tokens) fill the MMA's M, for wide head tiles
+            s_t = tl.dot(c, tl.trans(q_lat), input_precision=PRECISION)
+            s_t = tl.dot(k_pe, tl.trans(q_pe), acc=s_t, input_precision=PRECISION)
+            s = tl.trans(s_t)
+        else:
+            s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
+            s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)
         # Every tile holds >= 1 valid row (n0 < end), so m_new is finite.
         s = tl.where(nmask[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -210,8 +219,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         PAGE=page, LKV=lkv, R=r,
         BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(r),
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
-        PRECISION=precision,
+        PRECISION=precision, QK_T=cfg.qk_t,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
     if not direct:
         _mla_decode_reduce_kernel[(H, B)](

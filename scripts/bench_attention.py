@@ -42,18 +42,52 @@ PREFILL_SHAPES = [  # (name, [(Lq, Lk), ...], H, causal)
     ("1x4096 causal H128", [(4096, 4096)], 128, True),
     ("2x(1024q,8192ctx) noncausal", [(1024, 8192)] * 2, 16, False),
 ]
-DECODE_SWEEP = {  # (block_h, block_n, num_warps, num_stages, programs_per_sm)
-    16: [(16, 32, 4, 3, 2), (16, 64, 4, 3, 2), (16, 64, 8, 2, 2), (16, 64, 8, 3, 2), (16, 128, 8, 2, 1)],
-    128: [(64, 16, 8, 3, 1), (64, 32, 8, 3, 1), (32, 32, 8, 2, 2), (32, 64, 8, 2, 1), (16, 64, 8, 2, 2)],
+DECODE_SWEEP = {  # DecodeConfig fields beyond the default, per head count
+    16: [dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=168),
+         dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=3, maxnreg=168),
+         dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2),
+         dict(block_h=16, block_n=128, num_warps=8, num_stages=2, programs_per_sm=1),
+         dict(block_h=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, maxnreg=168)],
+    128: [dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
+          dict(block_h=64, block_n=64, num_warps=8, num_stages=2, qk_t=True),
+          dict(block_h=64, block_n=32, num_warps=8, num_stages=3),
+          dict(block_h=64, block_n=128, num_warps=8, num_stages=1, qk_t=True),
+          dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=168)],
 }
-PREFILL_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3),
-                 (128, 128, 8, 2)]
+PREFILL_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 2), (128, 32, 8, 3)]
+L2_ROTATE_BYTES = 256 << 20  # graph timings cycle through input sets this large (L2 is 60 MB)
 
 
 def bench_ms(fn) -> float:
+    """Eager time: do_bench median (L2 flushed before each run; Python launch cost included)."""
     fn()  # compile outside the timed region
     torch.cuda.synchronize()
     return do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def graph_ms(calls, reps: int = 7) -> float:
+    """Per-call time of `calls` captured once in a CUDA graph and replayed (no launch gaps)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        times.append(e0.elapsed_time(e1) / len(calls))
+    return sorted(times)[len(times) // 2]
 
 
 def copy_ceiling() -> float:
@@ -65,39 +99,47 @@ def copy_ceiling() -> float:
 
 
 def decode_inputs(B, S, H, page=64, dtype=torch.bfloat16):
+    """q [B, H, 576] and a paged cache holding `n` disjoint sets of B sequences of S rows."""
     nblk = triton.cdiv(S, page)
-    cache = torch.randn(B * nblk, page, LKV + R, device=DEVICE, dtype=dtype)
-    bt = torch.randperm(B * nblk, device=DEVICE).to(torch.int32).view(B, nblk)
+    n = max(1, min(64, L2_ROTATE_BYTES // (B * nblk * page * (LKV + R) * 2)))
+    cache = torch.randn(n * B * nblk, page, LKV + R, device=DEVICE, dtype=dtype)
+    perm = torch.randperm(n * B * nblk, device=DEVICE).to(torch.int32)
+    bts = [perm[i * B * nblk:(i + 1) * B * nblk].view(B, nblk) for i in range(n)]
     q = torch.randn(B, H, LKV + R, device=DEVICE, dtype=dtype)
     lens = torch.full((B,), S, dtype=torch.int32, device=DEVICE)
-    return q, cache, bt, lens
+    return q, cache, bts, lens
 
 
 def run_decode(rows, sweep: bool, num_sms: int, log):
     for B, S in DECODE_SHAPES:
         for H in (16, 128):
-            q, cache, bt, lens = decode_inputs(B, S, H)
+            q, cache, bts, lens = decode_inputs(B, S, H)
             nbytes = B * S * (LKV + R) * 2 + B * H * (LKV + R + LKV) * 2
             flops = 2 * B * S * H * (LKV + R + LKV)
             cfgs = [default_decode_config(H, torch.bfloat16)]
             if sweep:
-                cfgs += [DecodeConfig(*c) for c in DECODE_SWEEP[H]]
+                cfgs += [DecodeConfig(**c) for c in DECODE_SWEEP[H]]
             tried = []
             for cfg in dict.fromkeys(cfgs):
                 bh = max(16, min(cfg.block_h, H))
-                auto = choose_num_splits(B, triton.cdiv(H, bh), bt.shape[1] * 64, num_sms, cfg)
-                split_opts = [auto] + ([s for s in (32, 66, 132, 264) if s != auto]
-                                       if sweep and B == 1 and cfg == cfgs[0] else [])
+                auto = choose_num_splits(B, triton.cdiv(H, bh), bts[0].shape[1] * 64, num_sms, cfg)
+                split_opts = [auto]
+                if sweep and cfg == cfgs[0]:  # is the heuristic's choice the best split count?
+                    more = (16, 32, 66, 132, 264) if B == 1 else (max(1, auto // 2), auto + 1, 2 * auto)
+                    split_opts += [s for s in dict.fromkeys(more) if s != auto]
                 for ns in split_opts:
+                    calls = [lambda bt=bt: mla_decode(q, cache, bt, lens, 0.1, LKV, num_splits=ns,
+                                                      num_sms=num_sms, cfg=cfg) for bt in bts]
+                    calls = (calls * 4)[:max(4, len(calls))]
                     try:
-                        ms = bench_ms(lambda: mla_decode(q, cache, bt, lens, 0.1, LKV, num_splits=ns,
-                                                         num_sms=num_sms, cfg=cfg))
+                        ms = graph_ms(calls)
+                        eager = bench_ms(calls[0]) if ns == auto else float("nan")
                     except Exception as e:  # a config that does not compile is reported, not fatal
                         log.append(f"decode B={B} S={S} H={H} {cfg} splits={ns}: {type(e).__name__} {e}"[:300])
                         continue
-                    tried.append(dict(cfg=[cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages,
-                                           cfg.programs_per_sm], splits=ns, auto=ns == auto, ms=ms,
-                                      default=cfg == cfgs[0]))
+                    tried.append(dict(cfg={k: v for k, v in vars(cfg).items() if k not in ("min_split_tokens",
+                                                                                           "max_splits")},
+                                      splits=ns, auto=ns == auto, ms=ms, eager_ms=eager, default=cfg == cfgs[0]))
             if not tried:
                 continue
             dflt = [t for t in tried if t["default"] and t["auto"]]
@@ -106,12 +148,20 @@ def run_decode(rows, sweep: bool, num_sms: int, log):
                 if t is None:
                     continue
                 rows.append(dict(kind="decode", B=B, S=S, H=H, which=tag, cfg=t["cfg"], splits=t["splits"],
-                                 us=t["ms"] * 1e3, GBps=nbytes / t["ms"] / 1e6, TFLOPs=flops / t["ms"] / 1e9))
+                                 us=t["ms"] * 1e3, eager_us=t["eager_ms"] * 1e3, GBps=nbytes / t["ms"] / 1e6,
+                                 TFLOPs=flops / t["ms"] / 1e9))
             rows[-1]["tried"] = tried
             print(f"decode B={B} S={S} H={H}: " + ", ".join(
-                f"{t['cfg']}/{t['splits']}={t['ms'] * 1e3:.1f}us" for t in tried), flush=True)
-            del q, cache, bt, lens
+                f"{_short(t['cfg'])}/{t['splits']}={t['ms'] * 1e3:.1f}us" for t in tried), flush=True)
+            del q, cache, bts, lens
             torch.cuda.empty_cache()
+
+
+def _short(cfg: dict) -> str:
+    """Compact tile description: h16n32w4s2[r168][T]."""
+    out = f"h{cfg['block_h']}n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}p{cfg['programs_per_sm']}"
+    out += f"r{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
+    return out + ("T" if cfg.get("qk_t") else "")
 
 
 def prefill_flops(lens, H, causal):
@@ -182,13 +232,13 @@ def print_table(info, checks, rows, log):
         print(f"checks: {len(checks) - len(bad)}/{len(checks)} ok")
         for k, v in checks.items():
             print(f"  {k:40s} {v[0]:4s} {v[1] if v[0] == 'ok' else v[1][:200]}")
-    print(f"\n{'decode':8s} {'B':>4s} {'S':>6s} {'H':>4s} {'which':8s} {'cfg':22s} {'splits':>6s} "
-          f"{'us':>9s} {'GB/s':>7s} {'%copy':>6s} {'TFLOP/s':>8s}")
+    print(f"\n{'decode':6s} {'B':>4s} {'S':>6s} {'H':>4s} {'which':8s} {'cfg':22s} {'splits':>6s} "
+          f"{'graph us':>9s} {'eager us':>9s} {'GB/s':>7s} {'%copy':>6s} {'TFLOP/s':>8s}")
     for r in rows:
         if r["kind"] == "decode":
-            print(f"{'':8s} {r['B']:4d} {r['S']:6d} {r['H']:4d} {r['which']:8s} {str(r['cfg']):22s} "
-                  f"{r['splits']:6d} {r['us']:9.1f} {r['GBps']:7.0f} {100 * r['GBps'] / info['copy_GBps']:6.1f} "
-                  f"{r['TFLOPs']:8.1f}")
+            print(f"{'':6s} {r['B']:4d} {r['S']:6d} {r['H']:4d} {r['which']:8s} {_short(r['cfg']):22s} "
+                  f"{r['splits']:6d} {r['us']:9.1f} {r['eager_us']:9.1f} {r['GBps']:7.0f} "
+                  f"{100 * r['GBps'] / info['copy_GBps']:6.1f} {r['TFLOPs']:8.1f}")
     print(f"\n{'prefill':30s} {'H':>4s} {'which':8s} {'cfg':18s} {'us':>9s} {'TFLOP/s':>8s}")
     for r in rows:
         if r["kind"] == "prefill":
