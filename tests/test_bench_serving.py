@@ -1,0 +1,104 @@
+"""scripts/bench_serving.py: percentile and summary math on synthetic timings, flag checks.
+
+No server is started here (the server tests do that); the streaming path was checked by hand
+against `serve` (see RESULTS.md, "Serving benchmark").
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+
+import bench_serving as bs  # noqa: E402
+
+
+def test_percentile_matches_numpy_linear():
+    rng = random.Random(1)
+    for n in (1, 2, 3, 10, 101):
+        xs = [rng.expovariate(3.0) for _ in range(n)]
+        for q in (0, 1, 37.5, 50, 99, 100):
+            assert bs.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
+
+
+def test_percentile_hand_values_and_limits():
+    assert bs.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5  # unsorted input, between ranks
+    assert bs.percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    assert bs.percentile([], 50) is None
+    with pytest.raises(ValueError, match="q must be in"):
+        bs.percentile([1.0], 101)
+
+
+def _req(ttft, gaps, tokens, prompt=8):
+    return bs.RequestResult(ttft=ttft, e2e=ttft + sum(gaps), itl=list(gaps), output_tokens=tokens,
+                            prompt_tokens=prompt)
+
+
+def test_summary_on_synthetic_timings():
+    # two requests of 5 tokens: TPOT = (e2e - ttft) / 4 = mean of their 4 gaps each
+    a = _req(0.100, [0.010] * 4, 5)
+    b = _req(0.300, [0.020, 0.020, 0.040, 0.040], 5)
+    failed = bs.RequestResult(error="HTTP 500: boom")
+    s = bs.summarize([a, b, failed], duration_s=2.0, output_len=5)
+    assert (s["completed"], s["failed"], s["wrong_output_len"]) == (2, 1, 0)
+    assert s["request_throughput"] == pytest.approx(1.0)
+    assert s["output_throughput"] == pytest.approx(5.0)
+    assert s["total_token_throughput"] == pytest.approx(13.0)
+    assert s["ttft"]["mean_ms"] == pytest.approx(200.0)
+    assert s["ttft"]["p50_ms"] == pytest.approx(200.0)
+    assert s["ttft"]["p99_ms"] == pytest.approx(100.0 + 200.0 * 0.99)
+    assert s["tpot"]["mean_ms"] == pytest.approx((10.0 + 30.0) / 2)
+    assert s["itl"]["p50_ms"] == pytest.approx(15.0)  # 8 gaps: four 10, two 20, two 40
+    assert s["itl"]["mean_ms"] == pytest.approx(1e3 * (0.04 + 0.12) / 8)
+    assert s["e2e"]["p50_ms"] == pytest.approx(1e3 * (0.14 + 0.42) / 2)
+    assert s["errors"] == ["HTTP 500: boom"]
+
+
+def test_summary_edge_cases():
+    one_token = _req(0.05, [], 1)  # no TPOT or ITL for a single token
+    short = _req(0.05, [0.01, 0.01], 3)
+    s = bs.summarize([one_token, short], duration_s=1.0, output_len=3)
+    assert s["wrong_output_len"] == 1
+    assert s["tpot"]["mean_ms"] == pytest.approx(10.0)  # only `short` has a TPOT
+    none = bs.summarize([bs.RequestResult(error="x")], duration_s=1.0, output_len=3)
+    assert none["completed"] == 0 and none["ttft"]["p50_ms"] is None
+    assert "-" in bs.table([{"load": "rate inf", "summary": none}])
+    with pytest.raises(ValueError, match="duration_s"):
+        bs.summarize([], duration_s=0.0, output_len=3)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--request-rate", "0"], "request rates must be > 0"),
+    (["--sweep-concurrency", "1", "0"], "concurrencies must be >= 1"),
+    (["--sweep-rate", "1", "--sweep-concurrency", "2"], "not both"),
+    (["--base-url", "http://10.1.2.3:8000/v1"], "not a loopback address"),
+])
+def test_bad_flags(argv, match):
+    _, a = bs.parse_args(argv)
+    with pytest.raises(ValueError, match=match):
+        bs.check_args(a)
+
+
+def test_good_flags_and_loopback():
+    _, a = bs.parse_args(["--base-url", "http://[::1]:9000/v1", "--sweep-rate", "1", "inf"])
+    bs.check_args(a)
+    assert math.isinf(a.sweep_rate[1])
+    assert bs.is_loopback("http://localhost:8000/v1") and not bs.is_loopback("http://example.com/v1")
+    _, a = bs.parse_args(["--base-url", "http://10.1.2.3:8000/v1", "--allow-remote"])
+    bs.check_args(a)
+
+
+def test_vocab_and_context_checks():
+    assert bs.resolve_vocab({"vocab_size": 506, "max_model_len": 2048}, None, 64, 16) == 506
+    assert bs.resolve_vocab({}, 1000, 64, 16) == 1000
+    with pytest.raises(ValueError, match="--vocab-size"):
+        bs.resolve_vocab({}, None, 64, 16)
+    with pytest.raises(ValueError, match="max_model_len 2048"):
+        bs.resolve_vocab({"vocab_size": 506, "max_model_len": 2048}, None, 2040, 16)
