@@ -110,7 +110,7 @@ def decode_inputs(B, S, H, page=64, dtype=torch.bfloat16):
     return q, cache, bts, lens
 
 
-def run_decode(rows, sweep: bool, num_sms: int, log):
+def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float):
     for B, S in DECODE_SHAPES:
         for H in (16, 128):
             q, cache, bts, lens = decode_inputs(B, S, H)
@@ -119,7 +119,7 @@ def run_decode(rows, sweep: bool, num_sms: int, log):
             cfgs = [default_decode_config(H, torch.bfloat16)]
             if sweep:
                 cfgs += [DecodeConfig(**c) for c in DECODE_SWEEP[H]]
-            tried = []
+            tried, ref = [], None
             for cfg in dict.fromkeys(cfgs):
                 bh = max(16, min(cfg.block_h, H))
                 auto = choose_num_splits(B, triton.cdiv(H, bh), bts[0].shape[1] * 64, num_sms, cfg)
@@ -131,13 +131,22 @@ def run_decode(rows, sweep: bool, num_sms: int, log):
                     calls = [lambda bt=bt: mla_decode(q, cache, bt, lens, 0.1, LKV, num_splits=ns,
                                                       num_sms=num_sms, cfg=cfg) for bt in bts]
                     calls = (calls * 4)[:max(4, len(calls))]
+                    if tried and time.time() > deadline:
+                        break
                     try:
+                        o, lse = calls[0]()
+                        if ref is None:  # the default config (verified by --check) is the yardstick
+                            ref = (o.float(), lse)
+                        agree = max((o.float() - ref[0]).norm().item() / ref[0].norm().item(),
+                                    (lse - ref[1]).abs().max().item())
                         ms = graph_ms(calls)
                         eager = bench_ms(calls[0]) if ns == auto else float("nan")
                     except Exception as e:  # a config that does not compile is reported, not fatal
                         log.append(f"decode B={B} S={S} H={H} {cfg} splits={ns}: {type(e).__name__} {e}"[:300])
                         continue
-                    tried.append(dict(cfg={k: v for k, v in vars(cfg).items() if k not in ("min_split_tokens",
+                    if agree > 1e-2:
+                        log.append(f"decode B={B} S={S} H={H} {_short(vars(cfg))}/{ns} DISAGREES {agree:.3g}")
+                    tried.append(dict(agree=agree, cfg={k: v for k, v in vars(cfg).items() if k not in ("min_split_tokens",
                                                                                            "max_splits")},
                                       splits=ns, auto=ns == auto, ms=ms, eager_ms=eager, default=cfg == cfgs[0]))
             if not tried:
@@ -174,7 +183,7 @@ def prefill_flops(lens, H, causal):
     return 2 * pairs * H * (P + R + V)
 
 
-def run_prefill(rows, sweep: bool, log):
+def run_prefill(rows, sweep: bool, log, deadline: float):
     for name, lens, H, causal in PREFILL_SHAPES:
         cq = torch.tensor([0] + [a for a, _ in lens], device=DEVICE).cumsum(0).to(torch.int32)
         ck = torch.tensor([0] + [b for _, b in lens], device=DEVICE).cumsum(0).to(torch.int32)
@@ -184,14 +193,21 @@ def run_prefill(rows, sweep: bool, log):
         max_q = max(a for a, _ in lens)
         flops = prefill_flops(lens, H, causal)
         cfgs = [default_prefill_config(torch.bfloat16)] + ([PrefillConfig(*c) for c in PREFILL_SWEEP] if sweep else [])
-        tried = []
+        tried, ref = [], None
         for cfg in dict.fromkeys(cfgs):
+            if tried and time.time() > deadline:
+                break
             try:
+                o, _ = prefill_attention(q, k, v, cq, ck, max_q, 0.1, causal, cfg=cfg)
+                ref = o.float() if ref is None else ref
+                agree = (o.float() - ref).norm().item() / ref.norm().item()
                 ms = bench_ms(lambda: prefill_attention(q, k, v, cq, ck, max_q, 0.1, causal, cfg=cfg))
             except Exception as e:
                 log.append(f"prefill {name} {cfg}: {type(e).__name__} {e}"[:300])
                 continue
-            tried.append(dict(cfg=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages], ms=ms,
+            if agree > 1e-2:
+                log.append(f"prefill {name} {cfg} DISAGREES {agree:.3g}")
+            tried.append(dict(agree=agree, cfg=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages], ms=ms,
                               default=cfg == cfgs[0]))
         for tag, t in (("default", tried[0] if tried and tried[0]["default"] else None),
                        ("best", min(tried, key=lambda t: t["ms"]) if tried else None)):
@@ -256,6 +272,8 @@ def main():
     ap.add_argument("--check", action="store_true", help="run the real-shape correctness cases first")
     ap.add_argument("--sweep", action="store_true", help="also time candidate tile configs and split counts")
     ap.add_argument("--skip-bench", action="store_true", help="checks only")
+    ap.add_argument("--budget-s", type=float, default=240.0,
+                    help="after 70%% (decode) / 90%% (prefill) of this many seconds, time default configs only")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_attention.json or ./)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -278,10 +296,10 @@ def main():
 
     save()
     if not args.skip_bench:
-        run_decode(rows, args.sweep, props.multi_processor_count, log)
+        run_decode(rows, args.sweep, props.multi_processor_count, log, t0 + args.budget_s * 0.7)
         save()
         print(f"decode done in {time.time() - t0:.0f} s", flush=True)
-        run_prefill(rows, args.sweep, log)
+        run_prefill(rows, args.sweep, log, t0 + args.budget_s * 0.9)
         save()
         run_cache_ops(rows)
         save()
