@@ -132,7 +132,7 @@ class AsyncLLM:
         children = self.outputs.add_request(request_id, text, ids, params)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
-        self._prompt_tokens += len(ids) * len(children)
+        self._prompt_tokens += len(ids)
         self._commands.put(("add", [(cid, ids, p) for cid, p in children]))
         finished = False
         try:

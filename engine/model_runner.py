@@ -109,7 +109,14 @@ class ModelRunner:
             self.requests.pop(rid, None)
         for r in so.scheduled_new_reqs:
             p = r.sampling_params
-            gen = make_generator(p.seed, self.device) if p.seed is not None else None
+            gen = None
+            if p.seed is not None:
+                gen = make_generator(p.seed, self.device)
+                if not p.greedy:
+                    # Resumed after preemption: replay the draws of the tokens it already has
+                    # (one Exponential(1) vector per sampled token) so the stream continues.
+                    for _ in r.output_token_ids:
+                        torch.empty(self.cfg.vocab_size, device=self.device).exponential_(generator=gen)
             self.requests[r.req_id] = RequestState(
                 r.req_id, list(r.prompt_token_ids) + list(r.output_token_ids),
                 len(r.prompt_token_ids), p, list(r.block_ids), r.num_computed_tokens, gen)

@@ -128,3 +128,15 @@ def test_stop_strings_and_stop_tokens(tiny_v3):
     assert out.token_ids == base.token_ids[: base.token_ids.index(tok) + 1]
     s = llm.scheduler.stats
     assert s.num_free_blocks == s.num_total_blocks
+
+
+def test_seeded_sampling_survives_preemption(tiny_v3, prompts_and_refs):
+    prompts, _ = prompts_and_refs
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=MAX_TOKENS, ignore_eos=True)
+              for i in range(len(prompts))]
+    roomy = make_llm(tiny_v3[0], block_size=4)
+    tight = make_llm(tiny_v3[0], num_kv_blocks=22, block_size=4)
+    a = roomy.generate(prompts, params)
+    b = tight.generate(prompts, params)
+    assert tight.scheduler.stats.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
