@@ -12,6 +12,9 @@ from models.fused import CudaCompiled, silu_mul_op
 from models.layers import Linear, shard_param
 
 
+_FUSED_MAX_TOKENS = 8  # models.fused_moe.MAX_TOKENS, without importing triton on CPU
+
+
 def _use_grouped_mm(x: torch.Tensor) -> bool:
     # torch's grouped GEMM runs on CUDA (sm90+) in bf16; elsewhere the plain path is used.
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
@@ -124,7 +127,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if _use_grouped_mm(x):
+        if x.is_cuda and x.shape[0] <= _FUSED_MAX_TOKENS:
+            from models.fused_moe import fused_moe_small  # triton: CUDA installs only
+            out = fused_moe_small(x, self.w13, self.w2, weights, ids)
+        elif _use_grouped_mm(x):
             out = self._routed_grouped(x, weights, ids)
         elif x.is_cuda:
             out = self._routed_dense(x, weights, ids)
