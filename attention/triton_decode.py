@@ -33,6 +33,7 @@ class DecodeConfig:
     max_splits: int = 128
     qk_t: bool = False       # compute scores transposed (tokens as MMA rows)
     maxnreg: int | None = None  # register cap per thread, to fit more programs per SM
+    prefetch_ids: bool = False  # load block ids a tile ahead (not yet timed: docs/kernel_notes.md)
 
 
 def default_decode_config(num_heads: int, dtype: torch.dtype) -> DecodeConfig:
@@ -79,7 +80,7 @@ def _mla_decode_partial_kernel(
     PAGE: tl.constexpr, LKV: tl.constexpr, R: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, QK_T: tl.constexpr,
+    PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
@@ -107,10 +108,18 @@ def _mla_decode_partial_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     bt_row = block_table_ptr + b.to(tl.int64) * stride_btb
+    if PREFETCH_IDS:  # block ids one tile ahead, so the row loads never wait on the id load
+        offs_first = start + tl.arange(0, BLOCK_N)
+        blk_next = tl.load(bt_row + offs_first // PAGE, mask=offs_first < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        blk = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
+        if PREFETCH_IDS:
+            blk = blk_next.to(tl.int64)
+            offs_after = offs_n + BLOCK_N
+            blk_next = tl.load(bt_row + offs_after // PAGE, mask=offs_after < end, other=0)
+        else:
+            blk = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
         row = blk * stride_kvb + (offs_n % PAGE).to(tl.int64) * stride_kvs  # [BLOCK_N]
         c = tl.load(kv_ptr + row[:, None] + offs_l[None, :],
                     mask=nmask[:, None] & lmask[None, :], other=0.0)       # [BLOCK_N, BLOCK_L]
@@ -222,7 +231,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         PAGE=page, LKV=lkv, R=r,
         BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(r),
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
-        PRECISION=precision, QK_T=cfg.qk_t,
+        PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )

@@ -47,12 +47,16 @@ DECODE_SWEEP = {  # DecodeConfig fields beyond the default, per head count
          dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=3, maxnreg=168),
          dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2),
          dict(block_h=16, block_n=128, num_warps=8, num_stages=2, programs_per_sm=1),
-         dict(block_h=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, maxnreg=168)],
+         dict(block_h=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, maxnreg=168),
+         dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True),
+         dict(block_h=16, block_n=32, num_warps=8, num_stages=3, programs_per_sm=2, prefetch_ids=True),
+         dict(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_sm=1, prefetch_ids=True)],
     128: [dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
           dict(block_h=64, block_n=64, num_warps=8, num_stages=2, qk_t=True),
           dict(block_h=64, block_n=32, num_warps=8, num_stages=3),
           dict(block_h=64, block_n=128, num_warps=8, num_stages=1, qk_t=True),
-          dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=168)],
+          dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=168),
+          dict(block_h=64, block_n=32, num_warps=8, num_stages=3, prefetch_ids=True)],
 }
 PREFILL_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 2), (128, 32, 8, 3)]
 L2_ROTATE_BYTES = 256 << 20  # graph timings cycle through input sets this large (L2 is 60 MB)
@@ -170,7 +174,7 @@ def _short(cfg: dict) -> str:
     """Compact tile description: h16n32w4s2[r168][T]."""
     out = f"h{cfg['block_h']}n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}p{cfg['programs_per_sm']}"
     out += f"r{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
-    return out + ("T" if cfg.get("qk_t") else "")
+    return out + ("T" if cfg.get("qk_t") else "") + ("P" if cfg.get("prefetch_ids") else "")
 
 
 def prefill_flops(lens, H, causal):

@@ -63,7 +63,7 @@ def paged_cache(lens, page, d, dtype, device, gen, extra_blocks=3):
     return cache, ids.view(len(lens), per_seq).to(torch.int32).to(device)
 
 
-def check_decode(device, dtype, H, lkv, r, page, lens, num_splits=None, seed=0, ops=None):
+def check_decode(device, dtype, H, lkv, r, page, lens, num_splits=None, seed=0, ops=None, cfg=None):
     """Triton decode vs reference on random data; returns (o rel err, splits used)."""
     from attention.triton_backend import TritonAttentionOps
     from attention.triton_decode import mla_decode
@@ -77,7 +77,7 @@ def check_decode(device, dtype, H, lkv, r, page, lens, num_splits=None, seed=0, 
     if num_splits is None:
         o, lse = (ops or TritonAttentionOps()).decode(q, cache, bt, seq_lens, scale, lkv)
     else:
-        o, lse = mla_decode(q, cache, bt, seq_lens, scale, lkv, num_splits=num_splits)
+        o, lse = mla_decode(q, cache, bt, seq_lens, scale, lkv, num_splits=num_splits, cfg=cfg)
     ref_o, ref_lse = TorchAttentionOps().decode(q.float(), cache.float(), bt, seq_lens, scale, lkv)
     assert o.shape == (B, H, lkv) and o.dtype == dtype and lse.dtype == torch.float32
     check_lse(lse, ref_lse, "decode")
@@ -157,6 +157,8 @@ CPU_CASES = {
     "decode_page64_more_splits_than_rows": lambda: check_decode("cpu", f32, 16, 32, 16, 64, [3, 90], num_splits=8),
     # 17 splits: two reduce chunks (the second holds one split), empty splits for the short rows.
     "decode_17_splits": lambda: check_decode("cpu", f32, 4, 32, 16, 4, [0, 5, 544], num_splits=17),
+    "decode_prefetch_ids": lambda: check_decode("cpu", f32, 4, 32, 16, 4, [0, 1, 37, 70], num_splits=3,
+                                                cfg=_prefetch_cfg(16)),
     "decode_ops_auto_splits": lambda: check_decode("cpu", f32, 8, 32, 16, 16, [17, 0, 1]),
     "prefill_causal": lambda: check_prefill("cpu", f32, 2, 48, 32, [(3, 3), (0, 4), (5, 9), (1, 1), (7, 4)],
                                             True, cfg=_small_prefill()),
@@ -175,6 +177,12 @@ CPU_CASES = {
 }
 
 
+def _prefetch_cfg(block_h):
+    from attention.triton_decode import DecodeConfig
+    return DecodeConfig(block_h=block_h, block_n=32, num_warps=4 if block_h == 16 else 8, num_stages=3,
+                        prefetch_ids=True)
+
+
 def _small_prefill():
     from attention.triton_prefill import PrefillConfig
     return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -191,6 +199,10 @@ GPU_CASES["decode_bf16_H128_forced_splits7"] = (
     lambda: check_decode("cuda", bf16, 128, 512, 64, 16, [0, 100, 2049], num_splits=7))
 GPU_CASES["decode_bf16_H16_batch64"] = (
     lambda: check_decode("cuda", bf16, 16, 512, 64, 64, [(37 * i) % 4000 for i in range(64)]))
+for _h in (16, 128):
+    GPU_CASES[f"decode_bf16_H{_h}_prefetch_ids"] = (
+        lambda h=_h: check_decode("cuda", bf16, h, 512, 64, 16, [1, 0, 777, 4096, 16384, 3000], num_splits=5,
+                                  cfg=_prefetch_cfg(16 if h == 16 else 64)))
 _PREFILL_LENS = [(1, 1), (0, 5), (5, 0), (300, 1000), (1024, 1024), (1500, 2100), (77, 50)]
 for _dt in (bf16, f16, f32):
     for _causal in (True, False):
