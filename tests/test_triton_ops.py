@@ -157,7 +157,7 @@ CPU_CASES = {
     "decode_page64_more_splits_than_rows": lambda: check_decode("cpu", f32, 16, 32, 16, 64, [3, 90], num_splits=8),
     # 17 splits: two reduce chunks (the second holds one split), empty splits for the short rows.
     "decode_17_splits": lambda: check_decode("cpu", f32, 4, 32, 16, 4, [0, 5, 544], num_splits=17),
-    "decode_prefetch_ids": lambda: check_decode("cpu", f32, 4, 32, 16, 4, [0, 1, 37, 70], num_splits=3,
+    "decode_prefetch_ids": lambda: check_decode("cpu", f32, 4, 32, 16, 4, [0, 1, 37, 150], num_splits=2,
                                                 cfg=_prefetch_cfg(16)),
     "decode_ops_auto_splits": lambda: check_decode("cpu", f32, 8, 32, 16, 16, [17, 0, 1]),
     "prefill_causal": lambda: check_prefill("cpu", f32, 2, 48, 32, [(3, 3), (0, 4), (5, 9), (1, 1), (7, 4)],
