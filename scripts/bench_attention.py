@@ -33,7 +33,7 @@ from attention.triton_decode import (DecodeConfig, choose_num_splits, default_de
 from attention.triton_prefill import PrefillConfig, default_prefill_config, prefill_attention  # noqa: E402
 
 LKV, R, P, V = 512, 64, 128, 128
-DEVICE = "cuda"  # the CPU smoke run of this script (interpreter, tiny shapes) swaps it
+DEVICE = "cuda"  # a CPU dry run under TRITON_INTERPRET=1 (tiny shapes) may point this at "cpu"
 DECODE_SHAPES = [(1, 4096), (1, 8192), (1, 16384), (1, 32768), (32, 4096), (128, 4096)]
 PREFILL_SHAPES = [  # (name, [(Lq, Lk), ...], H, causal)
     ("1x4096 causal", [(4096, 4096)], 16, True),
