@@ -158,7 +158,7 @@ def _mla_decode_reduce_kernel(
     stride_pob, stride_pos, stride_poh,
     stride_plb, stride_pls, stride_plh,
     stride_ob, stride_oh, stride_lb, stride_lh,
-    LKV: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    LKV: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -166,21 +166,18 @@ def _mla_decode_reduce_kernel(
     offs_l = tl.arange(0, BLOCK_L)
     lmask = offs_l < LKV
     plse_row = plse_ptr + b * stride_plb + h * stride_plh
-    po_row = po_ptr + b * stride_pob + h * stride_poh
     lse_s = tl.load(plse_row + offs_s * stride_pls, mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse_s, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.sum(tl.exp(lse_s - m_safe), 0)  # 0 when every split is empty
     acc = tl.zeros([BLOCK_L], tl.float32)
-    # CHUNK_S splits per step with independent loads (no load waits on another): stage 1 writes
-    # o = 0 for empty splits, so their weight exp(-inf) = 0 needs no mask.
-    for s0 in range(0, num_splits, CHUNK_S):
-        offs_c = s0 + tl.arange(0, CHUNK_S)
-        cmask = offs_c < num_splits
-        lse_c = tl.load(plse_row + offs_c * stride_pls, mask=cmask, other=float("-inf"))
-        o_c = tl.load(po_row + offs_c[:, None] * stride_pos + offs_l[None, :],
-                      mask=cmask[:, None] & lmask[None, :], other=0.0)  # [CHUNK_S, BLOCK_L]
-        acc += tl.sum(tl.exp(lse_c - m_safe)[:, None] * o_c, 0)
+    for s in range(num_splits):
+        lse_i = tl.load(plse_row + s * stride_pls)
+        # Empty splits (lse -inf) get weight 0 and their rows are not read.
+        read = lmask & ((tl.zeros([BLOCK_L], tl.float32) + lse_i) > float("-inf"))
+        o_i = tl.load(po_ptr + b * stride_pob + s * stride_pos + h * stride_poh + offs_l,
+                      mask=read, other=0.0)
+        acc += tl.exp(lse_i - m_safe) * o_i
     nonempty = total > 0.0
     o = acc / tl.where(nonempty, total, 1.0)
     lse = tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), float("-inf"))
@@ -241,7 +238,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             *po_strides, *plse_strides,
             o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
             LKV=lkv, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(num_splits),
-            CHUNK_S=min(16, triton.next_power_of_2(num_splits)),
             num_warps=4,
         )
     return o, lse
