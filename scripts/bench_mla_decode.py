@@ -3,9 +3,9 @@
 Decode bytes = every cached row read once (Lkv+R values) + q + o; compared with the measured
 device-to-device copy rate (read + write). Prefill is reported in TFLOP/s (QK and PV products,
 causal counts only visible pairs). Times are triton.testing.do_bench medians (it flushes L2 before
-every run). Prints a table and writes JSON to --out (default $OUT/bench_attention.json).
+every run). Prints a table and writes JSON to --out (default $OUT/bench_mla_decode.json).
 
-  python3 scripts/bench_attention.py --check --sweep
+  python3 scripts/bench_mla_decode.py --check --sweep
 """
 
 from __future__ import annotations
@@ -278,10 +278,10 @@ def main():
     ap.add_argument("--skip-bench", action="store_true", help="checks only")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="after 70%% (decode) / 90%% (prefill) of this many seconds, time default configs only")
-    ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_attention.json or ./)")
+    ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_mla_decode.json or ./)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("bench_attention.py needs a CUDA GPU")
+        sys.exit("bench_mla_decode.py needs a CUDA GPU")
     t0 = time.time()
     props = torch.cuda.get_device_properties(0)
     info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -292,7 +292,7 @@ def main():
     if checks is not None:
         print(f"checks done in {time.time() - t0:.0f} s", flush=True)
     rows, log = [], []
-    out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "bench_attention.json"))
+    out = Path(args.out or os.path.join(os.environ.get("OUT", "."), "bench_mla_decode.json"))
 
     def save():  # after every stage, so a run cut short still leaves its numbers
         info["seconds"] = time.time() - t0

@@ -3,7 +3,7 @@
 CPU: every kernel runs under TRITON_INTERPRET=1 in one subprocess (the flag must be set before
 triton decorates the kernels, and another test module may already have imported them here); the
 interpreter's bf16 dot is wrong, so CPU cases use fp32/fp16. GPU (`-m gpu`, skipped without CUDA):
-real shapes (Lkv+R = 576, QK 192 / V 128), bf16/fp16/fp32. scripts/bench_attention.py --check runs
+real shapes (Lkv+R = 576, QK 192 / V 128), bf16/fp16/fp32. scripts/bench_mla_decode.py --check runs
 the same GPU cases.
 """
 
