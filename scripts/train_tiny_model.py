@@ -14,6 +14,8 @@ The checkpoint is written as the official DeepSeek-V3 layout: config.json with `
 
 Usage (device, from the repo root):  python3 -m scripts.train_tiny_model --out $OUT/tiny-deepseek-v3
 CPU smoke test:                      python -m scripts.train_tiny_model --out /tmp/t --smoke
+CPU run (see docs/tiny_model.md):    python -m scripts.train_tiny_model --out /tmp/t --size small --threads 1 \
+                                         --workers 0 --batch-size 16 --seq-len 400 --save-every 300
 """
 
 from __future__ import annotations
@@ -43,8 +45,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 logger = logging.getLogger(__name__)
 
 
-def model_config(vocab_size: int, smoke: bool) -> dict:
+# Size presets over the base config below; "small" is the CPU-trainable one.
+SIZES = {
+    "base": {},
+    "small": dict(hidden_size=128, intermediate_size=384, moe_intermediate_size=64, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, q_lora_rank=64,
+                  kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32),
+    "smoke": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8, q_lora_rank=32,
+                  kv_lora_rank=32),
+}
+
+
+def model_config(vocab_size: int, size: str = "base") -> dict:
     """config.json contents in the official DeepSeek-V3 format (tiny sizes)."""
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     cfg = {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
         "vocab_size": vocab_size, "hidden_size": 256, "intermediate_size": 768,
@@ -63,10 +79,7 @@ def model_config(vocab_size: int, smoke: bool) -> dict:
         "attention_bias": False, "attention_dropout": 0.0, "num_nextn_predict_layers": 0,
         "torch_dtype": "bfloat16",
     }
-    if smoke:
-        cfg.update(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-                   num_attention_heads=2, num_key_value_heads=2, n_routed_experts=8, q_lora_rank=32,
-                   kv_lora_rank=32)
+    cfg.update(SIZES[size])
     return cfg
 
 
@@ -115,9 +128,9 @@ class TaskStream(torch.utils.data.IterableDataset):
 
     def __init__(self, tokenizer_path: Path, seed: int, batch_size: int, seq_len: int,
                  facts: tuple[int, int] = (MIN_FACTS, MAX_FACTS), recall_frac: float = 0.0,
-                 loss_all: bool = False):
+                 loss_all: bool = False, copy_frac: float = 0.0):
         self.tokenizer_path, self.seed, self.facts = str(tokenizer_path), seed, facts
-        self.recall_frac, self.loss_all = recall_frac, loss_all
+        self.recall_frac, self.loss_all, self.copy_frac = recall_frac, loss_all, copy_frac
         self.batch_size, self.seq_len = batch_size, seq_len
 
     def _text(self, rng: random.Random) -> tuple[str, list[tuple[int, int]], bool]:
@@ -125,6 +138,8 @@ class TaskStream(torch.utils.data.IterableDataset):
         text, spans = "", []
         if self.recall_frac > 0 and rng.random() < self.recall_frac:  # no draw at 0: streams reproduce
             return self._recall_text(rng)
+        if self.copy_frac > 0 and rng.random() < self.copy_frac:  # no draw at 0: streams reproduce
+            return self._recall_text(rng, shuffle=False)
         mode = rng.random()
         while len(text) < self.seq_len * 5:  # >= 4.5 chars per token seen: always past seq_len
             doc = make_example(rng, *self.facts)
@@ -143,19 +158,20 @@ class TaskStream(torch.utils.data.IterableDataset):
                 spans.append((reply_start, len(text)))
         return text, spans, mode < 0.7 or mode >= 0.9
 
-    def _recall_text(self, rng: random.Random) -> tuple[str, list[tuple[int, int]], bool]:
+    def _recall_text(self, rng: random.Random, shuffle: bool = True) -> tuple[str, list[tuple[int, int]], bool]:
         """Fact lists each followed by 'Recall:' and the same facts shuffled (loss on the recall).
 
         Every value in the recall is a name-keyed lookup, the skill the task's answers need, at
-        ~10 targets per list instead of 2 per question: this is what makes the binding circuit
-        (a previous-token head feeding a lookup head) form within minutes.
+        ~10 targets per list instead of 2 per question. With `shuffle` off the list is repeated
+        verbatim ("Repeat:"), a plain copy drill meant to seed previous-token and induction heads.
         """
         text, spans = "", []
         while len(text) < self.seq_len * 5:
             facts = make_facts(rng, rng.randint(2, self.facts[1]))
-            text += ("\n\n" if text else "") + " ".join(fact_text(f) for f in facts) + "\nRecall:"
+            text += ("\n\n" if text else "") + " ".join(fact_text(f) for f in facts)
+            text += "\nRecall:" if shuffle else "\nRepeat:"
             start = len(text)
-            text += "".join(" " + fact_text(f) for f in rng.sample(facts, len(facts)))
+            text += "".join(" " + fact_text(f) for f in (rng.sample(facts, len(facts)) if shuffle else facts))
             spans.append((start, len(text)))
         return text, spans, True
 
@@ -254,7 +270,7 @@ def train(args) -> None:
     torch.manual_seed(args.seed)
     torch.use_deterministic_algorithms(True, warn_only=True)
     vocab = Tokenizer.from_file(str(args.tokenizer / "tokenizer.json")).get_vocab_size()
-    cfg = model_config(64 * math.ceil(vocab / 64), args.smoke)
+    cfg = model_config(64 * math.ceil(vocab / 64), "smoke" if args.smoke else args.size)
     if args.init is None:
         model = build_model(cfg)
     else:  # continue from a saved checkpoint (official per-expert names)
@@ -263,7 +279,8 @@ def train(args) -> None:
         model = AutoModelForCausalLM.from_pretrained(str(args.init), dtype=torch.float32)
         model.config._attn_implementation = "sdpa"
     model = model.to(device)
-    routers = use_dense_experts(model, dense=device.type == "cuda")
+    dense = device.type == "cuda" if args.dense_experts == "auto" else args.dense_experts == "on"
+    routers = use_dense_experts(model, dense=dense)
     loads = route_counter(routers)
     logger.info("params: %.2fM, vocab %d (tokenizer %d)",
                 sum(p.numel() for p in model.parameters()) / 1e6, cfg["vocab_size"], vocab)
@@ -272,7 +289,7 @@ def train(args) -> None:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
     stream = TaskStream(args.tokenizer / "tokenizer.json", args.seed, args.batch_size, args.seq_len,
-                        (args.min_facts, args.max_facts), args.recall_frac, args.loss_all)
+                        (args.min_facts, args.max_facts), args.recall_frac, args.loss_all, args.copy_frac)
     loader = torch.utils.data.DataLoader(stream, batch_size=None, num_workers=args.workers,
                                          pin_memory=device.type == "cuda")
     steps, start, step, marks = args.steps, time.time(), 0, {}
@@ -304,6 +321,12 @@ def train(args) -> None:
             for router, load in zip(routers, loads):
                 load = load.float()
                 router.e_score_correction_bias += args.bias_rate * torch.sign(load.mean() - load)
+        if args.save_every and step and step % args.save_every == 0:  # for evaluation while training
+            save(model, cfg, args.tokenizer, args.out / f"step{step:06d}")
+            logger.info("saved %s", args.out / f"step{step:06d}")
+        if args.max_seconds and time.time() - start > args.max_seconds:
+            logger.warning("wall limit %.0f s reached at step %d", args.max_seconds, step)
+            break
         if step % args.log_every == 0 or step == steps - 1:
             if not math.isfinite(loss.item()):
                 raise ValueError(f"loss is {loss.item()} at step {step}")
@@ -338,13 +361,24 @@ def main() -> None:
     parser.add_argument("--max-facts", type=int, default=MAX_FACTS, help="most facts per training question")
     parser.add_argument("--recall-frac", type=float, default=0.3,
                         help="fraction of sequences that are fact-recall drills (see TaskStream._recall_text)")
+    parser.add_argument("--copy-frac", type=float, default=0.0,
+                        help="fraction of the remaining sequences that are verbatim copy drills")
     parser.add_argument("--loss-all", action="store_true", help="loss on every token, not only answers")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes for a CPU smoke test")
+    parser.add_argument("--size", choices=sorted(SIZES), default="base", help="model size preset")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    parser.add_argument("--dense-experts", choices=("auto", "on", "off"), default="auto",
+                        help="run all experts on all tokens (auto: on CUDA only)")
+    parser.add_argument("--save-every", type=int, default=0, help="also save OUT/stepNNNNNN every N steps")
+    parser.add_argument("--max-seconds", type=float, default=0.0, help="stop training after this wall time")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     import transformers
 
-    logger.info("torch %s, transformers %s", torch.__version__, transformers.__version__)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    logger.info("torch %s, transformers %s, %d threads", torch.__version__, transformers.__version__,
+                torch.get_num_threads())
     train(args)
     if args.eval_limit:
         from scripts.eval_tiny_model_hf import evaluate, load
