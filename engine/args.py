@@ -31,6 +31,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool = False
     attention_backend: str = "auto"  # auto | torch | triton
+    fp8_gemm: bool = False  # FP8 checkpoints: W8A8 block GEMM instead of dequantized weights
     hf_overrides: dict = field(default_factory=dict)
     # multi-node: ranks are split evenly over nodes; node 0 runs the engine and the HTTP server
     nnodes: int = 1

@@ -72,7 +72,7 @@ class Worker:
             init_dummy_weights(self.model, args.seed)
         else:
             load_weights(self.model, args.model, cfg)
-        self.model.process_weights_after_loading()
+        self.model.process_weights_after_loading(fp8_gemm=args.fp8_gemm and cfg.fp8_block is not None)
         self.model.eval()
         log.info("model loaded in %.1f s: %s, dtype %s, device %s, attention %s",
                  time.perf_counter() - t0, cfg.model_type, self.dtype, self.device, self.ops.name)

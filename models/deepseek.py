@@ -109,14 +109,17 @@ class DeepseekForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [N, vocab] fp32
 
-    def process_weights_after_loading(self) -> None:
-        """Derived weights, made once after loading: absorbed MLA matrices, fused experts."""
+    def process_weights_after_loading(self, fp8_gemm: bool = False) -> None:
+        """Derived weights, made once after loading: absorbed MLA matrices, fused experts.
+
+        FP8 checkpoints: projections are dequantized to the compute dtype, except, with
+        `fp8_gemm`, the attention and dense/shared MLP projections that the W8A8 GEMM reads as
+        they are (kv_b_proj feeds W_UK / W_UV and experts are stacked, so those are dequantized).
+        """
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        # FP8 checkpoints: every projection is dequantized to the compute dtype (the absorbed
-        # W_UK / W_UV and the fused experts derive from dequantized weights).
-        for m in self.modules():
-            if isinstance(m, Linear):
+        for name, m in self.named_modules():
+            if isinstance(m, Linear) and (not fp8_gemm or ".experts." in name or name.endswith("kv_b_proj")):
                 m.dequantize_weights()
         for layer in self.model.layers:
             layer.self_attn.process_weights_after_loading()

@@ -77,7 +77,11 @@ class Linear(nn.Module):
         self.fp8_block = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        if self.fp8_block is not None:  # kept in FP8 for the W8A8 block GEMM (--fp8-gemm)
+            from models.fp8_gemm import fp8_linear  # triton: CUDA installs only
+            y = fp8_linear(x, self.weight, self.weight_scale_inv)
+        else:
+            y = F.linear(x, self.weight)
         return pd.tp_all_reduce(y) if self.reduce else y
 
 

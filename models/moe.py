@@ -37,7 +37,10 @@ class MLP(nn.Module):
         self.w13: torch.Tensor | None = None
 
     def fuse(self) -> None:
-        """Post-load: one GEMM for gate and up (both column-parallel: local shards concatenate)."""
+        """Post-load: one GEMM for gate and up (both column-parallel: local shards concatenate).
+        FP8 weights kept for the W8A8 GEMM stay as two projections."""
+        if self.gate_proj.fp8_block is not None:
+            return
         self.w13 = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]), requires_grad=False)
         del self.gate_proj, self.up_proj
 

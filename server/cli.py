@@ -63,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
                    default=d["attention_backend"],
                    help="MLA kernels: torch reference or Triton; auto: triton on CUDA, torch on CPU")
+    g.add_argument("--fp8-gemm", action="store_true",
+                   help="FP8 checkpoints: run attention and dense MLP projections as Triton W8A8 "
+                        "block-FP8 GEMMs instead of dequantizing them (experimental: checked in "
+                        "Triton's interpreter, not yet on a GPU)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps")
     g = p.add_argument_group("scheduler and KV cache")
@@ -119,7 +123,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         device=ns.device, load_format=ns.load_format, num_kv_blocks=ns.num_kv_blocks,
         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
         enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
-        enforce_eager=ns.enforce_eager, attention_backend=ns.attention_backend,
+        enforce_eager=ns.enforce_eager, attention_backend=ns.attention_backend, fp8_gemm=ns.fp8_gemm,
         hf_overrides=overrides, nnodes=ns.nnodes, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port)
     if not 1 <= ns.port <= 65535:

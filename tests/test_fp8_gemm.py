@@ -1,0 +1,58 @@
+"""Block-FP8 W8A8 GEMM vs dequantize-then-matmul (interpreter on CPU; real V3 shapes on GPU)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHECK = r"""
+import torch
+from models.fp8 import quantize, dequantize
+from models.fp8_gemm import act_quant, fp8_linear, w8a8_block_gemm
+
+def check(M, N, K, device, tol):
+    torch.manual_seed(M * 7 + N)
+    x = torch.randn(M, K, device=device)
+    w = torch.randn(N, K, device=device) * 0.05
+    wq, sw = quantize(w)
+    xq, sx = act_quant(x)
+    # exact part: the kernel must equal the product of the two dequantized operands
+    ref_q = dequantize(xq, sx, (1, 128)) @ dequantize(wq, sw, (128, 128)).T
+    got = w8a8_block_gemm(xq, sx, wq, sw, torch.float32)
+    e1 = ((got - ref_q).norm() / ref_q.norm()).item()
+    # End to end against the unquantized product. e4m3 rounding alone costs ~2.5% per operand on
+    # Gaussian data (measured: activation-only 2.54%, weight-only 2.64%), so 2e-2 is out of reach
+    # for any w8a8 scheme (a single short row reaches ~5%); this is a sanity bound that wrong
+    # scales would exceed many times over. The exact check above is the correctness test.
+    e2 = ((fp8_linear(x, wq, sw).float() - x @ w.T).norm() / (x @ w.T).norm()).item()
+    assert e1 < (1e-5 if device == "cpu" else 1e-3) and e2 < tol, (M, N, K, e1, e2)
+    return e1, e2
+"""
+
+
+def test_w8a8_interpreter():
+    """Partial blocks in M, N and K under TRITON_INTERPRET=1."""
+    code = CHECK + r"""
+for M, N, K in ((1, 300, 256), (5, 128, 200), (33, 64, 384)):
+    print(check(M, N, K, "cpu", 8e-2))
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 256, 4096])
+@pytest.mark.parametrize("N,K", [(7168, 2048), (24576, 1536), (2048, 7168)])  # V3: o_proj, q_b_proj, experts' down
+def test_w8a8_real_shapes(M, N, K):
+    ns = {}
+    exec(CHECK, ns)
+    ns["check"](M, N, K, "cuda", 8e-2)
