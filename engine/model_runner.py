@@ -162,10 +162,17 @@ class ModelRunner:
             out.prompt_logprobs[st.req_id] = lps
         if sample_rows:
             logits = self.logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
-            sb = SamplingBatch.from_params(
-                [s.params for s in sample_states], [s.prompt_token_ids for s in sample_states],
-                [s.output_token_ids for s in sample_states], [s.generator for s in sample_states],
-                self.eos_token_ids, self.device)
+            params = [s.params for s in sample_states]
+            # Token histories only when a penalty or min_tokens reads them: slicing every
+            # request's prompt each step would put O(context) list copies on the hot path.
+            if any(p.needs_penalties or p.min_tokens for p in params):
+                prompts = [s.prompt_token_ids for s in sample_states]
+                outputs = [s.output_token_ids for s in sample_states]
+            else:
+                prompts = outputs = [[] for _ in sample_states]
+            sb = SamplingBatch.from_params(params, prompts, outputs,
+                                           [s.generator for s in sample_states],
+                                           self.eos_token_ids, self.device)
             so_ = self.sampler(logits, sb)
             ids = so_.token_ids.tolist()  # the one host sync per step
             for i, (st, tok) in enumerate(zip(sample_states, ids)):
