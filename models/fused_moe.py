@@ -4,12 +4,20 @@ At batch 1-8 the routed experts are T*k matrix-vector products that read each ch
 weights once; the grouped-GEMM path spends more time in its glue (sort, gather, scatter) than in
 the products. Here:
   kernel 1, one program per (token-expert pair, tile of I): h = silu(x W_gate^T) * (x W_up^T)
-  kernel 2, one program per (token, tile of D): y = sum_j w_j * (h_j W2_j^T) over the token's
-           k experts (no atomics: a token's experts are summed inside one program)
+  kernel 2, one program per (token-expert pair, tile of D): p = w * (h W2^T), fp32
+  then out = sum of a token's k partials (one small reduction; no atomics, no zero-fill).
 Weights: w13 `[E, 2I, D]` (gate rows then up rows), w2 `[E, D, I]`; accumulation in fp32.
+
+Both kernels are weight-streaming GEMVs: the time is the chosen experts' bytes over the memory
+bandwidth if enough bytes are in flight. At batch 1 there are only k pairs, so the tile shapes
+decide how many programs cover the SMs; on CUDA they are autotuned per (D, I, k, batch bucket)
+on first use (outside CUDA-graph capture: the graph warm-up runs each bucket eagerly first). The
+interpreter (CPU tests) uses one fixed tile set.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -19,7 +27,7 @@ MAX_TOKENS = 8  # above this, pairs share experts and the grouped GEMM reads few
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, D, I, K_TOP: tl.constexpr,
+def _gate_up_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, D, I, T_BUCKET, K_TOP: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)
     nb = tl.program_id(1)
@@ -44,27 +52,41 @@ def _gate_up_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, D, I, K_TOP: tl.constexpr,
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, out_ptr, D, I, K_TOP: tl.constexpr,
+def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, part_ptr, D, I, T_BUCKET,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    tok = tl.program_id(0)
+    pair = tl.program_id(0)
     db = tl.program_id(1)
     offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    wt = tl.load(wts_ptr + pair).to(tl.float32)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j in range(K_TOP):
-        pair = tok * K_TOP + j
-        e = tl.load(ids_ptr + pair).to(tl.int64)
-        wt = tl.load(wts_ptr + pair).to(tl.float32)
-        part = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < I
-            hv = tl.load(h_ptr + pair * I + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :],
-                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            part += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
-        acc += wt * part
-    tl.store(out_ptr + tok * D + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < I
+        hv = tl.load(h_ptr + pair * I + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
+    tl.store(part_ptr + pair * D + offs_n, wt * acc, mask=mask_n)
+
+
+def _configs(shapes):
+    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in shapes]
+
+
+# Candidate tiles: small N tiles give many programs at batch 1; larger K tiles keep more bytes in
+# flight per program. bench_fused_moe.py prints what autotuning chose.
+_TILES = [(8, 256, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (16, 512, 8), (32, 256, 8), (64, 128, 8)]
+_INTERPRET_TILES = {"BLOCK_N": 32, "BLOCK_K": 128}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_gate_up_tuned = triton.autotune(configs=_configs(_TILES), key=["D", "I", "T_BUCKET", "K_TOP"])(_gate_up_kernel)
+_down_tuned = triton.autotune(configs=_configs(_TILES), key=["D", "I", "T_BUCKET"])(_down_kernel)
 
 
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -73,10 +95,23 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     T, D = x.shape
     k = ids.shape[1]
     I = w2.shape[-1]
+    if w13.shape[-2:] != (2 * I, D) or w2.shape[-2:] != (D, I):
+        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match x {tuple(x.shape)}")
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
-    out = torch.empty_like(x)
-    # Small N tiles: at batch 1 there are only k pairs, and the grid must still cover the SMs.
-    _gate_up_kernel[(T * k, triton.cdiv(I, 32))](x, ids, w13, h, D, I, K_TOP=k, BLOCK_N=32, BLOCK_K=128)
-    _down_kernel[(T, triton.cdiv(D, 16))](h, ids, weights, w2, out, D, I, K_TOP=k, BLOCK_N=16, BLOCK_K=128)
-    return out
+    part = torch.empty(T * k, D, dtype=torch.float32, device=x.device)
+    bucket = triton.next_power_of_2(T)
+    if _interpreting():
+        t = _INTERPRET_TILES
+        _gate_up_kernel[(T * k, triton.cdiv(I, t["BLOCK_N"]))](x, ids, w13, h, D, I, bucket, K_TOP=k, **t)
+        _down_kernel[(T * k, triton.cdiv(D, t["BLOCK_N"]))](h, ids, weights, w2, part, D, I, bucket, **t)
+    else:
+        _gate_up_tuned[lambda m: (T * k, triton.cdiv(I, m["BLOCK_N"]))](x, ids, w13, h, D, I, bucket, K_TOP=k)
+        _down_tuned[lambda m: (T * k, triton.cdiv(D, m["BLOCK_N"]))](h, ids, weights, w2, part, D, I, bucket)
+    return part.view(T, k, D).sum(dim=1).to(x.dtype)
+
+
+def tuned_configs() -> dict[str, str]:
+    """What autotuning picked so far, per kernel and key (for benchmark logs)."""
+    return {name: {str(key): str(cfg) for key, cfg in kern.cache.items()}
+            for name, kern in (("gate_up", _gate_up_tuned), ("down", _down_tuned))}

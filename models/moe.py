@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,11 +14,11 @@ from models.fused import CudaCompiled, silu_mul_op
 from models.layers import Linear, shard_param
 
 
-# Batches up to this many tokens take the fused Triton MoE (models/fused_moe.py). 0 for now: the
-# kernels pass the interpreter tests but have not yet been run or timed on a GPU; set it to
-# models.fused_moe.MAX_TOKENS once `tests/test_fused_moe.py -m gpu` passes and bench_latency.py
-# shows the gain.
-_FUSED_MAX_TOKENS = 0
+# Batches up to this many tokens take the fused Triton MoE (models/fused_moe.py) on CUDA: at
+# batch 1 the routed experts of a V2-Lite layer take 87 us instead of 355 us through the grouped
+# GEMM (H200, scripts/bench_fused_moe.py, RESULTS.md). DSV_FUSED_MOE_MAX_TOKENS overrides it
+# (0 turns the fused path off).
+_FUSED_MAX_TOKENS = int(os.environ.get("DSV_FUSED_MOE_MAX_TOKENS", "8"))  # models.fused_moe.MAX_TOKENS
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -134,7 +136,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if x.is_cuda and x.shape[0] <= _FUSED_MAX_TOKENS:  # off until measured on a GPU
+        if x.is_cuda and x.shape[0] <= _FUSED_MAX_TOKENS:
             from models.fused_moe import fused_moe_small  # triton: CUDA installs only
             out = fused_moe_small(x, self.w13, self.w2, weights, ids)
         elif _use_grouped_mm(x):

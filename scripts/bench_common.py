@@ -30,6 +30,7 @@ def add_engine_flags(p) -> None:
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
     p.add_argument("--hf-overrides", default=None)
+    p.add_argument("--fp8-gemm", action="store_true", help="keep FP8 checkpoints' projections in FP8 (W8A8 GEMM)")
     p.add_argument("--json", default=None, help="write results here")
 
 
@@ -41,6 +42,8 @@ def engine_kwargs(a) -> dict:
               decode_context_parallel_size=a.decode_context_parallel_size)
     if a.hf_overrides:
         kw["hf_overrides"] = a.hf_overrides
+    if a.fp8_gemm:
+        kw["fp8_gemm"] = True
     return kw
 
 

@@ -1,15 +1,40 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, then the benchmarks; tables at the end, JSON under $OUT.
-# Usage (on the GPU machine, repo root): bash scripts/gpu_check.sh [tests|latency|throughput]...
+# One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
+# (written as it runs, so a step cut by its timeout still leaves what it printed).
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|moe|mla|latency|throughput|fp8|r1]...
+#   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
+#   moe         fused small-batch MoE vs grouped GEMM at V2-Lite shapes (bench_fused_moe.py)
+#   mla         Triton MLA kernels: real-shape checks, decode grid, prefill (bench_mla_decode.py)
+#   latency     V2-Lite dummy bf16 TPOT at batch 1/8/32/128 (bench_latency.py)
+#   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
+#   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
+#   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
+# A step may carry its own timeout in seconds: `tests:150`. Default STEP_TIMEOUT (240).
+# LATENCY_ARGS: extra flags for the latency step (e.g. "--batch-sizes 1 8").
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 steps=${*:-tests latency throughput}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c 'import torch, triton, transformers; print("torch", torch.__version__, "triton", triton.__version__, "transformers", transformers.__version__)'
-for s in $steps; do case $s in
-  tests) timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/test_gpu_engine.py tests/test_fused_moe.py tests/test_fp8_gemm.py 2>&1 | tail -15 | tee "$OUT/gpu_tests.txt" ;;
-  latency) timeout 240 python3 scripts/bench_latency.py --json "$OUT/latency.json" 2>&1 | grep -v "Loading\|Warning" | tail -14 ;;
-  fp8) timeout 120 python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" 2>&1 | tail -20 ;;
-  throughput) timeout 240 python3 scripts/bench_throughput.py --json "$OUT/throughput.json" 2>&1 | tail -4 ;;
-esac; done
+for spec in $steps; do
+  s=${spec%%:*}; T=${STEP_TIMEOUT:-240}; [ "$s" != "$spec" ] && T=${spec#*:}
+  log="$OUT/$s.txt"; start=$(date +%s)
+  case $s in
+    tests) timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=8 \
+             tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_engine.py > "$log" 2>&1 ;;
+    moe) timeout "$T" python3 scripts/bench_fused_moe.py --json "$OUT/fused_moe.json" > "$log" 2>&1 ;;
+    mla) timeout "$T" python3 scripts/bench_mla_decode.py --check --sweep --budget-s $((T - 40)) \
+           --out "$OUT/bench_mla_decode.json" > "$log" 2>&1 ;;
+    latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
+    throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
+    fp8) timeout "$T" python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" > "$log" 2>&1 ;;
+    r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
+          --hf-overrides '{"num_hidden_layers": 4}' --batch-sizes 1 64 --decode-steps 50 \
+          --json "$OUT/r1_latency.json" > "$log" 2>&1 ;;
+    *) echo "unknown step $s" > "$log" ;;
+  esac
+  rc=$?
+  echo "=== $s: rc=$rc, $(( $(date +%s) - start )) s"
+  grep -v "Loading\|Warning\|warn(" "$log" | tail -${TAIL:-25}
+done
