@@ -114,12 +114,13 @@ class DeepseekForCausalLM(nn.Module):
 
         FP8 checkpoints: projections are dequantized to the compute dtype, except, with
         `fp8_gemm`, the attention and dense/shared MLP projections that the W8A8 GEMM reads as
-        they are (kv_b_proj feeds W_UK / W_UV and experts are stacked, so those are dequantized).
+        they are and the routed experts, stacked in FP8 for the fused MoE (kv_b_proj feeds
+        W_UK / W_UV, so it is always dequantized).
         """
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for name, m in self.named_modules():
-            if isinstance(m, Linear) and (not fp8_gemm or ".experts." in name or name.endswith("kv_b_proj")):
+            if isinstance(m, Linear) and (not fp8_gemm or name.endswith("kv_b_proj")):
                 m.dequantize_weights()
         for layer in self.model.layers:
             layer.self_attn.process_weights_after_loading()

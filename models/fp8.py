@@ -12,14 +12,17 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 
 
-def expand_scales(s: torch.Tensor, shape: tuple[int, int], block: tuple[int, int]) -> torch.Tensor:
-    """Per-element scales `[N, K]` from per-block scales."""
+def expand_scales(s: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:
+    """Per-element scales `[..., N, K]` from per-block scales `[..., ceil(N/bn), ceil(K/bk)]`
+    (leading dims, e.g. stacked experts, pass through)."""
     bn, bk = block
-    return s.repeat_interleave(bn, 0)[: shape[0]].repeat_interleave(bk, 1)[:, : shape[1]]
+    N, K = shape[-2], shape[-1]
+    return s.repeat_interleave(bn, -2)[..., :N, :].repeat_interleave(bk, -1)[..., :K]
 
 
 def dequantize(wq: torch.Tensor, s: torch.Tensor, block: tuple[int, int],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """`Wq * s` per block, for one weight `[N, K]` or stacked weights `[E, N, K]`."""
     return (wq.float() * expand_scales(s.float(), tuple(wq.shape), block)).to(dtype)
 
 

@@ -6,7 +6,8 @@ the products. Here:
   kernel 1, one program per (token-expert pair, tile of I): h = silu(x W_gate^T) * (x W_up^T)
   kernel 2, one program per (token-expert pair, tile of D): p = w * (h W2^T), fp32
   then out = sum of a token's k partials (one small reduction; no atomics, no zero-fill).
-Weights: w13 `[E, 2I, D]` (gate rows then up rows), w2 `[E, D, I]`; accumulation in fp32.
+Weights: w13 `[E, 2I, D]` (gate rows then up rows), w2 `[E, D, I]`; accumulation in fp32. FP8
+expert weights with 128 x 128 block scales are dequantized tile by tile inside the kernels.
 
 Both kernels are weight-streaming GEMVs: the time is the chosen experts' bytes over the memory
 bandwidth if enough bytes are in flight. At batch 1 there are only k pairs, so the tile shapes
@@ -27,7 +28,8 @@ MAX_TOKENS = 8  # above this, pairs share experts and the grouped GEMM reads few
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, D, I, T_BUCKET, K_TOP: tl.constexpr,
+def _gate_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, T_BUCKET, S_ROWS, S_COLS,
+                    K_TOP: tl.constexpr, QB: tl.constexpr, SCALED: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)
     nb = tl.program_id(1)
@@ -43,17 +45,21 @@ def _gate_up_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, D, I, T_BUCKET, K_TOP: tl.co
         mask_k = offs_k < D
         xv = tl.load(x_ptr + tok * D + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         m = mask_n[:, None] & mask_k[None, :]
-        wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0)
-        wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0)
-        acc_g += tl.sum(wg.to(tl.float32) * xv[None, :], axis=1)
-        acc_u += tl.sum(wu.to(tl.float32) * xv[None, :], axis=1)
+        wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+        wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+        if SCALED:  # FP8 weights: one scale per QB x QB block (L1-resident gather)
+            s_base = s13_ptr + e * S_ROWS * S_COLS + (offs_k // QB)[None, :]
+            wg *= tl.load(s_base + (offs_n // QB)[:, None] * S_COLS, mask=m, other=0.0)
+            wu *= tl.load(s_base + ((I + offs_n) // QB)[:, None] * S_COLS, mask=m, other=0.0)
+        acc_g += tl.sum(wg * xv[None, :], axis=1)
+        acc_u += tl.sum(wu * xv[None, :], axis=1)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + pair * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, part_ptr, D, I, T_BUCKET,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, T_BUCKET, S_ROWS, S_COLS,
+                 QB: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)
     db = tl.program_id(1)
     offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -65,9 +71,12 @@ def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, part_ptr, D, I, T_BUCKET,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < I
         hv = tl.load(h_ptr + pair * I + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * hv[None, :], axis=1)
+        m = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+        if SCALED:
+            w *= tl.load(s2_ptr + e * S_ROWS * S_COLS + (offs_n // QB)[:, None] * S_COLS + (offs_k // QB)[None, :],
+                         mask=m, other=0.0)
+        acc += tl.sum(w * hv[None, :], axis=1)
     tl.store(part_ptr + pair * D + offs_n, wt * acc, mask=mask_n)
 
 
@@ -85,29 +94,54 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_gate_up_tuned = triton.autotune(configs=_configs(_TILES), key=["D", "I", "T_BUCKET", "K_TOP"])(_gate_up_kernel)
-_down_tuned = triton.autotune(configs=_configs(_TILES), key=["D", "I", "T_BUCKET"])(_down_kernel)
+_gate_up_tuned = triton.autotune(configs=_configs(_TILES), key=["D", "I", "T_BUCKET", "K_TOP", "SCALED"])(_gate_up_kernel)
+_down_tuned = triton.autotune(configs=_configs(_TILES), key=["D", "I", "T_BUCKET", "SCALED"])(_down_kernel)
 
 
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor) -> torch.Tensor:
-    """Routed-expert output `[T, D]` for x `[T, D]`, ids / weights `[T, k]` (no host sync)."""
+                    ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                    w2_scale: torch.Tensor | None = None, block: int = 128) -> torch.Tensor:
+    """Routed-expert output `[T, D]` for x `[T, D]`, ids / weights `[T, k]` (no host sync).
+
+    FP8 experts (DeepSeek-V3/R1 checkpoints kept in FP8): w13 / w2 in float8 e4m3 with
+    `w13_scale [E, ceil(2I/block), ceil(D/block)]` and `w2_scale [E, ceil(D/block), ceil(I/block)]`;
+    the kernels dequantize each tile as they read it (weight-only: x stays in its dtype). I must
+    be a multiple of `block` so that the up rows start on a block boundary.
+    """
     T, D = x.shape
     k = ids.shape[1]
     I = w2.shape[-1]
     if w13.shape[-2:] != (2 * I, D) or w2.shape[-2:] != (D, I):
         raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match x {tuple(x.shape)}")
+    scaled = w13_scale is not None
+    if scaled != (w2_scale is not None):
+        raise ValueError("FP8 experts need both w13_scale and w2_scale")
+    if scaled:
+        E = w13.shape[0]
+        want13 = (E, triton.cdiv(2 * I, block), triton.cdiv(D, block))
+        want2 = (E, triton.cdiv(D, block), triton.cdiv(I, block))
+        if I % block or tuple(w13_scale.shape) != want13 or tuple(w2_scale.shape) != want2:
+            raise ValueError(f"FP8 expert scales {tuple(w13_scale.shape)} / {tuple(w2_scale.shape)} do not fit "
+                             f"weights {tuple(w13.shape)} / {tuple(w2.shape)} with {block}x{block} blocks "
+                             f"(expected {want13} / {want2}, and I % {block} == 0)")
+        s13, s2 = w13_scale.float().contiguous(), w2_scale.float().contiguous()
+    else:
+        s13 = s2 = x  # never read
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     h = torch.empty(T * k, I, dtype=x.dtype, device=x.device)
     part = torch.empty(T * k, D, dtype=torch.float32, device=x.device)
     bucket = triton.next_power_of_2(T)
+    r13, c13 = (s13.shape[1], s13.shape[2]) if scaled else (1, 1)
+    r2, c2 = (s2.shape[1], s2.shape[2]) if scaled else (1, 1)
+    up_args = (x, ids, w13, s13, h, D, I, bucket, r13, c13)
+    down_args = (h, ids, weights, w2, s2, part, D, I, bucket, r2, c2)
     if _interpreting():
         t = _INTERPRET_TILES
-        _gate_up_kernel[(T * k, triton.cdiv(I, t["BLOCK_N"]))](x, ids, w13, h, D, I, bucket, K_TOP=k, **t)
-        _down_kernel[(T * k, triton.cdiv(D, t["BLOCK_N"]))](h, ids, weights, w2, part, D, I, bucket, **t)
+        _gate_up_kernel[(T * k, triton.cdiv(I, t["BLOCK_N"]))](*up_args, K_TOP=k, QB=block, SCALED=scaled, **t)
+        _down_kernel[(T * k, triton.cdiv(D, t["BLOCK_N"]))](*down_args, QB=block, SCALED=scaled, **t)
     else:
-        _gate_up_tuned[lambda m: (T * k, triton.cdiv(I, m["BLOCK_N"]))](x, ids, w13, h, D, I, bucket, K_TOP=k)
-        _down_tuned[lambda m: (T * k, triton.cdiv(D, m["BLOCK_N"]))](h, ids, weights, w2, part, D, I, bucket)
+        _gate_up_tuned[lambda m: (T * k, triton.cdiv(I, m["BLOCK_N"]))](*up_args, K_TOP=k, QB=block, SCALED=scaled)
+        _down_tuned[lambda m: (T * k, triton.cdiv(D, m["BLOCK_N"]))](*down_args, QB=block, SCALED=scaled)
     return part.view(T, k, D).sum(dim=1).to(x.dtype)
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from engine import distributed as pd
 from models.config import ModelConfig
+from models.fp8 import dequantize
 from models.fused import CudaCompiled, silu_mul_op
 from models.layers import Linear, shard_param
 
@@ -125,31 +126,67 @@ class MoE(nn.Module):
                                if cfg.n_shared_experts else None)
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
+        self.fp8_block: tuple[int, int] | None = None
 
     def fuse_experts(self) -> None:
-        """Post-load step: stack per-expert weights and drop the per-expert modules."""
+        """Post-load step: stack per-expert weights and drop the per-expert modules.
+
+        Experts still in FP8 (checkpoint kept quantized, `--fp8-gemm`) stay FP8 with their block
+        scales stacked too: `w13_scale [E, 2I/128, D/128]`, `w2_scale [E, D/128, I/128]`; the
+        fused small-batch kernel reads them as they are, the other paths dequantize on the fly.
+        """
+        block = self.experts[0].down_proj.fp8_block
+        if block is not None and self.experts[0].down_proj.weight.shape[-1] % block[1]:
+            # gate and up scales would not stack on block boundaries: compute dtype instead
+            for e in self.experts:
+                for proj in (e.gate_proj, e.up_proj, e.down_proj):
+                    proj.dequantize_weights()
+            block = None
+        self.fp8_block = block
         w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
         w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        if self.fp8_block is not None:
+            s13 = torch.stack([torch.cat([e.gate_proj.weight_scale_inv, e.up_proj.weight_scale_inv])
+                               for e in self.experts])
+            s2 = torch.stack([e.down_proj.weight_scale_inv for e in self.experts])
+            self.w13_scale = nn.Parameter(s13, requires_grad=False)
+            self.w2_scale = nn.Parameter(s2, requires_grad=False)
         self.experts = None
         self.w13 = nn.Parameter(w13, requires_grad=False)
         self.w2 = nn.Parameter(w2, requires_grad=False)
+
+    def _expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """w13, w2 in the compute dtype (dequantized here when the experts are kept in FP8)."""
+        if self.fp8_block is None:
+            return self.w13, self.w2
+        return (dequantize(self.w13, self.w13_scale, self.fp8_block, dtype),
+                dequantize(self.w2, self.w2_scale, self.fp8_block, dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if x.is_cuda and x.shape[0] <= _FUSED_MAX_TOKENS:
             from models.fused_moe import fused_moe_small  # triton: CUDA installs only
-            out = fused_moe_small(x, self.w13, self.w2, weights, ids)
-        elif _use_grouped_mm(x):
-            out = self._routed_grouped(x, weights, ids)
-        elif x.is_cuda:
-            out = self._routed_dense(x, weights, ids)
+            if self.fp8_block is None:
+                out = fused_moe_small(x, self.w13, self.w2, weights, ids)
+            else:
+                out = fused_moe_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale,
+                                      self.fp8_block[0])
         else:
-            out = self._routed(x, weights, ids)
+            # FP8 experts at larger batches: dequantized per call (a scratch copy of this layer's
+            # experts); a grouped FP8 GEMM would avoid it.
+            w13, w2 = self._expert_weights(x.dtype)
+            if _use_grouped_mm(x):
+                out = self._routed_grouped(x, weights, ids, w13, w2)
+            elif x.is_cuda:
+                out = self._routed_dense(x, weights, ids, w13, w2)
+            else:
+                out = self._routed(x, weights, ids, w13, w2)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return pd.tp_all_reduce(out)
 
-    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                        w13: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> torch.Tensor:
         """CUDA path with no host sync (CUDA-graph safe): (token, expert) pairs sorted by expert,
         two grouped GEMMs over the expert segments, weighted scatter-add back to tokens."""
         T, k = ids.shape
@@ -161,43 +198,50 @@ class MoE(nn.Module):
         offs = counts.cumsum(0, dtype=torch.int32)
         token_of = order // k
         xs = x[token_of]  # [T*k, D], grouped by expert
-        I = self.w2.shape[-1]
-        gate_up = torch._grouped_mm(xs, self.w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
+        w13 = self.w13 if w13 is None else w13
+        w2 = self.w2 if w2 is None else w2
+        gate_up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
         h = silu_mul_op(gate_up)
-        y = torch._grouped_mm(h, self.w2.transpose(-2, -1), offs=offs)  # [T*k, D]
+        y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)  # [T*k, D]
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y)
 
-    def _routed_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _routed_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      w13: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> torch.Tensor:
         """CUDA fallback without host syncs for dtypes the grouped GEMM lacks (fp32 tiny models):
         every expert on every token, weighted by its routing weight (0 where not chosen)."""
-        E, I = self.cfg.n_routed_experts, self.w2.shape[-1]
+        w13 = self.w13 if w13 is None else w13
+        w2 = self.w2 if w2 is None else w2
+        E, I = self.cfg.n_routed_experts, w2.shape[-1]
         dense_w = torch.zeros(x.shape[0], E, dtype=weights.dtype, device=x.device)
         dense_w.scatter_(1, ids, weights)  # [T, E]
         out = torch.zeros_like(x)
         for e in range(E):
-            gate_up = F.linear(x, self.w13[e])
-            y = F.linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], self.w2[e])
+            gate_up = F.linear(x, w13[e])
+            y = F.linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], w2[e])
             out += y * dense_w[:, e:e + 1].to(y.dtype)
         return out
 
-    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                w13: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> torch.Tensor:
         """Plain path: tokens grouped by expert with one sort, a loop over the experts hit."""
         T, k = ids.shape
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.cfg.n_routed_experts).tolist()
         token_of = order // k  # token index of each sorted (token, slot) pair
+        w13 = self.w13 if w13 is None else w13
+        w2 = self.w2 if w2 is None else w2
         out = torch.zeros_like(x)
         start = 0
-        I = self.w2.shape[-1]
+        I = w2.shape[-1]
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             rows = token_of[start:start + n]
-            gate_up = F.linear(x[rows], self.w13[e])  # [n, 2I]
+            gate_up = F.linear(x[rows], w13[e])  # [n, 2I]
             h = F.silu(gate_up[:, :I]) * gate_up[:, I:]
-            y = F.linear(h, self.w2[e])  # [n, D]
+            y = F.linear(h, w2[e])  # [n, D]
             w = weights.flatten()[order[start:start + n]].unsqueeze(-1)
             out.index_add_(0, rows, (y * w).to(x.dtype))
             start += n

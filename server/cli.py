@@ -64,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=d["attention_backend"],
                    help="MLA kernels: torch reference or Triton; auto: triton on CUDA, torch on CPU")
     g.add_argument("--fp8-gemm", action="store_true",
-                   help="FP8 checkpoints: run attention and dense MLP projections as Triton W8A8 "
-                        "block-FP8 GEMMs instead of dequantizing them (experimental: checked in "
-                        "Triton's interpreter, not yet on a GPU)")
+                   help="FP8 checkpoints: keep attention and dense MLP projections in FP8 (Triton "
+                        "W8A8 block GEMMs) and routed experts in FP8 instead of dequantizing them "
+                        "at load (experimental: less memory, not yet faster; RESULTS.md)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps")
     g = p.add_argument_group("scheduler and KV cache")

@@ -79,8 +79,9 @@ def test_tp_split_of_a_block_is_refused(fp8_model):
 
 def test_fp8_gemm_path_runs_the_model(fp8_model):
     """--fp8-gemm keeps attention/MLP projections in FP8 and runs them through the Triton W8A8
-    kernels (interpreter on CPU); the model's logprobs equal a pure-torch emulation of the same
-    arithmetic (activations quantized per 128-group, both operands dequantized, fp32 matmul)."""
+    kernels (interpreter on CPU), and keeps the routed experts in FP8 (dequantized on the fly on
+    the CPU path); the model's logprobs equal a pure-torch emulation of the same arithmetic
+    (activations quantized per 128-group, both operands dequantized, fp32 matmul)."""
     code = f"""
 import torch
 import models.fp8_gemm as g
@@ -91,6 +92,8 @@ prompt = list(range(5, 45))
 llm = LLM({fp8_model[0]!r}, device="cpu", dtype="float32", num_kv_blocks=64, fp8_gemm=True)
 attn = llm.engine.executor.worker.model.model.layers[0].self_attn
 assert attn.q_a_proj.weight.dtype == torch.float8_e4m3fn and attn.kv_b_proj.weight.dtype == torch.float32
+moe = llm.engine.executor.worker.model.model.layers[1].mlp
+assert moe.w13.dtype == torch.float8_e4m3fn and moe.w13_scale.shape[1:] == (2, 2)  # experts stay FP8
 kernel = llm.generate([prompt], p)[0].outputs[0]
 
 def emulated(x, wq, sw):
