@@ -46,6 +46,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         t0 = time.perf_counter()
+        torch.cuda.empty_cache()  # torch.cuda.graph() empties the cache itself: measure from there
         free0 = torch.cuda.mem_get_info()[0]
         self.seq_lens.fill_(1)  # capture reads one (garbage) key per row; replays read real ones
         for b in reversed(self.buckets):  # largest first: the shared pool is sized by it
