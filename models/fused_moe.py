@@ -94,7 +94,8 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-_gate_up_tuned = triton.autotune(configs=_configs(_TILES), key=["D", "I", "T_BUCKET", "K_TOP", "SCALED"])(_gate_up_kernel)
+_gate_up_tuned = triton.autotune(configs=_configs(_TILES),
+                                 key=["D", "I", "T_BUCKET", "K_TOP", "SCALED"])(_gate_up_kernel)
 _down_tuned = triton.autotune(configs=_configs(_TILES), key=["D", "I", "T_BUCKET", "SCALED"])(_down_kernel)
 
 

@@ -126,7 +126,9 @@ class MoE(nn.Module):
                                if cfg.n_shared_experts else None)
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
-        self.fp8_block: tuple[int, int] | None = None
+        self.fp8_block: tuple[int, int] | None = None  # set when the experts stay in FP8
+        self.w13_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
 
     def fuse_experts(self) -> None:
         """Post-load step: stack per-expert weights and drop the per-expert modules.
@@ -156,7 +158,8 @@ class MoE(nn.Module):
         self.w2 = nn.Parameter(w2, requires_grad=False)
 
     def _expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """w13, w2 in the compute dtype (dequantized here when the experts are kept in FP8)."""
+        """w13, w2 in the compute dtype for the unfused paths. FP8 experts are dequantized here,
+        per call (a scratch copy of the layer's experts); a grouped FP8 GEMM would avoid it."""
         if self.fp8_block is None:
             return self.w13, self.w2
         return (dequantize(self.w13, self.w13_scale, self.fp8_block, dtype),
@@ -166,27 +169,19 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)
         if x.is_cuda and x.shape[0] <= _FUSED_MAX_TOKENS:
             from models.fused_moe import fused_moe_small  # triton: CUDA installs only
-            if self.fp8_block is None:
-                out = fused_moe_small(x, self.w13, self.w2, weights, ids)
-            else:
-                out = fused_moe_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale,
-                                      self.fp8_block[0])
+            block = self.fp8_block[0] if self.fp8_block else 128
+            out = fused_moe_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block)
+        elif _use_grouped_mm(x):
+            out = self._routed_grouped(x, weights, ids)
+        elif x.is_cuda:
+            out = self._routed_dense(x, weights, ids)
         else:
-            # FP8 experts at larger batches: dequantized per call (a scratch copy of this layer's
-            # experts); a grouped FP8 GEMM would avoid it.
-            w13, w2 = self._expert_weights(x.dtype)
-            if _use_grouped_mm(x):
-                out = self._routed_grouped(x, weights, ids, w13, w2)
-            elif x.is_cuda:
-                out = self._routed_dense(x, weights, ids, w13, w2)
-            else:
-                out = self._routed(x, weights, ids, w13, w2)
+            out = self._routed(x, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return pd.tp_all_reduce(out)
 
-    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                        w13: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> torch.Tensor:
+    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """CUDA path with no host sync (CUDA-graph safe): (token, expert) pairs sorted by expert,
         two grouped GEMMs over the expert segments, weighted scatter-add back to tokens."""
         T, k = ids.shape
@@ -198,20 +193,17 @@ class MoE(nn.Module):
         offs = counts.cumsum(0, dtype=torch.int32)
         token_of = order // k
         xs = x[token_of]  # [T*k, D], grouped by expert
-        w13 = self.w13 if w13 is None else w13
-        w2 = self.w2 if w2 is None else w2
+        w13, w2 = self._expert_weights(x.dtype)
         gate_up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
         h = silu_mul_op(gate_up)
         y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)  # [T*k, D]
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y)
 
-    def _routed_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                      w13: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> torch.Tensor:
+    def _routed_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """CUDA fallback without host syncs for dtypes the grouped GEMM lacks (fp32 tiny models):
         every expert on every token, weighted by its routing weight (0 where not chosen)."""
-        w13 = self.w13 if w13 is None else w13
-        w2 = self.w2 if w2 is None else w2
+        w13, w2 = self._expert_weights(x.dtype)
         E, I = self.cfg.n_routed_experts, w2.shape[-1]
         dense_w = torch.zeros(x.shape[0], E, dtype=weights.dtype, device=x.device)
         dense_w.scatter_(1, ids, weights)  # [T, E]
@@ -222,16 +214,14 @@ class MoE(nn.Module):
             out += y * dense_w[:, e:e + 1].to(y.dtype)
         return out
 
-    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                w13: torch.Tensor | None = None, w2: torch.Tensor | None = None) -> torch.Tensor:
+    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Plain path: tokens grouped by expert with one sort, a loop over the experts hit."""
         T, k = ids.shape
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.cfg.n_routed_experts).tolist()
         token_of = order // k  # token index of each sorted (token, slot) pair
-        w13 = self.w13 if w13 is None else w13
-        w2 = self.w2 if w2 is None else w2
+        w13, w2 = self._expert_weights(x.dtype)
         out = torch.zeros_like(x)
         start = 0
         I = w2.shape[-1]

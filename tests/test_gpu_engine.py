@@ -32,9 +32,10 @@ def gpu_v2(tmp_path_factory):
     return str(path), make_model(path, "v2", qk_rope_head_dim=16)
 
 
-def _run(path, **kw):
-    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=256, **kw)
-    return [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
+def _run(path, prompts=None, dtype="float32", **kw):
+    """Greedy token ids of `prompts` (default: the 8 short ones) on the GPU."""
+    llm = LLM(path, device="cuda", dtype=dtype, num_kv_blocks=1024, **kw)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts or _prompts(), GREEDY)]
 
 
 @pytest.mark.parametrize("model", ["gpu_v3", "gpu_v2"])
@@ -55,8 +56,9 @@ def test_triton_backend_equals_torch_reference_fp32(model, budget, request):
     """Issue 6: in fp32 the Triton backend gives the same greedy outputs as the torch backend for
     all 64 prompts, with prefills chunked (budget 16) and not."""
     path, _ = request.getfixturevalue(model)
-    fast = _run64(path, "float32", budget, attention_backend="triton")
-    ref = _run64(path, "float32", budget, attention_backend="torch", enforce_eager=True)
+    fast = _run(path, _prompts64(), max_num_batched_tokens=budget, attention_backend="triton")
+    ref = _run(path, _prompts64(), max_num_batched_tokens=budget, attention_backend="torch",
+               enforce_eager=True)
     assert sum(a == b for a, b in zip(fast, ref)) == 64
 
 
@@ -67,16 +69,13 @@ def test_triton_backend_bf16_as_close_to_fp32_as_torch_bf16(model, request):
     these models: bf16 rounding alone flips greedy continuations (on the CPU, the torch backend in
     bf16 with budget 16 vs 2048 agreed on 42 of 64; the H200 gave Triton vs torch 30-32 of 64)."""
     path, _ = request.getfixturevalue(model)
-    ref = _run64(path, "float32", 2048, attention_backend="torch", enforce_eager=True)
-    fast = _run64(path, "bfloat16", 16, attention_backend="triton")
-    slow = _run64(path, "bfloat16", 16, attention_backend="torch", enforce_eager=True)
+    prompts = _prompts64()
+    ref = _run(path, prompts, max_num_batched_tokens=2048, attention_backend="torch", enforce_eager=True)
+    fast = _run(path, prompts, "bfloat16", max_num_batched_tokens=16, attention_backend="triton")
+    slow = _run(path, prompts, "bfloat16", max_num_batched_tokens=16, attention_backend="torch",
+                enforce_eager=True)
     fast_ok, slow_ok = (sum(a == b for a, b in zip(x, ref)) for x in (fast, slow))
     assert fast_ok >= slow_ok - 3, (fast_ok, slow_ok)
-
-
-def _run64(path, dtype, budget, **kw):
-    llm = LLM(path, device="cuda", dtype=dtype, num_kv_blocks=1024, max_num_batched_tokens=budget, **kw)
-    return [o.outputs[0].token_ids for o in llm.generate(_prompts64(), GREEDY)]
 
 
 def test_grouped_moe_matches_plain_path():
