@@ -29,20 +29,38 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     programs_per_sm: int = 1  # resident stage-1 programs per SM, for the split heuristic
-    min_split_tokens: int = 256  # fewer rows per split and the fp32 partials cost more than they save
+    min_split_tokens: int = 64   # fewer rows per split and the fp32 partials cost more than they save
     max_splits: int = 128
     qk_t: bool = False       # compute scores transposed (tokens as MMA rows)
     maxnreg: int | None = None  # register cap per thread, to fit more programs per SM
-    prefetch_ids: bool = False  # load block ids a tile ahead (not yet timed: docs/kernel_notes.md)
+    prefetch_ids: bool = False  # load the next tile's block ids before this tile's math
 
 
-def default_decode_config(num_heads: int, dtype: torch.dtype) -> DecodeConfig:
-    """Tile shape by head count: 64-head tiles for wide ranks, 16 otherwise (measured: docs/kernel_notes.md)."""
+def default_decode_config(num_heads: int, dtype: torch.dtype, smem_bytes: int | None = None) -> DecodeConfig:
+    """Tile shape by head count: 64-head tiles for wide ranks, 16 otherwise.
+
+    Picked from the H200 sweep of 2026-11-30 (docs/kernel_notes.md, v3): 16-head tiles with the
+    block ids prefetched and 3 stages, 64-head tiles 64 rows deep. The 64x64 tile with 2 stages
+    needs ~221 KB of shared memory per block (Hopper has 227 KB); with less (`smem_bytes`, the
+    current CUDA device's opt-in limit when not given), 64-head tiles stay 32 rows deep.
+    """
     if dtype == torch.float32:  # fp32 tiles are twice the bytes: keep shared memory in bounds
-        return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2)
+        return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, min_split_tokens=256)
     if num_heads >= 64:
-        return DecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
-    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2)
+        if smem_bytes is None:
+            smem_bytes = _device_smem_bytes()
+        deep = smem_bytes is None or smem_bytes >= 224 * 1024
+        return DecodeConfig(block_h=64, block_n=64 if deep else 32, num_warps=8, num_stages=2)
+    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_smem_bytes() -> int | None:
+    """Opt-in shared memory per block of the current CUDA device (None without CUDA or the field)."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return getattr(props, "shared_memory_per_block_optin", None)
 
 
 @functools.lru_cache(maxsize=1024)  # pure; called once per decode step

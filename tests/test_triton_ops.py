@@ -159,6 +159,11 @@ CPU_CASES = {
     "decode_17_splits": lambda: check_decode("cpu", f32, 4, 32, 16, 4, [0, 5, 544], num_splits=17),
     "decode_prefetch_ids": lambda: check_decode("cpu", f32, 4, 32, 16, 4, [0, 1, 37, 150], num_splits=2,
                                                 cfg=_prefetch_cfg(16)),
+    # The bf16 defaults' tiles (prefetched ids, 64-row tiles), run here on fp32 data.
+    "decode_default_tiles_h16": lambda: check_decode("cpu", f32, 4, 32, 16, 16, [0, 1, 37, 150],
+                                                     cfg=_default_cfg(4)),
+    "decode_default_tiles_h64": lambda: check_decode("cpu", f32, 64, 32, 16, 16, [0, 1, 37, 150], num_splits=3,
+                                                     cfg=_default_cfg(64)),
     "decode_ops_auto_splits": lambda: check_decode("cpu", f32, 8, 32, 16, 16, [17, 0, 1]),
     "prefill_causal": lambda: check_prefill("cpu", f32, 2, 48, 32, [(3, 3), (0, 4), (5, 9), (1, 1), (7, 4)],
                                             True, cfg=_small_prefill()),
@@ -181,6 +186,11 @@ def _prefetch_cfg(block_h):
     from attention.triton_decode import DecodeConfig
     return DecodeConfig(block_h=block_h, block_n=32, num_warps=4 if block_h == 16 else 8, num_stages=3,
                         prefetch_ids=True)
+
+
+def _default_cfg(num_heads):
+    from attention.triton_decode import default_decode_config
+    return default_decode_config(num_heads, torch.bfloat16, smem_bytes=227 * 1024)
 
 
 def _small_prefill():
@@ -261,13 +271,20 @@ def test_bad_arguments_raise_value_error():
         ops.gather_context(cache, bt, torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 0)
 
 
+def test_default_decode_tiles_fit_shared_memory():
+    from attention.triton_decode import default_decode_config
+    assert default_decode_config(128, torch.bfloat16, smem_bytes=227 * 1024).block_n == 64  # H100/H200
+    assert default_decode_config(128, torch.bfloat16, smem_bytes=163 * 1024).block_n == 32  # A100
+    assert default_decode_config(16, torch.bfloat16, smem_bytes=163 * 1024).prefetch_ids
+
+
 def test_split_heuristic_fills_gpu():
     from attention.triton_decode import DecodeConfig, choose_num_splits
     cfg = DecodeConfig(programs_per_sm=1)
     assert choose_num_splits(128, 1, 4096, 132, cfg) == 1          # batch alone fills 132 SMs
     s = choose_num_splits(1, 1, 32768, 132, cfg)
     assert 100 <= s <= cfg.max_splits                              # long single sequence: ~1 wave
-    assert choose_num_splits(1, 1, 200, 132, cfg) == 1              # too short to split
+    assert choose_num_splits(1, 1, cfg.min_split_tokens, 132, cfg) == 1  # too short to split
     assert choose_num_splits(4, 2, 4096, 132, cfg) <= 4096 // cfg.min_split_tokens
 
 
