@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.transfer import to_device
+
 
 def local_len(length, dcp_size: int, dcp_rank: int):
     """Tokens of a length-`length` sequence stored on DCP rank `dcp_rank` (works on arrays)."""
@@ -100,7 +102,7 @@ def build_mla_metadata(query_lens: list[int], context_lens: list[int], block_ids
         table[i, : len(b)] = b
 
     slot = _slot_mapping(q, ctx, table, block_size, dcp_size, dcp_rank)
-    to = lambda a, dt=torch.int32: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dt)
+    to = lambda a, dt=torch.int32: to_device(np.ascontiguousarray(a), dt, device)
 
     decode = None
     if num_decodes:

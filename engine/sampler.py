@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.transfer import to_device
 from scheduler.outputs import TokenLogprobs
 
 _NEG_INF = float("-inf")
@@ -73,7 +74,7 @@ class SamplingBatch:
                 f"{len(generators)} generators")
 
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return to_device(values, dtype, device)
 
         temperature = column([p.temperature for p in params], torch.float32)
         all_greedy = all(p.greedy for p in params)
@@ -176,7 +177,7 @@ def _mask_min_tokens(logits: torch.Tensor, masked_ids: list[list[int]] | None) -
     rows = [i for i, ids in enumerate(masked_ids) for _ in ids]
     cols = [t for ids in masked_ids for t in ids]
     logits = logits.clone()
-    logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = _NEG_INF
+    logits[to_device(rows, torch.int64, logits.device), to_device(cols, torch.int64, logits.device)] = _NEG_INF
     return logits
 
 
