@@ -23,11 +23,15 @@ class EngineCore:
         self.max_model_len = args.resolve_max_model_len(cfg)
         self.executor = make_executor(args, cfg, [] if eos_token_id is None else [eos_token_id])
         num_blocks = self.executor.num_blocks
+        self.async_scheduling = args.async_scheduling and hasattr(self.executor, "launch")
+        if args.async_scheduling and not self.async_scheduling:
+            log.warning("--async-scheduling runs on one rank only for now: scheduling synchronously")
+        self._in_flight = None  # (SchedulerOutput, PendingStep) of the step launched last
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
-            dcp_size=args.decode_context_parallel_size))
+            dcp_size=args.decode_context_parallel_size, async_scheduling=self.async_scheduling))
         log.info("KV cache: %d blocks of %d tokens%s: capacity %d tokens",
                  num_blocks, args.block_size,
                  f" x dcp {args.decode_context_parallel_size}" if args.decode_context_parallel_size > 1 else "",
@@ -43,9 +47,31 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        if not self.async_scheduling:
+            so = self.scheduler.schedule()
+            out = self.executor.execute(so)
+            return self.scheduler.update_from_output(so, out)
+        # Async: schedule and launch step N+1, then wait for step N and report it. The host work
+        # of both (scheduling, input preparation, stop checks) overlaps the GPU running step N.
+        if self._in_flight is not None and self.scheduler.needs_sync():
+            return self._drain()  # a request samples with its full history: no token may be in flight
         so = self.scheduler.schedule()
-        out = self.executor.execute(so)
-        return self.scheduler.update_from_output(so, out)
+        launched = self.executor.launch(so)
+        outputs = self._drain()
+        if launched is not None:
+            self._in_flight = (so, launched)
+            if not self.scheduler.has_unfinished_requests():
+                outputs += self._drain()  # every request ended with step N: nothing to wait for
+        return outputs
+
+    def _drain(self) -> list[EngineCoreOutput]:
+        """Wait for the step in flight, if any, and apply its output."""
+        if self._in_flight is None:
+            return []
+        so, pending = self._in_flight
+        self._in_flight = None
+        return self.scheduler.update_from_output(so, self.executor.finish(pending))
 
     def shutdown(self) -> None:
+        self._drain()
         self.executor.shutdown()

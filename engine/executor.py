@@ -23,6 +23,13 @@ class UniProcExecutor:
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.runner.execute(so)
 
+    # Async scheduling: launch a step without waiting, finish it after the next one is launched.
+    def launch(self, so: SchedulerOutput):
+        return self.worker.runner.launch(so)
+
+    def finish(self, pending) -> ModelRunnerOutput:
+        return self.worker.runner.finish(pending)
+
     def shutdown(self) -> None:
         pass
 

@@ -16,6 +16,7 @@ from attention.metadata import MLAMetadata, build_mla_metadata
 from engine import distributed as pd
 from engine.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
 from engine.sampling_params import SamplingParams
+from engine.transfer import to_device
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -66,6 +67,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.graphs = None  # engine.cuda_graph.DecodeGraphs, set by the worker on CUDA
+        self._last: PendingStep | None = None  # the latest launched step, until finished
 
     # ---- the low-level entry the tests drive directly ----
 
@@ -86,8 +88,8 @@ class ModelRunner:
         meta = build_mla_metadata(q, ctx, [block_ids[i] for i in order], self.block_size, self.device,
                                   dcp_size=dcp.size, dcp_rank=dcp.rank,
                                   context_chunk_tokens=self.context_chunk_tokens)
-        return StepBatch(input_ids=torch.from_numpy(ids).to(self.device),
-                         positions=torch.from_numpy(pos).to(self.device), meta=meta,
+        return StepBatch(input_ids=to_device(ids, torch.int64, self.device),
+                         positions=to_device(pos, torch.int64, self.device), meta=meta,
                          order=[req_ids[i] for i in order], query_lens=q, context_lens=ctx)
 
     @torch.inference_mode()
@@ -125,17 +127,41 @@ class ModelRunner:
             st.block_ids.extend(r.new_block_ids)
             st.num_computed_tokens = r.num_computed_tokens
 
-    @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its sampled tokens."""
+        return self.finish(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> PendingStep | None:
+        """Queue one step's GPU work and return without waiting for it (None: nothing to run).
+
+        With async scheduling the previous step may still be in flight: a request whose next input
+        is the token that step samples gets it on the device, from that step's sampled ids.
+        """
         self._update_states(so)
         if so.is_empty:
-            return ModelRunnerOutput([], [], [])
+            return None
         states = [self.requests[rid] for rid in so.num_scheduled_tokens]
-        batch = self.prepare(
-            [s.token_ids[s.num_computed_tokens: s.num_computed_tokens + so.num_scheduled_tokens[s.req_id]]
-             for s in states],
-            [s.num_computed_tokens for s in states], [s.block_ids for s in states],
-            [s.req_id for s in states])
+        chunks, fill = [], []
+        for s in states:
+            n = so.num_scheduled_tokens[s.req_id]
+            toks = s.token_ids[s.num_computed_tokens: s.num_computed_tokens + n]
+            if len(toks) < n:  # its last input was sampled by the step in flight
+                if n - len(toks) != 1 or self._last is None or s.req_id not in self._last.index:
+                    raise RuntimeError(f"{s.req_id}: {n} tokens scheduled from {s.num_computed_tokens}, "
+                                       f"{len(s.token_ids)} known and no step in flight sampled the rest")
+                if s.params.needs_penalties or s.params.min_tokens:
+                    raise RuntimeError(f"{s.req_id}: penalties need the token in flight on the host")
+                toks = toks + [0]
+                fill.append(s.req_id)
+            chunks.append(toks)
+        batch = self.prepare(chunks, [s.num_computed_tokens for s in states], [s.block_ids for s in states],
+                             [s.req_id for s in states])
+        if fill:  # decode rows (1 token each) whose input is the previous step's sample
+            starts = dict(zip(batch.order, np.cumsum([0] + batch.query_lens[:-1]).tolist()))
+            dst = to_device([starts[r] for r in fill], torch.int64, self.device)
+            src = to_device([self._last.index[r] for r in fill], torch.int64, self.device)
+            batch.input_ids[dst] = self._last.token_ids[src]
         hidden = self.forward(batch)
 
         # Rows whose logits are needed: the last row of each request that reaches the end of its
@@ -148,7 +174,7 @@ class ModelRunner:
                 # predictions for prompt tokens ctx+1 .. min(ctx+n, P-1)
                 k = min(ctx + n, st.num_prompt_tokens - 1) - ctx
                 prompt_jobs.append((st, ctx, row, max(k, 0)))
-            if ctx + n == len(st.token_ids):
+            if ctx + n >= len(st.token_ids):  # > when its last input is a placeholder
                 sample_rows.append(row + n - 1)
                 sample_states.append(st)
             row += n
@@ -157,11 +183,12 @@ class ModelRunner:
             lps: list[TokenLogprobs | None] = [None] if ctx == 0 else []
             if k:
                 lg = self.logits(hidden[r0:r0 + k])
-                nxt = torch.tensor(st.token_ids[ctx + 1: ctx + 1 + k], device=lg.device)
+                nxt = to_device(st.token_ids[ctx + 1: ctx + 1 + k], torch.int64, lg.device)
                 lps += compute_prompt_logprobs(lg, nxt, st.params.prompt_logprobs)
             out.prompt_logprobs[st.req_id] = lps
+        pending = PendingStep(out, [s.req_id for s in sample_states])
         if sample_rows:
-            logits = self.logits(hidden[torch.tensor(sample_rows, device=hidden.device)])
+            logits = self.logits(hidden[to_device(sample_rows, torch.int64, hidden.device)])
             params = [s.params for s in sample_states]
             # Token histories only when a penalty or min_tokens reads them: slicing every
             # request's prompt each step would put O(context) list copies on the hot path.
@@ -174,14 +201,51 @@ class ModelRunner:
                                            [s.generator for s in sample_states],
                                            self.eos_token_ids, self.device)
             so_ = self.sampler(logits, sb)
-            ids = so_.token_ids.tolist()  # the one host sync per step
-            for i, (st, tok) in enumerate(zip(sample_states, ids)):
-                st.token_ids.append(tok)
-                lp = None
-                if st.params.logprobs is not None:
-                    lp = so_.logprobs[i]
+            pending.token_ids = so_.token_ids
+            pending.index = {rid: i for i, rid in enumerate(pending.req_ids)}
+            if self.device.type == "cuda":  # start the one copy back now; finish() waits for it
+                pending.host_ids = torch.empty(so_.token_ids.shape, dtype=so_.token_ids.dtype, pin_memory=True)
+                pending.host_ids.copy_(so_.token_ids, non_blocking=True)
+                pending.event = torch.cuda.Event()
+                pending.event.record()
+            else:
+                pending.host_ids = so_.token_ids
+            for st, lp in zip(sample_states, so_.logprobs or [None] * len(sample_states)):
+                if lp is not None and st.params.logprobs is not None:
                     lp = TokenLogprobs(lp.token_id, lp.logprob, lp.rank, lp.top[: st.params.logprobs])
-                out.req_ids.append(st.req_id)
-                out.sampled_token_ids.append(tok)
+                else:
+                    lp = None
                 out.logprobs.append(lp)
+        self._last = pending
+        return pending
+
+    def finish(self, pending: PendingStep | None) -> ModelRunnerOutput:
+        """Wait for a launched step's sampled ids (the one host sync per step) and record them."""
+        if pending is None:
+            return ModelRunnerOutput([], [], [])
+        out = pending.out
+        if pending.token_ids is not None:
+            if pending.event is not None:
+                pending.event.synchronize()
+            ids = pending.host_ids.tolist()
+            for rid, tok in zip(pending.req_ids, ids):
+                st = self.requests.get(rid)
+                if st is not None:  # else finished, aborted or preempted since the launch
+                    st.token_ids.append(tok)
+            out.req_ids.extend(pending.req_ids)
+            out.sampled_token_ids.extend(ids)
+        if self._last is pending:
+            self._last = None
         return out
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its output so far, and its sampled ids on the device and (soon) the host."""
+
+    out: ModelRunnerOutput
+    req_ids: list[str]  # requests that sample, in sampler row order
+    token_ids: torch.Tensor | None = None  # [len(req_ids)] on the device
+    index: dict[str, int] = field(default_factory=dict)  # req_id -> row of token_ids
+    host_ids: torch.Tensor | None = None  # pinned copy, valid once `event` has completed
+    event: object | None = None  # torch.cuda.Event on CUDA

@@ -18,6 +18,9 @@ class SchedulerConfig:
     # Decode context parallel: token i lives on DCP rank i % dcp_size, so one block id holds
     # block_size * dcp_size tokens across the group (the "virtual block", DESIGN.md §7).
     dcp_size: int = 1
+    # Schedule step N+1 while step N runs: a request that samples in step N holds an output
+    # placeholder until N's token arrives (its next input is read on the device).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
@@ -25,6 +28,8 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(
                 f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")

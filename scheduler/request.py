@@ -50,6 +50,8 @@ class Request:
         self._all_token_ids: list[int] = list(self.prompt_token_ids)  # prompt + outputs
         # Tokens whose KV is (or, after schedule(), is being) written: advanced by schedule().
         self.num_computed_tokens = 0
+        # Async scheduling: tokens sampled by steps still in flight, not yet in output_token_ids.
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -1,6 +1,9 @@
 """Token-budget scheduler (DESIGN.md §3): each step decides {req_id: num_tokens}, no phases.
 
-Step protocol, strictly alternating: `schedule()` -> runner -> `update_from_output()`.
+Step protocol: `schedule()` -> runner -> `update_from_output()`, strictly alternating; with
+`async_scheduling`, step N+1 may be scheduled before step N's `update_from_output()` (one step in
+flight): a request whose step-N tokens reach its end holds an output placeholder, and its next
+step computes that (device-side) token.
 `schedule()` advances each scheduled request's `num_computed_tokens` by its n at once (as vLLM V1
 does): from then on the tokens count as "being computed", which is what the next step's
 `CachedRequestData.num_computed_tokens` must say. Blocks are registered in the prefix cache only in
@@ -115,8 +118,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
-            if n <= 0:
+            n = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
+            if n <= 0 or (request.num_output_placeholders and self._ends_with_placeholder(request)):
                 i += 1
                 continue
             while True:
@@ -169,15 +172,34 @@ class Scheduler:
             budget -= n
 
         for req_id, n in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            if (self.config.async_scheduling
+                    and request.num_computed_tokens == request.num_tokens + request.num_output_placeholders):
+                request.num_output_placeholders += 1  # this step samples; the token comes later
         finished, self._finished_req_ids = self._finished_req_ids, set()
         total = sum(num_scheduled.values())
         assert total <= self.config.max_num_batched_tokens and len(num_scheduled) <= self.config.max_num_seqs
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, finished)
 
+    def _ends_with_placeholder(self, request: Request) -> bool:
+        """True if the token a step in flight samples for `request` must end it whatever its value
+        (max_tokens, max_model_len, pool size): then nothing more is scheduled for it."""
+        num_out = request.num_output_tokens + request.num_output_placeholders
+        num_tokens = request.num_tokens + request.num_output_placeholders
+        max_tokens = request.sampling_params.max_tokens
+        return ((max_tokens is not None and num_out >= max_tokens)
+                or num_tokens >= self.config.max_model_len or num_tokens > self.config.capacity_tokens)
+
+    def needs_sync(self) -> bool:
+        """True if a running request reads its own output history when sampling (penalties,
+        min_tokens): async scheduling must then let the step in flight finish first."""
+        return any(r.sampling_params.needs_penalties or r.sampling_params.min_tokens for r in self.running)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self._free(request)
+        request.num_output_placeholders = 0  # a token in flight for it is dropped and recomputed
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -213,7 +235,9 @@ class Scheduler:
                                               runner_output.logprobs):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
-                continue  # aborted or preempted while the step ran
+                continue  # aborted, preempted or finished while the step ran
+            if request.num_output_placeholders:
+                request.num_output_placeholders -= 1
             request.append_output_token(token_id)
             out = EngineCoreOutput(req_id, [token_id], [logprobs])
             if request.num_output_tokens == 1:

@@ -25,6 +25,7 @@ def add_engine_flags(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
@@ -37,7 +38,8 @@ def add_engine_flags(p) -> None:
 def engine_kwargs(a) -> dict:
     kw = dict(model=a.model, load_format=a.load_format, dtype=a.dtype, max_model_len=a.max_model_len,
               max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
-              enforce_eager=a.enforce_eager, attention_backend=a.attention_backend,
+              enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
+              attention_backend=a.attention_backend,
               gpu_memory_utilization=a.gpu_memory_utilization, tensor_parallel_size=a.tensor_parallel_size,
               decode_context_parallel_size=a.decode_context_parallel_size)
     if a.hf_overrides:

@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "at load (experimental: less memory, not yet faster; RESULTS.md)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps")
+    g.add_argument("--async-scheduling", action="store_true",
+                   help="schedule step N+1 while the GPU runs step N (one rank only; experimental)")
     g = p.add_argument_group("scheduler and KV cache")
     g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
                    help="token budget of one engine step; longer prompts are prefilled in chunks")
@@ -123,7 +125,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         device=ns.device, load_format=ns.load_format, num_kv_blocks=ns.num_kv_blocks,
         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
         enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
-        enforce_eager=ns.enforce_eager, attention_backend=ns.attention_backend, fp8_gemm=ns.fp8_gemm,
+        enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend, fp8_gemm=ns.fp8_gemm,
         hf_overrides=overrides, nnodes=ns.nnodes, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port)
     if not 1 <= ns.port <= 65535:

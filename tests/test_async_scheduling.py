@@ -1,0 +1,135 @@
+"""Async scheduling (step N+1 scheduled and launched before step N's tokens are back): the same
+outputs as the synchronous loop under every schedule, and real pipelining."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.sampling_params import SamplingParams as SP
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import ModelRunnerOutput
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler
+
+LENS = (5, 17, 33, 64, 3, 40, 12, 50)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(2, 320, (n,), generator=g).tolist() for n in LENS]
+
+
+def _llm(path, async_scheduling, **kw):
+    return LLM(path, device="cpu", dtype="float32", async_scheduling=async_scheduling,
+               **({"num_kv_blocks": 256} | kw))
+
+
+def _outs(llm, prompts, params):
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+            for o in llm.generate(prompts, params)]
+
+
+SCHEDULES = [{}, {"max_num_batched_tokens": 8}, {"max_num_seqs": 2},
+             {"num_kv_blocks": 22, "block_size": 4}]  # the last one preempts
+
+
+@pytest.mark.parametrize("kw", SCHEDULES, ids=["default", "budget8", "seqs2", "preempting"])
+def test_async_greedy_equals_sync(tiny_v3, prompts, kw):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = _outs(_llm(tiny_v3[0], False, **kw), prompts, params)
+    llm = _llm(tiny_v3[0], True, **kw)
+    assert llm.engine.async_scheduling
+    assert _outs(llm, prompts, params) == ref
+    s = llm.scheduler.stats
+    assert s.num_free_blocks == s.num_total_blocks
+    if "num_kv_blocks" in kw:
+        assert s.num_preemptions > 0
+
+
+def test_async_seeded_sampling_equals_sync_under_preemption(tiny_v3, prompts):
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=12, ignore_eos=True)
+              for i in range(len(prompts))]
+    kw = {"num_kv_blocks": 22, "block_size": 4}
+    ref = _outs(_llm(tiny_v3[0], False, **kw), prompts, params)
+    llm = _llm(tiny_v3[0], True, **kw)
+    assert _outs(llm, prompts, params) == ref
+    assert llm.scheduler.stats.num_preemptions > 0
+
+
+def test_async_stops_exactly_where_sync_does(tiny_v3, prompts):
+    """max_tokens of 1 and 2 (the token in flight ends it), stop tokens met mid-stream, and
+    max_model_len: the extra step already launched must add nothing."""
+    base = _outs(_llm(tiny_v3[0], False), prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    params = []
+    for i, (toks, _, _) in enumerate(base):
+        if i % 3 == 0:
+            params.append(SamplingParams(temperature=0, max_tokens=1 + i % 2, ignore_eos=True))
+        else:  # stop on the token sampled at step 3 + i % 4
+            params.append(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                         stop_token_ids=[toks[3 + i % 4]]))
+    for kw in ({}, {"max_model_len": 70}):
+        ref = _outs(_llm(tiny_v3[0], False, **kw), prompts, params)
+        got = _outs(_llm(tiny_v3[0], True, **kw), prompts, params)
+        assert got == ref
+        assert {r[1] for r in ref} == {"length", "stop"}
+
+
+def test_async_penalties_min_tokens_and_logprobs_equal_sync(tiny_v3, prompts):
+    """Penalties and min_tokens read the output history: the engine waits for the step in flight
+    first. Logprobs come back with their step."""
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=3),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, presence_penalty=1.5,
+                             frequency_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=10, min_tokens=6, stop_token_ids=[7, 9, 11]),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, repetition_penalty=1.3)] * 2
+
+    def run(flag):
+        outs = _llm(tiny_v3[0], flag).generate(prompts, params)
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                 [(lp.token_id, round(lp.logprob, 5), lp.rank, [t for t, _ in lp.top])
+                  for lp in (o.outputs[0].logprobs or [])]) for o in outs]
+
+    assert run(True) == run(False)
+
+
+def test_async_step_keeps_one_step_in_flight(tiny_v3, prompts):
+    """The first step launches and reports nothing; later steps report the step before."""
+    llm = _llm(tiny_v3[0], True)
+    core = llm.engine
+    for i, p in enumerate(prompts[:3]):
+        core.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert core.step() == [] and core._in_flight is not None
+    seen = {}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            seen.setdefault(o.req_id, []).extend(o.new_token_ids)
+    assert core._in_flight is None  # drained once every request had ended
+    assert sorted(len(v) for v in seen.values()) == [4, 4, 4]
+
+
+def test_scheduler_output_placeholders():
+    """A request that samples holds a placeholder until its token arrives; a token in flight that
+    must end the request (max_tokens) stops further scheduling; preemption drops placeholders."""
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, num_blocks=16, block_size=4,
+                                  async_scheduling=True))
+    s.add_request(Request("a", [1, 2, 3, 4, 5], SP(temperature=0, max_tokens=2, ignore_eos=True), None))
+    so1 = s.schedule()
+    a = s.requests["a"]
+    assert so1.num_scheduled_tokens == {"a": 5} and a.num_output_placeholders == 1
+    so2 = s.schedule()  # before step 1's token is back: decode the placeholder
+    assert so2.num_scheduled_tokens == {"a": 1} and a.num_output_placeholders == 2
+    assert s.schedule().is_empty  # max_tokens 2 is reached by the two tokens in flight
+    s.update_from_output(so1, ModelRunnerOutput(["a"], [42], [None]))
+    assert a.output_token_ids == [42] and a.num_output_placeholders == 1
+    out = s.update_from_output(so2, ModelRunnerOutput(["a"], [43], [None]))
+    assert out[0].finish_reason == "length" and "a" not in s.requests
+    assert s.block_manager.num_free_blocks == 16
+
+    s.add_request(Request("b", [1, 2, 3], SP(temperature=0, max_tokens=9, ignore_eos=True), None))
+    s.schedule()
+    b = s.requests["b"]
+    s._preempt(b)
+    assert b.num_output_placeholders == 0 and b.num_computed_tokens == 0
