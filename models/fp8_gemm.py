@@ -1,6 +1,7 @@
 """W8A8 block-FP8 GEMM (Triton), DeepSeek-V3's inference scheme.
 
-Activations are quantized per token in groups of 128 along K (in torch, see act_quant) (`x = xq * sx[m, k // 128]`), weights
+Activations are quantized per token in groups of 128 along K (`x = xq * sx[m, k // 128]`; one
+Triton kernel on CUDA, see act_quant), weights
 per 128 x 128 block (`W = Wq * sw[n // 128, k // 128]`), so
 
     y[m, n] = sum_kb  sx[m, kb] * sw[n // 128, kb] * sum_{k in kb} xq[m, k] * Wq[n, k]
@@ -8,11 +9,14 @@ per 128 x 128 block (`W = Wq * sw[n // 128, k // 128]`), so
 with an fp8 tensor-core product per K block and the two scales applied to its fp32 partial sum.
 Status: checked against dequantize-then-matmul under TRITON_INTERPRET=1 and on an H200
 (tests/test_fp8_gemm.py, 2026-11-30); timed there at 0.55-1.66x of bf16 cuBLAS, 0.8x at M = 4096,
-and slower end to end because act_quant runs as torch ops (RESULTS.md), so the engine uses it
-only with `--fp8-gemm`.
+with one fixed 64 x 64 tile and act_quant in torch ops (RESULTS.md). Since then: autotuned tiles
+per M range with grouped program order, and act_quant as one Triton kernel (not yet timed). The
+engine uses it only with `--fp8-gemm`.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -26,10 +30,17 @@ GROUP = 128
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[M, K]` -> (fp8 `[M, K]`, fp32 scales `[M, ceil(K/128)]`), each group's amax at 448.
 
-    Plain torch (three fused-able elementwise kernels, no host sync): Triton's interpreter
-    rounds fp32 -> e4m3 wrongly at exponent boundaries (126.5 -> 64), which would make the CPU
-    tests check the wrong thing.
+    On CUDA one Triton kernel (one read of x, one write of q); elsewhere torch ops. The CPU tests
+    cannot check the Triton version: the interpreter rounds fp32 -> e4m3 wrongly at exponent
+    boundaries (126.5 -> 64). The GPU test compares it with the torch version bit for bit.
     """
+    if x.is_cuda and not _interpreting():
+        return _act_quant_triton(x)
+    return act_quant_torch(x)
+
+
+def act_quant_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """act_quant in plain torch ops (no host sync); the reference for the Triton kernel."""
     M, K = x.shape
     ng = -(-K // GROUP)
     xp = x.float()
@@ -42,10 +53,47 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _w8a8_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, NKB,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, NG, FMAX: tl.constexpr, GROUP_SIZE: tl.constexpr,
+                      GROUPS: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    g0 = tl.program_id(1) * GROUPS
+    offs_g = g0 + tl.arange(0, GROUPS)
+    offs = offs_g[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # [GROUPS, GROUP]
+    m = offs < K
+    x = tl.load(x_ptr + row * K + offs, mask=m, other=0.0).to(tl.float32)
+    # IEEE division, as torch does: the fp8 rounding must see the same fp32 values.
+    s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FMAX)  # [GROUPS]
+    q = tl.div_rn(x, s[:, None])
+    tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=m)
+    tl.store(s_ptr + row * NG + offs_g, s, mask=offs_g < NG)
+
+
+def _act_quant_triton(x: torch.Tensor, groups: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    M, K = x.shape
+    ng = triton.cdiv(K, GROUP)
+    x = x.contiguous()
+    q = torch.empty(M, K, dtype=FP8, device=x.device)
+    s = torch.empty(M, ng, dtype=torch.float32, device=x.device)
+    _act_quant_kernel[(M, triton.cdiv(ng, groups))](x, q, s, K, ng, FMAX=FP8_MAX, GROUP_SIZE=GROUP,
+                                                     GROUPS=groups, num_warps=4)
+    return q, s
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _w8a8_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, NKB, M_BUCKET,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+    # Grouped program order: GROUP_M row tiles share each column tile's weights while in L2.
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mm, mn = offs_m < M, offs_n < N
@@ -54,8 +102,10 @@ def _w8a8_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, NKB,
     for kb in range(0, NKB):
         offs_k = kb * BK + tl.arange(0, BK)
         mk = offs_k < K
-        a = tl.load(a_ptr + offs_m[:, None] * K + offs_k[None, :], mask=mm[:, None] & mk[None, :], other=0.0)
-        b = tl.load(b_ptr + offs_n[None, :] * K + offs_k[:, None], mask=mn[None, :] & mk[:, None], other=0.0)
+        a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mm[:, None] & mk[None, :],
+                    other=0.0)
+        b = tl.load(b_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None], mask=mn[None, :] & mk[:, None],
+                    other=0.0)
         sa = tl.load(sa_ptr + offs_m * NKB + kb, mask=mm, other=0.0)  # [BM]
         sb = tl.load(sb_ptr + nblk * NKB + kb)  # scalar
         acc += tl.dot(a, b) * (sa[:, None] * sb)
@@ -63,18 +113,41 @@ def _w8a8_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, NKB,
              mask=mm[:, None] & mn[None, :])
 
 
+def _cfgs(tiles):
+    return [triton.Config({"BM": bm, "BN": bn, "GROUP_M": 8}, num_warps=w, num_stages=st)
+            for bm, bn, w, st in tiles]
+
+
+# Candidate tiles per M range (BN must divide the 128-wide weight-scale block). The first of each
+# list is the untuned tile of the 2026-11-30 GPU measurement; bench_fp8_gemm.py prints the choice.
+_TILES = {
+    "small": [(16, 64, 4, 3), (16, 128, 4, 4), (16, 64, 4, 5), (32, 128, 4, 4)],
+    "medium": [(64, 64, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (64, 128, 8, 3)],
+    "large": [(64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4), (64, 128, 4, 4),
+              (128, 128, 4, 3)],
+}
+_TUNED = {name: triton.autotune(configs=_cfgs(tiles), key=["M_BUCKET", "N", "K"])(_w8a8_kernel)
+          for name, tiles in _TILES.items()}
+
+
 def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
-                    out_dtype: torch.dtype = torch.bfloat16, block_n: int = 64) -> torch.Tensor:
-    """y `[M, N]` from fp8 xq `[M, K]` + sx `[M, K/128]` and fp8 wq `[N, K]` + sw `[N/128, K/128]`."""
+                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """y `[M, N]` from fp8 xq `[M, K]` + sx `[M, K/128]` and fp8 wq `[N, K]` + sw `[N/128, K/128]`.
+
+    Tiles autotuned on CUDA per (M bucket, N, K) on first use; fixed under the interpreter.
+    """
     M, K = xq.shape
     N = wq.shape[0]
-    if GROUP % block_n:
-        raise ValueError(f"block_n {block_n} must divide the 128-wide weight-scale block")
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
-    bm = 16 if M <= 16 else 64
-    grid = (triton.cdiv(M, bm), triton.cdiv(N, block_n))
-    _w8a8_kernel[grid](xq, sx, wq.contiguous(), sw.contiguous(), y, M, N, K, triton.cdiv(K, GROUP),
-                       BM=bm, BN=block_n, BK=GROUP)
+    args = (xq, sx, wq.contiguous(), sw.contiguous(), y, M, N, K, triton.cdiv(K, GROUP),
+            min(triton.next_power_of_2(M), 8192))
+    if _interpreting():
+        bm, bn = (16 if M <= 16 else 64), 64
+        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+        _w8a8_kernel[grid](*args, BM=bm, BN=bn, BK=GROUP, GROUP_M=2)
+        return y
+    kern = _TUNED["small" if M <= 16 else "medium" if M <= 256 else "large"]
+    kern[lambda c: (triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]),)](*args, BK=GROUP)
     return y
 
 
@@ -83,3 +156,8 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Ten
     shape = x.shape
     xq, sx = act_quant(x.reshape(-1, shape[-1]))
     return w8a8_block_gemm(xq, sx, wq, sw, x.dtype).view(*shape[:-1], wq.shape[0])
+
+
+def tuned_configs() -> dict[str, dict[str, str]]:
+    """What autotuning picked so far, per M range and key (for benchmark logs)."""
+    return {name: {str(key): str(cfg) for key, cfg in kern.cache.items()} for name, kern in _TUNED.items()}
