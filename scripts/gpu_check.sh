@@ -6,6 +6,7 @@
 #   moe         fused small-batch MoE vs grouped GEMM at V2-Lite shapes (bench_fused_moe.py)
 #   mla         Triton MLA kernels: real-shape checks, decode grid, prefill (bench_mla_decode.py)
 #   latency     V2-Lite dummy bf16 TPOT at batch 1/8/32/128 (bench_latency.py)
+#   latency_async  the same with --async-scheduling
 #   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
@@ -27,6 +28,8 @@ for spec in $steps; do
     mla) timeout "$T" python3 scripts/bench_mla_decode.py --check --sweep --budget-s $((T - 40)) \
            --out "$OUT/bench_mla_decode.json" > "$log" 2>&1 ;;
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
+    latency_async) timeout "$T" python3 scripts/bench_latency.py --async-scheduling ${LATENCY_ARGS:-} \
+          --json "$OUT/latency_async.json" > "$log" 2>&1 ;;
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
     fp8) timeout "$T" python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" > "$log" 2>&1 ;;
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
