@@ -27,6 +27,7 @@ class EngineCore:
         if args.async_scheduling and not self.async_scheduling:
             log.warning("--async-scheduling runs on one rank only for now: scheduling synchronously")
         self._in_flight = None  # (SchedulerOutput, PendingStep) of the step launched last
+        self._early: list[EngineCoreOutput] = []  # drained outside step(), reported by the next one
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
@@ -38,15 +39,25 @@ class EngineCore:
                  self.scheduler.config.capacity_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if self._in_flight is not None and request_id in self._in_flight[0].num_scheduled_tokens:
+            # The id of a request that has ended but still has a step in flight: results are
+            # matched by id, so that step must land before the new request can exist.
+            self._early += self._drain()
         self.scheduler.add_request(Request(request_id, prompt_token_ids, params, self.eos_token_id))
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
-        return self.scheduler.abort_requests(request_ids)
+        outputs = self.scheduler.abort_requests(request_ids)
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            outputs += self._drain()  # idle from now on: nothing should stay in flight
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        if self._early:
+            early, self._early = self._early, []
+            return early + self.step()
         if not self.async_scheduling:
             so = self.scheduler.schedule()
             out = self.executor.execute(so)
@@ -73,5 +84,5 @@ class EngineCore:
         return self.scheduler.update_from_output(so, self.executor.finish(pending))
 
     def shutdown(self) -> None:
-        self._drain()
+        self._in_flight = None  # its results no longer matter (and the engine thread may still run)
         self.executor.shutdown()

@@ -227,7 +227,9 @@ class Scheduler:
 
         for req_id, chunk in runner_output.prompt_logprobs.items():
             request = self.requests.get(req_id)
-            if request is not None and request.wants_prompt_logprobs:
+            # Not RUNNING: preempted after this step was launched (async scheduling); its prompt
+            # is computed again from the start, and so are its prompt logprobs.
+            if request is not None and request.status == RequestStatus.RUNNING and request.wants_prompt_logprobs:
                 request.prompt_logprobs.extend(chunk)
 
         outputs = []

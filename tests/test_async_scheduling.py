@@ -133,3 +133,46 @@ def test_scheduler_output_placeholders():
     b = s.requests["b"]
     s._preempt(b)
     assert b.num_output_placeholders == 0 and b.num_computed_tokens == 0
+
+
+def test_async_prompt_logprobs_survive_preemption(tiny_v3, prompts):
+    """A request preempted while its prefill chunk is in flight reports its prompt logprobs once,
+    from the start (the chunk in flight must not be kept)."""
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                             prompt_logprobs=1 if i % 2 else None) for i in range(len(prompts))]
+    kw = dict(num_kv_blocks=22, block_size=4, max_num_batched_tokens=8)
+
+    def run(flag):
+        llm = _llm(tiny_v3[0], flag, **kw)
+        outs = llm.generate(prompts, params)
+        assert llm.scheduler.stats.num_preemptions > 0
+        return [None if o.prompt_logprobs is None else
+                [None if lp is None else (lp.token_id, round(lp.logprob, 3)) for lp in o.prompt_logprobs]
+                for o in outs]
+
+    got, ref = run(True), run(False)
+    assert [None if g is None else len(g) for g in got] == [None if i % 2 == 0 else n for i, n in enumerate(LENS)]
+    assert got == ref
+
+
+def test_async_request_id_reused_while_its_last_step_is_in_flight(tiny_v3):
+    """A request ends (stop token) with one more step already launched; a new request under the
+    same id must not receive that step's token."""
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = _llm(tiny_v3[0], False).generate([[100, 101, 102]], greedy)[0].outputs[0].token_ids
+    probe = _llm(tiny_v3[0], False).generate([[7, 8, 9]], SamplingParams(temperature=0, max_tokens=4,
+                                                                          ignore_eos=True))
+    stop_tok = probe[0].outputs[0].token_ids[1]
+    core = _llm(tiny_v3[0], True).engine
+    core.add_request("y", list(range(20, 40)), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    core.add_request("x", [7, 8, 9], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                    stop_token_ids=[stop_tok]))
+    got, reused = {}, False
+    while core.has_unfinished_requests():
+        for o in core.step():
+            got.setdefault(o.req_id, []).extend(o.new_token_ids)
+            if o.req_id == "x" and o.finished and not reused:
+                assert o.finish_reason == "stop"
+                core.add_request("x", [100, 101, 102], greedy)
+                reused, got["x"] = True, []
+    assert reused and got["x"] == alone
