@@ -51,6 +51,25 @@ def test_tp_and_dcp_equal_one_rank(tiny_v3, workload, budget):
             assert s.num_preemptions > 0
 
 
+@pytest.fixture(scope="module")
+def tiny_v3_8heads(tmp_path_factory):
+    from tiny_models import make_model
+    path = tmp_path_factory.mktemp("tiny_v3_8heads")
+    make_model(path, "v3", num_attention_heads=8)
+    return str(path)
+
+
+def test_four_ranks_equal_one_rank(tiny_v3_8heads, workload):
+    """Issue 10 on the CPU (gloo, 4 processes): -tp 4, -tp 4 -dcp 2, -tp 4 -dcp 4 equal one rank
+    with every prompt chunked by 16 tokens. Eight ranks: scripts/cpu_parallel_check.py."""
+    ref, _, cap1 = outputs(tiny_v3_8heads, workload, 1, 1, max_num_batched_tokens=16, num_kv_blocks=256)
+    for tp, dcp in [(4, 1), (4, 2), (4, 4)]:
+        got, s, cap = outputs(tiny_v3_8heads, workload, tp, dcp, max_num_batched_tokens=16,
+                              num_kv_blocks=256 // dcp)
+        assert got == ref, (tp, dcp)
+        assert cap == cap1 and s.prefix_cache_hits > 0
+
+
 def test_dcp_multiplies_kv_capacity(tiny_v3):
     caps = {}
     for tp, dcp in [(2, 1), (2, 2)]:
