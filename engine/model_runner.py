@@ -14,7 +14,7 @@ import torch
 
 from attention.metadata import MLAMetadata, build_mla_metadata
 from engine import distributed as pd
-from engine.sampler import Sampler, SamplingBatch, compute_prompt_logprobs, make_generator
+from engine.sampler import DeviceLogprobs, Sampler, SamplingBatch, make_generator, prompt_logprobs_on_device
 from engine.sampling_params import SamplingParams
 from engine.transfer import to_device
 from models.config import ModelConfig
@@ -178,15 +178,14 @@ class ModelRunner:
                 sample_rows.append(row + n - 1)
                 sample_states.append(st)
             row += n
-        out = ModelRunnerOutput([], [], [])
+        pending = PendingStep(ModelRunnerOutput([], [], []), [s.req_id for s in sample_states])
         for st, ctx, r0, k in prompt_jobs:
-            lps: list[TokenLogprobs | None] = [None] if ctx == 0 else []
+            lps = []
             if k:
                 lg = self.logits(hidden[r0:r0 + k])
                 nxt = to_device(st.token_ids[ctx + 1: ctx + 1 + k], torch.int64, lg.device)
-                lps += compute_prompt_logprobs(lg, nxt, st.params.prompt_logprobs)
-            out.prompt_logprobs[st.req_id] = lps
-        pending = PendingStep(out, [s.req_id for s in sample_states])
+                lps = prompt_logprobs_on_device(lg, nxt, st.params.prompt_logprobs)
+            pending.prompt_jobs.append((st.req_id, ctx == 0, lps))
         if sample_rows:
             logits = self.logits(hidden[to_device(sample_rows, torch.int64, hidden.device)])
             params = [s.params for s in sample_states]
@@ -203,30 +202,37 @@ class ModelRunner:
             so_ = self.sampler(logits, sb)
             pending.token_ids = so_.token_ids
             pending.index = {rid: i for i, rid in enumerate(pending.req_ids)}
-            if self.device.type == "cuda":  # start the one copy back now; finish() waits for it
-                pending.host_ids = torch.empty(so_.token_ids.shape, dtype=so_.token_ids.dtype, pin_memory=True)
-                pending.host_ids.copy_(so_.token_ids, non_blocking=True)
-                pending.event = torch.cuda.Event()
-                pending.event.record()
+            pending.logprobs = so_.logprobs
+            pending.num_logprobs = [s.params.logprobs for s in sample_states]
+        # Start every copy back now; finish() waits for this step's event, not for the stream.
+        for _, _, lps in pending.prompt_jobs:
+            if lps:
+                lps.copy_to_host()
+        if pending.logprobs is not None:
+            pending.logprobs.copy_to_host()
+        if pending.token_ids is not None:
+            if self.device.type == "cuda":
+                pending.host_ids = torch.empty(pending.token_ids.shape, dtype=pending.token_ids.dtype,
+                                               pin_memory=True)
+                pending.host_ids.copy_(pending.token_ids, non_blocking=True)
             else:
-                pending.host_ids = so_.token_ids
-            for st, lp in zip(sample_states, so_.logprobs or [None] * len(sample_states)):
-                if lp is not None and st.params.logprobs is not None:
-                    lp = TokenLogprobs(lp.token_id, lp.logprob, lp.rank, lp.top[: st.params.logprobs])
-                else:
-                    lp = None
-                out.logprobs.append(lp)
+                pending.host_ids = pending.token_ids
+        if self.device.type == "cuda":
+            pending.event = torch.cuda.Event()
+            pending.event.record()
         self._last = pending
         return pending
 
     def finish(self, pending: PendingStep | None) -> ModelRunnerOutput:
-        """Wait for a launched step's sampled ids (the one host sync per step) and record them."""
+        """Wait for a launched step's results (the one host sync per step) and record them."""
         if pending is None:
             return ModelRunnerOutput([], [], [])
+        if pending.event is not None:
+            pending.event.synchronize()
         out = pending.out
+        for rid, first, lps in pending.prompt_jobs:
+            out.prompt_logprobs[rid] = ([None] if first else []) + list(lps)
         if pending.token_ids is not None:
-            if pending.event is not None:
-                pending.event.synchronize()
             ids = pending.host_ids.tolist()
             for rid, tok in zip(pending.req_ids, ids):
                 st = self.requests.get(rid)
@@ -234,6 +240,12 @@ class ModelRunner:
                     st.token_ids.append(tok)
             out.req_ids.extend(pending.req_ids)
             out.sampled_token_ids.extend(ids)
+            for i, n in enumerate(pending.num_logprobs):
+                lp = None
+                if n is not None and pending.logprobs is not None:
+                    lp = pending.logprobs[i]
+                    lp = TokenLogprobs(lp.token_id, lp.logprob, lp.rank, lp.top[:n])
+                out.logprobs.append(lp)
         if self._last is pending:
             self._last = None
         return out
@@ -248,4 +260,7 @@ class PendingStep:
     token_ids: torch.Tensor | None = None  # [len(req_ids)] on the device
     index: dict[str, int] = field(default_factory=dict)  # req_id -> row of token_ids
     host_ids: torch.Tensor | None = None  # pinned copy, valid once `event` has completed
-    event: object | None = None  # torch.cuda.Event on CUDA
+    logprobs: DeviceLogprobs | None = None  # of the sampled rows, when any row wants them
+    num_logprobs: list[int | None] = field(default_factory=list)  # per sampled row: its top-N
+    prompt_jobs: list = field(default_factory=list)  # (req_id, starts the prompt, DeviceLogprobs)
+    event: object | None = None  # torch.cuda.Event on CUDA: everything above has landed
