@@ -30,7 +30,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False
-    async_scheduling: bool = False  # schedule step N+1 while step N runs (one rank only, for now)
+    async_scheduling: bool = False  # schedule and launch step N+1 while step N runs
     attention_backend: str = "auto"  # auto | torch | triton
     fp8_gemm: bool = False  # FP8 checkpoints: W8A8 block GEMM instead of dequantized weights
     hf_overrides: dict = field(default_factory=dict)

@@ -23,9 +23,7 @@ class EngineCore:
         self.max_model_len = args.resolve_max_model_len(cfg)
         self.executor = make_executor(args, cfg, [] if eos_token_id is None else [eos_token_id])
         num_blocks = self.executor.num_blocks
-        self.async_scheduling = args.async_scheduling and hasattr(self.executor, "launch")
-        if args.async_scheduling and not self.async_scheduling:
-            log.warning("--async-scheduling runs on one rank only for now: scheduling synchronously")
+        self.async_scheduling = args.async_scheduling
         self._in_flight = None  # (SchedulerOutput, PendingStep) of the step launched last
         self._early: list[EngineCoreOutput] = []  # drained outside step(), reported by the next one
         self.scheduler = Scheduler(SchedulerConfig(

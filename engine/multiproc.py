@@ -14,6 +14,7 @@ Multi-node: ranks are split evenly over `nnodes`; node 0 runs the engine and ran
 
 from __future__ import annotations
 
+import collections
 import logging
 import multiprocessing as mp
 import os
@@ -65,6 +66,7 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
         worker.init_kv_cache(int(n), eos_token_ids, args.resolve_max_model_len(cfg))
         conn.send(("ready", int(n)))
         box = [None]
+        launched = collections.deque()  # async scheduling: steps launched, not yet finished
         while True:
             if args.nnodes == 1 or rank == 0:  # across nodes only rank 0 has the engine's pipe
                 box[0] = pickle.loads(conn.recv_bytes())
@@ -72,7 +74,13 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
                 dist.broadcast_object_list(box, src=0, group=pd.cpu_group())
             if box[0] is None:
                 break
-            out = worker.runner.execute(box[0])
+            op, so = box[0]
+            if op == "launch":
+                pending = worker.runner.launch(so)
+                if pending is not None:
+                    launched.append(pending)
+                continue
+            out = worker.runner.execute(so) if op == "run" else worker.runner.finish(launched.popleft())
             if rank == 0:
                 conn.send(("out", out))
     except (EOFError, KeyboardInterrupt):
@@ -132,9 +140,12 @@ class _LocalRanks:
         assert tag == kind, (tag, kind)
         return payload
 
-    def send_step(self, so: SchedulerOutput | None, multi_node: bool) -> None:
-        """The step (None: stop) to every local rank, or to rank 0 alone across nodes."""
-        data = pickle.dumps(so, protocol=pickle.HIGHEST_PROTOCOL)
+    def send_step(self, msg: tuple[str, SchedulerOutput | None] | None, multi_node: bool) -> None:
+        """(op, step) to every local rank, or to rank 0 alone across nodes; None stops them.
+
+        op: "run" (execute and report), "launch" (queue the step's GPU work, report nothing) or
+        "finish" (wait for the oldest launched step and report it)."""
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns[:1] if multi_node else self.conns:
             conn.send_bytes(data)
 
@@ -162,12 +173,26 @@ class MultiProcExecutor:
                  args.tensor_parallel_size, args.nnodes, args.decode_context_parallel_size)
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._send(("run", so))
+        return self.ranks.recv(0, "out")
+
+    # Async scheduling: every rank launches step N+1 before it is asked to finish step N.
+    def launch(self, so: SchedulerOutput) -> bool | None:
+        self._send(("launch", so))
+        return None if so.is_empty else True  # the ranks keep the step; None: nothing launched
+
+    def finish(self, pending) -> ModelRunnerOutput:
+        if pending is None:
+            return ModelRunnerOutput([], [], [])
+        self._send(("finish", None))
+        return self.ranks.recv(0, "out")
+
+    def _send(self, msg) -> None:
         try:
-            self.ranks.send_step(so, self.ranks.multi_node)
+            self.ranks.send_step(msg, self.ranks.multi_node)
         except OSError:  # a closed pipe: some worker is gone
             self.ranks.check_alive()
             raise
-        return self.ranks.recv(0, "out")
 
     def shutdown(self) -> None:
         self.ranks.shutdown()

@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps")
     g.add_argument("--async-scheduling", action="store_true",
-                   help="schedule step N+1 while the GPU runs step N (one rank only; experimental)")
+                   help="schedule and launch step N+1 while the GPU runs step N (experimental)")
     g = p.add_argument_group("scheduler and KV cache")
     g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
                    help="token budget of one engine step; longer prompts are prefilled in chunks")

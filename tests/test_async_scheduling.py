@@ -176,3 +176,27 @@ def test_async_request_id_reused_while_its_last_step_is_in_flight(tiny_v3):
                 core.add_request("x", [100, 101, 102], greedy)
                 reused, got["x"] = True, []
     assert reused and got["x"] == alone
+
+
+@pytest.mark.parametrize("tp,dcp", [(2, 1), (2, 2)])
+def test_async_tp_and_dcp_equal_sync(tiny_v3, prompts, tp, dcp):
+    """Worker processes (gloo) launch step N+1 before they are asked to finish step N; chunked
+    prefills, a pool small enough to preempt, stop tokens and logprobs."""
+    base = _outs(_llm(tiny_v3[0], False), prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    params = [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2 if i % 2 else None,
+                             stop_token_ids=[base[i][0][4]] if i % 3 == 0 else None)
+              for i in range(len(prompts))]
+    kw = dict(tensor_parallel_size=tp, decode_context_parallel_size=dcp, max_num_batched_tokens=16,
+              block_size=4, num_kv_blocks=28 // dcp)
+
+    def run(flag):
+        llm = _llm(tiny_v3[0], flag, **kw)
+        try:
+            outs = llm.generate(prompts, params)
+            assert llm.scheduler.stats.num_preemptions > 0
+            return [(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                     [(lp.token_id, round(lp.logprob, 4)) for lp in (o.outputs[0].logprobs or [])]) for o in outs]
+        finally:
+            llm.engine.shutdown()
+
+    assert run(True) == run(False)
