@@ -21,13 +21,13 @@ def model(tmp_path_factory):
     return str(path)
 
 
-def _outputs(path, tp, dcp):
+def _outputs(path, tp, dcp, **kw):
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(2, 320, (21,), generator=g).tolist()
     prompts = [torch.randint(2, 320, (n,), generator=g).tolist() for n in (5, 17, 33, 64)]
     prompts += [shared + torch.randint(2, 320, (n,), generator=g).tolist() for n in (2, 9, 14, 30)]
     llm = LLM(path, device="cuda", dtype="float32", block_size=16, num_kv_blocks=64 // dcp,
-              max_num_batched_tokens=16, tensor_parallel_size=tp, decode_context_parallel_size=dcp)
+              max_num_batched_tokens=16, tensor_parallel_size=tp, decode_context_parallel_size=dcp, **kw)
     try:
         return [o.outputs[0].token_ids for o in llm.generate(prompts[:4], GREEDY) + llm.generate(prompts[4:], GREEDY)]
     finally:
@@ -37,3 +37,9 @@ def _outputs(path, tp, dcp):
 @pytest.mark.parametrize("layout", [(2, 1), (2, 2)])
 def test_nccl_layouts_equal_one_gpu(model, layout):
     assert _outputs(model, *layout) == _outputs(model, 1, 1)
+
+
+def test_nccl_async_scheduling_equals_one_gpu(model):
+    """-tp 2 -dcp 2 with async scheduling (each rank launches step N+1 before finishing N)."""
+    assert _outputs(model, 2, 2, async_scheduling=True) == _outputs(model, 1, 1)
+
