@@ -16,8 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.args import DEFAULT_MODEL  # noqa: E402
 
-QUESTION = ("Question: Mia has 7 apples. Leo has 3 pens. Ann has 12 cups. "
-            "How many are Mia's apples plus Ann's cups?\nAnswer:")
+QUESTION = ("Question: Mia has 7 apples. Leo has 3 pens. Amy has 12 cups. "
+            "How many are Mia's apples plus Amy's cups?\nAnswer:")
 
 
 def main() -> None:
