@@ -142,15 +142,17 @@ class ModelRunner:
         if so.is_empty:
             return None
         states = [self.requests[rid] for rid in so.num_scheduled_tokens]
-        chunks, fill = [], []
+        chunks, fill, index = [], [], None
         for s in states:
             n = so.num_scheduled_tokens[s.req_id]
             toks = s.token_ids[s.num_computed_tokens: s.num_computed_tokens + n]
             if len(toks) < n:  # its last input was sampled by the step in flight
-                if n - len(toks) != 1 or self._last is None or s.req_id not in self._last.index:
+                if index is None:  # sampler row of each request in that step
+                    index = {} if self._last is None else {rid: i for i, rid in enumerate(self._last.req_ids)}
+                if n - len(toks) != 1 or s.req_id not in index:
                     raise RuntimeError(f"{s.req_id}: {n} tokens scheduled from {s.num_computed_tokens}, "
                                        f"{len(s.token_ids)} known and no step in flight sampled the rest")
-                if s.params.needs_penalties or s.params.min_tokens:
+                if s.params.reads_history:
                     raise RuntimeError(f"{s.req_id}: penalties need the token in flight on the host")
                 toks = toks + [0]
                 fill.append(s.req_id)
@@ -160,7 +162,7 @@ class ModelRunner:
         if fill:  # decode rows (1 token each) whose input is the previous step's sample
             starts = dict(zip(batch.order, np.cumsum([0] + batch.query_lens[:-1]).tolist()))
             dst = to_device([starts[r] for r in fill], torch.int64, self.device)
-            src = to_device([self._last.index[r] for r in fill], torch.int64, self.device)
+            src = to_device([index[r] for r in fill], torch.int64, self.device)
             batch.input_ids[dst] = self._last.token_ids[src]
         hidden = self.forward(batch)
 
@@ -191,7 +193,7 @@ class ModelRunner:
             params = [s.params for s in sample_states]
             # Token histories only when a penalty or min_tokens reads them: slicing every
             # request's prompt each step would put O(context) list copies on the hot path.
-            if any(p.needs_penalties or p.min_tokens for p in params):
+            if any(p.reads_history for p in params):
                 prompts = [s.prompt_token_ids for s in sample_states]
                 outputs = [s.output_token_ids for s in sample_states]
             else:
@@ -201,7 +203,6 @@ class ModelRunner:
                                            self.eos_token_ids, self.device)
             so_ = self.sampler(logits, sb)
             pending.token_ids = so_.token_ids
-            pending.index = {rid: i for i, rid in enumerate(pending.req_ids)}
             pending.logprobs = so_.logprobs
             pending.num_logprobs = [s.params.logprobs for s in sample_states]
         # Start every copy back now; finish() waits for this step's event, not for the stream.
@@ -258,7 +259,6 @@ class PendingStep:
     out: ModelRunnerOutput
     req_ids: list[str]  # requests that sample, in sampler row order
     token_ids: torch.Tensor | None = None  # [len(req_ids)] on the device
-    index: dict[str, int] = field(default_factory=dict)  # req_id -> row of token_ids
     host_ids: torch.Tensor | None = None  # pinned copy, valid once `event` has completed
     logprobs: DeviceLogprobs | None = None  # of the sampled rows, when any row wants them
     num_logprobs: list[int | None] = field(default_factory=list)  # per sampled row: its top-N

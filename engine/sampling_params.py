@@ -84,3 +84,8 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def reads_history(self) -> bool:
+        """Sampling reads the request's own tokens (penalties, min_tokens)."""
+        return self.needs_penalties or self.min_tokens > 0

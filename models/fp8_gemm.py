@@ -16,13 +16,12 @@ engine uses it only with `--fp8-gemm`.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from models.fp8 import FP8, FP8_MAX
+from models.fused_moe import interpreting
 
 GROUP = 128
 
@@ -34,7 +33,7 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     cannot check the Triton version: the interpreter rounds fp32 -> e4m3 wrongly at exponent
     boundaries (126.5 -> 64). The GPU test compares it with the torch version bit for bit.
     """
-    if x.is_cuda and not _interpreting():
+    if x.is_cuda and not interpreting():
         return _act_quant_triton(x)
     return act_quant_torch(x)
 
@@ -77,10 +76,6 @@ def _act_quant_triton(x: torch.Tensor, groups: int = 8) -> tuple[torch.Tensor, t
     _act_quant_kernel[(M, triton.cdiv(ng, groups))](x, q, s, K, ng, FMAX=FP8_MAX, GROUP_SIZE=GROUP,
                                                      GROUPS=groups, num_warps=4)
     return q, s
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
@@ -141,7 +136,7 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     args = (xq, sx, wq.contiguous(), sw.contiguous(), y, M, N, K, triton.cdiv(K, GROUP),
             min(triton.next_power_of_2(M), 8192))
-    if _interpreting():
+    if interpreting():
         bm, bn = (16 if M <= 16 else 64), 64
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
         _w8a8_kernel[grid](*args, BM=bm, BN=bn, BK=GROUP, GROUP_M=2)

@@ -94,7 +94,8 @@ _TILES = [(8, 256, 4), (8, 512, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (1
 _INTERPRET_TILES = {"BLOCK_N": 32, "BLOCK_K": 128}
 
 
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (Triton on the CPU, for tests): no autotuning there."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -140,7 +141,7 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     r2, c2 = (s2.shape[1], s2.shape[2]) if scaled else (1, 1)
     up_args = (x, ids, w13, s13, h, D, I, bucket, r13, c13)
     down_args = (h, ids, weights, w2, s2, part, D, I, bucket, r2, c2)
-    if _interpreting():
+    if interpreting():
         t = _INTERPRET_TILES
         _gate_up_kernel[(T * k, triton.cdiv(I, t["BLOCK_N"]))](*up_args, K_TOP=k, QB=block, SCALED=scaled, **t)
         _down_kernel[(T * k, triton.cdiv(D, t["BLOCK_N"]))](*down_args, QB=block, SCALED=scaled, **t)

@@ -194,7 +194,7 @@ class Scheduler:
     def needs_sync(self) -> bool:
         """True if a running request reads its own output history when sampling (penalties,
         min_tokens): async scheduling must then let the step in flight finish first."""
-        return any(r.sampling_params.needs_penalties or r.sampling_params.min_tokens for r in self.running)
+        return any(r.sampling_params.reads_history for r in self.running)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -15,6 +15,7 @@ import triton
 from bench_common import environment, write_json
 
 from models.config import ModelConfig
+from models.loader import init_dummy_weights
 from models.fused_moe import fused_moe_small, tuned_configs
 from models.moe import MoE
 
@@ -29,8 +30,7 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device("cuda"):
         moe = MoE(cfg, torch.bfloat16)
-        for prm in moe.parameters():
-            prm.data.normal_(0, 0.02)
+        init_dummy_weights(moe)
         moe.fuse_experts()
     D, I = cfg.hidden_size, cfg.moe_intermediate_size
     per_expert = 3 * D * I * 2
