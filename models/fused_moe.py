@@ -83,6 +83,75 @@ def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, T_BUCK
     tl.store(part_ptr + pair * D + offs_n, wt * tl.sum(acc, axis=1), mask=mask_n)
 
 
+@triton.jit
+def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, T_BUCKET, S_ROWS, S_COLS,
+                        K_TOP: tl.constexpr, QB: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The gate/up GEMV as tensor-core products: the token's row padded to 16 (rows 1-15 zero).
+    The padding costs compute nobody waits for; what it buys is the compiler's software
+    pipeline for loads that feed a dot (num_stages tiles in flight per program)."""
+    pair = tl.program_id(0)
+    nb = tl.program_id(1)
+    tok = pair // K_TOP
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    row0 = (tl.arange(0, 16) == 0)[:, None]
+    acc_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    w_base = w13_ptr + e * (2 * I) * D
+    for k0 in range(0, D, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < D
+        xv = tl.load(x_ptr + tok * D + offs_k[None, :] + 0 * row0, mask=row0 & mask_k[None, :], other=0.0)
+        m = mask_n[:, None] & mask_k[None, :]
+        wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0)
+        wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0)
+        if SCALED:
+            s_base = s13_ptr + e * S_ROWS * S_COLS + (offs_k // QB)[None, :]
+            wg = (wg.to(tl.float32) * tl.load(s_base + (offs_n // QB)[:, None] * S_COLS, mask=m, other=0.0))
+            wu = (wu.to(tl.float32) * tl.load(s_base + ((I + offs_n) // QB)[:, None] * S_COLS, mask=m, other=0.0))
+            wg = wg.to(xv.dtype)
+            wu = wu.to(xv.dtype)
+        if IEEE:
+            acc_g = tl.dot(xv, tl.trans(wg), acc_g, input_precision="ieee")
+            acc_u = tl.dot(xv, tl.trans(wu), acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(xv, tl.trans(wg), acc_g)
+            acc_u = tl.dot(xv, tl.trans(wu), acc_u)
+    g = tl.sum(acc_g, axis=0)
+    h = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=0)
+    tl.store(h_ptr + pair * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _down_dot_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, T_BUCKET, S_ROWS, S_COLS,
+                     QB: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pair = tl.program_id(0)
+    db = tl.program_id(1)
+    offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < D
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    wt = tl.load(wts_ptr + pair).to(tl.float32)
+    row0 = (tl.arange(0, 16) == 0)[:, None]
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < I
+        hv = tl.load(h_ptr + pair * I + offs_k[None, :] + 0 * row0, mask=row0 & mask_k[None, :], other=0.0)
+        m = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :], mask=m, other=0.0)
+        if SCALED:
+            w = (w.to(tl.float32) * tl.load(s2_ptr + e * S_ROWS * S_COLS + (offs_n // QB)[:, None] * S_COLS
+                                            + (offs_k // QB)[None, :], mask=m, other=0.0)).to(hv.dtype)
+        if IEEE:
+            acc = tl.dot(hv, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(hv, tl.trans(w), acc)
+    tl.store(part_ptr + pair * D + offs_n, wt * tl.sum(acc, axis=0), mask=mask_n)
+
+
 def _configs(shapes):
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in shapes]
 
@@ -103,17 +172,37 @@ _gate_up_tuned = triton.autotune(configs=_configs(_TILES),
                                  key=["D", "I", "T_BUCKET", "K_TOP", "SCALED"])(_gate_up_kernel)
 _down_tuned = triton.autotune(configs=_configs(_TILES), key=["D", "I", "T_BUCKET", "SCALED"])(_down_kernel)
 
+# Dot variant: (BLOCK_N, BLOCK_K, warps, stages). Deep pipelines of moderate tiles: at T = 1 the
+# gate/up grid is k * I / BLOCK_N programs (6 * 22 = 132 at BLOCK_N 64 on V2-Lite).
+_DOT_TILES = [(16, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (32, 128, 4, 6), (32, 256, 4, 3),
+              (64, 64, 4, 6), (64, 128, 4, 4), (64, 128, 8, 5), (128, 64, 4, 5), (128, 128, 8, 3)]
+_gate_up_dot_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in _DOT_TILES],
+    key=["D", "I", "T_BUCKET", "K_TOP", "SCALED", "IEEE"])(_gate_up_dot_kernel)
+_down_dot_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in _DOT_TILES],
+    key=["D", "I", "T_BUCKET", "SCALED", "IEEE"])(_down_dot_kernel)
+
+IMPLS = ("gemv", "dot")
+DEFAULT_IMPL = os.environ.get("DSV_FUSED_MOE_IMPL", "gemv")
+
 
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                    w2_scale: torch.Tensor | None = None, block: int = 128) -> torch.Tensor:
+                    w2_scale: torch.Tensor | None = None, block: int = 128,
+                    impl: str | None = None) -> torch.Tensor:
     """Routed-expert output `[T, D]` for x `[T, D]`, ids / weights `[T, k]` (no host sync).
 
     FP8 experts (DeepSeek-V3/R1 checkpoints kept in FP8): w13 / w2 in float8 e4m3 with
     `w13_scale [E, ceil(2I/block), ceil(D/block)]` and `w2_scale [E, ceil(D/block), ceil(I/block)]`;
     the kernels dequantize each tile as they read it (weight-only: x stays in its dtype). I must
     be a multiple of `block` so that the up rows start on a block boundary.
+    `impl`: "gemv" (CUDA-core products) or "dot" (tensor-core products on a padded row);
+    default DSV_FUSED_MOE_IMPL, else "gemv".
     """
+    impl = impl or DEFAULT_IMPL
+    if impl not in IMPLS:
+        raise ValueError(f"fused MoE impl {impl!r}: expected one of {IMPLS}")
     T, D = x.shape
     k = ids.shape[1]
     I = w2.shape[-1]
@@ -141,7 +230,20 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     r2, c2 = (s2.shape[1], s2.shape[2]) if scaled else (1, 1)
     up_args = (x, ids, w13, s13, h, D, I, bucket, r13, c13)
     down_args = (h, ids, weights, w2, s2, part, D, I, bucket, r2, c2)
-    if interpreting():
+    if impl == "dot":
+        ieee = x.dtype == torch.float32  # fp32 models: exact products, not TF32
+        if interpreting():
+            t = _INTERPRET_TILES
+            _gate_up_dot_kernel[(T * k, triton.cdiv(I, t["BLOCK_N"]))](*up_args, K_TOP=k, QB=block, SCALED=scaled,
+                                                                       IEEE=ieee, **t)
+            _down_dot_kernel[(T * k, triton.cdiv(D, t["BLOCK_N"]))](*down_args, QB=block, SCALED=scaled,
+                                                                    IEEE=ieee, **t)
+        else:
+            _gate_up_dot_tuned[lambda m: (T * k, triton.cdiv(I, m["BLOCK_N"]))](*up_args, K_TOP=k, QB=block,
+                                                                                SCALED=scaled, IEEE=ieee)
+            _down_dot_tuned[lambda m: (T * k, triton.cdiv(D, m["BLOCK_N"]))](*down_args, QB=block,
+                                                                             SCALED=scaled, IEEE=ieee)
+    elif interpreting():
         t = _INTERPRET_TILES
         _gate_up_kernel[(T * k, triton.cdiv(I, t["BLOCK_N"]))](*up_args, K_TOP=k, QB=block, SCALED=scaled, **t)
         _down_kernel[(T * k, triton.cdiv(D, t["BLOCK_N"]))](*down_args, QB=block, SCALED=scaled, **t)
@@ -154,4 +256,5 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
 def tuned_configs() -> dict[str, str]:
     """What autotuning picked so far, per kernel and key (for benchmark logs)."""
     return {name: {str(key): str(cfg) for key, cfg in kern.cache.items()}
-            for name, kern in (("gate_up", _gate_up_tuned), ("down", _down_tuned))}
+            for name, kern in (("gate_up", _gate_up_tuned), ("down", _down_tuned),
+                               ("gate_up_dot", _gate_up_dot_tuned), ("down_dot", _down_dot_tuned))}

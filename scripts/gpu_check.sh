@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|moe|mla|latency|throughput|fp8|r1]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|moe|mla|latency|profile|throughput|fp8|r1]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   moe         fused small-batch MoE vs grouped GEMM at V2-Lite shapes (bench_fused_moe.py)
 #   mla         Triton MLA kernels: real-shape checks, decode grid, prefill (bench_mla_decode.py)
 #   latency     V2-Lite dummy bf16 TPOT at batch 1/8/32/128 (bench_latency.py)
 #   latency_async  the same with --async-scheduling
+#   latency_dot    the same with the fused MoE's dot variant (DSV_FUSED_MOE_IMPL=dot)
+#   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
@@ -30,6 +32,9 @@ for spec in $steps; do
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
     latency_async) timeout "$T" python3 scripts/bench_latency.py --async-scheduling ${LATENCY_ARGS:-} \
           --json "$OUT/latency_async.json" > "$log" 2>&1 ;;
+    latency_dot) DSV_FUSED_MOE_IMPL=dot timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} \
+          --json "$OUT/latency_dot.json" > "$log" 2>&1 ;;
+    profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
     fp8) timeout "$T" python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" > "$log" 2>&1 ;;
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \

@@ -18,7 +18,7 @@ from models.config import ModelConfig
 from models.fused_moe import fused_moe_small
 from models.moe import MoE
 
-def check(cfg_overrides, T, dtype, device, tol):
+def check(cfg_overrides, T, dtype, device, tol, impl):
     cfg = ModelConfig.from_pretrained("configs/models/DeepSeek-V2-Lite", cfg_overrides)
     torch.manual_seed(T)
     with torch.device(device):
@@ -29,13 +29,13 @@ def check(cfg_overrides, T, dtype, device, tol):
         x = torch.randn(T, cfg.hidden_size, dtype=dtype)
         w, ids = moe.gate(x)
         ref = moe._routed(x, w, ids).double()
-        got = fused_moe_small(x, moe.w13, moe.w2, w, ids).double()
+        got = fused_moe_small(x, moe.w13, moe.w2, w, ids, impl=impl).double()
     err = ((got - ref).norm() / ref.norm()).item()
-    assert err < tol, (cfg_overrides, T, dtype, err)
+    assert err < tol, (cfg_overrides, T, dtype, impl, err)
     return err
 
 
-def check_fp8(T, dtype, device, tol, D=256, I=256, E=8, k=3):
+def check_fp8(T, dtype, device, tol, impl, D=256, I=256, E=8, k=3):
     # FP8 experts with 128x128 block scales: the kernel dequantizing tile by tile equals the
     # same kernel on the dequantized weights.
     from models.fp8 import dequantize, quantize
@@ -50,10 +50,10 @@ def check_fp8(T, dtype, device, tol, D=256, I=256, E=8, k=3):
         ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
         w = torch.rand(T, k)
         d13, d2 = dequantize(q13, s13, (128, 128), dtype), dequantize(q2, s2, (128, 128), dtype)
-        ref = fused_moe_small(x, d13, d2, w, ids).double()
-        got = fused_moe_small(x, q13, q2, w, ids, s13, s2, 128).double()
+        ref = fused_moe_small(x, d13, d2, w, ids, impl=impl).double()
+        got = fused_moe_small(x, q13, q2, w, ids, s13, s2, 128, impl=impl).double()
     err = ((got - ref).norm() / ref.norm()).item()
-    assert err < tol, (T, dtype, err)
+    assert err < tol, (T, dtype, impl, err)
     return err
 """
 
@@ -61,10 +61,11 @@ def check_fp8(T, dtype, device, tol, D=256, I=256, E=8, k=3):
 def test_fused_moe_interpreter():
     """Small shapes (I and D not multiples of the tiles) under TRITON_INTERPRET=1."""
     code = CHECK + r"""
-for T in (1, 3):
-    print(check({"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8,
-                 "num_experts_per_tok": 3}, T, torch.float32, "cpu", 1e-5))
-    print(check_fp8(T, torch.float32, "cpu", 1e-5))
+for impl in ("gemv", "dot"):
+    for T in (1, 3):
+        print(check({"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8,
+                     "num_experts_per_tok": 3}, T, torch.float32, "cpu", 1e-5, impl))
+        print(check_fp8(T, torch.float32, "cpu", 1e-5, impl))
 """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
@@ -73,17 +74,28 @@ for T in (1, 3):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["gemv", "dot"])
 @pytest.mark.parametrize("T", [1, 2, 8])
-def test_fused_moe_real_shapes(T):
+def test_fused_moe_real_shapes(T, impl):
     ns = {}
     exec(CHECK, ns)
-    ns["check"]({}, T, torch.bfloat16, "cuda", 2e-2)
+    ns["check"]({}, T, torch.bfloat16, "cuda", 2e-2, impl)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["gemv", "dot"])
+def test_fused_moe_fp32_exact(impl):
+    """fp32 models (the tiny test models on CUDA) get fp32 products: no TF32 in the dot variant."""
+    ns = {}
+    exec(CHECK, ns)
+    ns["check"]({}, 4, torch.float32, "cuda", 1e-5, impl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["gemv", "dot"])
 @pytest.mark.parametrize("T", [1, 8])
-def test_fused_moe_fp8_real_shapes(T):
+def test_fused_moe_fp8_real_shapes(T, impl):
     """V3/R1 expert shapes (D 7168, I 2048/tp 8 = 256), bf16 activations, FP8 weights."""
     ns = {}
     exec(CHECK, ns)
-    ns["check_fp8"](T, torch.bfloat16, "cuda", 2e-2, D=7168, I=256, E=32, k=8)
+    ns["check_fp8"](T, torch.bfloat16, "cuda", 2e-2, impl, D=7168, I=256, E=32, k=8)
