@@ -184,7 +184,7 @@ _down_dot_tuned = triton.autotune(
     key=["D", "I", "T_BUCKET", "SCALED", "IEEE"])(_down_dot_kernel)
 
 IMPLS = ("gemv", "dot")
-DEFAULT_IMPL = os.environ.get("DSV_FUSED_MOE_IMPL", "gemv")
+DEFAULT_IMPL = os.environ.get("DSV_FUSED_MOE_IMPL", "dot")
 
 
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
@@ -198,7 +198,7 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     the kernels dequantize each tile as they read it (weight-only: x stays in its dtype). I must
     be a multiple of `block` so that the up rows start on a block boundary.
     `impl`: "gemv" (CUDA-core products) or "dot" (tensor-core products on a padded row);
-    default DSV_FUSED_MOE_IMPL, else "gemv".
+    default DSV_FUSED_MOE_IMPL, else "dot" (faster at every bucket on the H200).
     """
     impl = impl or DEFAULT_IMPL
     if impl not in IMPLS:

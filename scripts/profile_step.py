@@ -76,7 +76,16 @@ def kernels(batch: int = 1, steps: int = 5) -> None:
         for _ in range(steps):
             core.step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=70))
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in events)
+    launches = sum(e.count for e in events if e.self_device_time_total > 0)
+    print(f"GPU time per step {total / steps / 1e3:.3f} ms in {launches / steps:.0f} kernels "
+          f"(mean {total / max(launches, 1):.1f} us)")
+    print(f"{'us/step':>9} {'calls/step':>10} {'us/call':>8}  kernel")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:45]:
+        if e.self_device_time_total:
+            print(f"{e.self_device_time_total / steps:9.1f} {e.count / steps:10.1f} "
+                  f"{e.self_device_time_total / e.count:8.2f}  {e.key[:110]}")
 
 
 if __name__ == "__main__":
