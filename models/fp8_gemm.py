@@ -46,7 +46,9 @@ def act_quant_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if ng * GROUP != K:
         xp = torch.nn.functional.pad(xp, (0, ng * GROUP - K))
     g = xp.view(M, ng, GROUP)
-    s = g.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX  # [M, ng]
+    # times the fp32 reciprocal, not divided: torch on CUDA turns `/ scalar` into exactly this, on
+    # the CPU it divides; written out, every device and the Triton kernel get the same bits
+    s = g.abs().amax(dim=-1).clamp_min(1e-12) * (1.0 / FP8_MAX)  # [M, ng]
     q = (g / s.unsqueeze(-1)).view(M, ng * GROUP)[:, :K].to(FP8)
     return q.contiguous(), s
 
@@ -60,8 +62,9 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, NG, FMAX: tl.constexpr, GROUP_SIZE
     offs = offs_g[:, None] * GROUP_SIZE + tl.arange(0, GROUP_SIZE)[None, :]  # [GROUPS, GROUP]
     m = offs < K
     x = tl.load(x_ptr + row * K + offs, mask=m, other=0.0).to(tl.float32)
-    # IEEE division, as torch does: the fp8 rounding must see the same fp32 values.
-    s = tl.div_rn(tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12), FMAX)  # [GROUPS]
+    # Bit-equal to act_quant_torch: scale = amax times the fp32 reciprocal of FMAX, and an IEEE
+    # division for q (Triton's `/` is approximate), so the fp8 rounding sees the same fp32 values.
+    s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) * (1.0 / FMAX)  # [GROUPS]
     q = tl.div_rn(x, s[:, None])
     tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=m)
     tl.store(s_ptr + row * NG + offs_g, s, mask=offs_g < NG)
