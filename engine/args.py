@@ -30,7 +30,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False
-    async_scheduling: bool = False  # schedule and launch step N+1 while step N runs
+    # schedule and launch step N+1 while step N runs; None: on when the model runs on CUDA
+    async_scheduling: bool | None = None
     attention_backend: str = "auto"  # auto | torch | triton
     fp8_gemm: bool = False  # FP8 checkpoints: W8A8 block GEMM instead of dequantized weights
     hf_overrides: dict = field(default_factory=dict)
@@ -76,6 +77,8 @@ class EngineArgs:
              f"--nnodes {self.nnodes} must divide --tensor-parallel-size {self.tensor_parallel_size}")
         need(0 <= self.node_rank < self.nnodes, f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         need(self.nnodes == 1 or self.master_port is not None, "--master-port is required with --nnodes > 1")
+        need(self.async_scheduling in (None, True, False),
+             f"async_scheduling must be a bool or None (auto), got {self.async_scheduling!r}")
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"--max-model-len must be >= 1, got {self.max_model_len}")
 

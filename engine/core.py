@@ -6,6 +6,7 @@ import logging
 
 from engine.args import EngineArgs
 from engine.executor import make_executor
+from engine.worker import resolve_device
 from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
 from scheduler.config import SchedulerConfig
@@ -23,7 +24,8 @@ class EngineCore:
         self.max_model_len = args.resolve_max_model_len(cfg)
         self.executor = make_executor(args, cfg, [] if eos_token_id is None else [eos_token_id])
         num_blocks = self.executor.num_blocks
-        self.async_scheduling = args.async_scheduling
+        self.async_scheduling = (resolve_device(args).type == "cuda" if args.async_scheduling is None
+                                 else args.async_scheduling)  # auto: overlap only pays with a GPU
         self._in_flight = None  # (SchedulerOutput, PendingStep) of the step launched last
         self._early: list[EngineCoreOutput] = []  # drained outside step(), reported by the next one
         self.scheduler = Scheduler(SchedulerConfig(

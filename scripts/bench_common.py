@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -25,7 +26,8 @@ def add_engine_flags(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--async-scheduling", action="store_true", help="schedule step N+1 while step N runs")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs (default: on with CUDA)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)

@@ -5,8 +5,8 @@
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   moe         fused small-batch MoE vs grouped GEMM at V2-Lite shapes (bench_fused_moe.py)
 #   mla         Triton MLA kernels: real-shape checks, decode grid, prefill (bench_mla_decode.py)
-#   latency     V2-Lite dummy bf16 TPOT at batch 1/8/32/128 (bench_latency.py)
-#   latency_async  the same with --async-scheduling
+#   latency     V2-Lite dummy bf16 TPOT at batch 1/8/32/128 (bench_latency.py; async scheduling, the default)
+#   latency_sync   the same with --no-async-scheduling
 #   latency_dot    the same with the fused MoE's dot variant (DSV_FUSED_MOE_IMPL=dot)
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
@@ -30,8 +30,8 @@ for spec in $steps; do
     mla) timeout "$T" python3 scripts/bench_mla_decode.py --check --sweep --budget-s $((T - 40)) \
            --out "$OUT/bench_mla_decode.json" > "$log" 2>&1 ;;
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
-    latency_async) timeout "$T" python3 scripts/bench_latency.py --async-scheduling ${LATENCY_ARGS:-} \
-          --json "$OUT/latency_async.json" > "$log" 2>&1 ;;
+    latency_sync) timeout "$T" python3 scripts/bench_latency.py --no-async-scheduling ${LATENCY_ARGS:-} \
+          --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;
     latency_dot) DSV_FUSED_MOE_IMPL=dot timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} \
           --json "$OUT/latency_dot.json" > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;

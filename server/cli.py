@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "at load (experimental: less memory, not yet faster; RESULTS.md)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps")
-    g.add_argument("--async-scheduling", action="store_true",
-                   help="schedule and launch step N+1 while the GPU runs step N (experimental)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch step N+1 while the GPU runs step N "
+                        "(default: on with CUDA, off on the CPU)")
     g = p.add_argument_group("scheduler and KV cache")
     g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
                    help="token budget of one engine step; longer prompts are prefilled in chunks")

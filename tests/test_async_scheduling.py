@@ -36,6 +36,12 @@ SCHEDULES = [{}, {"max_num_batched_tokens": 8}, {"max_num_seqs": 2},
              {"num_kv_blocks": 22, "block_size": 4}]  # the last one preempts
 
 
+def test_async_scheduling_auto_is_off_on_cpu(tiny_v3):
+    """The default (None) turns overlap on only where the model runs on a GPU: on the CPU the
+    host computes the model itself, so there is nothing to overlap with."""
+    assert not LLM(tiny_v3[0], device="cpu", dtype="float32", num_kv_blocks=64).engine.async_scheduling
+
+
 @pytest.mark.parametrize("kw", SCHEDULES, ids=["default", "budget8", "seqs2", "preempting"])
 def test_async_greedy_equals_sync(tiny_v3, prompts, kw):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

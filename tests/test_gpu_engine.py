@@ -51,7 +51,7 @@ def test_async_scheduling_equals_sync(gpu_v3, budget):
     pinned non-blocking copies, CUDA graphs) gives the same greedy tokens as the synchronous loop."""
     path, _ = gpu_v3
     prompts = _prompts64()
-    sync = _run(path, prompts, max_num_batched_tokens=budget)
+    sync = _run(path, prompts, max_num_batched_tokens=budget, async_scheduling=False)
     assert _run(path, prompts, max_num_batched_tokens=budget, async_scheduling=True) == sync
 
 

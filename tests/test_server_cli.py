@@ -49,6 +49,10 @@ def test_flags_map_to_engine_args():
     assert (a.attention_backend, a.cpu_kv_cache_gb, a.hf_overrides) == ("torch", 0.5, {"num_hidden_layers": 2})
     defaults = engine_args_from(build_parser().parse_args(["--model", str(TINY_MODEL)]))
     assert defaults.enable_prefix_caching and defaults.max_num_batched_tokens == 2048
+    assert defaults.async_scheduling is None  # auto: on with CUDA
+    for flag, want in (("--async-scheduling", True), ("--no-async-scheduling", False)):
+        ns = build_parser().parse_args(["--model", str(TINY_MODEL), flag])
+        assert engine_args_from(ns).async_scheduling is want
 
 
 @pytest.mark.parametrize("argv,needle", [
