@@ -11,7 +11,7 @@ from torch import nn
 from engine import distributed as pd
 from models.config import ModelConfig
 from models.fp8 import dequantize
-from models.fused import CudaCompiled, silu_mul_op
+from models.fused import silu_mul_op
 from models.layers import Linear, shard_param
 
 
@@ -68,9 +68,12 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
-        return route_op(x, self.weight, self.e_score_correction_bias, c.scoring_func, c.topk_method,
-                        c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob,
-                        c.routed_scaling_factor)
+        args = (x, self.weight, self.e_score_correction_bias, c.scoring_func, c.topk_method,
+                c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
+        if x.is_cuda:  # cuBLAS GEMM + one Triton kernel (tests/test_triton_route.py)
+            from models.triton_route import route_triton  # triton: CUDA installs only
+            return route_triton(*args)
+        return route(*args)
 
 
 def _group_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:
@@ -104,7 +107,6 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scor
     return weights * scale, ids
 
 
-route_op = CudaCompiled(route)
 
 
 class MoE(nn.Module):

@@ -1,0 +1,96 @@
+"""DeepSeek's expert choice after the router GEMM, as one Triton kernel per token row.
+
+On CUDA the torch version (`models.moe.route`) costs five kernels per layer at decode (softmax or
+sigmoid, a radix top-k, its sort, a reduction, the gathers): ~14 µs of a 1-token step on an H200,
+about as long as reading the layer's six experts. Here one program per token takes the fp32
+logits `[T, E]` and does scoring, the group limit, top-k, normalisation and scaling in registers
+(E <= a few hundred). The logits GEMM stays with cuBLAS (fp32, as the checkpoints' reference).
+
+Same rules as `route`:
+  softmax (V2, V2-Lite): scores = softmax(logits); group_limited_greedy keeps the `topk_group`
+      groups with the highest max score; top-k of the scores.
+  sigmoid (V3, R1): scores = sigmoid(logits); choice = scores + bias; with groups, the
+      `topk_group` groups with the highest sum of their two best choices; top-k of the choice,
+      weights = the chosen experts' scores.
+  then weights / sum (norm_topk_prob, k > 1), times routed_scaling_factor.
+Ties go to the lower expert id. Experts are returned best first, as torch.topk does.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
+                  E: tl.constexpr, G: tl.constexpr, EPG: tl.constexpr, GP: tl.constexpr, EP: tl.constexpr,
+                  TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr,
+                  GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    g = tl.arange(0, GP)[:, None]
+    j = tl.arange(0, EP)[None, :]
+    valid = (g < G) & (j < EPG)
+    e = g * EPG + j  # expert id of each [group, member] slot
+    logit = tl.load(logits_ptr + t * E + e, mask=valid, other=float("-inf"))
+    if SIGMOID:
+        scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-logit)), 0.0)
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + e, mask=valid, other=0.0)
+        choice = tl.where(valid, choice, float("-inf"))
+    else:
+        ex = tl.exp(logit - tl.max(tl.max(logit, axis=1), axis=0))
+        scores = ex / tl.sum(tl.sum(ex, axis=1), axis=0)
+        choice = tl.where(valid, scores, float("-inf"))
+    if GROUPED:
+        best = tl.max(choice, axis=1)  # [GP]
+        if SIGMOID:  # a group's score: the sum of its two best choices
+            first = tl.min(tl.where(choice == best[:, None], j, EP), axis=1)
+            best = best + tl.max(tl.where(j == first[:, None], float("-inf"), choice), axis=1)
+        gid = tl.arange(0, GP)
+        best = tl.where(gid < G, best, float("-inf"))
+        keep = gid < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            gm = tl.max(tl.where(keep, float("-inf"), best), axis=0)
+            pick = tl.min(tl.where((best == gm) & (~keep), gid, GP), axis=0)
+            keep = keep | (gid == pick)
+        choice = tl.where(keep[:, None], choice, float("-inf"))
+    kk = tl.arange(0, KP)
+    w_out = tl.zeros([KP], dtype=tl.float32)
+    id_out = tl.zeros([KP], dtype=tl.int64)
+    for i in tl.static_range(K):
+        m = tl.max(tl.max(choice, axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where(choice == m, e, E), axis=1), axis=0)
+        hit = e == pick
+        w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
+        w_out = tl.where(kk == i, w, w_out)
+        id_out = tl.where(kk == i, pick.to(tl.int64), id_out)
+        choice = tl.where(hit, float("-inf"), choice)
+    if NORM:
+        w_out = w_out / (tl.sum(w_out, axis=0) + 1e-20)
+    tl.store(w_ptr + t * K + kk, w_out * scale, mask=kk < K)
+    tl.store(ids_ptr + t * K + kk, id_out, mask=kk < K)
+
+
+def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str,
+                 topk_method: str, n_group: int, topk_group: int, top_k: int, norm: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`models.moe.route` with the post-GEMM work in one kernel: weights fp32 [T, k], ids int64 [T, k]."""
+    logits = torch.nn.functional.linear(x.float(), weight).contiguous()  # [T, E]
+    T, E = logits.shape
+    sigmoid = scoring != "softmax"
+    grouped = n_group > 1 and (sigmoid or topk_method == "group_limited_greedy")
+    G = n_group if grouped else 1
+    if E % G or top_k > E or (grouped and topk_group * (E // G) < top_k):
+        raise ValueError(f"router: {E} experts in {G} groups, top {topk_group} groups, top-{top_k} does not fit")
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    if T:
+        _route_kernel[(T,)](logits, bias if bias is not None else logits, weights, ids, float(scale),
+                            E=E, G=G, EPG=E // G, GP=triton.next_power_of_2(G),
+                            EP=triton.next_power_of_2(E // G), TOPK_GROUP=topk_group if grouped else 1,
+                            K=top_k, KP=triton.next_power_of_2(top_k), SIGMOID=sigmoid, GROUPED=grouped,
+                            HAS_BIAS=bias is not None, NORM=bool(norm and top_k > 1), num_warps=1 if E <= 64 else 2)
+    return weights, ids
