@@ -113,7 +113,8 @@ class MoE(nn.Module):
     """Routed experts + shared experts, summed locally, one all-reduce per layer under TP.
 
     Checkpoint names are kept (`experts.N.gate_proj`, ...) for loading; `fuse_experts()` then
-    stacks them into `w13 [E, 2*I/tp, D]` and `w2 [E, D, I/tp]` for the compute path.
+    stacks them into `w13 [E, 2*I/tp, D]` and `w2 [E, D, I/tp]` for the compute path, with the
+    shared experts appended as `n_shared` more experts that every token takes with weight 1.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
@@ -131,6 +132,7 @@ class MoE(nn.Module):
         self.fp8_block: tuple[int, int] | None = None  # set when the experts stay in FP8
         self.w13_scale: torch.Tensor | None = None
         self.w2_scale: torch.Tensor | None = None
+        self.n_shared = 0  # shared experts folded into w13 / w2 (after the routed ones)
 
     def fuse_experts(self) -> None:
         """Post-load step: stack per-expert weights and drop the per-expert modules.
@@ -138,6 +140,11 @@ class MoE(nn.Module):
         Experts still in FP8 (checkpoint kept quantized, `--fp8-gemm`) stay FP8 with their block
         scales stacked too: `w13_scale [E, 2I/128, D/128]`, `w2_scale [E, D/128, I/128]`; the
         fused small-batch kernel reads them as they are, the other paths dequantize on the fly.
+
+        Shared experts (an MLP of n_shared * I/tp units) are cut into n_shared pieces of I/tp
+        units, appended as experts E..E+n_shared-1: an MLP is a sum over its intermediate units,
+        so any split gives the same output, and every path then runs them with the routed ones
+        (at decode: no separate GEMMs, activation and add). Not when either is kept in FP8.
         """
         block = self.experts[0].down_proj.fp8_block
         if block is not None and self.experts[0].down_proj.weight.shape[-1] % block[1]:
@@ -147,8 +154,18 @@ class MoE(nn.Module):
                     proj.dequantize_weights()
             block = None
         self.fp8_block = block
-        w13 = torch.stack([torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts])
-        w2 = torch.stack([e.down_proj.weight for e in self.experts])
+        w13 = [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts]
+        w2 = [e.down_proj.weight for e in self.experts]
+        sh = self.shared_experts
+        if sh is not None and block is None and sh.w13 is None and sh.down_proj.fp8_block is None \
+                and sh.gate_proj.fp8_block is None:
+            il, S = w2[0].shape[-1], self.cfg.n_shared_experts
+            g, u, d = sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight
+            if g.shape[0] == S * il:
+                w13 += [torch.cat([g[i * il:(i + 1) * il], u[i * il:(i + 1) * il]]) for i in range(S)]
+                w2 += [d[:, i * il:(i + 1) * il] for i in range(S)]
+                self.n_shared, self.shared_experts = S, None
+        w13, w2 = torch.stack(w13), torch.stack(w2)
         if self.fp8_block is not None:
             s13 = torch.stack([torch.cat([e.gate_proj.weight_scale_inv, e.up_proj.weight_scale_inv])
                                for e in self.experts])
@@ -172,16 +189,28 @@ class MoE(nn.Module):
         if x.is_cuda and x.shape[0] <= _FUSED_MAX_TOKENS:
             from models.fused_moe import fused_moe_small  # triton: CUDA installs only
             block = self.fp8_block[0] if self.fp8_block else 128
-            out = fused_moe_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block)
-        elif _use_grouped_mm(x):
-            out = self._routed_grouped(x, weights, ids)
-        elif x.is_cuda:
-            out = self._routed_dense(x, weights, ids)
+            out = fused_moe_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
+                                  n_shared=self.n_shared)
         else:
-            out = self._routed(x, weights, ids)
+            out = self._routed_any(x, *self._with_shared(weights, ids))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return pd.tp_all_reduce(out)
+
+    def _with_shared(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing with the folded shared experts as k+1.. k+n_shared-th choices of weight 1."""
+        if not self.n_shared:
+            return weights, ids
+        T, E = ids.shape[0], self.cfg.n_routed_experts
+        sid = torch.arange(E, E + self.n_shared, device=ids.device, dtype=ids.dtype).expand(T, -1)
+        return (torch.cat([weights, weights.new_ones(T, self.n_shared)], dim=1), torch.cat([ids, sid], dim=1))
+
+    def _routed_any(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        if _use_grouped_mm(x):
+            return self._routed_grouped(x, weights, ids)
+        if x.is_cuda:
+            return self._routed_dense(x, weights, ids)
+        return self._routed(x, weights, ids)
 
     def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """CUDA path with no host sync (CUDA-graph safe): (token, expert) pairs sorted by expert,
@@ -190,7 +219,7 @@ class MoE(nn.Module):
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         # per-expert counts by scatter-add: bincount would sync to size its output
-        counts = torch.zeros(self.cfg.n_routed_experts, dtype=torch.int32, device=x.device)
+        counts = torch.zeros(self.w13.shape[0], dtype=torch.int32, device=x.device)
         counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         offs = counts.cumsum(0, dtype=torch.int32)
         token_of = order // k
@@ -206,7 +235,7 @@ class MoE(nn.Module):
         """CUDA fallback without host syncs for dtypes the grouped GEMM lacks (fp32 tiny models):
         every expert on every token, weighted by its routing weight (0 where not chosen)."""
         w13, w2 = self._expert_weights(x.dtype)
-        E, I = self.cfg.n_routed_experts, w2.shape[-1]
+        E, I = w2.shape[0], w2.shape[-1]
         dense_w = torch.zeros(x.shape[0], E, dtype=weights.dtype, device=x.device)
         dense_w.scatter_(1, ids, weights)  # [T, E]
         out = torch.zeros_like(x)
@@ -221,7 +250,7 @@ class MoE(nn.Module):
         T, k = ids.shape
         flat = ids.flatten()
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.cfg.n_routed_experts).tolist()
+        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
         token_of = order // k  # token index of each sorted (token, slot) pair
         w13, w2 = self._expert_weights(x.dtype)
         out = torch.zeros_like(x)

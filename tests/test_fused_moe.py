@@ -14,6 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import torch
+import torch.nn.functional as F
 from models.config import ModelConfig
 from models.fused_moe import fused_moe_small
 from models.moe import MoE
@@ -28,10 +29,20 @@ def check(cfg_overrides, T, dtype, device, tol, impl):
         moe.fuse_experts()
         x = torch.randn(T, cfg.hidden_size, dtype=dtype)
         w, ids = moe.gate(x)
+        assert moe.n_shared == cfg.n_shared_experts > 0  # folded into w13 / w2 by fuse_experts
         ref = moe._routed(x, w, ids).double()
         got = fused_moe_small(x, moe.w13, moe.w2, w, ids, impl=impl).double()
+        # with the shared experts: against the plain path taking them as extra weight-1 choices,
+        # and against the shared MLP computed on its own
+        ref_all = moe._routed(x, *moe._with_shared(w, ids)).double()
+        got_all = fused_moe_small(x, moe.w13, moe.w2, w, ids, impl=impl, n_shared=moe.n_shared).double()
+        sh = moe.w13[-moe.n_shared:], moe.w2[-moe.n_shared:]
+        I = moe.w2.shape[-1]
+        shared = sum(F.linear(F.silu(x @ a[:I].T) * (x @ a[I:].T), b) for a, b in zip(*sh)).double()
     err = ((got - ref).norm() / ref.norm()).item()
-    assert err < tol, (cfg_overrides, T, dtype, impl, err)
+    err_all = ((got_all - ref_all).norm() / ref_all.norm()).item()
+    err_sh = ((ref_all - ref - shared).norm() / shared.norm()).item()
+    assert err < tol and err_all < tol and err_sh < tol, (cfg_overrides, T, dtype, impl, err, err_all, err_sh)
     return err
 
 
