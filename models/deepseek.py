@@ -7,6 +7,7 @@ and the per-step metadata live in `attention/`. Notation as in attention/mla.py.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attention.backend import AttentionOps
@@ -43,20 +44,39 @@ class DeepseekAttention(nn.Module):
         self.mla = MLAAttention(self.Hl, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                                 cfg.kv_lora_rank, cfg.softmax_scale, ops)
 
+        self.w_qkv_a: torch.Tensor | None = None  # set by process_weights_after_loading
+        self.qkv_a_split: list[int] = []
+
     def process_weights_after_loading(self) -> None:
         self.mla.set_kv_b_weight(self.kv_b_proj.weight)
+        # The projections that read x (q_proj or q_a_proj, and kv_a_proj_with_mqa) as one GEMM:
+        # at decode each is a latency-bound GEMV, so one launch instead of two. Under TP q_proj
+        # holds this rank's heads and kv_a is replicated: the local rows still concatenate.
+        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
+        if first.fp8_block is None and self.kv_a_proj_with_mqa.fp8_block is None:
+            kv_a = self.kv_a_proj_with_mqa.weight
+            self.w_qkv_a = nn.Parameter(torch.cat([first.weight, kv_a]), requires_grad=False)
+            self.qkv_a_split = [first.weight.shape[0], kv_a.shape[0]]
+            del self.kv_a_proj_with_mqa
+            if hasattr(self, "q_proj"):
+                del self.q_proj
+            else:
+                del self.q_a_proj
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: YarnRotaryEmbedding,
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, rope: YarnRotaryEmbedding,
                 kv_cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
+        if self.w_qkv_a is not None:
+            q, kv = F.linear(x, self.w_qkv_a).split(self.qkv_a_split, dim=-1)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(-1, self.Hl, self.P + self.R)
+            q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_a_proj(x)
+            kv = self.kv_a_proj_with_mqa(x)
+        if hasattr(self, "q_b_proj"):
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.reshape(-1, self.Hl, self.P + self.R)
         q_nope, q_pe = q.split([self.P, self.R], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(x).split([self.Lkv, self.R], dim=-1)
+        c, k_pe = kv.split([self.Lkv, self.R], dim=-1)
         c = self.kv_a_layernorm(c)
-        q_pe, k_pe = rope(positions, q_pe, k_pe)
+        q_pe, k_pe = rope.apply(cos_sin, q_pe, k_pe)
         o = self.mla.forward(q_nope, q_pe, c, k_pe, kv_cache, meta)  # [T, Hl, V]
         return self.o_proj(o.flatten(1))
 
@@ -70,8 +90,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x, positions, rope, kv_cache, meta):
-        h = self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
+    def forward(self, x, cos_sin, rope, kv_cache, meta):
+        h = self.self_attn(self.input_layernorm(x), cos_sin, rope, kv_cache, meta)
         n = self.post_attention_layernorm
         x, h = add_rms_norm_op(x, h, n.weight, n.eps)
         return x + self.mlp(h)
@@ -88,8 +108,9 @@ class DeepseekModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.at(positions)  # one gather per step, shared by the layers
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary_emb, cache, meta)
+            x = layer(x, cos_sin, self.rotary_emb, cache, meta)
         return self.norm(x)
 
 

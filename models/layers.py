@@ -137,8 +137,8 @@ class YarnRotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_pos, R/2]
-        self.register_buffer("cos", freqs.cos() * mscale, persistent=False)
-        self.register_buffer("sin", freqs.sin() * mscale, persistent=False)
+        # [cos | sin] per position, one row per token gathered once per step (`at`), not per layer
+        self.register_buffer("cos_sin", torch.cat([freqs.cos(), freqs.sin()], dim=-1) * mscale, persistent=False)
 
     @staticmethod
     def _yarn_inv_freq(inv_freq_extra: torch.Tensor, dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -155,9 +155,17 @@ class YarnRotaryEmbedding(nn.Module):
         inv_freq_inter = inv_freq_extra / rope.factor
         return inv_freq_inter * (1 - extra_weight) + inv_freq_extra * extra_weight
 
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The rows `[T, R]` = [cos | sin] of `positions [T]`, for `apply` in every layer."""
+        return self.cos_sin[positions]
+
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x `[T, ..., R]` by its token's position; positions `[T]`."""
-        cos, sin = self.cos[positions], self.sin[positions]  # [T, R/2]
+        return self.apply(self.at(positions), *xs)
+
+    def apply(self, cos_sin: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Rotate each x `[T, ..., R]` by the rows `at(positions)` returned."""
+        cos, sin = cos_sin.chunk(2, dim=-1)  # [T, R/2] each
         out = []
         for x in xs:
             shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
