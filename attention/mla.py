@@ -45,6 +45,10 @@ class MLAAttention:
         """q_nope [T,Hl,P], q_pe [T,Hl,R], c [T,Lkv], k_pe [T,R] -> [T, Hl, V]."""
         self.ops.write_kv(kv_cache, torch.cat([c, k_pe], dim=-1), meta.slot_mapping)
         nd = meta.num_decode_tokens
+        if meta.prefill is None and nd == q_nope.shape[0]:  # pure decode: no copy into a joint output
+            return self._decode(q_nope, q_pe, kv_cache, meta)
+        if meta.decode is None and nd == 0:
+            return self._prefill(q_nope, q_pe, c, k_pe, kv_cache, meta)
         out = q_nope.new_empty(q_nope.shape[0], self.H, self.V)
         if meta.decode is not None:
             out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], kv_cache, meta)
