@@ -90,11 +90,19 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x, cos_sin, rope, kv_cache, meta):
-        h = self.self_attn(self.input_layernorm(x), cos_sin, rope, kv_cache, meta)
+    def forward(self, x, residual, cos_sin, rope, kv_cache, meta):
+        """(x, residual) -> (mlp output, residual): the residual stream's add is left to the next
+        layer's input norm (one fused add + RMSNorm instead of an add and a norm); residual None
+        on the first layer, where x is the embedding."""
+        n = self.input_layernorm
+        if residual is None:
+            residual, h = x, n(x)
+        else:
+            residual, h = add_rms_norm_op(residual, x, n.weight, n.eps)
+        h = self.self_attn(h, cos_sin, rope, kv_cache, meta)
         n = self.post_attention_layernorm
-        x, h = add_rms_norm_op(x, h, n.weight, n.eps)
-        return x + self.mlp(h)
+        residual, h = add_rms_norm_op(residual, h, n.weight, n.eps)
+        return self.mlp(h), residual
 
 
 class DeepseekModel(nn.Module):
@@ -109,9 +117,12 @@ class DeepseekModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches, meta):
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.at(positions)  # one gather per step, shared by the layers
+        residual = None
         for layer, cache in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin, self.rotary_emb, cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, self.rotary_emb, cache, meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return add_rms_norm_op(residual, x, self.norm.weight, self.norm.eps)[1]
 
 
 class DeepseekForCausalLM(nn.Module):
