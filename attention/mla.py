@@ -14,6 +14,8 @@ part merged by LSE.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,25 @@ from attention.backend import AttentionOps
 from attention.metadata import ContextChunk, MLAMetadata
 from attention.torch_backend import merge_attn_states
 from engine import distributed as pd
+
+log = logging.getLogger(__name__)
+_ABSORB_FAILED: list[str] = []  # the absorb kernels that raised once in this process
+
+
+def _try_absorb_kernel(name: str, ops, *args) -> torch.Tensor | None:
+    """attention/triton_absorb.py's `name` with the Triton backend on CUDA (the torch backend
+    stays the plain reference); None elsewhere, or after it raised once (logged: a kernel that
+    does not compile on some GPU must not stop serving; the first call is an eager warm-up step,
+    before any CUDA-graph capture)."""
+    if getattr(ops, "name", "") != "triton" or not args[0].is_cuda or name in _ABSORB_FAILED:
+        return None
+    from attention import triton_absorb
+    try:
+        return getattr(triton_absorb, name)(*args)
+    except Exception as e:  # noqa: BLE001
+        log.warning("Triton %s failed (%s); batched GEMMs from now on", name, e)
+        _ABSORB_FAILED.append(name)
+        return None
 
 
 class MLAAttention:
@@ -56,9 +77,23 @@ class MLAAttention:
             out[nd:] = self._prefill(q_nope[nd:], q_pe[nd:], c[nd:], k_pe[nd:], kv_cache, meta)
         return out
 
+    def _absorb_q(self, q_nope, q_pe):
+        """[q_nope @ W_UK ‖ q_pe] `[Nd, Hl, Lkv+R]`: one Triton kernel with the Triton backend
+        (attention/triton_absorb.py), else a batched GEMM and a cat."""
+        q = _try_absorb_kernel("absorb_q", self.ops, q_nope, q_pe, self.w_uk)
+        if q is not None:
+            return q
+        return torch.cat([torch.einsum("thp,hpl->thl", q_nope, self.w_uk), q_pe], dim=-1)
+
+    def _absorb_o(self, o_lat):
+        """o_lat @ W_UVᵀ as `[Nd, Hl, V]`, contiguous with the Triton backend (o_proj reads it flat)."""
+        o = _try_absorb_kernel("absorb_o", self.ops, o_lat, self.w_uv)
+        if o is not None:
+            return o
+        return torch.einsum("thl,hvl->thv", o_lat, self.w_uv)
+
     def _decode(self, q_nope, q_pe, kv_cache, meta):
-        q_lat = torch.einsum("thp,hpl->thl", q_nope, self.w_uk)  # [Nd, Hl, Lkv]
-        q = torch.cat([q_lat, q_pe], dim=-1)  # [Nd, Hl, Lkv+R]
+        q = self._absorb_q(q_nope, q_pe)  # [Nd, Hl, Lkv+R]
         dcp = pd.dcp()
         if dcp.size > 1:
             q = pd.dcp_all_gather(q, dim=1)  # [Nd, Hl*D, Lkv+R]: the group's heads, rank-major
@@ -71,7 +106,7 @@ class MLAAttention:
             lse_g = torch.logsumexp(lse_all, dim=0)
             w = torch.exp(lse - lse_g).nan_to_num_(0.0).unsqueeze(-1)
             o_lat = pd.dcp_reduce_scatter(o_lat.float() * w, dim=1).to(q_nope.dtype)  # [Nd, Hl, Lkv]
-        return torch.einsum("thl,hvl->thv", o_lat, self.w_uv)
+        return self._absorb_o(o_lat)
 
     def _up_project(self, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kv = F.linear(c, self.w_kv_b).view(-1, self.H, self.P + self.V)

@@ -1,0 +1,115 @@
+"""The absorbed decode's per-head products, written where the next step reads them.
+
+MLA's decode multiplies each head's query by W_UK before attention and each head's latent output
+by W_UV after it (DESIGN.md §4). As `torch.einsum` these are batched GEMMs whose outputs are
+head-major views, so the step also pays a cat (latent query ‖ rope query) and a copy (to flatten
+the heads for o_proj): four launches per layer at decode, each a few µs on small batches.
+Here:
+  absorb_q: q [T, H, L+R] = [q_nope[t, h] @ W_UK[h] ‖ q_pe[t, h]]   (one kernel, no cat)
+  absorb_o: o [T, H, V]   = o_lat[t, h] @ W_UV[h]^T, contiguous      (one kernel, no copy)
+Products accumulate in fp32 (tensor cores; IEEE for fp32 models) and round once to the dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p,
+                     H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+                     BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
+                     IEEE: tl.constexpr):
+    h = tl.program_id(0)
+    lb = tl.program_id(1)
+    t0 = tl.program_id(2) * BT
+    offs_t = t0 + tl.arange(0, BT)
+    offs_p = tl.arange(0, BP)
+    offs_l = lb * BL + tl.arange(0, BL)
+    mt = offs_t < T
+    x = tl.load(qn_ptr + offs_t[:, None] * s_qn_t + h * s_qn_h + offs_p[None, :],
+                mask=mt[:, None] & (offs_p[None, :] < P), other=0.0)  # [BT, BP]
+    w = tl.load(w_ptr + h * s_w_h + offs_p[:, None] * s_w_p + offs_l[None, :],
+                mask=(offs_p[:, None] < P) & (offs_l[None, :] < L), other=0.0)  # [BP, BL]
+    if IEEE:
+        acc = tl.dot(x, w, input_precision="ieee")
+    else:
+        acc = tl.dot(x, w)
+    row = offs_t[:, None] * (H * (L + R)) + h * (L + R)
+    tl.store(q_ptr + row + offs_l[None, :], acc.to(q_ptr.dtype.element_ty), mask=mt[:, None] & (offs_l[None, :] < L))
+    if lb == 0:  # the rope part goes behind the latent part
+        offs_r = tl.arange(0, BR)
+        mr = mt[:, None] & (offs_r[None, :] < R)
+        pe = tl.load(qp_ptr + offs_t[:, None] * s_qp_t + h * s_qp_h + offs_r[None, :], mask=mr, other=0.0)
+        tl.store(q_ptr + row + L + offs_r[None, :], pe.to(q_ptr.dtype.element_ty), mask=mr)
+
+
+@triton.jit
+def _absorb_o_kernel(o_ptr, w_ptr, out_ptr, T, s_o_t, s_o_h, s_w_h, s_w_v,
+                     H: tl.constexpr, L: tl.constexpr, V: tl.constexpr,
+                     BL: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr):
+    h = tl.program_id(0)
+    vb = tl.program_id(1)
+    t0 = tl.program_id(2) * BT
+    offs_t = t0 + tl.arange(0, BT)
+    offs_v = vb * BV + tl.arange(0, BV)
+    mt = offs_t < T
+    mv = offs_v < V
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    for l0 in range(0, L, BL):
+        offs_l = l0 + tl.arange(0, BL)
+        ml = offs_l < L
+        x = tl.load(o_ptr + offs_t[:, None] * s_o_t + h * s_o_h + offs_l[None, :],
+                    mask=mt[:, None] & ml[None, :], other=0.0)  # [BT, BL]
+        w = tl.load(w_ptr + h * s_w_h + offs_v[None, :] * s_w_v + offs_l[:, None],
+                    mask=mv[None, :] & ml[:, None], other=0.0)  # [BL, BV] = W_UV[h]^T tile
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    tl.store(out_ptr + offs_t[:, None] * (H * V) + h * V + offs_v[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mt[:, None] & mv[None, :])
+
+
+def _bt(T: int) -> int:
+    return 16 if T <= 16 else 64
+
+
+def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_nope [T, H, P], q_pe [T, H, R], w_uk [H, P, L] (last dims contiguous) -> q [T, H, L+R]."""
+    T, H, P = q_nope.shape
+    R, L = q_pe.shape[-1], w_uk.shape[-1]
+    if (q_pe.shape[:2] != (T, H) or w_uk.shape[:2] != (H, P)
+            or q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1 or w_uk.stride(-1) != 1):
+        raise ValueError(f"absorb_q: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, w_uk {tuple(w_uk.shape)} "
+                         "(last dims must be contiguous)")
+    q = torch.empty(T, H, L + R, dtype=q_nope.dtype, device=q_nope.device)
+    if T == 0:
+        return q
+    BL, BT = min(128, triton.next_power_of_2(L)), _bt(T)
+    _absorb_q_kernel[(H, triton.cdiv(L, BL), triton.cdiv(T, BT))](
+        q_nope, q_pe, w_uk, q, T, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        w_uk.stride(0), w_uk.stride(1),
+        H=H, P=P, L=L, R=R, BP=max(16, triton.next_power_of_2(P)), BL=BL, BR=triton.next_power_of_2(R), BT=BT,
+        IEEE=q_nope.dtype == torch.float32, num_warps=4)
+    return q
+
+
+def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """o_lat [T, H, L], w_uv [H, V, L] (last dims contiguous) -> o [T, H, V], contiguous."""
+    T, H, L = o_lat.shape
+    V = w_uv.shape[1]
+    if w_uv.shape[0] != H or w_uv.shape[2] != L or o_lat.stride(-1) != 1 or w_uv.stride(-1) != 1:
+        raise ValueError(f"absorb_o: o_lat {tuple(o_lat.shape)}, w_uv {tuple(w_uv.shape)} (last dims must be contiguous)")
+    out = torch.empty(T, H, V, dtype=o_lat.dtype, device=o_lat.device)
+    if T == 0:
+        return out
+    BV, BT = min(32, triton.next_power_of_2(V)), _bt(T)
+    BV = max(BV, 16)
+    _absorb_o_kernel[(H, triton.cdiv(V, BV), triton.cdiv(T, BT))](
+        o_lat, w_uv, out, T, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), H=H, L=L, V=V,
+        BL=max(16, min(128, triton.next_power_of_2(L))), BV=BV, BT=BT, IEEE=o_lat.dtype == torch.float32,
+        num_warps=4, num_stages=3)
+    return out

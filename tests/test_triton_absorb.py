@@ -1,0 +1,69 @@
+"""The absorbed decode's per-head product kernels (attention/triton_absorb.py) against einsum."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+CHECK = r"""
+import torch
+from attention.triton_absorb import absorb_o, absorb_q
+
+def check(T, H, P, R, L, V, dtype, device, tol):
+    g = torch.Generator().manual_seed(T * 7 + H)
+    # q as the model makes it: a view into a wider projection output (row stride > H*(P+R))
+    proj = torch.randn(T, H * (P + R) + 40, generator=g).to(device, dtype)
+    q = proj[:, : H * (P + R)].view(T, H, P + R)
+    q_nope, q_pe = q.split([P, R], dim=-1)
+    kv_b = torch.randn(H, P + V, L, generator=g).to(device, dtype) / L ** 0.5
+    w_uk, w_uv = kv_b[:, :P], kv_b[:, P:]  # views, as MLAAttention keeps them
+    ref_q = torch.cat([torch.einsum("thp,hpl->thl", q_nope.double(), w_uk.double()), q_pe.double()], dim=-1)
+    got_q = absorb_q(q_nope, q_pe, w_uk)
+    assert got_q.shape == (T, H, L + R) and got_q.is_contiguous()
+    assert torch.equal(got_q[..., L:], q_pe)  # the rope part is copied, not computed
+    o_lat = torch.randn(T, H, L, generator=g).to(device, dtype)
+    ref_o = torch.einsum("thl,hvl->thv", o_lat.double(), w_uv.double())
+    got_o = absorb_o(o_lat, w_uv)
+    assert got_o.shape == (T, H, V) and got_o.is_contiguous()
+    for got, ref in ((got_q, ref_q), (got_o, ref_o)):
+        err = ((got.double() - ref).norm() / ref.norm()).item()
+        assert err < tol, (T, H, P, R, L, V, dtype, err)
+"""
+
+
+def test_absorb_kernels_interpreter():
+    """Small shapes: T across the 16-row tile, P and R not powers of two, V below one tile."""
+    code = CHECK + r"""
+for T in (1, 5, 17):
+    check(T, 4, 16, 8, 32, 16, torch.float32, "cpu", 1e-6)
+check(3, 2, 24, 12, 48, 20, torch.float32, "cpu", 1e-6)
+print("ok")
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+def test_absorb_rejects_non_contiguous_rows():
+    from attention.triton_absorb import absorb_o
+    with pytest.raises(ValueError, match="absorb_o"):
+        absorb_o(torch.randn(2, 4, 32)[..., ::2], torch.randn(4, 16, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 64, 256])
+@pytest.mark.parametrize("H", [16, 128])
+def test_absorb_kernels_real_shapes(T, H):
+    """DeepSeek shapes: P 128, R 64, Lkv 512, V 128; bf16 against a float64 reference."""
+    ns = {}
+    exec(CHECK, ns)
+    ns["check"](T, H, 128, 64, 512, 128, torch.bfloat16, "cuda", 1e-2)
+    ns["check"](T, H, 128, 64, 512, 128, torch.float32, "cuda", 1e-5)
