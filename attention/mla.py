@@ -38,6 +38,8 @@ def _try_absorb_kernel(name: str, ops, *args) -> torch.Tensor | None:
     from attention import triton_absorb
     try:
         return getattr(triton_absorb, name)(*args)
+    except ValueError:  # a bad argument is a bug to report, not a reason to switch paths
+        raise
     except Exception as e:  # noqa: BLE001
         log.warning("Triton %s failed (%s); batched GEMMs from now on", name, e)
         _ABSORB_FAILED.append(name)

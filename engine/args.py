@@ -77,7 +77,7 @@ class EngineArgs:
              f"--nnodes {self.nnodes} must divide --tensor-parallel-size {self.tensor_parallel_size}")
         need(0 <= self.node_rank < self.nnodes, f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         need(self.nnodes == 1 or self.master_port is not None, "--master-port is required with --nnodes > 1")
-        need(self.async_scheduling in (None, True, False),
+        need(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
              f"async_scheduling must be a bool or None (auto), got {self.async_scheduling!r}")
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"--max-model-len must be >= 1, got {self.max_model_len}")

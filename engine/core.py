@@ -6,8 +6,8 @@ import logging
 
 from engine.args import EngineArgs
 from engine.executor import make_executor
-from engine.worker import resolve_device
 from engine.sampling_params import SamplingParams
+from engine.worker import resolve_device
 from models.config import ModelConfig
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import EngineCoreOutput

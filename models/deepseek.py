@@ -76,7 +76,7 @@ class DeepseekAttention(nn.Module):
         q_nope, q_pe = q.split([self.P, self.R], dim=-1)
         c, k_pe = kv.split([self.Lkv, self.R], dim=-1)
         c = self.kv_a_layernorm(c)
-        q_pe, k_pe = rope.apply(cos_sin, q_pe, k_pe)
+        q_pe, k_pe = rope.rotate(cos_sin, q_pe, k_pe)
         o = self.mla.forward(q_nope, q_pe, c, k_pe, kv_cache, meta)  # [T, Hl, V]
         return self.o_proj(o.flatten(1))
 

@@ -1,11 +1,16 @@
-"""Fused MoE for few tokens (decode): two Triton kernels instead of ~18 torch ops per layer.
+"""Fused MoE for few tokens (decode): three Triton kernels instead of ~18 torch ops per layer.
 
 At batch 1-8 the routed experts are T*k matrix-vector products that read each chosen expert's
 weights once; the grouped-GEMM path spends more time in its glue (sort, gather, scatter) than in
-the products. Here:
+the products. Each token has k routed pairs plus n_shared pairs for the shared experts folded
+into the weights (`MoE.fuse_experts`, weight 1). Here:
   kernel 1, one program per (token-expert pair, tile of I): h = silu(x W_gate^T) * (x W_up^T)
   kernel 2, one program per (token-expert pair, tile of D): p = w * (h W2^T), fp32
-  then out = sum of a token's k partials (one small reduction; no atomics, no zero-fill).
+  kernel 3, one program per (token, tile of D): out = sum of the token's pair partials, in the
+  output dtype (no atomics, so deterministic; no zero-fill).
+Kernels 1 and 2 come in two variants: "gemv" (CUDA-core products) and "dot" (the default:
+tensor-core products on the token's row padded to 16, which lets the compiler pipeline the
+weight loads).
 Weights: w13 `[E, 2I, D]` (gate rows then up rows), w2 `[E, D, I]`; accumulation in fp32. FP8
 expert weights with 128 x 128 block scales are dequantized tile by tile inside the kernels.
 
@@ -201,15 +206,15 @@ _down_tuned = triton.autotune(configs=_configs(_TILES), key=["D", "I", "T_BUCKET
 # gate/up grid is k * I / BLOCK_N programs (6 * 22 = 132 at BLOCK_N 64 on V2-Lite).
 _DOT_TILES = [(16, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (32, 128, 4, 6), (32, 256, 4, 3),
               (64, 64, 4, 6), (64, 128, 4, 4), (64, 128, 8, 5), (128, 64, 4, 5), (128, 128, 8, 3)]
-_gate_up_dot_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in _DOT_TILES],
-    key=["D", "I", "T_BUCKET", "K_TOP", "NS", "SCALED", "IEEE"])(_gate_up_dot_kernel)
-_down_dot_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in _DOT_TILES],
-    key=["D", "I", "T_BUCKET", "K_TOP", "NS", "SCALED", "IEEE"])(_down_dot_kernel)
+_DOT_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in _DOT_TILES]
+_DOT_KEY = ["D", "I", "T_BUCKET", "K_TOP", "NS", "SCALED", "IEEE"]
+_gate_up_dot_tuned = triton.autotune(configs=_DOT_CONFIGS, key=_DOT_KEY)(_gate_up_dot_kernel)
+_down_dot_tuned = triton.autotune(configs=_DOT_CONFIGS, key=_DOT_KEY)(_down_dot_kernel)
 
 IMPLS = ("gemv", "dot")
 DEFAULT_IMPL = os.environ.get("DSV_FUSED_MOE_IMPL", "dot")
+if DEFAULT_IMPL not in IMPLS:
+    raise ValueError(f"DSV_FUSED_MOE_IMPL={DEFAULT_IMPL!r}: expected one of {IMPLS}")
 
 
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,

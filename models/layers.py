@@ -156,14 +156,14 @@ class YarnRotaryEmbedding(nn.Module):
         return inv_freq_inter * (1 - extra_weight) + inv_freq_extra * extra_weight
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
-        """The rows `[T, R]` = [cos | sin] of `positions [T]`, for `apply` in every layer."""
+        """The rows `[T, R]` = [cos | sin] of `positions [T]`, for `rotate` in every layer."""
         return self.cos_sin[positions]
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x `[T, ..., R]` by its token's position; positions `[T]`."""
-        return self.apply(self.at(positions), *xs)
+        return self.rotate(self.at(positions), *xs)
 
-    def apply(self, cos_sin: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def rotate(self, cos_sin: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x `[T, ..., R]` by the rows `at(positions)` returned."""
         cos, sin = cos_sin.chunk(2, dim=-1)  # [T, R/2] each
         out = []

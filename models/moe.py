@@ -107,8 +107,6 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scor
     return weights * scale, ids
 
 
-
-
 class MoE(nn.Module):
     """Routed experts + shared experts, summed locally, one all-reduce per layer under TP.
 

@@ -13,7 +13,10 @@ Same rules as `route`:
       `topk_group` groups with the highest sum of their two best choices; top-k of the choice,
       weights = the chosen experts' scores.
   then weights / sum (norm_topk_prob, k > 1), times routed_scaling_factor.
-Ties go to the lower expert id. Experts are returned best first, as torch.topk does.
+Experts are returned best first, as torch.topk does; on exact ties this kernel takes the lower
+expert id (groups likewise), where torch.topk promises no order, so the CPU and CUDA paths may
+choose differently on ties (only degenerate weights make exact ties). A row with NaN logits
+still gets k distinct valid ids.
 """
 
 from __future__ import annotations
@@ -57,17 +60,21 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
             pick = tl.min(tl.where((best == gm) & (~keep), gid, GP), axis=0)
             keep = keep | (gid == pick)
         choice = tl.where(keep[:, None], choice, float("-inf"))
+    # NaN (an overflowed activation) compares false everywhere: as -inf it can still be picked,
+    # so a broken row gets valid expert ids (garbage for that request, never an id out of range)
+    choice = tl.where(choice == choice, choice, float("-inf"))
     kk = tl.arange(0, KP)
     w_out = tl.zeros([KP], dtype=tl.float32)
     id_out = tl.zeros([KP], dtype=tl.int64)
+    avail = valid
     for i in tl.static_range(K):
-        m = tl.max(tl.max(choice, axis=1), axis=0)
-        pick = tl.min(tl.min(tl.where(choice == m, e, E), axis=1), axis=0)
+        m = tl.max(tl.max(tl.where(avail, choice, float("-inf")), axis=1), axis=0)
+        pick = tl.min(tl.min(tl.where(avail & (choice == m), e, E), axis=1), axis=0)
         hit = e == pick
         w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
         w_out = tl.where(kk == i, w, w_out)
         id_out = tl.where(kk == i, pick.to(tl.int64), id_out)
-        choice = tl.where(hit, float("-inf"), choice)
+        avail = avail & (~hit)
     if NORM:
         w_out = w_out / (tl.sum(w_out, axis=0) + 1e-20)
     tl.store(w_ptr + t * K + kk, w_out * scale, mask=kk < K)

@@ -1,8 +1,11 @@
 """Routed MoE at decode batch sizes: the fused Triton kernels (gemv and dot variants) vs the
 grouped-GEMM path (CUDA), each timed inside a CUDA graph as the engine's decode runs it.
 
-DeepSeek-V2-Lite shapes by default (D 2048, I 1408, 64 experts, top-6), bf16, random weights.
-Bytes = the distinct chosen experts' weights (read once) + activations; GB/s against that.
+DeepSeek-V2-Lite shapes by default (D 2048, I 1408, 64 experts, top-6, 2 shared experts run as
+two more pairs per token, as the engine does), bf16, random weights.
+Bytes = the distinct chosen experts' weights and the shared ones (read once) + activations. The
+captured calls route to other experts each time, but the shared experts are the same weights in
+every call and may partly stay in L2 (the engine's layers each have their own): slightly optimistic.
 
     python scripts/bench_fused_moe.py [--model configs/models/DeepSeek-V2-Lite] [--json PATH]
 """
@@ -61,6 +64,7 @@ def main() -> None:
         moe.fuse_experts()
     D, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     per_expert = 3 * D * I * 2
+    ns = moe.n_shared  # shared experts folded into w13 / w2 by fuse_experts
     rows = []
     for T in a.tokens:
         calls = []
@@ -68,18 +72,20 @@ def main() -> None:
         for c in range(a.calls):
             x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
             w, ids = moe.gate(x)
-            if T * k <= E // 2:  # few pairs: distinct experts, and none shared with the previous call
+            if T * k <= E // 2:  # few pairs: distinct routed experts, none in common with the previous call
                 ids = perm.roll(-c * T * k)[:T * k].view(T, k).to("cuda")
             calls.append((x, w, ids))
-        distinct = sum(ids.unique().numel() for _, _, ids in calls) / len(calls)
+        distinct = sum(ids.unique().numel() for _, _, ids in calls) / len(calls) + ns
         nbytes = distinct * per_expert + 2 * T * D * 2
         x, w, ids = calls[0]
-        ref = moe._routed_grouped(x, w, ids).float()
-        r = {"T": T, "distinct_experts": distinct, "MB": nbytes / 1e6}
+        ref = moe._routed_grouped(x, *moe._with_shared(w, ids)).float()
+        r = {"T": T, "distinct_experts": distinct, "shared_experts": ns, "MB": nbytes / 1e6}
         line = f"T={T}: {distinct:.1f} experts {r['MB']:.1f} MB"
-        for name, fn in (("gemv", lambda x, w, ids: fused_moe_small(x, moe.w13, moe.w2, w, ids, impl="gemv")),
-                         ("dot", lambda x, w, ids: fused_moe_small(x, moe.w13, moe.w2, w, ids, impl="dot")),
-                         ("grouped", moe._routed_grouped)):
+        for name, fn in (("gemv", lambda x, w, ids: fused_moe_small(x, moe.w13, moe.w2, w, ids, impl="gemv",
+                                                                    n_shared=ns)),
+                         ("dot", lambda x, w, ids: fused_moe_small(x, moe.w13, moe.w2, w, ids, impl="dot",
+                                                                   n_shared=ns)),
+                         ("grouped", lambda x, w, ids: moe._routed_grouped(x, *moe._with_shared(w, ids)))):
             err = ((fn(x, w, ids).float() - ref).norm() / ref.norm()).item()
             us = graph_us(fn, calls)
             r.update({f"{name}_us": us, f"{name}_GBps": nbytes / us / 1e3, f"{name}_rel_err": err})

@@ -1,6 +1,7 @@
 """Where a decode step's time goes: cProfile of engine steps plus the CUDA-graph replay alone.
 
     python scripts/profile_step.py --batch 1 --steps 50
+    python scripts/profile_step.py --kernels --batch 1      # GPU time per kernel instead
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ def main() -> None:
     add_engine_flags(p)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--kernels", action="store_true",
+                   help="instead: GPU time per kernel over 5 eager decode steps (torch.profiler)")
     a = p.parse_args()
+    if a.kernels:
+        return kernels(a)
     llm = LLM(**engine_kwargs(a))
     core = llm.engine
     sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
@@ -56,13 +61,10 @@ def main() -> None:
 
 
 
-def kernels(batch: int = 1, steps: int = 5) -> None:
-    """GPU kernel time per op over eager decode steps (what the graphs replay)."""
-    import argparse as ap
+def kernels(a, steps: int = 5) -> None:
+    """GPU kernel time per op over eager decode steps (what the graphs replay), at `a.batch`."""
     from torch.profiler import ProfilerActivity, profile
-    p = ap.ArgumentParser()
-    add_engine_flags(p)
-    a = p.parse_args([])
+    batch = a.batch
     a.enforce_eager = True
     llm = LLM(**engine_kwargs(a))
     core = llm.engine
@@ -89,8 +91,4 @@ def kernels(batch: int = 1, steps: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    import sys
-    if "--kernels" in sys.argv:
-        kernels()
-    else:
-        main()
+    main()

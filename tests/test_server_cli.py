@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -50,6 +51,8 @@ def test_flags_map_to_engine_args():
     defaults = engine_args_from(build_parser().parse_args(["--model", str(TINY_MODEL)]))
     assert defaults.enable_prefix_caching and defaults.max_num_batched_tokens == 2048
     assert defaults.async_scheduling is None  # auto: on with CUDA
+    with pytest.raises(ValueError, match="async_scheduling"):
+        dataclasses.replace(defaults, async_scheduling=1)
     for flag, want in (("--async-scheduling", True), ("--no-async-scheduling", False)):
         ns = build_parser().parse_args(["--model", str(TINY_MODEL), flag])
         assert engine_args_from(ns).async_scheduling is want

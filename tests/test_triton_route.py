@@ -41,6 +41,14 @@ def check(case, device, T=7, D=48):
     torch.testing.assert_close(tw, rw, rtol=1e-5, atol=1e-7)
     empty = route_triton(x[:0], *args[1:])
     assert empty[0].shape == (0, k) and empty[1].shape == (0, k)
+    # overflowed rows (NaN, inf) still get k distinct valid ids; the good rows are unchanged
+    bad = x.clone()
+    bad[1] = float("nan")
+    bad[2, 0] = float("inf")
+    bw, bi = route_triton(bad, *args[1:])
+    assert int(bi.min()) >= 0 and int(bi.max()) < E
+    assert all(len(set(r)) == k for r in bi.tolist())
+    assert torch.equal(bi[3:], ti[3:]) and torch.equal(bi[0], ti[0])
 """
 
 
