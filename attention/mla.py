@@ -23,26 +23,27 @@ from attention.backend import AttentionOps
 from attention.metadata import ContextChunk, MLAMetadata
 from attention.torch_backend import merge_attn_states
 from engine import distributed as pd
+from models.fused import rms_norm_op
 
 log = logging.getLogger(__name__)
-_ABSORB_FAILED: list[str] = []  # the absorb kernels that raised once in this process
+_FAILED: list[str] = []  # fused kernels that raised once in this process
 
 
-def _try_absorb_kernel(name: str, ops, *args) -> torch.Tensor | None:
-    """attention/triton_absorb.py's `name` with the Triton backend on CUDA (the torch backend
-    stays the plain reference); None elsewhere, or after it raised once (logged: a kernel that
-    does not compile on some GPU must not stop serving; the first call is an eager warm-up step,
-    before any CUDA-graph capture)."""
-    if getattr(ops, "name", "") != "triton" or not args[0].is_cuda or name in _ABSORB_FAILED:
+def _try_kernel(module: str, name: str, ops, *args) -> torch.Tensor | None:
+    """`attention.<module>.<name>(*args)`, a fused decode-path kernel, with the Triton backend on
+    CUDA (the torch backend stays the plain reference); None elsewhere, or after it raised once
+    (logged: a kernel that does not compile on some GPU must not stop serving; the first call is
+    an eager warm-up step, before any CUDA-graph capture). The caller then runs the torch ops."""
+    if getattr(ops, "name", "") != "triton" or not args[0].is_cuda or name in _FAILED:
         return None
-    from attention import triton_absorb
+    import importlib
     try:
-        return getattr(triton_absorb, name)(*args)
+        return getattr(importlib.import_module(f"attention.{module}"), name)(*args)
     except ValueError:  # a bad argument is a bug to report, not a reason to switch paths
         raise
     except Exception as e:  # noqa: BLE001
-        log.warning("Triton %s failed (%s); batched GEMMs from now on", name, e)
-        _ABSORB_FAILED.append(name)
+        log.warning("Triton %s failed (%s); plain torch ops from now on", name, e)
+        _FAILED.append(name)
         return None
 
 
@@ -63,10 +64,27 @@ class MLAAttention:
         w = w.view(self.H, self.P + self.V, self.Lkv)
         self.w_uk, self.w_uv = w[:, : self.P], w[:, self.P:]
 
-    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, c: torch.Tensor,
-                k_pe: torch.Tensor, kv_cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
-        """q_nope [T,Hl,P], q_pe [T,Hl,R], c [T,Lkv], k_pe [T,R] -> [T, Hl, V]."""
-        self.ops.write_kv(kv_cache, torch.cat([c, k_pe], dim=-1), meta.slot_mapping)
+    def finish_kv(self, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor,
+                  rope, kv_cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
+        """The new tokens' cache rows from kv_a_proj's output `kv [T, Lkv+R]`: RMSNorm of c, RoPE of
+        k_pe, `[c ‖ k_pe]` written to the cache at the slot mapping and returned `[T, Lkv+R]`.
+        With the Triton backend on CUDA one kernel (attention/triton_cache.py `kv_finish`),
+        else the norm, rope, cat and the backend's write_kv."""
+        row = _try_kernel("triton_cache", "kv_finish", self.ops, kv, norm_weight, eps, cos_sin, kv_cache,
+                          meta.slot_mapping)
+        if row is not None:
+            return row
+        c, k_pe = kv.split([self.Lkv, self.R], dim=-1)
+        (k_pe,) = rope.rotate(cos_sin, k_pe)
+        row = torch.cat([rms_norm_op(c, norm_weight, eps), k_pe], dim=-1)
+        self.ops.write_kv(kv_cache, row, meta.slot_mapping)
+        return row
+
+    def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_row: torch.Tensor,
+                kv_cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
+        """q_nope [T,Hl,P], q_pe [T,Hl,R], kv_row [T, Lkv+R] = [c ‖ k_pe] of the new tokens, already
+        in the cache (`finish_kv`) -> [T, Hl, V]."""
+        c, k_pe = kv_row.split([self.Lkv, self.R], dim=-1)
         nd = meta.num_decode_tokens
         if meta.prefill is None and nd == q_nope.shape[0]:  # pure decode: no copy into a joint output
             return self._decode(q_nope, q_pe, kv_cache, meta)
@@ -82,14 +100,14 @@ class MLAAttention:
     def _absorb_q(self, q_nope, q_pe):
         """[q_nope @ W_UK ‖ q_pe] `[Nd, Hl, Lkv+R]`: one Triton kernel with the Triton backend
         (attention/triton_absorb.py), else a batched GEMM and a cat."""
-        q = _try_absorb_kernel("absorb_q", self.ops, q_nope, q_pe, self.w_uk)
+        q = _try_kernel("triton_absorb", "absorb_q", self.ops, q_nope, q_pe, self.w_uk)
         if q is not None:
             return q
         return torch.cat([torch.einsum("thp,hpl->thl", q_nope, self.w_uk), q_pe], dim=-1)
 
     def _absorb_o(self, o_lat):
         """o_lat @ W_UVᵀ as `[Nd, Hl, V]`, contiguous with the Triton backend (o_proj reads it flat)."""
-        o = _try_absorb_kernel("absorb_o", self.ops, o_lat, self.w_uv)
+        o = _try_kernel("triton_absorb", "absorb_o", self.ops, o_lat, self.w_uv)
         if o is not None:
             return o
         return torch.einsum("thl,hvl->thv", o_lat, self.w_uv)

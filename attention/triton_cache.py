@@ -90,3 +90,61 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, starts: to
         PAGE=kv_cache.shape[1], D=D, BLOCK_T=BLOCK_T, BLOCK_D=_col_block(D),
         BLOCK_B=min(128, triton.next_power_of_2(B)), num_warps=4)
     return out
+
+
+@triton.jit
+def _kv_finish_kernel(kv_ptr, w_ptr, cs_ptr, out_ptr, cache_ptr, slot_ptr, eps,
+                      stride_kvt, stride_cst, stride_cb, stride_cs,
+                      PAGE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+                      BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    src = kv_ptr + t * stride_kvt
+    dt = out_ptr.dtype.element_ty
+    # RMSNorm of the latent part, as models.fused.rms_norm: w * (x * rsqrt(mean(x^2) + eps)) in x's dtype
+    offs_l = tl.arange(0, BLOCK_L)
+    ml = offs_l < L
+    c = tl.load(src + offs_l, mask=ml, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(c * c, axis=0) / L + eps)
+    cn = (c * r).to(dt) * tl.load(w_ptr + offs_l, mask=ml, other=0.0).to(dt)
+    # RoPE of the rope part on interleaved pairs, as models.fused.rope (cos | sin rows, fp32)
+    offs_h = tl.arange(0, BLOCK_H)
+    mh = offs_h < R // 2
+    x1 = tl.load(src + L + 2 * offs_h, mask=mh, other=0.0).to(tl.float32)
+    x2 = tl.load(src + L + 2 * offs_h + 1, mask=mh, other=0.0).to(tl.float32)
+    cos = tl.load(cs_ptr + t * stride_cst + offs_h, mask=mh, other=0.0)
+    sin = tl.load(cs_ptr + t * stride_cst + R // 2 + offs_h, mask=mh, other=0.0)
+    o1 = (x1 * cos - x2 * sin).to(dt)
+    o2 = (x2 * cos + x1 * sin).to(dt)
+    dst = out_ptr + t * (L + R)
+    tl.store(dst + offs_l, cn, mask=ml)
+    tl.store(dst + L + 2 * offs_h, o1, mask=mh)
+    tl.store(dst + L + 2 * offs_h + 1, o2, mask=mh)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot >= 0:  # -1: padding, or a token another DCP rank stores
+        row = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
+        ct = cache_ptr.dtype.element_ty
+        tl.store(row + offs_l, cn.to(ct), mask=ml)
+        tl.store(row + L + 2 * offs_h, o1.to(ct), mask=mh)
+        tl.store(row + L + 2 * offs_h + 1, o2.to(ct), mask=mh)
+
+
+def kv_finish(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor,
+              kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """The new tokens' cache rows in one kernel: kv `[T, L+R]` (kv_a_proj output, rows may be
+    strided) -> `[rms_norm(c) ‖ rope(k_pe)]` `[T, L+R]`, returned and stored at `slot_mapping`
+    (-1 skipped). Replaces the norm, the rope, the cat and write_kv of the unfused path."""
+    T = kv.shape[0]
+    L = norm_weight.shape[0]
+    R = kv.shape[1] - L
+    if (kv.stride(-1) != 1 or cos_sin.shape != (T, R) or cos_sin.stride(-1) != 1 or R % 2
+            or kv_cache.shape[-1] != L + R or kv_cache.stride(-1) != 1 or slot_mapping.shape != (T,)):
+        raise ValueError(f"kv_finish: kv {tuple(kv.shape)}, norm weight {tuple(norm_weight.shape)}, "
+                         f"cos_sin {tuple(cos_sin.shape)}, cache {tuple(kv_cache.shape)}, "
+                         f"slots {tuple(slot_mapping.shape)}")
+    out = torch.empty(T, L + R, dtype=kv.dtype, device=kv.device)
+    if T:
+        _kv_finish_kernel[(T,)](kv, norm_weight, cos_sin, out, kv_cache, slot_mapping.contiguous(), float(eps),
+                                kv.stride(0), cos_sin.stride(0), kv_cache.stride(0), kv_cache.stride(1),
+                                PAGE=kv_cache.shape[1], L=L, R=R, BLOCK_L=triton.next_power_of_2(L),
+                                BLOCK_H=triton.next_power_of_2(R // 2), num_warps=4)
+    return out
