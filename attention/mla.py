@@ -14,8 +14,6 @@ part merged by LSE.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import torch.nn.functional as F
 
@@ -23,28 +21,16 @@ from attention.backend import AttentionOps
 from attention.metadata import ContextChunk, MLAMetadata
 from attention.torch_backend import merge_attn_states
 from engine import distributed as pd
-from models.fused import rms_norm_op
-
-log = logging.getLogger(__name__)
-_FAILED: list[str] = []  # fused kernels that raised once in this process
-
+from models.fused import rms_norm_op, try_kernel
 
 def _try_kernel(module: str, name: str, ops, *args) -> torch.Tensor | None:
     """`attention.<module>.<name>(*args)`, a fused decode-path kernel, with the Triton backend on
-    CUDA (the torch backend stays the plain reference); None elsewhere, or after it raised once
-    (logged: a kernel that does not compile on some GPU must not stop serving; the first call is
-    an eager warm-up step, before any CUDA-graph capture). The caller then runs the torch ops."""
-    if getattr(ops, "name", "") != "triton" or not args[0].is_cuda or name in _FAILED:
+    CUDA (the torch backend stays the plain reference); None elsewhere or if it failed
+    (`models.fused.try_kernel`): the caller then runs the torch ops."""
+    if getattr(ops, "name", "") != "triton" or not args[0].is_cuda:
         return None
     import importlib
-    try:
-        return getattr(importlib.import_module(f"attention.{module}"), name)(*args)
-    except ValueError:  # a bad argument is a bug to report, not a reason to switch paths
-        raise
-    except Exception as e:  # noqa: BLE001
-        log.warning("Triton %s failed (%s); plain torch ops from now on", name, e)
-        _FAILED.append(name)
-        return None
+    return try_kernel(name, getattr(importlib.import_module(f"attention.{module}"), name), *args)
 
 
 class MLAAttention:

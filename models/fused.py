@@ -61,6 +61,26 @@ class CudaCompiled:
             return self.fn(*args)
 
 
+_FAILED: set[str] = set()  # fast-path kernels that raised once in this process
+
+
+def try_kernel(name: str, fn, *args):
+    """fn(*args) for a Triton fast path, or None when it raised, now or before in this process,
+    so the caller runs its plain torch ops instead. A kernel that does not compile on some GPU
+    must not stop serving (logged once); a ValueError is a bad argument and propagates. The
+    first call of each path is an eager warm-up step, before any CUDA-graph capture."""
+    if name in _FAILED:
+        return None
+    try:
+        return fn(*args)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        log.warning("Triton %s failed (%s: %s); plain torch ops from now on", name, type(e).__name__, e)
+        _FAILED.add(name)
+        return None
+
+
 rms_norm_op = CudaCompiled(rms_norm)
 add_rms_norm_op = CudaCompiled(add_rms_norm)
 rope_op = CudaCompiled(rope)

@@ -11,7 +11,7 @@ from torch import nn
 from engine import distributed as pd
 from models.config import ModelConfig
 from models.fp8 import dequantize
-from models.fused import silu_mul_op
+from models.fused import CudaCompiled, silu_mul_op, try_kernel
 from models.layers import Linear, shard_param
 
 
@@ -72,7 +72,10 @@ class Router(nn.Module):
                 c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
         if x.is_cuda:  # cuBLAS GEMM + one Triton kernel (tests/test_triton_route.py)
             from models.triton_route import route_triton  # triton: CUDA installs only
-            return route_triton(*args)
+            out = try_kernel("route", route_triton, *args)
+            if out is not None:
+                return out
+            return route_op(*args)
         return route(*args)
 
 
@@ -105,6 +108,9 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scor
     if top_k > 1 and norm:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scale, ids
+
+
+route_op = CudaCompiled(route)  # the CUDA fallback if the Triton router cannot run
 
 
 class MoE(nn.Module):
@@ -184,12 +190,13 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        out = None
         if x.is_cuda and x.shape[0] <= _FUSED_MAX_TOKENS:
             from models.fused_moe import fused_moe_small  # triton: CUDA installs only
             block = self.fp8_block[0] if self.fp8_block else 128
-            out = fused_moe_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
-                                  n_shared=self.n_shared)
-        else:
+            out = try_kernel("fused_moe", fused_moe_small, x, self.w13, self.w2, weights, ids, self.w13_scale,
+                             self.w2_scale, block, None, self.n_shared)
+        if out is None:
             out = self._routed_any(x, *self._with_shared(weights, ids))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
