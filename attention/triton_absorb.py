@@ -81,14 +81,14 @@ def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> to
     """q_nope [T, H, P], q_pe [T, H, R], w_uk [H, P, L] (last dims contiguous) -> q [T, H, L+R]."""
     T, H, P = q_nope.shape
     R, L = q_pe.shape[-1], w_uk.shape[-1]
-    if (q_pe.shape[:2] != (T, H) or w_uk.shape[:2] != (H, P)
+    if (q_pe.shape[:2] != (T, H) or w_uk.shape[:2] != (H, P) or not q_nope.dtype == q_pe.dtype == w_uk.dtype
             or q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1 or w_uk.stride(-1) != 1):
         raise ValueError(f"absorb_q: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, w_uk {tuple(w_uk.shape)} "
-                         "(last dims must be contiguous)")
+                         "(one dtype, last dims contiguous)")
     q = torch.empty(T, H, L + R, dtype=q_nope.dtype, device=q_nope.device)
     if T == 0:
         return q
-    BL, BT = min(128, triton.next_power_of_2(L)), _bt(T)
+    BL, BT = max(16, min(128, triton.next_power_of_2(L))), _bt(T)
     _absorb_q_kernel[(H, triton.cdiv(L, BL), triton.cdiv(T, BT))](
         q_nope, q_pe, w_uk, q, T, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
         w_uk.stride(0), w_uk.stride(1),
@@ -101,8 +101,10 @@ def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """o_lat [T, H, L], w_uv [H, V, L] (last dims contiguous) -> o [T, H, V], contiguous."""
     T, H, L = o_lat.shape
     V = w_uv.shape[1]
-    if w_uv.shape[0] != H or w_uv.shape[2] != L or o_lat.stride(-1) != 1 or w_uv.stride(-1) != 1:
-        raise ValueError(f"absorb_o: o_lat {tuple(o_lat.shape)}, w_uv {tuple(w_uv.shape)} (last dims must be contiguous)")
+    if (w_uv.shape[0] != H or w_uv.shape[2] != L or o_lat.dtype != w_uv.dtype
+            or o_lat.stride(-1) != 1 or w_uv.stride(-1) != 1):
+        raise ValueError(f"absorb_o: o_lat {tuple(o_lat.shape)} {o_lat.dtype}, w_uv {tuple(w_uv.shape)} {w_uv.dtype} "
+                         "(one dtype, last dims contiguous)")
     out = torch.empty(T, H, V, dtype=o_lat.dtype, device=o_lat.device)
     if T == 0:
         return out

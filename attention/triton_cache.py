@@ -137,7 +137,8 @@ def kv_finish(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos_sin: 
     L = norm_weight.shape[0]
     R = kv.shape[1] - L
     if (kv.stride(-1) != 1 or cos_sin.shape != (T, R) or cos_sin.stride(-1) != 1 or R % 2
-            or kv_cache.shape[-1] != L + R or kv_cache.stride(-1) != 1 or slot_mapping.shape != (T,)):
+            or kv_cache.dim() != 3 or kv_cache.shape[-1] != L + R or kv_cache.stride(-1) != 1
+            or norm_weight.dim() != 1 or norm_weight.stride(0) != 1 or slot_mapping.shape != (T,)):
         raise ValueError(f"kv_finish: kv {tuple(kv.shape)}, norm weight {tuple(norm_weight.shape)}, "
                          f"cos_sin {tuple(cos_sin.shape)}, cache {tuple(kv_cache.shape)}, "
                          f"slots {tuple(slot_mapping.shape)}")

@@ -39,11 +39,13 @@ def check(T, H, P, R, L, V, dtype, device, tol):
 
 
 def test_absorb_kernels_interpreter():
-    """Small shapes: T across the 16-row tile, P and R not powers of two, V below one tile."""
+    """Small shapes (P and R not powers of two, V below one tile), and the real widths at T 80
+    (several L, V and T tiles: the loops and the rope copy's one-tile condition)."""
     code = CHECK + r"""
 for T in (1, 5, 17):
     check(T, 4, 16, 8, 32, 16, torch.float32, "cpu", 1e-6)
 check(3, 2, 24, 12, 48, 20, torch.float32, "cpu", 1e-6)
+check(80, 2, 128, 64, 512, 128, torch.float32, "cpu", 1e-6)
 print("ok")
 """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))

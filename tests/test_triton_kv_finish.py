@@ -31,7 +31,7 @@ def check(T, L, R, page, dtype, device, tol):
     cs = rope.at(positions)
     nb = max(8, -(-T // page) + 1)
     slots = torch.randperm(nb * page, generator=g)[:T].to(device)
-    slots[::3] = -1  # padding / another DCP rank's tokens
+    slots[1::3] = -1  # padding / another DCP rank's tokens (row 0 is stored: T = 1 writes)
     ref_cache = torch.full((nb, page, L + R), 7.0, dtype=dtype, device=device)
     got_cache = ref_cache.clone()
     (k_pe,) = rope.rotate(cs, kv[:, L:])
