@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from models.fp8 import FP8, FP8_MAX
-from models.fused_moe import interpreting
+from models.fused_moe import autotuning, interpreting
 
 GROUP = 128
 
@@ -139,7 +139,7 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     args = (xq, sx, wq.contiguous(), sw.contiguous(), y, M, N, K, triton.cdiv(K, GROUP),
             min(triton.next_power_of_2(M), 8192))
-    if interpreting():
+    if not autotuning():  # interpreter, or DSV_AUTOTUNE=0: the first candidate of the M range
         bm, bn = (16 if M <= 16 else 64), 64
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
         _w8a8_kernel[grid](*args, BM=bm, BN=bn, BK=GROUP, GROUP_M=2)

@@ -191,11 +191,20 @@ def _configs(shapes):
 _TILES = [(8, 256, 4), (8, 512, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (16, 512, 8), (32, 256, 8),
           (64, 128, 8)]
 _INTERPRET_TILES = {"BLOCK_N": 32, "BLOCK_K": 128}
+# DSV_AUTOTUNE=0 on CUDA: one tile each, among the autotuner's picks on the H200
+_FIXED_TILES = {"gemv": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4),
+                "dot": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)}
 
 
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (Triton on the CPU, for tests): no autotuning there."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotuning() -> bool:
+    """Autotune tiles on CUDA (the default). DSV_AUTOTUNE=0 uses one fixed tile per kernel instead:
+    for quick GPU test runs, where tuning every test shape costs minutes of device time."""
+    return not interpreting() and os.environ.get("DSV_AUTOTUNE", "1") != "0"
 
 
 _gate_up_tuned = triton.autotune(configs=_configs(_TILES),
@@ -273,8 +282,8 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
         up, down, up_tuned, down_tuned = _gate_up_dot_kernel, _down_dot_kernel, _gate_up_dot_tuned, _down_dot_tuned
     else:
         up, down, up_tuned, down_tuned = _gate_up_kernel, _down_kernel, _gate_up_tuned, _down_tuned
-    if interpreting():
-        t = _INTERPRET_TILES
+    if not autotuning():
+        t = _INTERPRET_TILES if interpreting() else _FIXED_TILES[impl]
         up[(T * kt, triton.cdiv(I, t["BLOCK_N"]))](*up_args, **const, **t)
         down[(T * kt, triton.cdiv(D, t["BLOCK_N"]))](*down_args, **const, **t)
     else:
