@@ -27,8 +27,10 @@ for spec in $steps; do
   case $s in
     tests) timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=8 \
              tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_engine.py tests/test_triton_route.py \
-             tests/test_triton_absorb.py tests/test_triton_kv_finish.py > "$log" 2>&1 ;;
+             tests/test_triton_absorb.py tests/test_triton_kv_finish.py tests/test_triton_decode_fused_reduce.py \
+             > "$log" 2>&1 ;;
     quick) DSV_AUTOTUNE=0 timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=5 tests/test_triton_route.py tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
+             tests/test_triton_decode_fused_reduce.py \
              tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_fp8_gemm.py \
              -k "not trained and not bf16_as_close and not w8a8_real" > "$log" 2>&1 ;;
     moe) timeout "$T" python3 scripts/bench_fused_moe.py --json "$OUT/fused_moe.json" > "$log" 2>&1 ;;
