@@ -293,8 +293,153 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     return out
 
 
+# --- Medium batches (experimental, DSV_MOE_BLOCKED=1): pairs sorted by expert into blocks ---------
+#
+# From ~16 tokens on, pairs share experts and the pair-parallel kernels above would read an
+# expert's weights once per pair. Here the (token, expert) pairs are sorted by expert and padded
+# into blocks of BLOCK_M rows of one expert; a program multiplies a block's rows by one tile of
+# its expert's weights, so each expert's weights are read once per block (once, at these sizes).
+# The sort and padding are torch ops without host syncs (CUDA-graph safe); the products and the
+# pair sum are the three kernels below, the same math as the small-batch path.
+
+
+@triton.jit
+def _blocked_gate_up_kernel(x_ptr, rows_ptr, bexp_ptr, w13_ptr, h_ptr, D, I, E, KT, T_BUCKET,
+                            IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    blk = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(bexp_ptr + blk).to(tl.int64)
+    if e < E:
+        pair = tl.load(rows_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))  # -1: padding row
+        valid = pair >= 0
+        tok = tl.where(valid, pair, 0) // KT
+        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < I
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        w_base = w13_ptr + e * (2 * I) * D
+        for k0 in range(0, D, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < D
+            xv = tl.load(x_ptr + tok[:, None].to(tl.int64) * D + offs_k[None, :],
+                         mask=valid[:, None] & mask_k[None, :], other=0.0)
+            m = mask_n[:, None] & mask_k[None, :]
+            wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0)
+            wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0)
+            if IEEE:
+                acc_g = tl.dot(xv, tl.trans(wg), acc_g, input_precision="ieee")
+                acc_u = tl.dot(xv, tl.trans(wu), acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(xv, tl.trans(wg), acc_g)
+                acc_u = tl.dot(xv, tl.trans(wu), acc_u)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + tl.where(valid, pair, 0)[:, None].to(tl.int64) * I + offs_n[None, :],
+                 h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _blocked_down_kernel(h_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, part_ptr, D, I, E, T_BUCKET,
+                         IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    blk = tl.program_id(0)
+    db = tl.program_id(1)
+    e = tl.load(bexp_ptr + blk).to(tl.int64)
+    if e < E:
+        pair = tl.load(rows_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = pair >= 0
+        safe = tl.where(valid, pair, 0).to(tl.int64)
+        wt = tl.load(pw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
+        offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < D
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < I
+            hv = tl.load(h_ptr + safe[:, None] * I + offs_k[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :],
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(hv, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(hv, tl.trans(w), acc)
+        tl.store(part_ptr + safe[:, None] * D + offs_n[None, :], acc * wt[:, None],
+                 mask=valid[:, None] & mask_n[None, :])
+
+
+_BLOCKED_TILES = [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (32, 128, 4, 4), (128, 128, 8, 3)]
+_BLOCKED_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+                    for n, k, w, st in _BLOCKED_TILES]
+_blocked_gate_up_tuned = triton.autotune(configs=_BLOCKED_CONFIGS, key=["D", "I", "T_BUCKET", "IEEE", "BLOCK_M"])(
+    _blocked_gate_up_kernel)
+_blocked_down_tuned = triton.autotune(configs=_BLOCKED_CONFIGS, key=["D", "I", "T_BUCKET", "IEEE", "BLOCK_M"])(
+    _blocked_down_kernel)
+BLOCKED_MAX_TOKENS = 512
+
+
+def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, block_expert) for ids `[T, kt]`: `rows [NB * block_m]` holds pair indices t*kt+j
+    grouped by expert, each expert's run padded to a multiple of block_m with -1;
+    `block_expert [NB]` the expert of each block, `num_experts` for unused blocks. NB is a bound
+    known without a host sync: ceil(T*kt / block_m) + num_experts."""
+    flat = ids.flatten()
+    P = flat.numel()
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    sorted_e = flat[order]
+    rank = torch.arange(P, device=ids.device) - (counts.cumsum(0) - counts)[sorted_e]
+    nb = -(-P // block_m) + num_experts
+    rows = torch.full((nb * block_m,), -1, dtype=torch.int64, device=ids.device)
+    rows[(pad_end - padded)[sorted_e] + rank] = order
+    starts = torch.arange(nb, device=ids.device) * block_m
+    block_expert = torch.searchsorted(pad_end, starts, right=True)  # == num_experts past the last run
+    return rows, block_expert
+
+
+def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                      ids: torch.Tensor, n_shared: int = 0, block_m: int = 16) -> torch.Tensor:
+    """`fused_moe_small`'s result for medium batches (bf16/fp16/fp32 experts, not FP8): pairs
+    sorted by expert into blocks, so each expert's weights are read once per block."""
+    T, D = x.shape
+    k, I, E = ids.shape[1], w2.shape[-1], w13.shape[0]
+    if w13.shape[-2:] != (2 * I, D) or w2.shape[-2:] != (D, I) or not 0 <= n_shared < E \
+            or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"expert weights {tuple(w13.shape)} {w13.dtype} / {tuple(w2.shape)} do not match "
+                         f"x {tuple(x.shape)} {x.dtype} with {n_shared} shared experts")
+    kt = k + n_shared
+    if n_shared:
+        sid = torch.arange(E - n_shared, E, device=ids.device, dtype=ids.dtype).expand(T, -1)
+        ids = torch.cat([ids, sid], dim=1)
+        weights = torch.cat([weights, weights.new_ones(T, n_shared)], dim=1)
+    rows, bexp = sort_pairs_into_blocks(ids, E, block_m)
+    x, pw = x.contiguous(), weights.contiguous().flatten()
+    h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
+    part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
+    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
+    nb = bexp.numel()
+    ieee = x.dtype == torch.float32
+    bucket = triton.next_power_of_2(T)
+    if not autotuning():
+        t = dict(BLOCK_N=32, BLOCK_K=64) if interpreting() else dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
+        _blocked_gate_up_kernel[(nb, triton.cdiv(I, t["BLOCK_N"]))](x, rows, bexp, w13, h, D, I, E, kt, bucket,
+                                                                    IEEE=ieee, BLOCK_M=block_m, **t)
+        _blocked_down_kernel[(nb, triton.cdiv(D, t["BLOCK_N"]))](h, rows, bexp, pw, w2, part, D, I, E, bucket,
+                                                                 IEEE=ieee, BLOCK_M=block_m, **t)
+    else:
+        _blocked_gate_up_tuned[lambda m: (nb, triton.cdiv(I, m["BLOCK_N"]))](x, rows, bexp, w13, h, D, I, E, kt,
+                                                                             bucket, IEEE=ieee, BLOCK_M=block_m)
+        _blocked_down_tuned[lambda m: (nb, triton.cdiv(D, m["BLOCK_N"]))](h, rows, bexp, pw, w2, part, D, I, E,
+                                                                          bucket, IEEE=ieee, BLOCK_M=block_m)
+    _sum_pairs_kernel[(T, triton.cdiv(D, 1024))](part, out, D, KT=kt, BLOCK=1024, num_warps=4)
+    return out
+
+
 def tuned_configs() -> dict[str, str]:
     """What autotuning picked so far, per kernel and key (for benchmark logs)."""
     return {name: {str(key): str(cfg) for key, cfg in kern.cache.items()}
             for name, kern in (("gate_up", _gate_up_tuned), ("down", _down_tuned),
-                               ("gate_up_dot", _gate_up_dot_tuned), ("down_dot", _down_dot_tuned))}
+                               ("gate_up_dot", _gate_up_dot_tuned), ("down_dot", _down_dot_tuned),
+                               ("blocked_gate_up", _blocked_gate_up_tuned), ("blocked_down", _blocked_down_tuned))}

@@ -20,6 +20,8 @@ from models.layers import Linear, shard_param
 # GEMM (H200, scripts/bench_fused_moe.py, RESULTS.md). DSV_FUSED_MOE_MAX_TOKENS overrides it
 # (0 turns the fused path off).
 _FUSED_MAX_TOKENS = int(os.environ.get("DSV_FUSED_MOE_MAX_TOKENS", "8"))  # models.fused_moe.MAX_TOKENS
+# Experimental, off until timed on a GPU: expert-sorted block kernels for 9..512 tokens
+_BLOCKED = os.environ.get("DSV_MOE_BLOCKED", "0") == "1"
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -196,6 +198,11 @@ class MoE(nn.Module):
             block = self.fp8_block[0] if self.fp8_block else 128
             out = try_kernel("fused_moe", fused_moe_small, x, self.w13, self.w2, weights, ids, self.w13_scale,
                              self.w2_scale, block, None, self.n_shared)
+        elif _BLOCKED and x.is_cuda and self.fp8_block is None:
+            from models.fused_moe import BLOCKED_MAX_TOKENS, fused_moe_blocked
+            if x.shape[0] <= BLOCKED_MAX_TOKENS:
+                out = try_kernel("fused_moe_blocked", fused_moe_blocked, x, self.w13, self.w2, weights, ids,
+                                 self.n_shared)
         if out is None:
             out = self._routed_any(x, *self._with_shared(weights, ids))
         if self.shared_experts is not None:

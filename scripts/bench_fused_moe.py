@@ -1,5 +1,6 @@
-"""Routed MoE at decode batch sizes: the fused Triton kernels (gemv and dot variants) vs the
-grouped-GEMM path (CUDA), each timed inside a CUDA graph as the engine's decode runs it.
+"""Routed MoE at decode batch sizes: the fused Triton kernels (pair-parallel gemv and dot up to 8
+tokens, expert-sorted blocks of 16/32/64 rows above) vs the grouped-GEMM path (CUDA), each timed
+inside a CUDA graph as the engine's decode runs it.
 
 DeepSeek-V2-Lite shapes by default (D 2048, I 1408, 64 experts, top-6, 2 shared experts run as
 two more pairs per token, as the engine does), bf16, random weights.
@@ -19,7 +20,7 @@ from bench_common import environment, write_json
 
 from models.config import ModelConfig
 from models.loader import init_dummy_weights
-from models.fused_moe import fused_moe_small, tuned_configs
+from models.fused_moe import fused_moe_blocked, fused_moe_small, tuned_configs
 from models.moe import MoE
 
 
@@ -52,7 +53,8 @@ def graph_us(fn, calls: list, reps: int = 20) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="configs/models/DeepSeek-V2-Lite")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+                   help="<= 8: pair-parallel kernels (gemv, dot); above: the blocked kernels; grouped GEMM at all")
     p.add_argument("--calls", type=int, default=10, help="calls per graph, each on other experts")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -81,11 +83,14 @@ def main() -> None:
         ref = moe._routed_grouped(x, *moe._with_shared(w, ids)).float()
         r = {"T": T, "distinct_experts": distinct, "shared_experts": ns, "MB": nbytes / 1e6}
         line = f"T={T}: {distinct:.1f} experts {r['MB']:.1f} MB"
-        for name, fn in (("gemv", lambda x, w, ids: fused_moe_small(x, moe.w13, moe.w2, w, ids, impl="gemv",
-                                                                    n_shared=ns)),
-                         ("dot", lambda x, w, ids: fused_moe_small(x, moe.w13, moe.w2, w, ids, impl="dot",
-                                                                   n_shared=ns)),
-                         ("grouped", lambda x, w, ids: moe._routed_grouped(x, *moe._with_shared(w, ids)))):
+        variants = [("grouped", lambda x, w, ids: moe._routed_grouped(x, *moe._with_shared(w, ids)))]
+        if T <= 8:
+            variants += [(impl, lambda x, w, ids, impl=impl: fused_moe_small(x, moe.w13, moe.w2, w, ids, impl=impl,
+                                                                             n_shared=ns)) for impl in ("gemv", "dot")]
+        else:
+            variants += [(f"blocked{bm}", lambda x, w, ids, bm=bm: fused_moe_blocked(x, moe.w13, moe.w2, w, ids, ns, bm))
+                         for bm in (16, 32, 64) if bm <= max(16, T)]
+        for name, fn in variants:
             err = ((fn(x, w, ids).float() - ref).norm() / ref.norm()).item()
             us = graph_us(fn, calls)
             r.update({f"{name}_us": us, f"{name}_GBps": nbytes / us / 1e3, f"{name}_rel_err": err})

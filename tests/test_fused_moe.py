@@ -46,6 +46,25 @@ def check(cfg_overrides, T, dtype, device, tol, impl):
     return err
 
 
+def check_blocked(cfg_overrides, T, dtype, device, tol, block_m):
+    # medium batches: pairs sorted by expert into blocks; against the plain path with shared experts
+    from models.fused_moe import fused_moe_blocked
+    cfg = ModelConfig.from_pretrained("configs/models/DeepSeek-V2-Lite", cfg_overrides)
+    torch.manual_seed(T)
+    with torch.device(device):
+        moe = MoE(cfg, dtype)
+        for p in moe.parameters():
+            p.data.normal_(0, 0.05)
+        moe.fuse_experts()
+        x = torch.randn(T, cfg.hidden_size, dtype=dtype)
+        w, ids = moe.gate(x)
+        ref = moe._routed(x, *moe._with_shared(w, ids)).double()
+        got = fused_moe_blocked(x, moe.w13, moe.w2, w, ids, moe.n_shared, block_m).double()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < tol, (cfg_overrides, T, dtype, block_m, err)
+    return err
+
+
 def check_fp8(T, dtype, device, tol, impl, D=256, I=256, E=8, k=3):
     # FP8 experts with 128x128 block scales: the kernel dequantizing tile by tile equals the
     # same kernel on the dequantized weights.
@@ -77,6 +96,9 @@ for impl in ("gemv", "dot"):
         print(check({"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8,
                      "num_experts_per_tok": 3}, T, torch.float32, "cpu", 1e-5, impl))
         print(check_fp8(T, torch.float32, "cpu", 1e-5, impl))
+small = {"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8, "num_experts_per_tok": 3}
+for T, bm in ((1, 16), (9, 16), (40, 16), (40, 32)):
+    print(check_blocked(small, T, torch.float32, "cpu", 1e-5, bm))
 """
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
@@ -91,6 +113,17 @@ def test_fused_moe_real_shapes(T, impl):
     ns = {}
     exec(CHECK, ns)
     ns["check"]({}, T, torch.bfloat16, "cuda", 2e-2, impl)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("T", [9, 64, 512])
+def test_fused_moe_blocked_real_shapes(T, block_m):
+    """The expert-sorted block kernels (DSV_MOE_BLOCKED=1) at V2-Lite shapes, bf16 and fp32."""
+    ns = {}
+    exec(CHECK, ns)
+    ns["check_blocked"]({}, T, torch.bfloat16, "cuda", 2e-2, block_m)
+    ns["check_blocked"]({}, T, torch.float32, "cuda", 1e-5, block_m)
 
 
 @pytest.mark.gpu
@@ -135,3 +168,13 @@ def test_try_kernel_falls_back_once_and_propagates_bad_arguments(caplog):
         fused.try_kernel("test_bad_args", bad_args, 1)
     assert fused.try_kernel("test_ok", lambda x: x + 1, 1) == 2
     fused._FAILED.discard("test_broken")
+
+
+def test_sort_pairs_into_blocks_layout():
+    """Pairs t*kt+j grouped by expert, each run padded to the block with -1; unused blocks get
+    expert id E (the kernels skip them)."""
+    from models.fused_moe import sort_pairs_into_blocks
+    rows, experts = sort_pairs_into_blocks(torch.tensor([[2, 0], [2, 1], [0, 2]]), 4, 4)
+    assert rows.view(-1, 4).tolist() == [[1, 4, -1, -1], [3, -1, -1, -1], [0, 2, 5, -1],
+                                         [-1] * 4, [-1] * 4, [-1] * 4]
+    assert experts.tolist() == [0, 1, 2, 4, 4, 4]
