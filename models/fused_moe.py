@@ -8,9 +8,9 @@ into the weights (`MoE.fuse_experts`, weight 1). Here:
   kernel 2, one program per (token-expert pair, tile of D): p = w * (h W2^T), fp32
   kernel 3, one program per (token, tile of D): out = sum of the token's pair partials, in the
   output dtype (no atomics, so deterministic; no zero-fill).
-Kernels 1 and 2 come in two variants: "gemv" (CUDA-core products) and "dot" (the default:
-tensor-core products on the token's row padded to 16, which lets the compiler pipeline the
-weight loads).
+Kernels 1 and 2 use tensor-core products on the token's row padded to 16: the padding costs
+compute nobody waits for and lets the compiler pipeline the weight loads (7-10% faster at 1-8
+tokens on the H200 than the CUDA-core GEMV version they replaced, RESULTS.md).
 Weights: w13 `[E, 2I, D]` (gate rows then up rows), w2 `[E, D, I]`; accumulation in fp32. FP8
 expert weights with 128 x 128 block scales are dequantized tile by tile inside the kernels.
 
@@ -33,6 +33,24 @@ MAX_TOKENS = 8  # above this, pairs share experts and the grouped GEMM reads few
 
 
 @triton.jit
+def _mma(a, b, acc, IEEE: tl.constexpr):
+    """acc + a @ b on tensor cores; IEEE fp32 products for fp32 models (no TF32)."""
+    if IEEE:
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _block_pairs(rows_ptr, blk, BLOCK_M: tl.constexpr):
+    """A block's pair indices (int64, padding rows as 0) and which rows are real (not -1)."""
+    pair = tl.load(rows_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pair >= 0
+    return tl.where(valid, pair, 0).to(tl.int64), valid
+
+
+@triton.jit
 def _pair(pair, ids_ptr, E_R, K_TOP: tl.constexpr, NS: tl.constexpr):
     """(token, expert) of a pair: each token has K_TOP routed pairs, then NS shared-expert pairs
     (experts E_R.. E_R+NS-1, weight 1) when shared experts are folded into the weights."""
@@ -43,62 +61,6 @@ def _pair(pair, ids_ptr, E_R, K_TOP: tl.constexpr, NS: tl.constexpr):
     else:
         e = tl.load(ids_ptr + pair)
     return tok, j, e.to(tl.int64)
-
-
-@triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BUCKET, S_ROWS, S_COLS,
-                    K_TOP: tl.constexpr, NS: tl.constexpr, QB: tl.constexpr, SCALED: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pair = tl.program_id(0)
-    nb = tl.program_id(1)
-    tok, _, e = _pair(pair, ids_ptr, E_R, K_TOP, NS)
-    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < I
-    # 2-D accumulators, reduced over K once after the loop: a per-iteration reduction would put
-    # a cross-warp exchange (shared memory + barrier) between every two tiles' loads.
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    w_base = w13_ptr + e * (2 * I) * D
-    for k0 in range(0, D, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < D
-        xv = tl.load(x_ptr + tok * D + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        m = mask_n[:, None] & mask_k[None, :]
-        wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
-        wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
-        if SCALED:  # FP8 weights: one scale per QB x QB block (L1-resident gather)
-            s_base = s13_ptr + e * S_ROWS * S_COLS + (offs_k // QB)[None, :]
-            wg *= tl.load(s_base + (offs_n // QB)[:, None] * S_COLS, mask=m, other=0.0)
-            wu *= tl.load(s_base + ((I + offs_n) // QB)[:, None] * S_COLS, mask=m, other=0.0)
-        acc_g += wg * xv[None, :]
-        acc_u += wu * xv[None, :]
-    g = tl.sum(acc_g, axis=1)
-    h = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=1)
-    tl.store(h_ptr + pair * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=mask_n)
-
-
-@triton.jit
-def _down_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E_R, T_BUCKET, S_ROWS, S_COLS,
-                 K_TOP: tl.constexpr, NS: tl.constexpr, QB: tl.constexpr, SCALED: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pair = tl.program_id(0)
-    db = tl.program_id(1)
-    offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < D
-    tok, j, e = _pair(pair, ids_ptr, E_R, K_TOP, NS)
-    wt = tl.load(wts_ptr + tok * K_TOP + j, mask=j < K_TOP, other=1.0).to(tl.float32)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # reduced once, after the loop
-    for k0 in range(0, I, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < I
-        hv = tl.load(h_ptr + pair * I + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        m = mask_n[:, None] & mask_k[None, :]
-        w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
-        if SCALED:
-            w *= tl.load(s2_ptr + e * S_ROWS * S_COLS + (offs_n // QB)[:, None] * S_COLS + (offs_k // QB)[None, :],
-                         mask=m, other=0.0)
-        acc += w * hv[None, :]
-    tl.store(part_ptr + pair * D + offs_n, wt * tl.sum(acc, axis=1), mask=mask_n)
 
 
 @triton.jit
@@ -130,12 +92,8 @@ def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BU
             wu = (wu.to(tl.float32) * tl.load(s_base + ((I + offs_n) // QB)[:, None] * S_COLS, mask=m, other=0.0))
             wg = wg.to(xv.dtype)
             wu = wu.to(xv.dtype)
-        if IEEE:
-            acc_g = tl.dot(xv, tl.trans(wg), acc_g, input_precision="ieee")
-            acc_u = tl.dot(xv, tl.trans(wu), acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(xv, tl.trans(wg), acc_g)
-            acc_u = tl.dot(xv, tl.trans(wu), acc_u)
+        acc_g = _mma(xv, tl.trans(wg), acc_g, IEEE)
+        acc_u = _mma(xv, tl.trans(wu), acc_u, IEEE)
     g = tl.sum(acc_g, axis=0)
     h = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=0)
     tl.store(h_ptr + pair * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=mask_n)
@@ -162,10 +120,7 @@ def _down_dot_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E_
         if SCALED:
             w = (w.to(tl.float32) * tl.load(s2_ptr + e * S_ROWS * S_COLS + (offs_n // QB)[:, None] * S_COLS
                                             + (offs_k // QB)[None, :], mask=m, other=0.0)).to(hv.dtype)
-        if IEEE:
-            acc = tl.dot(hv, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(hv, tl.trans(w), acc)
+        acc = _mma(hv, tl.trans(w), acc, IEEE)
     tl.store(part_ptr + pair * D + offs_n, wt * tl.sum(acc, axis=0), mask=mask_n)
 
 
@@ -182,18 +137,8 @@ def _sum_pairs_kernel(part_ptr, out_ptr, D, KT: tl.constexpr, BLOCK: tl.constexp
     tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _configs(shapes):
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w) for n, k, w in shapes]
-
-
-# Candidate tiles: small N tiles give many programs at batch 1; larger K tiles keep more bytes in
-# flight per program. bench_fused_moe.py prints what autotuning chose.
-_TILES = [(8, 256, 4), (8, 512, 4), (16, 128, 4), (16, 256, 4), (32, 128, 4), (16, 512, 8), (32, 256, 8),
-          (64, 128, 8)]
 _INTERPRET_TILES = {"BLOCK_N": 32, "BLOCK_K": 128}
-# DSV_AUTOTUNE=0 on CUDA: one tile each, among the autotuner's picks on the H200
-_FIXED_TILES = {"gemv": dict(BLOCK_N=16, BLOCK_K=256, num_warps=4),
-                "dot": dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)}
+_FIXED_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)  # DSV_AUTOTUNE=0: among the H200's picks
 
 
 def interpreting() -> bool:
@@ -207,11 +152,8 @@ def autotuning() -> bool:
     return not interpreting() and os.environ.get("DSV_AUTOTUNE", "1") != "0"
 
 
-_gate_up_tuned = triton.autotune(configs=_configs(_TILES),
-                                 key=["D", "I", "T_BUCKET", "K_TOP", "NS", "SCALED"])(_gate_up_kernel)
-_down_tuned = triton.autotune(configs=_configs(_TILES), key=["D", "I", "T_BUCKET", "K_TOP", "NS", "SCALED"])(_down_kernel)
-
-# Dot variant: (BLOCK_N, BLOCK_K, warps, stages). Deep pipelines of moderate tiles: at T = 1 the
+# Candidate tiles (BLOCK_N, BLOCK_K, warps, stages), autotuned per (D, I, k, batch bucket);
+# bench_fused_moe.py prints the choice. Deep pipelines of moderate tiles: at T = 1 the
 # gate/up grid is k * I / BLOCK_N programs (6 * 22 = 132 at BLOCK_N 64 on V2-Lite).
 _DOT_TILES = [(16, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (32, 128, 4, 6), (32, 256, 4, 3),
               (64, 64, 4, 6), (64, 128, 4, 4), (64, 128, 8, 5), (128, 64, 4, 5), (128, 128, 8, 3)]
@@ -220,16 +162,11 @@ _DOT_KEY = ["D", "I", "T_BUCKET", "K_TOP", "NS", "SCALED", "IEEE"]
 _gate_up_dot_tuned = triton.autotune(configs=_DOT_CONFIGS, key=_DOT_KEY)(_gate_up_dot_kernel)
 _down_dot_tuned = triton.autotune(configs=_DOT_CONFIGS, key=_DOT_KEY)(_down_dot_kernel)
 
-IMPLS = ("gemv", "dot")
-DEFAULT_IMPL = os.environ.get("DSV_FUSED_MOE_IMPL", "dot")
-if DEFAULT_IMPL not in IMPLS:
-    raise ValueError(f"DSV_FUSED_MOE_IMPL={DEFAULT_IMPL!r}: expected one of {IMPLS}")
-
 
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                     w2_scale: torch.Tensor | None = None, block: int = 128,
-                    impl: str | None = None, n_shared: int = 0) -> torch.Tensor:
+                    n_shared: int = 0) -> torch.Tensor:
     """Routed-expert output `[T, D]` for x `[T, D]`, ids / weights `[T, k]` (no host sync).
 
     `n_shared`: the last n_shared experts of w13 / w2 are shared experts folded in
@@ -239,12 +176,7 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     `w13_scale [E, ceil(2I/block), ceil(D/block)]` and `w2_scale [E, ceil(D/block), ceil(I/block)]`;
     the kernels dequantize each tile as they read it (weight-only: x stays in its dtype). I must
     be a multiple of `block` so that the up rows start on a block boundary.
-    `impl`: "gemv" (CUDA-core products) or "dot" (tensor-core products on a padded row);
-    default DSV_FUSED_MOE_IMPL, else "dot" (faster at every bucket on the H200).
     """
-    impl = impl or DEFAULT_IMPL
-    if impl not in IMPLS:
-        raise ValueError(f"fused MoE impl {impl!r}: expected one of {IMPLS}")
     T, D = x.shape
     k = ids.shape[1]
     I = w2.shape[-1]
@@ -276,19 +208,15 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     e_r = E - n_shared
     up_args = (x, ids, w13, s13, h, D, I, e_r, bucket, r13, c13)
     down_args = (h, ids, weights, w2, s2, part, D, I, e_r, bucket, r2, c2)
-    const = dict(K_TOP=k, NS=n_shared, QB=block, SCALED=scaled)
-    if impl == "dot":
-        const["IEEE"] = x.dtype == torch.float32  # fp32 models: exact products, not TF32
-        up, down, up_tuned, down_tuned = _gate_up_dot_kernel, _down_dot_kernel, _gate_up_dot_tuned, _down_dot_tuned
-    else:
-        up, down, up_tuned, down_tuned = _gate_up_kernel, _down_kernel, _gate_up_tuned, _down_tuned
+    # fp32 models (the tiny test models on CUDA): exact products, not TF32
+    const = dict(K_TOP=k, NS=n_shared, QB=block, SCALED=scaled, IEEE=x.dtype == torch.float32)
     if not autotuning():
-        t = _INTERPRET_TILES if interpreting() else _FIXED_TILES[impl]
-        up[(T * kt, triton.cdiv(I, t["BLOCK_N"]))](*up_args, **const, **t)
-        down[(T * kt, triton.cdiv(D, t["BLOCK_N"]))](*down_args, **const, **t)
+        t = _INTERPRET_TILES if interpreting() else _FIXED_TILES
+        _gate_up_dot_kernel[(T * kt, triton.cdiv(I, t["BLOCK_N"]))](*up_args, **const, **t)
+        _down_dot_kernel[(T * kt, triton.cdiv(D, t["BLOCK_N"]))](*down_args, **const, **t)
     else:
-        up_tuned[lambda m: (T * kt, triton.cdiv(I, m["BLOCK_N"]))](*up_args, **const)
-        down_tuned[lambda m: (T * kt, triton.cdiv(D, m["BLOCK_N"]))](*down_args, **const)
+        _gate_up_dot_tuned[lambda m: (T * kt, triton.cdiv(I, m["BLOCK_N"]))](*up_args, **const)
+        _down_dot_tuned[lambda m: (T * kt, triton.cdiv(D, m["BLOCK_N"]))](*down_args, **const)
     _sum_pairs_kernel[(T, triton.cdiv(D, 1024))](part, out, D, KT=kt, BLOCK=1024, num_warps=4)
     return out
 
@@ -311,9 +239,8 @@ def _blocked_gate_up_kernel(x_ptr, rows_ptr, bexp_ptr, w13_ptr, h_ptr, D, I, E, 
     nb = tl.program_id(1)
     e = tl.load(bexp_ptr + blk).to(tl.int64)
     if e < E:
-        pair = tl.load(rows_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))  # -1: padding row
-        valid = pair >= 0
-        tok = tl.where(valid, pair, 0) // KT
+        safe, valid = _block_pairs(rows_ptr, blk, BLOCK_M)
+        tok = safe // KT
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < I
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -327,14 +254,10 @@ def _blocked_gate_up_kernel(x_ptr, rows_ptr, bexp_ptr, w13_ptr, h_ptr, D, I, E, 
             m = mask_n[:, None] & mask_k[None, :]
             wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0)
             wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0)
-            if IEEE:
-                acc_g = tl.dot(xv, tl.trans(wg), acc_g, input_precision="ieee")
-                acc_u = tl.dot(xv, tl.trans(wu), acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(xv, tl.trans(wg), acc_g)
-                acc_u = tl.dot(xv, tl.trans(wu), acc_u)
+            acc_g = _mma(xv, tl.trans(wg), acc_g, IEEE)
+            acc_u = _mma(xv, tl.trans(wu), acc_u, IEEE)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(h_ptr + tl.where(valid, pair, 0)[:, None].to(tl.int64) * I + offs_n[None, :],
+        tl.store(h_ptr + safe[:, None] * I + offs_n[None, :],
                  h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
@@ -346,9 +269,7 @@ def _blocked_down_kernel(h_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, part_ptr, D,
     db = tl.program_id(1)
     e = tl.load(bexp_ptr + blk).to(tl.int64)
     if e < E:
-        pair = tl.load(rows_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = pair >= 0
-        safe = tl.where(valid, pair, 0).to(tl.int64)
+        safe, valid = _block_pairs(rows_ptr, blk, BLOCK_M)
         wt = tl.load(pw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
         offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < D
@@ -359,10 +280,7 @@ def _blocked_down_kernel(h_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, part_ptr, D,
             hv = tl.load(h_ptr + safe[:, None] * I + offs_k[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :],
                         mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(hv, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(hv, tl.trans(w), acc)
+            acc = _mma(hv, tl.trans(w), acc, IEEE)
         tl.store(part_ptr + safe[:, None] * D + offs_n[None, :], acc * wt[:, None],
                  mask=valid[:, None] & mask_n[None, :])
 
@@ -440,6 +358,5 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
 def tuned_configs() -> dict[str, str]:
     """What autotuning picked so far, per kernel and key (for benchmark logs)."""
     return {name: {str(key): str(cfg) for key, cfg in kern.cache.items()}
-            for name, kern in (("gate_up", _gate_up_tuned), ("down", _down_tuned),
-                               ("gate_up_dot", _gate_up_dot_tuned), ("down_dot", _down_dot_tuned),
+            for name, kern in (("gate_up", _gate_up_dot_tuned), ("down", _down_dot_tuned),
                                ("blocked_gate_up", _blocked_gate_up_tuned), ("blocked_down", _blocked_down_tuned))}

@@ -1,6 +1,6 @@
-"""Routed MoE at decode batch sizes: the fused Triton kernels (pair-parallel gemv and dot up to 8
-tokens, expert-sorted blocks of 16/32/64 rows above) vs the grouped-GEMM path (CUDA), each timed
-inside a CUDA graph as the engine's decode runs it.
+"""Routed MoE at decode batch sizes: the fused Triton kernels (pair-parallel up to 8 tokens,
+expert-sorted blocks of 16/32/64 rows above) vs the grouped-GEMM path (CUDA), each timed inside a
+CUDA graph as the engine's decode runs it.
 
 DeepSeek-V2-Lite shapes by default (D 2048, I 1408, 64 experts, top-6, 2 shared experts run as
 two more pairs per token, as the engine does), bf16, random weights.
@@ -54,7 +54,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="configs/models/DeepSeek-V2-Lite")
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
-                   help="<= 8: pair-parallel kernels (gemv, dot); above: the blocked kernels; grouped GEMM at all")
+                   help="<= 8: the pair-parallel kernels; above: the blocked kernels; grouped GEMM at all")
     p.add_argument("--calls", type=int, default=10, help="calls per graph, each on other experts")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -85,8 +85,7 @@ def main() -> None:
         line = f"T={T}: {distinct:.1f} experts {r['MB']:.1f} MB"
         variants = [("grouped", lambda x, w, ids: moe._routed_grouped(x, *moe._with_shared(w, ids)))]
         if T <= 8:
-            variants += [(impl, lambda x, w, ids, impl=impl: fused_moe_small(x, moe.w13, moe.w2, w, ids, impl=impl,
-                                                                             n_shared=ns)) for impl in ("gemv", "dot")]
+            variants.append(("fused", lambda x, w, ids: fused_moe_small(x, moe.w13, moe.w2, w, ids, n_shared=ns)))
         else:
             variants += [(f"blocked{bm}", lambda x, w, ids, bm=bm: fused_moe_blocked(x, moe.w13, moe.w2, w, ids, ns, bm))
                          for bm in (16, 32, 64) if bm <= max(16, T)]

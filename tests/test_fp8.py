@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from interpreted import run_interpreted
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
 from models.fp8 import dequantize, quantize
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def test_quantize_roundtrip_and_partial_blocks():
@@ -107,7 +104,4 @@ assert kernel.token_ids == ref.token_ids, (kernel.token_ids, ref.token_ids)
 for a, b in zip(kernel.logprobs, ref.logprobs):
     assert abs(a.logprob - b.logprob) < 1e-3, (a, b)
 """
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_interpreted(code)

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreted import run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import torch
@@ -43,10 +38,7 @@ def test_w8a8_interpreter():
 for M, N, K in ((1, 300, 256), (5, 128, 200), (33, 64, 384)):
     print(check(M, N, K, "cpu", 8e-2))
 """
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_interpreted(code)
 
 
 @pytest.mark.gpu

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreted import run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import torch
@@ -19,7 +14,8 @@ from models.config import ModelConfig
 from models.fused_moe import fused_moe_small
 from models.moe import MoE
 
-def check(cfg_overrides, T, dtype, device, tol, impl):
+def random_moe(cfg_overrides, T, dtype, device):
+    # a V2-Lite-shaped MoE layer (2 shared experts, folded by fuse_experts), T tokens and their routing
     cfg = ModelConfig.from_pretrained("configs/models/DeepSeek-V2-Lite", cfg_overrides)
     torch.manual_seed(T)
     with torch.device(device):
@@ -29,43 +25,41 @@ def check(cfg_overrides, T, dtype, device, tol, impl):
         moe.fuse_experts()
         x = torch.randn(T, cfg.hidden_size, dtype=dtype)
         w, ids = moe.gate(x)
-        assert moe.n_shared == cfg.n_shared_experts > 0  # folded into w13 / w2 by fuse_experts
+    assert moe.n_shared == cfg.n_shared_experts > 0
+    return moe, x, w, ids
+
+
+def check(cfg_overrides, T, dtype, device, tol):
+    moe, x, w, ids = random_moe(cfg_overrides, T, dtype, device)
+    with torch.device(device):
         ref = moe._routed(x, w, ids).double()
-        got = fused_moe_small(x, moe.w13, moe.w2, w, ids, impl=impl).double()
+        got = fused_moe_small(x, moe.w13, moe.w2, w, ids).double()
         # with the shared experts: against the plain path taking them as extra weight-1 choices,
         # and against the shared MLP computed on its own
         ref_all = moe._routed(x, *moe._with_shared(w, ids)).double()
-        got_all = fused_moe_small(x, moe.w13, moe.w2, w, ids, impl=impl, n_shared=moe.n_shared).double()
+        got_all = fused_moe_small(x, moe.w13, moe.w2, w, ids, n_shared=moe.n_shared).double()
         sh = moe.w13[-moe.n_shared:], moe.w2[-moe.n_shared:]
         I = moe.w2.shape[-1]
         shared = sum(F.linear(F.silu(x @ a[:I].T) * (x @ a[I:].T), b) for a, b in zip(*sh)).double()
     err = ((got - ref).norm() / ref.norm()).item()
     err_all = ((got_all - ref_all).norm() / ref_all.norm()).item()
     err_sh = ((ref_all - ref - shared).norm() / shared.norm()).item()
-    assert err < tol and err_all < tol and err_sh < tol, (cfg_overrides, T, dtype, impl, err, err_all, err_sh)
+    assert err < tol and err_all < tol and err_sh < tol, (cfg_overrides, T, dtype, err, err_all, err_sh)
     return err
 
 
 def check_blocked(cfg_overrides, T, dtype, device, tol, block_m):
     # medium batches: pairs sorted by expert into blocks; against the plain path with shared experts
     from models.fused_moe import fused_moe_blocked
-    cfg = ModelConfig.from_pretrained("configs/models/DeepSeek-V2-Lite", cfg_overrides)
-    torch.manual_seed(T)
-    with torch.device(device):
-        moe = MoE(cfg, dtype)
-        for p in moe.parameters():
-            p.data.normal_(0, 0.05)
-        moe.fuse_experts()
-        x = torch.randn(T, cfg.hidden_size, dtype=dtype)
-        w, ids = moe.gate(x)
-        ref = moe._routed(x, *moe._with_shared(w, ids)).double()
-        got = fused_moe_blocked(x, moe.w13, moe.w2, w, ids, moe.n_shared, block_m).double()
+    moe, x, w, ids = random_moe(cfg_overrides, T, dtype, device)
+    ref = moe._routed(x, *moe._with_shared(w, ids)).double()
+    got = fused_moe_blocked(x, moe.w13, moe.w2, w, ids, moe.n_shared, block_m).double()
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < tol, (cfg_overrides, T, dtype, block_m, err)
     return err
 
 
-def check_fp8(T, dtype, device, tol, impl, D=256, I=256, E=8, k=3):
+def check_fp8(T, dtype, device, tol, D=256, I=256, E=8, k=3):
     # FP8 experts with 128x128 block scales: the kernel dequantizing tile by tile equals the
     # same kernel on the dequantized weights.
     from models.fp8 import dequantize, quantize
@@ -80,10 +74,10 @@ def check_fp8(T, dtype, device, tol, impl, D=256, I=256, E=8, k=3):
         ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
         w = torch.rand(T, k)
         d13, d2 = dequantize(q13, s13, (128, 128), dtype), dequantize(q2, s2, (128, 128), dtype)
-        ref = fused_moe_small(x, d13, d2, w, ids, impl=impl).double()
-        got = fused_moe_small(x, q13, q2, w, ids, s13, s2, 128, impl=impl).double()
+        ref = fused_moe_small(x, d13, d2, w, ids).double()
+        got = fused_moe_small(x, q13, q2, w, ids, s13, s2, 128).double()
     err = ((got - ref).norm() / ref.norm()).item()
-    assert err < tol, (T, dtype, impl, err)
+    assert err < tol, (T, dtype, err)
     return err
 """
 
@@ -91,28 +85,23 @@ def check_fp8(T, dtype, device, tol, impl, D=256, I=256, E=8, k=3):
 def test_fused_moe_interpreter():
     """Small shapes (I and D not multiples of the tiles) under TRITON_INTERPRET=1."""
     code = CHECK + r"""
-for impl in ("gemv", "dot"):
-    for T in (1, 3):
-        print(check({"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8,
-                     "num_experts_per_tok": 3}, T, torch.float32, "cpu", 1e-5, impl))
-        print(check_fp8(T, torch.float32, "cpu", 1e-5, impl))
+for T in (1, 3):
+    print(check({"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8,
+                 "num_experts_per_tok": 3}, T, torch.float32, "cpu", 1e-5))
+    print(check_fp8(T, torch.float32, "cpu", 1e-5))
 small = {"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8, "num_experts_per_tok": 3}
 for T, bm in ((1, 16), (9, 16), (40, 16), (40, 32)):
     print(check_blocked(small, T, torch.float32, "cpu", 1e-5, bm))
 """
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                       text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_interpreted(code)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["gemv", "dot"])
 @pytest.mark.parametrize("T", [1, 2, 8])
-def test_fused_moe_real_shapes(T, impl):
+def test_fused_moe_real_shapes(T):
     ns = {}
     exec(CHECK, ns)
-    ns["check"]({}, T, torch.bfloat16, "cuda", 2e-2, impl)
+    ns["check"]({}, T, torch.bfloat16, "cuda", 2e-2)
 
 
 @pytest.mark.gpu
@@ -127,22 +116,20 @@ def test_fused_moe_blocked_real_shapes(T, block_m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["gemv", "dot"])
-def test_fused_moe_fp32_exact(impl):
-    """fp32 models (the tiny test models on CUDA) get fp32 products: no TF32 in the dot variant."""
+def test_fused_moe_fp32_exact():
+    """fp32 models (the tiny test models on CUDA) get fp32 products: no TF32."""
     ns = {}
     exec(CHECK, ns)
-    ns["check"]({}, 4, torch.float32, "cuda", 1e-5, impl)
+    ns["check"]({}, 4, torch.float32, "cuda", 1e-5)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["gemv", "dot"])
 @pytest.mark.parametrize("T", [1, 8])
-def test_fused_moe_fp8_real_shapes(T, impl):
+def test_fused_moe_fp8_real_shapes(T):
     """V3/R1 expert shapes (D 7168, I 2048/tp 8 = 256), bf16 activations, FP8 weights."""
     ns = {}
     exec(CHECK, ns)
-    ns["check_fp8"](T, torch.bfloat16, "cuda", 2e-2, impl, D=7168, I=256, E=32, k=8)
+    ns["check_fp8"](T, torch.bfloat16, "cuda", 2e-2, D=7168, I=256, E=32, k=8)
 
 
 def test_try_kernel_falls_back_once_and_propagates_bad_arguments(caplog):

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreted import run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import torch
@@ -46,12 +41,8 @@ for T in (1, 5, 17):
     check(T, 4, 16, 8, 32, 16, torch.float32, "cpu", 1e-6)
 check(3, 2, 24, 12, 48, 20, torch.float32, "cpu", 1e-6)
 check(80, 2, 128, 64, 512, 128, torch.float32, "cpu", 1e-6)
-print("ok")
 """
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    run_interpreted(code)
 
 
 def test_absorb_rejects_non_contiguous_rows():

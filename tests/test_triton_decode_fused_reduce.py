@@ -4,15 +4,10 @@ two-launch path, and the counters reset themselves for the next launch."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreted import run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import dataclasses
@@ -46,12 +41,8 @@ def test_fused_reduce_interpreter():
     code = CHECK + r"""
 cfg = DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, min_split_tokens=16)
 check(5, 32, 32, 16, 4, [0, 1, 17, 45, 48], (1, 3, 4), torch.float32, "cpu", cfg)
-print("ok")
 """
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    run_interpreted(code)
 
 
 @pytest.mark.gpu

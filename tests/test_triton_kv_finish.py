@@ -3,15 +3,10 @@ RMSNorm of c, RoPE of k_pe, cat, the torch backend's write_kv."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreted import run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 
 CHECK = r"""
 import torch
@@ -54,12 +49,8 @@ for T in (1, 7, 20):
     check(T, 32, 16, 4, torch.float32, "cpu", 1e-6)
 check(5, 48, 12, 16, torch.float32, "cpu", 1e-6)  # widths that are not powers of two
 check(0, 32, 16, 4, torch.float32, "cpu", 1e-6)
-print("ok")
 """
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    run_interpreted(code)
 
 
 def test_kv_finish_rejects_mismatched_cache():

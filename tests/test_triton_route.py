@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from interpreted import run_interpreted
 
-REPO = Path(__file__).resolve().parents[1]
 
 # (scoring, topk_method, E, n_group, topk_group, top_k, norm, scale, bias)
 CASES = [
@@ -53,11 +48,8 @@ def check(case, device, T=7, D=48):
 
 
 def test_route_kernel_interpreter():
-    code = CHECK + f"\nfor case in {CASES!r}:\n    check(case, 'cpu')\nprint('ok')\n"
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    code = CHECK + f"\nfor case in {CASES!r}:\n    check(case, 'cpu')"
+    run_interpreted(code)
 
 
 def test_route_rejects_a_layout_that_cannot_fill_k():
