@@ -21,13 +21,13 @@ from attention.backend import AttentionOps
 from attention.metadata import ContextChunk, MLAMetadata
 from attention.torch_backend import merge_attn_states
 from engine import distributed as pd
-from models.fused import rms_norm_op, try_kernel
+from models.fused import rms_norm_op, triton_fast_path, try_kernel
 
 def _try_kernel(module: str, name: str, ops, *args) -> torch.Tensor | None:
     """`attention.<module>.<name>(*args)`, a fused decode-path kernel, with the Triton backend on
     CUDA (the torch backend stays the plain reference); None elsewhere or if it failed
     (`models.fused.try_kernel`): the caller then runs the torch ops."""
-    if getattr(ops, "name", "") != "triton" or not args[0].is_cuda:
+    if getattr(ops, "name", "") != "triton" or not triton_fast_path(args[0]):
         return None
     import importlib
     return try_kernel(name, getattr(importlib.import_module(f"attention.{module}"), name), *args)

@@ -8,6 +8,7 @@ Triton kernel each, CUDA-graph safe); on CPU, or if compilation fails, they run 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,12 @@ class CudaCompiled:
 
 
 _FAILED: set[str] = set()  # fast-path kernels that raised once in this process
+
+
+def triton_fast_path(t: torch.Tensor) -> bool:
+    """Whether the Triton decode kernels serve tensor t: on CUDA, and on the CPU under
+    TRITON_INTERPRET=1 (tests run the whole engine that way, in fp32)."""
+    return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def try_kernel(name: str, fn, *args):

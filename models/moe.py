@@ -11,7 +11,7 @@ from torch import nn
 from engine import distributed as pd
 from models.config import ModelConfig
 from models.fp8 import dequantize
-from models.fused import CudaCompiled, silu_mul_op, try_kernel
+from models.fused import CudaCompiled, silu_mul_op, triton_fast_path, try_kernel
 from models.layers import Linear, shard_param
 
 
@@ -72,7 +72,7 @@ class Router(nn.Module):
         c = self.cfg
         args = (x, self.weight, self.e_score_correction_bias, c.scoring_func, c.topk_method,
                 c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
-        if x.is_cuda:  # cuBLAS GEMM + one Triton kernel (tests/test_triton_route.py)
+        if triton_fast_path(x):  # cuBLAS GEMM + one Triton kernel (tests/test_triton_route.py)
             from models.triton_route import route_triton  # triton: CUDA installs only
             out = try_kernel("route", route_triton, *args)
             if out is not None:
@@ -193,7 +193,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = None
-        if x.is_cuda and x.shape[0] <= _FUSED_MAX_TOKENS:
+        if triton_fast_path(x) and x.shape[0] <= _FUSED_MAX_TOKENS:
             from models.fused_moe import fused_moe_small  # triton: CUDA installs only
             block = self.fp8_block[0] if self.fp8_block else 128
             out = try_kernel("fused_moe", fused_moe_small, x, self.w13, self.w2, weights, ids, self.w13_scale,
