@@ -198,7 +198,7 @@ class MoE(nn.Module):
             block = self.fp8_block[0] if self.fp8_block else 128
             out = try_kernel("fused_moe", fused_moe_small, x, self.w13, self.w2, weights, ids, self.w13_scale,
                              self.w2_scale, block, self.n_shared)
-        elif _BLOCKED and x.is_cuda and self.fp8_block is None:
+        elif _BLOCKED and triton_fast_path(x) and self.fp8_block is None:
             from models.fused_moe import BLOCKED_MAX_TOKENS, fused_moe_blocked
             if x.shape[0] <= BLOCKED_MAX_TOKENS:
                 out = try_kernel("fused_moe_blocked", fused_moe_blocked, x, self.w13, self.w2, weights, ids,

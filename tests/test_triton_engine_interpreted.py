@@ -17,6 +17,8 @@ from engine import LLM, SamplingParams
 KERNELS = ("route", "fused_moe", "kv_finish", "absorb_q", "absorb_o")
 
 RUN = r"""
+import os
+os.environ["DSV_MOE_BLOCKED"] = {blocked!r}
 import json, torch
 import attention.mla as mla, models.moe as moe
 from engine import LLM, SamplingParams
@@ -41,15 +43,18 @@ def model(request, tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("budget", [16, 2048])
-def test_triton_paths_equal_torch_engine(model, budget):
+@pytest.mark.parametrize("budget,blocked", [(16, "0"), (2048, "0"), (16, "1")])
+def test_triton_paths_equal_torch_engine(model, budget, blocked):
+    """blocked "1": the experimental expert-sorted MoE kernels (DSV_MOE_BLOCKED) take the
+    prefill chunks of 9-16 tokens."""
     g = torch.Generator().manual_seed(budget)
     prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     ref = LLM(model, device="cpu", dtype="float32", attention_backend="torch", num_kv_blocks=64,
               max_num_batched_tokens=budget)
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, sp)]
-    out = run_interpreted(RUN.format(path=model, budget=budget, prompts=prompts), timeout=600)
+    out = run_interpreted(RUN.format(path=model, budget=budget, prompts=prompts, blocked=blocked), timeout=600)
     got = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
     assert got["tokens"] == want
-    assert all(got["calls"].get(k, 0) > 0 for k in KERNELS), got["calls"]
+    expect = KERNELS + (("fused_moe_blocked",) if blocked == "1" else ())
+    assert all(got["calls"].get(k, 0) > 0 for k in expect), got["calls"]
