@@ -14,6 +14,9 @@ part merged by LSE.
 
 from __future__ import annotations
 
+import functools
+import importlib
+
 import torch
 import torch.nn.functional as F
 
@@ -23,14 +26,20 @@ from attention.torch_backend import merge_attn_states
 from engine import distributed as pd
 from models.fused import rms_norm_op, triton_fast_path, try_kernel
 
+
+@functools.cache
+def _kernel(module: str, name: str):
+    # imported on first use: triton is only installed with CUDA
+    return getattr(importlib.import_module(f"attention.{module}"), name)
+
+
 def _try_kernel(module: str, name: str, ops, *args) -> torch.Tensor | None:
     """`attention.<module>.<name>(*args)`, a fused decode-path kernel, with the Triton backend on
     CUDA (the torch backend stays the plain reference); None elsewhere or if it failed
     (`models.fused.try_kernel`): the caller then runs the torch ops."""
     if getattr(ops, "name", "") != "triton" or not triton_fast_path(args[0]):
         return None
-    import importlib
-    return try_kernel(name, getattr(importlib.import_module(f"attention.{module}"), name), *args)
+    return try_kernel(name, _kernel(module, name), *args)
 
 
 class MLAAttention:

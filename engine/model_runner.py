@@ -16,7 +16,7 @@ from attention.metadata import MLAMetadata, build_mla_metadata
 from engine import distributed as pd
 from engine.sampler import DeviceLogprobs, Sampler, SamplingBatch, make_generator, prompt_logprobs_on_device
 from engine.sampling_params import SamplingParams
-from engine.transfer import to_device
+from engine.transfer import to_device, to_host
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -212,12 +212,7 @@ class ModelRunner:
         if pending.logprobs is not None:
             pending.logprobs.copy_to_host()
         if pending.token_ids is not None:
-            if self.device.type == "cuda":
-                pending.host_ids = torch.empty(pending.token_ids.shape, dtype=pending.token_ids.dtype,
-                                               pin_memory=True)
-                pending.host_ids.copy_(pending.token_ids, non_blocking=True)
-            else:
-                pending.host_ids = pending.token_ids
+            pending.host_ids = to_host(pending.token_ids)
         if self.device.type == "cuda":
             pending.event = torch.cuda.Event()
             pending.event.record()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
-from engine.transfer import to_device
+from engine.transfer import to_device, to_host
 from scheduler.outputs import TokenLogprobs
 
 _NEG_INF = float("-inf")
@@ -279,8 +279,8 @@ class DeviceLogprobs(Sequence):
 
     def copy_to_host(self) -> None:
         """Queue the copy back (CUDA: to pinned memory, no host sync); ordered on the stream."""
-        if self._rows is None and self._tensors[0].is_cuda:
-            self._tensors = [None if t is None else t.to("cpu", non_blocking=True) for t in self._tensors]
+        if self._rows is None:
+            self._tensors = [None if t is None else to_host(t) for t in self._tensors]
 
     def _materialize(self) -> list[TokenLogprobs]:
         if self._rows is None:

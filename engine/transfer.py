@@ -1,4 +1,4 @@
-"""Host -> device copies of a step's inputs that never make the host wait for the GPU.
+"""Copies between host and device that never make the host wait for the GPU.
 
 A plain `.to("cuda")` of pageable memory synchronizes with the stream: with a step in flight
 (async scheduling) it would wait for that step to end. Staged through pinned memory (torch's
@@ -9,6 +9,12 @@ stream and the host moves on.
 from __future__ import annotations
 
 import torch
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """Queue a device -> host copy of t without waiting (CUDA: into pinned memory, which torch
+    allocates for a non-blocking copy to the CPU); read it only after the stream has passed it."""
+    return t.to("cpu", non_blocking=True) if t.is_cuda else t
 
 
 def to_device(values, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -318,20 +318,15 @@ def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 
 def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor, n_shared: int = 0, block_m: int = 16) -> torch.Tensor:
-    """`fused_moe_small`'s result for medium batches (bf16/fp16/fp32 experts, not FP8): pairs
-    sorted by expert into blocks, so each expert's weights are read once per block."""
+                      ids: torch.Tensor, block_m: int = 16) -> torch.Tensor:
+    """Routed-expert output `[T, D]` for medium batches (bf16/fp16/fp32 experts, not FP8): pairs
+    sorted by expert into blocks, so each expert's weights are read once per block. ids / weights
+    `[T, kt]` are every pair a token takes, folded shared experts included (`MoE._with_shared`)."""
     T, D = x.shape
-    k, I, E = ids.shape[1], w2.shape[-1], w13.shape[0]
-    if w13.shape[-2:] != (2 * I, D) or w2.shape[-2:] != (D, I) or not 0 <= n_shared < E \
-            or w13.dtype != x.dtype or w2.dtype != x.dtype:
+    kt, I, E = ids.shape[1], w2.shape[-1], w13.shape[0]
+    if w13.shape[-2:] != (2 * I, D) or w2.shape[-2:] != (D, I) or w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"expert weights {tuple(w13.shape)} {w13.dtype} / {tuple(w2.shape)} do not match "
-                         f"x {tuple(x.shape)} {x.dtype} with {n_shared} shared experts")
-    kt = k + n_shared
-    if n_shared:
-        sid = torch.arange(E - n_shared, E, device=ids.device, dtype=ids.dtype).expand(T, -1)
-        ids = torch.cat([ids, sid], dim=1)
-        weights = torch.cat([weights, weights.new_ones(T, n_shared)], dim=1)
+                         f"x {tuple(x.shape)} {x.dtype}")
     rows, bexp = sort_pairs_into_blocks(ids, E, block_m)
     x, pw = x.contiguous(), weights.contiguous().flatten()
     h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)

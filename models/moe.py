@@ -201,8 +201,8 @@ class MoE(nn.Module):
         elif _BLOCKED and triton_fast_path(x) and self.fp8_block is None:
             from models.fused_moe import BLOCKED_MAX_TOKENS, fused_moe_blocked
             if x.shape[0] <= BLOCKED_MAX_TOKENS:
-                out = try_kernel("fused_moe_blocked", fused_moe_blocked, x, self.w13, self.w2, weights, ids,
-                                 self.n_shared)
+                out = try_kernel("fused_moe_blocked", fused_moe_blocked, x, self.w13, self.w2,
+                                 *self._with_shared(weights, ids))
         if out is None:
             out = self._routed_any(x, *self._with_shared(weights, ids))
         if self.shared_experts is not None:

@@ -87,7 +87,8 @@ def main() -> None:
         if T <= 8:
             variants.append(("fused", lambda x, w, ids: fused_moe_small(x, moe.w13, moe.w2, w, ids, n_shared=ns)))
         else:
-            variants += [(f"blocked{bm}", lambda x, w, ids, bm=bm: fused_moe_blocked(x, moe.w13, moe.w2, w, ids, ns, bm))
+            variants += [(f"blocked{bm}", lambda x, w, ids, bm=bm: fused_moe_blocked(
+                x, moe.w13, moe.w2, *moe._with_shared(w, ids), bm))
                          for bm in (16, 32, 64) if bm <= max(16, T)]
         for name, fn in variants:
             err = ((fn(x, w, ids).float() - ref).norm() / ref.norm()).item()

@@ -53,7 +53,7 @@ def check_blocked(cfg_overrides, T, dtype, device, tol, block_m):
     from models.fused_moe import fused_moe_blocked
     moe, x, w, ids = random_moe(cfg_overrides, T, dtype, device)
     ref = moe._routed(x, *moe._with_shared(w, ids)).double()
-    got = fused_moe_blocked(x, moe.w13, moe.w2, w, ids, moe.n_shared, block_m).double()
+    got = fused_moe_blocked(x, moe.w13, moe.w2, *moe._with_shared(w, ids), block_m=block_m).double()
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < tol, (cfg_overrides, T, dtype, block_m, err)
     return err
