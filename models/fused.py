@@ -65,10 +65,21 @@ class CudaCompiled:
 _FAILED: set[str] = set()  # fast-path kernels that raised once in this process
 
 
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (Triton on the CPU, for tests): no autotuning there."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotuning() -> bool:
+    """Autotune Triton tiles on CUDA (the default). DSV_AUTOTUNE=0 uses one fixed tile per kernel
+    instead: for quick GPU test runs, where tuning every test shape costs minutes of device time."""
+    return not interpreting() and os.environ.get("DSV_AUTOTUNE", "1") != "0"
+
+
 def triton_fast_path(t: torch.Tensor) -> bool:
     """Whether the Triton decode kernels serve tensor t: on CUDA, and on the CPU under
     TRITON_INTERPRET=1 (tests run the whole engine that way, in fp32)."""
-    return t.is_cuda or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return t.is_cuda or interpreting()
 
 
 def try_kernel(name: str, fn, *args):

@@ -23,11 +23,11 @@ interpreter (CPU tests) uses one fixed tile set.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
+
+from models.fused import autotuning, interpreting
 
 MAX_TOKENS = 8  # above this, pairs share experts and the grouped GEMM reads fewer bytes
 
@@ -139,17 +139,6 @@ def _sum_pairs_kernel(part_ptr, out_ptr, D, KT: tl.constexpr, BLOCK: tl.constexp
 
 _INTERPRET_TILES = {"BLOCK_N": 32, "BLOCK_K": 128}
 _FIXED_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)  # DSV_AUTOTUNE=0: among the H200's picks
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1 (Triton on the CPU, for tests): no autotuning there."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def autotuning() -> bool:
-    """Autotune tiles on CUDA (the default). DSV_AUTOTUNE=0 uses one fixed tile per kernel instead:
-    for quick GPU test runs, where tuning every test shape costs minutes of device time."""
-    return not interpreting() and os.environ.get("DSV_AUTOTUNE", "1") != "0"
 
 
 # Candidate tiles (BLOCK_N, BLOCK_K, warps, stages), autotuned per (D, I, k, batch bucket);
