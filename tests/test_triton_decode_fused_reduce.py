@@ -52,6 +52,6 @@ def test_fused_reduce_real_shapes(B, H):
     left non-zero would show as a mismatch in some launch."""
     ns = {}
     exec(CHECK, ns)
-    cfg = default_decode_config(H, torch.bfloat16)
+    cfg = ns["default_decode_config"](H, torch.bfloat16)
     lens = [4096 - 37 * i for i in range(B)]
     ns["check"](B, H, 512, 64, 64, lens, (8, 32, 66), torch.bfloat16, "cuda", cfg, reps=20)
