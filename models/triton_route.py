@@ -4,7 +4,11 @@ On CUDA the torch version (`models.moe.route`) costs five kernels per layer at d
 sigmoid, a radix top-k, its sort, a reduction, the gathers): ~14 µs of a 1-token step on an H200,
 about as long as reading the layer's six experts. Here one program per token takes the fp32
 logits `[T, E]` and does scoring, the group limit, top-k, normalisation and scaling in registers
-(E <= a few hundred). The logits GEMM stays with cuBLAS (fp32, as the checkpoints' reference).
+(E <= a few hundred). The fp32 logits GEMM is a Triton kernel too up to `LOGITS_MAX_TOKENS`
+tokens (decode): one program per (expert, token) reads the expert's row and the token's bf16 row,
+converting in registers. cuBLAS took three kernels there (the cast of x to fp32, a dot kernel and
+its reduction: ~5 µs per layer at batch 1 on the H200); larger batches keep cuBLAS. Both
+accumulate in fp32, in different orders (results differ in the last bits).
 
 Same rules as `route`:
   softmax (V2, V2-Lite): scores = softmax(logits); group_limited_greedy keeps the `topk_group`
@@ -24,6 +28,36 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+LOGITS_MAX_TOKENS = 16
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """logits[t, e] = x[t] . w[e] in fp32; program (e, t)."""
+    e = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1).to(tl.int64)
+    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        offs = k0 + tl.arange(0, BLOCK_K)
+        m = offs < D
+        xv = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0).to(tl.float32)
+        acc += xv * tl.load(w_ptr + e * D + offs, mask=m, other=0.0)
+    tl.store(out_ptr + t * E + e, tl.sum(acc, axis=0))
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """fp32 `x @ weight.T` `[T, E]` for x `[T, D]` (any float dtype), weight fp32 `[E, D]`."""
+    T, D = x.shape
+    E = weight.shape[0]
+    if T > LOGITS_MAX_TOKENS or x.stride(-1) != 1 or weight.dtype != torch.float32 or not weight.is_contiguous():
+        return torch.nn.functional.linear(x.float(), weight).contiguous()
+    out = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T:
+        _router_logits_kernel[(E, T)](x, weight, out, D, x.stride(0), E=E,
+                                      BLOCK_K=min(triton.next_power_of_2(D), 2048), num_warps=4)
+    return out
 
 
 @triton.jit
@@ -85,13 +119,13 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  topk_method: str, n_group: int, topk_group: int, top_k: int, norm: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """`models.moe.route` with the post-GEMM work in one kernel: weights fp32 [T, k], ids int64 [T, k]."""
-    logits = torch.nn.functional.linear(x.float(), weight).contiguous()  # [T, E]
-    T, E = logits.shape
+    T, E = x.shape[0], weight.shape[0]
     sigmoid = scoring != "softmax"
     grouped = n_group > 1 and (sigmoid or topk_method == "group_limited_greedy")
     G = n_group if grouped else 1
     if E % G or top_k > E or (grouped and topk_group * (E // G) < top_k):
         raise ValueError(f"router: {E} experts in {G} groups, top {topk_group} groups, top-{top_k} does not fit")
+    logits = router_logits(x, weight)  # [T, E] fp32
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     if T:

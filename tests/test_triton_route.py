@@ -20,9 +20,10 @@ CASES = [
 CHECK = r"""
 import torch
 from models.moe import route
-from models.triton_route import route_triton
+from models.triton_route import LOGITS_MAX_TOKENS, route_triton, router_logits
 
 def check(case, device, T=7, D=48):
+    # T <= LOGITS_MAX_TOKENS: the logits are the Triton kernel's too
     scoring, method, E, G, TG, k, norm, scale, has_bias = case
     g = torch.Generator().manual_seed(E + k)
     x = torch.randn(T, D, generator=g).to(device)
@@ -30,6 +31,9 @@ def check(case, device, T=7, D=48):
     bias = (torch.randn(E, generator=g) * 0.1).to(device) if has_bias else None
     args = (x, w, bias, scoring, method, G, TG, k, norm, scale)
     rw, ri = route(*args)
+    if T <= LOGITS_MAX_TOKENS:
+        for xx in (x, x.to(torch.bfloat16)):  # the kernel reads bf16 rows as the model gives them
+            torch.testing.assert_close(router_logits(xx, w), xx.float() @ w.T, rtol=1e-5, atol=1e-4)
     tw, ti = route_triton(*args)
     assert ti.dtype == torch.int64 and tw.dtype == torch.float32
     assert torch.equal(ti, ri), (case, ti, ri)
@@ -64,4 +68,5 @@ def test_route_rejects_a_layout_that_cannot_fill_k():
 def test_route_kernel_gpu(case):
     ns = {}
     exec(CHECK, ns)
-    ns["check"](case, "cuda", T=300)
+    ns["check"](case, "cuda", T=300)  # cuBLAS logits
+    ns["check"](case, "cuda", T=8, D=2048)  # the Triton logits kernel
