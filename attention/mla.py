@@ -76,13 +76,15 @@ class MLAAttention:
         return row
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_row: torch.Tensor,
-                kv_cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
-        """q_nope [T,Hl,P], q_pe [T,Hl,R], kv_row [T, Lkv+R] = [c ‖ k_pe] of the new tokens, already
-        in the cache (`finish_kv`) -> [T, Hl, V]."""
+                kv_cache: torch.Tensor, meta: MLAMetadata, cos_sin: torch.Tensor, rope) -> torch.Tensor:
+        """q_nope [T,Hl,P], q_pe [T,Hl,R] (not yet rotated), kv_row [T, Lkv+R] = [c ‖ k_pe] of the
+        new tokens, already in the cache (`finish_kv`); cos_sin [T, R] the tokens' RoPE rows
+        (`rope.at`) -> [T, Hl, V]."""
         c, k_pe = kv_row.split([self.Lkv, self.R], dim=-1)
         nd = meta.num_decode_tokens
         if meta.prefill is None and nd == q_nope.shape[0]:  # pure decode: no copy into a joint output
-            return self._decode(q_nope, q_pe, kv_cache, meta)
+            return self._decode(q_nope, q_pe, kv_cache, meta, cos_sin, rope)
+        (q_pe,) = rope.rotate(cos_sin, q_pe)
         if meta.decode is None and nd == 0:
             return self._prefill(q_nope, q_pe, c, k_pe, kv_cache, meta)
         out = q_nope.new_empty(q_nope.shape[0], self.H, self.V)
@@ -92,12 +94,15 @@ class MLAAttention:
             out[nd:] = self._prefill(q_nope[nd:], q_pe[nd:], c[nd:], k_pe[nd:], kv_cache, meta)
         return out
 
-    def _absorb_q(self, q_nope, q_pe):
-        """[q_nope @ W_UK ‖ q_pe] `[Nd, Hl, Lkv+R]`: one Triton kernel with the Triton backend
-        (attention/triton_absorb.py), else a batched GEMM and a cat."""
-        q = _try_kernel("triton_absorb", "absorb_q", self.ops, q_nope, q_pe, self.w_uk)
+    def _absorb_q(self, q_nope, q_pe, cos_sin=None, rope=None):
+        """[q_nope @ W_UK ‖ q_pe] `[Nd, Hl, Lkv+R]`, q_pe rotated first when `cos_sin` is given:
+        one Triton kernel with the Triton backend (attention/triton_absorb.py), else the RoPE, a
+        batched GEMM and a cat."""
+        q = _try_kernel("triton_absorb", "absorb_q", self.ops, q_nope, q_pe, self.w_uk, cos_sin)
         if q is not None:
             return q
+        if cos_sin is not None:
+            (q_pe,) = rope.rotate(cos_sin, q_pe)
         return torch.cat([torch.einsum("thp,hpl->thl", q_nope, self.w_uk), q_pe], dim=-1)
 
     def _absorb_o(self, o_lat):
@@ -107,8 +112,9 @@ class MLAAttention:
             return o
         return torch.einsum("thl,hvl->thv", o_lat, self.w_uv)
 
-    def _decode(self, q_nope, q_pe, kv_cache, meta):
-        q = self._absorb_q(q_nope, q_pe)  # [Nd, Hl, Lkv+R]
+    def _decode(self, q_nope, q_pe, kv_cache, meta, cos_sin=None, rope=None):
+        """Decode rows; q_pe rotated already, or rotated here when `cos_sin` is given."""
+        q = self._absorb_q(q_nope, q_pe, cos_sin, rope)  # [Nd, Hl, Lkv+R]
         dcp = pd.dcp()
         if dcp.size > 1:
             q = pd.dcp_all_gather(q, dim=1)  # [Nd, Hl*D, Lkv+R]: the group's heads, rank-major

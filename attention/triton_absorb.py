@@ -5,7 +5,8 @@ by W_UV after it (DESIGN.md §4). As `torch.einsum` these are batched GEMMs whos
 head-major views, so the step also pays a cat (latent query ‖ rope query) and a copy (to flatten
 the heads for o_proj): four launches per layer at decode, each a few µs on small batches.
 Here:
-  absorb_q: q [T, H, L+R] = [q_nope[t, h] @ W_UK[h] ‖ q_pe[t, h]]   (one kernel, no cat)
+  absorb_q: q [T, H, L+R] = [q_nope[t, h] @ W_UK[h] ‖ rope(q_pe[t, h])]   (one kernel, no cat,
+            and the query's RoPE on the way)
   absorb_o: o [T, H, V]   = o_lat[t, h] @ W_UV[h]^T, contiguous      (one kernel, no copy)
 Products accumulate in fp32 (tensor cores; IEEE for fp32 models) and round once to the dtype.
 """
@@ -18,10 +19,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p,
+def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t,
                      H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
                      BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
-                     IEEE: tl.constexpr):
+                     IEEE: tl.constexpr, ROPE: tl.constexpr):
     h = tl.program_id(0)
     lb = tl.program_id(1)
     t0 = tl.program_id(2) * BT
@@ -40,10 +41,24 @@ def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_
     row = offs_t[:, None] * (H * (L + R)) + h * (L + R)
     tl.store(q_ptr + row + offs_l[None, :], acc.to(q_ptr.dtype.element_ty), mask=mt[:, None] & (offs_l[None, :] < L))
     if lb == 0:  # the rope part goes behind the latent part
-        offs_r = tl.arange(0, BR)
-        mr = mt[:, None] & (offs_r[None, :] < R)
-        pe = tl.load(qp_ptr + offs_t[:, None] * s_qp_t + h * s_qp_h + offs_r[None, :], mask=mr, other=0.0)
-        tl.store(q_ptr + row + L + offs_r[None, :], pe.to(q_ptr.dtype.element_ty), mask=mr)
+        if ROPE:  # rotated on interleaved pairs as models.fused.rope (cos | sin rows, fp32)
+            offs_i = tl.arange(0, BR // 2)
+            mr = mt[:, None] & (offs_i[None, :] < R // 2)
+            src = qp_ptr + offs_t[:, None] * s_qp_t + h * s_qp_h + 2 * offs_i[None, :]
+            x1 = tl.load(src, mask=mr, other=0.0).to(tl.float32)
+            x2 = tl.load(src + 1, mask=mr, other=0.0).to(tl.float32)
+            cs = cs_ptr + offs_t[:, None] * s_cs_t + offs_i[None, :]
+            cos = tl.load(cs, mask=mr, other=0.0)
+            sin = tl.load(cs + R // 2, mask=mr, other=0.0)
+            dt = q_ptr.dtype.element_ty
+            dst = q_ptr + row + L + 2 * offs_i[None, :]
+            tl.store(dst, (x1 * cos - x2 * sin).to(dt), mask=mr)
+            tl.store(dst + 1, (x2 * cos + x1 * sin).to(dt), mask=mr)
+        else:
+            offs_r = tl.arange(0, BR)
+            mr = mt[:, None] & (offs_r[None, :] < R)
+            pe = tl.load(qp_ptr + offs_t[:, None] * s_qp_t + h * s_qp_h + offs_r[None, :], mask=mr, other=0.0)
+            tl.store(q_ptr + row + L + offs_r[None, :], pe.to(q_ptr.dtype.element_ty), mask=mr)
 
 
 @triton.jit
@@ -77,23 +92,29 @@ def _bt(T: int) -> int:
     return 16 if T <= 16 else 64
 
 
-def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """q_nope [T, H, P], q_pe [T, H, R], w_uk [H, P, L] (last dims contiguous) -> q [T, H, L+R]."""
+def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
+             cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+    """q_nope [T, H, P], q_pe [T, H, R], w_uk [H, P, L] (last dims contiguous) -> q [T, H, L+R].
+    With `cos_sin` (`[T, R]` fp32 [cos | sin] rows, `YarnRotaryEmbedding.at`) q_pe is rotated on
+    the way (one launch fewer than a separate RoPE); without, it is copied as it is."""
     T, H, P = q_nope.shape
     R, L = q_pe.shape[-1], w_uk.shape[-1]
     if (q_pe.shape[:2] != (T, H) or w_uk.shape[:2] != (H, P) or not q_nope.dtype == q_pe.dtype == w_uk.dtype
-            or q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1 or w_uk.stride(-1) != 1):
-        raise ValueError(f"absorb_q: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, w_uk {tuple(w_uk.shape)} "
-                         "(one dtype, last dims contiguous)")
+            or q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1 or w_uk.stride(-1) != 1
+            or (cos_sin is not None and (cos_sin.shape != (T, R) or cos_sin.stride(-1) != 1 or R % 2
+                                         or cos_sin.dtype != torch.float32))):
+        raise ValueError(f"absorb_q: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, w_uk {tuple(w_uk.shape)}, "
+                         f"cos_sin {None if cos_sin is None else (tuple(cos_sin.shape), cos_sin.dtype)} "
+                         "(one dtype, last dims contiguous, cos_sin fp32 [T, R] with R even)")
     q = torch.empty(T, H, L + R, dtype=q_nope.dtype, device=q_nope.device)
     if T == 0:
         return q
     BL, BT = max(16, min(128, triton.next_power_of_2(L))), _bt(T)
     _absorb_q_kernel[(H, triton.cdiv(L, BL), triton.cdiv(T, BT))](
-        q_nope, q_pe, w_uk, q, T, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
-        w_uk.stride(0), w_uk.stride(1),
-        H=H, P=P, L=L, R=R, BP=max(16, triton.next_power_of_2(P)), BL=BL, BR=triton.next_power_of_2(R), BT=BT,
-        IEEE=q_nope.dtype == torch.float32, num_warps=4)
+        q_nope, q_pe, w_uk, q, q if cos_sin is None else cos_sin, T, q_nope.stride(0), q_nope.stride(1),
+        q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1), 0 if cos_sin is None else cos_sin.stride(0),
+        H=H, P=P, L=L, R=R, BP=max(16, triton.next_power_of_2(P)), BL=BL, BR=max(2, triton.next_power_of_2(R)),
+        BT=BT, IEEE=q_nope.dtype == torch.float32, ROPE=cos_sin is not None, num_warps=4)
     return q
 
 

@@ -74,10 +74,9 @@ class DeepseekAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.reshape(-1, self.Hl, self.P + self.R)
         q_nope, q_pe = q.split([self.P, self.R], dim=-1)
-        (q_pe,) = rope.rotate(cos_sin, q_pe)
         n = self.kv_a_layernorm
         kv_row = self.mla.finish_kv(kv, n.weight, n.eps, cos_sin, rope, kv_cache, meta)  # in the cache now
-        o = self.mla.forward(q_nope, q_pe, kv_row, kv_cache, meta)  # [T, Hl, V]
+        o = self.mla.forward(q_nope, q_pe, kv_row, kv_cache, meta, cos_sin, rope)  # [T, Hl, V]; rotates q_pe
         return self.o_proj(o.flatten(1))
 
 

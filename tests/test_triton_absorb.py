@@ -10,6 +10,7 @@ from interpreted import run_interpreted
 CHECK = r"""
 import torch
 from attention.triton_absorb import absorb_o, absorb_q
+from models.fused import rope
 
 def check(T, H, P, R, L, V, dtype, device, tol):
     g = torch.Generator().manual_seed(T * 7 + H)
@@ -23,6 +24,14 @@ def check(T, H, P, R, L, V, dtype, device, tol):
     got_q = absorb_q(q_nope, q_pe, w_uk)
     assert got_q.shape == (T, H, L + R) and got_q.is_contiguous()
     assert torch.equal(got_q[..., L:], q_pe)  # the rope part is copied, not computed
+    # with the RoPE rows: the same latent part, the rope part rotated as models.fused.rope does
+    cos_sin = torch.randn(T, R, generator=g).to(device)
+    got_qr = absorb_q(q_nope, q_pe, w_uk, cos_sin)
+    assert torch.equal(got_qr[..., :L], got_q[..., :L])
+    cos, sin = (c.view(T, 1, R // 2) for c in cos_sin.chunk(2, dim=-1))
+    want_pe = rope(q_pe, cos, sin)
+    torch.testing.assert_close(got_qr[..., L:], want_pe, rtol=tol, atol=tol if dtype == torch.float32 else 2e-2)
+    assert not torch.equal(got_qr[..., L:], q_pe)
     o_lat = torch.randn(T, H, L, generator=g).to(device, dtype)
     ref_o = torch.einsum("thl,hvl->thv", o_lat.double(), w_uv.double())
     got_o = absorb_o(o_lat, w_uv)
