@@ -11,8 +11,10 @@ split, stage 1 writes the final output directly and stage 2 is skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,13 @@ class DecodeConfig:
 
 
 def default_decode_config(num_heads: int, dtype: torch.dtype, smem_bytes: int | None = None) -> DecodeConfig:
+    cfg = _tile_config(num_heads, dtype, smem_bytes)
+    if os.environ.get("DSV_DECODE_FUSED_REDUCE", "0") == "1":  # A/B switch for the benchmarks
+        cfg = dataclasses.replace(cfg, fused_reduce=True)
+    return cfg
+
+
+def _tile_config(num_heads: int, dtype: torch.dtype, smem_bytes: int | None) -> DecodeConfig:
     """Tile shape by head count: 64-head tiles for wide ranks, 16 otherwise.
 
     Picked from the H200 sweep of 2026-11-30 (docs/kernel_notes.md, v3): 16-head tiles with the

@@ -16,12 +16,14 @@ from models.layers import Linear, shard_param
 
 
 # Batches up to this many tokens take the fused Triton MoE (models/fused_moe.py) on CUDA: at
-# batch 1 the routed experts of a V2-Lite layer take 87 us instead of 355 us through the grouped
-# GEMM (H200, scripts/bench_fused_moe.py, RESULTS.md). DSV_FUSED_MOE_MAX_TOKENS overrides it
-# (0 turns the fused path off).
+# batch 1 the routed + shared experts of a V2-Lite layer take 39 us instead of 111 us through the
+# grouped GEMM (H200, in CUDA graphs, scripts/bench_fused_moe.py, RESULTS.md).
+# DSV_FUSED_MOE_MAX_TOKENS overrides it (0 turns the fused path off).
 _FUSED_MAX_TOKENS = int(os.environ.get("DSV_FUSED_MOE_MAX_TOKENS", "8"))  # models.fused_moe.MAX_TOKENS
-# Experimental, off until timed on a GPU: expert-sorted block kernels for 9..512 tokens
-_BLOCKED = os.environ.get("DSV_MOE_BLOCKED", "0") == "1"
+# From there to BLOCKED_MAX_TOKENS (512), the expert-sorted block kernels: 1.14-1.40x faster than
+# the grouped GEMM at 16-256 tokens on the H200 (bench_fused_moe.py, 2026-11-30 06:14 UTC).
+# DSV_MOE_BLOCKED=0 turns them off.
+_BLOCKED = os.environ.get("DSV_MOE_BLOCKED", "1") == "1"
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -201,8 +203,10 @@ class MoE(nn.Module):
         elif _BLOCKED and triton_fast_path(x) and self.fp8_block is None:
             from models.fused_moe import BLOCKED_MAX_TOKENS, fused_moe_blocked
             if x.shape[0] <= BLOCKED_MAX_TOKENS:
+                # 16-row blocks up to 128 tokens, 32 beyond (bench_fused_moe.py on the H200: at 256
+                # tokens 388 us with 32 rows against 455 with 16)
                 out = try_kernel("fused_moe_blocked", fused_moe_blocked, x, self.w13, self.w2,
-                                 *self._with_shared(weights, ids))
+                                 *self._with_shared(weights, ids), 16 if x.shape[0] <= 128 else 32)
         if out is None:
             out = self._routed_any(x, *self._with_shared(weights, ids))
         if self.shared_experts is not None:
