@@ -11,10 +11,8 @@ split, stage 1 writes the final output directly and stage 2 is skipped.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -36,19 +34,9 @@ class DecodeConfig:
     qk_t: bool = False       # compute scores transposed (tokens as MMA rows)
     maxnreg: int | None = None  # register cap per thread, to fit more programs per SM
     prefetch_ids: bool = False  # load the next tile's block ids before this tile's math
-    # Experimental, off until timed on a GPU: the last split of each (sequence, head tile) to
-    # finish merges all splits itself (an atomic arrival counter), instead of a second launch.
-    fused_reduce: bool = False
 
 
 def default_decode_config(num_heads: int, dtype: torch.dtype, smem_bytes: int | None = None) -> DecodeConfig:
-    cfg = _tile_config(num_heads, dtype, smem_bytes)
-    if os.environ.get("DSV_DECODE_FUSED_REDUCE", "0") == "1":  # A/B switch for the benchmarks
-        cfg = dataclasses.replace(cfg, fused_reduce=True)
-    return cfg
-
-
-def _tile_config(num_heads: int, dtype: torch.dtype, smem_bytes: int | None) -> DecodeConfig:
     """Tile shape by head count: 64-head tiles for wide ranks, 16 otherwise.
 
     Picked from the H200 sweep of 2026-11-30 (docs/kernel_notes.md, v3): 16-head tiles with the
@@ -111,8 +99,6 @@ def _mla_decode_partial_kernel(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr,
-    count_ptr, fo_ptr, flse_ptr, stride_fob, stride_foh, stride_flb, stride_flh,
-    FUSED_REDUCE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
@@ -181,37 +167,6 @@ def _mla_decode_partial_kernel(
     lse_ptrs = lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + heads * stride_lh
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
     tl.store(lse_ptrs, lse, mask=hmask)
-    if FUSED_REDUCE:
-        # Arrival count per (sequence, head tile): every thread's partial stores are issued
-        # (barrier) before the release of the atomic; the last arrival acquires them all.
-        tl.debug_barrier()
-        counter = count_ptr + b.to(tl.int64) * tl.num_programs(0) + pid_h
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:
-            tl.debug_barrier()
-            offs_s = tl.arange(0, BLOCK_S)
-            lse_base = lse_ptr + b.to(tl.int64) * stride_lb + heads * stride_lh  # [BLOCK_H]
-            lse_all = tl.load(lse_base[:, None] + offs_s[None, :] * stride_ls,
-                              mask=hmask[:, None] & (offs_s[None, :] < num_splits), other=float("-inf"),
-                              cache_modifier=".cg")  # [BLOCK_H, BLOCK_S]
-            m = tl.max(lse_all, 1)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            total = tl.sum(tl.exp(lse_all - m_safe[:, None]), 1)
-            out = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-            po_base = o_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_l[None, :]
-            for si in range(num_splits):
-                w = tl.exp(tl.load(lse_base + si * stride_ls, mask=hmask, other=float("-inf"),
-                                   cache_modifier=".cg") - m_safe)  # 0 for an empty split
-                o_i = tl.load(po_base + si * stride_os, mask=hmask[:, None] & lmask[None, :] & (w[:, None] > 0),
-                              other=0.0, cache_modifier=".cg")
-                out += w[:, None] * o_i
-            nonempty = total > 0.0
-            out = out / tl.where(nonempty, total, 1.0)[:, None]
-            flse = tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), float("-inf"))
-            tl.store(fo_ptr + b.to(tl.int64) * stride_fob + heads[:, None] * stride_foh + offs_l[None, :],
-                     out.to(fo_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
-            tl.store(flse_ptr + b.to(tl.int64) * stride_flb + heads * stride_flh, flse, mask=hmask)
-            tl.atomic_xchg(counter, 0)  # ready for the next launch (CUDA-graph replays reuse it)
 
 
 @triton.jit
@@ -248,22 +203,6 @@ def _mla_decode_reduce_kernel(
     tl.store(lse_ptr + b * stride_lb + h * stride_lh, lse)
 
 
-_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _arrival_counts(device: torch.device, n: int) -> torch.Tensor | None:
-    """Zeroed int32 counters for the fused reduce, kept per device and reset by the kernel
-    itself. Grown only outside CUDA-graph capture (a zeroing inside a graph would replay as a
-    kernel of its own); None then, and the caller launches the reduce kernel instead."""
-    buf = _COUNTS.get(device)
-    if buf is None or buf.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTS[device] = buf
-    return buf
-
-
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
                num_splits: int | None = None, num_sms: int | None = None,
@@ -297,10 +236,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         po_strides = (po.stride(0), po.stride(1), po.stride(2))
         plse_strides = (plse.stride(0), plse.stride(1), plse.stride(2))
     block_l = triton.next_power_of_2(lkv)
-    counts = _arrival_counts(q.device, B * head_tiles) if (cfg.fused_reduce and not direct) else None
-    # the fused reduce's final outputs and arrival counters (unused, but passed, without it)
-    fused = dict(count_ptr=counts if counts is not None else seq_lens, fo_ptr=o, flse_ptr=lse,
-                 stride_fob=o.stride(0), stride_foh=o.stride(1), stride_flb=lse.stride(0), stride_flh=lse.stride(1))
     _mla_decode_partial_kernel[(head_tiles, num_splits, B)](
         q, kv_cache, block_table, seq_lens, po, plse,
         scale * LOG2E, H, num_splits,
@@ -308,16 +243,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
         *po_strides, *plse_strides,
-        PAGE=page, LKV=lkv, R=r, **fused,
+        PAGE=page, LKV=lkv, R=r,
         BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(r),
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        # BLOCK_S only matters fused (one compile per power of two of the split count)
-        FUSED_REDUCE=counts is not None, BLOCK_S=triton.next_power_of_2(num_splits) if counts is not None else 1,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
-    if not direct and counts is None:
+    if not direct:
         _mla_decode_reduce_kernel[(H, B)](
             po, plse, o, lse, H, num_splits,
             *po_strides, *plse_strides,

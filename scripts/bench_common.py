@@ -68,3 +68,31 @@ def write_json(path: str | None, payload: dict) -> None:
     path = path or (os.path.join(os.environ["OUT"], "bench.json") if "OUT" in os.environ else None)
     if path:
         Path(path).write_text(json.dumps(payload, indent=2))
+
+
+def graph_us(fn, calls: list, reps: int = 20) -> float:
+    """Device µs per call with the calls captured in one CUDA graph (as the engine runs decode),
+    so host launch overhead is not in the figure. Give calls that read different weights (other
+    experts, other copies of a matrix), so they stream from HBM as in a real step, where the
+    other layers evict them from L2."""
+    import torch  # here, not at the top: the serving client imports this module too
+    for args in calls:  # autotune and warm up outside capture
+        fn(*args)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        with torch.cuda.graph(g, stream=s):
+            for args in calls:
+                fn(*args)
+    torch.cuda.current_stream().wait_stream(s)
+    g.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * len(calls))

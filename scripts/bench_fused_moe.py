@@ -16,38 +16,12 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_common import environment, write_json
+from bench_common import environment, graph_us, write_json
 
 from models.config import ModelConfig
 from models.loader import init_dummy_weights
 from models.fused_moe import fused_moe_blocked, fused_moe_small, tuned_configs
 from models.moe import MoE
-
-
-def graph_us(fn, calls: list, reps: int = 20) -> float:
-    """Device µs per call with the calls captured in one CUDA graph (as the engine runs decode),
-    so host launch overhead is not in the figure. Each captured call routes to other experts: the
-    weights stream from HBM as in a real step, where other layers evict them from L2."""
-    for args in calls:  # autotune and warm up outside capture
-        fn(*args)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        with torch.cuda.graph(g, stream=s):
-            for args in calls:
-                fn(*args)
-    torch.cuda.current_stream().wait_stream(s)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(calls))
 
 
 def main() -> None:

@@ -45,9 +45,7 @@ PREFILL_SHAPES = [  # (name, [(Lq, Lk), ...], H, causal)
     ("2x(1024q,8192ctx) noncausal", [(1024, 8192)] * 2, 16, False),
 ]
 DECODE_SWEEP = {  # DecodeConfig fields beyond the default, per head count
-    16: [dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True,
-              fused_reduce=True),  # the default tile, splits merged by the last one (no 2nd launch)
-         dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=168),
+    16: [dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=168),
          dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=3, maxnreg=168),
          dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2),
          dict(block_h=16, block_n=128, num_warps=8, num_stages=2, programs_per_sm=1),
@@ -55,8 +53,7 @@ DECODE_SWEEP = {  # DecodeConfig fields beyond the default, per head count
          dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True),
          dict(block_h=16, block_n=32, num_warps=8, num_stages=3, programs_per_sm=2, prefetch_ids=True),
          dict(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_sm=1, prefetch_ids=True)],
-    128: [dict(block_h=64, block_n=64, num_warps=8, num_stages=2, fused_reduce=True),
-          dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
+    128: [dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
           dict(block_h=64, block_n=64, num_warps=8, num_stages=2, qk_t=True),
           dict(block_h=64, block_n=32, num_warps=8, num_stages=3),
           dict(block_h=64, block_n=128, num_warps=8, num_stages=1, qk_t=True),
@@ -179,8 +176,7 @@ def _short(cfg: dict) -> str:
     """Compact tile description: h16n32w4s2[r168][T]."""
     out = f"h{cfg['block_h']}n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}p{cfg['programs_per_sm']}"
     out += f"r{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
-    return (out + ("T" if cfg.get("qk_t") else "") + ("P" if cfg.get("prefetch_ids") else "")
-            + ("F" if cfg.get("fused_reduce") else ""))
+    return out + ("T" if cfg.get("qk_t") else "") + ("P" if cfg.get("prefetch_ids") else "")
 
 
 def prefill_flops(lens, H, causal):

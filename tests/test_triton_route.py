@@ -37,7 +37,9 @@ def check(case, device, T=7, D=48):
     tw, ti = route_triton(*args)
     assert ti.dtype == torch.int64 and tw.dtype == torch.float32
     assert torch.equal(ti, ri), (case, ti, ri)
-    torch.testing.assert_close(tw, rw, rtol=1e-5, atol=1e-7)
+    # fp32 logits summed in another order (the Triton logits kernel, or cuBLAS on the GPU): a
+    # weight moves by about the logit's rounding, |logit| ~ sqrt(D) here
+    torch.testing.assert_close(tw, rw, rtol=1e-5 * max(1.0, D / 64), atol=1e-7)
     empty = route_triton(x[:0], *args[1:])
     assert empty[0].shape == (0, k) and empty[1].shape == (0, k)
     # overflowed rows (NaN, inf) still get k distinct valid ids; the good rows are unchanged
