@@ -7,6 +7,7 @@ and the per-step metadata live in `attention/`. Notation as in attention/mla.py.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from attention.backend import AttentionOps
@@ -15,7 +16,7 @@ from attention.mla import MLAAttention
 from engine import distributed as pd
 from models.config import ModelConfig
 from models.fused import add_rms_norm_op
-from models.layers import Linear, ParallelLMHead, RMSNorm, VocabParallelEmbedding, YarnRotaryEmbedding, linear
+from models.layers import Linear, ParallelLMHead, RMSNorm, VocabParallelEmbedding, YarnRotaryEmbedding
 from models.moe import MLP, MoE
 
 
@@ -65,7 +66,7 @@ class DeepseekAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, rope: YarnRotaryEmbedding,
                 kv_cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
         if self.w_qkv_a is not None:
-            q, kv = linear(x, self.w_qkv_a).split(self.qkv_a_split, dim=-1)
+            q, kv = F.linear(x, self.w_qkv_a).split(self.qkv_a_split, dim=-1)
         else:
             q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_a_proj(x)
             kv = self.kv_a_proj_with_mqa(x)

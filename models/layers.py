@@ -15,7 +15,7 @@ from torch import nn
 from engine import distributed as pd
 from models.config import RopeConfig, yarn_mscale
 from models.fp8 import FP8, dequantize
-from models.fused import rms_norm_op, rope_op, triton_fast_path, try_kernel
+from models.fused import rms_norm_op, rope_op
 
 
 def shard_param(shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype) -> nn.Parameter:
@@ -81,24 +81,8 @@ class Linear(nn.Module):
             from models.fp8_gemm import fp8_linear  # triton: CUDA installs only
             y = fp8_linear(x, self.weight, self.weight_scale_inv)
         else:
-            y = linear(x, self.weight)
+            y = F.linear(x, self.weight)
         return pd.tp_all_reduce(y) if self.reduce else y
-
-
-_SKINNY_MAX_ROWS = 16  # models.skinny_gemm.MAX_ROWS (triton is imported only where it serves)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)`; decode-sized inputs (<= 16 rows of tokens) on CUDA go through the
-    Triton skinny GEMM (models/skinny_gemm.py), which reads the weight at ~bandwidth where
-    cuBLAS's GEMV kernels reached about half of it."""
-    if (x.dim() == 2 and x.shape[0] <= _SKINNY_MAX_ROWS and triton_fast_path(x) and x.stride(-1) == 1
-            and weight.dtype == x.dtype and weight.is_contiguous()):
-        from models.skinny_gemm import skinny_linear  # triton: CUDA installs only
-        y = try_kernel("skinny_linear", skinny_linear, x, weight)
-        if y is not None:
-            return y
-    return F.linear(x, weight)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,7 +1,7 @@
 """The whole engine on the Triton paths, on the CPU under the Triton interpreter (fp32): the MLA
-backend's kernels plus the model's (router, fused MoE, absorbed products, cache rows, the
-decode-sized projections), against the plain torch engine in this process. Greedy tokens must be
-equal, with prompts chunked by 16 tokens (prefill with context, mixed steps) and not."""
+backend's kernels plus the model's (router, fused MoE, absorbed products, cache rows), against the
+plain torch engine in this process. Greedy tokens must be equal, with prompts chunked by 16
+tokens (prefill with context, mixed steps) and not."""
 
 from __future__ import annotations
 
@@ -14,20 +14,20 @@ from tiny_models import make_model
 
 from engine import LLM, SamplingParams
 
-KERNELS = ("route", "fused_moe", "kv_finish", "absorb_q", "absorb_o", "skinny_linear")
+KERNELS = ("route", "fused_moe", "kv_finish", "absorb_q", "absorb_o")
 
 RUN = r"""
 import os
 os.environ["DSV_MOE_BLOCKED"] = {blocked!r}
 import json, torch
-import attention.mla as mla, models.layers as layers, models.moe as moe
+import attention.mla as mla, models.moe as moe
 from engine import LLM, SamplingParams
 calls = {{}}
 def counting(name, fn, *a):
     calls[name] = calls.get(name, 0) + 1
     return real(name, fn, *a)
 real = mla.try_kernel
-mla.try_kernel = moe.try_kernel = layers.try_kernel = counting
+mla.try_kernel = moe.try_kernel = counting
 llm = LLM({path!r}, device="cpu", dtype="float32", attention_backend="triton", num_kv_blocks=64,
           max_num_batched_tokens={budget})
 sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
