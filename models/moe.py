@@ -20,10 +20,13 @@ from models.layers import Linear, shard_param
 # grouped GEMM (H200, in CUDA graphs, scripts/bench_fused_moe.py, RESULTS.md).
 # DSV_FUSED_MOE_MAX_TOKENS overrides it (0 turns the fused path off).
 _FUSED_MAX_TOKENS = int(os.environ.get("DSV_FUSED_MOE_MAX_TOKENS", "8"))  # models.fused_moe.MAX_TOKENS
-# From there to BLOCKED_MAX_TOKENS (512), the expert-sorted block kernels: 1.14-1.40x faster than
-# the grouped GEMM at 16-256 tokens on the H200 (bench_fused_moe.py, 2026-11-30 06:14 UTC).
-# DSV_MOE_BLOCKED=0 turns them off.
-_BLOCKED = os.environ.get("DSV_MOE_BLOCKED", "1") == "1"
+# Opt-in (DSV_MOE_BLOCKED=1), from there to BLOCKED_MAX_TOKENS (512): the expert-sorted block
+# kernels. On the H200 (RESULTS.md, 2026-11-30) they are 1.14-1.40x faster than the grouped GEMM at
+# 16-256 tokens (bench_fused_moe.py) and cut decode TPOT at batch 32 / 128 from 14.0 / 15.8 to
+# 10.8 / 13.1 ms, but the offline throughput run fell from 41.3 to 33.2 req/s with them
+# (likely their autotuning of an unseen 257-512 token bucket mid-run, not measured apart); off
+# until that is settled on a GPU.
+_BLOCKED = os.environ.get("DSV_MOE_BLOCKED", "0") == "1"
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:

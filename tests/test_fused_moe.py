@@ -108,7 +108,7 @@ def test_fused_moe_real_shapes(T):
 @pytest.mark.parametrize("block_m", [16, 64])
 @pytest.mark.parametrize("T", [9, 64, 512])
 def test_fused_moe_blocked_real_shapes(T, block_m):
-    """The expert-sorted block kernels (the MoE path for 9-512 tokens) at V2-Lite shapes, bf16 and fp32."""
+    """The expert-sorted block kernels (DSV_MOE_BLOCKED=1: 9-512 tokens) at V2-Lite shapes, bf16 and fp32."""
     ns = {}
     exec(CHECK, ns)
     ns["check_blocked"]({}, T, torch.bfloat16, "cuda", 2e-2, block_m)
