@@ -14,6 +14,7 @@ from engine.args import EngineArgs
 from engine.model_runner import ModelRunner
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
+from models.fused import autotuning
 from models.loader import init_dummy_weights, load_weights
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,13 @@ def make_attention_ops(args: EngineArgs, cfg: ModelConfig, device: torch.device)
         return TorchAttentionOps()
     from attention.triton_backend import TritonAttentionOps
     return TritonAttentionOps()
+
+
+def warm_up_sizes(max_tokens: int) -> list[int]:
+    """The powers of two up to `max_tokens`, and `max_tokens`: one step of each size meets every
+    token bucket the autotuned kernels key on (Worker.warm_up)."""
+    sizes = [1 << i for i in range(max_tokens.bit_length()) if 1 << i <= max_tokens]
+    return sizes if sizes[-1] == max_tokens else sizes + [max_tokens]
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -109,6 +117,29 @@ class Worker:
         runner.logits(runner.forward(batch)[-1:])
         del caches, runner
 
+    @torch.inference_mode()
+    def warm_up(self, max_tokens: int) -> list[int]:
+        """One prompt of each size in `warm_up_sizes(max_tokens)` through the model, before any
+        request and before CUDA-graph capture; returns the sizes.
+
+        The autotuned Triton kernels (fused MoE, expert-sorted MoE, W8A8 GEMM) pick their tiles
+        per power-of-two token bucket on first use, compiling and timing every candidate: seconds
+        in which every running request would stall if a bucket were first met while serving.
+        The prompts write their (garbage) cache rows into blocks no request holds yet, ids taken
+        modulo the cache size so that even a small cache is never indexed out of range."""
+        t0 = time.perf_counter()
+        bs = self.args.block_size
+        nb = self.kv_caches[0].shape[0]
+        runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, [])
+        sizes = warm_up_sizes(max_tokens)
+        for n in sizes:
+            runner.forward(runner.prepare([[0] * n], [0], [[i % nb for i in range(-(-n // bs))]]))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        log.info("warm-up: prompts of %s tokens in %.1f s (autotuned kernels' buckets)",
+                 ", ".join(map(str, sizes)), time.perf_counter() - t0)
+        return sizes
+
     def init_kv_cache(self, num_blocks: int, eos_token_ids: list[int], max_model_len: int) -> None:
         a = self.args
         bs = a.block_size
@@ -116,6 +147,8 @@ class Worker:
         self.kv_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.dtype, device=self.device)
                           for _ in range(self.cfg.num_hidden_layers)]
         self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids)
+        if self.device.type == "cuda" and autotuning():
+            self.warm_up(a.max_num_batched_tokens)
         # The torch reference ops sync with the host (lengths to Python): they cannot be captured.
         if self.device.type == "cuda" and not a.enforce_eager and self.ops.name != "torch":
             from engine.cuda_graph import DecodeGraphs, default_buckets

@@ -140,3 +140,22 @@ def test_seeded_sampling_survives_preemption(tiny_v3, prompts_and_refs):
     b = tight.generate(prompts, params)
     assert tight.scheduler.stats.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+
+
+def test_warm_up_meets_every_token_bucket_and_leaves_serving_unchanged(tiny_v3, prompts_and_refs):
+    """Worker.warm_up (run on CUDA before graph capture, so that autotuned kernels never tune
+    while serving): one prompt per power of two up to the budget and the budget itself, on a cache
+    smaller than its largest prompt (block ids wrap, never out of range); greedy outputs after it
+    still equal transformers'."""
+    prompts, refs = prompts_and_refs
+    llm = make_llm(tiny_v3[0], num_kv_blocks=40, block_size=4, max_num_batched_tokens=200)
+    worker = llm.engine.executor.worker
+    seen = []
+    model_forward = worker.model.forward
+    worker.model.forward = lambda ids, *a: seen.append(ids.shape[0]) or model_forward(ids, *a)
+    try:
+        assert worker.warm_up(200) == [1, 2, 4, 8, 16, 32, 64, 128, 200] == seen  # 200 tokens: 50 blocks > 40
+    finally:
+        del worker.model.forward
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == refs
