@@ -4,9 +4,9 @@ On CUDA the torch version (`models.moe.route`) costs five kernels per layer at d
 sigmoid, a radix top-k, its sort, a reduction, the gathers): ~14 µs of a 1-token step on an H200,
 about as long as reading the layer's six experts. Here one program per token takes the fp32
 logits `[T, E]` and does scoring, the group limit, top-k, normalisation and scaling in registers
-(E <= a few hundred). The fp32 logits GEMM is a Triton kernel too up to `LOGITS_MAX_TOKENS`
-tokens (decode): one program per (expert, token) reads the expert's row and the token's bf16 row,
-converting in registers. cuBLAS took three kernels there (the cast of x to fp32, a dot kernel and
+(E <= a few hundred). The fp32 logits GEMM is a Triton kernel too for decode-sized batches
+(`router_logits`): one program per (token, expert) reads the expert's row and the token's bf16
+row, converting in registers. cuBLAS took three kernels there (the cast of x to fp32, a dot kernel and
 its reduction: ~5 µs per layer at batch 1 on the H200); larger batches keep cuBLAS. Both
 accumulate in fp32, in different orders (results differ in the last bits).
 
@@ -31,13 +31,18 @@ import triton.language as tl
 
 
 LOGITS_MAX_TOKENS = 16
+# Each program reads its expert's row for its own token (the T programs of a row run side by
+# side, so all but the first read hit L2). Beyond one token the kernel is used within the
+# envelope measured on the H200: T * E * D up to V2-Lite's at 16 tokens. Larger routers (V2, V3)
+# take it at batch 1 only, where it reads the weight exactly once, as cuBLAS does.
+_LOGITS_MAX_ELEMS = 16 * 64 * 2048
 
 
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, E: tl.constexpr, BLOCK_K: tl.constexpr):
-    """logits[t, e] = x[t] . w[e] in fp32; program (e, t)."""
-    e = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1).to(tl.int64)
+    """logits[t, e] = x[t] . w[e] in fp32; program (t, e)."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1).to(tl.int64)
     acc = tl.zeros([BLOCK_K], dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         offs = k0 + tl.arange(0, BLOCK_K)
@@ -51,11 +56,14 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """fp32 `x @ weight.T` `[T, E]` for x `[T, D]` (any float dtype), weight fp32 `[E, D]`."""
     T, D = x.shape
     E = weight.shape[0]
-    if T > LOGITS_MAX_TOKENS or x.stride(-1) != 1 or weight.dtype != torch.float32 or not weight.is_contiguous():
+    if weight.dim() != 2 or weight.shape[1] != D:
+        raise ValueError(f"router_logits: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    if (T > LOGITS_MAX_TOKENS or (T > 1 and T * E * D > _LOGITS_MAX_ELEMS) or x.stride(-1) != 1
+            or weight.dtype != torch.float32 or not weight.is_contiguous()):
         return torch.nn.functional.linear(x.float(), weight).contiguous()
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T:
-        _router_logits_kernel[(E, T)](x, weight, out, D, x.stride(0), E=E,
+        _router_logits_kernel[(T, E)](x, weight, out, D, x.stride(0), E=E,
                                       BLOCK_K=min(triton.next_power_of_2(D), 2048), num_warps=4)
     return out
 
@@ -118,7 +126,8 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
 def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str,
                  topk_method: str, n_group: int, topk_group: int, top_k: int, norm: bool,
                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`models.moe.route` with the post-GEMM work in one kernel: weights fp32 [T, k], ids int64 [T, k]."""
+    """`models.moe.route` as two Triton kernels (`router_logits`, which falls back to cuBLAS
+    beyond decode sizes, then the expert choice): weights fp32 [T, k], ids int64 [T, k]."""
     T, E = x.shape[0], weight.shape[0]
     sigmoid = scoring != "softmax"
     grouped = n_group > 1 and (sigmoid or topk_method == "group_limited_greedy")

@@ -54,7 +54,8 @@ def check(case, device, T=7, D=48):
 
 
 def test_route_kernel_interpreter():
-    code = CHECK + f"\nfor case in {CASES!r}:\n    check(case, 'cpu')"
+    # D 2100: the logits kernel's K loop takes two passes, the second masked
+    code = CHECK + f"\nfor case in {CASES!r}:\n    check(case, 'cpu')\ncheck({CASES[0]!r}, 'cpu', T=3, D=2100)"
     run_interpreted(code)
 
 
@@ -65,10 +66,17 @@ def test_route_rejects_a_layout_that_cannot_fill_k():
         route_triton(x, w, None, "softmax", "group_limited_greedy", 4, 2, 8, False, 1.0)
 
 
+def test_router_logits_rejects_mismatched_widths():
+    from models.triton_route import router_logits
+    with pytest.raises(ValueError, match="router_logits"):
+        router_logits(torch.randn(2, 8), torch.randn(12, 9))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 def test_route_kernel_gpu(case):
     ns = {}
     exec(CHECK, ns)
     ns["check"](case, "cuda", T=300)  # cuBLAS logits
-    ns["check"](case, "cuda", T=8, D=2048)  # the Triton logits kernel
+    ns["check"](case, "cuda", T=8, D=2048)  # the Triton logits kernel where 8 * E * 2048 is in its envelope
+    ns["check"](case, "cuda", T=1, D=7168)  # the Triton logits kernel, four passes over V3's width
