@@ -95,17 +95,16 @@ def _bt(T: int) -> int:
 def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
              cos_sin: torch.Tensor | None = None) -> torch.Tensor:
     """q_nope [T, H, P], q_pe [T, H, R], w_uk [H, P, L] (last dims contiguous) -> q [T, H, L+R].
-    With `cos_sin` (`[T, R]` fp32 [cos | sin] rows, `YarnRotaryEmbedding.at`) q_pe is rotated on
-    the way (one launch fewer than a separate RoPE); without, it is copied as it is."""
+    With `cos_sin` (`[T, R]` [cos | sin] rows, `YarnRotaryEmbedding.at`; the math in fp32) q_pe
+    is rotated on the way (one launch fewer than a separate RoPE); without, it is copied as is."""
     T, H, P = q_nope.shape
     R, L = q_pe.shape[-1], w_uk.shape[-1]
     if (q_pe.shape[:2] != (T, H) or w_uk.shape[:2] != (H, P) or not q_nope.dtype == q_pe.dtype == w_uk.dtype
             or q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1 or w_uk.stride(-1) != 1
-            or (cos_sin is not None and (cos_sin.shape != (T, R) or cos_sin.stride(-1) != 1 or R % 2
-                                         or cos_sin.dtype != torch.float32))):
+            or (cos_sin is not None and (cos_sin.shape != (T, R) or cos_sin.stride(-1) != 1 or R % 2))):
         raise ValueError(f"absorb_q: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, w_uk {tuple(w_uk.shape)}, "
                          f"cos_sin {None if cos_sin is None else (tuple(cos_sin.shape), cos_sin.dtype)} "
-                         "(one dtype, last dims contiguous, cos_sin fp32 [T, R] with R even)")
+                         "(one dtype, last dims contiguous, cos_sin [T, R] with R even)")
     q = torch.empty(T, H, L + R, dtype=q_nope.dtype, device=q_nope.device)
     if T == 0:
         return q

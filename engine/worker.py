@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import time
 
 import torch
@@ -125,15 +126,18 @@ class Worker:
         The autotuned Triton kernels (fused MoE, expert-sorted MoE, W8A8 GEMM) pick their tiles
         per power-of-two token bucket on first use, compiling and timing every candidate: seconds
         in which every running request would stall if a bucket were first met while serving.
-        The prompts write their (garbage) cache rows into blocks no request holds yet, ids taken
-        modulo the cache size so that even a small cache is never indexed out of range."""
+        The prompts (random tokens: tiles are then tuned under spread routing, as in serving)
+        write their cache rows into blocks no request holds yet, ids taken modulo the cache size
+        so that even a small cache is never indexed out of range."""
         t0 = time.perf_counter()
         bs = self.args.block_size
         nb = self.kv_caches[0].shape[0]
         runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, [])
         sizes = warm_up_sizes(max_tokens)
+        rng = random.Random(0)  # varied tokens route to varied experts, as real prompts do
         for n in sizes:
-            runner.forward(runner.prepare([[0] * n], [0], [[i % nb for i in range(-(-n // bs))]]))
+            ids = [rng.randrange(self.cfg.vocab_size) for _ in range(n)]
+            runner.forward(runner.prepare([ids], [0], [[i % nb for i in range(-(-n // bs))]]))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         log.info("warm-up: prompts of %s tokens in %.1f s (autotuned kernels' buckets)",

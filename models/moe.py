@@ -20,8 +20,8 @@ from models.layers import Linear, shard_param
 # grouped GEMM (H200, in CUDA graphs, scripts/bench_fused_moe.py, RESULTS.md).
 # DSV_FUSED_MOE_MAX_TOKENS overrides it (0 turns the fused path off).
 _FUSED_MAX_TOKENS = int(os.environ.get("DSV_FUSED_MOE_MAX_TOKENS", "8"))  # models.fused_moe.MAX_TOKENS
-# Opt-in (DSV_MOE_BLOCKED=1), from there to BLOCKED_MAX_TOKENS (512): the expert-sorted block
-# kernels. On the H200 (RESULTS.md, 2026-11-30) they are 1.14-1.40x faster than the grouped GEMM at
+# Opt-in (DSV_MOE_BLOCKED=1), for batches above that and up to BLOCKED_MAX_TOKENS (512): the
+# expert-sorted block kernels. On the H200 (RESULTS.md, 2026-11-30) they are 1.14-1.40x faster than the grouped GEMM at
 # 16-256 tokens (bench_fused_moe.py) and cut decode TPOT at batch 32 / 128 from 14.0 / 15.8 to
 # 10.8 / 13.1 ms, but the offline throughput run fell from 41.3 to 33.2 req/s with them
 # (likely their autotuning of an unseen 257-512 token bucket mid-run, not measured apart); off

@@ -105,7 +105,7 @@ def test_fused_moe_real_shapes(T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("block_m", [16, 32, 64])
 @pytest.mark.parametrize("T", [9, 64, 512])
 def test_fused_moe_blocked_real_shapes(T, block_m):
     """The expert-sorted block kernels (DSV_MOE_BLOCKED=1: 9-512 tokens) at V2-Lite shapes, bf16 and fp32."""
