@@ -84,7 +84,8 @@ def _act_quant_triton(x: torch.Tensor, groups: int = 8) -> tuple[torch.Tensor, t
 
 @triton.jit
 def _w8a8_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, NKB, M_BUCKET,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr):
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                 EVEN_K: tl.constexpr):
     # Grouped program order: GROUP_M row tiles share each column tile's weights while in L2.
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
@@ -96,18 +97,23 @@ def _w8a8_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, NKB, M_BUCKET,
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mm, mn = offs_m < M, offs_n < N
-    nblk = (pid_n * BN) // BK  # BN divides BK, so the tile sits inside one weight-scale row
+    # each column's weight-scale row (BK = the 128-wide scale block): a tile may span several
+    sb_rows = sb_ptr + (offs_n // BK) * NKB
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for kb in range(0, NKB):
         offs_k = kb * BK + tl.arange(0, BK)
-        mk = offs_k < K
-        a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :], mask=mm[:, None] & mk[None, :],
-                    other=0.0)
-        b = tl.load(b_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None], mask=mn[None, :] & mk[:, None],
-                    other=0.0)
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
+        b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+        if EVEN_K:  # no K tail: only the M / N edges are masked
+            a = tl.load(a_ptrs, mask=mm[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mn[None, :], other=0.0)
+        else:
+            mk = offs_k < K
+            a = tl.load(a_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mn[None, :] & mk[:, None], other=0.0)
         sa = tl.load(sa_ptr + offs_m * NKB + kb, mask=mm, other=0.0)  # [BM]
-        sb = tl.load(sb_ptr + nblk * NKB + kb)  # scalar
-        acc += tl.dot(a, b) * (sa[:, None] * sb)
+        sb = tl.load(sb_rows + kb, mask=mn, other=0.0)  # [BN]
+        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
     tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=mm[:, None] & mn[None, :])
 
@@ -117,36 +123,39 @@ def _cfgs(tiles):
             for bm, bn, w, st in tiles]
 
 
-# Candidate tiles per M range (BN must divide the 128-wide weight-scale block). The first of each
-# list is the untuned tile of the 2026-11-30 GPU measurement; bench_fp8_gemm.py prints the choice.
+# Candidate tiles per M range. The first of each list is the untuned tile of the 2026-11-30 GPU
+# measurement; bench_fp8_gemm.py prints the choice. The 256-wide ones (weight scales per column,
+# since 2026-11-30, fourth session) are the shape Hopper's wgmma runs best; not yet timed.
 _TILES = {
     "small": [(16, 64, 4, 3), (16, 128, 4, 4), (16, 64, 4, 5), (32, 128, 4, 4)],
-    "medium": [(64, 64, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (64, 128, 8, 3)],
+    "medium": [(64, 64, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (64, 128, 8, 3), (64, 256, 8, 3)],
     "large": [(64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4), (64, 128, 4, 4),
-              (128, 128, 4, 3)],
+              (128, 128, 4, 3), (128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3)],
 }
 _TUNED = {name: triton.autotune(configs=_cfgs(tiles), key=["M_BUCKET", "N", "K"])(_w8a8_kernel)
           for name, tiles in _TILES.items()}
 
 
 def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
-                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                    out_dtype: torch.dtype = torch.bfloat16, tile: tuple[int, int] | None = None) -> torch.Tensor:
     """y `[M, N]` from fp8 xq `[M, K]` + sx `[M, K/128]` and fp8 wq `[N, K]` + sw `[N/128, K/128]`.
 
-    Tiles autotuned on CUDA per (M bucket, N, K) on first use; fixed under the interpreter.
+    Tiles autotuned on CUDA per (M bucket, N, K) on first use; fixed under the interpreter and
+    with DSV_AUTOTUNE=0. `tile` = (BM, BN) forces one (tests, benchmarks).
     """
     M, K = xq.shape
     N = wq.shape[0]
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     args = (xq, sx, wq.contiguous(), sw.contiguous(), y, M, N, K, triton.cdiv(K, GROUP),
             min(triton.next_power_of_2(M), 8192))
-    if not autotuning():  # interpreter, or DSV_AUTOTUNE=0: the first candidate of the M range
-        bm, bn = (16 if M <= 16 else 64), 64
+    even_k = K % GROUP == 0
+    if tile is not None or not autotuning():  # else the first candidate of the M range
+        bm, bn = tile or ((16 if M <= 16 else 64), 64)
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
-        _w8a8_kernel[grid](*args, BM=bm, BN=bn, BK=GROUP, GROUP_M=2)
+        _w8a8_kernel[grid](*args, BM=bm, BN=bn, BK=GROUP, GROUP_M=2, EVEN_K=even_k)
         return y
     kern = _TUNED["small" if M <= 16 else "medium" if M <= 256 else "large"]
-    kern[lambda c: (triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]),)](*args, BK=GROUP)
+    kern[lambda c: (triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]),)](*args, BK=GROUP, EVEN_K=even_k)
     return y
 
 

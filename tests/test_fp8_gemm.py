@@ -12,7 +12,7 @@ import torch
 from models.fp8 import quantize, dequantize
 from models.fp8_gemm import act_quant, fp8_linear, w8a8_block_gemm
 
-def check(M, N, K, device, tol):
+def check(M, N, K, device, tol, tile=None):
     torch.manual_seed(M * 7 + N)
     x = torch.randn(M, K, device=device)
     w = torch.randn(N, K, device=device) * 0.05
@@ -20,7 +20,7 @@ def check(M, N, K, device, tol):
     xq, sx = act_quant(x)
     # exact part: the kernel must equal the product of the two dequantized operands
     ref_q = dequantize(xq, sx, (1, 128)) @ dequantize(wq, sw, (128, 128)).T
-    got = w8a8_block_gemm(xq, sx, wq, sw, torch.float32)
+    got = w8a8_block_gemm(xq, sx, wq, sw, torch.float32, tile=tile)
     e1 = ((got - ref_q).norm() / ref_q.norm()).item()
     # End to end against the unquantized product. e4m3 rounding alone costs ~2.5% per operand on
     # Gaussian data (measured: activation-only 2.54%, weight-only 2.64%), so 2e-2 is out of reach
@@ -33,10 +33,14 @@ def check(M, N, K, device, tol):
 
 
 def test_w8a8_interpreter():
-    """Partial blocks in M, N and K under TRITON_INTERPRET=1."""
+    """Partial blocks in M, N and K under TRITON_INTERPRET=1, default and 256-wide tiles."""
     code = CHECK + r"""
 for M, N, K in ((1, 300, 256), (5, 128, 200), (33, 64, 384)):
     print(check(M, N, K, "cpu", 8e-2))
+# 256-wide tiles span two weight-scale rows (each column scaled by its own); N 300 leaves a
+# partial second tile, K 200 a partial K block
+for M, N, K in ((3, 384, 256), (17, 300, 200)):
+    print(check(M, N, K, "cpu", 8e-2, tile=(16, 256)))
 """
     run_interpreted(code)
 
