@@ -85,13 +85,14 @@ def triton_fast_path(t: torch.Tensor) -> bool:
 def try_kernel(name: str, fn, *args):
     """fn(*args) for a Triton fast path, or None when it raised, now or before in this process,
     so the caller runs its plain torch ops instead. A kernel that does not compile on some GPU
-    must not stop serving (logged once); a ValueError is a bad argument and propagates. The
+    must not stop serving (logged once); a ValueError is a bad argument and propagates, and so
+    does running out of GPU memory (transient, and the torch ops would need more, not less). The
     first call of each path is an eager warm-up step, before any CUDA-graph capture."""
     if name in _FAILED:
         return None
     try:
         return fn(*args)
-    except ValueError:
+    except (ValueError, torch.cuda.OutOfMemoryError):
         raise
     except Exception as e:  # noqa: BLE001
         log.warning("Triton %s failed (%s: %s); plain torch ops from now on", name, type(e).__name__, e)

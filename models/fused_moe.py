@@ -29,8 +29,6 @@ import triton.language as tl
 
 from models.fused import autotuning, interpreting
 
-MAX_TOKENS = 8  # above this, pairs share experts and the grouped GEMM reads fewer bytes
-
 
 @triton.jit
 def _mma(a, b, acc, IEEE: tl.constexpr):

@@ -19,13 +19,14 @@ from models.layers import Linear, shard_param
 # batch 1 the routed + shared experts of a V2-Lite layer take 39 us instead of 111 us through the
 # grouped GEMM (H200, in CUDA graphs, scripts/bench_fused_moe.py, RESULTS.md).
 # DSV_FUSED_MOE_MAX_TOKENS overrides it (0 turns the fused path off).
-_FUSED_MAX_TOKENS = int(os.environ.get("DSV_FUSED_MOE_MAX_TOKENS", "8"))  # models.fused_moe.MAX_TOKENS
+# (Above 8 tokens pairs share experts, and reading each expert once per pair costs more bytes.)
+_FUSED_MAX_TOKENS = int(os.environ.get("DSV_FUSED_MOE_MAX_TOKENS", "8"))
 # Opt-in (DSV_MOE_BLOCKED=1), for batches above that and up to BLOCKED_MAX_TOKENS (512): the
-# expert-sorted block kernels. On the H200 (RESULTS.md, 2026-11-30) they are 1.14-1.40x faster than the grouped GEMM at
-# 16-256 tokens (bench_fused_moe.py) and cut decode TPOT at batch 32 / 128 from 14.0 / 15.8 to
-# 10.8 / 13.1 ms, but the offline throughput run fell from 41.3 to 33.2 req/s with them
-# (likely their autotuning of an unseen 257-512 token bucket mid-run, not measured apart); off
-# until that is settled on a GPU.
+# expert-sorted block kernels. On the H200 (RESULTS.md, 2026-11-30) they are 1.14-1.40x faster
+# than the grouped GEMM at 16-256 tokens (bench_fused_moe.py) and cut decode TPOT at batch 32 / 128
+# from 14.0 / 15.8 to 10.8 / 13.1 ms, but the offline throughput run fell from 41.3 to 33.2 req/s
+# with them (likely their autotuning of an unseen 257-512 token bucket mid-run, not measured
+# apart; the start-up warm-up now tunes every bucket first); off until settled on a GPU.
 _BLOCKED = os.environ.get("DSV_MOE_BLOCKED", "0") == "1"
 
 

@@ -134,7 +134,8 @@ def test_fused_moe_fp8_real_shapes(T):
 
 def test_try_kernel_falls_back_once_and_propagates_bad_arguments(caplog):
     """A fast-path kernel that raises (e.g. does not compile on some GPU) is logged once and
-    skipped from then on; a ValueError (a bad argument) still reaches the caller."""
+    skipped from then on; a ValueError (a bad argument) and an out-of-memory error still reach
+    the caller."""
     from models import fused
 
     calls = []
@@ -153,6 +154,14 @@ def test_try_kernel_falls_back_once_and_propagates_bad_arguments(caplog):
     assert "no such instruction" in caplog.text
     with pytest.raises(ValueError, match="2-D"):
         fused.try_kernel("test_bad_args", bad_args, 1)
+
+    def oom(x):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    # out of memory: the caller sees it (the engine's handling applies) and the kernel stays on
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        fused.try_kernel("test_oom", oom, 1)
+    assert "test_oom" not in fused._FAILED
     assert fused.try_kernel("test_ok", lambda x: x + 1, 1) == 2
     fused._FAILED.discard("test_broken")
 
