@@ -98,7 +98,7 @@ def _mla_decode_partial_kernel(
     PAGE: tl.constexpr, LKV: tl.constexpr, R: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr,
+    PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, DIRECT: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
@@ -165,7 +165,14 @@ def _mla_decode_partial_kernel(
     o_ptrs = (o_ptr + b.to(tl.int64) * stride_ob + split * stride_os
               + heads[:, None] * stride_oh + offs_l[None, :])
     lse_ptrs = lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + heads * stride_lh
-    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
+    # A split past the sequence's end (the engine's block tables are max_model_len wide, so at
+    # batch 1 most of ~100 splits are) stores only its lse of -inf: the reduce never reads the
+    # rows of such a split, and they would be 32 KB each per (sequence, head tile). The direct
+    # path (DIRECT: one split) writes the final output, zeros included.
+    omask = hmask[:, None] & lmask[None, :]
+    if not DIRECT:
+        omask = omask & ((tl.zeros([BLOCK_H], tl.int32) + start) < seq_len)[:, None]
+    tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=omask)
     tl.store(lse_ptrs, lse, mask=hmask)
 
 
@@ -246,7 +253,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         PAGE=page, LKV=lkv, R=r,
         BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(r),
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
-        PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids,
+        PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids, DIRECT=direct,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )

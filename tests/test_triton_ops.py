@@ -9,6 +9,7 @@ the same GPU cases.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -44,6 +45,28 @@ def poison_allocator(device: str, nbytes: int = 1 << 28) -> None:
         del bufs
 
 
+@contextlib.contextmanager
+def poisoned(device: str):
+    """Outputs the kernels never write read as NaN: on CUDA the allocator's freed memory is
+    NaN-filled first; on the CPU torch.empty hands out NaN-filled float tensors meanwhile (the
+    decode's partial rows of splits past a sequence's end are deliberately never written)."""
+    poison_allocator(device)
+    if device != "cpu":
+        yield
+        return
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    torch.empty = nan_empty
+    try:
+        yield
+    finally:
+        torch.empty = empty
+
+
 def check_lse(lse: torch.Tensor, ref: torch.Tensor, what: str) -> None:
     """LSE: -inf exactly where the reference has -inf, close elsewhere; no NaN."""
     assert not torch.isnan(lse).any(), f"{what}: NaN in lse"
@@ -73,11 +96,11 @@ def check_decode(device, dtype, H, lkv, r, page, lens, num_splits=None, seed=0, 
     q = torch.randn(B, H, lkv + r, generator=gen).to(dtype).to(device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     scale = (lkv + r) ** -0.5 * 3.0  # sharper than 1/sqrt(d): exercises the max tracking
-    poison_allocator(device)
-    if num_splits is None:
-        o, lse = (ops or TritonAttentionOps()).decode(q, cache, bt, seq_lens, scale, lkv)
-    else:
-        o, lse = mla_decode(q, cache, bt, seq_lens, scale, lkv, num_splits=num_splits, cfg=cfg)
+    with poisoned(device):
+        if num_splits is None:
+            o, lse = (ops or TritonAttentionOps()).decode(q, cache, bt, seq_lens, scale, lkv)
+        else:
+            o, lse = mla_decode(q, cache, bt, seq_lens, scale, lkv, num_splits=num_splits, cfg=cfg)
     ref_o, ref_lse = TorchAttentionOps().decode(q.float(), cache.float(), bt, seq_lens, scale, lkv)
     assert o.shape == (B, H, lkv) and o.dtype == dtype and lse.dtype == torch.float32
     check_lse(lse, ref_lse, "decode")
