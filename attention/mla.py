@@ -24,7 +24,7 @@ from attention.backend import AttentionOps
 from attention.metadata import ContextChunk, MLAMetadata
 from attention.torch_backend import merge_attn_states
 from engine import distributed as pd
-from models.fused import rms_norm_op, triton_fast_path, try_kernel
+from models.fused import apply_rope, rms_norm_op, triton_fast_path, try_kernel
 
 
 @functools.cache
@@ -60,7 +60,7 @@ class MLAAttention:
         self.w_uk, self.w_uv = w[:, : self.P], w[:, self.P:]
 
     def finish_kv(self, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor,
-                  rope, kv_cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
+                  kv_cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
         """The new tokens' cache rows from kv_a_proj's output `kv [T, Lkv+R]`: RMSNorm of c, RoPE of
         k_pe, `[c ‖ k_pe]` written to the cache at the slot mapping and returned `[T, Lkv+R]`.
         With the Triton backend on CUDA one kernel (attention/triton_cache.py `kv_finish`),
@@ -70,21 +70,21 @@ class MLAAttention:
         if row is not None:
             return row
         c, k_pe = kv.split([self.Lkv, self.R], dim=-1)
-        (k_pe,) = rope.rotate(cos_sin, k_pe)
+        k_pe = apply_rope(cos_sin, k_pe)
         row = torch.cat([rms_norm_op(c, norm_weight, eps), k_pe], dim=-1)
         self.ops.write_kv(kv_cache, row, meta.slot_mapping)
         return row
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_row: torch.Tensor,
-                kv_cache: torch.Tensor, meta: MLAMetadata, cos_sin: torch.Tensor, rope) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: MLAMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
         """q_nope [T,Hl,P], q_pe [T,Hl,R] (not yet rotated), kv_row [T, Lkv+R] = [c ‖ k_pe] of the
         new tokens, already in the cache (`finish_kv`); cos_sin [T, R] the tokens' RoPE rows
         (`rope.at`) -> [T, Hl, V]."""
         c, k_pe = kv_row.split([self.Lkv, self.R], dim=-1)
         nd = meta.num_decode_tokens
         if meta.prefill is None and nd == q_nope.shape[0]:  # pure decode: no copy into a joint output
-            return self._decode(q_nope, q_pe, kv_cache, meta, cos_sin, rope)
-        (q_pe,) = rope.rotate(cos_sin, q_pe)
+            return self._decode(q_nope, q_pe, kv_cache, meta, cos_sin)
+        q_pe = apply_rope(cos_sin, q_pe)
         if meta.decode is None and nd == 0:
             return self._prefill(q_nope, q_pe, c, k_pe, kv_cache, meta)
         out = q_nope.new_empty(q_nope.shape[0], self.H, self.V)
@@ -94,7 +94,7 @@ class MLAAttention:
             out[nd:] = self._prefill(q_nope[nd:], q_pe[nd:], c[nd:], k_pe[nd:], kv_cache, meta)
         return out
 
-    def _absorb_q(self, q_nope, q_pe, cos_sin=None, rope=None):
+    def _absorb_q(self, q_nope, q_pe, cos_sin=None):
         """[q_nope @ W_UK ‖ q_pe] `[Nd, Hl, Lkv+R]`, q_pe rotated first when `cos_sin` is given:
         one Triton kernel with the Triton backend (attention/triton_absorb.py), else the RoPE, a
         batched GEMM and a cat."""
@@ -102,7 +102,7 @@ class MLAAttention:
         if q is not None:
             return q
         if cos_sin is not None:
-            (q_pe,) = rope.rotate(cos_sin, q_pe)
+            q_pe = apply_rope(cos_sin, q_pe)
         return torch.cat([torch.einsum("thp,hpl->thl", q_nope, self.w_uk), q_pe], dim=-1)
 
     def _absorb_o(self, o_lat):
@@ -112,9 +112,9 @@ class MLAAttention:
             return o
         return torch.einsum("thl,hvl->thv", o_lat, self.w_uv)
 
-    def _decode(self, q_nope, q_pe, kv_cache, meta, cos_sin=None, rope=None):
+    def _decode(self, q_nope, q_pe, kv_cache, meta, cos_sin=None):
         """Decode rows; q_pe rotated already, or rotated here when `cos_sin` is given."""
-        q = self._absorb_q(q_nope, q_pe, cos_sin, rope)  # [Nd, Hl, Lkv+R]
+        q = self._absorb_q(q_nope, q_pe, cos_sin)  # [Nd, Hl, Lkv+R]
         dcp = pd.dcp()
         if dcp.size > 1:
             q = pd.dcp_all_gather(q, dim=1)  # [Nd, Hl*D, Lkv+R]: the group's heads, rank-major

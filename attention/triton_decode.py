@@ -171,6 +171,7 @@ def _mla_decode_partial_kernel(
     # path (DIRECT: one split) writes the final output, zeros included.
     omask = hmask[:, None] & lmask[None, :]
     if not DIRECT:
+        # as a [BLOCK_H] vector: the interpreter rejects a scalar condition broadcast into a mask
         omask = omask & ((tl.zeros([BLOCK_H], tl.int32) + start) < seq_len)[:, None]
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=omask)
     tl.store(lse_ptrs, lse, mask=hmask)

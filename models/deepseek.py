@@ -63,8 +63,8 @@ class DeepseekAttention(nn.Module):
             else:
                 del self.q_a_proj
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, rope: YarnRotaryEmbedding,
-                kv_cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: MLAMetadata) -> torch.Tensor:
         if self.w_qkv_a is not None:
             q, kv = F.linear(x, self.w_qkv_a).split(self.qkv_a_split, dim=-1)
         else:
@@ -75,8 +75,8 @@ class DeepseekAttention(nn.Module):
         q = q.reshape(-1, self.Hl, self.P + self.R)
         q_nope, q_pe = q.split([self.P, self.R], dim=-1)
         n = self.kv_a_layernorm
-        kv_row = self.mla.finish_kv(kv, n.weight, n.eps, cos_sin, rope, kv_cache, meta)  # in the cache now
-        o = self.mla.forward(q_nope, q_pe, kv_row, kv_cache, meta, cos_sin, rope)  # [T, Hl, V]; rotates q_pe
+        kv_row = self.mla.finish_kv(kv, n.weight, n.eps, cos_sin, kv_cache, meta)  # in the cache now
+        o = self.mla.forward(q_nope, q_pe, kv_row, kv_cache, meta, cos_sin)  # [T, Hl, V]; rotates q_pe
         return self.o_proj(o.flatten(1))
 
 
@@ -89,7 +89,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x, residual, cos_sin, rope, kv_cache, meta):
+    def forward(self, x, residual, cos_sin, kv_cache, meta):
         """(x, residual) -> (mlp output, residual): the residual stream's add is left to the next
         layer's input norm (one fused add + RMSNorm instead of an add and a norm); residual None
         on the first layer, where x is the embedding."""
@@ -98,7 +98,7 @@ class DeepseekDecoderLayer(nn.Module):
             residual, h = x, n(x)
         else:
             residual, h = add_rms_norm_op(residual, x, n.weight, n.eps)
-        h = self.self_attn(h, cos_sin, rope, kv_cache, meta)
+        h = self.self_attn(h, cos_sin, kv_cache, meta)
         n = self.post_attention_layernorm
         residual, h = add_rms_norm_op(residual, h, n.weight, n.eps)
         return self.mlp(h), residual
@@ -118,7 +118,7 @@ class DeepseekModel(nn.Module):
         cos_sin = self.rotary_emb.at(positions)  # one gather per step, shared by the layers
         residual = None
         for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos_sin, self.rotary_emb, cache, meta)
+            x, residual = layer(x, residual, cos_sin, cache, meta)
         if residual is None:  # no layers
             return self.norm(x)
         return add_rms_norm_op(residual, x, self.norm.weight, self.norm.eps)[1]

@@ -35,6 +35,14 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
 
 
+def apply_rope(cos_sin: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """Rotate x `[T, ..., R]` by its tokens' [cos | sin] rows `cos_sin [T, R]`
+    (`YarnRotaryEmbedding.at`), compiled on CUDA (`rope_op`)."""
+    cos, sin = cos_sin.chunk(2, dim=-1)  # [T, R/2] each
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    return rope_op(x, cos.view(shape), sin.view(shape))
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on `[.., 2I]` = [gate ‖ up]."""
     i = gate_up.shape[-1] // 2

@@ -15,7 +15,7 @@ from torch import nn
 from engine import distributed as pd
 from models.config import RopeConfig, yarn_mscale
 from models.fp8 import FP8, dequantize
-from models.fused import rms_norm_op, rope_op
+from models.fused import apply_rope, rms_norm_op
 
 
 def shard_param(shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype) -> nn.Parameter:
@@ -165,9 +165,4 @@ class YarnRotaryEmbedding(nn.Module):
 
     def rotate(self, cos_sin: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rotate each x `[T, ..., R]` by the rows `at(positions)` returned."""
-        cos, sin = cos_sin.chunk(2, dim=-1)  # [T, R/2] each
-        out = []
-        for x in xs:
-            shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-            out.append(rope_op(x, cos.view(shape), sin.view(shape)))
-        return tuple(out)
+        return tuple(apply_rope(cos_sin, x) for x in xs)
