@@ -78,7 +78,7 @@ class Router(nn.Module):
         c = self.cfg
         args = (x, self.weight, self.e_score_correction_bias, c.scoring_func, c.topk_method,
                 c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
-        if triton_fast_path(x):  # cuBLAS GEMM + one Triton kernel (tests/test_triton_route.py)
+        if triton_fast_path(x):  # logits (Triton at decode sizes, else cuBLAS) + the choice kernel
             from models.triton_route import route_triton  # triton: CUDA installs only
             out = try_kernel("route", route_triton, *args)
             if out is not None:
