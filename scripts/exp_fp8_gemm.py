@@ -53,9 +53,10 @@ def _scales(sa_ptr, sb_ptr, kb, offs_m, mm, offs_n, mn, pid_n, M, NKB,
     else:
         sa = tl.load(sa_ptr + offs_m * NKB + kb, mask=mm, other=0.0)
     if SBS:
-        return (sa * tl.load(sb_ptr + ((pid_n * BN) // BK) * NKB + kb))[:, None]
-    sb = tl.load(sb_ptr + (offs_n // BK) * NKB + kb, mask=mn, other=0.0)
-    return sa[:, None] * sb[None, :]
+        s = (sa * tl.load(sb_ptr + ((pid_n * BN) // BK) * NKB + kb))[:, None]
+    else:
+        s = sa[:, None] * tl.load(sb_ptr + (offs_n // BK) * NKB + kb, mask=mn, other=0.0)[None, :]
+    return s
 
 
 @triton.jit
@@ -141,6 +142,8 @@ def run_loop(xq, sx, sxt, wq, sw, v):
     bm, bn = v["tile"]
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     kw = {} if INTERP else {"num_warps": v["w"], "num_stages": v["st"]}
+    if "maxnreg" in v and not INTERP:
+        kw["maxnreg"] = v["maxnreg"]
     loop_kernel[grid](xq, sxt if v.get("sat") else sx, wq, sw, y, M, N, K, K // 128, BM=bm, BN=bn, BK=128,
                       GROUP_M=8, SBS=v.get("sbs", True), PIPE=v.get("pipe", False), UNROLL=v.get("unroll", 1),
                       SAT=v.get("sat", False), SCALED=v.get("scaled", True), **kw)
@@ -175,7 +178,11 @@ def variants(quick: bool) -> list[dict]:
         {"name": "loop 128x128 w8 s4", "kind": "loop", "tile": (128, 128), "w": 8, "st": 4},
         {"name": "loop 128x128 w8 s4 sat", "kind": "loop", "tile": (128, 128), "w": 8, "st": 4, "sat": True},
         {"name": "loop 128x128 w8 s4 pipe", "kind": "loop", "tile": (128, 128), "w": 8, "st": 4, "pipe": True},
-        {"name": "loop 128x128 w8 s4 unroll2", "kind": "loop", "tile": (128, 128), "w": 8, "st": 4, "unroll": 2},
+        {"name": "loop 128x128 w8 s2 unroll2", "kind": "loop", "tile": (128, 128), "w": 8, "st": 2, "unroll": 2},
+        {"name": "loop 128x128 w8 s3", "kind": "loop", "tile": (128, 128), "w": 8, "st": 3},
+        {"name": "loop 64x128 w4 s3 maxnreg168", "kind": "loop", "tile": (64, 128), "w": 4, "st": 3, "maxnreg": 168},
+        {"name": "loop 64x128 w4 s4 sat", "kind": "loop", "tile": (64, 128), "w": 4, "st": 4, "sat": True},
+        {"name": "loop 128x64 w4 s4", "kind": "loop", "tile": (128, 64), "w": 4, "st": 4},
         {"name": "loop 128x128 w4 s4", "kind": "loop", "tile": (128, 128), "w": 4, "st": 4},
         {"name": "loop 128x256 w8 s3 vec", "kind": "loop", "tile": (128, 256), "w": 8, "st": 3, "sbs": False},
         {"name": "loop 256x128 w8 s3", "kind": "loop", "tile": (256, 128), "w": 8, "st": 3},
@@ -188,7 +195,7 @@ def variants(quick: bool) -> list[dict]:
         {"name": "tma 128x128 w8 s4 flat", "kind": "tma", "tile": (128, 128), "w": 8, "st": 4, "flat": True, "sat": True},
         {"name": "tma 128x128 w8 s3 occ2", "kind": "tma", "tile": (128, 128), "w": 8, "st": 3, "occ": 2, "sat": True},
     ]
-    return vs[:6] if quick else vs
+    return vs[:2] if quick else vs
 
 
 def torch_refs(x, xq, sx, wq, sw, wb):
@@ -220,6 +227,7 @@ def main() -> None:
     p.add_argument("--ms", type=int, nargs="+", default=[4096])
     p.add_argument("--shapes", default="7168x2048,24576x1536,2048x7168,7168x16384")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--full-ms", type=int, nargs="+", default=[4096], help="Ms that time every variant")
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -247,7 +255,7 @@ def main() -> None:
             for name, fn in refs.items():
                 t = triton.testing.do_bench(fn, return_mode="median")
                 rows.append({"M": M, "N": N, "K": K, "variant": name, "tflops": flop / t / 1e9, "err": None})
-            for v in variants(a.quick):
+            for v in variants(a.quick or M not in a.full_ms):
                 if v["kind"] == "prod":
                     if dev == "cpu" and not INTERP:
                         continue
@@ -261,7 +269,7 @@ def main() -> None:
                     if dev == "cuda":
                         torch.cuda.synchronize()
                 except Exception as e:  # noqa: BLE001
-                    print(f"M={M} N={N} K={K} {v['name']}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    print(f"M={M} N={N} K={K} {v['name']}: {type(e).__name__}: {str(e)[-700:]}", flush=True)
                     continue
                 if v.get("scaled", True):
                     err = ((y.float() - ref).norm() / ref.norm()).item() if not y.isnan().any() else float("nan")
