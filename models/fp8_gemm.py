@@ -17,6 +17,9 @@ faster than the torch ops), both timed on the H200 (RESULTS.md). The engine uses
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -25,6 +28,7 @@ from models.fp8 import FP8, FP8_MAX
 from models.fused import autotuning, interpreting
 
 GROUP = 128
+log = logging.getLogger(__name__)
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,7 +59,7 @@ def act_quant_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, NG, FMAX: tl.constexpr, GROUP_SIZE: tl.constexpr,
+def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, NG, FMAX: tl.constexpr, GROUP_SIZE: tl.constexpr,
                       GROUPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     g0 = tl.program_id(1) * GROUPS
@@ -68,37 +72,49 @@ def _act_quant_kernel(x_ptr, q_ptr, s_ptr, K, NG, FMAX: tl.constexpr, GROUP_SIZE
     s = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12) * (1.0 / FMAX)  # [GROUPS]
     q = tl.div_rn(x, s[:, None])
     tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=m)
-    tl.store(s_ptr + row * NG + offs_g, s, mask=offs_g < NG)
+    tl.store(s_ptr + offs_g * M + row, s, mask=offs_g < NG)  # M-major: [K/128, M] in memory
 
 
 def _act_quant_triton(x: torch.Tensor, groups: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scales come back as a `[M, K/128]` view of `[K/128, M]` memory (M-major), the layout
+    cuBLAS's block-scaled GEMM takes; the Triton GEMM reads either."""
     M, K = x.shape
     ng = triton.cdiv(K, GROUP)
     x = x.contiguous()
     q = torch.empty(M, K, dtype=FP8, device=x.device)
-    s = torch.empty(M, ng, dtype=torch.float32, device=x.device)
-    _act_quant_kernel[(M, triton.cdiv(ng, groups))](x, q, s, K, ng, FMAX=FP8_MAX, GROUP_SIZE=GROUP,
+    s = torch.empty(ng, M, dtype=torch.float32, device=x.device)
+    _act_quant_kernel[(M, triton.cdiv(ng, groups))](x, q, s, M, K, ng, FMAX=FP8_MAX, GROUP_SIZE=GROUP,
                                                      GROUPS=groups, num_warps=4)
-    return q, s
+    return q, s.t()
 
 
 @triton.jit
-def _w8a8_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, NKB, M_BUCKET,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+def _tile_scales(sa_ptr, sb_ptr, kb, offs_m, mm, pid_n, stride_sam, stride_sak, NKB,
+                 BN: tl.constexpr, BK: tl.constexpr):
+    # sx[m, kb] * sw[n // 128, kb] for the tile's rows: BN divides 128, so one weight scale per
+    # tile and K block, and the scaling is one FMA per accumulator element
+    sa = tl.load(sa_ptr + offs_m * stride_sam + kb * stride_sak, mask=mm, other=0.0)
+    return (sa * tl.load(sb_ptr + ((pid_n * BN) // BK) * NKB + kb))[:, None]
+
+
+@triton.jit
+def _grouped_tile(t, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
     # Grouped program order: GROUP_M row tiles share each column tile's weights while in L2.
-    pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
     per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
+    first_m = (t // per_group) * GROUP_M
     group_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    return first_m + (t % per_group) % group_m, (t % per_group) // group_m
+
+
+@triton.jit
+def _w8a8_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, NKB, M_BUCKET, stride_sam, stride_sak,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                 EVEN_K: tl.constexpr):
+    pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_n = pid_n * BN + tl.arange(0, BN)
     mm, mn = offs_m < M, offs_n < N
-    # each column's weight-scale row (BK = the 128-wide scale block): a tile may span several
-    sb_rows = sb_ptr + (offs_n // BK) * NKB
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for kb in range(0, NKB):
         offs_k = kb * BK + tl.arange(0, BK)
@@ -111,11 +127,29 @@ def _w8a8_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, NKB, M_BUCKET,
             mk = offs_k < K
             a = tl.load(a_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=mn[None, :] & mk[:, None], other=0.0)
-        sa = tl.load(sa_ptr + offs_m * NKB + kb, mask=mm, other=0.0)  # [BM]
-        sb = tl.load(sb_rows + kb, mask=mn, other=0.0)  # [BN]
-        acc += tl.dot(a, b) * (sa[:, None] * sb[None, :])
+        s = _tile_scales(sa_ptr, sb_ptr, kb, offs_m, mm, pid_n, stride_sam, stride_sak, NKB, BN, BK)
+        acc += tl.dot(a, b) * s
     tl.store(c_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(c_ptr.dtype.element_ty),
              mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _w8a8_tma_kernel(a_desc, sa_ptr, b_desc, sb_ptr, c_desc, M, N, NKB, M_BUCKET, stride_sam, stride_sak,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                     PROGS: tl.constexpr, FLAT: tl.constexpr):
+    # Persistent: PROGS programs walk the tiles; A, B and C move by TMA (edges zero-filled on
+    # load, clipped on store), so no masks or address arithmetic per tile.
+    for t in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), PROGS, flatten=FLAT):
+        pid_m, pid_n = _grouped_tile(t, M, N, BM, BN, GROUP_M)
+        offs_m = pid_m * BM + tl.arange(0, BM)
+        mm = offs_m < M
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for kb in range(0, NKB):
+            a = a_desc.load([pid_m * BM, kb * BK])
+            b = b_desc.load([pid_n * BN, kb * BK])
+            s = _tile_scales(sa_ptr, sb_ptr, kb, offs_m, mm, pid_n, stride_sam, stride_sak, NKB, BN, BK)
+            acc += tl.dot(a, b.T) * s
+        c_desc.store([pid_m * BM, pid_n * BN], acc.to(c_desc.dtype))
 
 
 def _cfgs(tiles):
@@ -123,39 +157,119 @@ def _cfgs(tiles):
             for bm, bn, w, st in tiles]
 
 
-# Candidate tiles per M range. The first of each list is the untuned tile of the 2026-11-30 GPU
-# measurement; bench_fp8_gemm.py prints the choice. The 256-wide ones (weight scales per column,
-# since 2026-11-30, fourth session) are the shape Hopper's wgmma runs best; not yet timed.
+# Candidate tiles per M range (BN divides 128: one weight scale per tile). The first of each list
+# is the untuned tile. 256-wide tiles, timed on the H200 (2026-11-30, fifth session), ran at
+# 200-300 TFLOP/s against 580-700 for 128 x 128: per-column scales and their registers spill.
 _TILES = {
     "small": [(16, 64, 4, 3), (16, 128, 4, 4), (16, 64, 4, 5), (32, 128, 4, 4)],
-    "medium": [(64, 64, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (64, 128, 8, 3), (64, 256, 8, 3)],
-    "large": [(64, 64, 4, 3), (128, 128, 8, 3), (128, 128, 8, 4), (128, 64, 4, 4), (64, 128, 4, 4),
-              (128, 128, 4, 3), (128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3)],
+    "medium": [(64, 64, 4, 3), (64, 128, 4, 4), (32, 128, 4, 4), (64, 128, 8, 3), (128, 128, 8, 3)],
+    "large": [(128, 128, 8, 3), (128, 128, 8, 4), (64, 128, 4, 4), (128, 64, 4, 4)],
 }
 _TUNED = {name: triton.autotune(configs=_cfgs(tiles), key=["M_BUCKET", "N", "K"])(_w8a8_kernel)
           for name, tiles in _TILES.items()}
+# The persistent TMA kernel at M > 256 (H200, fifth session: 780-860 TFLOP/s at M 4096 against
+# 560-710 for the pointer kernel); FLAT merges the tile and K loops into one software pipeline
+# (faster at K <= 2048, slower at K >= 7168)
+_TMA_TUNED = triton.autotune(
+    configs=[triton.Config({"BM": 128, "BN": 128, "GROUP_M": 8, "FLAT": f}, num_warps=8, num_stages=st)
+             for f, st in ((False, 4), (True, 4), (False, 3))],
+    key=["M_BUCKET", "N", "NKB"])(_w8a8_tma_kernel)
 
 
-def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
-                    out_dtype: torch.dtype = torch.bfloat16, tile: tuple[int, int] | None = None) -> torch.Tensor:
-    """y `[M, N]` from fp8 xq `[M, K]` + sx `[M, K/128]` and fp8 wq `[N, K]` + sw `[N/128, K/128]`.
+def _tma_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
+    """TMA descriptors: Triton >= 3.4 (host TensorDescriptor), Hopper or newer, 16-byte strides."""
+    if not xq.is_cuda or interpreting() or torch.cuda.get_device_capability(xq.device)[0] < 9:
+        return False
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
+    except ImportError:
+        return False
+    return (K % 16 == 0 and xq.is_contiguous()
+            and (N * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0)
 
-    Tiles autotuned on CUDA per (M bucket, N, K) on first use; fixed under the interpreter and
-    with DSV_AUTOTUNE=0. `tile` = (BM, BN) forces one (tests, benchmarks).
-    """
+
+def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None):
+    """y <- the Triton GEMM: the persistent TMA kernel at M > 256 where TMA works (tma=True
+    forces it, at K % 128 == 0), else the pointer kernel (autotuned, or `tile`)."""
     M, K = xq.shape
     N = wq.shape[0]
-    y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
-    args = (xq, sx, wq.contiguous(), sw.contiguous(), y, M, N, K, triton.cdiv(K, GROUP),
-            min(triton.next_power_of_2(M), 8192))
+    nkb = triton.cdiv(K, GROUP)
+    m_bucket = min(triton.next_power_of_2(M), 8192)
+    scale_strides = (sx.stride(0), sx.stride(1))
+    if tma is None:
+        tma = tile is None and M > 256 and K % GROUP == 0 and _tma_ok(xq, N, K, y.dtype)
+    if tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+        sms = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 4
+        progs = min(sms, triton.cdiv(M, 128) * triton.cdiv(N, 128))
+        args = (TensorDescriptor.from_tensor(xq, [128, GROUP]), sx, TensorDescriptor.from_tensor(wq, [128, GROUP]),
+                sw, TensorDescriptor.from_tensor(y, [128, 128]), M, N, nkb, m_bucket, *scale_strides)
+        if autotuning():
+            _TMA_TUNED[(progs,)](*args, BK=GROUP, PROGS=progs)
+        else:  # the first candidate
+            _w8a8_tma_kernel[(progs,)](*args, BM=128, BN=128, BK=GROUP, GROUP_M=8, PROGS=progs, FLAT=False,
+                                       **({} if interpreting() else {"num_warps": 8, "num_stages": 4}))
+        return
+    args = (xq, sx, wq, sw, y, M, N, K, nkb, m_bucket, *scale_strides)
     even_k = K % GROUP == 0
     if tile is not None or not autotuning():  # else the first candidate of the M range
         bm, bn = tile or ((16 if M <= 16 else 64), 64)
+        if GROUP % bn:
+            raise ValueError(f"W8A8 tile width {bn} must divide the {GROUP}-wide weight-scale block")
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
         _w8a8_kernel[grid](*args, BM=bm, BN=bn, BK=GROUP, GROUP_M=2, EVEN_K=even_k)
-        return y
+        return
     kern = _TUNED["small" if M <= 16 else "medium" if M <= 256 else "large"]
     kern[lambda c: (triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]),)](*args, BK=GROUP, EVEN_K=even_k)
+
+
+# cuBLAS's block-scaled FP8 GEMM (cuBLASLt 12.9+, Hopper; through torch._scaled_mm, whose scale
+# shapes select the 1x128 / 128x128 recipe). Row counts it refused are remembered (Triton then).
+_CUBLAS_REFUSED: set[int] = set()
+
+
+def _cublas_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
+    return (xq.is_cuda and out_dtype in (torch.bfloat16, torch.float16)
+            and hasattr(torch, "_scaled_mm") and N % GROUP == 0 and K % GROUP == 0
+            and torch.cuda.get_device_capability(xq.device) == (9, 0)
+            and xq.shape[0] not in _CUBLAS_REFUSED)
+
+
+def _cublas_gemm(xq, sx, wq, sw, out_dtype):
+    sa = sx if sx.stride(0) == 1 else sx.t().contiguous().t()  # 1x128 scales must be M-major
+    return torch._scaled_mm(xq, wq.t(), sa, sw.t(), out_dtype=out_dtype)
+
+
+def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
+                    out_dtype: torch.dtype = torch.bfloat16, tile: tuple[int, int] | None = None,
+                    backend: str | None = None) -> torch.Tensor:
+    """y `[M, N]` from fp8 xq `[M, K]` + sx `[M, K/128]` (any strides) and fp8 wq `[N, K]` +
+    sw `[N/128, K/128]`.
+
+    backend: "triton", "cublas" or None (DSV_FP8_GEMM, default "auto": cuBLAS's block-scaled
+    GEMM where this torch, GPU and shape have it, else Triton). Triton tiles are autotuned on CUDA
+    per (M bucket, N, K) on first use; fixed under the interpreter and with DSV_AUTOTUNE=0. `tile`
+    = (BM, BN) forces one (tests, benchmarks; BN must divide 128).
+    """
+    M, K = xq.shape
+    N = wq.shape[0]
+    backend = backend or os.environ.get("DSV_FP8_GEMM", "auto")
+    if backend not in ("auto", "triton", "cublas"):
+        raise ValueError(f"W8A8 GEMM backend {backend!r}: expected auto, triton or cublas")
+    if tile is None and backend != "triton" and _cublas_ok(xq, N, K, out_dtype):
+        try:
+            return _cublas_gemm(xq, sx, wq, sw, out_dtype)
+        except RuntimeError as e:  # raised by the heuristic query, before anything is launched
+            if backend == "cublas":
+                raise
+            _CUBLAS_REFUSED.add(M)
+            log.info("cuBLAS block-scaled FP8 GEMM refused M %d (%s): the Triton GEMM for it",
+                     M, str(e).splitlines()[0][:120])
+    elif backend == "cublas":
+        raise ValueError(f"cuBLAS block-scaled FP8 GEMM unavailable for M {M}, N {N}, K {K}, {out_dtype} "
+                         f"on this torch / device")
+    y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
+    _triton_gemm(xq, sx, wq.contiguous(), sw.contiguous(), y, tile)
     return y
 
 
@@ -168,4 +282,5 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Ten
 
 def tuned_configs() -> dict[str, dict[str, str]]:
     """What autotuning picked so far, per M range and key (for benchmark logs)."""
-    return {name: {str(key): str(cfg) for key, cfg in kern.cache.items()} for name, kern in _TUNED.items()}
+    kerns = dict(_TUNED, tma=_TMA_TUNED)
+    return {name: {str(key): str(cfg) for key, cfg in kern.cache.items()} for name, kern in kerns.items()}

@@ -10,37 +10,53 @@ from interpreted import run_interpreted
 CHECK = r"""
 import torch
 from models.fp8 import quantize, dequantize
-from models.fp8_gemm import act_quant, fp8_linear, w8a8_block_gemm
+from models.fp8_gemm import _triton_gemm, act_quant, fp8_linear, w8a8_block_gemm
 
-def check(M, N, K, device, tol, tile=None):
+def check(M, N, K, device, tol, tile=None, backend="triton", out=torch.float32, tma=None, m_major=False):
     torch.manual_seed(M * 7 + N)
-    x = torch.randn(M, K, device=device)
+    # rows of different magnitudes: a kernel that mixes up rows' scales is off by far more than 1e-3
+    x = torch.randn(M, K, device=device) * (0.1 + 10 * torch.rand(M, 1, device=device))
     w = torch.randn(N, K, device=device) * 0.05
     wq, sw = quantize(w)
     xq, sx = act_quant(x)
+    if m_major:  # scales as [K/128, M] memory, the Triton act_quant's and cuBLAS's layout
+        sx = sx.t().contiguous().t()
     # exact part: the kernel must equal the product of the two dequantized operands
     ref_q = dequantize(xq, sx, (1, 128)) @ dequantize(wq, sw, (128, 128)).T
-    got = w8a8_block_gemm(xq, sx, wq, sw, torch.float32, tile=tile)
+    if tma is not None:
+        got = torch.full((M, N), float("nan"), device=device)
+        _triton_gemm(xq, sx, wq, sw, got, tma=tma)
+    else:
+        got = w8a8_block_gemm(xq, sx, wq, sw, out, tile=tile, backend=backend).float()
     e1 = ((got - ref_q).norm() / ref_q.norm()).item()
     # End to end against the unquantized product. e4m3 rounding alone costs ~2.5% per operand on
     # Gaussian data (measured: activation-only 2.54%, weight-only 2.64%), so 2e-2 is out of reach
     # for any w8a8 scheme (a single short row reaches ~5%); this is a sanity bound that wrong
     # scales would exceed many times over. The exact check above is the correctness test.
     e2 = ((fp8_linear(x, wq, sw).float() - x @ w.T).norm() / (x @ w.T).norm()).item()
-    assert e1 < (1e-5 if device == "cpu" else 1e-3) and e2 < tol, (M, N, K, e1, e2)
+    exact = 1e-5 if device == "cpu" else 1e-3 if out == torch.float32 else 5e-3  # bf16 out: 2^-9 rounding
+    assert e1 < exact and e2 < tol, (M, N, K, e1, e2)
     return e1, e2
 """
 
 
 def test_w8a8_interpreter():
-    """Partial blocks in M, N and K under TRITON_INTERPRET=1, default and 256-wide tiles."""
+    """Partial blocks in M, N and K under TRITON_INTERPRET=1: the pointer kernel (default and
+    128-wide tiles, row-major and M-major activation scales) and the persistent TMA kernel."""
     code = CHECK + r"""
 for M, N, K in ((1, 300, 256), (5, 128, 200), (33, 64, 384)):
     print(check(M, N, K, "cpu", 8e-2))
-# 256-wide tiles span two weight-scale rows (each column scaled by its own); N 300 leaves a
-# partial second tile, K 200 a partial K block
-for M, N, K in ((3, 384, 256), (17, 300, 200)):
-    print(check(M, N, K, "cpu", 8e-2, tile=(16, 256)))
+    print(check(M, N, K, "cpu", 8e-2, m_major=True))
+for M, N, K in ((3, 384, 256), (17, 300, 200)):  # N 300: a partial tile; K 200: a partial K block
+    print(check(M, N, K, "cpu", 8e-2, tile=(16, 128)))
+# persistent TMA kernel: 4 programs over 6 tiles (some take two), partial tiles in M and N
+for M, N, K, mm in ((130, 300, 256, True), (40, 128, 384, False)):
+    print(check(M, N, K, "cpu", 8e-2, tma=True, m_major=mm))
+try:
+    w8a8_block_gemm(*act_quant(torch.randn(2, 128)), *quantize(torch.randn(128, 128)), tile=(16, 256))
+    raise AssertionError("a 256-wide tile was accepted")
+except ValueError as e:
+    assert "must divide" in str(e)
 """
     run_interpreted(code)
 
@@ -49,9 +65,18 @@ for M, N, K in ((3, 384, 256), (17, 300, 200)):
 @pytest.mark.parametrize("M", [1, 16, 256, 4096])
 @pytest.mark.parametrize("N,K", [(7168, 2048), (24576, 1536), (2048, 7168)])  # V3: o_proj, q_b_proj, experts' down
 def test_w8a8_real_shapes(M, N, K):
+    """The Triton GEMM (TMA kernel above 256 rows), the pointer kernel forced at every M, and
+    cuBLAS's block-scaled GEMM where this torch has it (bf16 out, M-major scales)."""
     ns = {}
     exec(CHECK, ns)
     ns["check"](M, N, K, "cuda", 8e-2)
+    ns["check"](M, N, K, "cuda", 8e-2, tile=(64, 128))
+    try:
+        ns["check"](M, N, K, "cuda", 8e-2, backend="cublas", out=torch.bfloat16, m_major=True)
+    except (ValueError, RuntimeError) as e:  # no block-scaled _scaled_mm in this torch, or M refused
+        if M >= 16 and torch.cuda.get_device_capability() == (9, 0):
+            raise
+        print("cuBLAS refused", M, e)
 
 
 @pytest.mark.gpu
