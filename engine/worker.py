@@ -59,6 +59,13 @@ def warm_up_sizes(max_tokens: int) -> list[int]:
     return sizes if sizes[-1] == max_tokens else sizes + [max_tokens]
 
 
+def dummy_prompt_lens(num_tokens: int, max_len: int) -> list[int]:
+    """`num_tokens` prompt tokens as sequences of at most `max_len` each, for the start-up passes
+    (profile run, warm-up): a position past the model's context would index its RoPE table out of
+    range (seen on the GPU: a 2048-token warm-up prompt on a 256-position model)."""
+    return [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
+
+
 def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return cfg.num_hidden_layers * block_size * cfg.kv_cache_dim * dtype.itemsize
 
@@ -109,19 +116,29 @@ class Worker:
 
     def _profile_run(self, num_tokens: int) -> None:
         """A forward pass over `num_tokens` prompt tokens to measure peak activation memory."""
-        bs = self.args.block_size
-        nblocks = -(-num_tokens // bs)
-        caches = [torch.empty(nblocks, bs, self.cfg.kv_cache_dim, dtype=self.dtype, device=self.device)
-                  for _ in range(self.cfg.num_hidden_layers)]
-        runner = ModelRunner(self.model, self.cfg, caches, bs, self.device, [])
-        batch = runner.prepare([[0] * num_tokens], [0], [list(range(nblocks))])
-        runner.logits(runner.forward(batch)[-1:])
+        lens = dummy_prompt_lens(num_tokens, self.args.resolve_max_model_len(self.cfg))
+        nblocks = sum(-(-n // self.args.block_size) for n in lens)
+        caches = [torch.empty(nblocks, self.args.block_size, self.cfg.kv_cache_dim, dtype=self.dtype,
+                              device=self.device) for _ in range(self.cfg.num_hidden_layers)]
+        runner = ModelRunner(self.model, self.cfg, caches, self.args.block_size, self.device, [])
+        runner.logits(runner.forward(self._dummy_batch(runner, [[0] * n for n in lens], nblocks))[-1:])
         del caches, runner
 
+    def _dummy_batch(self, runner: ModelRunner, prompts: list[list[int]], num_blocks: int):
+        """A prefill batch of `prompts`, each from position 0, in consecutive blocks (ids wrap at
+        `num_blocks`)."""
+        bs, tables, first = self.args.block_size, [], 0
+        for p in prompts:
+            n = -(-len(p) // bs)
+            tables.append([(first + i) % num_blocks for i in range(n)])
+            first += n
+        return runner.prepare(prompts, [0] * len(prompts), tables)
+
     @torch.inference_mode()
-    def warm_up(self, max_tokens: int) -> list[int]:
-        """One prompt of each size in `warm_up_sizes(max_tokens)` through the model, before any
-        request and before CUDA-graph capture; returns the sizes.
+    def warm_up(self, max_tokens: int, max_len: int) -> list[int]:
+        """One prefill step of each size in `warm_up_sizes(max_tokens)` through the model (prompts
+        of at most `max_len` tokens), before any request and before CUDA-graph capture; returns
+        the sizes.
 
         The autotuned Triton kernels (fused MoE, expert-sorted MoE, W8A8 GEMM) pick their tiles
         per power-of-two token bucket on first use, compiling and timing every candidate: seconds
@@ -130,14 +147,12 @@ class Worker:
         write their cache rows into blocks no request holds yet, ids taken modulo the cache size
         so that even a small cache is never indexed out of range."""
         t0 = time.perf_counter()
-        bs = self.args.block_size
-        nb = self.kv_caches[0].shape[0]
-        runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, [])
+        runner = ModelRunner(self.model, self.cfg, self.kv_caches, self.args.block_size, self.device, [])
         sizes = warm_up_sizes(max_tokens)
         rng = random.Random(0)  # varied tokens route to varied experts, as real prompts do
         for n in sizes:
-            ids = [rng.randrange(self.cfg.vocab_size) for _ in range(n)]
-            runner.forward(runner.prepare([ids], [0], [[i % nb for i in range(-(-n // bs))]]))
+            prompts = [[rng.randrange(self.cfg.vocab_size) for _ in range(k)] for k in dummy_prompt_lens(n, max_len)]
+            runner.forward(self._dummy_batch(runner, prompts, self.kv_caches[0].shape[0]))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         log.info("warm-up: prompts of %s tokens in %.1f s (autotuned kernels' buckets)",
@@ -152,7 +167,7 @@ class Worker:
                           for _ in range(self.cfg.num_hidden_layers)]
         self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids)
         if self.device.type == "cuda" and autotuning():
-            self.warm_up(a.max_num_batched_tokens)
+            self.warm_up(a.max_num_batched_tokens, max_model_len)
         # The torch reference ops sync with the host (lengths to Python): they cannot be captured.
         if self.device.type == "cuda" and not a.enforce_eager and self.ops.name != "torch":
             from engine.cuda_graph import DecodeGraphs, default_buckets
