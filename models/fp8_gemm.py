@@ -17,6 +17,7 @@ faster than the torch ops), both timed on the H200 (RESULTS.md). The engine uses
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -176,16 +177,21 @@ _TMA_TUNED = triton.autotune(
     key=["M_BUCKET", "N", "NKB"])(_w8a8_tma_kernel)
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _tma_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
     """TMA descriptors: Triton >= 3.4 (host TensorDescriptor), Hopper or newer, 16-byte strides."""
-    if not xq.is_cuda or interpreting() or torch.cuda.get_device_capability(xq.device)[0] < 9:
+    if not xq.is_cuda or interpreting() or _capability(xq.device.index)[0] < 9:
         return False
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
     except ImportError:
         return False
     return (K % 16 == 0 and xq.is_contiguous()
-            and (N * torch.empty((), dtype=out_dtype).element_size()) % 16 == 0)
+            and (N * out_dtype.itemsize) % 16 == 0)
 
 
 def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None):
@@ -231,7 +237,7 @@ _CUBLAS_REFUSED: set[int] = set()
 def _cublas_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
     return (xq.is_cuda and out_dtype in (torch.bfloat16, torch.float16)
             and hasattr(torch, "_scaled_mm") and N % GROUP == 0 and K % GROUP == 0
-            and torch.cuda.get_device_capability(xq.device) == (9, 0)
+            and _capability(xq.device.index) == (9, 0)
             and xq.shape[0] not in _CUBLAS_REFUSED)
 
 
