@@ -7,12 +7,16 @@ per 128 x 128 block (`W = Wq * sw[n // 128, k // 128]`), so
     y[m, n] = sum_kb  sx[m, kb] * sw[n // 128, kb] * sum_{k in kb} xq[m, k] * Wq[n, k]
 
 with an fp8 tensor-core product per K block and the two scales applied to its fp32 partial sum.
-Status: checked against dequantize-then-matmul under TRITON_INTERPRET=1 and on an H200
-(tests/test_fp8_gemm.py, 2026-11-30); timed there at 0.55-1.66x of bf16 cuBLAS, 0.8x at M = 4096,
-with one fixed 64 x 64 tile and act_quant in torch ops. Since then autotuned tiles per M range with
-grouped program order (0.92-1.04x of bf16 at M = 4096) and act_quant as one Triton kernel (3-12x
-faster than the torch ops), both timed on the H200 (RESULTS.md). The engine uses it only with
-`--fp8-gemm`.
+
+Two implementations (w8a8_block_gemm picks; DSV_FP8_GEMM=triton|cublas forces one):
+- cuBLAS's block-scaled FP8 GEMM through torch._scaled_mm (the default where this torch and an
+  sm_90 GPU have it, from 4 rows): 1.48-1.60x of bf16 cuBLAS at M = 4096, V3 shapes (H200).
+- Triton, everywhere else (fewer rows, other GPUs, older torch): a persistent TMA kernel above 256
+  rows (1.13-1.19x of bf16 at M = 4096), an autotuned pointer kernel below. Its ceiling here: each
+  K block's product must be scaled before the next accumulates, so Triton waits for every
+  wgmma (wait 0) instead of keeping one in flight; an unscaled Triton fp8 GEMM reaches 1.2-1.7x.
+Measurements and the variants tried: RESULTS.md (2026-11-30, fifth session), scripts/exp_fp8_gemm.py.
+The engine uses this only with `--fp8-gemm` (else FP8 checkpoints are dequantized to bf16 at load).
 """
 
 from __future__ import annotations
@@ -230,20 +234,39 @@ def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None):
 
 
 # cuBLAS's block-scaled FP8 GEMM (cuBLASLt 12.9+, Hopper; through torch._scaled_mm, whose scale
-# shapes select the 1x128 / 128x128 recipe). Row counts it refused are remembered (Triton then).
+# shapes select the 1x128 / 128x128 recipe). It takes row counts that are multiples of 4 (probed on
+# the H200, 2026-11-30: 4, 8, 12, 16, 24, ..., 100, 1000 taken; 1, 2, 3, 5, 7, 15, 17, 33, 255,
+# 257 refused, also with the scales' leading dimension padded), so other counts >= 4 are padded
+# with zero rows. Row counts it refuses anyway are remembered and go to Triton.
+_CUBLAS_MIN_ROWS = 4
 _CUBLAS_REFUSED: set[int] = set()
 
 
+def _cublas_device_ok(t: torch.Tensor) -> bool:
+    return t.is_cuda and hasattr(torch, "_scaled_mm") and _capability(t.device.index) == (9, 0)
+
+
 def _cublas_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
-    return (xq.is_cuda and out_dtype in (torch.bfloat16, torch.float16)
-            and hasattr(torch, "_scaled_mm") and N % GROUP == 0 and K % GROUP == 0
-            and _capability(xq.device.index) == (9, 0)
-            and xq.shape[0] not in _CUBLAS_REFUSED)
+    return (out_dtype in (torch.bfloat16, torch.float16) and N % GROUP == 0 and K % GROUP == 0
+            and xq.shape[0] >= _CUBLAS_MIN_ROWS and xq.shape[0] not in _CUBLAS_REFUSED
+            and _cublas_device_ok(xq))
 
 
 def _cublas_gemm(xq, sx, wq, sw, out_dtype):
-    sa = sx if sx.stride(0) == 1 else sx.t().contiguous().t()  # 1x128 scales must be M-major
-    return torch._scaled_mm(xq, wq.t(), sa, sw.t(), out_dtype=out_dtype)
+    M, K = xq.shape
+    rows = -(-M // 4) * 4
+    sa = sx
+    if rows != M or sx.stride(0) != 1:  # M-major scales, as cuBLAS takes them (Triton's act_quant's)
+        sa = torch.ones(sx.shape[1], rows, dtype=torch.float32, device=sx.device)
+        sa[:, :M] = sx.t()
+        sa = sa.t()
+    if rows != M:
+        xp = torch.empty(rows, K, dtype=xq.dtype, device=xq.device)
+        xp[:M] = xq
+        xp.view(torch.uint8)[M:] = 0  # fp8 zero is the zero byte
+        xq = xp
+    y = torch._scaled_mm(xq, wq.t(), sa, sw.t(), out_dtype=out_dtype)
+    return y[:M] if rows != M else y
 
 
 def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,

@@ -61,8 +61,49 @@ except ValueError as e:
     run_interpreted(code)
 
 
+def test_cublas_dispatch_pads_rows_and_keeps_m_major_scales(monkeypatch):
+    """The cuBLAS block-scaled path, on the CPU against a stand-in for torch._scaled_mm that
+    enforces what cuBLAS did on the H200 (rows a multiple of 4, M-major 1x128 scales, 128x128
+    weight scales): row counts >= 4 are padded and cut back, fewer go to Triton, a refusal is
+    remembered, and a forced backend that cannot run says so."""
+    import models.fp8_gemm as g
+    from models.fp8 import dequantize, quantize
+    calls = []
+
+    def fake_scaled_mm(a, b, scale_a, scale_b, out_dtype):
+        M, K = a.shape
+        if M % 4 or scale_a.shape != (M, K // 128) or scale_a.stride(0) != 1:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        calls.append(M)
+        return (dequantize(a, scale_a, (1, 128)) @ dequantize(b.t(), scale_b.t(), (128, 128)).t()).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm, raising=False)
+    monkeypatch.setattr(g, "_cublas_device_ok", lambda t: True)
+    monkeypatch.setattr(g, "_CUBLAS_REFUSED", set())
+    wq, sw = quantize(torch.randn(256, 384) * 0.05)
+    for M, padded in ((4, 4), (5, 8), (17, 20), (3, None)):
+        xq, sx = g.act_quant(torch.randn(M, 384) * (1 + 5 * torch.rand(M, 1)))
+        ref = dequantize(xq, sx, (1, 128)) @ dequantize(wq, sw, (128, 128)).T
+        calls.clear()
+        y = g.w8a8_block_gemm(xq, sx, wq, sw) if padded else None
+        if padded is None:  # under 4 rows: Triton (interpreter-only on the CPU), and "cublas" refuses
+            with pytest.raises(ValueError, match="cuBLAS"):
+                g.w8a8_block_gemm(xq, sx, wq, sw, backend="cublas")
+            continue
+        assert calls == [padded] and y.shape == (M, 256) and y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2)
+    # a refused row count is remembered: the next call of that count goes straight to Triton
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("refused")))
+    ran = []
+    monkeypatch.setattr(g, "_triton_gemm", lambda *a, **k: ran.append(a[0].shape[0]))
+    xq, sx = g.act_quant(torch.randn(8, 384))
+    g.w8a8_block_gemm(xq, sx, wq, sw)
+    g.w8a8_block_gemm(xq, sx, wq, sw)
+    assert g._CUBLAS_REFUSED == {8} and ran == [8, 8]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 16, 256, 4096])
+@pytest.mark.parametrize("M", [1, 16, 257, 4096])
 @pytest.mark.parametrize("N,K", [(7168, 2048), (24576, 1536), (2048, 7168)])  # V3: o_proj, q_b_proj, experts' down
 def test_w8a8_real_shapes(M, N, K):
     """The Triton GEMM (TMA kernel above 256 rows), the pointer kernel forced at every M, and

@@ -73,20 +73,41 @@ def test_triton_backend_equals_torch_reference_fp32(model, budget, request):
     assert sum(a == b for a, b in zip(fast, ref)) == 64
 
 
+def _prompt_logprobs(path, prompts, dtype="float32", **kw):
+    """The log-probability of every prompt token after the first, all prompts concatenated."""
+    kw.setdefault("num_kv_blocks", 1024)
+    llm = LLM(path, device="cuda", dtype=dtype, **kw)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
+    return torch.tensor([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]])
+
+
 @pytest.mark.parametrize("model", ["gpu_v3", "gpu_v2"])
 def test_triton_backend_bf16_as_close_to_fp32_as_torch_bf16(model, request):
-    """bf16: the Triton backend agrees with the fp32 reference at least as often as the torch
-    backend in bf16 does (less 3 of 64). Exact bf16 agreement between two backends is no test on
-    these models: bf16 rounding alone flips greedy continuations (on the CPU, the torch backend in
-    bf16 with budget 16 vs 2048 agreed on 42 of 64; the H200 gave Triton vs torch 30-32 of 64)."""
+    """bf16: the Triton backend is as close to the fp32 reference as the torch backend in bf16.
+
+    Measured on ~6,000 prompt-token log-probabilities (prefills chunked by 16): the Triton
+    backend's mean error from fp32 at most 1.25x the torch backend's. Exact bf16 agreement between
+    two backends is no test on these random models: bf16 rounding alone flips greedy
+    continuations (on the CPU, the torch backend in bf16 with budget 16 vs 2048 agreed on 42 of 64;
+    the H200 gave Triton vs torch 30-32 of 64). Greedy agreement with fp32 is kept as a gross
+    check only: a count out of 64 near 60% has a standard deviation of ~4, the difference of two
+    ~5.5, so it allows 8 (an earlier margin of 3 failed once on equal-quality runs, 34 vs 41, with
+    the log-probability errors then measured on the same commit below)."""
     path, _ = request.getfixturevalue(model)
     prompts = _prompts64()
-    ref = _run(path, prompts, max_num_batched_tokens=2048, attention_backend="torch", enforce_eager=True)
-    fast = _run(path, prompts, "bfloat16", max_num_batched_tokens=16, attention_backend="triton")
-    slow = _run(path, prompts, "bfloat16", max_num_batched_tokens=16, attention_backend="torch",
-                enforce_eager=True)
+    ref_kw = dict(max_num_batched_tokens=2048, attention_backend="torch", enforce_eager=True)
+    fast_kw = dict(max_num_batched_tokens=16, attention_backend="triton")
+    slow_kw = dict(max_num_batched_tokens=16, attention_backend="torch", enforce_eager=True)
+    lp_ref = _prompt_logprobs(path, prompts, **ref_kw)
+    e_fast, e_slow = ((_prompt_logprobs(path, prompts, "bfloat16", **kw) - lp_ref).abs().mean().item()
+                      for kw in (fast_kw, slow_kw))
+    print(f"{model}: mean |logprob - fp32|: triton bf16 {e_fast:.2e}, torch bf16 {e_slow:.2e}")
+    assert 0 < e_fast <= 1.25 * e_slow, (e_fast, e_slow)
+    ref = _run(path, prompts, **ref_kw)
+    fast, slow = (_run(path, prompts, "bfloat16", **kw) for kw in (fast_kw, slow_kw))
     fast_ok, slow_ok = (sum(a == b for a, b in zip(x, ref)) for x in (fast, slow))
-    assert fast_ok >= slow_ok - 3, (fast_ok, slow_ok)
+    print(f"{model}: greedy equal to fp32: triton bf16 {fast_ok}/64, torch bf16 {slow_ok}/64")
+    assert fast_ok >= slow_ok - 8, (fast_ok, slow_ok)
 
 
 @pytest.mark.parametrize("budget", [16, 2048])
