@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 
@@ -166,7 +167,7 @@ class Worker:
         self.kv_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.dtype, device=self.device)
                           for _ in range(self.cfg.num_hidden_layers)]
         self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids)
-        if self.device.type == "cuda" and autotuning():
+        if self.device.type == "cuda" and autotuning() and os.environ.get("DSV_WARMUP", "1") != "0":
             self.warm_up(a.max_num_batched_tokens, max_model_len)
         # The torch reference ops sync with the host (lengths to Python): they cannot be captured.
         if self.device.type == "cuda" and not a.enforce_eager and self.ops.name != "torch":
