@@ -172,7 +172,7 @@ _TILES = {
 }
 _TUNED = {name: triton.autotune(configs=_cfgs(tiles), key=["M_BUCKET", "N", "K"])(_w8a8_kernel)
           for name, tiles in _TILES.items()}
-# The persistent TMA kernel at M > 256 (H200, fifth session: 780-860 TFLOP/s at M 4096 against
+# The persistent TMA kernel at M > 256 (H200, fifth session: 761-860 TFLOP/s at M 4096 against
 # 560-710 for the pointer kernel); FLAT merges the tile and K loops into one software pipeline
 # (faster at K <= 2048, slower at K >= 7168)
 _TMA_TUNED = triton.autotune(
@@ -210,8 +210,9 @@ def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None):
         tma = tile is None and M > 256 and K % GROUP == 0 and _tma_ok(xq, N, K, y.dtype)
     if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
-        sms = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 4
-        progs = min(sms, triton.cdiv(M, 128) * triton.cdiv(N, 128))
+        # one program per SM whatever M is (programs without a tile exit): PROGS is a constant,
+        # so the kernel compiles once, not once per tile count below the SM count
+        progs = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 4
         args = (TensorDescriptor.from_tensor(xq, [128, GROUP]), sx, TensorDescriptor.from_tensor(wq, [128, GROUP]),
                 sw, TensorDescriptor.from_tensor(y, [128, 128]), M, N, nkb, m_bucket, *scale_strides)
         if autotuning():
@@ -234,29 +235,38 @@ def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None):
 
 
 # cuBLAS's block-scaled FP8 GEMM (cuBLASLt 12.9+, Hopper; through torch._scaled_mm, whose scale
-# shapes select the 1x128 / 128x128 recipe). It takes row counts that are multiples of 4 (probed on
+# shapes select the 1x128 / 128x128 recipe). It took row counts that are multiples of 4 (probed on
 # the H200, 2026-11-30: 4, 8, 12, 16, 24, ..., 100, 1000 taken; 1, 2, 3, 5, 7, 15, 17, 33, 255,
-# 257 refused, also with the scales' leading dimension padded), so other counts >= 4 are padded
-# with zero rows. Row counts it refuses anyway are remembered and go to Triton.
+# 257 refused), so other counts >= 4 are padded with zero rows. A shape cuBLAS refuses anyway
+# (CUBLAS_STATUS_NOT_SUPPORTED) is remembered and goes to Triton; any other error from this path
+# (a torch that does not know the block-wise recipe) turns it off for the process.
 _CUBLAS_MIN_ROWS = 4
-_CUBLAS_REFUSED: set[int] = set()
+_CUBLAS_REFUSED: set[tuple] = set()  # (rows, N, K, out dtype)
+_CUBLAS_BROKEN: list[str] = []  # the error that turned the path off, if one did
 
 
 def _cublas_device_ok(t: torch.Tensor) -> bool:
     return t.is_cuda and hasattr(torch, "_scaled_mm") and _capability(t.device.index) == (9, 0)
 
 
+def _cublas_key(M: int, N: int, K: int, out_dtype: torch.dtype) -> tuple:
+    return -(-M // 4) * 4, N, K, out_dtype
+
+
 def _cublas_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
-    return (out_dtype in (torch.bfloat16, torch.float16) and N % GROUP == 0 and K % GROUP == 0
-            and xq.shape[0] >= _CUBLAS_MIN_ROWS and xq.shape[0] not in _CUBLAS_REFUSED
-            and _cublas_device_ok(xq))
+    M = xq.shape[0]
+    return (not _CUBLAS_BROKEN and out_dtype in (torch.bfloat16, torch.float16) and N % GROUP == 0
+            and K % GROUP == 0 and M >= _CUBLAS_MIN_ROWS
+            and _cublas_key(M, N, K, out_dtype) not in _CUBLAS_REFUSED and _cublas_device_ok(xq))
 
 
 def _cublas_gemm(xq, sx, wq, sw, out_dtype):
     M, K = xq.shape
     rows = -(-M // 4) * 4
     sa = sx
-    if rows != M or sx.stride(0) != 1:  # M-major scales, as cuBLAS takes them (Triton's act_quant's)
+    # M-major scales with strides exactly (1, rows), as torch checks for the 1x128 recipe (the
+    # Triton act_quant's layout: no copy then)
+    if rows != M or (sx.shape[1] > 1 and sx.stride() != (1, M)):
         sa = torch.ones(sx.shape[1], rows, dtype=torch.float32, device=sx.device)
         sa[:, :M] = sx.t()
         sa = sa.t()
@@ -288,12 +298,21 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
     if tile is None and backend != "triton" and _cublas_ok(xq, N, K, out_dtype):
         try:
             return _cublas_gemm(xq, sx, wq, sw, out_dtype)
-        except RuntimeError as e:  # raised by the heuristic query, before anything is launched
-            if backend == "cublas":
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except RuntimeError as e:  # raised before the GEMM launches (the padding copies may have run)
+            # never switch paths inside a CUDA-graph capture (graph capture runs every bucket
+            # eagerly first, so a refusal shows there, not here)
+            if backend == "cublas" or (xq.is_cuda and torch.cuda.is_current_stream_capturing()):
                 raise
-            _CUBLAS_REFUSED.add(M)
-            log.info("cuBLAS block-scaled FP8 GEMM refused M %d (%s): the Triton GEMM for it",
-                     M, str(e).splitlines()[0][:120])
+            msg = str(e).splitlines()[0][:160]
+            if "NOT_SUPPORTED" in msg:
+                _CUBLAS_REFUSED.add(_cublas_key(M, N, K, out_dtype))
+                log.info("cuBLAS block-scaled FP8 GEMM refused M %d, N %d, K %d (%s): Triton for that shape",
+                         M, N, K, msg)
+            else:
+                _CUBLAS_BROKEN.append(msg)
+                log.warning("cuBLAS block-scaled FP8 GEMM failed (%s): the Triton GEMM from now on", msg)
     elif backend == "cublas":
         raise ValueError(f"cuBLAS block-scaled FP8 GEMM unavailable for M {M}, N {N}, K {K}, {out_dtype} "
                          f"on this torch / device")

@@ -92,14 +92,30 @@ def test_cublas_dispatch_pads_rows_and_keeps_m_major_scales(monkeypatch):
             continue
         assert calls == [padded] and y.shape == (M, 256) and y.dtype == torch.bfloat16
         torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2)
-    # a refused row count is remembered: the next call of that count goes straight to Triton
-    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("refused")))
+    # a shape cuBLAS refuses is remembered: the next call of that shape goes straight to Triton
+    refusals = []
+
+    def refusing(*a, **k):
+        refusals.append(a[0].shape[0])
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmulAlgoGetHeuristic")
+
+    monkeypatch.setattr(torch, "_scaled_mm", refusing)
     ran = []
     monkeypatch.setattr(g, "_triton_gemm", lambda *a, **k: ran.append(a[0].shape[0]))
-    xq, sx = g.act_quant(torch.randn(8, 384))
+    xq, sx = g.act_quant(torch.randn(7, 384))
     g.w8a8_block_gemm(xq, sx, wq, sw)
     g.w8a8_block_gemm(xq, sx, wq, sw)
-    assert g._CUBLAS_REFUSED == {8} and ran == [8, 8]
+    assert refusals == [8] and ran == [7, 7] and g._CUBLAS_REFUSED == {(8, 256, 384, torch.bfloat16)}
+    with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):  # forced: the error, not a silent Triton
+        g.w8a8_block_gemm(*g.act_quant(torch.randn(12, 384)), wq, sw, backend="cublas")
+    # any other error (a torch without the block-wise recipe) turns the path off for every shape
+    monkeypatch.setattr(g, "_CUBLAS_BROKEN", [])
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("Invalid scaling configuration")))
+    g.w8a8_block_gemm(*g.act_quant(torch.randn(16, 384)), wq, sw)
+    refusals.clear()
+    monkeypatch.setattr(torch, "_scaled_mm", refusing)
+    g.w8a8_block_gemm(*g.act_quant(torch.randn(32, 384)), wq, sw)
+    assert g._CUBLAS_BROKEN and refusals == [] and ran[-2:] == [16, 32]
 
 
 @pytest.mark.gpu

@@ -42,7 +42,7 @@ def check(case, device, T=7, D=48):
     torch.testing.assert_close(tw, rw, rtol=1e-5 * max(1.0, D / 64), atol=1e-7)
     empty = route_triton(x[:0], *args[1:])
     assert empty[0].shape == (0, k) and empty[1].shape == (0, k)
-    if T < 4:
+    if T < 3:
         return
     # overflowed rows (NaN, inf) still get k distinct valid ids; the good rows are unchanged
     bad = x.clone()
@@ -83,4 +83,4 @@ def test_route_kernel_gpu(case):
     ns["check"](case, "cuda", T=300)  # cuBLAS logits
     ns["check"](case, "cuda", T=8, D=2048)  # the Triton logits kernel where 8 * E * 2048 is in its envelope
     ns["check"](case, "cuda", T=1, D=7168)  # the Triton logits kernel, four passes over V3's width
-    ns["check"](case, "cuda", T=4, D=7168)  # and with the overflowed rows
+    ns["check"](case, "cuda", T=3, D=7168)  # and with the overflowed rows
