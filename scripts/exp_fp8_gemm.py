@@ -31,18 +31,10 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from models.fp8 import dequantize, quantize  # noqa: E402
+from models.fp8_gemm import _grouped_tile as _grouped  # noqa: E402
 from models.fp8_gemm import act_quant_torch, w8a8_block_gemm  # noqa: E402
 
 INTERP = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-@triton.jit
-def _grouped(pid, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-    num_m, num_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    per_group = GROUP_M * num_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = min(num_m - first_m, GROUP_M)
-    return first_m + (pid % per_group) % group_m, (pid % per_group) // group_m
 
 
 @triton.jit
