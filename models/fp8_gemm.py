@@ -34,6 +34,10 @@ from models.fused import autotuning, interpreting
 
 GROUP = 128
 log = logging.getLogger(__name__)
+try:  # host-side TMA descriptors: Triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,15 +190,15 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def _tma_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
     """TMA descriptors: Triton >= 3.4 (host TensorDescriptor), Hopper or newer, 16-byte strides."""
-    if not xq.is_cuda or interpreting() or _capability(xq.device.index)[0] < 9:
-        return False
-    try:
-        from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-    except ImportError:
-        return False
-    return (K % 16 == 0 and xq.is_contiguous()
+    return (TensorDescriptor is not None and xq.is_cuda and not interpreting()
+            and _capability(xq.device.index)[0] >= 9 and K % 16 == 0 and xq.is_contiguous()
             and (N * out_dtype.itemsize) % 16 == 0)
 
 
@@ -209,10 +213,9 @@ def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None):
     if tma is None:
         tma = tile is None and M > 256 and K % GROUP == 0 and _tma_ok(xq, N, K, y.dtype)
     if tma:
-        from triton.tools.tensor_descriptor import TensorDescriptor
         # one program per SM whatever M is (programs without a tile exit): PROGS is a constant,
         # so the kernel compiles once, not once per tile count below the SM count
-        progs = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 4
+        progs = _sm_count(xq.device.index) if xq.is_cuda else 4
         args = (TensorDescriptor.from_tensor(xq, [128, GROUP]), sx, TensorDescriptor.from_tensor(wq, [128, GROUP]),
                 sw, TensorDescriptor.from_tensor(y, [128, 128]), M, N, nkb, m_bucket, *scale_strides)
         if autotuning():
@@ -249,8 +252,12 @@ def _cublas_device_ok(t: torch.Tensor) -> bool:
     return t.is_cuda and hasattr(torch, "_scaled_mm") and _capability(t.device.index) == (9, 0)
 
 
+def _cublas_rows(M: int) -> int:
+    return -(-M // 4) * 4
+
+
 def _cublas_key(M: int, N: int, K: int, out_dtype: torch.dtype) -> tuple:
-    return -(-M // 4) * 4, N, K, out_dtype
+    return _cublas_rows(M), N, K, out_dtype
 
 
 def _cublas_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
@@ -262,7 +269,7 @@ def _cublas_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool
 
 def _cublas_gemm(xq, sx, wq, sw, out_dtype):
     M, K = xq.shape
-    rows = -(-M // 4) * 4
+    rows = _cublas_rows(M)
     sa = sx
     # M-major scales with strides exactly (1, rows), as torch checks for the 1x128 recipe (the
     # Triton act_quant's layout: no copy then)
