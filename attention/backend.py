@@ -47,6 +47,13 @@ class AttentionOps(Protocol):
         Returns o `[Tq, H, V]` (q's dtype) and lse `[Tq, H]` fp32.
         """
 
+    def prefill_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor,
+                    k_pe: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                    cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
+                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill` with MLA's operands in parts: q = [q_nope ‖ q_pe] `[Tq, H, P]` + `[Tq, H, R]`,
+        k = [k_nope ‖ k_pe] with k_nope `[Tk, H, P]` and k_pe `[Tk, R]` shared by all heads."""
+
     def gather_context(self, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        starts: torch.Tensor, cu_lens: torch.Tensor, num_tokens: int,
                        ) -> torch.Tensor:

@@ -129,24 +129,23 @@ class MLAAttention:
             o_lat = pd.dcp_reduce_scatter(o_lat.float() * w, dim=1).to(q_nope.dtype)  # [Nd, Hl, Lkv]
         return self._absorb_o(o_lat)
 
-    def _up_project(self, c: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _up_project(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k_nope `[N, Hl, P]`, v `[N, Hl, V]`: views of one kv_b_proj GEMM's output."""
         kv = F.linear(c, self.w_kv_b).view(-1, self.H, self.P + self.V)
         k_nope, v = kv.split([self.P, self.V], dim=-1)
-        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, self.H, -1)], dim=-1)  # [N, Hl, P+R]
-        return k, v
+        return k_nope, v
 
     def _prefill(self, q_nope, q_pe, c, k_pe, kv_cache, meta):
         p = meta.prefill
-        q = torch.cat([q_nope, q_pe], dim=-1)  # [Np, Hl, P+R]
-        k, v = self._up_project(c, k_pe)
+        k_nope, v = self._up_project(c)
         qsl = p.query_start_loc
-        o, lse = self.ops.prefill(q, k, v, qsl, qsl, p.max_query_len, p.max_query_len,
-                                  self.scale, causal=True)
+        o, lse = self.ops.prefill_mla(q_nope, q_pe, k_nope, k_pe, v, qsl, qsl, p.max_query_len,
+                                      p.max_query_len, self.scale, causal=True)
         for chunk in p.context_chunks:
             rows = self._gather_chunk(kv_cache, p.block_table, chunk)  # [Nk, Lkv+R]
-            ck, cv = self._up_project(rows[:, : self.Lkv], rows[:, self.Lkv:])
-            oc, lc = self.ops.prefill(q, ck, cv, qsl, chunk.cu_seqlens_k, p.max_query_len,
-                                      chunk.max_seqlen_k, self.scale, causal=False)
+            ck, cv = self._up_project(rows[:, : self.Lkv])
+            oc, lc = self.ops.prefill_mla(q_nope, q_pe, ck, rows[:, self.Lkv:], cv, qsl, chunk.cu_seqlens_k,
+                                          p.max_query_len, chunk.max_seqlen_k, self.scale, causal=False)
             o, lse = merge_attn_states(o, lse, oc, lc)
         return o
 

@@ -67,6 +67,12 @@ class TorchAttentionOps:
             lse[q0:q1] = lb.transpose(0, 1)
         return o, lse
 
+    def prefill_mla(self, q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, scale, causal):
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, k_nope.shape[1], -1)], dim=-1)
+        return self.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
+
     def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens):
         out = kv_cache.new_empty(num_tokens, kv_cache.shape[-1])
         cu = cu_lens.tolist()

@@ -7,10 +7,11 @@ so the kernels can assume them; a bad argument raises ValueError naming the fiel
 from __future__ import annotations
 
 import torch
+import triton
 
 from attention.triton_cache import gather_context, write_kv
 from attention.triton_decode import DecodeConfig, mla_decode
-from attention.triton_prefill import PrefillConfig, prefill_attention
+from attention.triton_prefill import PrefillConfig, prefill_attention, prefill_attention_parts, split_width
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -90,6 +91,33 @@ class TritonAttentionOps:
         return prefill_attention(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v),
                                  cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
                                  max_seqlen_q, scale, causal, cfg=self.prefill_config)
+
+    def prefill_mla(self, q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, scale, causal):
+        P, R = q_nope.shape[-1], q_pe.shape[-1]
+        H = q_nope.shape[1]
+        _check(k_nope.shape[1:] == q_nope.shape[1:] and k_pe.dim() == 2 and k_pe.shape[1] == R
+               and q_pe.shape[:2] == q_nope.shape[:2] and k_pe.shape[0] == k_nope.shape[0],
+               f"MLA prefill parts do not fit: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, "
+               f"k_nope {tuple(k_nope.shape)}, k_pe {tuple(k_pe.shape)}")
+        if split_width(P + R) != (P, triton.next_power_of_2(R)):
+            # the kernel's two QK parts are not (P, R) for this width: join the operands
+            q = torch.cat([q_nope, q_pe], dim=-1)
+            k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, H, -1)], dim=-1)
+            return self.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
+        _check(q_nope.dtype in _FLOAT_DTYPES and all(t.dtype == q_nope.dtype for t in (q_pe, k_nope, k_pe, v)),
+               f"MLA prefill operands must share one of fp16/bf16/fp32, got {q_nope.dtype}, {q_pe.dtype}, "
+               f"{k_nope.dtype}, {k_pe.dtype}, {v.dtype}")
+        _check(v.shape[:2] == k_nope.shape[:2] and v.shape[2] >= 16,
+               f"v must be [{k_nope.shape[0]}, {H}, V >= 16], got {tuple(v.shape)}")
+        _check(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape == cu_seqlens_k.shape,
+               f"cu_seqlens_q and cu_seqlens_k must be [B+1], got {tuple(cu_seqlens_q.shape)}, "
+               f"{tuple(cu_seqlens_k.shape)}")
+        kb = _last_contiguous(k_pe).unsqueeze(1).expand(-1, H, -1)  # head stride 0: one row for all heads
+        return prefill_attention_parts(_last_contiguous(q_nope), _last_contiguous(q_pe), _last_contiguous(k_nope),
+                                       kb, _last_contiguous(v), cu_seqlens_q.contiguous(),
+                                       cu_seqlens_k.contiguous(), max_seqlen_q, scale, causal,
+                                       cfg=self.prefill_config)
 
     def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens):
         _check(kv_cache.dim() == 3, f"kv_cache must be [num_blocks, block_size, D], got {tuple(kv_cache.shape)}")

@@ -40,7 +40,7 @@ def split_width(d: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _attend_range(acc, l_i, m_i, qa, qb, k_base, v_base, stride_kt, stride_vt,
+def _attend_range(acc, l_i, m_i, qa, qb, k_base, kb_base, v_base, stride_kt, stride_kbt, stride_vt,
                   lo, hi, offs_m, shift, lk, qk_scale_log2,
                   D_QK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
                   DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -55,9 +55,9 @@ def _attend_range(acc, l_i, m_i, qa, qb, k_base, v_base, stride_kt, stride_vt,
         ka = tl.load(k_cols + offs_da[:, None], mask=nmask[None, :], other=0.0)  # [DA, BLOCK_N]
         s = tl.dot(qa, ka, input_precision=PRECISION)                            # [BLOCK_M, BLOCK_N]
         if DB > 0:
-            offs_db = DA + tl.arange(0, DB)
-            kb = tl.load(k_cols + offs_db[:, None], mask=nmask[None, :] & (offs_db[:, None] < D_QK),
-                         other=0.0)                                              # [DB, BLOCK_N]
+            offs_db = tl.arange(0, DB)
+            kb = tl.load(kb_base + offs_n[None, :] * stride_kbt + offs_db[:, None],
+                         mask=nmask[None, :] & (offs_db[:, None] < D_QK - DA), other=0.0)  # [DB, BLOCK_N]
             s = tl.dot(qb, kb, acc=s, input_precision=PRECISION)
         s = s * qk_scale_log2
         if MASKED:
@@ -80,9 +80,10 @@ def _attend_range(acc, l_i, m_i, qa, qb, k_base, v_base, stride_kt, stride_vt,
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
+    q_ptr, qb_ptr, k_ptr, kb_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
     qk_scale_log2,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_qt, stride_qh, stride_qbt, stride_qbh, stride_kt, stride_kh, stride_kbt, stride_kbh,
+    stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt, stride_lh,
     D_QK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -103,12 +104,13 @@ def _prefill_kernel(
         q_base = q_ptr + rows[:, None] * stride_qt + h * stride_qh
         qa = tl.load(q_base + tl.arange(0, DA)[None, :], mask=mmask[:, None], other=0.0)
         if DB > 0:
-            offs_db = DA + tl.arange(0, DB)
-            qb = tl.load(q_base + offs_db[None, :], mask=mmask[:, None] & (offs_db[None, :] < D_QK),
-                         other=0.0)
+            offs_db = tl.arange(0, DB)
+            qb = tl.load(qb_ptr + rows[:, None] * stride_qbt + h * stride_qbh + offs_db[None, :],
+                         mask=mmask[:, None] & (offs_db[None, :] < D_QK - DA), other=0.0)
         else:
             qb = qa
         k_base = k_ptr + k0.to(tl.int64) * stride_kt + h * stride_kh
+        kb_base = kb_ptr + k0.to(tl.int64) * stride_kbt + h * stride_kbh
         v_base = v_ptr + k0.to(tl.int64) * stride_vt + h * stride_vh
         shift = lk - lq
         if CAUSAL:
@@ -121,11 +123,11 @@ def _prefill_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        acc, l_i, m_i = _attend_range(acc, l_i, m_i, qa, qb, k_base, v_base, stride_kt, stride_vt,
-                                      0, full, offs_m, shift, lk, qk_scale_log2,
+        acc, l_i, m_i = _attend_range(acc, l_i, m_i, qa, qb, k_base, kb_base, v_base, stride_kt,
+                                      stride_kbt, stride_vt, 0, full, offs_m, shift, lk, qk_scale_log2,
                                       D_QK, DA, DB, DV, BLOCK_DV, BLOCK_N, False, CAUSAL, PRECISION)
-        acc, l_i, m_i = _attend_range(acc, l_i, m_i, qa, qb, k_base, v_base, stride_kt, stride_vt,
-                                      full, hi, offs_m, shift, lk, qk_scale_log2,
+        acc, l_i, m_i = _attend_range(acc, l_i, m_i, qa, qb, k_base, kb_base, v_base, stride_kt,
+                                      stride_kbt, stride_vt, full, hi, offs_m, shift, lk, qk_scale_log2,
                                       D_QK, DA, DB, DV, BLOCK_DV, BLOCK_N, True, CAUSAL, PRECISION)
         empty = l_i == 0.0  # no visible key: lse -inf, output 0
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
@@ -141,24 +143,41 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       max_seqlen_q: int, scale: float, causal: bool,
                       cfg: PrefillConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Varlen attention: (o [Tq, H, V] in q.dtype, lse [Tq, H] fp32); last dims must be contiguous."""
-    Tq, H, d_qk = q.shape
+    da, _ = split_width(q.shape[-1])
+    return prefill_attention_parts(q[..., :da], q[..., da:], k[..., :da], k[..., da:], v, cu_seqlens_q,
+                                   cu_seqlens_k, max_seqlen_q, scale, causal, cfg)
+
+
+def prefill_attention_parts(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor, kb: torch.Tensor,
+                            v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                            max_seqlen_q: int, scale: float, causal: bool,
+                            cfg: PrefillConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same attention with q = [qa ‖ qb] and k = [ka ‖ kb] given as parts, each read through
+    its own strides: qa, ka `[T, H, DA]` with DA a power of two, qb, kb `[T, H, <= DA]`. MLA
+    passes q_nope / q_pe, and k_nope (a view of kv_b_proj's output) / k_pe expanded over the
+    heads (head stride 0), so nothing is concatenated."""
+    Tq, H, da = qa.shape
+    d_qk = da + qb.shape[-1]
     dv = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
-    cfg = cfg or default_prefill_config(q.dtype)
-    o = torch.empty(Tq, H, dv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(Tq, H, dtype=torch.float32, device=q.device)
+    cfg = cfg or default_prefill_config(qa.dtype)
+    o = torch.empty(Tq, H, dv, dtype=qa.dtype, device=qa.device)
+    lse = torch.empty(Tq, H, dtype=torch.float32, device=qa.device)
     if Tq == 0 or B == 0 or H == 0 or max_seqlen_q == 0:
         return o, lse
-    da, db = split_width(d_qk)
+    if split_width(d_qk) != (da, triton.next_power_of_2(qb.shape[-1]) if qb.shape[-1] else 0):
+        raise ValueError(f"q/k parts of widths {da} + {qb.shape[-1]} are not split_width({d_qk})")
+    _, db = split_width(d_qk)
     grid = (triton.cdiv(max_seqlen_q, cfg.block_m), B, H)
     _prefill_kernel[grid](
-        q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k,
+        qa, qb, ka, kb, v, o, lse, cu_seqlens_q, cu_seqlens_k,
         scale * LOG2E,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        qa.stride(0), qa.stride(1), qb.stride(0), qb.stride(1), ka.stride(0), ka.stride(1),
+        kb.stride(0), kb.stride(1), v.stride(0), v.stride(1),
         o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
         D_QK=d_qk, DA=da, DB=db, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        CAUSAL=causal, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        CAUSAL=causal, PRECISION="ieee" if qa.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse

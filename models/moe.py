@@ -15,19 +15,19 @@ from models.fused import CudaCompiled, silu_mul_op, triton_fast_path, try_kernel
 from models.layers import Linear, shard_param
 
 
-# Batches up to this many tokens take the fused Triton MoE (models/fused_moe.py) on CUDA: at
-# batch 1 the routed + shared experts of a V2-Lite layer take 39 us instead of 111 us through the
-# grouped GEMM (H200, in CUDA graphs, scripts/bench_fused_moe.py, RESULTS.md).
-# DSV_FUSED_MOE_MAX_TOKENS overrides it (0 turns the fused path off).
-# (Above 8 tokens pairs share experts, and reading each expert once per pair costs more bytes.)
+# Which expert kernels serve a batch on CUDA (and under the Triton interpreter), by token count:
+#   <= _FUSED_MAX_TOKENS (8): the pair-parallel fused MoE (models/fused_moe.py `fused_moe_small`);
+#      at batch 1 a V2-Lite layer's routed + shared experts take 39 us instead of 111 us through
+#      the grouped GEMM (H200, CUDA graphs, scripts/bench_fused_moe.py). Above 8 tokens pairs
+#      share experts, and reading each expert once per pair costs more bytes.
+#   <= BLOCKED_MAX_TOKENS (512), experts not in FP8: the expert-sorted block kernels
+#      (`fused_moe_blocked`), which read each touched expert once per block of 16/32 pairs; at
+#      32 and 128 tokens their two product kernels run at the copy bandwidth (RESULTS.md).
+#   beyond: torch's grouped GEMM between a sort and a weighted un-permute (`_routed_grouped`).
+# DSV_FUSED_MOE_MAX_TOKENS overrides the first bound (0 turns the fused path off);
+# DSV_MOE_BLOCKED=0 turns the block kernels off.
 _FUSED_MAX_TOKENS = int(os.environ.get("DSV_FUSED_MOE_MAX_TOKENS", "8"))
-# Opt-in (DSV_MOE_BLOCKED=1), for batches above that and up to BLOCKED_MAX_TOKENS (512): the
-# expert-sorted block kernels. On the H200 (RESULTS.md, 2026-11-30) they are 1.14-1.40x faster
-# than the grouped GEMM at 16-256 tokens (bench_fused_moe.py) and cut decode TPOT at batch 32 / 128
-# from 14.0 / 15.8 to 10.8 / 13.1 ms, but the offline throughput run fell from 41.3 to 33.2 req/s
-# with them (likely their autotuning of an unseen 257-512 token bucket mid-run, not measured
-# apart; the start-up warm-up now tunes every bucket first); off until settled on a GPU.
-_BLOCKED = os.environ.get("DSV_MOE_BLOCKED", "0") == "1"
+_BLOCKED = os.environ.get("DSV_MOE_BLOCKED", "1") == "1"
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -236,18 +236,21 @@ class MoE(nn.Module):
         """CUDA path with no host sync (CUDA-graph safe): (token, expert) pairs sorted by expert,
         two grouped GEMMs over the expert segments, weighted scatter-add back to tokens."""
         T, k = ids.shape
-        flat = ids.flatten()
+        flat = ids.flatten().to(torch.int32)  # int32 keys: half the radix-sort passes of int64
         order = flat.argsort(stable=True)
         # per-expert counts by scatter-add: bincount would sync to size its output
         counts = torch.zeros(self.w13.shape[0], dtype=torch.int32, device=x.device)
-        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        counts.index_add_(0, flat, torch.ones_like(flat))
         offs = counts.cumsum(0, dtype=torch.int32)
         token_of = order // k
         xs = x[token_of]  # [T*k, D], grouped by expert
         w13, w2 = self._expert_weights(x.dtype)
         gate_up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
-        h = silu_mul_op(gate_up)
-        y = torch._grouped_mm(h, w2.transpose(-2, -1), offs=offs)  # [T*k, D]
+        if triton_fast_path(x):
+            from models.fused_moe import silu_mul, unpermute_sum  # triton: CUDA installs only
+            y = torch._grouped_mm(silu_mul(gate_up), w2.transpose(-2, -1), offs=offs)  # [T*k, D]
+            return unpermute_sum(y, order, weights)  # weights and the sum over k in one pass
+        y = torch._grouped_mm(silu_mul_op(gate_up), w2.transpose(-2, -1), offs=offs)
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y)
 

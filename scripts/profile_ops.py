@@ -74,7 +74,9 @@ def profile_steps(core, n_steps: int):
 
 def summarize(prof, n_steps: int, title: str, top: int) -> dict:
     ev = prof.key_averages()
-    kernels = [e for e in ev if e.self_device_time_total > 0 and not e.key.startswith("mod::")]
+    # kernels only: the CPU-side op entries (aten::*, launches) repeat their kernels' device time
+    kernels = [e for e in ev if e.self_device_time_total > 0
+               and not e.key.startswith(("mod::", "aten::", "cuLaunch", "cuda"))]
     total = sum(e.self_device_time_total for e in kernels) / n_steps
     launches = sum(e.count for e in kernels) / n_steps
     mods = sorted(((e.key[5:], e.device_time_total / n_steps, e.count / n_steps) for e in ev

@@ -45,10 +45,10 @@ def model(request, tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("budget,blocked", [(16, "0"), (2048, "0"), (16, "1")])
+@pytest.mark.parametrize("budget,blocked", [(16, "1"), (2048, "1"), (16, "0")])
 def test_triton_paths_equal_torch_engine(model, budget, blocked):
-    """blocked "1" (DSV_MOE_BLOCKED=1, opt-in): the expert-sorted MoE kernels take the prefill
-    chunks of 9-16 tokens; "0" (the default) leaves them to the dense path."""
+    """blocked "1" (the default): the expert-sorted MoE kernels take the prefill chunks of 9-512
+    tokens; "0" (DSV_MOE_BLOCKED=0) leaves them to the dense path."""
     g = torch.Generator().manual_seed(budget)
     prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

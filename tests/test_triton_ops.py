@@ -138,6 +138,36 @@ def check_prefill(device, dtype, H, d_qk, d_v, lens_qk, causal, seed=0, cfg=None
     return err
 
 
+def check_prefill_mla(device, dtype, H, P, R, d_v, lens_qk, causal, seed=0, cfg=None):
+    """MLA's parts (q_nope / q_pe, k_nope and v as views of one up-projection, k_pe shared by the
+    heads) through the Triton backend equal the joined operands through the torch reference."""
+    from attention.triton_backend import TritonAttentionOps
+    gen = torch.Generator().manual_seed(seed)
+    cq = torch.tensor([0] + [a for a, _ in lens_qk]).cumsum(0)
+    ck = torch.tensor([0] + [b for _, b in lens_qk]).cumsum(0)
+    tq, tk = int(cq[-1]), int(ck[-1])
+    q = torch.randn(tq, H, P + R, generator=gen).to(dtype).to(device)
+    kv = torch.randn(tk, H, P + d_v, generator=gen).to(dtype).to(device)  # kv_b_proj's output layout
+    kv_row = torch.randn(tk, 8 + R, generator=gen).to(dtype).to(device)  # [c ‖ k_pe], k_pe a view
+    k_nope, v = kv.split([P, d_v], dim=-1)
+    k_pe = kv_row[:, 8:]
+    cq, ck = cq.to(torch.int32).to(device), ck.to(torch.int32).to(device)
+    max_q = max([0] + [a for a, _ in lens_qk])
+    max_k = max([0] + [b for _, b in lens_qk])
+    scale = (P + R) ** -0.5
+    poison_allocator(device)
+    ops = TritonAttentionOps(prefill_config=cfg)
+    o, lse = ops.prefill_mla(q[..., :P], q[..., P:], k_nope, k_pe, v, cq, ck, max_q, max_k, scale, causal)
+    k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, H, -1)], dim=-1)
+    ref_o, ref_lse = TorchAttentionOps().prefill(q.float(), k.float(), v.float(), cq, ck, max_q, max_k,
+                                                 scale, causal)
+    assert o.shape == (tq, H, d_v) and o.dtype == dtype
+    check_lse(lse, ref_lse, "prefill_mla")
+    err = rel_err(o, ref_o)
+    assert err <= TOL[dtype], f"prefill_mla rel err {err} > {TOL[dtype]} ({dtype}, causal={causal})"
+    return err
+
+
 def check_write_kv(device, dtype, src_dtype, page, d, n_tokens, seed=0):
     """Written slots match the reference bit for bit; every other slot keeps its NaN poison."""
     from attention.triton_backend import TritonAttentionOps
@@ -197,6 +227,13 @@ CPU_CASES = {
     # Every causal shift Lk - Lq in 0..33 against 16-wide tiles: tile-boundary off-by-ones show up.
     "prefill_causal_all_shifts": lambda: check_prefill("cpu", f32, 1, 48, 16, [(17, 17 + s) for s in range(34)],
                                                        True, cfg=_small_prefill()),
+    "prefill_mla_parts_causal": lambda: check_prefill_mla("cpu", f32, 2, 32, 16, 16, [(3, 3), (0, 4), (5, 9), (7, 4)],
+                                                      True, cfg=_small_prefill()),
+    "prefill_mla_parts_noncausal": lambda: check_prefill_mla("cpu", f32, 2, 32, 16, 16, [(3, 0), (6, 20)],
+                                                         False, cfg=_small_prefill()),
+    # widths whose kernel split is not (P, R) (48 = 32 + 16 with P 24): the backend joins them
+    "prefill_mla_joined_widths": lambda: check_prefill_mla("cpu", f32, 2, 24, 24, 16, [(5, 9), (2, 2)],
+                                                       True, cfg=_small_prefill()),
     "prefill_default_tiles": lambda: check_prefill("cpu", f32, 1, 48, 32, [(9, 12), (0, 0)], True),
     "write_kv_fp32_to_fp16": lambda: check_write_kv("cpu", f16, f32, 4, 48, 21),
     "write_kv_page16": lambda: check_write_kv("cpu", f32, f32, 16, 48, 40),
@@ -241,6 +278,9 @@ for _dt in (bf16, f16, f32):
     for _causal in (True, False):
         GPU_CASES[f"prefill_{str(_dt)[6:]}_causal{int(_causal)}"] = (
             lambda dt=_dt, c=_causal: check_prefill("cuda", dt, 16, 192, 128, _PREFILL_LENS, c))
+for _causal in (True, False):
+    GPU_CASES[f"prefill_mla_parts_bf16_causal{int(_causal)}"] = (
+        lambda c=_causal: check_prefill_mla("cuda", bf16, 16, 128, 64, 128, _PREFILL_LENS, c))
 for _page in (16, 64):
     GPU_CASES[f"write_kv_page{_page}"] = lambda p=_page: check_write_kv("cuda", bf16, bf16, p, 576, 3000)
     GPU_CASES[f"gather_page{_page}"] = (
