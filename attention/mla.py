@@ -84,7 +84,7 @@ class MLAAttention:
         nd = meta.num_decode_tokens
         if meta.prefill is None and nd == q_nope.shape[0]:  # pure decode: no copy into a joint output
             return self._decode(q_nope, q_pe, kv_cache, meta, cos_sin)
-        q_pe = apply_rope(cos_sin, q_pe)
+        q_pe = self._rope(q_pe, cos_sin)
         if meta.decode is None and nd == 0:
             return self._prefill(q_nope, q_pe, c, k_pe, kv_cache, meta)
         out = q_nope.new_empty(q_nope.shape[0], self.H, self.V)
@@ -93,6 +93,11 @@ class MLAAttention:
         if meta.prefill is not None:
             out[nd:] = self._prefill(q_nope[nd:], q_pe[nd:], c[nd:], k_pe[nd:], kv_cache, meta)
         return out
+
+    def _rope(self, q_pe, cos_sin):
+        """q_pe `[T, Hl, R]` rotated: one Triton kernel with the Triton backend, else `apply_rope`."""
+        out = _try_kernel("triton_absorb", "rope", self.ops, q_pe, cos_sin)
+        return apply_rope(cos_sin, q_pe) if out is None else out
 
     def _absorb_q(self, q_nope, q_pe, cos_sin=None):
         """[q_nope @ W_UK ‖ q_pe] `[Nd, Hl, Lkv+R]`, q_pe rotated first when `cos_sin` is given:

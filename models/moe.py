@@ -238,10 +238,9 @@ class MoE(nn.Module):
         T, k = ids.shape
         flat = ids.flatten().to(torch.int32)  # int32 keys: half the radix-sort passes of int64
         order = flat.argsort(stable=True)
-        # per-expert counts by scatter-add: bincount would sync to size its output
-        counts = torch.zeros(self.w13.shape[0], dtype=torch.int32, device=x.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))
-        offs = counts.cumsum(0, dtype=torch.int32)
+        # each expert's end offset in the sorted pairs, by binary search (no host sync, no atomics)
+        experts = torch.arange(1, self.w13.shape[0] + 1, dtype=torch.int32, device=x.device)
+        offs = torch.searchsorted(flat[order], experts, out_int32=True)
         token_of = order // k
         xs = x[token_of]  # [T*k, D], grouped by expert
         w13, w2 = self._expert_weights(x.dtype)

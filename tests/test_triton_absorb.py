@@ -32,6 +32,11 @@ def check(T, H, P, R, L, V, dtype, device, tol):
     want_pe = rope(q_pe, cos, sin)
     torch.testing.assert_close(got_qr[..., L:], want_pe, rtol=tol, atol=tol if dtype == torch.float32 else 2e-2)
     assert not torch.equal(got_qr[..., L:], q_pe)
+    # the prefill's standalone query RoPE: the same rotation, from the strided view
+    from attention.triton_absorb import rope as rope_kernel
+    got_pe = rope_kernel(q_pe, cos_sin)
+    assert got_pe.is_contiguous()
+    torch.testing.assert_close(got_pe, want_pe, rtol=tol, atol=tol if dtype == torch.float32 else 2e-2)
     o_lat = torch.randn(T, H, L, generator=g).to(device, dtype)
     ref_o = torch.einsum("thl,hvl->thv", o_lat.double(), w_uv.double())
     got_o = absorb_o(o_lat, w_uv)
