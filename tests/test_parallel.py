@@ -117,18 +117,41 @@ def test_two_nodes_on_loopback(tiny_v3, workload):
             node1.kill()
 
 
-def test_dead_worker_fails_fast(tiny_v3):
-    """A worker process that dies makes the next step raise a clear error, not hang."""
+@pytest.mark.parametrize("when", ["between-steps", "step-unread", "awaiting-output"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_dead_worker_fails_fast(tiny_v3, rank, when):
+    """A worker process that dies raises WorkerDiedError, neither hanging nor another error.
+
+    between-steps: the next step's send finds it dead. step-unread: killed right after a step
+    was sent, before reading it (its socket resets). awaiting-output: the engine waits on a pipe
+    whose process died with nothing unread (its socket reads EOF)."""
     import time
 
     from engine.multiproc import WorkerDiedError
 
     llm = LLM(tiny_v3[0], device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
-    procs = llm.engine.executor.ranks.procs
-    procs[1].kill()
-    procs[1].join()
+    ranks = llm.engine.executor.ranks
+    procs = list(ranks.procs)
+
+    def kill():
+        procs[rank].kill()
+        procs[rank].join()
+
+    if when == "step-unread":
+        send = ranks.send_step
+
+        def send_then_kill(msg, multi_node):
+            send(msg, multi_node)
+            if msg is not None and procs[rank].is_alive():
+                kill()
+        ranks.send_step = send_then_kill
+    else:
+        kill()
     t0 = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="worker"):
-        llm.generate([[5, 6, 7]], GREEDY)
+    with pytest.raises(WorkerDiedError, match=f"worker process died: worker-{rank}|worker failed"):
+        if when == "awaiting-output":
+            ranks.recv(rank, "out")
+        else:
+            llm.generate([[5, 6, 7]], GREEDY)
     assert time.monotonic() - t0 < 60
     llm.engine.shutdown()
