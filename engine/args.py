@@ -33,6 +33,8 @@ class EngineArgs:
     # schedule and launch step N+1 while step N runs; None: on when the model runs on CUDA
     async_scheduling: bool | None = None
     attention_backend: str = "auto"  # auto | torch | triton
+    # every N sampling steps the TP ranks compare digests of their sampled ids; 0: never
+    rank_check_interval: int = 256
     fp8_gemm: bool = False  # FP8 checkpoints: W8A8 block GEMM instead of dequantized weights
     hf_overrides: dict = field(default_factory=dict)
     # multi-node: ranks are split evenly over nodes; node 0 runs the engine and the HTTP server
@@ -79,6 +81,8 @@ class EngineArgs:
         need(self.nnodes == 1 or self.master_port is not None, "--master-port is required with --nnodes > 1")
         need(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
              f"async_scheduling must be a bool or None (auto), got {self.async_scheduling!r}")
+        need(self.rank_check_interval >= 0,
+             f"--rank-check-interval must be >= 0, got {self.rank_check_interval}")
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"--max-model-len must be >= 1, got {self.max_model_len}")
 

@@ -69,6 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "at load (experimental: less memory, not yet faster; RESULTS.md)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps")
+    g.add_argument("--rank-check-interval", type=int, default=d["rank_check_interval"], metavar="N",
+                   help="every N sampling steps the tensor-parallel ranks compare a digest of the "
+                        "tokens each sampled (each rank samples for itself) and stop the engine "
+                        "if they differ; 0: never")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch step N+1 while the GPU runs step N "
                         "(default: on with CUDA, off on the CPU)")
@@ -127,7 +131,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
         enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
         enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend, fp8_gemm=ns.fp8_gemm,
-        hf_overrides=overrides, nnodes=ns.nnodes, node_rank=ns.node_rank,
+        hf_overrides=overrides, rank_check_interval=ns.rank_check_interval, nnodes=ns.nnodes, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port)
     if not 1 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
