@@ -256,3 +256,51 @@ def test_requests_are_logged_when_asked(caplog):
     assert asyncio.run(run(False)) == []
     logged = asyncio.run(run(True))
     assert len(logged) == 1 and "3 prompt tokens" in logged[0]
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of the one sample `name` (with its labels, as printed) in Prometheus text."""
+    lines = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+    assert len(lines) == 1, (name, lines)
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+def test_vllm_metric_names_with_model_name_label():
+    """On the real engine (tiny model, in-process): vLLM's series, labelled with the served name,
+    beside ours, counting one request the same; the queue time comes from the scheduler."""
+    from engine.async_llm import AsyncLLM
+    from server.api_server import build_app
+
+    async def run():
+        llm = AsyncLLM(EngineArgs(model=str(TINY_MODEL), device="cpu", num_kv_blocks=64,
+                                  served_model_name=["tiny", "alias"]))
+        try:
+            app = build_app(llm, None)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                before = (await c.get("/metrics")).text
+                r = await c.post("/v1/completions", json={"model": "alias", "prompt": "Hello there",
+                                                          "max_tokens": 5, "ignore_eos": True})
+                assert r.status_code == 200
+                return before, (await c.get("/metrics")).text, r.json()["usage"]["prompt_tokens"]
+        finally:
+            llm.shutdown()
+
+    before, after, prompt_tokens = asyncio.run(run())
+    lab = '{model_name="tiny"}'
+
+    def delta(name):
+        return _sample(after, name) - _sample(before, name)
+
+    assert delta(f"vllm:generation_tokens_total{lab}") == 5 == delta("mla_serve_generation_tokens_total")
+    assert delta(f"vllm:prompt_tokens_total{lab}") == prompt_tokens
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert delta(f"vllm:{h}_count{lab}") == 1 == delta(f"mla_serve_{h}_count"), h
+    assert delta(f"vllm:inter_token_latency_seconds_count{lab}") == 4
+    assert delta(f"vllm:request_queue_time_seconds_count{lab}") == 1
+    assert 0 <= delta(f"vllm:request_queue_time_seconds_sum{lab}") < 5
+    assert _sample(after, f'vllm:request_success_total{{finished_reason="length",model_name="tiny"}}') == 1
+    for g in ("num_requests_running", "num_requests_waiting"):
+        assert _sample(after, f"vllm:{g}{lab}") == 0 == _sample(after, f"mla_serve_{g}")
+    assert 0 <= _sample(after, f"vllm:kv_cache_usage_perc{lab}") <= 1
+    for c in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
+        assert f"vllm:{c}_total{lab}" in after, c
