@@ -140,6 +140,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
                 del full  # before the next parameter's draw: at V3 size each is up to ~2 GB
             elif name.endswith("weight_scale_inv"):
                 p.fill_(std / 64)
+            elif list(p.shape) == shape:  # replicated, or one rank: the same draw, in place
+                p.normal_(0.0, std, generator=g)
             else:
                 full = torch.empty(shape, dtype=p.dtype, device=p.device).normal_(0.0, std, generator=g)
                 _copy_slice(p, _FullTensor(full), name)
