@@ -175,12 +175,17 @@ class IncrementalDetokenizer:
         self._sent = end
         return delta
 
-    def finish(self) -> None:
-        """Mark the output complete: flush a trailing partial character and release held text."""
+    def finish(self) -> str | None:
+        """Mark the output complete: flush a trailing partial character or byte run and release
+        held text; return the stop string the flushed text completed (text cut there), or None."""
         if self.finished:
-            return
+            return None
+        stop = None
         if self._read < len(self._ids):
-            # the tail still ends in U+FFFD (an incomplete character, or a real U+FFFD): emit it
-            # as decode() of the whole sequence would
+            # the tail still ends in U+FFFD (an incomplete character, or a real U+FFFD) or in a
+            # run of byte tokens: emit it as decode() of the whole sequence would
             self._advance(self._decode(self._ids[self._prefix:]), len(self._ids), final=True)
+            if len(self.token_ids) >= self._min_tokens:
+                stop = self._check_stop()
         self.finished = True
+        return stop

@@ -112,8 +112,8 @@ class OutputProcessor:
             elif o.finished:
                 c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
             if s.detok is not None:
-                if c.finished:
-                    s.detok.finish()
+                if c.finished and s.detok.finish() is not None:  # the flushed tail held a stop string
+                    c.finish_reason, c.stop_reason = "stop", s.detok.stop_str
                 c.text = s.detok.output_text
                 c.delta_text += s.detok.get_delta()
             touched[parent.request_id] = parent

@@ -335,3 +335,30 @@ def test_byte_level_bpe_has_no_byte_fallback_tokens(tokenizer):
     from engine.detokenizer import _byte_token_ids
     assert _byte_token_ids(tokenizer) == frozenset()
     assert _byte_token_ids(_sentencepiece_like()) == frozenset(range(3, 259))
+
+
+def test_stop_string_in_a_byte_run_flushed_at_finish():
+    # "A" arrives as the byte token <0x41>, the last of a run held back until the run ends; the
+    # run ends only with the output, so the stop string is found when finish() flushes it
+    tokenizer = _sentencepiece_like()
+    ids = tokenizer.convert_tokens_to_ids(["▁Hello"]) + [_byte_id(b) for b in b" AB"]
+    assert full_decode(tokenizer, ids) == "Hello AB"
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["A"]))
+    assert detok.update(ids) is None
+    assert detok.get_delta() == "Hello"
+    assert detok.finish() == "A" and detok.stop_str == "A"
+    assert detok.output_text == "Hello " and detok.get_delta() == " "
+
+
+def test_output_processor_reports_a_stop_found_at_finish():
+    from engine.output_processor import OutputProcessor
+    from scheduler.outputs import EngineCoreOutput
+
+    tokenizer = _sentencepiece_like()
+    proc = OutputProcessor(tokenizer)
+    ids = tokenizer.convert_tokens_to_ids(["▁Hello"]) + [_byte_id(b) for b in b" AB"]
+    children = proc.add_request("r", None, [5, 6], SamplingParams(stop=["A"], max_tokens=len(ids)))
+    cid = children[0][0]
+    outs, _ = proc.process([EngineCoreOutput(cid, ids[:-1]), EngineCoreOutput(cid, ids[-1:], finish_reason="length")])
+    c = outs[-1].outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == ("Hello ", "stop", "A")
