@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+
+# vLLM's spellings of --dtype that name one of ours
+DTYPE_ALIASES = {"half": "float16", "bf16": "bfloat16", "float": "float32"}
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "configs" / "models" / "tiny-deepseek-v3")
 
@@ -14,14 +18,14 @@ DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "configs" / "models
 class EngineArgs:
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None  # defaults to `model`
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None  # several: all accepted, the first reported
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
-    dtype: str = "auto"  # auto | bfloat16 | float16 | float32
+    dtype: str = "auto"  # auto | bfloat16 | float16 | float32 (or an alias in DTYPE_ALIASES)
     device: str = "auto"  # auto | cuda | cpu
     load_format: str = "auto"  # auto | safetensors | dummy
     num_kv_blocks: int | None = None
@@ -33,8 +37,11 @@ class EngineArgs:
     # schedule and launch step N+1 while step N runs; None: on when the model runs on CUDA
     async_scheduling: bool | None = None
     attention_backend: str = "auto"  # auto | torch | triton
+    # every N sampling steps the TP ranks compare digests of their sampled ids; 0: never
+    rank_check_interval: int = 256
     fp8_gemm: bool = False  # FP8 checkpoints: W8A8 block GEMM instead of dequantized weights
     hf_overrides: dict = field(default_factory=dict)
+    enable_log_requests: bool = False  # log each request's id, prompt length and parameters
     # multi-node: ranks are split evenly over nodes; node 0 runs the engine and the HTTP server
     nnodes: int = 1
     node_rank: int = 0
@@ -44,6 +51,9 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if isinstance(self.hf_overrides, str):
             self.hf_overrides = json.loads(self.hf_overrides)
+        self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if isinstance(self.served_model_name, (list, tuple)):
+            self.served_model_name = list(self.served_model_name) or None
         self.validate()
 
     def validate(self) -> None:
@@ -79,6 +89,8 @@ class EngineArgs:
         need(self.nnodes == 1 or self.master_port is not None, "--master-port is required with --nnodes > 1")
         need(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
              f"async_scheduling must be a bool or None (auto), got {self.async_scheduling!r}")
+        need(self.rank_check_interval >= 0,
+             f"--rank-check-interval must be >= 0, got {self.rank_check_interval}")
         need(self.max_model_len is None or self.max_model_len >= 1,
              f"--max-model-len must be >= 1, got {self.max_model_len}")
 
@@ -100,9 +112,37 @@ class EngineArgs:
     def model_name(self) -> str:
         """What clients pass as `model`: --served-model-name, else --model as given (vLLM's
         rule), except the bundled default model, which is served as "tiny-deepseek-v3"."""
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> list[str]:
+        """Every name a request may pass as `model`; the first is the one reported."""
+        if isinstance(self.served_model_name, list):
+            return list(self.served_model_name)
         if self.served_model_name:
-            return self.served_model_name
-        return os.path.basename(DEFAULT_MODEL) if self.model == DEFAULT_MODEL else self.model
+            return [self.served_model_name]
+        return [os.path.basename(DEFAULT_MODEL) if self.model == DEFAULT_MODEL else self.model]
+
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+
+
+def human_readable_int(value: str) -> int:
+    """A token count as vLLM's CLI reads it: a plain integer, or a number with a suffix, lower
+    case decimal (32k = 32,000; 1.5m = 1,500,000) and upper case binary (32K = 32,768; whole
+    numbers only)."""
+    value = value.strip()
+    m = _HUMAN_INT.fullmatch(value)
+    if m is None:
+        return int(value)  # ValueError for anything else; argparse names the flag
+    number, suffix = m.groups()
+    power = "kmgt".index(suffix.lower()) + 1
+    if suffix.islower():
+        return int(float(number) * 1000 ** power)
+    if "." in number:
+        raise ValueError(f"{value!r}: binary suffixes ({suffix}) take whole numbers; "
+                         f"did you mean {number}{suffix.lower()}?")
+    return int(number) * 1024 ** power
 
 
 def _is_dir_spec(model: str) -> bool:

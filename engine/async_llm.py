@@ -50,6 +50,7 @@ class AsyncLLM:
         self.model_config = self.core.cfg
         self.max_model_len = self.core.max_model_len
         self.model_name = args.model_name
+        self.model_names = args.model_names  # all accepted as `model`; model_name is the first
         self._queues: dict[str, asyncio.Queue] = {}
         self._commands: queue.Queue = queue.Queue()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -130,6 +131,8 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         children = self.outputs.add_request(request_id, text, ids, params)
+        if self.args.enable_log_requests:
+            log.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self._prompt_tokens += len(ids)

@@ -9,6 +9,12 @@ boundary and the text equals a decode of the whole sequence; text before a trail
 final and is emitted at once. Decoding the context again keeps tokenizers whose decoders depend
 on position (SentencePiece's leading "▁" strip) correct.
 
+Byte-fallback tokenizers (SentencePiece / Llama style, byte pieces `<0x00>`..`<0xFF>`) decode a
+whole run of consecutive byte tokens at once and replace every byte of an invalid run by U+FFFD:
+`<0xE4><0xB8><0xAD>` is "中" but one more `<0xE4>` turns all four into U+FFFD. So a trailing run
+of byte tokens is never decoded into the window: its text is final only once a token that is not
+a byte ends the run (skipped special tokens do not end it: decode() drops them first).
+
 Invariants (tested): output_text == tokenizer.decode(output ids, skip_special_tokens=...,
 clean_up_tokenization_spaces=False) up to the stop-string cut; the concatenation of all
 get_delta() results == the final output_text.
@@ -16,6 +22,7 @@ get_delta() results == the final output_text.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from engine.sampling_params import SamplingParams
@@ -23,6 +30,18 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _REPLACEMENT_CHAR = "\ufffd"
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_token_ids(tokenizer) -> frozenset[int]:
+    """Ids of the tokenizer's byte-fallback pieces `<0x00>`..`<0xFF>` (none for byte-level BPE)."""
+    to_ids = getattr(tokenizer, "convert_tokens_to_ids", None)
+    to_tokens = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if to_ids is None or to_tokens is None:
+        return frozenset()
+    pieces = [f"<0x{b:02X}>" for b in range(256)]
+    ids = [i for i in to_ids(pieces) if i is not None]
+    return frozenset(i for i, t in zip(ids, to_tokens(ids)) if t in pieces)
 
 
 class IncrementalDetokenizer:
@@ -39,6 +58,9 @@ class IncrementalDetokenizer:
         self._include_stop = params.include_stop_str_in_output
         self._min_tokens = params.min_tokens
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
+        self._byte_ids = _byte_token_ids(tokenizer)
+        # ids a run of byte tokens passes over: specials that decode() drops before decoding
+        self._skipped_ids = frozenset(getattr(tokenizer, "all_special_ids", ())) if self._skip_special else frozenset()
 
         self.token_ids: list[int] = []  # every output id passed to update (incl. ones after a stop)
         self._ids: list[int] = []  # ids that are part of the text (a final stop token is excluded)
@@ -72,19 +94,32 @@ class IncrementalDetokenizer:
         if not new_token_ids:
             return None
         self._ids.extend(new_token_ids)
-        self._advance(self._decode(self._ids[self._prefix:]), final=False)
+        end = self._run_start()
+        if end > self._read:
+            self._advance(self._decode(self._ids[self._prefix:end]), end, final=False)
         if len(self.token_ids) < self._min_tokens:
             self._stop_checked = len(self.output_text)  # vLLM: no stop strings below min_tokens
             return None
         return self._check_stop()
 
-    def _advance(self, window_text: str, final: bool) -> None:
-        """Append the new part of window_text = decode(ids[prefix:]) to output_text."""
+    def _run_start(self) -> int:
+        """Where a trailing run of byte-fallback tokens starts (len(ids) when there is none)."""
+        ids, end = self._ids, len(self._ids)
+        if not self._byte_ids:
+            return end
+        i = end
+        while i > self._read and (ids[i - 1] in self._byte_ids or ids[i - 1] in self._skipped_ids):
+            i -= 1
+        # specials alone at the end are no run: their text (none, or kept) is final
+        return i if any(t in self._byte_ids for t in ids[i:end]) else end
+
+    def _advance(self, window_text: str, end: int, final: bool) -> None:
+        """Append the new part of window_text = decode(ids[prefix:end]) to output_text."""
         done = len(self._prefix_text) + self._window_emitted  # window chars already in the text
         if final or not window_text.endswith(_REPLACEMENT_CHAR):
             if len(window_text) > len(self._prefix_text):
                 self.output_text += window_text[done:]
-                self._prefix, self._read = self._read, len(self._ids)
+                self._prefix, self._read = self._read, end
                 self._prefix_text = self._decode(self._ids[self._prefix:self._read])
                 self._window_emitted = 0
             return
@@ -140,12 +175,17 @@ class IncrementalDetokenizer:
         self._sent = end
         return delta
 
-    def finish(self) -> None:
-        """Mark the output complete: flush a trailing partial character and release held text."""
+    def finish(self) -> str | None:
+        """Mark the output complete: flush a trailing partial character or byte run and release
+        held text; return the stop string the flushed text completed (text cut there), or None."""
         if self.finished:
-            return
+            return None
+        stop = None
         if self._read < len(self._ids):
-            # the tail still ends in U+FFFD (an incomplete character, or a real U+FFFD): emit it
-            # as decode() of the whole sequence would
-            self._advance(self._decode(self._ids[self._prefix:]), final=True)
+            # the tail still ends in U+FFFD (an incomplete character, or a real U+FFFD) or in a
+            # run of byte tokens: emit it as decode() of the whole sequence would
+            self._advance(self._decode(self._ids[self._prefix:]), len(self._ids), final=True)
+            if len(self.token_ids) >= self._min_tokens:
+                stop = self._check_stop()
         self.finished = True
+        return stop

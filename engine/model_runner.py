@@ -1,7 +1,8 @@
 """Model runner: SchedulerOutput -> inputs + attention metadata -> model -> sampled tokens.
 
 It keeps each live request's tokens and block table (the scheduler sends only diffs), orders
-every batch decodes first (DESIGN.md §5), builds the metadata once per step and samples.
+every batch decodes first (DESIGN.md §5), builds the metadata once per step and samples. Every
+TP rank samples and feeds its own samples back; engine/rank_agreement.py says why and checks it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from attention.metadata import MLAMetadata, build_mla_metadata
 from engine import distributed as pd
+from engine.rank_agreement import RankAgreement
 from engine.sampler import DeviceLogprobs, Sampler, SamplingBatch, make_generator, prompt_logprobs_on_device
 from engine.sampling_params import SamplingParams
 from engine.transfer import to_device, to_host
@@ -59,7 +61,7 @@ class StepBatch:
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, cfg: ModelConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, eos_token_ids: list[int],
-                 context_chunk_tokens: int = 8192):
+                 context_chunk_tokens: int = 8192, rank_check_interval: int = 0):
         self.model, self.cfg, self.kv_caches = model, cfg, kv_caches
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
@@ -68,6 +70,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.graphs = None  # engine.cuda_graph.DecodeGraphs, set by the worker on CUDA
         self._last: PendingStep | None = None  # the latest launched step, until finished
+        self.agreement = RankAgreement(rank_check_interval)  # ranks sample alike (rank_agreement.py)
 
     # ---- the low-level entry the tests drive directly ----
 
@@ -229,6 +232,7 @@ class ModelRunner:
         for rid, first, lps in pending.prompt_jobs:
             out.prompt_logprobs[rid] = ([None] if first else []) + list(lps)
         if pending.token_ids is not None:
+            self.agreement.record(pending.host_ids.numpy())
             ids = pending.host_ids.tolist()
             for rid, tok in zip(pending.req_ids, ids):
                 st = self.requests.get(rid)

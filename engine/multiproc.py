@@ -131,9 +131,11 @@ class _LocalRanks:
             self.check_alive()
         try:
             tag, payload = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # the process is gone: its end of the socket pair closed or reset
+            proc = self.procs[i]  # shutdown() empties self.procs
             self.shutdown()
-            raise WorkerDiedError(f"{self.procs[i].name} closed its pipe") from None
+            raise WorkerDiedError(f"worker process died: {proc.name} closed its pipe "
+                                  f"(exit code {proc.exitcode})") from None
         if tag == "error":
             self.shutdown()
             raise WorkerDiedError(f"worker failed: {payload}")

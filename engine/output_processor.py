@@ -31,6 +31,7 @@ class _Parent:
     samples: list[_Sample]
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -94,6 +95,8 @@ class OutputProcessor:
                 parent.prompt_logprobs = o.prompt_logprobs
             if o.num_cached_tokens:
                 parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
+            if o.queue_time is not None and parent.queue_time is None:
+                parent.queue_time = o.queue_time  # the first sample admitted (n > 1)
             # A "stop" finish from the engine is always a token (EOS or a stop token id): its
             # text is left out, as OpenAI and vLLM do.
             stop_str = None if s.detok is None else \
@@ -109,8 +112,8 @@ class OutputProcessor:
             elif o.finished:
                 c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
             if s.detok is not None:
-                if c.finished:
-                    s.detok.finish()
+                if c.finished and s.detok.finish() is not None:  # the flushed tail held a stop string
+                    c.finish_reason, c.stop_reason = "stop", s.detok.stop_str
                 c.text = s.detok.output_text
                 c.delta_text += s.detok.get_delta()
             touched[parent.request_id] = parent
@@ -144,4 +147,4 @@ class OutputProcessor:
         return RequestOutput(request_id=p.request_id, prompt=p.prompt,
                              prompt_token_ids=p.prompt_token_ids, outputs=outs,
                              prompt_logprobs=p.prompt_logprobs, finished=p.finished,
-                             num_cached_tokens=p.num_cached_tokens)
+                             num_cached_tokens=p.num_cached_tokens, queue_time=p.queue_time)

@@ -32,3 +32,4 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # first entry None
     finished: bool = False
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds the request waited before its first step

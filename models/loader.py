@@ -6,6 +6,7 @@ the parameter's `tp_dim` says which slice this rank reads (only that slice is re
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -108,26 +109,71 @@ def _copy_slice(p: torch.Tensor, sl, name: str) -> None:
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights of realistic scale, with no file read (for benchmarks on real configs)."""
+    """Random weights of realistic scale, with no file read (for benchmarks on real configs).
+
+    Each parameter's value is a function of (seed, name, full shape) only: the full tensor is
+    drawn on the parameter's device from a generator seeded by a hash of these, and this rank's
+    slice is taken by the checkpoint path's `_copy_slice`. So replicated parameters are equal on
+    every rank and a `-tp N` dummy model is the `-tp 1` one, sharded.
+    """
     gens: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
-            elif name.endswith("e_score_correction_bias"):
+                continue
+            if name.endswith("e_score_correction_bias"):
                 p.zero_()
+                continue
+            shape = _full_shape(p)
+            g = gens.get(p.device)
+            if g is None:
+                g = gens[p.device] = torch.Generator(device=p.device)
+            g.manual_seed(_dummy_seed(seed, name, shape))
+            fan_in = shape[-1] if len(shape) > 1 else 1
+            if name.endswith("weight_scale_inv"):
+                fan_in *= 128  # columns of blocks of the fp8 weight
+            std = 0.02 if "embed" in name else fan_in ** -0.5
+            if p.dtype == FP8:  # values ~N(0, 64) in fp8, scales bring them to std
+                full = torch.empty(shape, device=p.device).normal_(0, 64, generator=g)
+                _copy_slice(p, _FullTensor(full, lambda t: t.clamp(-448, 448)), name)
+                del full  # before the next parameter's draw: at V3 size each is up to ~2 GB
+            elif name.endswith("weight_scale_inv"):
+                p.fill_(std / 64)
+            elif list(p.shape) == shape:  # replicated, or one rank: the same draw, in place
+                p.normal_(0.0, std, generator=g)
             else:
-                g = gens.get(p.device)
-                if g is None:
-                    g = gens[p.device] = torch.Generator(device=p.device)
-                    g.manual_seed(seed + pd.tp().rank)
-                fan_in = p.shape[-1] if p.dim() > 1 else 1
-                if name.endswith("weight_scale_inv"):
-                    fan_in *= 128  # columns of blocks of the fp8 weight
-                std = 0.02 if "embed" in name else fan_in ** -0.5
-                if p.dtype == FP8:  # values ~N(0, 64) in fp8, scales bring them to std
-                    p.copy_(torch.empty(p.shape, device=p.device).normal_(0, 64, generator=g).clamp(-448, 448))
-                elif name.endswith("weight_scale_inv"):
-                    p.fill_(std / 64)
-                else:
-                    p.normal_(0.0, std, generator=g)
+                full = torch.empty(shape, dtype=p.dtype, device=p.device).normal_(0.0, std, generator=g)
+                _copy_slice(p, _FullTensor(full), name)
+                del full
+
+
+def _full_shape(p: torch.Tensor) -> list[int]:
+    """The checkpoint shape of a parameter: this rank's slice times the TP size, unpadded vocab."""
+    shape = list(p.shape)
+    if getattr(p, "tp_dim", None) is not None:
+        shape[p.tp_dim] *= pd.tp().size
+    if getattr(p, "vocab_size", None) is not None:
+        shape[0] = p.vocab_size
+    return shape
+
+
+def _dummy_seed(seed: int, name: str, shape: list[int]) -> int:
+    """A generator seed from (seed, name, shape), the same in every process (unlike hash())."""
+    key = f"{seed}/{name}/{'x'.join(map(str, shape))}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+class _FullTensor:
+    """A full tensor behind the safetensors slice interface `_copy_slice` reads through;
+    `finish` is applied to the slice taken (so an fp8 clamp touches only this rank's part)."""
+
+    def __init__(self, full: torch.Tensor, finish=None):
+        self.full, self.finish = full, finish
+
+    def get_shape(self) -> list[int]:
+        return list(self.full.shape)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        part = self.full[index]
+        return part if self.finish is None else self.finish(part)

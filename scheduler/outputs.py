@@ -81,6 +81,7 @@ class EngineCoreOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # with the first token: seconds waiting before admission
 
     @property
     def finished(self) -> bool:

@@ -57,6 +57,7 @@ class Request:
         self.num_preemptions = 0
 
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
+        self.queue_time: float | None = None  # seconds from arrival to first admission
         self.prompt_logprobs: list[TokenLogprobs | None] = []  # accumulated over prefill chunks
         self.prompt_logprobs_emitted = False
         # Chained hashes of this request's full virtual blocks, computed once each (block_manager).

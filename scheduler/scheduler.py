@@ -13,6 +13,7 @@ does): from then on the tokens count as "being computed", which is what the next
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
@@ -158,6 +159,7 @@ class Scheduler:
                 self._prefix_hits += num_hit
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit
+                request.queue_time = time.monotonic() - request.arrival_time
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             new_reqs.append(NewRequestData(
@@ -244,6 +246,7 @@ class Scheduler:
             out = EngineCoreOutput(req_id, [token_id], [logprobs])
             if request.num_output_tokens == 1:
                 out.num_cached_tokens = max(request.num_cached_tokens, 0)
+                out.queue_time = request.queue_time
             if request.wants_prompt_logprobs:
                 out.prompt_logprobs = list(request.prompt_logprobs)
                 request.prompt_logprobs_emitted = True

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from server.chat import chat_prompt_ids, create_chat_completion
+from server import vllm_compat
 from server.completions import create_completion
 from server.errors import APIError, error_response, install_error_handlers
 from server.metrics import ServerMetrics
@@ -29,7 +30,8 @@ class ServerState:
     def __init__(self, engine, api_key: str | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.model_name: str = engine.model_name
+        self.model_name: str = engine.model_name  # the one responses report
+        self.model_names: list[str] = list(getattr(engine, "model_names", None) or [engine.model_name])
         self.max_model_len: int = engine.max_model_len
         self.api_key = api_key
         self.metrics = ServerMetrics(engine)
@@ -49,9 +51,10 @@ class ServerState:
         once the engine has died."""
         if self.engine.errored:
             raise APIError(503, "the engine stopped; restart the server")
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves "
-                           f"{self.model_name!r}", param="model", code="model_not_found")
+        if model is not None and model not in self.model_names:
+            served = " or ".join(repr(n) for n in self.model_names)
+            raise APIError(404, f"model {model!r} does not exist; this server serves {served}",
+                           param="model", code="model_not_found")
 
     async def check_api_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -66,7 +69,7 @@ class ServerState:
 def build_app(engine, args=None) -> FastAPI:
     """The HTTP app around a started engine (AsyncLLM or anything with its interface).
 
-    `args` is the parsed `serve` namespace (or None); only `api_key` is read from it.
+    `args` is the parsed `serve` namespace (or None); `api_key` and the CORS flags are read from it.
     """
     state = ServerState(engine, api_key=getattr(args, "api_key", None))
     app = FastAPI(title="mla-serve", docs_url=None, redoc_url=None, openapi_url=None)
@@ -85,10 +88,10 @@ def build_app(engine, args=None) -> FastAPI:
 
     @v1.get("/models")
     async def models() -> dict:
-        card = {"id": state.model_name, "object": "model", "created": state.created,
-                "owned_by": "mla-serve", "root": state.model_name,
-                "max_model_len": state.max_model_len}
-        return {"object": "list", "data": [card]}
+        cards = [{"id": name, "object": "model", "created": state.created,
+                  "owned_by": "mla-serve", "root": state.model_name,
+                  "max_model_len": state.max_model_len} for name in state.model_names]
+        return {"object": "list", "data": cards}
 
     app.include_router(v1)
 
@@ -137,6 +140,7 @@ def build_app(engine, args=None) -> FastAPI:
                 "chat_template": getattr(tok, "chat_template", None),
                 "model_max_length": state.max_model_len, "vocab_size": len(tok)}
 
+    vllm_compat.install(app, engine, args)
     return app
 
 

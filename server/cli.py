@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 
-from engine.args import EngineArgs
+from engine.args import DTYPE_ALIASES, EngineArgs, human_readable_int
 
 logger = logging.getLogger("server")
 
@@ -18,10 +18,54 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)
 
 
 class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line on stderr (no usage dump), exit code 2."""
+    """argparse, but a bad flag is one line on stderr (no usage dump), exit code 2.
+
+    As vLLM's parser: `--flag_name` is read as `--flag-name`, and an unknown flag is an error
+    naming it (flags are matched exactly, never by abbreviation)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        given = list(sys.argv[1:] if args is None else args)
+        argv = [_dashed(a) for a in given]
+        spelled = dict(zip(argv, given))  # report a flag as the user wrote it
+        ns, extra = self.parse_known_args(argv, namespace)
+        flags = [spelled.get(a, a).split("=", 1)[0] for a in extra if a.startswith("-")]
+        if flags:
+            self.error(f"unsupported flag{'s' if len(flags) > 1 else ''}: {', '.join(flags)} "
+                       "(serve takes a subset of vLLM's flags)")
+        if extra:
+            self.error(f"unexpected argument{'s' if len(extra) > 1 else ''}: {' '.join(extra)}")
+        return ns
+
+
+def _dashed(arg: str) -> str:
+    """`--max_model_len=8` -> `--max-model-len=8`: vLLM accepts underscores in flag names."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
+def _token_count(value: str) -> int:
+    try:
+        return human_readable_int(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a token count: {e}") from None
+
+
+def _json_list(value: str) -> list:
+    try:
+        v = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, list):
+        raise argparse.ArgumentTypeError('a JSON list is needed, e.g. \'["GET", "POST"]\'')
+    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -33,23 +77,32 @@ def build_parser() -> argparse.ArgumentParser:
         "`lm_eval --model local-completions` at http://HOST:PORT/v1."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=d["model"],
+    g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model directory, as `vllm serve MODEL` takes it (same as --model)")
+    g.add_argument("--model", default=None,
                    help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer "
                         "files). Defaults to the bundled tiny demo model.")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility and ignored: the DeepSeek V2/V3 model "
+                        "code is built in; no code from a model directory is ever run")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer directory, when it is not the model directory")
-    g.add_argument("--served-model-name", default=None,
-                   help="the name clients pass as `model`; defaults to the --model path")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name(s) clients pass as `model`; with several, any is accepted and "
+                        "the first is the one responses report; defaults to the --model path")
     g.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default=d["load_format"],
                    help="weights to load; `dummy` fills random weights from config.json "
                         "(benchmarks without a checkpoint)")
-    g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default=d["dtype"],
-                   help="compute dtype; auto: bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32", *DTYPE_ALIASES],
+                   default=d["dtype"],
+                   help="compute dtype (half = float16, bf16 = bfloat16, float = float32); "
+                        "auto: bfloat16 on CUDA, float32 on CPU")
     g.add_argument("--hf-overrides", default=None, metavar="JSON",
                    help="JSON object merged into config.json, e.g. "
                         "'{\"num_hidden_layers\": 2}'")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + completion in tokens; default: the model's "
+    g.add_argument("--max-model-len", type=_token_count, default=None,
+                   help="longest prompt + completion in tokens, as a number or vLLM's "
+                        "human-readable form (32k = 32000, 32K = 32768); default: the model's "
                         "max_position_embeddings")
     g = p.add_argument_group("parallelism and devices")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=d["tensor_parallel_size"],
@@ -69,12 +122,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "at load (experimental: less memory, not yet faster; RESULTS.md)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps")
+    g.add_argument("--rank-check-interval", type=int, default=d["rank_check_interval"], metavar="N",
+                   help="every N sampling steps the tensor-parallel ranks compare a digest of the "
+                        "tokens each sampled (each rank samples for itself) and stop the engine "
+                        "if they differ; 0: never")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch step N+1 while the GPU runs step N "
                         "(default: on with CUDA, off on the CPU)")
     g = p.add_argument_group("scheduler and KV cache")
-    g.add_argument("--max-num-batched-tokens", type=int, default=d["max_num_batched_tokens"],
-                   help="token budget of one engine step; longer prompts are prefilled in chunks")
+    g.add_argument("--max-num-batched-tokens", type=_token_count, default=d["max_num_batched_tokens"],
+                   help="token budget of one engine step (8k = 8000, 8K = 8192); longer prompts "
+                        "are prefilled in chunks")
     g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
                    help="most requests in one engine step")
     g.add_argument("--block-size", type=int, default=d["block_size"],
@@ -106,6 +164,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="if set, /v1 routes require the header 'Authorization: Bearer KEY'")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                    help="logging level of the server and engine (debug also logs each HTTP request)")
+    g.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   default=None, help="logging level of uvicorn alone; default: --log-level")
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
+                   default=d["enable_log_requests"],
+                   help="log each request at info level: its id, prompt length and sampling parameters")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="do not log requests (the default; vLLM's older spelling, kept so its "
+                        "launch lines run)")
+    g.add_argument("--allowed-origins", type=_json_list, default=None, metavar="JSON",
+                   help="CORS: allowed origins, a JSON list such as '[\"https://a.example\"]'; "
+                        "given any CORS flag, the others default to [\"*\"] as in vLLM; none "
+                        "given: no CORS headers")
+    g.add_argument("--allowed-methods", type=_json_list, default=None, metavar="JSON",
+                   help="CORS: allowed methods, a JSON list such as '[\"GET\", \"POST\"]'")
+    g.add_argument("--allowed-headers", type=_json_list, default=None, metavar="JSON",
+                   help="CORS: allowed request headers, a JSON list")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (cookies, Authorization) on cross-origin requests")
     return p
 
 
@@ -117,8 +193,11 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         raise ValueError(f"--hf-overrides is not valid JSON: {e}") from None
     if not isinstance(overrides, dict):
         raise ValueError("--hf-overrides must be a JSON object")
+    if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
+        raise ValueError(f"the model is named twice: {ns.model_tag} (positional) and --model {ns.model}")
+    model = ns.model_tag or ns.model or _DEFAULTS["model"]
     args = EngineArgs(
-        model=ns.model, tokenizer=ns.tokenizer, served_model_name=ns.served_model_name,
+        model=model, tokenizer=ns.tokenizer, served_model_name=ns.served_model_name,
         tensor_parallel_size=ns.tensor_parallel_size,
         decode_context_parallel_size=ns.decode_context_parallel_size,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
@@ -127,7 +206,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
         enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
         enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend, fp8_gemm=ns.fp8_gemm,
-        hf_overrides=overrides, nnodes=ns.nnodes, node_rank=ns.node_rank,
+        hf_overrides=overrides, rank_check_interval=ns.rank_check_interval,
+        enable_log_requests=ns.enable_log_requests and not ns.disable_log_requests, nnodes=ns.nnodes, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port)
     if not 1 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
@@ -162,7 +242,8 @@ async def _serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         return 1
     try:
         app = build_app(engine, ns)
-        config = uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+        config = uvicorn.Config(app, host=ns.host, port=ns.port,
+                                log_level=ns.uvicorn_log_level or ns.log_level,
                                 access_log=ns.log_level == "debug", timeout_keep_alive=30,
                                 backlog=2048)
         server = uvicorn.Server(config)
@@ -198,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
+    if ns.trust_remote_code:
+        logger.info("--trust-remote-code is accepted for vLLM compatibility and changes nothing: "
+                    "the model code is built in, no code from %s is run", engine_args.model)
     if engine_args.node_rank > 0:
         return _worker_node(engine_args)
     try:

@@ -1,7 +1,11 @@
 """Prometheus metrics for one app: engine state read at scrape time plus per-request latencies.
 
 Each app owns its `CollectorRegistry` so that several servers (tests) in one process do not
-share series.
+share series. Every series is exported twice: under our own `mla_serve_` names, and under the
+names vLLM's V1 engine exports (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`,
+...), labelled `model_name` with the served model name as vLLM labels them, so that dashboards
+and autoscalers written for vLLM read this server unchanged. `vllm:request_queue_time_seconds`
+(time from arrival in the engine to first admission) exists under vLLM's name only.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from engine.outputs import RequestOutput
 
 PREFIX = "mla_serve"
+VLLM = "vllm:"
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -21,60 +26,80 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0
 class _EngineCollector:
     """Reads `engine.stats()` when Prometheus scrapes, so gauges are never stale."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, model_name: str) -> None:
         self._engine = engine
+        self._model_name = model_name
 
     def collect(self):
         s = self._engine.stats()
+        # (our name, vLLM's name or None, help, value)
         gauges = [
-            ("num_requests_running", "Requests in the running batch", s.num_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)", s.kv_cache_usage),
-            ("kv_cache_blocks_total", "KV cache blocks in the pool", s.num_total_blocks),
-            ("kv_cache_blocks_used", "KV cache blocks held by requests",
+            ("num_requests_running", "num_requests_running", "Requests in the running batch", s.num_running),
+            ("num_requests_waiting", "num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
+            ("kv_cache_usage_perc", "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)",
+             s.kv_cache_usage),
+            ("kv_cache_blocks_total", None, "KV cache blocks in the pool", s.num_total_blocks),
+            ("kv_cache_blocks_used", None, "KV cache blocks held by requests",
              s.num_total_blocks - s.num_free_blocks),
         ]
-        for name, doc, value in gauges:
-            g = GaugeMetricFamily(f"{PREFIX}_{name}", doc)
-            g.add_metric([], float(value))
-            yield g
         counters = [
-            ("prompt_tokens", "Prompt tokens processed", s.prompt_tokens_total),
-            ("generation_tokens", "Tokens generated", s.generation_tokens_total),
-            ("num_preemptions", "Requests preempted to free KV blocks", s.num_preemptions),
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+            ("prompt_tokens", "prompt_tokens", "Prompt tokens processed", s.prompt_tokens_total),
+            ("generation_tokens", "generation_tokens", "Tokens generated", s.generation_tokens_total),
+            ("num_preemptions", "num_preemptions", "Requests preempted to free KV blocks", s.num_preemptions),
+            ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
              s.prefix_cache_queries),
-            ("prefix_cache_hits", "Prompt tokens found in the prefix cache", s.prefix_cache_hits),
+            ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache",
+             s.prefix_cache_hits),
         ]
-        for name, doc, value in counters:
-            c = CounterMetricFamily(f"{PREFIX}_{name}", doc)
-            c.add_metric([], float(value))
-            yield c
+        for family, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, vllm_name, doc, value in rows:
+                m = family(f"{PREFIX}_{name}", doc)
+                m.add_metric([], float(value))
+                yield m
+                if vllm_name is not None:
+                    m = family(f"{VLLM}{vllm_name}", doc, labels=["model_name"])
+                    m.add_metric([self._model_name], float(value))
+                    yield m
 
 
 class ServerMetrics:
     """Registry of one app: engine gauges/counters and HTTP-side latency histograms."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, model_name: str | None = None) -> None:
+        self.model_name = model_name or engine.model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine))
-        self.ttft = Histogram(f"{PREFIX}_time_to_first_token_seconds",
-                              "Time from request arrival to its first generated token",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram(f"{PREFIX}_inter_token_latency_seconds",
-                             "Time between successive engine outputs of a request, per token",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.e2e = Histogram(f"{PREFIX}_e2e_request_latency_seconds",
-                             "Time from request arrival to its last token",
-                             buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineCollector(engine, self.model_name))
+        self.ttft = self._histogram("time_to_first_token_seconds",
+                                    "Time from request arrival to its first generated token")
+        self.itl = self._histogram("inter_token_latency_seconds",
+                                   "Time between successive engine outputs of a request, per token")
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Time from request arrival to its last token")
+        self.queue = Histogram(f"{VLLM}request_queue_time_seconds",
+                               "Time a request waited in the engine before its first step",
+                               ["model_name"], buckets=_LATENCY_BUCKETS,
+                               registry=self.registry).labels(self.model_name)
         self.success = Counter(f"{PREFIX}_request_success", "Finished choices by finish reason",
                                ["finished_reason"], registry=self.registry)
+        self.vllm_success = Counter(f"{VLLM}request_success", "Finished choices by finish reason",
+                                    ["model_name", "finished_reason"], registry=self.registry)
+
+    def _histogram(self, name: str, doc: str) -> tuple[Histogram, Histogram]:
+        """Our histogram and vLLM's (labelled), observed together."""
+        ours = Histogram(f"{PREFIX}_{name}", doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
+        theirs = Histogram(f"{VLLM}{name}", doc, ["model_name"], buckets=_LATENCY_BUCKETS,
+                           registry=self.registry).labels(self.model_name)
+        return ours, theirs
 
     def tracker(self) -> RequestTracker:
         return RequestTracker(self)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _observe(pair: tuple[Histogram, Histogram], value: float) -> None:
+    pair[0].observe(value)
+    pair[1].observe(value)
 
 
 class RequestTracker:
@@ -84,21 +109,27 @@ class RequestTracker:
         self._m = metrics
         self._arrival = time.perf_counter()
         self._last: dict[int, float] = {}  # prompt index -> time of its previous output
+        self._queued: set[int] = set()  # prompt indices whose queue time is recorded
 
     def observe(self, prompt_idx: int, out: RequestOutput) -> None:
         """Record one engine output of prompt `prompt_idx`."""
         now = time.perf_counter()
+        if out.queue_time is not None and prompt_idx not in self._queued:
+            self._queued.add(prompt_idx)
+            self._m.queue.observe(out.queue_time)
         new_tokens = max((len(o.delta_token_ids) for o in out.outputs), default=0)
         if new_tokens:
             prev = self._last.get(prompt_idx)
             if prev is None:
-                self._m.ttft.observe(now - self._arrival)
+                _observe(self._m.ttft, now - self._arrival)
             else:
                 per_token = (now - prev) / new_tokens
                 for _ in range(new_tokens):
-                    self._m.itl.observe(per_token)
+                    _observe(self._m.itl, per_token)
             self._last[prompt_idx] = now
         if out.finished:
-            self._m.e2e.observe(now - self._arrival)
+            _observe(self._m.e2e, now - self._arrival)
             for o in out.outputs:
-                self._m.success.labels(finished_reason=o.finish_reason or "unknown").inc()
+                reason = o.finish_reason or "unknown"
+                self._m.success.labels(finished_reason=reason).inc()
+                self._m.vllm_success.labels(model_name=self._m.model_name, finished_reason=reason).inc()

@@ -261,3 +261,104 @@ def test_sentencepiece_like_decoder_streams_real_text():
         detok, deltas, _ = stream(tokenizer, ids, chunks=rng.randrange(1, 4))
         assert detok.output_text == full_decode(tokenizer, ids) == "".join(deltas), text
         assert all("\ufffd" not in d for d in deltas)
+
+
+def _byte_fallback(decoder: str):
+    """The SentencePiece-like vocabulary with another byte-fallback decoder: "strip" (Llama),
+    "nostrip" (Gemma: no leading-space strip) or "metaspace" (Metaspace decoder after the bytes)."""
+    tok = _sentencepiece_like()
+    inner = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    if decoder == "nostrip":
+        inner.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    elif decoder == "metaspace":
+        inner.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Metaspace(replacement="▁", prepend_scheme="always")])
+    return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def _byte_id(b: int) -> int:
+    return 3 + b  # _sentencepiece_like's <0xNN> pieces
+
+
+def test_invalid_byte_run_streams_as_its_full_decode():
+    # "中" is complete after three bytes, but a fourth byte makes the run invalid: the full decode
+    # replaces all four bytes, so "中" must not have been streamed
+    tokenizer = _sentencepiece_like()
+    ids = [_byte_id(b) for b in (0xE4, 0xB8, 0xAD, 0xE4)] + tokenizer.convert_tokens_to_ids(["▁", "a"])
+    want = full_decode(tokenizer, ids)
+    assert want == "\ufffd" * 4 + " a"
+    detok, deltas, _ = stream(tokenizer, ids)
+    assert detok.output_text == want == "".join(deltas)
+    assert deltas[2] == ""  # "中" held back while the run may go on
+
+
+@pytest.mark.parametrize("decoder", ["strip", "nostrip", "metaspace"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_random_byte_fallback_streams_match_full_decode(decoder, skip):
+    """Random streams heavy in byte tokens (UTF-8 lead, continuation and ASCII bytes, whole
+    characters, specials between bytes), fed in random chunks, equal the full decode."""
+    tokenizer = _byte_fallback(decoder)
+    rng = random.Random(11)
+    pieces = [i for i in range(259, len(tokenizer))]
+    specials = [0, 1, 2]
+    chars = ["中", "é", "🎉", "½", "a"]
+    params = SamplingParams(skip_special_tokens=skip)
+    for trial in range(1500):
+        ids, length = [], rng.randrange(1, 24)
+        while len(ids) < length:
+            r = rng.random()
+            if r < 0.25:
+                ids += [_byte_id(b) for b in rng.choice(chars).encode()][: rng.randrange(1, 5)]
+            elif r < 0.55:
+                ids.append(_byte_id(rng.choice([0x20, 0x41, rng.randrange(0x80, 0xC0),
+                                                rng.randrange(0xC2, 0xF5), rng.randrange(256)])))
+            elif r < 0.9:
+                ids.append(rng.choice(pieces))
+            else:
+                ids.append(rng.choice(specials))
+        detok = IncrementalDetokenizer(tokenizer, [], params)
+        deltas, i = [], 0
+        while i < len(ids):
+            n = rng.randrange(1, 4)
+            detok.update(ids[i:i + n])
+            deltas.append(detok.get_delta())
+            i += n
+        detok.finish()
+        deltas.append(detok.get_delta())
+        want = full_decode(tokenizer, ids, skip)
+        assert detok.output_text == want, (trial, ids)
+        assert "".join(deltas) == want, (trial, ids)
+
+
+def test_byte_level_bpe_has_no_byte_fallback_tokens(tokenizer):
+    from engine.detokenizer import _byte_token_ids
+    assert _byte_token_ids(tokenizer) == frozenset()
+    assert _byte_token_ids(_sentencepiece_like()) == frozenset(range(3, 259))
+
+
+def test_stop_string_in_a_byte_run_flushed_at_finish():
+    # "A" arrives as the byte token <0x41>, the last of a run held back until the run ends; the
+    # run ends only with the output, so the stop string is found when finish() flushes it
+    tokenizer = _sentencepiece_like()
+    ids = tokenizer.convert_tokens_to_ids(["▁Hello"]) + [_byte_id(b) for b in b" AB"]
+    assert full_decode(tokenizer, ids) == "Hello AB"
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["A"]))
+    assert detok.update(ids) is None
+    assert detok.get_delta() == "Hello"
+    assert detok.finish() == "A" and detok.stop_str == "A"
+    assert detok.output_text == "Hello " and detok.get_delta() == " "
+
+
+def test_output_processor_reports_a_stop_found_at_finish():
+    from engine.output_processor import OutputProcessor
+    from scheduler.outputs import EngineCoreOutput
+
+    tokenizer = _sentencepiece_like()
+    proc = OutputProcessor(tokenizer)
+    ids = tokenizer.convert_tokens_to_ids(["▁Hello"]) + [_byte_id(b) for b in b" AB"]
+    children = proc.add_request("r", None, [5, 6], SamplingParams(stop=["A"], max_tokens=len(ids)))
+    cid = children[0][0]
+    outs, _ = proc.process([EngineCoreOutput(cid, ids[:-1]), EngineCoreOutput(cid, ids[-1:], finish_reason="length")])
+    c = outs[-1].outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == ("Hello ", "stop", "A")

@@ -117,18 +117,106 @@ def test_two_nodes_on_loopback(tiny_v3, workload):
             node1.kill()
 
 
-def test_dead_worker_fails_fast(tiny_v3):
-    """A worker process that dies makes the next step raise a clear error, not hang."""
+@pytest.mark.parametrize("when", ["between-steps", "step-unread", "awaiting-output"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_dead_worker_fails_fast(tiny_v3, rank, when):
+    """A worker process that dies raises WorkerDiedError, neither hanging nor another error.
+
+    between-steps: the next step's send finds it dead. step-unread: killed right after a step
+    was sent, before reading it (its socket resets). awaiting-output: the engine waits on a pipe
+    whose process died with nothing unread (its socket reads EOF)."""
     import time
 
     from engine.multiproc import WorkerDiedError
 
     llm = LLM(tiny_v3[0], device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=2)
-    procs = llm.engine.executor.ranks.procs
-    procs[1].kill()
-    procs[1].join()
+    ranks = llm.engine.executor.ranks
+    procs = list(ranks.procs)
+
+    def kill():
+        procs[rank].kill()
+        procs[rank].join()
+
+    if when == "step-unread":
+        send = ranks.send_step
+
+        def send_then_kill(msg, multi_node):
+            send(msg, multi_node)
+            if msg is not None and procs[rank].is_alive():
+                kill()
+        ranks.send_step = send_then_kill
+    else:
+        kill()
     t0 = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="worker"):
-        llm.generate([[5, 6, 7]], GREEDY)
+    with pytest.raises(WorkerDiedError, match=f"worker process died: worker-{rank}|worker failed"):
+        if when == "awaiting-output":
+            ranks.recv(rank, "out")
+        else:
+            llm.generate([[5, 6, 7]], GREEDY)
     assert time.monotonic() - t0 < 60
     llm.engine.shutdown()
+
+
+def _agreement_rank(rank: int, init: str, diverge_at: int | None, q) -> None:
+    """One of two gloo ranks recording 6 sampling steps; rank 1 samples differently from step
+    `diverge_at` on. Puts (rank, error message or None, steps agreed) on `q`."""
+    import numpy as np
+
+    from engine import distributed as pd
+    from engine.rank_agreement import RankAgreement, RankDivergenceError
+
+    pd.init_parallel(2, 1, rank, init, "gloo", timeout_s=60)
+    a = RankAgreement(interval=2)
+    err = None
+    try:
+        for step in range(1, 7):
+            ids = np.array([step, 7, 11])
+            if rank == 1 and diverge_at is not None and step >= diverge_at:
+                ids[1] = 8
+            a.record(ids)
+    except RankDivergenceError as e:
+        err = str(e)
+    finally:
+        pd.destroy_parallel()
+    q.put((rank, err, a.checked))
+
+
+@pytest.mark.parametrize("diverge_at", [None, 3])
+def test_rank_agreement_check(diverge_at, tmp_path):
+    """Ranks that sample alike pass every check; a difference fails the first check after it on
+    every rank, naming the steps since the last agreement."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init = f"file://{tmp_path}/rendezvous"
+    procs = [ctx.Process(target=_agreement_rank, args=(r, init, diverge_at, q)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    results = dict((r, (err, checked)) for r, err, checked in (q.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(timeout=30)
+    if diverge_at is None:
+        assert results == {0: (None, 6), 1: (None, 6)}
+    else:
+        for err, checked in results.values():
+            assert checked == 2
+            assert "sampled different tokens in sampling steps 3..4" in err
+
+
+def test_per_rank_sampling_stays_in_step(tiny_v3, workload):
+    """-tp 2 with random sampling (engine RNG and per-request seeds) and the ranks comparing their
+    samples every step: no divergence (the check stops the engine if there is one)."""
+    params = [SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=20, seed=5, max_tokens=12, ignore_eos=True)]
+    llm = LLM(tiny_v3[0], device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+              tensor_parallel_size=2, rank_check_interval=1)
+    try:
+        for p in params:
+            outs = llm.generate(workload[:4], p)
+            assert all(len(o.outputs[0].token_ids) == 12 for o in outs)
+    finally:
+        llm.engine.shutdown()
+    one = LLM(tiny_v3[0], device="cpu", dtype="float32", block_size=4, num_kv_blocks=64)
+    one.generate(workload[:2], params[0])
+    assert one.engine.executor.worker.runner.agreement.steps == 12  # every sampling step recorded

@@ -1,0 +1,306 @@
+"""vLLM launch lines for DeepSeek models parse, and vLLM's server extras work (/version, /ping,
+CORS, several served model names, request logging, human-readable lengths)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shlex
+
+import httpx
+import pytest
+
+from engine.args import EngineArgs, human_readable_int
+from server.cli import build_parser, engine_args_from
+from tests.server_fixtures import TINY_MODEL
+
+# Real launch lines, copied from where they were published (the model is then replaced by the
+# tiny model's directory: these checkpoints are not on this machine).
+ACCEPTED = [
+    # DeepSeek-R1 model card, "Usage Recommendations" (as quoted by cloud.tencent.com/developer/article/2493720)
+    ("vllm serve deepseek-ai/DeepSeek-R1-Distill-Qwen-32B --tensor-parallel-size 2 "
+     "--max-model-len 32768 --enforce-eager",
+     dict(tensor_parallel_size=2, max_model_len=32768, enforce_eager=True)),
+    # huggingface.co/deepseek-ai/DeepSeek-V3, "Use this model" -> vLLM
+    ('vllm serve "deepseek-ai/DeepSeek-V3"', {}),
+    # huggingface.co/deepseek-ai/DeepSeek-V3.2, "Use this model" -> vLLM
+    ('vllm serve "deepseek-ai/DeepSeek-V3.2"', {}),
+    # gitee.com/learnllms/all-about-llms/pulls/1: docker run ... vllm/vllm-openai:latest <args>
+    ("--model /models/70b --served-model-name deepseek-r1:70b --tensor-parallel-size 2 "
+     "--gpu-memory-utilization 0.9 --trust-remote-code --dtype bfloat16 --max-model-len 8192 "
+     "--api-key 123456 --host 0.0.0.0 --port 10001",
+     dict(served_model_name=["deepseek-r1:70b"], tensor_parallel_size=2, gpu_memory_utilization=0.9,
+          dtype="bfloat16", max_model_len=8192)),
+    # docs.vllm.ai recipes, DeepSeek-V3 (R1) "Additional flags" on top of the TP line's model
+    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --tensor-parallel-size 8 "
+     "--max-model-len=65536 --max-num-batched-tokens=32768 --gpu-memory-utilization=0.95",
+     dict(tensor_parallel_size=8, max_model_len=65536, max_num_batched_tokens=32768,
+          gpu_memory_utilization=0.95)),
+]
+REJECTED = [
+    # docs.vllm.ai recipes, DeepSeek-V3 (R1), 8xH200: TP8+EP and DP8+EP
+    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --tensor-parallel-size 8 "
+     "--enable-expert-parallel", ["--enable-expert-parallel"]),
+    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8 "
+     "--enable-expert-parallel", ["--data-parallel-size", "--enable-expert-parallel"]),
+    # docs.vllm.ai recipes, DeepSeek-V3.2
+    ("vllm serve deepseek-ai/DeepSeek-V3.2 --tensor-parallel-size 8 --tokenizer-mode deepseek_v32 "
+     "--tool-call-parser deepseek_v32 --enable-auto-tool-choice --reasoning-parser deepseek_v3",
+     ["--tokenizer-mode", "--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser"]),
+    # docs.vllm.ai/projects/ascend, context parallel guide (DeepSeek-V2-Lite)
+    ("vllm serve deepseek-ai/DeepSeek-V2-Lite --tensor-parallel-size 2 "
+     "--decode-context-parallel-size 2 --prefill-context-parallel-size 2",
+     ["--prefill-context-parallel-size"]),
+    # deepseek.csdn.net/6805bfcfda5d787fd5d0ee89.html (underscored flag names, as vLLM allows)
+    ("vllm serve /home/ca2/models/DeepSeek-R1-Distill-Qwen-32B --dtype bfloat16 --max_model_len 32384 "
+     "--gpu_memory_utilization 0.8 --host 0.0.0.0 --port 5000 --quantization fp8 --enforce-eager",
+     ["--quantization"]),
+    # docs.vultr.com inference cookbook, DeepSeek V3.2 page (vllm serve, then the docker form)
+    ("vllm serve deepseek-ai/DeepSeek-V3-0324 --tensor-parallel-size 8 --max-model-len 32768 "
+     "--gpu-memory-utilization 0.90 --trust-remote-code --quantization fp8 --block-size 1",
+     ["--quantization"]),
+    ("--model deepseek-ai/DeepSeek-V3-0324 --tensor-parallel-size 8 --max-model-len 32768 "
+     "--gpu-memory-utilization 0.90 --trust-remote-code --quantization fp8 --block-size 1",
+     ["--quantization"]),
+    # docs.agno.com/examples/models/vllm, code generation example
+    ("vllm serve deepseek-ai/deepseek-coder-6.7b-instruct --dtype float32 --tool-call-parser pythonic",
+     ["--tool-call-parser"]),
+    # github.com/vllm-project/vllm/issues/40778
+    ("vllm serve /data/pretrained/DeepSeek-V4-Flash --served-model-name DeepSeek-V4-Flash "
+     "--trust-remote-code --kv-cache-dtype fp8 --block-size 256 --enable-expert-parallel "
+     "--data-parallel-size 8 --gpu-memory-utilization 0.85 "
+     "--compilation-config '{\"cudagraph_mode\":\"FULL_AND_PIECEWISE\", \"custom_ops\":[\"all\"]}' "
+     "--attention_config.use_fp4_indexer_cache=True --tokenizer-mode deepseek_v4 "
+     "--tool-call-parser deepseek_v4 --enable-auto-tool-choice --reasoning-parser deepseek_v4",
+     ["--kv-cache-dtype", "--enable-expert-parallel", "--data-parallel-size", "--compilation-config",
+      "--attention_config.use_fp4_indexer_cache", "--tokenizer-mode", "--tool-call-parser",
+      "--enable-auto-tool-choice", "--reasoning-parser"]),
+]
+
+
+def _argv(line: str) -> list[str]:
+    argv = shlex.split(line)
+    return argv[2:] if argv[:2] == ["vllm", "serve"] else argv
+
+
+def _local(ns):
+    """The parsed line with its model replaced by the tiny model's directory."""
+    if ns.model_tag is not None:
+        ns.model_tag = str(TINY_MODEL)
+    else:
+        ns.model = str(TINY_MODEL)
+    return ns
+
+
+@pytest.mark.parametrize("line,want", ACCEPTED, ids=[f"ok{i}" for i in range(len(ACCEPTED))])
+def test_vllm_launch_lines_parse(line, want):
+    ns = build_parser().parse_args(_argv(line))
+    a = engine_args_from(_local(ns))
+    assert a.model == str(TINY_MODEL)
+    for field, value in want.items():
+        assert getattr(a, field) == value, field
+
+
+@pytest.mark.parametrize("line,flags", REJECTED, ids=[f"refused{i}" for i in range(len(REJECTED))])
+def test_unsupported_vllm_flags_are_named(line, flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(_argv(line))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("serve: error: unsupported flag"), err
+    named = err[0].split(": ", 3)[3].split(" (")[0].split(", ")
+    assert named == flags
+
+
+def test_positional_model_and_model_flag():
+    p = build_parser()
+    assert engine_args_from(p.parse_args([str(TINY_MODEL), "-tp", "2"])).model == str(TINY_MODEL)
+    assert engine_args_from(p.parse_args(["-tp", "2", str(TINY_MODEL)])).model == str(TINY_MODEL)
+    assert engine_args_from(p.parse_args(["--model", str(TINY_MODEL)])).model == str(TINY_MODEL)
+    assert engine_args_from(p.parse_args([str(TINY_MODEL), "--model", str(TINY_MODEL)])).model == str(TINY_MODEL)
+    with pytest.raises(ValueError, match="named twice"):
+        engine_args_from(p.parse_args(["/a", "--model", str(TINY_MODEL)]))
+
+
+@pytest.mark.parametrize("text,want", [("32768", 32768), ("32k", 32000), ("32K", 32768),
+                                       ("1.5k", 1500), ("128K", 131072), ("1m", 1_000_000),
+                                       ("2M", 2 * 2**20), (" 8k ", 8000)])
+def test_human_readable_lengths(text, want):
+    assert human_readable_int(text) == want
+    ns = build_parser().parse_args(["--max-model-len", text, "--max-num-batched-tokens", text])
+    assert ns.max_model_len == ns.max_num_batched_tokens == want
+
+
+@pytest.mark.parametrize("text", ["1.5K", "32kb", "k", "-", "auto"])
+def test_bad_lengths_are_refused(text, capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--max-model-len", text])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--max-model-len" in err[0]
+
+
+@pytest.mark.parametrize("spelling,want", [("half", "float16"), ("float16", "float16"),
+                                           ("bfloat16", "bfloat16"), ("bf16", "bfloat16"),
+                                           ("float32", "float32"), ("float", "float32"), ("auto", "auto")])
+def test_dtype_spellings(spelling, want):
+    ns = build_parser().parse_args(["--model", str(TINY_MODEL), "--dtype", spelling])
+    assert engine_args_from(ns).dtype == want
+    assert EngineArgs(model=str(TINY_MODEL), dtype=spelling).dtype == want
+
+
+def test_log_request_flags():
+    p = build_parser()
+    base = ["--model", str(TINY_MODEL)]
+    assert not engine_args_from(p.parse_args(base)).enable_log_requests
+    assert engine_args_from(p.parse_args(base + ["--enable-log-requests"])).enable_log_requests
+    assert not engine_args_from(p.parse_args(base + ["--disable-log-requests"])).enable_log_requests
+    assert not engine_args_from(p.parse_args(base + ["--no-enable-log-requests"])).enable_log_requests
+    assert p.parse_args(base).uvicorn_log_level is None
+    assert p.parse_args(base + ["--uvicorn-log-level", "warning"]).uvicorn_log_level == "warning"
+
+
+def test_served_model_names():
+    ns = build_parser().parse_args(["--model", str(TINY_MODEL), "--served-model-name", "a", "b"])
+    a = engine_args_from(ns)
+    assert a.model_name == "a" and a.model_names == ["a", "b"]
+    assert EngineArgs(model=str(TINY_MODEL), served_model_name="x").model_names == ["x"]
+
+
+# ---- the HTTP side, on the fake engine ----
+
+@pytest.fixture()
+def client_for():
+    from transformers import AutoTokenizer
+
+    from server.api_server import build_app
+    from tests.server_fixtures import FakeEngine
+
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL)
+
+    def make(argv: list[str], names: list[str] | None = None):
+        engine = FakeEngine(tok)
+        if names:
+            engine.model_name, engine.model_names = names[0], names
+        app = build_app(engine, build_parser().parse_args(["--model", str(TINY_MODEL), *argv]))
+        return engine, httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+    return make
+
+
+def test_version_and_ping(client_for):
+    async def run():
+        engine, c = client_for([])
+        async with c:
+            v = await c.get("/version")
+            assert v.status_code == 200 and v.json()["version"]
+            for method in ("GET", "POST"):
+                assert (await c.request(method, "/ping")).status_code == 200
+            engine.errored = True
+            assert (await c.get("/ping")).status_code == 503
+
+    asyncio.run(run())
+
+
+def test_cors_only_when_asked(client_for):
+    async def run():
+        pre = {"Origin": "https://a.example", "Access-Control-Request-Method": "POST"}
+        _, plain = client_for([])
+        async with plain:
+            r = await plain.get("/version", headers={"Origin": "https://a.example"})
+            assert "access-control-allow-origin" not in r.headers
+        _, c = client_for(["--allowed-origins", '["https://a.example"]', "--allowed-methods", '["GET", "POST"]',
+                           "--allow-credentials"])
+        async with c:
+            r = await c.options("/v1/completions", headers=pre)
+            assert r.status_code == 200
+            assert r.headers["access-control-allow-origin"] == "https://a.example"
+            assert r.headers["access-control-allow-credentials"] == "true"
+            assert "POST" in r.headers["access-control-allow-methods"]
+            r = await c.options("/v1/completions", headers={**pre, "Origin": "https://b.example"})
+            assert r.status_code == 400  # an origin not in the list
+
+    asyncio.run(run())
+
+
+def test_every_served_name_is_accepted(client_for):
+    async def run():
+        _, c = client_for([], names=["first", "second"])
+        async with c:
+            body = {"prompt": "hi", "max_tokens": 2}
+            for name in ("first", "second"):
+                r = await c.post("/v1/completions", json={**body, "model": name})
+                assert r.status_code == 200 and r.json()["model"] == "first"
+            r = await c.post("/v1/completions", json={**body, "model": "third"})
+            assert r.status_code == 404 and "'first' or 'second'" in r.json()["error"]["message"]
+            ids = [m["id"] for m in (await c.get("/v1/models")).json()["data"]]
+            assert ids == ["first", "second"]
+
+    asyncio.run(run())
+
+
+def test_requests_are_logged_when_asked(caplog):
+    from engine.async_llm import AsyncLLM
+    from engine.sampling_params import SamplingParams
+
+    async def run(flag: bool) -> list[str]:
+        llm = AsyncLLM(EngineArgs(model=str(TINY_MODEL), device="cpu", num_kv_blocks=32,
+                                  enable_log_requests=flag))
+        try:
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="engine.async_llm"):
+                async for _ in llm.generate([5, 6, 7], SamplingParams(max_tokens=2), "req-1"):
+                    pass
+            return [r.getMessage() for r in caplog.records if "req-1" in r.getMessage()]
+        finally:
+            llm.shutdown()
+
+    assert asyncio.run(run(False)) == []
+    logged = asyncio.run(run(True))
+    assert len(logged) == 1 and "3 prompt tokens" in logged[0]
+
+
+def _sample(text: str, name: str) -> float:
+    """The value of the one sample `name` (with its labels, as printed) in Prometheus text."""
+    lines = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+    assert len(lines) == 1, (name, lines)
+    return float(lines[0].rsplit(" ", 1)[1])
+
+
+def test_vllm_metric_names_with_model_name_label():
+    """On the real engine (tiny model, in-process): vLLM's series, labelled with the served name,
+    beside ours, counting one request the same; the queue time comes from the scheduler."""
+    from engine.async_llm import AsyncLLM
+    from server.api_server import build_app
+
+    async def run():
+        llm = AsyncLLM(EngineArgs(model=str(TINY_MODEL), device="cpu", num_kv_blocks=64,
+                                  served_model_name=["tiny", "alias"]))
+        try:
+            app = build_app(llm, None)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                before = (await c.get("/metrics")).text
+                r = await c.post("/v1/completions", json={"model": "alias", "prompt": "Hello there",
+                                                          "max_tokens": 5, "ignore_eos": True})
+                assert r.status_code == 200
+                return before, (await c.get("/metrics")).text, r.json()["usage"]["prompt_tokens"]
+        finally:
+            llm.shutdown()
+
+    before, after, prompt_tokens = asyncio.run(run())
+    lab = '{model_name="tiny"}'
+
+    def delta(name):
+        return _sample(after, name) - _sample(before, name)
+
+    assert delta(f"vllm:generation_tokens_total{lab}") == 5 == delta("mla_serve_generation_tokens_total")
+    assert delta(f"vllm:prompt_tokens_total{lab}") == prompt_tokens
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert delta(f"vllm:{h}_count{lab}") == 1 == delta(f"mla_serve_{h}_count"), h
+    assert delta(f"vllm:inter_token_latency_seconds_count{lab}") == 4
+    assert delta(f"vllm:request_queue_time_seconds_count{lab}") == 1
+    assert 0 <= delta(f"vllm:request_queue_time_seconds_sum{lab}") < 5
+    assert _sample(after, f'vllm:request_success_total{{finished_reason="length",model_name="tiny"}}') == 1
+    for g in ("num_requests_running", "num_requests_waiting"):
+        assert _sample(after, f"vllm:{g}{lab}") == 0 == _sample(after, f"mla_serve_{g}")
+    assert 0 <= _sample(after, f"vllm:kv_cache_usage_perc{lab}") <= 1
+    for c in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
+        assert f"vllm:{c}_total{lab}" in after, c
