@@ -98,12 +98,11 @@ class EngineArgs:
 
     @property
     def model_name(self) -> str:
-        """What clients pass as `model`: --served-model-name, else --model as given (vLLM's
-        rule), except the bundled default model, which is served as "tiny-deepseek-v3"."""
+        """What clients pass as `model`: --served-model-name, else the name of the --model
+        directory (never its path: the name is echoed in responses and errors)."""
         if self.served_model_name:
             return self.served_model_name
-        return os.path.basename(DEFAULT_MODEL) if self.model == DEFAULT_MODEL else self.model
-
+        return os.path.basename(os.path.normpath(self.model)) or self.model
 
 def _is_dir_spec(model: str) -> bool:
     # A dummy-weight run may name a bare config file's directory; nothing else is accepted.

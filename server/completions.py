@@ -142,6 +142,7 @@ def _finish(o: CompletionOutput, drop_generated: bool) -> str | None:
 async def create_completion(state, req: CompletionRequest, raw: Request) -> Response:
     """Handle one completions request end to end."""
     state.check_model(req.model)
+    state.limits.check(len(req.prompts()), req.n, req.stop)
     try:
         params = req.to_sampling_params()
     except ValueError as e:

@@ -34,9 +34,10 @@ def error_response(status: int, message: str, param: str | None = None,
 
 
 def param_of(message: str) -> str | None:
-    """The field a validation message starts with ("max_tokens must be ...")."""
+    """The field a validation message starts with ("max_tokens must be ...", "stop.0: ...")."""
     word = message.split(" ", 1)[0].rstrip(":")
-    return word if word.isidentifier() and word.islower() else None
+    head = word.split(".", 1)[0]
+    return word if head.isidentifier() and head.islower() else None
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
