@@ -134,6 +134,7 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
         return Response(status_code=499)
     finally:
         streams.close()
+        tracker.close(req.n)
     choices = [builder.choice(o.index, o) for o in sorted(final.outputs, key=lambda o: o.index)]
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                          "usage": _usage(final)})
@@ -169,3 +170,4 @@ async def _sse(streams: EngineStreams, builder: ChatBuilder, head: dict, tracker
         yield sse("[DONE]")
     finally:
         streams.close()
+        tracker.close(req.n)

@@ -165,6 +165,7 @@ async def create_completion(state, req: CompletionRequest, raw: Request) -> Resp
         return Response(status_code=499)
     finally:
         streams.close()
+        tracker.close(len(streams.request_ids) * req.n)
     n = req.n
     choices = [builder.choice(i * n + o.index, f, o) for i, f in enumerate(finals)
                for o in f.outputs]
@@ -208,3 +209,4 @@ async def _sse(streams: EngineStreams, builder: CompletionBuilder, head: dict, t
         yield sse("[DONE]")
     finally:
         streams.close()
+        tracker.close(len(streams.request_ids) * req.n)

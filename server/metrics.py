@@ -84,6 +84,8 @@ class RequestTracker:
         self._m = metrics
         self._arrival = time.perf_counter()
         self._last: dict[int, float] = {}  # prompt index -> time of its previous output
+        self._finished_choices = 0
+        self._closed = False
 
     def observe(self, prompt_idx: int, out: RequestOutput) -> None:
         """Record one engine output of prompt `prompt_idx`."""
@@ -102,3 +104,14 @@ class RequestTracker:
             self._m.e2e.observe(now - self._arrival)
             for o in out.outputs:
                 self._m.success.labels(finished_reason=o.finish_reason or "unknown").inc()
+                self._finished_choices += 1
+
+    def close(self, num_choices: int) -> None:
+        """The HTTP request is over: its choices that never finished (client gone, fault) were
+        aborted and count as finished_reason="abort"."""
+        if self._closed:
+            return
+        self._closed = True
+        aborted = num_choices - self._finished_choices
+        if aborted > 0:
+            self._m.success.labels(finished_reason="abort").inc(aborted)
