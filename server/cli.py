@@ -234,12 +234,21 @@ class _Server:
         return capture()
 
 
-async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket) -> int:
+def uvicorn_config(app, ns: argparse.Namespace):
+    """uvicorn's settings for `serve`: timeouts for idle, slow-header and draining connections."""
     import uvicorn
 
+    from server.http_limits import header_timeout_protocol
+
+    return uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+                          access_log=ns.log_level == "debug", timeout_keep_alive=30,
+                          backlog=2048, timeout_graceful_shutdown=ns.shutdown_timeout,
+                          http=header_timeout_protocol(ns.http_header_timeout))
+
+
+async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket) -> int:
     from engine.async_llm import AsyncLLM
     from server.api_server import build_app
-    from server.http_limits import header_timeout_protocol
 
     # Built inside the running loop, so that the engine binds its output queues to this loop.
     try:
@@ -248,12 +257,7 @@ async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.s
         print(f"serve: error: {e}", file=sys.stderr)
         return 1
     try:
-        app = build_app(engine, ns)
-        config = uvicorn.Config(app, log_level=ns.log_level, access_log=ns.log_level == "debug",
-                                timeout_keep_alive=30, backlog=2048,
-                                timeout_graceful_shutdown=ns.shutdown_timeout,
-                                http=header_timeout_protocol(ns.http_header_timeout))
-        server = _Server(config).server
+        server = _Server(uvicorn_config(build_app(engine, ns), ns)).server
         logger.info("serving %s on http://%s:%d/v1", engine.model_name, ns.host, ns.port)
         await server.serve(sockets=[sock])
         return 0 if server.started else 1
