@@ -295,11 +295,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2
-    if engine_args.node_rank > 0:
-        return _worker_node(engine_args)
     # Until uvicorn takes the signals over: SIGTERM unwinds like Ctrl-C, so that a stop during
     # the model load still ends the worker processes (multiprocessing's exit handler).
     signal.signal(signal.SIGTERM, _interrupt)
+    if engine_args.node_rank > 0:
+        try:
+            return _worker_node(engine_args)
+        except KeyboardInterrupt:
+            return 0
     try:
         sock = bind_socket(ns.host, ns.port)
     except OSError as e:
