@@ -40,12 +40,12 @@ def check_sampling_params(p: SamplingParams) -> None:
     if p.seed is not None:
         try:
             torch.Generator().manual_seed(p.seed)
-        except (RuntimeError, OverflowError, TypeError) as e:
+        except (RuntimeError, OverflowError, TypeError, ValueError) as e:
             raise ValueError(f"seed {p.seed!r} cannot seed a torch generator ({e})") from None
     for name, values in (("top_k", [p.top_k]), ("stop_token_ids", list(p.stop_token_ids))):
         try:
             torch.tensor(values, dtype=torch.int64)
-        except (RuntimeError, OverflowError, TypeError) as e:
+        except (RuntimeError, OverflowError, TypeError, ValueError) as e:
             raise ValueError(f"{name} {values!r} does not fit in int64 ({e})") from None
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):

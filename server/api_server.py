@@ -159,7 +159,7 @@ def build_app(engine, args=None) -> FastAPI:
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is outside [0, {vocab})", param="tokens")
-        return {"prompt": state.decode(req.tokens)}
+        return {"prompt": await asyncio.to_thread(state.decode, req.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:

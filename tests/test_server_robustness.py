@@ -462,3 +462,21 @@ def test_overlong_text_is_refused_before_tokenizing(real):
     msgs = [{"role": "user", "content": "ab " * 2_000_000}]
     err = assert_error(post(real, "/v1/chat/completions", {"messages": msgs}), 400, "messages")
     assert "before tokenizing" in err["message"]
+
+
+def test_engine_core_refuses_what_would_fail_a_step():
+    from engine.llm import LLM
+
+    llm = LLM(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64)
+    V = llm.engine.cfg.vocab_size
+    cases = [([5], {"seed": 2**64}, "seed"), ([5], {"top_k": 2**63}, "top_k"),
+             ([V], {}, "prompt"), ([5], {"stop_token_ids": [V], "min_tokens": 2}, "stop_token_ids")]
+    for ids, bad, field in cases:
+        p = SamplingParams(max_tokens=2, temperature=1.0)
+        for k, v in bad.items():
+            setattr(p, k, v)  # past SamplingParams' own checks
+        with pytest.raises(ValueError, match=field):
+            llm.engine.add_request("bad", ids, p)
+        assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
