@@ -84,6 +84,8 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 405:
             msg = f"method {request.method} is not allowed on {request.url.path}"
+        elif exc.status_code == 400 and msg == "There was an error parsing the body":
+            msg = "request body is not valid JSON text (UTF-8)"  # e.g. bytes that are not UTF-8
         return error_response(exc.status_code, msg)
 
     @app.exception_handler(Exception)

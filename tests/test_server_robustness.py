@@ -138,6 +138,14 @@ def test_lone_surrogates_are_400_naming_the_field(fake, path, raw, param):
     assert post(fake, "/v1/completions", {"prompt": "ok", "max_tokens": 1}).status_code == 200
 
 
+def test_bodies_that_are_not_utf8_are_400(fake):
+    for raw in (b'{"prompt": "\xff"}', b'\xff\xfe{', b'{"prompt": "a", "stop": "\xc3"}'):
+        err = assert_error(post(fake, "/v1/completions", raw), 400)
+        assert "UTF-8" in err["message"]
+    # an encoded surrogate decodes (JSON allows it) but is refused as text
+    assert_error(post(fake, "/v1/completions", b'{"prompt": "\xed\xa0\x80"}'), 400, "prompt")
+
+
 def test_tokenizer_failures_are_value_errors(tok):
     cfg = ModelConfig.from_pretrained(str(TINY_MODEL))
     inputs = InputProcessor(tok, cfg, 64)
