@@ -104,6 +104,7 @@ class EngineArgs:
             return self.served_model_name
         return os.path.basename(os.path.normpath(self.model)) or self.model
 
+
 def _is_dir_spec(model: str) -> bool:
     # A dummy-weight run may name a bare config file's directory; nothing else is accepted.
     return False

@@ -74,7 +74,7 @@ class SamplingParams:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
         integer("max_tokens", 1, INT64_MAX, optional=True)
         integer("min_tokens", 0, INT64_MAX)
-        if (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, "must be in [0, max_tokens]")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)

@@ -190,39 +190,35 @@ def _check_devices(args: EngineArgs) -> None:
 def bind_socket(host: str, port: int) -> socket.socket:
     """The listening socket, bound before the model loads so that a port in use fails at once
     (not after minutes of loading and the GPU memory it took); OSError names the address."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = None
     try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        sock.bind(addr)
         sock.listen(2048)
     except OSError as e:
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise OSError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror or e}") from None
-    sock.set_inheritable(True)
     return sock
 
 
-class _Server:
-    """uvicorn's Server, but SIGTERM and SIGINT both drain and return (uvicorn re-raises the
-    signal after its shutdown, which for SIGTERM ends the process before the engine and its
-    workers are stopped). A second signal stops at once."""
+def _draining_server(config):
+    """uvicorn's Server, but SIGTERM and SIGINT both drain and return so that the engine and its
+    workers are stopped (uvicorn re-raises the signal after its shutdown, and a re-raised SIGTERM
+    ends the process on the spot). A second signal stops at once."""
+    import contextlib
 
-    def __init__(self, config) -> None:
-        import uvicorn
+    import uvicorn
 
-        self.server = uvicorn.Server(config)
-        self.server.capture_signals = self._capture_signals
-
-    def _capture_signals(self):
-        import contextlib
-
+    class DrainingServer(uvicorn.Server):
         @contextlib.contextmanager
-        def capture():
+        def capture_signals(self):
             def on_signal(sig, frame):
-                if self.server.should_exit:
-                    self.server.force_exit = True
-                self.server.should_exit = True
+                self.force_exit = self.should_exit
+                self.should_exit = True
                 logger.info("%s: draining requests, then stopping", signal.Signals(sig).name)
 
             old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -231,7 +227,8 @@ class _Server:
             finally:
                 for sig, handler in old.items():
                     signal.signal(sig, handler)
-        return capture()
+
+    return DrainingServer(config)
 
 
 def uvicorn_config(app, ns: argparse.Namespace):
@@ -257,7 +254,7 @@ async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.s
         print(f"serve: error: {e}", file=sys.stderr)
         return 1
     try:
-        server = _Server(uvicorn_config(build_app(engine, ns), ns)).server
+        server = _draining_server(uvicorn_config(build_app(engine, ns), ns))
         logger.info("serving %s on http://%s:%d/v1", engine.model_name, ns.host, ns.port)
         await server.serve(sockets=[sock])
         return 0 if server.started else 1
