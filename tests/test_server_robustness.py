@@ -156,10 +156,10 @@ def test_tokenizer_failures_are_value_errors(tok):
 # ---- request limits ----
 
 LIMITS = [
-    ({"prompt": ["a"] * 1025}, "prompt"),
-    ({"prompt": ["a"] * 9, "n": 128}, "n"),
-    ({"prompt": "a", "stop": [f"s{i}" for i in range(33)]}, "stop"),
-    ({"prompt": "a", "stop": "x" * 257}, "stop"),
+    ({"prompt": ["a"] * 257}, "prompt"),
+    ({"prompt": ["a"] * 5, "n": 128}, "n"),
+    ({"prompt": "a", "stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ({"prompt": "a", "stop": "x" * 129}, "stop"),
 ]
 
 
@@ -167,6 +167,14 @@ LIMITS = [
 def test_per_request_limits(fake, body, param):
     err = assert_error(post(fake, "/v1/completions", {"max_tokens": 1, **body}), 400, param)
     assert "--max-" in err["message"]  # the flag that sets the limit
+
+
+def test_per_request_limits_admit_their_edge(fake):
+    for body in ({"prompt": ["a"] * 256}, {"prompt": ["a"] * 4, "n": 128},
+                 {"prompt": "a", "stop": [f"s{i}" for i in range(16)]},
+                 {"prompt": "a", "stop": "x" * 128}):
+        r = post(fake, "/v1/completions", {"max_tokens": 1, **body})
+        assert r.status_code == 200, r.text
 
 
 def test_limits_follow_flags(tok):
