@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import socket
+import threading
 import time
 
 import httpx
@@ -84,7 +87,6 @@ async def _send(client: httpx.AsyncClient, path: str, body) -> httpx.Response:
 
 
 def test_burst_of_bad_requests_among_good_ones(tmp_path_factory):
-    import os
     os.environ.update(OFFLINE_ENV)
     with ServeProcess("--model", tiny_model_dir(tmp_path_factory), *FLAGS) as s:
         asyncio.run(_burst(s.url, s.port))
@@ -163,3 +165,47 @@ async def _burst(url: str, port: int) -> None:
         assert (used, running) == (0, 0)
         assert metric(m, "mla_serve_kv_cache_blocks_total") == NUM_BLOCKS
         assert (await client.get("/health")).status_code == 200
+
+
+def _worker_pids(pid: int) -> list[int]:
+    """The rank processes `serve` spawned (not multiprocessing's resource tracker)."""
+    kids = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids |= {int(k) for k in f.read().split()}
+    ranks = []
+    for k in sorted(kids):
+        with open(f"/proc/{k}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                ranks.append(k)
+    return ranks
+
+
+def test_health_sees_a_stopped_worker(tmp_path_factory):
+    os.environ.update(OFFLINE_ENV)
+    with ServeProcess("--model", tiny_model_dir(tmp_path_factory), "--device", "cpu",
+                      "--dtype", "float32", "-tp", "2", "--num-kv-blocks", "64",
+                      "--max-model-len", "256", "--engine-stall-timeout", "1") as s:
+        ranks = _worker_pids(s.proc.pid)
+        assert len(ranks) == 2
+        body = {"prompt": "Mia has", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        ref = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).json()
+        result = {}
+        os.kill(ranks[1], signal.SIGSTOP)
+        try:
+            t = threading.Thread(target=lambda: result.setdefault(
+                "r", httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)))
+            t.start()
+            deadline, r = time.time() + 15, None
+            while time.time() < deadline:
+                r = httpx.get(f"{s.url}/health", timeout=2)
+                if r.status_code == 503:
+                    break
+                time.sleep(0.1)
+            assert r.status_code == 503, r.text
+            assert "no progress" in r.json()["error"]["message"]
+        finally:
+            os.kill(ranks[1], signal.SIGCONT)
+        t.join(60)
+        assert result["r"].json()["choices"] == ref["choices"]  # it resumes where it stopped
+        assert httpx.get(f"{s.url}/health", timeout=2).status_code == 200
