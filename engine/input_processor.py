@@ -94,6 +94,8 @@ class InputProcessor:
 
     def check_text_length(self, text: str, field: str) -> None:
         """ValueError, without tokenizing, for text too long to fit max_model_len in any case."""
+        if self._max_token_chars is None:
+            return  # no tokenizer: text is refused elsewhere
         limit = self._max_token_chars * self.max_model_len * _CHARS_PER_TOKEN_MARGIN
         if len(text) > limit:
             raise ValueError(f"{field} has {len(text)} characters: more than the context length "
