@@ -382,19 +382,14 @@ def test_tokenize_route_does_not_block_health(tok):
 # ---- the real engine: per-request failures, stall detection, off-loop tokenizing ----
 
 @pytest.fixture(scope="module")
-def real(tok):
+def real():
     from engine.async_llm import AsyncLLM
 
-    args = EngineArgs(model=str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=64,
-                      max_model_len=256)
-    ns = argparse.Namespace(engine_stall_timeout=0.5)
-
-    async def build():  # AsyncLLM binds to the loop of its first request; the app's is uvicorn's
-        return AsyncLLM(args)
-
-    engine = asyncio.run(build())
+    # AsyncLLM binds to the loop of its first request: uvicorn's, in the server's thread
+    engine = AsyncLLM(EngineArgs(model=str(TINY_MODEL), device="cpu", dtype="float32",
+                                 num_kv_blocks=64, max_model_len=256))
     try:
-        with InProcessServer(build_app(engine, ns)) as s:
+        with InProcessServer(build_app(engine, argparse.Namespace(engine_stall_timeout=0.5))) as s:
             s.engine = engine
             yield s
     finally:
@@ -460,7 +455,7 @@ def test_health_reports_a_stalled_engine(real):
     assert httpx.get(f"{real.url}/health").status_code == 200
 
 
-def test_completion_tokenizing_does_not_block_health(real, tok):
+def test_completion_tokenizing_does_not_block_health(real):
     inputs = real.engine.inputs
     original = inputs.tokenizer
     inputs.tokenizer = SlowTokenizer(original, 1.5)
