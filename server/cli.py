@@ -122,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "before it is closed")
     g.add_argument("--http-body-timeout", type=float, default=lim.http_body_timeout,
                    help="seconds a request may take to send its whole body (408 after)")
+    g.add_argument("--http-keep-alive-timeout", type=float, default=lim.http_keep_alive_timeout,
+                   help="seconds an idle kept-alive connection stays open")
     g.add_argument("--max-prompts-per-request", type=int, default=lim.max_prompts_per_request,
                    help="most prompts in one completions request")
     g.add_argument("--max-seqs-per-request", type=int, default=lim.max_seqs_per_request,
@@ -141,8 +143,8 @@ def _check_limits(ns: argparse.Namespace) -> None:
                  "max_stop_strings", "max_stop_str_len"):
         if getattr(ns, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
-    for flag in ("http_header_timeout", "http_body_timeout", "engine_stall_timeout",
-                 "shutdown_timeout"):
+    for flag in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout",
+                 "engine_stall_timeout", "shutdown_timeout"):
         if not getattr(ns, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(ns, flag)}")
 
@@ -238,7 +240,8 @@ def uvicorn_config(app, ns: argparse.Namespace):
     from server.http_limits import header_timeout_protocol
 
     return uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
-                          access_log=ns.log_level == "debug", timeout_keep_alive=30,
+                          access_log=ns.log_level == "debug",
+                          timeout_keep_alive=ns.http_keep_alive_timeout,
                           backlog=2048, timeout_graceful_shutdown=ns.shutdown_timeout,
                           http=header_timeout_protocol(ns.http_header_timeout))
 

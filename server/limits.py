@@ -16,6 +16,7 @@ class ServerLimits:
     max_request_body_bytes: int = 16 * 1024 * 1024
     http_header_timeout: float = 10.0  # seconds for the request line and headers
     http_body_timeout: float = 30.0  # seconds for the whole body
+    http_keep_alive_timeout: float = 30.0  # seconds an idle kept-alive connection stays open
     max_prompts_per_request: int = 256
     max_seqs_per_request: int = 512  # prompts x n
     # Matching costs each new token about (stop strings x longest stop) character comparisons on

@@ -24,8 +24,9 @@ FLAGS = ["--model", "--host", "--port", "-tp", "--tensor-parallel-size", "-dcp",
          "--enable-prefix-caching", "--no-enable-prefix-caching", "--enforce-eager", "--seed",
          "--log-level", "--attention-backend", "--cpu-kv-cache-gb", "--hf-overrides",
          "--shutdown-timeout", "--max-request-body-bytes", "--http-header-timeout",
-         "--http-body-timeout", "--max-prompts-per-request", "--max-seqs-per-request",
-         "--max-stop-strings", "--max-stop-str-len", "--engine-stall-timeout"]
+         "--http-body-timeout", "--http-keep-alive-timeout", "--max-prompts-per-request",
+         "--max-seqs-per-request", "--max-stop-strings", "--max-stop-str-len",
+         "--engine-stall-timeout"]
 
 
 def serve(*argv: str) -> subprocess.CompletedProcess:

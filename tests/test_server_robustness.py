@@ -254,7 +254,7 @@ def _closed_within(sock: socket.socket, seconds: float) -> bytes | None:
 
 def test_slow_headers_and_slow_bodies_are_cut_off(tok):
     ns = build_parser().parse_args(["--http-header-timeout", "0.5", "--http-body-timeout", "0.5",
-                                    "--log-level", "warning"])
+                                    "--http-keep-alive-timeout", "5", "--log-level", "warning"])
     with _UvicornThread(build_app(FakeEngine(tok), ns), ns) as s:
         silent = socket.create_connection(("127.0.0.1", s.port))
         partial = socket.create_connection(("127.0.0.1", s.port))
