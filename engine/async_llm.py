@@ -92,13 +92,14 @@ class AsyncLLM:
         kind, payload = cmd
         if kind == "add":
             request_id, children = payload
-            for cid, ids, params in children:
+            for i, (cid, ids, params) in enumerate(children):
                 try:
                     self.core.add_request(cid, ids, params)
                 except Exception as e:  # noqa: BLE001 - this request's own fault: fail it alone
                     log.warning("request %s refused by the engine core: %s", request_id, e)
+                    self.core.abort_requests([c for c, _, _ in children[:i]])  # its siblings
                     self._loop.call_soon_threadsafe(self._fail_request, request_id, e)
-                    return  # its siblings already added are aborted by generate()
+                    return
         else:
             outs = self.core.abort_requests(payload)
             if outs:
