@@ -110,8 +110,8 @@ class EngineArgs:
 
     @property
     def model_name(self) -> str:
-        """What clients pass as `model`: --served-model-name, else --model as given (vLLM's
-        rule), except the bundled default model, which is served as "tiny-deepseek-v3"."""
+        """What responses report as `model`: the first --served-model-name, else the name of the
+        --model directory (never its path: the name is echoed in responses and errors)."""
         return self.model_names[0]
 
     @property
@@ -121,7 +121,7 @@ class EngineArgs:
             return list(self.served_model_name)
         if self.served_model_name:
             return [self.served_model_name]
-        return [os.path.basename(DEFAULT_MODEL) if self.model == DEFAULT_MODEL else self.model]
+        return [os.path.basename(os.path.normpath(self.model)) or self.model]
 
 
 _HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")

@@ -57,6 +57,7 @@ class AsyncLLM:
         self._error: BaseException | None = None
         self._stop = threading.Event()
         self._prompt_tokens = self._generation_tokens = self._steps = 0
+        self._heartbeat = time.monotonic()  # the engine thread's last loop turn (step or idle poll)
         self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
         self._thread.start()
 
@@ -65,6 +66,7 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._heartbeat = time.monotonic()
                 idle = not self.core.has_unfinished_requests()
                 try:
                     cmd = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
@@ -90,8 +92,15 @@ class AsyncLLM:
     def _apply(self, cmd) -> None:
         kind, payload = cmd
         if kind == "add":
-            for cid, ids, params in payload:
-                self.core.add_request(cid, ids, params)
+            request_id, children = payload
+            for i, (cid, ids, params) in enumerate(children):
+                try:
+                    self.core.add_request(cid, ids, params)
+                except Exception as e:  # noqa: BLE001 - this request's own fault: fail it alone
+                    log.warning("request %s refused by the engine core: %s", request_id, e)
+                    self.core.abort_requests([c for c, _, _ in children[:i]])  # its siblings
+                    self._loop.call_soon_threadsafe(self._fail_request, request_id, e)
+                    return
         else:
             outs = self.core.abort_requests(payload)
             if outs:
@@ -113,9 +122,21 @@ class AsyncLLM:
             if q is not None:
                 q.put_nowait(r)
 
+    def _fail_request(self, request_id: str, exc: Exception) -> None:
+        q = self._queues.get(request_id)
+        if q is not None:
+            q.put_nowait(exc)
+
     def _fail_all(self) -> None:
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(f"engine core died: {self._error!r}"))
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has held unfinished requests without completing a step (0 while
+        idle or progressing): a wedged worker or collective shows here while the thread lives."""
+        if not self._queues:
+            return 0.0
+        return max(0.0, time.monotonic() - self._heartbeat)
 
     @property
     def errored(self) -> bool:
@@ -127,7 +148,11 @@ class AsyncLLM:
         if self.errored:
             raise EngineDeadError("engine core is not running")
         self._loop = self._loop or asyncio.get_running_loop()
-        text, ids, params = self.inputs.process(prompt, params)
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        # Tokenizing a long prompt takes a while: off the event loop, so other requests and
+        # /health are served meanwhile.
+        text, ids, params = await asyncio.to_thread(self.inputs.process, prompt, params)
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         children = self.outputs.add_request(request_id, text, ids, params)
@@ -136,7 +161,7 @@ class AsyncLLM:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q
         self._prompt_tokens += len(ids)
-        self._commands.put(("add", [(cid, ids, p) for cid, p in children]))
+        self._commands.put(("add", (request_id, [(cid, ids, p) for cid, p in children])))
         finished = False
         try:
             while True:

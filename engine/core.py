@@ -6,6 +6,7 @@ import logging
 
 from engine.args import EngineArgs
 from engine.executor import make_executor
+from engine.sampler import check_sampling_params
 from engine.sampling_params import SamplingParams
 from engine.worker import resolve_device
 from models.config import ModelConfig
@@ -39,6 +40,14 @@ class EngineCore:
                  self.scheduler.config.capacity_tokens)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; ValueError (nothing queued) when one of its values could not run,
+        so that a bad request fails alone before it ever joins a batch."""
+        check_sampling_params(params)
+        V = self.cfg.vocab_size
+        if any(not 0 <= t < V for t in prompt_token_ids):
+            raise ValueError(f"prompt: token ids must be in [0, {V})")
+        if any(not 0 <= t < V for t in params.stop_token_ids):  # the sampler masks them by index
+            raise ValueError(f"stop_token_ids must be in [0, {V})")
         if self._in_flight is not None and request_id in self._in_flight[0].num_scheduled_tokens:
             # The id of a request that has ended but still has a step in flight: results are
             # matched by id, so that step must land before the new request can exist.

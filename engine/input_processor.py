@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 
 from engine.sampling_params import SamplingParams
 from models.config import ModelConfig
@@ -11,8 +12,24 @@ from models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 
+# Files AutoTokenizer can build a tokenizer from; a directory with none of them has no tokenizer.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "vocab.json",
+                    "vocab.txt", "spiece.model", "tiktoken.model")
+# A prompt longer than (longest token in characters) x max_model_len x this margin certainly has
+# more than max_model_len tokens; the margin covers normalizers that shrink text (NFC
+# composition) before splitting.
+_CHARS_PER_TOKEN_MARGIN = 4
+
+
 def load_tokenizer(path: str, required: bool = True):
     from transformers import AutoTokenizer
+    if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, f))
+                                       for f in _TOKENIZER_FILES):
+        msg = f"no tokenizer files in {path} (use --tokenizer or token-id prompts)"
+        if required:
+            raise ValueError(msg)
+        log.warning("%s: only token-id prompts will be accepted", msg)
+        return None
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:  # noqa: BLE001 - any failure means "no usable tokenizer here"
@@ -27,6 +44,12 @@ class InputProcessor:
     def __init__(self, tokenizer, cfg: ModelConfig, max_model_len: int, capacity_tokens: int = 0):
         self.tokenizer, self.cfg, self.max_model_len = tokenizer, cfg, max_model_len
         self.capacity_tokens = capacity_tokens  # KV cache capacity; 0: unknown, unchecked
+        # Token ids a prompt may hold: those the model embeds AND the tokenizer can decode (the
+        # config's vocab may be padded past the tokenizer's), so that completions accept exactly
+        # the ids /detokenize does.
+        self.vocab_size = cfg.vocab_size if tokenizer is None else min(cfg.vocab_size, len(tokenizer))
+        self._max_token_chars = None if tokenizer is None else \
+            max((len(t) for t in tokenizer.get_vocab()), default=1)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -43,12 +66,13 @@ class InputProcessor:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt: this server has no tokenizer; send token ids")
-            text, ids = prompt, self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            self.check_text_length(prompt, "prompt")
+            text, ids = prompt, self.encode(prompt, "prompt", add_special_tokens=True)
         else:
             text, ids = None, list(prompt)
             if not ids:
                 raise ValueError("prompt must not be empty")
-            V = self.cfg.vocab_size
+            V = self.vocab_size
             bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < V), None)
             if bad is not None:
                 raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {V})")
@@ -64,6 +88,23 @@ class InputProcessor:
         elif params.max_tokens > room:
             raise ValueError(f"max_tokens {params.max_tokens} + prompt {len(ids)} tokens exceeds "
                              f"the context length (max_model_len) {self.max_model_len}")
-        if any(t >= self.cfg.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be below the vocabulary size {self.cfg.vocab_size}")
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
         return text, ids, params
+
+    def check_text_length(self, text: str, field: str) -> None:
+        """ValueError, without tokenizing, for text too long to fit max_model_len in any case."""
+        if self._max_token_chars is None:
+            return  # no tokenizer: text is refused elsewhere
+        limit = self._max_token_chars * self.max_model_len * _CHARS_PER_TOKEN_MARGIN
+        if len(text) > limit:
+            raise ValueError(f"{field} has {len(text)} characters: more than the context length "
+                             f"(max_model_len) {self.max_model_len} tokens can hold with this "
+                             f"tokenizer (refused above {limit} characters, before tokenizing)")
+
+    def encode(self, text: str, field: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text`; any tokenizer failure is a ValueError naming the field."""
+        try:
+            return self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        except Exception as e:  # noqa: BLE001 - the tokenizer refused this input (TypeError, ...)
+            raise ValueError(f"{field}: the tokenizer cannot encode it ({type(e).__name__})") from None

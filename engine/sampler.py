@@ -33,6 +33,27 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return gen
 
 
+def check_sampling_params(p: SamplingParams) -> None:
+    """ValueError naming the field when torch cannot build this request's sampling state (its
+    generator, its int64 / fp32 columns). The engine core runs it when a request is added, so
+    that a bad value is refused on its own instead of failing a whole step later."""
+    if p.seed is not None:
+        try:
+            torch.Generator().manual_seed(p.seed)
+        except (RuntimeError, OverflowError, TypeError, ValueError) as e:
+            raise ValueError(f"seed {p.seed!r} cannot seed a torch generator ({e})") from None
+    for name, values in (("top_k", [p.top_k]), ("stop_token_ids", list(p.stop_token_ids))):
+        try:
+            torch.tensor(values, dtype=torch.int64)
+        except (RuntimeError, OverflowError, TypeError, ValueError) as e:
+            raise ValueError(f"{name} {values!r} does not fit in int64 ({e})") from None
+    for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty"):
+        v = getattr(p, name)
+        if not torch.isfinite(torch.tensor(float(v), dtype=torch.float32)):
+            raise ValueError(f"{name} {v!r} is not a finite fp32 number")
+
+
 @dataclass
 class SamplingBatch:
     """Per-row sampling state for the N rows that sample this step (built by the model runner)."""

@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 # 20 for chat; lm_eval asks for 1).
 MAX_LOGPROBS = 20
 
+# Integers reach torch as int64 (seeds through Generator.manual_seed, top_k as a tensor): every
+# integer field is bounded so that no request can carry a value torch refuses mid-step.
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_TOP_K = 2**31 - 1  # any top_k at or above the vocabulary size keeps every token
+# Temperatures below this sample greedily (vLLM's rule): dividing logits by ~1e-38 overflows
+# them to inf and the softmax to nan.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -40,24 +48,33 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
+            self.temperature = 0.0
 
     def _validate(self) -> None:
         def bad(name: str, value, why: str) -> ValueError:
             return ValueError(f"{name} {why}, got {value!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", self.n, "must be an integer >= 1")
-        if self.temperature < 0:
-            raise bad("temperature", self.temperature, "must be >= 0")
+        def integer(name: str, lo: int, hi: int, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise bad(name, v, f"must be an integer in [{lo}, {hi}]")
+
+        integer("n", 1, INT64_MAX)
+        if not self.temperature >= 0 or self.temperature == float("inf"):
+            raise bad("temperature", self.temperature, "must be a finite number >= 0")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise bad("top_k", self.top_k, "must be an integer >= 0 (0 or -1 disables it)")
+        if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
+            raise bad("top_k", self.top_k,
+                      f"must be an integer in [-1, {MAX_TOP_K}] (0 or -1 disables it)")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", self.min_p, "must be in [0, 1]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, "must be an integer >= 1")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+        integer("max_tokens", 1, INT64_MAX, optional=True)
+        integer("min_tokens", 0, INT64_MAX)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, "must be in [0, max_tokens]")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
@@ -67,18 +84,22 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2 <= v <= 2:
                 raise bad(name, v, "must be in [-2, 2]")
-        if not self.repetition_penalty > 0:
-            raise bad("repetition_penalty", self.repetition_penalty, "must be > 0")
+        if not 0 < self.repetition_penalty <= 2:
+            raise bad("repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "must hold non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", self.stop_token_ids, "must hold non-negative integers")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "must be an integer")
+        if any(not isinstance(t, int) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids,
+                      f"must hold integers in [0, {INT64_MAX}]")
+        integer("seed", INT64_MIN, INT64_MAX, optional=True)
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            # sample i of n is seeded with seed + i (OutputProcessor)
+            raise bad("seed", self.seed, f"must be at most {INT64_MAX} - (n - 1) = "
+                      f"{INT64_MAX - self.n + 1} with n = {self.n} (sample i uses seed + i)")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
     @property
     def needs_penalties(self) -> bool:

@@ -15,10 +15,12 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from server.chat import chat_prompt_ids, create_chat_completion
 from server import vllm_compat
+from server.chat import chat_prompt_ids, create_chat_completion, encode
 from server.completions import create_completion
 from server.errors import APIError, error_response, install_error_handlers
+from server.http_limits import BodyLimitMiddleware
+from server.limits import ServerLimits
 from server.metrics import ServerMetrics
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest)
@@ -27,11 +29,17 @@ from server.protocol import (ChatCompletionRequest, CompletionRequest, Detokeniz
 class ServerState:
     """What the handlers share: the engine, its tokenizer, metrics and the API key."""
 
-    def __init__(self, engine, api_key: str | None = None) -> None:
+    def __init__(self, engine, api_key: str | None = None,
+                 limits: ServerLimits | None = None) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name  # the one responses report
+        # Every --served-model-name is accepted as `model`, and so is the --model path (vLLM
+        # serves the path by default), but only the first name is ever echoed back.
         self.model_names: list[str] = list(getattr(engine, "model_names", None) or [engine.model_name])
+        path = getattr(getattr(engine, "args", None), "model", None)
+        self.model_aliases = set(self.model_names) | ({path} if isinstance(path, str) else set())
+        self.limits = limits or ServerLimits()
         self.max_model_len: int = engine.max_model_len
         self.api_key = api_key
         self.metrics = ServerMetrics(engine)
@@ -51,10 +59,26 @@ class ServerState:
         once the engine has died."""
         if self.engine.errored:
             raise APIError(503, "the engine stopped; restart the server")
-        if model is not None and model not in self.model_names:
+        if model is not None and model not in self.model_aliases:
             served = " or ".join(repr(n) for n in self.model_names)
             raise APIError(404, f"model {model!r} does not exist; this server serves {served}",
                            param="model", code="model_not_found")
+
+    def stall_reason(self) -> str | None:
+        """Why the engine counts as wedged (requests held, no step finished for longer than
+        --engine-stall-timeout), or None."""
+        stalled_for = getattr(self.engine, "stalled_for", None)
+        waited = stalled_for() if stalled_for is not None else 0.0
+        if waited > self.limits.engine_stall_timeout:
+            return (f"the engine has made no progress for {waited:.1f} s while it holds "
+                    f"requests (--engine-stall-timeout {self.limits.engine_stall_timeout:g} s)")
+        return None
+
+    def check_text_length(self, text: str, field: str) -> None:
+        """ValueError, without tokenizing, for text that cannot fit the context in any case."""
+        inputs = getattr(self.engine, "inputs", None)
+        if inputs is not None:
+            inputs.check_text_length(text, field)
 
     async def check_api_key(self, request: Request) -> None:
         if self.api_key is None:
@@ -69,12 +93,16 @@ class ServerState:
 def build_app(engine, args=None) -> FastAPI:
     """The HTTP app around a started engine (AsyncLLM or anything with its interface).
 
-    `args` is the parsed `serve` namespace (or None); `api_key` and the CORS flags are read from it.
+    `args` is the parsed `serve` namespace (or None): `api_key`, the CORS flags and the
+    ServerLimits fields are read from it.
     """
-    state = ServerState(engine, api_key=getattr(args, "api_key", None))
+    limits = ServerLimits.from_args(args)
+    state = ServerState(engine, api_key=getattr(args, "api_key", None), limits=limits)
     app = FastAPI(title="mla-serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_request_body_bytes,
+                       body_timeout=limits.http_body_timeout)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(state.check_api_key)])
 
@@ -99,6 +127,9 @@ def build_app(engine, args=None) -> FastAPI:
     async def health() -> Response:
         if engine.errored:
             return error_response(503, "the engine stopped; restart the server")
+        reason = state.stall_reason()
+        if reason is not None:
+            return error_response(503, reason)
         return JSONResponse({})
 
     @app.get("/metrics")
@@ -108,14 +139,17 @@ def build_app(engine, args=None) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
         state.check_model(req.model)
+        # Tokenizing runs off the event loop: a long text must not stall other requests.
         if req.messages is not None:
             try:
                 conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
-            ids = chat_prompt_ids(state.tokenizer, conversation, req.add_generation_prompt)
+            ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
+                                          req.add_generation_prompt)
         else:
-            ids = state.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+            ids = await asyncio.to_thread(encode, state.tokenizer, req.prompt, "prompt",
+                                          req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
@@ -128,7 +162,7 @@ def build_app(engine, args=None) -> FastAPI:
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is outside [0, {vocab})", param="tokens")
-        return {"prompt": state.decode(req.tokens)}
+        return {"prompt": await asyncio.to_thread(state.decode, req.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -20,8 +21,21 @@ from server.streams import ClientDisconnected, EngineStreams, until_disconnect
 logger = logging.getLogger(__name__)
 
 
-def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool) -> list[int]:
-    """Render the chat template and tokenize it without adding special tokens a second time."""
+def encode(tokenizer, text: str, field: str, add_special_tokens: bool) -> list[int]:
+    """Token ids of `text`; a tokenizer failure is a 400 naming the field."""
+    try:
+        return tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+    except Exception as e:  # noqa: BLE001 - the tokenizer refused this input (TypeError, ...)
+        raise APIError(400, f"{field}: the tokenizer cannot encode it ({type(e).__name__})",
+                       param=field) from None
+
+
+def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool,
+                    check_length=None) -> list[int]:
+    """Render the chat template and tokenize it without adding special tokens a second time.
+
+    `check_length(text, field)` may refuse the rendered text (ValueError) before tokenizing it.
+    Blocking: call it off the event loop."""
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
                        param="messages")
@@ -31,7 +45,12 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: 
     except Exception as e:  # jinja raises on conversations the template refuses
         raise APIError(400, f"messages: the chat template refused them: {e}",
                        param="messages") from None
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if check_length is not None:
+        try:
+            check_length(text, "messages")
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+    return encode(tokenizer, text, "messages", add_special_tokens=False)
 
 
 class ChatBuilder:
@@ -94,7 +113,10 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
         conversation = req.conversation()
     except ValueError as e:
         raise APIError(400, str(e), param=param_of(str(e))) from None
-    prompt_ids = chat_prompt_ids(state.tokenizer, conversation, req.add_generation_prompt)
+    state.limits.check(1, req.n, req.stop)
+    # template + tokenizer off the event loop: a long conversation must not stall other requests
+    prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
+                                         req.add_generation_prompt, state.check_text_length)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     tracker = state.metrics.tracker()
     try:
@@ -112,6 +134,7 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
         return Response(status_code=499)
     finally:
         streams.close()
+        tracker.close(req.n)
     choices = [builder.choice(o.index, o) for o in sorted(final.outputs, key=lambda o: o.index)]
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                          "usage": _usage(final)})
@@ -147,3 +170,4 @@ async def _sse(streams: EngineStreams, builder: ChatBuilder, head: dict, tracker
         yield sse("[DONE]")
     finally:
         streams.close()
+        tracker.close(req.n)

@@ -7,14 +7,18 @@ import asyncio
 import dataclasses
 import json
 import logging
+import signal
+import socket
 import sys
 
 from engine.args import DTYPE_ALIASES, EngineArgs, human_readable_int
+from server.limits import ServerLimits
 
 logger = logging.getLogger("server")
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)
              if f.default is not dataclasses.MISSING}
+_LIMITS = ServerLimits()
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -182,7 +186,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CORS: allowed request headers, a JSON list")
     g.add_argument("--allow-credentials", action="store_true",
                    help="CORS: allow credentials (cookies, Authorization) on cross-origin requests")
+    g.add_argument("--shutdown-timeout", type=float, default=15.0,
+                   help="on SIGTERM or SIGINT, seconds to let running requests finish before "
+                        "the engine and its workers are stopped")
+    g = p.add_argument_group("limits (a shared server must not be held by one client)")
+    lim = _LIMITS
+    g.add_argument("--max-request-body-bytes", type=int, default=lim.max_request_body_bytes,
+                   help="largest HTTP request body; larger ones get 413")
+    g.add_argument("--http-header-timeout", type=float, default=lim.http_header_timeout,
+                   help="seconds a connection may take to send its request line and headers "
+                        "before it is closed")
+    g.add_argument("--http-body-timeout", type=float, default=lim.http_body_timeout,
+                   help="seconds a request may take to send its whole body (408 after)")
+    g.add_argument("--http-keep-alive-timeout", type=float, default=lim.http_keep_alive_timeout,
+                   help="seconds an idle kept-alive connection stays open")
+    g.add_argument("--max-prompts-per-request", type=int, default=lim.max_prompts_per_request,
+                   help="most prompts in one completions request")
+    g.add_argument("--max-seqs-per-request", type=int, default=lim.max_seqs_per_request,
+                   help="most sequences (prompts x n) in one request")
+    g.add_argument("--max-stop-strings", type=int, default=lim.max_stop_strings,
+                   help="most stop strings in one request")
+    g.add_argument("--max-stop-str-len", type=int, default=lim.max_stop_str_len,
+                   help="longest stop string, in characters")
+    g.add_argument("--engine-stall-timeout", type=float, default=lim.engine_stall_timeout,
+                   help="/health answers 503 once the engine holds requests and has finished "
+                        "no step for this many seconds (a wedged worker or collective)")
     return p
+
+
+def _check_limits(ns: argparse.Namespace) -> None:
+    for flag in ("max_request_body_bytes", "max_prompts_per_request", "max_seqs_per_request",
+                 "max_stop_strings", "max_stop_str_len"):
+        if getattr(ns, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
+    for flag in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout",
+                 "engine_stall_timeout", "shutdown_timeout"):
+        if not getattr(ns, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(ns, flag)}")
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -211,6 +251,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         master_addr=ns.master_addr, master_port=ns.master_port)
     if not 1 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
+    _check_limits(ns)
     _check_devices(args)
     return args
 
@@ -228,9 +269,65 @@ def _check_devices(args: EngineArgs) -> None:
                          f"{args.tensor_parallel_size} CUDA devices, only {n} visible")
 
 
-async def _serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads so that a port in use fails at once
+    (not after minutes of loading and the GPU memory it took); OSError names the address."""
+    sock = None
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        if sock is not None:
+            sock.close()
+        raise OSError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
+def _draining_server(config):
+    """uvicorn's Server, but SIGTERM and SIGINT both drain and return so that the engine and its
+    workers are stopped (uvicorn re-raises the signal after its shutdown, and a re-raised SIGTERM
+    ends the process on the spot). A second signal stops at once."""
+    import contextlib
+
     import uvicorn
 
+    class DrainingServer(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            def on_signal(sig, frame):
+                self.force_exit = self.should_exit
+                self.should_exit = True
+                logger.info("%s: draining requests, then stopping", signal.Signals(sig).name)
+
+            old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    return DrainingServer(config)
+
+
+def uvicorn_config(app, ns: argparse.Namespace):
+    """uvicorn's settings for `serve`: timeouts for idle, slow-header and draining connections."""
+    import uvicorn
+
+    from server.http_limits import header_timeout_protocol
+
+    return uvicorn.Config(app, host=ns.host, port=ns.port,
+                          log_level=getattr(ns, "uvicorn_log_level", None) or ns.log_level,
+                          access_log=ns.log_level == "debug",
+                          timeout_keep_alive=ns.http_keep_alive_timeout,
+                          backlog=2048, timeout_graceful_shutdown=ns.shutdown_timeout,
+                          http=header_timeout_protocol(ns.http_header_timeout))
+
+
+async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket) -> int:
     from engine.async_llm import AsyncLLM
     from server.api_server import build_app
 
@@ -241,17 +338,13 @@ async def _serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
         print(f"serve: error: {e}", file=sys.stderr)
         return 1
     try:
-        app = build_app(engine, ns)
-        config = uvicorn.Config(app, host=ns.host, port=ns.port,
-                                log_level=ns.uvicorn_log_level or ns.log_level,
-                                access_log=ns.log_level == "debug", timeout_keep_alive=30,
-                                backlog=2048)
-        server = uvicorn.Server(config)
+        server = _draining_server(uvicorn_config(build_app(engine, ns), ns))
         logger.info("serving %s on http://%s:%d/v1", engine.model_name, ns.host, ns.port)
-        await server.serve()
+        await server.serve(sockets=[sock])
         return 0 if server.started else 1
     finally:
         engine.shutdown()
+        logger.info("engine stopped")
 
 
 def _worker_node(args: EngineArgs) -> int:
@@ -269,6 +362,10 @@ def _worker_node(args: EngineArgs) -> int:
     return 0
 
 
+def _interrupt(sig, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `serve` console script and `python -m server`."""
     ns = build_parser().parse_args(argv)
@@ -282,9 +379,22 @@ def main(argv: list[str] | None = None) -> int:
     if ns.trust_remote_code:
         logger.info("--trust-remote-code is accepted for vLLM compatibility and changes nothing: "
                     "the model code is built in, no code from %s is run", engine_args.model)
+    # Until uvicorn takes the signals over: SIGTERM unwinds like Ctrl-C, so that a stop during
+    # the model load still ends the worker processes (multiprocessing's exit handler).
+    signal.signal(signal.SIGTERM, _interrupt)
     if engine_args.node_rank > 0:
-        return _worker_node(engine_args)
+        try:
+            return _worker_node(engine_args)
+        except KeyboardInterrupt:
+            return 0
     try:
-        return asyncio.run(_serve(ns, engine_args))
+        sock = bind_socket(ns.host, ns.port)
+    except OSError as e:
+        print(f"serve: error: {e}", file=sys.stderr)
+        return 1
+    try:
+        return asyncio.run(_serve(ns, engine_args, sock))
     except KeyboardInterrupt:
         return 0
+    finally:
+        sock.close()

@@ -142,6 +142,7 @@ def _finish(o: CompletionOutput, drop_generated: bool) -> str | None:
 async def create_completion(state, req: CompletionRequest, raw: Request) -> Response:
     """Handle one completions request end to end."""
     state.check_model(req.model)
+    state.limits.check(len(req.prompts()), req.n, req.stop)
     try:
         params = req.to_sampling_params()
     except ValueError as e:
@@ -164,6 +165,7 @@ async def create_completion(state, req: CompletionRequest, raw: Request) -> Resp
         return Response(status_code=499)
     finally:
         streams.close()
+        tracker.close(len(streams.request_ids) * req.n)
     n = req.n
     choices = [builder.choice(i * n + o.index, f, o) for i, f in enumerate(finals)
                for o in f.outputs]
@@ -207,3 +209,4 @@ async def _sse(streams: EngineStreams, builder: CompletionBuilder, head: dict, t
         yield sse("[DONE]")
     finally:
         streams.close()
+        tracker.close(len(streams.request_ids) * req.n)

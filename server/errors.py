@@ -34,9 +34,10 @@ def error_response(status: int, message: str, param: str | None = None,
 
 
 def param_of(message: str) -> str | None:
-    """The field a validation message starts with ("max_tokens must be ...")."""
+    """The field a validation message starts with ("max_tokens must be ...", "stop.0: ...")."""
     word = message.split(" ", 1)[0].rstrip(":")
-    return word if word.isidentifier() and word.islower() else None
+    head = word.split(".", 1)[0]
+    return word if head.isidentifier() and head.islower() else None
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -83,6 +84,8 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = f"no route {request.method} {request.url.path}"
         elif exc.status_code == 405:
             msg = f"method {request.method} is not allowed on {request.url.path}"
+        elif exc.status_code == 400 and msg == "There was an error parsing the body":
+            msg = "request body is not valid JSON text (UTF-8)"  # e.g. bytes that are not UTF-8
         return error_response(exc.status_code, msg)
 
     @app.exception_handler(Exception)

@@ -110,6 +110,8 @@ class RequestTracker:
         self._arrival = time.perf_counter()
         self._last: dict[int, float] = {}  # prompt index -> time of its previous output
         self._queued: set[int] = set()  # prompt indices whose queue time is recorded
+        self._finished_choices = 0
+        self._closed = False
 
     def observe(self, prompt_idx: int, out: RequestOutput) -> None:
         """Record one engine output of prompt `prompt_idx`."""
@@ -133,3 +135,15 @@ class RequestTracker:
                 reason = o.finish_reason or "unknown"
                 self._m.success.labels(finished_reason=reason).inc()
                 self._m.vllm_success.labels(model_name=self._m.model_name, finished_reason=reason).inc()
+                self._finished_choices += 1
+
+    def close(self, num_choices: int) -> None:
+        """The HTTP request is over: its choices that never finished (client gone, fault) were
+        aborted and count as finished_reason="abort"."""
+        if self._closed:
+            return
+        self._closed = True
+        aborted = num_choices - self._finished_choices
+        if aborted > 0:
+            self._m.success.labels(finished_reason="abort").inc(aborted)
+            self._m.vllm_success.labels(model_name=self._m.model_name, finished_reason="abort").inc(aborted)

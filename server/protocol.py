@@ -7,17 +7,56 @@ the limit before anything reaches the engine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_validator,
+                      model_validator)
 
-from engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
 
 MAX_N = 128  # OpenAI's cap on choices per prompt
 
 
+def _bounded(lo: int, hi: int):
+    """An int field limited to [lo, hi]; the 400 names the whole range (Python ints are
+    unbounded, torch's are int64)."""
+    def check(v: int) -> int:
+        if not lo <= v <= hi:
+            raise ValueError(f"must be an integer in [{lo}, {hi}]")
+        return v
+    return Annotated[int, AfterValidator(check)]
+
+
+Int64 = _bounded(INT64_MIN, INT64_MAX)
+NonNegInt64 = _bounded(0, INT64_MAX)
+
+
+def check_text(value: Any, path: str) -> None:
+    """Refuse strings that are not valid Unicode text (a lone surrogate such as "\ud800" parses
+    from JSON but cannot be encoded, tokenized or echoed): ValueError naming the field."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{path or 'request'}: not valid Unicode text (unpaired surrogate "
+                             f"{value[e.start]!r} at character {e.start})") from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, path)
+            check_text(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            check_text(v, f"{path}.{i}" if path else str(i))
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        check_text(data, "")
+        return data
 
 
 class StreamOptions(_Request):
@@ -30,17 +69,17 @@ class _SamplingFields(_Request):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
+    top_k: _bounded(-1, MAX_TOP_K) = 0
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
-    seed: int | None = None
+    n: _bounded(1, MAX_N) = 1
+    seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[NonNegInt64] = Field(default_factory=list)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: NonNegInt64 = 0
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM)
@@ -56,17 +95,18 @@ class _SamplingFields(_Request):
             raise ValueError("stop strings must be non-empty")
         return v
 
-    @field_validator("stop_token_ids")
-    @classmethod
-    def _stop_ids_nonneg(cls, v):
-        if any(t < 0 for t in v):
-            raise ValueError("stop_token_ids must be >= 0")
-        return v
-
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _seeds_of_every_sample_fit(self):
+        # sample i of n is seeded with seed + i: the last one must still be an int64
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            raise ValueError(f"seed must be in [{INT64_MIN}, {INT64_MAX - self.n + 1}] with "
+                             f"n = {self.n} (sample i uses seed + i), got {self.seed}")
         return self
 
     @property
@@ -93,8 +133,8 @@ Prompt = str | list[int]
 
 class CompletionRequest(_SamplingFields):
     prompt: Any  # str | list[str] | list[int] | list[list[int]], see _normalize_prompt
-    max_tokens: int | None = Field(16, ge=0)
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    max_tokens: NonNegInt64 | None = 16
+    logprobs: _bounded(0, MAX_LOGPROBS) | None = None
     echo: bool = False
 
     @field_validator("prompt")
@@ -139,8 +179,8 @@ def _normalize_prompt(v: Any) -> list[Prompt]:
     for p in prompts:
         if len(p) == 0:
             raise ValueError("prompt must not be empty")
-        if isinstance(p, list) and any(t < 0 for t in p):
-            raise ValueError("prompt token ids must be >= 0")
+        if isinstance(p, list) and any(not 0 <= t <= INT64_MAX for t in p):
+            raise ValueError(f"prompt token ids must be in [0, {INT64_MAX}]")
     return prompts
 
 
@@ -166,10 +206,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: _bounded(1, INT64_MAX) | None = None
+    max_completion_tokens: _bounded(1, INT64_MAX) | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: _bounded(0, MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
@@ -204,4 +244,4 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int64]

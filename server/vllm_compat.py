@@ -40,7 +40,11 @@ def install(app: FastAPI, engine, args=None) -> None:
         return {"version": version()}
 
     @app.api_route("/ping", methods=["GET", "POST"])
-    async def ping() -> Response:
+    async def ping() -> Response:  # as /health
         if engine.errored:
             return error_response(503, "the engine stopped; restart the server")
+        state = getattr(app.state, "server", None)
+        reason = state.stall_reason() if state is not None else None
+        if reason is not None:
+            return error_response(503, reason)
         return JSONResponse({})

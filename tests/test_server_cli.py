@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 
+import httpx
 import pytest
 
 from server.cli import build_parser, engine_args_from
-from tests.server_fixtures import REPO, TINY_MODEL
+from tests.server_fixtures import REPO, TINY_MODEL, ServeProcess
 
 FLAGS = ["--model", "--host", "--port", "-tp", "--tensor-parallel-size", "-dcp",
          "--decode-context-parallel-size", "--max-num-batched-tokens", "--max-num-seqs",
          "--max-model-len", "--block-size", "--dtype", "--device", "--load-format", "--tokenizer",
          "--served-model-name", "--api-key", "--gpu-memory-utilization", "--num-kv-blocks",
          "--enable-prefix-caching", "--no-enable-prefix-caching", "--enforce-eager", "--seed",
-         "--log-level", "--attention-backend", "--cpu-kv-cache-gb", "--hf-overrides"]
+         "--log-level", "--attention-backend", "--cpu-kv-cache-gb", "--hf-overrides",
+         "--shutdown-timeout", "--max-request-body-bytes", "--http-header-timeout",
+         "--http-body-timeout", "--http-keep-alive-timeout", "--max-prompts-per-request",
+         "--max-seqs-per-request", "--max-stop-strings", "--max-stop-str-len",
+         "--engine-stall-timeout"]
 
 
 def serve(*argv: str) -> subprocess.CompletedProcess:
@@ -68,6 +78,8 @@ def test_flags_map_to_engine_args():
     (["--port", "notaport"], "--port"),
     (["--hf-overrides", "{bad json"], "--hf-overrides"),
     (["--device", "cuda", "-tp", "64"], "--"),
+    (["--max-request-body-bytes", "0"], "--max-request-body-bytes"),
+    (["--engine-stall-timeout", "0"], "--engine-stall-timeout"),
 ])
 def test_bad_flags_exit_with_one_line(argv, needle):
     if "--model" not in argv:
@@ -76,3 +88,48 @@ def test_bad_flags_exit_with_one_line(argv, needle):
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("serve: error:"), out.stderr
+
+
+def test_port_in_use_fails_before_the_model_loads():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        out = serve("--model", str(TINY_MODEL), "--device", "cpu", "--port", str(port))
+        took = time.monotonic() - t0
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 1, out.stderr
+    assert len(lines) == 1 and lines[0].startswith("serve: error:") and str(port) in lines[0], lines
+    assert took < 30
+
+
+def _children(pid: int) -> set[int]:
+    kids = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids |= {int(k) for k in f.read().split()}
+    return kids
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signals_drain_and_stop_every_worker(sig):
+    with ServeProcess("--model", str(TINY_MODEL), "--device", "cpu", "--dtype", "float32",
+                      "-tp", "2", "--num-kv-blocks", "64", "--max-model-len", "256") as s:
+        workers = _children(s.proc.pid)
+        assert len(workers) >= 2  # two ranks (and multiprocessing's resource tracker)
+        result = {}
+        body = {"prompt": "Mia has", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        t = threading.Thread(target=lambda: result.setdefault(
+            "r", httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)))
+        t.start()
+        time.sleep(0.3)  # the request is running
+        s.proc.send_signal(sig)
+        rc = s.proc.wait(timeout=60)
+        t.join(60)
+    assert rc == 0
+    assert result["r"].status_code == 200  # drained, not cut
+    assert result["r"].json()["usage"]["completion_tokens"] == 24
+    assert not [p for p in workers if os.path.exists(f"/proc/{p}")
+                and open(f"/proc/{p}/stat").read().split()[2] != "Z"]

@@ -1,0 +1,130 @@
+"""Transport-level limits: request body size, body read time, header read time.
+
+A client must not hold a socket or the server's memory without bound: the request line and
+headers must arrive within `header_timeout` seconds of the connection (or of the previous
+response, on a kept-alive connection), the whole body within `body_timeout` seconds, and the body
+may not exceed `max_body_bytes` (413, checked on Content-Length before anything is read and again
+while reading).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from server.errors import error_body
+
+
+class BodyLimitMiddleware:
+    """ASGI middleware: reads the whole body under a size and a time limit, then hands it on.
+
+    Later `receive()` calls go to the server's, so disconnect detection keeps working.
+    """
+
+    def __init__(self, app, max_body_bytes: int, body_timeout: float) -> None:
+        self.app, self.max_body_bytes, self.body_timeout = app, max_body_bytes, body_timeout
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await self._refuse(send, 413, self._too_large())
+        try:
+            body = await asyncio.wait_for(self._read(receive), self.body_timeout)
+        except asyncio.TimeoutError:
+            return await self._refuse(send, 408, f"the request body did not arrive within "
+                                                 f"{self.body_timeout:g} s (--http-body-timeout)")
+        except _TooLarge:
+            return await self._refuse(send, 413, self._too_large())
+        except _Disconnected:
+            return
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read(self, receive) -> bytes:
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _Disconnected()
+            chunk = message.get("body", b"")
+            total += len(chunk)
+            if total > self.max_body_bytes:
+                raise _TooLarge()
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    def _too_large(self) -> str:
+        return (f"request body is larger than {self.max_body_bytes} bytes "
+                f"(--max-request-body-bytes)")
+
+    @staticmethod
+    async def _refuse(send, status: int, message: str) -> None:
+        body = json.dumps(error_body(status, message)).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Disconnected(Exception):
+    pass
+
+
+def header_timeout_protocol(header_timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol, closing connections whose request headers take longer than
+    `header_timeout` seconds (uvicorn itself times out only idle kept-alive connections)."""
+
+    class HeaderTimeoutProtocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def _awaiting_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(header_timeout, self._header_timed_out)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _header_timed_out(self) -> None:
+            self._header_timer = None
+            if self._awaiting_headers() and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._awaiting_headers():
+                self._arm()  # a new request starts on a kept-alive connection
+            super().data_received(data)
+            if not self._awaiting_headers():
+                self._disarm()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol

@@ -1,0 +1,52 @@
+"""Per-request limits a shared server needs, each set by a `serve` flag (docs/server.md).
+
+One request may not monopolise the FCFS queue (prompts, sequences) or the event loop (stop
+strings are matched on the loop for every new token of every sequence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from server.errors import APIError
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    http_header_timeout: float = 10.0  # seconds for the request line and headers
+    http_body_timeout: float = 30.0  # seconds for the whole body
+    http_keep_alive_timeout: float = 30.0  # seconds an idle kept-alive connection stays open
+    max_prompts_per_request: int = 256
+    max_seqs_per_request: int = 512  # prompts x n
+    # Matching costs each new token about (stop strings x longest stop) character comparisons on
+    # the event loop, per sequence: 16 x 128 is ~0.25 ms per token on one CPU core.
+    max_stop_strings: int = 16
+    max_stop_str_len: int = 128  # characters
+    engine_stall_timeout: float = 60.0  # /health 503 after this long without a finished step
+
+    @classmethod
+    def from_args(cls, args) -> ServerLimits:
+        """Limits from a parsed `serve` namespace (or any object); missing attributes keep their
+        defaults."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)
+                      if getattr(args, f.name, None) is not None})
+
+    def check(self, num_prompts: int, n: int, stop: str | list[str] | None) -> None:
+        """400 naming the field and the limit for a request over one of them."""
+        if num_prompts > self.max_prompts_per_request:
+            raise APIError(400, f"prompt: {num_prompts} prompts in one request; at most "
+                           f"{self.max_prompts_per_request} (--max-prompts-per-request)",
+                           param="prompt")
+        if num_prompts * n > self.max_seqs_per_request:
+            raise APIError(400, f"n: {num_prompts} prompt(s) x n = {n} is {num_prompts * n} "
+                           f"sequences; at most {self.max_seqs_per_request} per request "
+                           f"(--max-seqs-per-request)", param="n")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > self.max_stop_strings:
+            raise APIError(400, f"stop: {len(stops)} stop strings; at most "
+                           f"{self.max_stop_strings} (--max-stop-strings)", param="stop")
+        longest = max((len(s) for s in stops), default=0)
+        if longest > self.max_stop_str_len:
+            raise APIError(400, f"stop: a stop string of {longest} characters; at most "
+                           f"{self.max_stop_str_len} (--max-stop-str-len)", param="stop")

@@ -1,0 +1,493 @@
+"""One bad request must never kill, freeze or wedge the server: bounds at the edge, per-request
+failures in the engine, tokenizing off the event loop, body / header / body-time limits,
+per-request limits, the stall check of /health, and the smaller contract points around them.
+
+The HTTP tests run on a fake engine in-process; the engine tests on the real AsyncLLM with the
+tiny model (one per module), in-process, with its HTTP app on a loopback port.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import transformers
+
+from engine.args import EngineArgs
+from engine.input_processor import InputProcessor, load_tokenizer
+from engine.sampler import Sampler, SamplingBatch
+from engine.sampling_params import SamplingParams
+from models.config import ModelConfig
+from server.api_server import ServerState, build_app
+from server.cli import build_parser, uvicorn_config
+from server.errors import APIError
+from tests.server_fixtures import TINY_MODEL, FakeEngine, InProcessServer, free_port, metric
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def fake(tok):
+    engine = FakeEngine(tok, max_model_len=128)
+    with InProcessServer(build_app(engine)) as s:
+        s.engine = engine
+        yield s
+
+
+def post(server, path: str, body, **kw) -> httpx.Response:
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, timeout=30,
+                      headers={"content-type": "application/json"}, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    if param is not None:
+        assert (err["param"] or "").startswith(param) and param in err["message"], err
+    return err
+
+
+# ---- bounds of every integer field (values torch would refuse in the engine thread) ----
+
+OUT_OF_RANGE = [
+    ({"seed": 2**64}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"),
+    ({"seed": 2**63 - 1, "n": 2}, "seed"),  # sample 1 would use seed + 1
+    ({"seed": 2**64 - 1, "n": 2}, "seed"),
+    ({"top_k": 2**63}, "top_k"),
+    ({"stop_token_ids": [2**64]}, "stop_token_ids"),
+    ({"min_tokens": 2**64}, "min_tokens"),
+    ({"max_tokens": 2**64}, "max_tokens"),
+    ({"logprobs": 2**64}, "logprobs"),
+    ({"n": 2**64}, "n"),
+    ({"repetition_penalty": 1e300}, "repetition_penalty"),
+]
+
+
+@pytest.mark.parametrize("fields,param", OUT_OF_RANGE, ids=[str(f) for f, _ in OUT_OF_RANGE])
+def test_integer_fields_are_bounded_with_the_range_in_the_message(fake, fields, param):
+    err = assert_error(post(fake, "/v1/completions", {"prompt": "hi", "max_tokens": 2, **fields}),
+                       400, param)
+    if param not in ("repetition_penalty",):
+        assert "[" in err["message"] and "]" in err["message"], err  # the range
+    r = post(fake, "/v1/chat/completions",
+             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields})
+    assert_error(r, 400, param)
+
+
+def test_token_id_prompts_beyond_int64_are_400(fake):
+    assert_error(post(fake, "/v1/completions", {"prompt": [[2**64]]}), 400, "prompt")
+    assert_error(post(fake, "/detokenize", {"tokens": [2**64]}), 400, "tokens")
+
+
+def test_sampling_params_bounds():
+    for kw in ({"seed": 2**64}, {"seed": -(2**63) - 1}, {"seed": 2**63 - 1, "n": 2},
+               {"top_k": 2**63}, {"stop_token_ids": [2**63]}, {"n": True}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            SamplingParams(**kw)
+    assert SamplingParams(seed=-(2**63)).seed == -(2**63)
+    assert SamplingParams(seed=2**63 - 2, n=2).seed == 2**63 - 2
+
+
+# ---- near-zero temperature is greedy ----
+
+def test_near_zero_temperature_samples_greedily():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50) * 3
+    params = [SamplingParams(temperature=t) for t in (1e-38, 1e-30, 1e-6, 0.0)]
+    assert all(p.greedy for p in params)
+    batch = SamplingBatch.from_params(params, [[1]] * 4, [[]] * 4, [None] * 4, [], "cpu")
+    out = Sampler()(logits, batch)
+    assert out.token_ids.tolist() == logits.argmax(-1).tolist()
+    # a seeded row too (a generator is built but greedy never draws)
+    p = SamplingParams(temperature=1e-38, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    out = Sampler()(logits[:1], SamplingBatch.from_params([p], [[1]], [[]], [gen], [], "cpu"))
+    assert out.token_ids.tolist() == logits[:1].argmax(-1).tolist()
+
+
+# ---- text that is not valid Unicode ----
+
+SURROGATES = [
+    ("/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": ["ok", "\\udfff"], "max_tokens": 2}', "prompt"),
+    ("/v1/completions", '{"prompt": "ok", "stop": ["\\ud800"], "max_tokens": 2}', "stop"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": '
+                             '[{"type": "text", "text": "\\udc80"}]}]}', "messages"),
+    ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
+    ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+]
+
+
+@pytest.mark.parametrize("path,raw,param", SURROGATES, ids=[f"{p}-{f}" for p, _, f in SURROGATES])
+def test_lone_surrogates_are_400_naming_the_field(fake, path, raw, param):
+    assert_error(post(fake, path, raw), 400, param)
+    assert post(fake, "/v1/completions", {"prompt": "ok", "max_tokens": 1}).status_code == 200
+
+
+def test_bodies_that_are_not_utf8_are_400(fake):
+    for raw in (b'{"prompt": "\xff"}', b'\xff\xfe{', b'{"prompt": "a", "stop": "\xc3"}'):
+        err = assert_error(post(fake, "/v1/completions", raw), 400)
+        assert "UTF-8" in err["message"]
+    # an encoded surrogate decodes (JSON allows it) but is refused as text
+    assert_error(post(fake, "/v1/completions", b'{"prompt": "\xed\xa0\x80"}'), 400, "prompt")
+
+
+def test_tokenizer_failures_are_value_errors(tok):
+    cfg = ModelConfig.from_pretrained(str(TINY_MODEL))
+    inputs = InputProcessor(tok, cfg, 64)
+    with pytest.raises(ValueError, match="prompt"):
+        inputs.process("\ud800", SamplingParams(max_tokens=1))
+
+
+# ---- request limits ----
+
+LIMITS = [
+    ({"prompt": ["a"] * 257}, "prompt"),
+    ({"prompt": ["a"] * 5, "n": 128}, "n"),
+    ({"prompt": "a", "stop": [f"s{i}" for i in range(17)]}, "stop"),
+    ({"prompt": "a", "stop": "x" * 129}, "stop"),
+]
+
+
+@pytest.mark.parametrize("body,param", LIMITS, ids=[p for _, p in LIMITS])
+def test_per_request_limits(fake, body, param):
+    err = assert_error(post(fake, "/v1/completions", {"max_tokens": 1, **body}), 400, param)
+    assert "--max-" in err["message"]  # the flag that sets the limit
+
+
+def test_per_request_limits_admit_their_edge(fake):
+    for body in ({"prompt": ["a"] * 256}, {"prompt": ["a"] * 4, "n": 128},
+                 {"prompt": "a", "stop": [f"s{i}" for i in range(16)]},
+                 {"prompt": "a", "stop": "x" * 128}):
+        r = post(fake, "/v1/completions", {"max_tokens": 1, **body})
+        assert r.status_code == 200, r.text
+
+
+def test_limits_follow_flags(tok):
+    ns = build_parser().parse_args(["--max-prompts-per-request", "2", "--max-seqs-per-request",
+                                    "4", "--max-stop-strings", "1", "--max-stop-str-len", "3"])
+    with InProcessServer(build_app(FakeEngine(tok), ns)) as s:
+        assert_error(post(s, "/v1/completions", {"prompt": ["a"] * 3}), 400, "prompt")
+        assert_error(post(s, "/v1/completions", {"prompt": ["a"] * 2, "n": 3}), 400, "n")
+        assert_error(post(s, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "x"}], "n": 5}), 400, "n")
+        assert_error(post(s, "/v1/completions", {"prompt": "a", "stop": ["a", "b"]}), 400, "stop")
+        assert_error(post(s, "/v1/completions", {"prompt": "a", "stop": "abcd"}), 400, "stop")
+        ok = post(s, "/v1/completions", {"prompt": ["a"] * 2, "n": 2, "stop": "abc",
+                                          "max_tokens": 1})
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 4
+
+
+# ---- body size, slow bodies and slow headers ----
+
+def test_body_limit_413(tok):
+    ns = build_parser().parse_args(["--max-request-body-bytes", "1000"])
+    with InProcessServer(build_app(FakeEngine(tok), ns)) as s:
+        big = {"prompt": "x" * 2000, "max_tokens": 1}
+        assert_error(post(s, "/v1/completions", big), 413)
+        assert_error(post(s, "/tokenize", {"prompt": "x" * 2000}), 413)
+
+        def chunks():  # no Content-Length: the limit holds while reading
+            yield b'{"prompt": "'
+            for _ in range(10):
+                yield b"x" * 200
+            yield b'"}'
+        r = httpx.post(f"{s.url}/v1/completions", content=chunks(),
+                       headers={"content-type": "application/json"})
+        assert_error(r, 413)
+        ok = post(s, "/v1/completions", {"prompt": "x" * 100, "max_tokens": 1})
+        assert ok.status_code == 200
+
+
+class _UvicornThread:
+    """`serve`'s own uvicorn config (protocol, timeouts) around an app, in a thread."""
+
+    def __init__(self, app, ns) -> None:
+        import uvicorn
+
+        ns.host, ns.port = "127.0.0.1", free_port()
+        self.port = ns.port
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn_config(app, ns))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.time() + 20
+        while not self.server.started:
+            assert time.time() < deadline and self.thread.is_alive()
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def _closed_within(sock: socket.socket, seconds: float) -> bytes | None:
+    """What the server sent before closing the socket, or None if it is still open."""
+    sock.settimeout(seconds)
+    data = b""
+    try:
+        while True:
+            chunk = sock.recv(4096)
+            if not chunk:
+                return data
+            data += chunk
+    except socket.timeout:
+        return None
+
+
+def test_slow_headers_and_slow_bodies_are_cut_off(tok):
+    ns = build_parser().parse_args(["--http-header-timeout", "0.5", "--http-body-timeout", "0.5",
+                                    "--http-keep-alive-timeout", "5", "--log-level", "warning"])
+    with _UvicornThread(build_app(FakeEngine(tok), ns), ns) as s:
+        silent = socket.create_connection(("127.0.0.1", s.port))
+        partial = socket.create_connection(("127.0.0.1", s.port))
+        partial.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        slow_body = socket.create_connection(("127.0.0.1", s.port))
+        slow_body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                          b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        assert _closed_within(silent, 3) == b""
+        assert _closed_within(partial, 3) == b""
+        reply = _closed_within(slow_body, 3)
+        assert reply is not None and reply.startswith(b"HTTP/1.1 408"), reply
+        # a kept-alive connection still works, and its next request's headers are timed again
+        with httpx.Client(base_url=s.url) as c:
+            assert c.get("/health").status_code == 200
+            time.sleep(1.0)
+            assert c.get("/health").status_code == 200
+        for sock in (silent, partial, slow_body):
+            sock.close()
+
+
+# ---- metrics, vocabulary, names, tokenizer files ----
+
+def test_aborted_requests_are_counted(fake):
+    def aborts() -> float:
+        text = httpx.get(f"{fake.url}/metrics").text
+        try:
+            return metric(text.replace('{finished_reason="abort"}', "_abort"),
+                          "mla_serve_request_success_total_abort")
+        except KeyError:
+            return 0.0
+
+    before = aborts()
+    fake.engine.step_delay = 0.02
+    try:
+        with httpx.stream("POST", f"{fake.url}/v1/completions", json={
+                "prompt": "hi", "max_tokens": 100, "n": 2, "stream": True}) as r:
+            for i, _ in enumerate(r.iter_lines()):
+                if i == 2:
+                    break
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{fake.url}/v1/completions", json={"prompt": "hi", "max_tokens": 100},
+                       timeout=httpx.Timeout(10, read=0.2))
+    finally:
+        fake.engine.step_delay = 0.0
+    deadline = time.time() + 5
+    while aborts() < before + 3 and time.time() < deadline:
+        time.sleep(0.05)
+    assert aborts() == before + 3
+
+
+def test_prompt_ids_are_limited_to_what_the_tokenizer_decodes(tok):
+    cfg = ModelConfig.from_pretrained(str(TINY_MODEL))
+    assert cfg.vocab_size > len(tok)  # the bundled model's config pads its vocabulary
+    inputs = InputProcessor(tok, cfg, 64)
+    inputs.process([len(tok) - 1], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match=f"\\[0, {len(tok)}\\)"):
+        inputs.process([len(tok)], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        inputs.process([5], SamplingParams(max_tokens=1, stop_token_ids=[len(tok)]))
+
+
+def test_model_is_served_by_name_not_path(tok):
+    args = EngineArgs(model="/srv/secret/models/my-model", load_format="dummy")
+    assert args.model_name == "my-model"
+    assert EngineArgs(model="/srv/secret/models/my-model/", load_format="dummy").model_name == "my-model"
+    engine = FakeEngine(tok)
+    engine.model_name, engine.args = args.model_name, args
+    state = ServerState(engine)
+    state.check_model("my-model")
+    state.check_model("/srv/secret/models/my-model")  # the path is still accepted
+    with pytest.raises(APIError) as e:
+        state.check_model("other")
+    assert "/srv/secret" not in e.value.message and "my-model" in e.value.message
+
+
+def test_directory_without_tokenizer_files(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="no tokenizer files in .* \\(use --tokenizer or "
+                                         "token-id prompts\\)"):
+        load_tokenizer(str(tmp_path))
+    assert load_tokenizer(str(tmp_path), required=False) is None
+
+
+# ---- tokenizing never blocks the event loop ----
+
+class SlowTokenizer:
+    """A tokenizer whose encode holds its thread for `delay` s (as a 10 MB prompt does)."""
+
+    def __init__(self, tok, delay: float) -> None:
+        self._tok, self.delay = tok, delay
+
+    def __call__(self, text, **kw):
+        if len(text) > 50:
+            time.sleep(self.delay)
+        return self._tok(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __len__(self):
+        return len(self._tok)
+
+
+def _health_latency_during(url: str, request) -> float:
+    """Worst /health latency while `request()` runs in another thread."""
+    t = threading.Thread(target=request)
+    t.start()
+    time.sleep(0.2)
+    worst = 0.0
+    while t.is_alive():
+        t0 = time.perf_counter()
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+        worst = max(worst, time.perf_counter() - t0)
+        time.sleep(0.05)
+    t.join()
+    return worst
+
+
+def test_tokenize_route_does_not_block_health(tok):
+    with InProcessServer(build_app(FakeEngine(SlowTokenizer(tok, 1.5)))) as s:
+        worst = _health_latency_during(s.url, lambda: post(s, "/tokenize", {"prompt": "x " * 40}))
+        assert worst < 0.5, worst
+
+
+# ---- the real engine: per-request failures, stall detection, off-loop tokenizing ----
+
+@pytest.fixture(scope="module")
+def real():
+    from engine.async_llm import AsyncLLM
+
+    # AsyncLLM binds to the loop of its first request: uvicorn's, in the server's thread
+    engine = AsyncLLM(EngineArgs(model=str(TINY_MODEL), device="cpu", dtype="float32",
+                                 num_kv_blocks=64, max_model_len=256))
+    try:
+        with InProcessServer(build_app(engine, argparse.Namespace(engine_stall_timeout=0.5))) as s:
+            s.engine = engine
+            yield s
+    finally:
+        engine.shutdown()
+
+
+def _greedy(server, prompt, **kw) -> httpx.Response:
+    return post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                            "ignore_eos": True, **kw})
+
+
+def test_bad_sampling_state_fails_the_request_not_the_engine(real):
+    ref = _greedy(real, "Mia has").json()["choices"][0]["text"]
+    loop = real.engine._loop  # uvicorn's, bound by the request above
+
+    async def submit(**bad):
+        p = SamplingParams(max_tokens=4, temperature=1.0, n=2)
+        for k, v in bad.items():
+            setattr(p, k, v)  # past validation, as a value only torch refuses would be
+        return [o async for o in real.engine.generate([5, 6, 7], p, f"bad-{time.time_ns()}")]
+
+    for bad in ({"seed": 2**64}, {"seed": 2**64 - 1}, {"top_k": 2**63}):
+        fut = asyncio.run_coroutine_threadsafe(submit(**bad), loop)
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            fut.result(timeout=30)
+        assert not real.engine.errored
+        assert httpx.get(f"{real.url}/health").status_code == 200
+        assert _greedy(real, "Mia has").json()["choices"][0]["text"] == ref
+    assert real.engine.wait_idle(10) and real.engine.stats().num_free_blocks == 64
+
+
+def test_near_zero_temperature_equals_greedy_on_the_engine(real):
+    ref = _greedy(real, "Emma has").json()["choices"][0]["text"]
+    assert _greedy(real, "Emma has", temperature=1e-38, seed=1).json()["choices"][0]["text"] == ref
+
+
+def test_health_reports_a_stalled_engine(real):
+    gate = threading.Event()
+    step = real.engine.core.step
+
+    def wedged_step():
+        gate.wait(20)
+        return step()
+
+    real.engine.core.step = wedged_step
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault("r", _greedy(real, "Hi")))
+    try:
+        t.start()
+        deadline, r = time.time() + 10, None
+        while time.time() < deadline:
+            r = httpx.get(f"{real.url}/health", timeout=2)
+            if r.status_code == 503:
+                break
+            time.sleep(0.05)
+        err = assert_error(r, 503)
+        assert "no progress" in err["message"] and "--engine-stall-timeout" in err["message"]
+    finally:
+        real.engine.core.step = step
+        gate.set()
+        t.join(30)
+    assert done["r"].status_code == 200
+    assert httpx.get(f"{real.url}/health").status_code == 200
+
+
+def test_completion_tokenizing_does_not_block_health(real):
+    inputs = real.engine.inputs
+    original = inputs.tokenizer
+    inputs.tokenizer = SlowTokenizer(original, 1.5)
+    try:
+        worst = _health_latency_during(real.url, lambda: _greedy(real, "Mia has 7 apples. " * 4))
+    finally:
+        inputs.tokenizer = original
+    assert worst < 0.5, worst
+
+
+def test_overlong_text_is_refused_before_tokenizing(real):
+    t0 = time.perf_counter()
+    err = assert_error(_greedy(real, "ab " * 2_000_000), 400, "prompt")
+    assert "before tokenizing" in err["message"] and time.perf_counter() - t0 < 5
+    msgs = [{"role": "user", "content": "ab " * 2_000_000}]
+    err = assert_error(post(real, "/v1/chat/completions", {"messages": msgs}), 400, "messages")
+    assert "before tokenizing" in err["message"]
+
+
+def test_engine_core_refuses_what_would_fail_a_step():
+    from engine.llm import LLM
+
+    llm = LLM(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=16, max_model_len=64)
+    V = llm.engine.cfg.vocab_size
+    cases = [([5], {"seed": 2**64}, "seed"), ([5], {"top_k": 2**63}, "top_k"),
+             ([V], {}, "prompt"), ([5], {"stop_token_ids": [V], "min_tokens": 2}, "stop_token_ids")]
+    for ids, bad, field in cases:
+        p = SamplingParams(max_tokens=2, temperature=1.0)
+        for k, v in bad.items():
+            setattr(p, k, v)  # past SamplingParams' own checks
+        with pytest.raises(ValueError, match=field):
+            llm.engine.add_request("bad", ids, p)
+        assert not llm.engine.has_unfinished_requests()
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
