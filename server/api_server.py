@@ -39,7 +39,16 @@ class ServerState:
         self.token_str = lru_cache(maxsize=1 << 16)(self._token_str)
 
     def _token_str(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    def need_tokenizer(self) -> None:
+        """400 on routes that only a tokenizer can answer."""
+        if self.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer (started with --skip-tokenizer-init, "
+                           "or the model directory has none): send and read token ids",
+                           code="no_tokenizer")
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
@@ -105,6 +114,7 @@ def build_app(engine, args=None) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
         state.check_model(req.model)
+        state.need_tokenizer()
         if req.messages is not None:
             try:
                 conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
@@ -121,6 +131,7 @@ def build_app(engine, args=None) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
         state.check_model(req.model)
+        state.need_tokenizer()
         vocab = len(state.tokenizer)
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
@@ -129,6 +140,7 @@ def build_app(engine, args=None) -> FastAPI:
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:
+        state.need_tokenizer()
         tok = state.tokenizer
         return {"tokenizer_class": type(tok).__name__,
                 "bos_token": _str_or_none(tok.bos_token), "bos_token_id": tok.bos_token_id,

@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "files). Defaults to the bundled tiny demo model.")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer directory, when it is not the model directory")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: prompts must be token ids, completions carry "
+                        "`token_ids` and empty text; /tokenize, /detokenize and /tokenizer_info "
+                        "answer 400")
     g.add_argument("--served-model-name", default=None,
                    help="the name clients pass as `model`; defaults to the --model path")
     g.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default=d["load_format"],
@@ -119,6 +123,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         raise ValueError("--hf-overrides must be a JSON object")
     args = EngineArgs(
         model=ns.model, tokenizer=ns.tokenizer, served_model_name=ns.served_model_name,
+        skip_tokenizer_init=ns.skip_tokenizer_init,
         tensor_parallel_size=ns.tensor_parallel_size,
         decode_context_parallel_size=ns.decode_context_parallel_size,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
