@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI routes, tokenizer routes, health and metrics.
 
-The engine core steps in its own thread (AsyncLLM); handlers only await its async generators, so
-a slow client never stalls a step and HTTP work never waits for one.
+The engine core steps in its own process (AsyncLLM); handlers only await its async generators,
+so a slow client never stalls a step and HTTP work never waits for one.
 """
 
 from __future__ import annotations
@@ -97,6 +97,9 @@ def build_app(engine, args=None) -> FastAPI:
         card = {"id": state.model_name, "object": "model", "created": state.created,
                 "owned_by": "mla-serve", "root": state.model_name,
                 "max_model_len": state.max_model_len}
+        vocab = getattr(engine, "vocab_size", None)
+        if vocab is not None:  # token-id clients need it when there is no /tokenizer_info
+            card["vocab_size"] = vocab
         return {"object": "list", "data": [card]}
 
     app.include_router(v1)

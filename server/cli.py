@@ -156,13 +156,13 @@ def _check_devices(args: EngineArgs) -> None:
 async def _serve(ns: argparse.Namespace, engine_args: EngineArgs) -> int:
     import uvicorn
 
-    from engine.async_llm import AsyncLLM
+    from engine.async_llm import AsyncLLM, EngineStartError
     from server.api_server import build_app
 
     # Built inside the running loop, so that the engine binds its output queues to this loop.
     try:
         engine = AsyncLLM(engine_args)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, OSError, EngineStartError) as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 1
     try:
