@@ -3,7 +3,10 @@
 Feeds the OutputProcessor one decode step at a time for `--num-requests` requests (one new token
 each, with logprobs if asked), with the engine-core wire format in between (encode, pickle,
 unpickle, decode: what crosses the process boundary each step), and prints the mean time per
-step over windows of steps. With outputs as deltas the figures stay flat as the outputs grow.
+step over windows of steps. With outputs as deltas our work per step stays flat as the outputs
+grow. With --logprobs the front end keeps every TokenLogprobs of a request until it finishes, and
+Python's cyclic garbage collector walks those live objects: its passes take longer as they pile
+up (--no-gc shows the figures without it).
 
     python scripts/bench_output_processing.py                      # 256 requests, 2000 steps, no tokenizer
     python scripts/bench_output_processing.py --tokenizer          # with the tiny model's detokenizer
@@ -13,6 +16,7 @@ step over windows of steps. With outputs as deltas the figures stay flat as the 
 from __future__ import annotations
 
 import argparse
+import gc
 import pickle
 import random
 import sys
@@ -35,7 +39,10 @@ def main() -> None:
     p.add_argument("--window", type=int, default=100, help="steps per reported mean")
     p.add_argument("--logprobs", type=int, default=None, help="top-N logprobs per token")
     p.add_argument("--tokenizer", action="store_true", help="detokenize with the tiny model's tokenizer")
+    p.add_argument("--no-gc", action="store_true", help="turn the cyclic garbage collector off")
     a = p.parse_args()
+    if a.no_gc:
+        gc.disable()
 
     tok = None
     if a.tokenizer:
