@@ -12,7 +12,7 @@
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
 #   http        the same workload offline, then over HTTP (serve + bench_serving), one table with
-#               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:900`)
+#               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:560`)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
 # A step may carry its own timeout in seconds: `tests:150`. Default STEP_TIMEOUT (240).

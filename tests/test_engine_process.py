@@ -130,3 +130,40 @@ def test_dead_core_fails_fast_and_shutdown_joins_the_core(tmp_path_factory):
                                                         "max_tokens": 4}, timeout=60)
         assert r.status_code == 200
     assert s.proc.returncode == 0 and not _alive(core)
+
+
+@pytest.mark.slow
+def test_core_in_a_thread_or_a_process_gives_the_same_outputs(tmp_path_factory):
+    import asyncio
+
+    from engine.args import EngineArgs
+    from engine.async_llm import AsyncLLM
+    from engine.sampling_params import SamplingParams
+
+    args = EngineArgs(model=tiny_model_dir(tmp_path_factory), device="cpu", dtype="float32",
+                      max_model_len=512, num_kv_blocks=256)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, n=2)
+
+    async def run(in_thread: bool):
+        engine = AsyncLLM(args, core_in_thread=in_thread)
+        try:
+            async def one(i, prompt):
+                deltas, last = [], None
+                async for out in engine.generate(prompt, params, f"r{i}"):
+                    deltas.append([o.delta_token_ids for o in out.outputs])
+                    last = out
+                return deltas, [(o.token_ids, o.text, [lp.token_id for lp in o.logprobs])
+                                for o in last.outputs]
+            results = await asyncio.gather(*(one(i, p) for i, p in enumerate(
+                ["Emma has", [5, 6, 7, 8], "Question: Mia has 7 apples."])))
+            stats = engine.stats()
+            assert stats.generation_tokens_total == 3 * 2 * 6 and stats.num_running == 0
+            return results
+        finally:
+            engine.shutdown()
+
+    threaded, spawned = asyncio.run(run(True)), asyncio.run(run(False))
+    assert threaded == spawned
+    for deltas, final in spawned:
+        for k, (ids, _, lp_ids) in enumerate(final):
+            assert ids == [t for step in deltas for t in step[k]] == lp_ids and len(ids) == 6
