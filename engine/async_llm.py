@@ -105,6 +105,10 @@ class AsyncLLM:
     def errored(self) -> bool:
         return self._error is not None or not self.core.alive
 
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request awaits outputs (with `last_output_time`, a stall detector's input)."""
+        return bool(self._queues)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """Stream RequestOutputs (per-step deltas; engine/outputs.py) until finished."""
