@@ -21,8 +21,8 @@ SERVE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
          "--num-kv-blocks", "256", "--served-model-name", "tiny"]
 
 
-def _core_pid(pid: int) -> int:
-    """The engine-core child of `serve` (not multiprocessing's resource tracker)."""
+def _spawned(pid: int) -> list[int]:
+    """Children of `pid` started by multiprocessing's spawn (not its resource tracker)."""
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         children = [int(p) for p in f.read().split()]
     spawned = []
@@ -30,7 +30,12 @@ def _core_pid(pid: int) -> int:
         with open(f"/proc/{c}/cmdline", "rb") as f:
             if b"spawn_main" in f.read():
                 spawned.append(c)
-    (core,) = spawned
+    return spawned
+
+
+def _core_pid(pid: int) -> int:
+    """The engine-core child of `serve`."""
+    (core,) = _spawned(pid)
     return core
 
 
@@ -101,27 +106,42 @@ def test_start_up_error_in_the_core_is_one_line_and_exits(tmp_path_factory):
     assert time.time() - t0 < 100
 
 
+def _kill_mid_stream(s, pid: int) -> None:
+    """Start a long streamed completion, SIGKILL `pid` after its first chunk, and check that
+    the stream ends with an in-band error at once, then /health and new requests get 503."""
+    with httpx.Client(timeout=60) as c:
+        assert c.get(f"{s.url}/health").status_code == 200
+        with c.stream("POST", f"{s.url}/v1/completions", json={
+                "model": "tiny", "prompt": "Hello", "max_tokens": 400, "temperature": 0,
+                "ignore_eos": True, "stream": True}) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            while not next(lines).startswith("data:"):
+                pass
+            os.kill(pid, signal.SIGKILL)
+            t0 = time.time()
+            rest = [json.loads(line[5:]) for line in lines
+                    if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+        assert "error" in rest[-1] and time.time() - t0 < 10
+        assert c.get(f"{s.url}/health").status_code == 503
+        r = c.post(f"{s.url}/v1/completions", json={"model": "tiny", "prompt": "Hi"})
+        assert r.status_code == 503
+
+
+@pytest.mark.slow
+def test_dead_worker_under_the_core_fails_fast(tmp_path_factory):
+    with ServeProcess("--model", tiny_model_dir(tmp_path_factory), *SERVE, "-tp", "2") as s:
+        core = _core_pid(s.proc.pid)
+        workers = _spawned(core)  # under -tp the core is the workers' parent
+        assert len(workers) == 2
+        _kill_mid_stream(s, workers[1])
+    assert s.proc.returncode == 0 and not _alive(core) and not any(map(_alive, workers))
+
+
 @pytest.mark.slow
 def test_dead_core_fails_fast_and_shutdown_joins_the_core(tmp_path_factory):
     with ServeProcess("--model", tiny_model_dir(tmp_path_factory), *SERVE) as s:
-        core = _core_pid(s.proc.pid)  # uvicorn runs in the serve process; the core is its child
-        with httpx.Client(timeout=60) as c:
-            assert c.get(f"{s.url}/health").status_code == 200
-            with c.stream("POST", f"{s.url}/v1/completions", json={
-                    "model": "tiny", "prompt": "Hello", "max_tokens": 400, "temperature": 0,
-                    "ignore_eos": True, "stream": True}) as r:
-                assert r.status_code == 200
-                lines = r.iter_lines()
-                while not next(lines).startswith("data:"):
-                    pass
-                os.kill(core, signal.SIGKILL)
-                t0 = time.time()
-                rest = [json.loads(line[5:]) for line in lines
-                        if line.startswith("data:") and line[5:].strip() != "[DONE]"]
-            assert "error" in rest[-1] and time.time() - t0 < 10
-            assert c.get(f"{s.url}/health").status_code == 503
-            r = c.post(f"{s.url}/v1/completions", json={"model": "tiny", "prompt": "Hi"})
-            assert r.status_code == 503
+        _kill_mid_stream(s, _core_pid(s.proc.pid))  # uvicorn runs in serve; the core is its child
     assert s.proc.returncode == 0
 
     with ServeProcess("--model", tiny_model_dir(tmp_path_factory), *SERVE) as s:
