@@ -67,7 +67,10 @@ class CoreClient:
             out_w.close()
         try:
             self.info = self._wait_ready()
-        except BaseException:
+        except EngineStartError:
+            self._kill(grace_s=10.0)  # it reported its error and is on its way out
+            raise
+        except BaseException:  # Ctrl-C while loading
             self._kill()
             raise
         self._reader = threading.Thread(target=self._read, name="engine-core-reader", daemon=True)
@@ -165,8 +168,10 @@ class CoreClient:
             self._runner.join(max(0.0, end - time.monotonic()))
         self._reader.join(1.0)
 
-    def _kill(self) -> None:
+    def _kill(self, grace_s: float = 0.0) -> None:
         self._closing = True
+        if self._proc is not None and grace_s:
+            self._proc.join(grace_s)
         if self._proc is not None and self._proc.is_alive():
             self._proc.terminate()
             self._proc.join(5)

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 _FIELDS = tuple(f.name for f in dataclasses.fields(EngineCoreOutput))
 _row = operator.attrgetter(*_FIELDS)  # EngineCoreOutput -> tuple of its fields, in C
 _IDLE_POLL_S = 1.0
+_MAX_MESSAGES_PER_STEP = 64  # each message is every command the front end had queued
 
 
 @dataclass
@@ -148,9 +149,12 @@ def _loop(core, cmd_conn, sender: _Sender) -> None:
     while True:
         outs: list[EngineCoreOutput] = []
         changed = False
-        # Idle: wait for work. Busy: take whatever commands arrived, then step.
+        # Idle: wait for work. Busy: take the commands that arrived (a bounded number of
+        # messages, so a flood of arrivals cannot hold the step back), then step.
         timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_S
-        while cmd_conn.poll(timeout):
+        for _ in range(_MAX_MESSAGES_PER_STEP):
+            if not cmd_conn.poll(timeout):
+                break
             for kind, payload in pickle.loads(cmd_conn.recv_bytes()):
                 if kind == "add":
                     for req_id, prompt_ids, params in payload:
