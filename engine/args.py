@@ -19,6 +19,7 @@ class EngineArgs:
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None  # defaults to `model`
     served_model_name: str | list[str] | None = None  # several: all accepted, the first reported
+    skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts in, token ids out (no text)
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
     max_num_batched_tokens: int = 2048

@@ -1,26 +1,28 @@
-"""Async front end for the HTTP server: the engine core steps in its own thread, the event loop
-tokenizes, detokenizes and streams. Only plain data crosses between the two (a command queue one
-way, lists of EngineCoreOutput the other), so a slow client never stalls a step and a step never
-blocks HTTP handling.
+"""Async front end for the HTTP server: the engine core runs in its own process (CoreClient);
+this side tokenizes, detokenizes and streams on the event loop. Only plain data crosses (commands
+one way, per-step EngineCoreOutput deltas the other), so HTTP work never stalls a step and a step
+never blocks HTTP handling.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from engine.args import EngineArgs
-from engine.llm import build_engine
+from engine.core_client import CoreClient, EngineStartError
+from engine.core_proc import CoreStats
+from engine.llm import load_front_end
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from scheduler.outputs import EngineCoreOutput
 
 log = logging.getLogger(__name__)
+
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineStartError", "EngineStats"]
 
 
 @dataclass
@@ -43,125 +45,121 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncLLM:
-    def __init__(self, args: EngineArgs):
+    """`core_in_thread=True` runs the engine core in a thread of this process instead (same
+    protocol; for tests and debugging)."""
+
+    def __init__(self, args: EngineArgs, core_in_thread: bool = False):
         self.args = args
-        self.core, self.inputs, self.outputs = build_engine(args)
+        self.model_config, self.inputs, self.outputs = load_front_end(args)
         self.tokenizer = self.outputs.tokenizer
-        self.model_config = self.core.cfg
-        self.max_model_len = self.core.max_model_len
         self.model_name = args.model_name
-        self.model_names = args.model_names  # all accepted as `model`; model_name is the first
+        self.vocab_size = self.model_config.vocab_size
         self._queues: dict[str, asyncio.Queue] = {}
-        self._commands: queue.Queue = queue.Queue()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._error: BaseException | None = None
-        self._stop = threading.Event()
-        self._prompt_tokens = self._generation_tokens = self._steps = 0
-        self._heartbeat = time.monotonic()  # the engine thread's last loop turn (step or idle poll)
-        self._thread = threading.Thread(target=self._run, name="engine-core", daemon=True)
-        self._thread.start()
-
-    # ---- engine thread ----
-
-    def _run(self) -> None:
         try:
-            while not self._stop.is_set():
-                self._heartbeat = time.monotonic()
-                idle = not self.core.has_unfinished_requests()
-                try:
-                    cmd = self._commands.get(timeout=0.05) if idle else self._commands.get_nowait()
-                except queue.Empty:
-                    cmd = None
-                while cmd is not None:
-                    self._apply(cmd)
-                    try:
-                        cmd = self._commands.get_nowait()
-                    except queue.Empty:
-                        cmd = None
-                if self.core.has_unfinished_requests():
-                    outs = self.core.step()
-                    self._steps += 1
-                    if outs:
-                        self._deliver(outs)
-        except BaseException as e:  # noqa: BLE001 - any fault kills the engine; report it to everyone
-            log.exception("engine core died")
-            self._error = e
-            if self._loop is not None:
-                self._loop.call_soon_threadsafe(self._fail_all)
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None  # bound by the first generate()
+        self._error: str | None = None
+        self._prompt_tokens = self._generation_tokens = 0
+        self._core_stats = CoreStats()
+        self.last_output_time = time.monotonic()  # when outputs last reached the event loop
+        # Stall detection (/health): the core reports after every step, outputs or not.
+        self._last_core_message = self._busy_since = time.monotonic()
+        self._parent: dict[str, str] = {}  # engine (child) request id -> request id
+        self.core = CoreClient(args, self.model_config, self.inputs.eos_token_id,
+                               self._on_core_outputs, self._on_core_death, self._on_refused,
+                               in_thread=core_in_thread)
+        n = self.core.info.num_blocks
+        self._core_stats = CoreStats(num_free_blocks=n, num_total_blocks=n)
+        self.max_model_len = self.core.info.max_model_len
+        self.inputs.max_model_len = self.core.info.max_model_len
+        self.inputs.capacity_tokens = self.core.info.capacity_tokens
 
-    def _apply(self, cmd) -> None:
-        kind, payload = cmd
-        if kind == "add":
-            request_id, children = payload
-            for i, (cid, ids, params) in enumerate(children):
-                try:
-                    self.core.add_request(cid, ids, params)
-                except Exception as e:  # noqa: BLE001 - this request's own fault: fail it alone
-                    log.warning("request %s refused by the engine core: %s", request_id, e)
-                    self.core.abort_requests([c for c, _, _ in children[:i]])  # its siblings
-                    self._loop.call_soon_threadsafe(self._fail_request, request_id, e)
-                    return
-        else:
-            outs = self.core.abort_requests(payload)
-            if outs:
-                self._deliver(outs)
+    # ---- reader thread ----
 
-    def _deliver(self, outs: list[EngineCoreOutput]) -> None:
-        self._loop.call_soon_threadsafe(self._on_outputs, outs)
+    def _on_core_outputs(self, outs: list[EngineCoreOutput], stats: CoreStats) -> None:
+        self._last_core_message = time.monotonic()
+        self._core_stats = stats
+        if outs and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._on_outputs, outs)
+
+    def _on_refused(self, refused: list[tuple[str, str]]) -> None:
+        """The core refused these engine requests (their own values could not run): each fails
+        its request alone, with a ValueError (a 400 before any output); its generator's cleanup
+        aborts the siblings the core did take."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_refused, refused)
+
+    def _fail_refused(self, refused: list[tuple[str, str]]) -> None:
+        for cid, message in refused:
+            log.warning("request %s refused by the engine core: %s", cid, message)
+            q = self._queues.get(self._parent.get(cid, cid))
+            if q is not None:
+                q.put_nowait(ValueError(message))
+
+    def _on_core_death(self, message: str) -> None:
+        self._error = message
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._fail_all)
 
     # ---- event-loop side ----
 
     def _on_outputs(self, outs: list[EngineCoreOutput]) -> None:
+        self.last_output_time = time.monotonic()
         for o in outs:
             self._generation_tokens += len(o.new_token_ids)
         results, to_abort = self.outputs.process(outs)
         if to_abort:
-            self._commands.put(("abort", to_abort))
+            self.core.abort(to_abort)
         for r in results:
             q = self._queues.get(r.request_id)
             if q is not None:
                 q.put_nowait(r)
 
-    def _fail_request(self, request_id: str, exc: Exception) -> None:
-        q = self._queues.get(request_id)
-        if q is not None:
-            q.put_nowait(exc)
-
     def _fail_all(self) -> None:
         for q in self._queues.values():
-            q.put_nowait(EngineDeadError(f"engine core died: {self._error!r}"))
-
-    def stalled_for(self) -> float:
-        """Seconds the engine has held unfinished requests without completing a step (0 while
-        idle or progressing): a wedged worker or collective shows here while the thread lives."""
-        if not self._queues:
-            return 0.0
-        return max(0.0, time.monotonic() - self._heartbeat)
+            q.put_nowait(EngineDeadError(self._error or "the engine core stopped"))
 
     @property
     def errored(self) -> bool:
-        return self._error is not None or not self._thread.is_alive()
+        return self._error is not None or not self.core.alive
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request awaits outputs."""
+        return bool(self._queues)
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has held requests without reporting a step (0 while idle or
+        progressing): a wedged worker or collective shows here while the core process lives."""
+        if not self._queues:
+            return 0.0
+        return max(0.0, time.monotonic() - max(self._last_core_message, self._busy_since))
 
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutputs until finished; see /work notes in engine/outputs.py for fields."""
+        """Stream RequestOutputs (per-step deltas; engine/outputs.py) until finished."""
         if self.errored:
             raise EngineDeadError("engine core is not running")
         self._loop = self._loop or asyncio.get_running_loop()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        # Tokenizing a long prompt takes a while: off the event loop, so other requests and
-        # /health are served meanwhile.
-        text, ids, params = await asyncio.to_thread(self.inputs.process, prompt, params)
-        if request_id in self._queues:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        children = self.outputs.add_request(request_id, text, ids, params)
-        if self.args.enable_log_requests:
-            log.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
         q: asyncio.Queue = asyncio.Queue()
-        self._queues[request_id] = q
+        if not self._queues:
+            self._busy_since = time.monotonic()  # the stall clock starts with the first request
+        self._queues[request_id] = q  # the id is taken from here on
+        try:
+            if isinstance(prompt, str):  # tokenizing is the slow part: off the event loop
+                text, ids, params = await asyncio.to_thread(self.inputs.process, prompt, params)
+            else:
+                text, ids, params = self.inputs.process(prompt, params)
+            children = self.outputs.add_request(request_id, text, ids, params)
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
         self._prompt_tokens += len(ids)
-        self._commands.put(("add", (request_id, [(cid, ids, p) for cid, p in children])))
+        for cid, _ in children:
+            self._parent[cid] = request_id
+        self.core.add([(cid, ids, p) for cid, p in children])
         finished = False
         try:
             while True:
@@ -174,6 +172,8 @@ class AsyncLLM:
                     return
         finally:
             self._queues.pop(request_id, None)
+            for cid, _ in children:
+                self._parent.pop(cid, None)
             if not finished:  # client went away (cancelled / closed the generator): free its blocks
                 await self.abort(request_id)
 
@@ -181,25 +181,16 @@ class AsyncLLM:
         children = self.outputs.child_ids(request_id)
         self.outputs.abort(request_id)
         if children:
-            self._commands.put(("abort", children))
+            self.core.abort(children)
 
     def stats(self) -> EngineStats:
-        s = self.core.scheduler.stats
+        """Scheduler counters as of the core's last message, plus the front end's token counts."""
+        s = self._core_stats
         return EngineStats(s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks,
                            s.kv_cache_usage, s.num_preemptions, self._prompt_tokens,
                            self._generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits,
-                           self._steps)
+                           s.num_steps)
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout)
-        self.core.shutdown()
-
-    def wait_idle(self, timeout: float = 10.0) -> bool:
-        """Block until the engine holds no request (for tests and graceful shutdown)."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            if self._commands.empty() and not self.core.has_unfinished_requests():
-                return True
-            time.sleep(0.01)
-        return False
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine core and its workers, and wait for them."""
+        self.core.shutdown(timeout)

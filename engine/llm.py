@@ -18,16 +18,22 @@ from models.config import ModelConfig, check_parallel_layout
 log = logging.getLogger(__name__)
 
 
-def build_engine(args: EngineArgs) -> tuple[EngineCore, InputProcessor, OutputProcessor]:
-    """Config, tokenizer, engine core and the front-end processors, shared by LLM and AsyncLLM."""
+def load_front_end(args: EngineArgs) -> tuple[ModelConfig, InputProcessor, OutputProcessor]:
+    """Config, tokenizer and the front-end processors (the engine core is built separately)."""
     cfg = ModelConfig.from_pretrained(args.model, args.hf_overrides)
     check_parallel_layout(cfg, args.tensor_parallel_size, args.decode_context_parallel_size)
-    tokenizer = load_tokenizer(args.tokenizer_path, required=args.load_format != "dummy")
-    inputs = InputProcessor(tokenizer, cfg, 0)
+    tokenizer = None if args.skip_tokenizer_init else \
+        load_tokenizer(args.tokenizer_path, required=args.load_format != "dummy")
+    return cfg, InputProcessor(tokenizer, cfg, 0), OutputProcessor(tokenizer)
+
+
+def build_engine(args: EngineArgs) -> tuple[EngineCore, InputProcessor, OutputProcessor]:
+    """Front-end processors and an engine core in this process (the offline LLM)."""
+    cfg, inputs, outputs = load_front_end(args)
     core = EngineCore(args, cfg, inputs.eos_token_id)
     inputs.max_model_len = core.max_model_len
     inputs.capacity_tokens = core.scheduler.config.capacity_tokens
-    return core, inputs, OutputProcessor(tokenizer)
+    return core, inputs, outputs
 
 
 class LLM:

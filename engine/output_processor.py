@@ -1,5 +1,9 @@
 """Front-end bookkeeping: fan out n samples, detokenize, apply stop strings, build RequestOutputs.
 
+Each step costs O(new tokens) per request: the running token and logprob lists are appended to,
+and every RequestOutput hands over only the news since the previous one; the cumulative lists go
+out once, in the final output (engine/outputs.py).
+
 A request with `n` samples becomes n engine requests `"{id}#{i}"` (prefix caching shares their
 prompt blocks); sample i of a seeded request uses seed + i so the samples differ but each is
 reproducible.
@@ -8,18 +12,44 @@ reproducible.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
-from scheduler.outputs import EngineCoreOutput
+from scheduler.outputs import EngineCoreOutput, TokenLogprobs
 
 
 @dataclass
 class _Sample:
-    completion: CompletionOutput
+    index: int
     detok: IncrementalDetokenizer | None  # None: no tokenizer (token-id benchmarks), no text
+    want_logprobs: bool
+    token_ids: list[int] = field(default_factory=list)  # cumulative, appended to (never copied)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # news since the last RequestOutput: handed over (not copied) and started afresh
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def take_delta(self, final: bool) -> CompletionOutput:
+        """The news since the last call; with `final`, also the cumulative text and lists."""
+        out = CompletionOutput(
+            index=self.index, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
+            delta_text=self.delta_text, delta_token_ids=self.delta_token_ids,
+            delta_logprobs=self.delta_logprobs if self.want_logprobs else None)
+        if final:
+            out.text = "" if self.detok is None else self.detok.output_text
+            out.token_ids = self.token_ids
+            out.logprobs = self.logprobs if self.want_logprobs else None
+        self.delta_text, self.delta_token_ids, self.delta_logprobs = "", [], []
+        return out
 
 
 @dataclass
@@ -35,7 +65,7 @@ class _Parent:
 
     @property
     def finished(self) -> bool:
-        return all(s.completion.finished for s in self.samples)
+        return all(s.finished for s in self.samples)
 
 
 def child_id(request_id: str, index: int) -> str:
@@ -60,8 +90,7 @@ class OutputProcessor:
             p = dataclasses.replace(params, n=1, seed=seed)
             detok = None if self.tokenizer is None else \
                 IncrementalDetokenizer(self.tokenizer, prompt_token_ids, p)
-            samples.append(_Sample(CompletionOutput(index=i, logprobs=[] if p.logprobs is not None else None),
-                                   detok))
+            samples.append(_Sample(i, detok, want_logprobs=p.logprobs is not None))
             children.append((child_id(request_id, i), p))
         parent = _Parent(request_id, prompt, prompt_token_ids, params, samples)
         self._parents[request_id] = parent
@@ -88,8 +117,7 @@ class OutputProcessor:
                 continue  # news for a request the client already dropped
             parent, i = entry
             s = parent.samples[i]
-            c = s.completion
-            if c.finished:
+            if s.finished:
                 continue
             if o.prompt_logprobs is not None and i == 0:
                 parent.prompt_logprobs = o.prompt_logprobs
@@ -101,21 +129,22 @@ class OutputProcessor:
             # text is left out, as OpenAI and vLLM do.
             stop_str = None if s.detok is None else \
                 s.detok.update(o.new_token_ids, stop_terminated=o.finish_reason == "stop")
-            c.token_ids.extend(o.new_token_ids)
-            c.delta_token_ids.extend(o.new_token_ids)
-            if c.logprobs is not None:
-                c.logprobs.extend(lp for lp in o.new_logprobs if lp is not None)
+            s.token_ids.extend(o.new_token_ids)
+            s.delta_token_ids.extend(o.new_token_ids)
+            if s.want_logprobs:
+                lps = [lp for lp in o.new_logprobs if lp is not None]
+                s.logprobs.extend(lps)
+                s.delta_logprobs.extend(lps)
             if stop_str is not None:
-                c.finish_reason, c.stop_reason = "stop", stop_str
+                s.finish_reason, s.stop_reason = "stop", stop_str
                 if not o.finished:
                     to_abort.append(o.req_id)
             elif o.finished:
-                c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+                s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
             if s.detok is not None:
-                if c.finished and s.detok.finish() is not None:  # the flushed tail held a stop string
-                    c.finish_reason, c.stop_reason = "stop", s.detok.stop_str
-                c.text = s.detok.output_text
-                c.delta_text += s.detok.get_delta()
+                if s.finished and s.detok.finish() is not None:  # the flushed tail held a stop string
+                    s.finish_reason, s.stop_reason = "stop", s.detok.stop_str
+                s.delta_text += s.detok.get_delta()
             touched[parent.request_id] = parent
         results = [self._snapshot(p) for p in touched.values()]
         for p in touched.values():
@@ -129,22 +158,17 @@ class OutputProcessor:
         if parent is None:
             return None
         for s in parent.samples:
-            if not s.completion.finished:
-                s.completion.finish_reason = "abort"
+            if not s.finished:
+                s.finish_reason = "abort"
         out = self._snapshot(parent)
         self.remove(request_id)
         return out
 
     def _snapshot(self, p: _Parent) -> RequestOutput:
-        """A RequestOutput copy carrying the deltas accumulated since the last snapshot."""
-        outs = []
-        for s in p.samples:
-            c = s.completion
-            outs.append(dataclasses.replace(
-                c, token_ids=list(c.token_ids), delta_token_ids=list(c.delta_token_ids),
-                logprobs=None if c.logprobs is None else list(c.logprobs)))
-            c.delta_text, c.delta_token_ids = "", []
+        """A RequestOutput of the news since the last one (and the whole output when finished)."""
+        final = p.finished
         return RequestOutput(request_id=p.request_id, prompt=p.prompt,
-                             prompt_token_ids=p.prompt_token_ids, outputs=outs,
-                             prompt_logprobs=p.prompt_logprobs, finished=p.finished,
+                             prompt_token_ids=p.prompt_token_ids,
+                             outputs=[s.take_delta(final) for s in p.samples],
+                             prompt_logprobs=p.prompt_logprobs, finished=final,
                              num_cached_tokens=p.num_cached_tokens, queue_time=p.queue_time)

@@ -1,4 +1,11 @@
-"""What the engine returns to its users (offline `LLM` and the HTTP server)."""
+"""What the engine returns to its users (offline `LLM` and the HTTP server).
+
+Outputs are per-step deltas: each RequestOutput of a request carries only what is new since the
+previous one (`delta_*`). The cumulative fields (`text`, `token_ids`, `logprobs`) are filled in
+the final output only (`finished`), built once from the front end's running lists, so no step
+costs more for a long request than for a short one. A consumer that wants cumulative values
+before the end accumulates the deltas itself.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +17,14 @@ from scheduler.outputs import TokenLogprobs
 @dataclass
 class CompletionOutput:
     index: int  # which of the n samples
-    text: str = ""  # cumulative
-    token_ids: list[int] = field(default_factory=list)  # cumulative
-    logprobs: list[TokenLogprobs] | None = None  # cumulative, when requested
+    text: str = ""  # cumulative; complete in the final output only
+    token_ids: list[int] = field(default_factory=list)  # cumulative; final output only
+    logprobs: list[TokenLogprobs] | None = None  # cumulative when requested; final output only
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     delta_text: str = ""  # text new since the previous RequestOutput of this request
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprobs] | None = None  # parallel to delta_token_ids, when requested
 
     @property
     def finished(self) -> bool:

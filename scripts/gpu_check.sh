@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|latency|latency_sync|profile|throughput|fp8|r1]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|latency|latency_sync|profile|throughput|http|fp8|r1]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per fused-MoE / W8A8 kernel (DSV_AUTOTUNE=0: no tuning per test shape)
@@ -11,6 +11,8 @@
 #   latency_sync   the same with --no-async-scheduling
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
+#   http        the same workload offline, then over HTTP (serve + bench_serving), one table with
+#               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:560`)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
 # A step may carry its own timeout in seconds: `tests:150`. Default STEP_TIMEOUT (240).
@@ -40,6 +42,7 @@ for spec in $steps; do
           --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
+    http) timeout "$T" python3 scripts/bench_http_vs_offline.py --out-dir "$OUT/http" > "$log" 2>&1 ;;
     fp8) timeout "$T" python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" > "$log" 2>&1 ;;
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
           --hf-overrides '{"num_hidden_layers": 4}' --batch-sizes 1 64 --decode-steps 50 \

@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI routes, tokenizer routes, health and metrics.
 
-The engine core steps in its own thread (AsyncLLM); handlers only await its async generators, so
-a slow client never stalls a step and HTTP work never waits for one.
+The engine core steps in its own process (AsyncLLM); handlers only await its async generators,
+so a slow client never stalls a step and HTTP work never waits for one.
 """
 
 from __future__ import annotations
@@ -49,7 +49,16 @@ class ServerState:
         self.token_str = lru_cache(maxsize=1 << 16)(self._token_str)
 
     def _token_str(self, token_id: int) -> str:
+        if self.tokenizer is None:
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    def need_tokenizer(self) -> None:
+        """400 on routes that only a tokenizer can answer."""
+        if self.tokenizer is None:
+            raise APIError(400, "this server has no tokenizer (started with --skip-tokenizer-init, "
+                           "or the model directory has none): send and read token ids",
+                           code="no_tokenizer")
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
@@ -119,6 +128,10 @@ def build_app(engine, args=None) -> FastAPI:
         cards = [{"id": name, "object": "model", "created": state.created,
                   "owned_by": "mla-serve", "root": state.model_name,
                   "max_model_len": state.max_model_len} for name in state.model_names]
+        vocab = getattr(engine, "vocab_size", None)
+        if vocab is not None:  # token-id clients need it when there is no /tokenizer_info
+            for card in cards:
+                card["vocab_size"] = vocab
         return {"object": "list", "data": cards}
 
     app.include_router(v1)
@@ -139,6 +152,7 @@ def build_app(engine, args=None) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict:
         state.check_model(req.model)
+        state.need_tokenizer()
         # Tokenizing runs off the event loop: a long text must not stall other requests.
         if req.messages is not None:
             try:
@@ -158,6 +172,7 @@ def build_app(engine, args=None) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict:
         state.check_model(req.model)
+        state.need_tokenizer()
         vocab = len(state.tokenizer)
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
@@ -166,6 +181,7 @@ def build_app(engine, args=None) -> FastAPI:
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:
+        state.need_tokenizer()
         tok = state.tokenizer
         return {"tokenizer_class": type(tok).__name__,
                 "bos_token": _str_or_none(tok.bos_token), "bos_token_id": tok.bos_token_id,

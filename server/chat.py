@@ -36,6 +36,10 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: 
 
     `check_length(text, field)` may refuse the rendered text (ValueError) before tokenizing it.
     Blocking: call it off the event loop."""
+    if tokenizer is None:
+        raise APIError(400, "this server has no tokenizer (--skip-tokenizer-init, or none in the "
+                       "model directory): chat needs one; use /v1/completions with token ids",
+                       param="messages")
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
                        param="messages")
@@ -59,7 +63,7 @@ class ChatBuilder:
     def __init__(self, state, req: ChatCompletionRequest) -> None:
         self.state, self.req = state, req
         self._sent_text: dict[int, int] = {}
-        self._sent_tokens: dict[int, int] = {}
+        self._finish_sent: set[int] = set()
 
     def _entry(self, tid: int, logprob: float) -> dict:
         s = (f"token_id:{tid}" if self.req.return_tokens_as_token_ids
@@ -83,18 +87,19 @@ class ChatBuilder:
         """Stream deltas for choice `index`: the role first, then new text, then the finish."""
         out = []
         if index not in self._sent_text:
-            self._sent_text[index] = self._sent_tokens[index] = 0
+            self._sent_text[index] = 0
             out.append({"index": index, "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None})
-        lps = list(o.logprobs or [])
-        new_text = o.delta_text  # not a slice of o.text: text held back for stop strings
-        new_lps = lps[self._sent_tokens[index]:]
+        new_text = o.delta_text  # not o.text: text held back for stop strings
+        new_lps = o.delta_logprobs or []
         self._sent_text[index] += len(new_text)
-        self._sent_tokens[index] = len(lps)
-        if new_text or new_lps or o.finish_reason is not None:
+        finish = None if index in self._finish_sent else o.finish_reason
+        if finish is not None:  # a finished sample stays in its request's later outputs
+            self._finish_sent.add(index)
+        if new_text or new_lps or finish is not None:
             out.append({"index": index, "delta": {"content": new_text} if new_text else {},
                         "logprobs": self.logprobs(new_lps) if new_lps else None,
-                        "finish_reason": o.finish_reason})
+                        "finish_reason": finish})
         return out
 
 

@@ -91,6 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "code is built in; no code from a model directory is ever run")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer directory, when it is not the model directory")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: prompts must be token ids, completions carry "
+                        "`token_ids` and empty text; /tokenize, /detokenize and /tokenizer_info "
+                        "answer 400")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the name(s) clients pass as `model`; with several, any is accepted and "
                         "the first is the one responses report; defaults to the --model path")
@@ -238,6 +242,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     model = ns.model_tag or ns.model or _DEFAULTS["model"]
     args = EngineArgs(
         model=model, tokenizer=ns.tokenizer, served_model_name=ns.served_model_name,
+        skip_tokenizer_init=ns.skip_tokenizer_init,
         tensor_parallel_size=ns.tensor_parallel_size,
         decode_context_parallel_size=ns.decode_context_parallel_size,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
@@ -328,13 +333,13 @@ def uvicorn_config(app, ns: argparse.Namespace):
 
 
 async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket) -> int:
-    from engine.async_llm import AsyncLLM
+    from engine.async_llm import AsyncLLM, EngineStartError
     from server.api_server import build_app
 
     # Built inside the running loop, so that the engine binds its output queues to this loop.
     try:
         engine = AsyncLLM(engine_args)
-    except (ValueError, FileNotFoundError, OSError) as e:
+    except (ValueError, FileNotFoundError, OSError, EngineStartError) as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 1
     try:

@@ -47,11 +47,14 @@ class CompletionBuilder:
     def __init__(self, state, req: CompletionRequest) -> None:
         self.state, self.req = state, req
         self.drop_generated = req.max_tokens == 0  # echo-only scoring: hide the sampled token
-        self._sent_tokens: dict[int, int] = {}  # choice index -> generated tokens sent
+        self._sent_tokens: dict[int, int] = {}  # choice indices that have had a chunk
+        self._finish_sent: set[int] = set()  # choice indices whose finish_reason went out
         self._offset: dict[int, int] = {}  # choice index -> text_offset of its next token
 
     def prompt_text(self, out: RequestOutput) -> str:
-        return out.prompt if out.prompt is not None else self.state.decode(out.prompt_token_ids)
+        if out.prompt is not None:
+            return out.prompt
+        return "" if self.state.tokenizer is None else self.state.decode(out.prompt_token_ids)
 
     def _prompt_entries(self, out: RequestOutput) -> list[tuple[int, TokenLogprobs | None]]:
         plps = out.prompt_logprobs
@@ -66,7 +69,7 @@ class CompletionBuilder:
         return o.text, o.token_ids, list(o.logprobs or [])
 
     def token_str(self, token_id: int) -> str:
-        if self.req.return_tokens_as_token_ids:
+        if self.req.return_tokens_as_token_ids or self.state.tokenizer is None:
             return f"token_id:{token_id}"
         return self.state.token_str(token_id)
 
@@ -98,24 +101,37 @@ class CompletionBuilder:
             text = self.prompt_text(out) + text
             entries = self._prompt_entries(out) + entries
         logprobs = self.logprobs(entries, 0) if self.req.logprobs is not None else None
-        return {"index": index, "text": text, "logprobs": logprobs,
-                "finish_reason": _finish(o, self.drop_generated)}
+        choice = {"index": index, "text": text, "logprobs": logprobs,
+                  "finish_reason": _finish(o, self.drop_generated)}
+        if self.state.tokenizer is None:
+            choice["token_ids"] = [] if self.drop_generated else list(o.token_ids)
+        return choice
 
     def delta(self, index: int, out: RequestOutput, o: CompletionOutput) -> dict | None:
-        """The part of choice `index` not sent yet, or None when there is nothing new."""
-        _, _, lps = self._generated(o)
+        """The part of choice `index` new in this output, or None when there is nothing new.
+
+        A chunk goes out for every output that brings tokens, even when their text is held back
+        (a possible stop string, an incomplete character) or there is no text at all (no
+        tokenizer): clients time tokens by chunks. Without a tokenizer each chunk also carries
+        the new `token_ids`.
+        """
         first = index not in self._sent_tokens
-        sent_tok = self._sent_tokens.get(index, 0)
+        self._sent_tokens[index] = 1
         # delta_text, not a slice of o.text: the engine holds back text that may still turn
         # into a stop string and be cut.
         new_text = "" if self.drop_generated else o.delta_text
-        entries = [(lp.token_id, lp) for lp in lps[sent_tok:]]
-        self._sent_tokens[index] = len(lps)
+        new_ids = [] if self.drop_generated else o.delta_token_ids
+        lps = [] if self.drop_generated else (o.delta_logprobs or [])
+        entries = [(lp.token_id, lp) for lp in lps]
         if self.req.echo and first:
             new_text = self.prompt_text(out) + new_text
             entries = self._prompt_entries(out) + entries
         finish = _finish(o, self.drop_generated)
-        if not new_text and not entries and finish is None:
+        if finish is not None:
+            if index in self._finish_sent:
+                finish = None  # a finished sample stays in its request's later outputs
+            self._finish_sent.add(index)
+        if not new_text and not entries and not new_ids and finish is None:
             return None
         logprobs = None
         if self.req.logprobs is not None:
@@ -123,7 +139,10 @@ class CompletionBuilder:
             logprobs = self.logprobs(entries, self._offset.get(index, 0))
             self._offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) \
                 if entries else self._offset.get(index, 0)
-        return {"index": index, "text": new_text, "logprobs": logprobs, "finish_reason": finish}
+        chunk = {"index": index, "text": new_text, "logprobs": logprobs, "finish_reason": finish}
+        if self.state.tokenizer is None:
+            chunk["token_ids"] = list(new_ids)
+        return chunk
 
     def usage(self, finals: list[RequestOutput]) -> dict:
         prompt = sum(len(f.prompt_token_ids) for f in finals)

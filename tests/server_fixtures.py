@@ -113,6 +113,7 @@ class FakeEngine:
                 await asyncio.sleep(self.step_delay)
                 for o, d, rng in zip(outs, detoks, rngs):
                     o.delta_text, o.delta_token_ids = "", []
+                    o.delta_logprobs = None if o.logprobs is None else []
                     if o.finished:
                         continue
                     if request_id in self.aborted:
@@ -124,6 +125,7 @@ class FakeEngine:
                     o.delta_token_ids = [tid]
                     if o.logprobs is not None:
                         o.logprobs.append(self._lp(tid, params.logprobs))
+                        o.delta_logprobs = o.logprobs[-1:]
                     stop_id = tid in params.stop_token_ids
                     stop = d.update([tid], stop_terminated=stop_id)
                     if stop_id:
@@ -147,7 +149,8 @@ class FakeEngine:
 def _copy(o: CompletionOutput) -> CompletionOutput:
     return CompletionOutput(o.index, o.text, list(o.token_ids),
                             None if o.logprobs is None else list(o.logprobs), o.finish_reason,
-                            o.stop_reason, o.delta_text, list(o.delta_token_ids))
+                            o.stop_reason, o.delta_text, list(o.delta_token_ids),
+                            None if o.delta_logprobs is None else list(o.delta_logprobs))
 
 
 def tiny_model_dir(tmp_path_factory) -> str:

@@ -1,0 +1,169 @@
+"""HTTP against offline on one workload: bench_throughput, then `serve` + bench_serving, one table.
+
+Runs, one after the other on this machine (each in its own process, so the GPU is free between
+them):
+  1. scripts/bench_throughput.py with the engine flags below: offline `LLM.generate` req/s;
+  2. `python -m server` with the same engine flags, then scripts/bench_serving.py against it with
+     the same request count and shape (all sent at once unless --max-concurrency): HTTP req/s and
+     TTFT / TPOT / ITL / e2e percentiles;
+and prints both with the HTTP / offline ratio. Results go to --out-dir (default $OUT or .).
+
+    python scripts/bench_http_vs_offline.py                          # V2-Lite dummy, 1000 x (1000 in, 100 out)
+    python scripts/bench_http_vs_offline.py --num-prompts 200 --serve-arg=--async-scheduling
+    python scripts/bench_http_vs_offline.py --model configs/models/tiny-deepseek-v3 --load-format auto \\
+        --device cpu --num-prompts 32 --input-len 64 --output-len 16 --max-model-len 512   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+
+# bench_common's engine flags, each also a `serve` flag of the same name: (flag, takes a value)
+ENGINE_FLAGS = [("--model", True), ("--load-format", True), ("--dtype", True),
+                ("--max-model-len", True), ("--max-num-batched-tokens", True),
+                ("--max-num-seqs", True), ("--attention-backend", True),
+                ("--gpu-memory-utilization", True), ("--tensor-parallel-size", True),
+                ("--decode-context-parallel-size", True), ("--hf-overrides", True)]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sys.path.insert(0, str(SCRIPTS))
+    from bench_common import add_engine_flags
+    add_engine_flags(p)
+    p.add_argument("--device", default=None, help="passed to serve (bench_throughput uses its default)")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--input-len", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=100)
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="bench_serving's cap on requests in flight (default: all at once)")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="extra flag for `serve` only, e.g. --serve-arg=--skip-tokenizer-init")
+    p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
+    p.add_argument("--out-dir", default=os.environ.get("OUT", "."), help="JSON results and logs go here")
+    return p.parse_args(argv)
+
+
+def engine_argv(a: argparse.Namespace) -> list[str]:
+    out = []
+    for flag, _ in ENGINE_FLAGS:
+        v = getattr(a, flag.lstrip("-").replace("-", "_"))
+        if v is not None:
+            out += [flag, str(v)]
+    if a.enforce_eager:
+        out.append("--enforce-eager")
+    if a.async_scheduling is not None:
+        out.append("--async-scheduling" if a.async_scheduling else "--no-async-scheduling")
+    if a.fp8_gemm:
+        out.append("--fp8-gemm")
+    return out
+
+
+def workload_argv(a: argparse.Namespace) -> list[str]:
+    return ["--num-prompts", str(a.num_prompts), "--input-len", str(a.input_len),
+            "--output-len", str(a.output_len)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(cmd: list[str], log: Path) -> None:
+    print("+", " ".join(cmd), flush=True)
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=REPO, stdout=f, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        sys.stdout.write(log.read_text()[-4000:])
+        raise SystemExit(f"{cmd[1]} failed with exit code {rc} (log: {log})")
+
+
+def offline(a: argparse.Namespace, out: Path) -> dict:
+    path = out / "offline.json"
+    run([sys.executable, str(SCRIPTS / "bench_throughput.py"), *engine_argv(a), *workload_argv(a),
+         "--json", str(path)], out / "offline.log")
+    return json.loads(path.read_text())["results"]
+
+
+def serving(a: argparse.Namespace, out: Path) -> dict:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "server", *engine_argv(a), "--port", str(port),
+           *(["--device", a.device] if a.device else []), *a.serve_arg]
+    print("+", " ".join(cmd), flush=True)
+    log = open(out / "serve.log", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + a.startup_timeout
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"serve exited with {proc.returncode} during start-up:\n"
+                                 + (out / "serve.log").read_text()[-4000:])
+            try:
+                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise SystemExit(f"serve did not become healthy in {a.startup_timeout} s")
+            time.sleep(1)
+        path = out / "serving.json"
+        run([sys.executable, str(SCRIPTS / "bench_serving.py"), "--base-url", f"{url}/v1",
+             *workload_argv(a), *(["--max-concurrency", str(a.max_concurrency)]
+                                  if a.max_concurrency else []),
+             "--json", str(path)], out / "bench_serving.log")
+        return json.loads(path.read_text())["results"][0]["summary"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def table(off: dict, http: dict, a: argparse.Namespace) -> str:
+    def ms(k: str, s: str) -> str:
+        v = http[k][f"{s}_ms"]
+        return "-" if v is None or isinstance(v, str) else f"{v:.1f}"
+
+    lines = [f"{a.num_prompts} x ({a.input_len} in, {a.output_len} out), model {a.model}",
+             f"{'':<10}{'req/s':>10}{'out tok/s':>12}",
+             f"{'offline':<10}{off['requests_per_s']:>10.2f}{off['output_tokens_per_s']:>12.0f}",
+             f"{'HTTP':<10}{http['request_throughput']:>10.2f}{http['output_throughput']:>12.0f}"
+             f"   ({http['completed']} ok, {http['failed']} failed)",
+             f"HTTP / offline: {http['request_throughput'] / off['requests_per_s']:.3f}",
+             f"{'HTTP ms':<10}{'mean':>10}{'p50':>10}{'p99':>10}"]
+    for k in ("ttft", "tpot", "itl", "e2e"):
+        lines.append(f"{k.upper():<10}{ms(k, 'mean'):>10}{ms(k, 'p50'):>10}{ms(k, 'p99'):>10}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    off = offline(a, out)
+    http = serving(a, out)
+    text = table(off, http, a)
+    print(text)
+    (out / "http_vs_offline.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
