@@ -53,6 +53,7 @@ class AsyncLLM:
         self.model_config, self.inputs, self.outputs = load_front_end(args)
         self.tokenizer = self.outputs.tokenizer
         self.model_name = args.model_name
+        self.model_names = args.model_names  # all accepted as `model`; model_name is the first
         self.vocab_size = self.model_config.vocab_size
         self._queues: dict[str, asyncio.Queue] = {}
         try:
@@ -66,6 +67,7 @@ class AsyncLLM:
         # Stall detection (/health): the core reports after every step, outputs or not.
         self._last_core_message = self._busy_since = time.monotonic()
         self._parent: dict[str, str] = {}  # engine (child) request id -> request id
+        self._submitted: set[str] = set()  # requests handed to the core and not yet over
         self.core = CoreClient(args, self.model_config, self.inputs.eos_token_id,
                                self._on_core_outputs, self._on_core_death, self._on_refused,
                                in_thread=core_in_thread)
@@ -131,7 +133,7 @@ class AsyncLLM:
     def stalled_for(self) -> float:
         """Seconds the engine has held requests without reporting a step (0 while idle or
         progressing): a wedged worker or collective shows here while the core process lives."""
-        if not self._queues:
+        if not self._submitted:
             return 0.0
         return max(0.0, time.monotonic() - max(self._last_core_message, self._busy_since))
 
@@ -144,8 +146,6 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
-        if not self._queues:
-            self._busy_since = time.monotonic()  # the stall clock starts with the first request
         self._queues[request_id] = q  # the id is taken from here on
         try:
             if isinstance(prompt, str):  # tokenizing is the slow part: off the event loop
@@ -156,9 +156,14 @@ class AsyncLLM:
         except BaseException:
             self._queues.pop(request_id, None)
             raise
+        if self.args.enable_log_requests:
+            log.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
         self._prompt_tokens += len(ids)
         for cid, _ in children:
             self._parent[cid] = request_id
+        if not self._submitted:
+            self._busy_since = time.monotonic()  # the stall clock starts with the core's first request
+        self._submitted.add(request_id)
         self.core.add([(cid, ids, p) for cid, p in children])
         finished = False
         try:
@@ -172,6 +177,7 @@ class AsyncLLM:
                     return
         finally:
             self._queues.pop(request_id, None)
+            self._submitted.discard(request_id)
             for cid, _ in children:
                 self._parent.pop(cid, None)
             if not finished:  # client went away (cancelled / closed the generator): free its blocks
@@ -190,6 +196,17 @@ class AsyncLLM:
                            s.kv_cache_usage, s.num_preemptions, self._prompt_tokens,
                            self._generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits,
                            s.num_steps)
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Block until no request is held here and the core's last report shows none running or
+        waiting (for tests and graceful shutdown)."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            s = self._core_stats
+            if not self._queues and s.num_running == 0 and s.num_waiting == 0:
+                return True
+            time.sleep(0.01)
+        return False
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine core and its workers, and wait for them."""

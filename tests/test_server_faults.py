@@ -167,18 +167,25 @@ async def _burst(url: str, port: int) -> None:
         assert (await client.get("/health")).status_code == 200
 
 
-def _worker_pids(pid: int) -> list[int]:
-    """The rank processes `serve` spawned (not multiprocessing's resource tracker)."""
+def _children(pid: int) -> list[int]:
     kids = set()
     for task in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{task}/children") as f:
             kids |= {int(k) for k in f.read().split()}
-    ranks = []
-    for k in sorted(kids):
-        with open(f"/proc/{k}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                ranks.append(k)
-    return ranks
+    return sorted(kids)
+
+
+def _spawned(pid: int) -> bool:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return b"spawn_main" in f.read()
+
+
+def _worker_pids(pid: int) -> list[int]:
+    """The rank processes under `serve`: children of the engine-core process (which `serve`
+    spawned), one per rank, not multiprocessing's resource trackers."""
+    cores = [k for k in _children(pid) if _spawned(k)]
+    assert len(cores) == 1, cores
+    return [k for k in _children(cores[0]) if _spawned(k)]
 
 
 def test_health_sees_a_stopped_worker(tmp_path_factory):

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -427,16 +429,12 @@ def test_near_zero_temperature_equals_greedy_on_the_engine(real):
 
 
 def test_health_reports_a_stalled_engine(real):
-    gate = threading.Event()
-    step = real.engine.core.step
-
-    def wedged_step():
-        gate.wait(20)
-        return step()
-
-    real.engine.core.step = wedged_step
+    """The engine-core process stopped (SIGSTOP) while it holds a request: /health turns 503 with
+    the reason within the stall timeout, and 200 again once the core runs on."""
+    pid = real.engine.core._proc.pid
     done = {}
-    t = threading.Thread(target=lambda: done.setdefault("r", _greedy(real, "Hi")))
+    t = threading.Thread(target=lambda: done.setdefault("r", _greedy(real, "Hi", max_tokens=40)))
+    os.kill(pid, signal.SIGSTOP)
     try:
         t.start()
         deadline, r = time.time() + 10, None
@@ -448,8 +446,7 @@ def test_health_reports_a_stalled_engine(real):
         err = assert_error(r, 503)
         assert "no progress" in err["message"] and "--engine-stall-timeout" in err["message"]
     finally:
-        real.engine.core.step = step
-        gate.set()
+        os.kill(pid, signal.SIGCONT)
         t.join(30)
     assert done["r"].status_code == 200
     assert httpx.get(f"{real.url}/health").status_code == 200
