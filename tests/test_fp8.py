@@ -77,9 +77,13 @@ def test_tp_split_of_a_block_is_refused(fp8_model):
 def test_fp8_gemm_path_runs_the_model(fp8_model):
     """--fp8-gemm keeps attention/MLP projections in FP8 and runs them through the Triton W8A8
     kernels (interpreter on CPU), and keeps the routed experts in FP8 (dequantized on the fly on
-    the CPU path); the model's logprobs equal a pure-torch emulation of the same arithmetic
-    (activations quantized per 128-group, both operands dequantized, fp32 matmul)."""
+    the CPU path). Every W8A8 call the model makes equals a pure-torch emulation of the same
+    arithmetic (activations quantized per 128-group, both operands dequantized, fp32 matmul) on
+    the same input. Whole-model logprobs are not compared: with FP8 activations a one-ulp
+    difference upstream flips an element's FP8 rounding downstream, so two correct
+    implementations drift apart by ~1e-3 on a random tiny model."""
     code = f"""
+import math
 import torch
 import models.fp8_gemm as g
 from engine import LLM, SamplingParams
@@ -91,17 +95,23 @@ attn = llm.engine.executor.worker.model.model.layers[0].self_attn
 assert attn.q_a_proj.weight.dtype == torch.float8_e4m3fn and attn.kv_b_proj.weight.dtype == torch.float32
 moe = llm.engine.executor.worker.model.model.layers[1].mlp
 assert moe.w13.dtype == torch.float8_e4m3fn and moe.w13_scale.shape[1:] == (2, 2)  # experts stay FP8
-kernel = llm.generate([prompt], p)[0].outputs[0]
 
 def emulated(x, wq, sw):
     xq, sx = quantize(x.reshape(-1, x.shape[-1]), (1, 128))
     y = dequantize(xq, sx, (1, 128)) @ dequantize(wq, sw, (128, 128)).T
     return y.view(*x.shape[:-1], wq.shape[0]).to(x.dtype)
 
-g.fp8_linear = emulated
-ref = llm.generate([prompt], p)[0].outputs[0]
-assert kernel.token_ids == ref.token_ids, (kernel.token_ids, ref.token_ids)
-for a, b in zip(kernel.logprobs, ref.logprobs):
-    assert abs(a.logprob - b.logprob) < 1e-3, (a, b)
+kernel, errs, shapes = g.fp8_linear, [], set()
+def checked(x, wq, sw):
+    y, want = kernel(x, wq, sw), emulated(x, wq, sw)
+    errs.append(((y - want).norm() / want.norm()).item())
+    shapes.add(tuple(wq.shape))
+    return y
+
+g.fp8_linear = checked
+out = llm.generate([prompt], p)[0].outputs[0]
+assert len(out.token_ids) == 4 and all(math.isfinite(lp.logprob) for lp in out.logprobs)
+assert len(shapes) >= 4, shapes  # q_a, q_b, kv_a, o_proj and the MLPs all went through it
+assert errs and max(errs) < 1e-5, max(errs)
 """
     run_interpreted(code)
