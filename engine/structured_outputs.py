@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
+import os
 from collections import OrderedDict
 
 import numpy as np
@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 PACKAGE = "llguidance"
 MAX_CACHED_GRAMMARS = 256
+# threads that compute the bitmask rows of one step in parallel (llguidance's LLExecutor)
+MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
 # JSON is generated compact, as json.dumps writes it ('{"a": 1, "b": [2, 3]}'): free whitespace
 # lets a model pad its output with newlines until max_tokens instead of closing the object.
@@ -98,23 +100,23 @@ class RequestGrammar:
     """One request's matcher: which tokens may come next, advanced by each sampled token."""
 
     def __init__(self, matcher):
-        self._m = matcher
+        self.matcher = matcher  # llguidance.LLMatcher
 
     def accept(self, token_id: int) -> None:
-        if not self._m.consume_token(token_id):
+        if not self.matcher.consume_token(token_id):
             log.warning("structured output: sampled token %d was not allowed (%s)", token_id,
-                        self._m.get_error())
+                        self.matcher.get_error())
 
     @property
     def terminated(self) -> bool:
         """Nothing but the end may follow (or the matcher failed): the request stops."""
-        return self._m.is_stopped() or self._m.is_error()
+        return self.matcher.is_stopped() or self.matcher.is_error()
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (int32 words, bit t % 32 of word
         t // 32 set when token t is allowed)."""
         v = bitmask[row]
-        self._m.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
+        self.matcher.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
 
 
 class GrammarCompiler:
@@ -125,7 +127,7 @@ class GrammarCompiler:
         self.tokenizer_path, self.vocab_size = tokenizer_path, vocab_size
         self._tokenizer = None
         self._cache: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
+        self._executor = None
 
     @property
     def words(self) -> int:
@@ -135,8 +137,8 @@ class GrammarCompiler:
     def _ll_tokenizer(self):
         if self._tokenizer is None:
             if self.tokenizer_path is None:
-                raise ValueError("structured outputs need a tokenizer; this server runs without "
-                                 "one (--skip-tokenizer-init)")
+                raise ValueError("structured_outputs: need a tokenizer; this server runs "
+                                 "without one (--skip-tokenizer-init)")
             llg = _import()
             import llguidance.hf
             from engine.input_processor import load_tokenizer
@@ -150,25 +152,27 @@ class GrammarCompiler:
         """A fresh matcher for one request; ValueError naming the kind when it does not compile."""
         key = (so.kind, so.spec, so.whitespace_pattern, so.disable_any_whitespace,
                so.disable_additional_properties)
-        with self._lock:
-            template = self._cache.get(key)
-            if template is not None:
-                self._cache.move_to_end(key)
+        template = self._cache.get(key)
         if template is None:
             llg = _import()
             template = llg.LLMatcher(self._ll_tokenizer(), grammar_text(so))
             if template.is_error():
-                raise ValueError(f"structured outputs: the {so.kind} constraint does not "
+                raise ValueError(f"structured_outputs: the {so.kind} constraint does not "
                                  f"compile: {_first_lines(template.get_error())}")
-            with self._lock:
-                self._cache[key] = template
-                while len(self._cache) > MAX_CACHED_GRAMMARS:
-                    self._cache.popitem(last=False)
+            self._cache[key] = template
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
         return RequestGrammar(template.deep_copy())
 
     def fill_bitmask(self, grammars: list[RequestGrammar]) -> np.ndarray:
         """[len(grammars), words] int32: row i allows the tokens grammars[i] allows next."""
         bitmask = np.zeros((len(grammars), self.words), dtype=np.int32)
-        for i, g in enumerate(grammars):
-            g.fill(bitmask, i)
+        if len(grammars) == 1:
+            grammars[0].fill(bitmask, 0)
+            return bitmask
+        if self._executor is None:
+            self._executor = _import().LLExecutor(num_threads=MASK_THREADS)
+        self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
+                                               bitmask.ctypes.data, self.words * 4, len(grammars))
         return bitmask

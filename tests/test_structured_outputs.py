@@ -125,6 +125,26 @@ def test_missing_package_is_a_clear_error(monkeypatch):
         validate(StructuredOutputs("regex", "a+"), "guided_regex")
 
 
+def test_compiled_grammars_are_cached_and_matchers_independent():
+    from engine.structured_outputs import GrammarCompiler
+    gc = GrammarCompiler(str(TINY_MODEL), 512)
+    so = StructuredOutputs("choice", json.dumps(["yes", "no"]))
+    a, b = gc.compile(so), gc.compile(so)
+    assert len(gc._cache) == 1 and a.matcher is not b.matcher
+    c = gc.compile(StructuredOutputs("regex", "[0-9]+"))
+    tok = gc._ll_tokenizer()
+    for t in tok.tokenize_str("ye"):
+        a.accept(t)
+    rows = gc.fill_bitmask([a, b, c])  # several rows: filled in parallel
+    for i, g in enumerate([a, b, c]):
+        one = gc.fill_bitmask([g])
+        assert (one[0] == rows[i]).all()
+    assert not (rows[0] == rows[1]).all()  # a has moved on, b has not
+    for t in tok.tokenize_str("s"):
+        a.accept(t)
+    assert a.terminated and not b.terminated
+
+
 # ---- engine ----
 
 def test_choice_greedy_and_sampled(llm):
