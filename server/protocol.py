@@ -166,6 +166,15 @@ class _SamplingFields(_Request):
                              f"n = {self.n} (sample i uses seed + i), got {self.seed}")
         return self
 
+    @property
+    def asks_for_structure(self) -> bool:
+        """True when a constraint field is set (its validation compiles a grammar: seconds for a
+        huge schema, so the handlers run it off the event loop)."""
+        rf = self.response_format
+        return (self.structured_outputs is not None or (rf is not None and rf.type != "text")
+                or any(v is not None for v in (self.guided_json, self.guided_regex,
+                                               self.guided_choice, self.guided_grammar)))
+
     def structured(self) -> StructuredOutputs | None:
         """The request's output constraint, validated (llguidance); ValueError naming the field."""
         found: list[tuple[str, str, str]] = []  # (field, kind, spec)

@@ -183,15 +183,16 @@ def test_json_object_regex_and_grammars(llm):
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_preemption_and_async_keep_matchers_in_step(llm, async_scheduling):
-    """A KV pool too small for the batch preempts requests (they recompute prompt and outputs);
-    the matcher advanced once per sampled token, so outputs equal the roomy run's."""
+    """A KV pool too small for the batch preempts requests (they recompute prompt and outputs)
+    and prompts come in chunks that sample nothing; the matcher advanced once per sampled token,
+    so outputs equal the roomy run's."""
     schemas = SCHEMAS[:8]
     params = [constrained("json", s, max_tokens=64) for s in schemas]
     params += [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]  # unconstrained
     prompts = [PROMPT] * len(params)
     ref = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
     small = LLM(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=40, block_size=4,
-                async_scheduling=async_scheduling)
+                max_num_batched_tokens=16, async_scheduling=async_scheduling)  # chunked prompts
     outs = small.generate(prompts, params)
     assert small.scheduler.stats.num_preemptions > 0
     assert [r.outputs[0].token_ids for r in outs] == ref
