@@ -19,7 +19,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, SamplingBatch
 from engine.sampling_params import StructuredOutputs
-from tests.server_fixtures import TINY_MODEL, InProcessServer, ServeProcess
+from tests.server_fixtures import REPO, TINY_MODEL, InProcessServer, ServeProcess
 
 PROMPT = "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"
 
@@ -104,8 +104,7 @@ def test_sampler_bitmask_constrains_only_its_rows(temperature):
 
 
 def test_plain_requests_do_no_grammar_work(llm):
-    """Without a constrained request the scheduler finds no rows and the runner gets no bitmask;
-    llguidance is only imported by a request that asks for structure."""
+    """Without a constrained request the scheduler finds no rows and the runner gets no bitmask."""
     sched = llm.engine.scheduler
     seen = []
     schedule = llm.engine._schedule
@@ -116,6 +115,28 @@ def test_plain_requests_do_no_grammar_work(llm):
         llm.engine._schedule = schedule
     assert seen and all(so.grammar_bitmask is None and not so.grammar_req_ids for so in seen)
     assert not sched._structured and not sched.needs_sync()
+
+
+def test_server_imports_and_serves_plain_requests_without_llguidance():
+    """llguidance is imported only by a request that asks for structure: with it missing, the
+    server's modules import and plain requests pass, a structured one is a clear error."""
+    code = """
+import sys
+sys.modules["llguidance"] = None  # as if not installed
+import engine.core, engine.async_llm, server.api_server
+from server.protocol import ChatCompletionRequest
+msgs = [{"role": "user", "content": "hi"}]
+ChatCompletionRequest(messages=msgs).to_sampling_params()
+try:
+    ChatCompletionRequest(messages=msgs, guided_choice=["a"]).to_sampling_params()
+except ValueError as e:
+    print(e)
+"""
+    import subprocess
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("guided_choice: structured outputs need the 'llguidance' package")
 
 
 def test_missing_package_is_a_clear_error(monkeypatch):
@@ -198,6 +219,13 @@ def test_preemption_and_async_keep_matchers_in_step(llm, async_scheduling):
     assert [r.outputs[0].token_ids for r in outs] == ref
     for schema, r in zip(schemas, outs):
         jsonschema.validate(json.loads(r.outputs[0].text), schema)
+
+
+def test_offline_generate_checks_every_constraint_before_submitting(llm):
+    bad = [constrained("choice", ["a"]), constrained("regex", "a(b")]
+    with pytest.raises(ValueError, match=r"structured_outputs: .*unclosed group"):
+        llm.generate([PROMPT, PROMPT], bad)
+    assert not llm.engine.has_unfinished_requests()
 
 
 # ---- HTTP ----
