@@ -1,7 +1,8 @@
 """Token sampling: penalties, temperature, top-k / top-p / min-p, per-request seeded draws, logprobs.
 
 Order per step (vLLM semantics): min_tokens masking -> repetition / frequency / presence penalties
--> structured-output token bitmask -> (greedy rows: argmax here) -> temperature -> top-k -> top-p -> min-p -> sample.
+-> structured-output token bitmask -> (greedy rows: argmax here) -> temperature -> top-k -> top-p
+-> min-p -> sample.
 Reported logprobs are taken from the RAW logits (log_softmax of what the model produced), as
 vLLM and OpenAI report them, not from the processed distribution that was sampled.
 

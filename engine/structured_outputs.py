@@ -89,7 +89,8 @@ def validate(so: StructuredOutputs, field: str) -> None:
     except ValueError as e:
         raise ValueError(f"{field}: {e}") from None
     if error:
-        raise ValueError(f"{field}: the {so.kind} constraint does not compile: {_first_lines(error)}")
+        raise ValueError(f"{field}: the {so.kind} constraint does not compile: "
+                         f"{_first_lines(error)}")
 
 
 def _first_lines(message: str, n: int = 4) -> str:
