@@ -218,12 +218,11 @@ class _SamplingFields(_Request):
             if not spec or any(not c for c in spec):
                 raise ValueError(f"{field}: must be a non-empty list of non-empty strings")
             spec = json.dumps(spec)
-        opts = so if so is not None else None
-        whitespace = opts.whitespace_pattern if opts is not None else self.guided_whitespace_pattern
         out = StructuredOutputs(
-            kind, spec, whitespace_pattern=whitespace,
-            disable_any_whitespace=bool(opts and opts.disable_any_whitespace),
-            disable_additional_properties=bool(opts and opts.disable_additional_properties))
+            kind, spec,
+            whitespace_pattern=(so and so.whitespace_pattern) or self.guided_whitespace_pattern,
+            disable_any_whitespace=bool(so and so.disable_any_whitespace),
+            disable_additional_properties=bool(so and so.disable_additional_properties))
         from engine.structured_outputs import validate
         validate(out, field)
         return out

@@ -185,6 +185,19 @@ def test_json_schemas_validate(llm):
         o = r.outputs[0]
         assert o.finish_reason == "stop", (schema, o.text)
         jsonschema.validate(json.loads(o.text), schema)
+        assert o.text == json.dumps(json.loads(o.text), ensure_ascii=False)  # compact by default
+
+
+def test_json_whitespace_options(llm):
+    schema = SCHEMAS[7]
+    tight, free = llm.generate([PROMPT] * 2, [
+        SamplingParams(temperature=0, max_tokens=96, structured_outputs=StructuredOutputs(
+            "json", json.dumps(schema), disable_any_whitespace=True)),
+        SamplingParams(temperature=0, max_tokens=96, structured_outputs=StructuredOutputs(
+            "json", json.dumps(schema), whitespace_pattern=r"[ ]{0,2}"))])
+    value = json.loads(tight.outputs[0].text)
+    assert tight.outputs[0].text == json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    jsonschema.validate(json.loads(free.outputs[0].text), schema)
 
 
 def test_json_object_regex_and_grammars(llm):
