@@ -8,6 +8,7 @@ from engine.args import EngineArgs
 from engine.executor import make_executor
 from engine.sampler import check_sampling_params
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import GrammarCompiler
 from engine.worker import resolve_device
 from models.config import ModelConfig
 from scheduler.config import SchedulerConfig
@@ -29,6 +30,9 @@ class EngineCore:
                                  else args.async_scheduling)  # auto: overlap only pays with a GPU
         self._in_flight = None  # (SchedulerOutput, PendingStep) of the step launched last
         self._early: list[EngineCoreOutput] = []  # drained outside step(), reported by the next one
+        # compiles constraints on the first structured request (tokenizer and llguidance then)
+        self.grammars = GrammarCompiler(None if args.skip_tokenizer_init else args.tokenizer_path,
+                                        cfg.vocab_size)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
@@ -52,7 +56,10 @@ class EngineCore:
             # The id of a request that has ended but still has a step in flight: results are
             # matched by id, so that step must land before the new request can exist.
             self._early += self._drain()
-        self.scheduler.add_request(Request(request_id, prompt_token_ids, params, self.eos_token_id))
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_id)
+        if params.structured_outputs is not None:
+            request.grammar = self.grammars.compile(params.structured_outputs)
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         outputs = self.scheduler.abort_requests(request_ids)
@@ -68,14 +75,14 @@ class EngineCore:
             early, self._early = self._early, []
             return early + self.step()
         if not self.async_scheduling:
-            so = self.scheduler.schedule()
+            so = self._schedule()
             out = self.executor.execute(so)
             return self.scheduler.update_from_output(so, out)
         # Async: schedule and launch step N+1, then wait for step N and report it. The host work
         # of both (scheduling, input preparation, stop checks) overlaps the GPU running step N.
         if self._in_flight is not None and self.scheduler.needs_sync():
             return self._drain()  # a request samples with its full history: no token may be in flight
-        so = self.scheduler.schedule()
+        so = self._schedule()
         launched = self.executor.launch(so)
         outputs = self._drain()
         if launched is not None:
@@ -83,6 +90,16 @@ class EngineCore:
             if not self.scheduler.has_unfinished_requests():
                 outputs += self._drain()  # every request ended with step N: nothing to wait for
         return outputs
+
+    def _schedule(self):
+        """The next step, with the bitmask of its constrained rows (needs_sync() guarantees that
+        no step in flight holds tokens of theirs)."""
+        so = self.scheduler.schedule()
+        rows = self.scheduler.grammar_rows(so)
+        if rows:
+            so.grammar_req_ids = [r.request_id for r in rows]
+            so.grammar_bitmask = self.grammars.fill_bitmask([r.grammar for r in rows])
+        return so
 
     def _drain(self) -> list[EngineCoreOutput]:
         """Wait for the step in flight, if any, and apply its output."""

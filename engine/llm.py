@@ -13,6 +13,7 @@ from engine.input_processor import InputProcessor, load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from engine.structured_outputs import validate as validate_structured
 from models.config import ModelConfig, check_parallel_layout
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,8 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         checked = [self.inputs.process(p, sp) for p, sp in zip(prompts, params)]
+        for sp in {id(sp): sp for sp in params if sp.structured_outputs is not None}.values():
+            validate_structured(sp.structured_outputs, "structured_outputs")
         order = []
         for text, ids, sp in checked:
             rid = str(next(self._ids))

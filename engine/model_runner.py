@@ -204,6 +204,8 @@ class ModelRunner:
             sb = SamplingBatch.from_params(params, prompts, outputs,
                                            [s.generator for s in sample_states],
                                            self.eos_token_ids, self.device)
+            if so.grammar_req_ids:
+                self._add_bitmask(sb, so, [s.req_id for s in sample_states])
             so_ = self.sampler(logits, sb)
             pending.token_ids = so_.token_ids
             pending.logprobs = so_.logprobs
@@ -221,6 +223,17 @@ class ModelRunner:
             pending.event.record()
         self._last = pending
         return pending
+
+    def _add_bitmask(self, sb: SamplingBatch, so: SchedulerOutput, sample_ids: list[str]) -> None:
+        """Attach the step's grammar bitmask rows to the sampler rows they constrain (one
+        non-blocking copy)."""
+        row_of = {rid: i for i, rid in enumerate(sample_ids)}
+        missing = [rid for rid in so.grammar_req_ids if rid not in row_of]
+        if missing:
+            raise RuntimeError(f"{missing}: a grammar bitmask for requests that do not sample")
+        sb.token_bitmask = to_device(so.grammar_bitmask, torch.int32, self.device)
+        sb.bitmask_rows = to_device([row_of[rid] for rid in so.grammar_req_ids], torch.int64,
+                                    self.device)
 
     def finish(self, pending: PendingStep | None) -> ModelRunnerOutput:
         """Wait for a launched step's results (the one host sync per step) and record them."""

@@ -125,10 +125,10 @@ class OutputProcessor:
                 parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
             if o.queue_time is not None and parent.queue_time is None:
                 parent.queue_time = o.queue_time  # the first sample admitted (n > 1)
-            # A "stop" finish from the engine is always a token (EOS or a stop token id): its
-            # text is left out, as OpenAI and vLLM do.
-            stop_str = None if s.detok is None else \
-                s.detok.update(o.new_token_ids, stop_terminated=o.finish_reason == "stop")
+            # A "stop" finish from the engine is a token (EOS or a stop token id) whose text is
+            # left out, as OpenAI and vLLM do, unless the request's grammar ended it.
+            stop_str = None if s.detok is None else s.detok.update(
+                o.new_token_ids, stop_terminated=o.finish_reason == "stop" and not o.grammar_ended)
             s.token_ids.extend(o.new_token_ids)
             s.delta_token_ids.extend(o.new_token_ids)
             if s.want_logprobs:

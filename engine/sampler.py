@@ -1,7 +1,8 @@
 """Token sampling: penalties, temperature, top-k / top-p / min-p, per-request seeded draws, logprobs.
 
 Order per step (vLLM semantics): min_tokens masking -> repetition / frequency / presence penalties
--> (greedy rows: argmax here) -> temperature -> top-k -> top-p -> min-p -> sample.
+-> structured-output token bitmask -> (greedy rows: argmax here) -> temperature -> top-k -> top-p
+-> min-p -> sample.
 Reported logprobs are taken from the RAW logits (log_softmax of what the model produced), as
 vLLM and OpenAI report them, not from the processed distribution that was sampled.
 
@@ -75,6 +76,10 @@ class SamplingBatch:
     max_num_logprobs: int | None = None  # max over rows of params.logprobs; None: nobody wants them
     # [N][*] token ids to forbid (eos / stop ids of rows still below min_tokens); None: none
     min_tokens_masked_ids: list[list[int]] | None = None
+    # structured outputs: allowed-token bitmasks [G, ceil(V / 32)] int32 of the constrained rows
+    # `bitmask_rows` [G] int64 (bit t % 32 of word t // 32: token t); None: no row constrained
+    token_bitmask: torch.Tensor | None = None
+    bitmask_rows: torch.Tensor | None = None
 
     @classmethod
     def from_params(
@@ -168,6 +173,7 @@ class Sampler:
         logits = logits.float()
         logits = _mask_min_tokens(logits, batch.min_tokens_masked_ids)
         logits = _apply_penalties(logits, batch)
+        logits = _apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
 
         greedy_ids = logits.argmax(dim=-1)
         if batch.all_greedy:
@@ -200,6 +206,21 @@ def _mask_min_tokens(logits: torch.Tensor, masked_ids: list[list[int]] | None) -
     cols = [t for ids in masked_ids for t in ids]
     logits = logits.clone()
     logits[to_device(rows, torch.int64, logits.device), to_device(cols, torch.int64, logits.device)] = _NEG_INF
+    return logits
+
+
+def _apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None,
+                         rows: torch.Tensor | None) -> torch.Tensor:
+    """-inf for the tokens a row's grammar forbids; rows without a grammar are untouched."""
+    if bitmask is None:
+        return logits
+    vocab = logits.shape[1]
+    bits = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((bitmask.unsqueeze(-1) >> bits) & 1).bool().flatten(1)[:, :vocab]  # [G, V]
+    if allowed.shape[1] < vocab:  # a bitmask narrower than the logits forbids the rest
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
     return logits
 
 

@@ -17,6 +17,31 @@ MAX_TOP_K = 2**31 - 1  # any top_k at or above the vocabulary size keeps every t
 GREEDY_TEMPERATURE_EPS = 1e-5
 
 
+# The kinds of structured output a request may ask for (engine/structured_outputs.py).
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """A constraint on the output: `kind` in STRUCTURED_KINDS and its `spec` as text (a JSON
+    schema, a regex, a JSON list of choices, a Lark or GBNF grammar; empty for json_object).
+    JSON options: `whitespace_pattern` (whitespace allowed between tokens; default none but a
+    space after ',' and ':'), `disable_any_whitespace`, `disable_additional_properties`."""
+
+    kind: str
+    spec: str = ""
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured_outputs: unknown kind {self.kind!r} "
+                             f"(one of {', '.join(STRUCTURED_KINDS)})")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structured_outputs: the {self.kind} spec must be text")
+
+
 @dataclass
 class SamplingParams:
     """What to sample and when to stop; the names and meanings follow the OpenAI API and vLLM."""
@@ -39,6 +64,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None  # None: unconstrained
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

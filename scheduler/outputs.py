@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from engine.sampling_params import SamplingParams
 
 
@@ -42,6 +44,11 @@ class SchedulerOutput:
     # Requests the runner must forget before this step: finished, aborted or preempted since the
     # last step. A preempted request comes back later as a NewRequestData.
     finished_req_ids: set[str] = field(default_factory=set)
+    # Structured outputs: the constrained requests that sample this step, and for each one row
+    # of allowed next tokens (int32 words, bit t % 32 of word t // 32 for token t). Filled by
+    # the engine core once, so every TP rank masks its logits alike; empty: nothing constrained.
+    grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: np.ndarray | None = None  # [len(grammar_req_ids), ceil(V / 32)] int32
 
     @property
     def is_empty(self) -> bool:
@@ -82,6 +89,9 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0
     queue_time: float | None = None  # with the first token: seconds waiting before admission
+    # a "stop" because the request's grammar allows nothing more: its last token is output text,
+    # not an eos / stop token
+    grammar_ended: bool = False
 
     @property
     def finished(self) -> bool:

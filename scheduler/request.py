@@ -62,6 +62,11 @@ class Request:
         self.prompt_logprobs_emitted = False
         # Chained hashes of this request's full virtual blocks, computed once each (block_manager).
         self.block_hashes: list[bytes] = []
+        # Structured outputs: the matcher of its constraint (engine.structured_outputs
+        # RequestGrammar), set by the engine core; advanced by each token appended here, once,
+        # so that a preempted request that recomputes its tokens keeps its matcher state.
+        self.grammar = None
+        self.ended_by_grammar = False  # it stopped because its grammar allows nothing more
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -95,6 +100,8 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "

@@ -51,6 +51,7 @@ class Scheduler:
         self.running: list[Request] = []  # admission order: oldest first
         self._finished_req_ids: set[str] = set()  # for the next SchedulerOutput
         self._num_preemptions = 0
+        self._structured: set[str] = set()  # unfinished requests with a grammar
         self._prefix_queries = 0
         self._prefix_hits = 0
 
@@ -71,6 +72,8 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
+        if request.grammar is not None:
+            self._structured.add(request.request_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Finish the given requests with "abort" and free their blocks; unknown ids are ignored."""
@@ -87,6 +90,7 @@ class Scheduler:
             request.status = RequestStatus.FINISHED_ABORTED
             self._free(request)
             del self.requests[req_id]
+            self._structured.discard(req_id)
             outputs.append(EngineCoreOutput(req_id, [], finish_reason="abort",
                                             num_cached_tokens=max(request.num_cached_tokens, 0)))
         return outputs
@@ -195,8 +199,21 @@ class Scheduler:
 
     def needs_sync(self) -> bool:
         """True if a running request reads its own output history when sampling (penalties,
-        min_tokens): async scheduling must then let the step in flight finish first."""
-        return any(r.sampling_params.reads_history for r in self.running)
+        min_tokens), or any request has a grammar (its next bitmask needs every token it has
+        sampled): async scheduling must then let the step in flight finish first."""
+        return bool(self._structured) or any(r.sampling_params.reads_history for r in self.running)
+
+    def grammar_rows(self, so: SchedulerOutput) -> list[Request]:
+        """The constrained requests that sample in `so` (their scheduled tokens reach their end),
+        in no particular order; empty at no cost when no request has a grammar."""
+        if not self._structured:
+            return []
+        out = []
+        for req_id in so.num_scheduled_tokens:
+            r = self.requests[req_id]
+            if r.grammar is not None and r.num_computed_tokens >= r.num_tokens:
+                out.append(r)
+        return out
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -253,6 +270,7 @@ class Scheduler:
             if self._check_stop(request, token_id):
                 out.finish_reason = request.finish_reason
                 out.stop_reason = request.stop_reason
+                out.grammar_ended = request.ended_by_grammar
                 self.running.remove(request)
                 self._finish(request)
             outputs.append(out)
@@ -269,6 +287,11 @@ class Scheduler:
             if not sp.ignore_eos and request.eos_token_id is not None and token_id == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
+        if request.grammar is not None and request.grammar.terminated:
+            # the grammar allows nothing more: the end of the output, whatever min_tokens says
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.ended_by_grammar = True
+            return True
         if sp.max_tokens is not None and request.num_output_tokens >= sp.max_tokens:
             request.status = RequestStatus.FINISHED_LENGTH
             return True
@@ -283,4 +306,5 @@ class Scheduler:
     def _finish(self, request: Request) -> None:
         self._free(request)
         del self.requests[request.request_id]
+        self._structured.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)

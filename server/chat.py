@@ -114,7 +114,8 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
     """Handle one chat completions request end to end."""
     state.check_model(req.model)
     try:
-        params = req.to_sampling_params()
+        params = (await asyncio.to_thread(req.to_sampling_params) if req.asks_for_structure
+                  else req.to_sampling_params())
         conversation = req.conversation()
     except ValueError as e:
         raise APIError(400, str(e), param=param_of(str(e))) from None

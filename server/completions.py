@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -163,7 +164,8 @@ async def create_completion(state, req: CompletionRequest, raw: Request) -> Resp
     state.check_model(req.model)
     state.limits.check(len(req.prompts()), req.n, req.stop)
     try:
-        params = req.to_sampling_params()
+        params = (await asyncio.to_thread(req.to_sampling_params) if req.asks_for_structure
+                  else req.to_sampling_params())
     except ValueError as e:
         raise APIError(400, str(e), param=param_of(str(e))) from None
     request_id = f"cmpl-{uuid.uuid4().hex}"

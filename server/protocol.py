@@ -7,12 +7,14 @@ the limit before anything reaches the engine.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_validator,
                       model_validator)
 
-from engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
+from engine.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TOP_K, SamplingParams,
+                                    StructuredOutputs)
 
 MAX_N = 128  # OpenAI's cap on choices per prompt
 
@@ -63,6 +65,53 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    """OpenAI's `response_format.json_schema`; the schema is always enforced (strict or not)."""
+
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format.json_schema is required when type is json_schema")
+        return self
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs`: one constraint (json, regex, choice, grammar, json_object)
+    and the JSON whitespace options."""
+
+    json_: str | dict | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
+def _json_spec(value: str | dict, field: str) -> str:
+    """A JSON schema as text (key order kept: it is the order the output's keys follow)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{field}: not valid JSON ({e})") from None
+    if not isinstance(value, (dict, bool)):
+        raise ValueError(f"{field}: a JSON schema must be an object")
+    return json.dumps(value)
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI names, plus vLLM's extensions)."""
 
@@ -86,6 +135,14 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # structured outputs (engine/structured_outputs.py): at most one of these constraints
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -110,6 +167,67 @@ class _SamplingFields(_Request):
         return self
 
     @property
+    def asks_for_structure(self) -> bool:
+        """True when a constraint field is set (its validation compiles a grammar: seconds for a
+        huge schema, so the handlers run it off the event loop)."""
+        rf = self.response_format
+        return (self.structured_outputs is not None or (rf is not None and rf.type != "text")
+                or any(v is not None for v in (self.guided_json, self.guided_regex,
+                                               self.guided_choice, self.guided_grammar)))
+
+    def structured(self) -> StructuredOutputs | None:
+        """The request's output constraint, validated (llguidance); ValueError naming the field."""
+        found: list[tuple[str, str, str]] = []  # (field, kind, spec)
+        so = self.structured_outputs
+        if so is not None:
+            if so.structural_tag is not None:
+                raise ValueError("structured_outputs.structural_tag: not supported")
+            if so.json_ is not None:
+                found.append(("structured_outputs.json", "json",
+                              _json_spec(so.json_, "structured_outputs.json")))
+            if so.regex is not None:
+                found.append(("structured_outputs.regex", "regex", so.regex))
+            if so.choice is not None:
+                found.append(("structured_outputs.choice", "choice", so.choice))
+            if so.grammar is not None:
+                found.append(("structured_outputs.grammar", "grammar", so.grammar))
+            if so.json_object:
+                found.append(("structured_outputs.json_object", "json_object", ""))
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            found.append(("response_format", "json_object", ""))
+        elif rf is not None and rf.type == "json_schema":
+            where, schema = "response_format.json_schema.schema", rf.json_schema.schema_
+            found.append((where, "json_object", "") if schema is None else
+                         (where, "json", _json_spec(schema, where)))
+        if self.guided_json is not None:
+            found.append(("guided_json", "json", _json_spec(self.guided_json, "guided_json")))
+        if self.guided_regex is not None:
+            found.append(("guided_regex", "regex", self.guided_regex))
+        if self.guided_choice is not None:
+            found.append(("guided_choice", "choice", self.guided_choice))
+        if self.guided_grammar is not None:
+            found.append(("guided_grammar", "grammar", self.guided_grammar))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise ValueError(f"{found[0][0]}: only one output constraint per request, got "
+                             f"{', '.join(f for f, _, _ in found)}")
+        field, kind, spec = found[0]
+        if kind == "choice":
+            if not spec or any(not c for c in spec):
+                raise ValueError(f"{field}: must be a non-empty list of non-empty strings")
+            spec = json.dumps(spec)
+        out = StructuredOutputs(
+            kind, spec,
+            whitespace_pattern=(so and so.whitespace_pattern) or self.guided_whitespace_pattern,
+            disable_any_whitespace=bool(so and so.disable_any_whitespace),
+            disable_additional_properties=bool(so and so.disable_additional_properties))
+        from engine.structured_outputs import validate
+        validate(out, field)
+        return out
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
@@ -125,7 +243,7 @@ class _SamplingFields(_Request):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured())
 
 
 Prompt = str | list[int]

@@ -1,0 +1,179 @@
+"""Structured outputs: grammars that constrain sampling, through llguidance.
+
+A request's constraint travels as plain data (`StructuredOutputs`: a kind and its spec, in
+engine/sampling_params.py). The front end validates it without a tokenizer (`validate`), so that a
+bad schema or regex is a 400 naming the field. The engine core compiles it once per distinct
+(kind, spec) against the model's tokenizer (`GrammarCompiler`, an LRU of compiled matchers) and
+gives each request its own copy (`RequestGrammar`). The core advances that matcher with every
+token the request samples (scheduler.update_from_output) and, before each step, fills one bitmask
+row per constrained request that samples in it (`fill_bitmask`); the bitmask travels in the
+SchedulerOutput to every rank, whose sampler masks the logits with it.
+
+llguidance is imported only when a request asks for structure: a server without it starts and
+serves everything else.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import OrderedDict
+
+import numpy as np
+
+from engine.sampling_params import StructuredOutputs
+
+log = logging.getLogger(__name__)
+
+PACKAGE = "llguidance"
+MAX_CACHED_GRAMMARS = 256
+# threads that compute the bitmask rows of one step in parallel (llguidance's LLExecutor)
+MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+
+# JSON is generated compact, as json.dumps writes it ('{"a": 1, "b": [2, 3]}'): free whitespace
+# lets a model pad its output with newlines until max_tokens instead of closing the object.
+# `whitespace_pattern` allows more; `disable_any_whitespace` allows none at all ('{"a":1}').
+_JSON_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_TIGHT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+def _import():
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError(f"structured outputs need the '{PACKAGE}' package, which this server "
+                         f"does not have (pip install {PACKAGE})") from None
+    return llguidance
+
+
+def grammar_text(so: StructuredOutputs) -> str:
+    """The llguidance grammar of a constraint; ValueError when it cannot even be built."""
+    llg = _import()
+    from llguidance._grammar_from import grammar_from
+    if so.kind in ("json", "json_object"):
+        schema = so.spec if so.kind == "json" else '{"type": "object"}'
+        if so.whitespace_pattern is not None:
+            opts = {"whitespace_flexible": True, "whitespace_pattern": so.whitespace_pattern}
+        else:
+            opts = _JSON_TIGHT if so.disable_any_whitespace else _JSON_COMPACT
+        if so.disable_additional_properties:
+            schema = json.dumps(_no_additional_properties(json.loads(schema)))
+        try:
+            return llg.LLMatcher.grammar_from_json_schema(schema, defaults=opts)
+        except (ValueError, TypeError) as e:
+            raise ValueError(str(e)) from None
+    if so.kind == "choice":
+        return grammar_from("choice", json.loads(so.spec))
+    return grammar_from(so.kind, so.spec)  # "regex", "grammar" (Lark or GBNF)
+
+
+def _no_additional_properties(schema):
+    """The schema with additionalProperties: false on every object that does not set it."""
+    if isinstance(schema, dict):
+        out = {k: _no_additional_properties(v) for k, v in schema.items()}
+        if out.get("type") == "object" or "properties" in out:
+            out.setdefault("additionalProperties", False)
+        return out
+    if isinstance(schema, list):
+        return [_no_additional_properties(v) for v in schema]
+    return schema
+
+
+def validate(so: StructuredOutputs, field: str) -> None:
+    """ValueError starting with `field` when the constraint does not compile (no tokenizer
+    needed: the front end runs it before anything reaches the engine)."""
+    try:
+        text = grammar_text(so)
+        error = _import().LLMatcher.validate_grammar(text)
+    except ValueError as e:
+        raise ValueError(f"{field}: {e}") from None
+    if error:
+        raise ValueError(f"{field}: the {so.kind} constraint does not compile: "
+                         f"{_first_lines(error)}")
+
+
+def _first_lines(message: str, n: int = 4) -> str:
+    return " ".join(line.strip() for line in message.strip().splitlines()[:n])
+
+
+class RequestGrammar:
+    """One request's matcher: which tokens may come next, advanced by each sampled token."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher  # llguidance.LLMatcher
+
+    def accept(self, token_id: int) -> None:
+        if not self.matcher.consume_token(token_id):
+            log.warning("structured output: sampled token %d was not allowed (%s)", token_id,
+                        self.matcher.get_error())
+
+    @property
+    def terminated(self) -> bool:
+        """Nothing but the end may follow (or the matcher failed): the request stops."""
+        return self.matcher.is_stopped() or self.matcher.is_error()
+
+    def fill(self, bitmask: np.ndarray, row: int) -> None:
+        """Write the allowed next tokens into bitmask[row] (int32 words, bit t % 32 of word
+        t // 32 set when token t is allowed)."""
+        v = bitmask[row]
+        self.matcher.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
+
+
+class GrammarCompiler:
+    """Compiles constraints against the model's tokenizer (loaded on first use from
+    `tokenizer_path`), caching compiled matchers by (kind, spec)."""
+
+    def __init__(self, tokenizer_path: str | None, vocab_size: int):
+        self.tokenizer_path, self.vocab_size = tokenizer_path, vocab_size
+        self._tokenizer = None
+        self._cache: OrderedDict = OrderedDict()
+        self._executor = None
+
+    @property
+    def words(self) -> int:
+        """int32 words per bitmask row."""
+        return (self.vocab_size + 31) // 32
+
+    def _ll_tokenizer(self):
+        if self._tokenizer is None:
+            if self.tokenizer_path is None:
+                raise ValueError("structured_outputs: need a tokenizer; this server runs "
+                                 "without one (--skip-tokenizer-init)")
+            llg = _import()
+            import llguidance.hf
+            from engine.input_processor import load_tokenizer
+            hf = load_tokenizer(self.tokenizer_path, required=True)
+            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
+            log.info("structured outputs: %s %s, tokenizer of %d tokens", PACKAGE,
+                     getattr(llg, "__version__", ""), self.vocab_size)
+        return self._tokenizer
+
+    def compile(self, so: StructuredOutputs) -> RequestGrammar:
+        """A fresh matcher for one request; ValueError naming the kind when it does not compile."""
+        key = (so.kind, so.spec, so.whitespace_pattern, so.disable_any_whitespace,
+               so.disable_additional_properties)
+        template = self._cache.get(key)
+        if template is None:
+            llg = _import()
+            template = llg.LLMatcher(self._ll_tokenizer(), grammar_text(so))
+            if template.is_error():
+                raise ValueError(f"structured_outputs: the {so.kind} constraint does not "
+                                 f"compile: {_first_lines(template.get_error())}")
+            self._cache[key] = template
+            while len(self._cache) > MAX_CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return RequestGrammar(template.deep_copy())
+
+    def fill_bitmask(self, grammars: list[RequestGrammar]) -> np.ndarray:
+        """[len(grammars), words] int32: row i allows the tokens grammars[i] allows next."""
+        bitmask = np.zeros((len(grammars), self.words), dtype=np.int32)
+        if len(grammars) == 1:
+            grammars[0].fill(bitmask, 0)
+            return bitmask
+        if self._executor is None:
+            self._executor = _import().LLExecutor(num_threads=MASK_THREADS)
+        self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
+                                               bitmask.ctypes.data, self.words * 4, len(grammars))
+        return bitmask
