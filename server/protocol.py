@@ -1,8 +1,9 @@
 """OpenAI request models (pydantic) and their translation to `SamplingParams`.
 
-Unknown fields are ignored, as OpenAI's clients send fields we do not implement (`suffix`,
-`logit_bias`, ...). Limits live in `Field(...)` so that a bad value is a 400 naming the field and
-the limit before anything reaches the engine.
+Unknown fields are ignored, as OpenAI does. Fields that OpenAI or vLLM define but this server
+cannot honour are listed in `UNSUPPORTED` and answer a 400 naming them, never silently dropped.
+Limits live in `Field(...)` so that a bad value is a 400 naming the field and the limit before
+anything reaches the engine.
 """
 
 from __future__ import annotations
@@ -47,6 +48,48 @@ def check_text(value: Any, path: str) -> None:
     elif isinstance(value, list):
         for i, v in enumerate(value):
             check_text(v, f"{path}.{i}" if path else str(i))
+
+
+def _set(v: Any) -> bool:
+    return v is not None
+
+
+# Recognised fields this server cannot honour: field -> (does this value ask for it?, why), per
+# route. A request that sets one is a 400 naming the field; removing a line enables the field
+# (it must then be declared on the request model).
+_STRUCTURED = {
+    "response_format": (lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
+                        "structured outputs are not supported yet; only {\"type\": \"text\"}"),
+    "guided_json": (_set, "structured outputs are not supported yet"),
+    "guided_regex": (_set, "structured outputs are not supported yet"),
+    "guided_choice": (_set, "structured outputs are not supported yet"),
+    "guided_grammar": (_set, "structured outputs are not supported yet"),
+    "structured_outputs": (_set, "structured outputs are not supported yet"),
+}
+UNSUPPORTED: dict[str, dict[str, tuple]] = {
+    "completions": {
+        "suffix": (bool, "fill-in-the-middle (a non-empty suffix) is not supported"),
+        **_STRUCTURED,
+    },
+    "chat": {
+        "tools": (bool, "tool calls are not supported yet"),
+        "tool_choice": (lambda v: v is not None and v != "none", "tool calls are not supported "
+                        "yet; only \"none\""),
+        "functions": (bool, "function calls are not supported"),
+        "function_call": (lambda v: v is not None and v != "none", "function calls are not "
+                          "supported; only \"none\""),
+        **_STRUCTURED,
+    },
+}
+
+
+def refuse_unsupported(data: Any, route: str) -> None:
+    """ValueError naming the first field of `UNSUPPORTED[route]` that `data` asks for."""
+    if not isinstance(data, dict):
+        return
+    for name, (asks, why) in UNSUPPORTED[route].items():
+        if name in data and asks(data[name]):
+            raise ValueError(f"{name}: {why}")
 
 
 class _Request(BaseModel):
@@ -136,6 +179,20 @@ class CompletionRequest(_SamplingFields):
     max_tokens: NonNegInt64 | None = 16
     logprobs: _bounded(0, MAX_LOGPROBS) | None = None
     echo: bool = False
+    best_of: _bounded(1, MAX_N) | None = None  # only best_of == n (no ranking of extra samples)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        refuse_unsupported(data, "completions")
+        return data
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only best_of == n ({self.n}) is supported (extra samples "
+                             f"are not generated and ranked), got {self.best_of}")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -211,6 +268,12 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: _bounded(0, MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        refuse_unsupported(data, "chat")
+        return data
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
