@@ -8,7 +8,7 @@ anything reaches the engine.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_validator,
                       model_validator)
@@ -268,6 +268,11 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: _bounded(0, MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
+    # extra variables of the chat template (e.g. {"thinking": true} for DeepSeek-V3.1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's field; handed to the chat template as `reasoning_effort` (DeepSeek's templates
+    # do not read it: their thinking is on or off, see chat_template_kwargs)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -288,6 +293,13 @@ class ChatCompletionRequest(_SamplingFields):
 
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The variables passed to the chat template besides the conversation."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
 
 
 class TokenizeRequest(_Request):

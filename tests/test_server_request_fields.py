@@ -77,3 +77,177 @@ ACCEPTED = [
 def test_values_that_ask_for_nothing_are_accepted(server, path, body):
     r = post(server, path, body)
     assert r.status_code == 200, r.text
+
+
+# ---- reasoning output (--reasoning-parser) ----
+
+THINK_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '<｜User｜>' + m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}"
+    "{% if thinking is defined and thinking %}{{ '<think>\\n' }}{% endif %}{% endif %}")
+REASONING, CONTENT = "Let me think: 3 + 4.", "The answer is 7."
+
+
+class ScriptedEngine(FakeEngine):
+    """Emits `script` token by token (one stream chunk each) and records the last prompt."""
+
+    script: list[int] = []
+
+    async def generate(self, prompt, params, request_id):
+        self.last_prompt = list(prompt)
+        async for out in super().generate(prompt, params, request_id):
+            yield out
+
+    def _next(self, ctx, params, rng):
+        i = len(ctx) - len(self.last_prompt)
+        return self.script[i % len(self.script)]
+
+
+def reasoning_server(tok, parser: str):
+    t = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+    t.chat_template = THINK_TEMPLATE
+    engine = ScriptedEngine(t, max_model_len=256)
+    engine.script = t(REASONING + "</think>" + CONTENT, add_special_tokens=False)["input_ids"]
+    args = type("Args", (), {"reasoning_parser": parser})()
+    return engine, InProcessServer(build_app(engine, args))
+
+
+@pytest.fixture(scope="module")
+def r1(tok):
+    engine, srv = reasoning_server(tok, "deepseek_r1")
+    with srv as s:
+        s.engine = engine
+        yield s
+
+
+@pytest.fixture(scope="module")
+def v3(tok):
+    engine, srv = reasoning_server(tok, "deepseek_v3")
+    with srv as s:
+        s.engine = engine
+        yield s
+
+
+def stream_chat(server, body: dict) -> list[dict]:
+    import json
+
+    chunks = []
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=30,
+                      json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunks.append(json.loads(line[6:]))
+    return chunks
+
+
+def joined(chunks: list[dict], field: str, index: int = 0) -> str | None:
+    parts = [c["choices"][0]["delta"].get(field) for c in chunks
+             if c["choices"] and c["choices"][0]["index"] == index]
+    parts = [p for p in parts if p]
+    return "".join(parts) if parts else None
+
+
+def test_r1_reasoning_split_whole_and_streamed(r1):
+    n_script = len(r1.engine.script)
+    assert r1.engine.script.count(r1.engine.tokenizer.convert_tokens_to_ids("<")) >= 1
+    body = {**CHAT, "max_tokens": n_script, "n": 2, "temperature": 0}
+    r = post(r1, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    for c in r.json()["choices"]:
+        m = c["message"]
+        assert (m["reasoning_content"], m["reasoning"], m["content"]) == (REASONING, REASONING, CONTENT)
+    chunks = stream_chat(r1, body)
+    for i in range(2):  # per-choice parser state: the choices' chunks interleave
+        assert joined(chunks, "reasoning_content", i) == REASONING
+        assert joined(chunks, "reasoning", i) == REASONING
+        assert joined(chunks, "content", i) == CONTENT
+    # no chunk leaks part of the tag, although "</think>" arrives as 6 tokens in 6 chunks
+    assert not any("<" in (c["choices"][0]["delta"].get("reasoning_content") or "")
+                   + (c["choices"][0]["delta"].get("content") or "") for c in chunks if c["choices"])
+    # reasoning comes before content in the stream
+    kinds = [k for c in chunks if c["choices"] and c["choices"][0]["index"] == 0
+             for k in ("reasoning", "content") if c["choices"][0]["delta"].get(k)]
+    assert kinds == sorted(kinds, key=("reasoning", "content").index)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_r1_output_without_closing_tag_is_all_reasoning(r1, stream):
+    # stops inside "</think>": the held-back "</th" is flushed as reasoning at the end
+    tok = r1.engine.tokenizer
+    upto = len(tok(REASONING + "</th", add_special_tokens=False)["input_ids"])
+    body = {**CHAT, "max_tokens": upto}
+    if stream:
+        chunks = stream_chat(r1, body)
+        got = (joined(chunks, "reasoning_content"), joined(chunks, "content"))
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    else:
+        m = post(r1, "/v1/chat/completions", body).json()["choices"][0]["message"]
+        got = (m["reasoning_content"], m["content"])
+    assert got == (REASONING + "</th", None)
+
+
+def test_v3_thinks_only_with_chat_template_kwargs(v3):
+    tok = v3.engine.tokenizer
+    n_script = len(v3.engine.script)
+    r = post(v3, "/v1/chat/completions", {**CHAT, "max_tokens": n_script})
+    m = r.json()["choices"][0]["message"]
+    assert (m["reasoning_content"], m["content"]) == (None, REASONING + "</think>" + CONTENT)
+    assert not tok.decode(v3.engine.last_prompt).endswith("<think>\n")
+    body = {**CHAT, "max_tokens": n_script, "chat_template_kwargs": {"thinking": True},
+            "reasoning_effort": "high"}
+    m = post(v3, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert (m["reasoning_content"], m["content"]) == (REASONING, CONTENT)
+    assert tok.decode(v3.engine.last_prompt).endswith("<think>\n")  # the kwargs reached the template
+    chunks = stream_chat(v3, body)
+    assert (joined(chunks, "reasoning"), joined(chunks, "content")) == (REASONING, CONTENT)
+
+
+def test_no_reasoning_parser_keeps_the_text_as_content(server):
+    m = post(server, "/v1/chat/completions", CHAT).json()["choices"][0]["message"]
+    assert set(m) == {"role", "content"}
+
+
+@pytest.mark.parametrize("body,field", [
+    ({**CHAT, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({**CHAT, "chat_template_kwargs": ["thinking"]}, "chat_template_kwargs"),
+    ({**CHAT, "reasoning_effort": "extreme"}, "reasoning_effort"),
+])
+def test_bad_chat_template_kwargs_and_reasoning_effort(server, body, field):
+    r = post(server, "/v1/chat/completions", body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_unknown_reasoning_parser_is_a_startup_error(capsys):
+    from server.cli import main
+
+    assert main(["--reasoning-parser", "qwen3", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("serve: error: --reasoning-parser") and "deepseek_r1, deepseek_v3" in err
+
+
+@pytest.mark.parametrize("text", [
+    "a</think>b", "<think>\nr</think>c", "  <think>r", "<thi", "r</thi", "</think>", "",
+    "r</think>c</think>d", "x<think>y</think>z", "<<//think>>", "r<</think>c<"])
+def test_incremental_split_equals_whole_for_every_chunking(text):
+    from server.reasoning import ThinkParser, split_reasoning
+
+    whole = split_reasoning(text)
+    for size in range(1, len(text) + 1):
+        p, r, c = ThinkParser(), "", ""
+        for i in range(0, len(text), size):
+            dr, dc = p.feed(text[i:i + size])
+            r, c = r + dr, c + dc
+        dr, dc = p.finish()
+        assert ((r + dr) or None, (c + dc) or None) == whole, (text, size)
+    if "</think>" not in text:  # never closed: all reasoning (a leading <think> dropped)
+        assert whole[1] is None
+
+
+def test_split_reasoning_follows_vllm_deepseek_r1():
+    from server.reasoning import split_reasoning
+
+    assert split_reasoning("<think>\nr</think>c") == ("\nr", "c")
+    assert split_reasoning("r</think>") == ("r", None)
+    assert split_reasoning("r") == ("r", None)
+    assert split_reasoning("r</think>c</think>d") == ("r", "c</think>d")
