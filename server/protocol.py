@@ -13,9 +13,12 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_validator,
                       model_validator)
 
-from engine.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TOP_K, SamplingParams
+from engine.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K,
+                                    SamplingParams)
 
 MAX_N = 128  # OpenAI's cap on choices per prompt
+# logit_bias entries per request: each one is host work in every step of the request
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 def _bounded(lo: int, hi: int):
@@ -129,6 +132,25 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI: token id (a string key) -> bias in [-100, 100] added to its logit
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_ids(cls, v):
+        if v is None:
+            return None
+        if len(v) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {len(v)}")
+        bias = {}
+        for key, b in v.items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {b!r} for token {key}")
+            bias[int(key)] = float(b)
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -168,7 +190,7 @@ class _SamplingFields(_Request):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self.logit_bias or None)
 
 
 Prompt = str | list[int]

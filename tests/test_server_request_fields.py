@@ -251,3 +251,37 @@ def test_split_reasoning_follows_vllm_deepseek_r1():
     assert split_reasoning("r</think>") == ("r", None)
     assert split_reasoning("r") == ("r", None)
     assert split_reasoning("r</think>c</think>d") == ("r", "c</think>d")
+
+
+# ---- logit_bias ----
+
+@pytest.mark.parametrize("bias,needle", [
+    ({"abc": 1}, "token ids"), ({"5": 100.5}, "[-100, 100]"), ({"5": -101}, "[-100, 100]"),
+    ({"100000": 1}, "outside"), ({"-3": 1}, "token ids"), ({str(i): 1 for i in range(1025)}, "1024")])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_bad_logit_bias_is_a_400_naming_it(server, path, bias, needle):
+    body = {**(CMPL if "chat" not in path else CHAT), "logit_bias": bias}
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "logit_bias" and needle in err["message"], err
+
+
+def test_logit_bias_steers_the_real_engine():
+    """The tiny model on the CPU: +100 forces a token, -100 bans the greedy one, greedy or sampled."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=64)
+    prompt = "Question: Mia has 7 apples."
+    base = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    greedy = llm.generate(prompt, base)[0].outputs[0].token_ids
+    forced = next(t for t in range(10, 400) if t not in greedy)
+    for temperature in (0.0, 1.0):
+        p = SamplingParams(temperature=temperature, seed=3, max_tokens=6, ignore_eos=True,
+                           logit_bias={forced: 100.0})
+        assert llm.generate(prompt, p)[0].outputs[0].token_ids == [forced] * 6
+    banned = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            logit_bias={greedy[0]: -100.0})
+    assert llm.generate(prompt, banned)[0].outputs[0].token_ids[0] != greedy[0]
+    with pytest.raises(ValueError, match="logit_bias: token id"):
+        llm.generate(prompt, SamplingParams(logit_bias={10 ** 6: 1.0}))
