@@ -85,6 +85,14 @@ class ChatBuilder:
         self.reasoning = state.reasoning_parser is not None
         self.think = thinks(state.reasoning_parser, req.chat_template_kwargs)
         self._parsers: dict[int, ThinkParser] = {}  # choice index -> its incremental split
+        self._num_tokens: dict[int, int] = {}  # choice index -> tokens generated so far
+
+    def chunk_usage(self, index: int, final: RequestOutput) -> dict:
+        """Usage so far of choice `index` (continuous_usage_stats, counted as vLLM does)."""
+        prompt = len(final.prompt_token_ids)
+        completion = self._num_tokens.get(index, 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
 
     def _entry(self, tid: int, logprob: float) -> dict:
         s = (f"token_id:{tid}" if self.req.return_tokens_as_token_ids
@@ -134,6 +142,7 @@ class ChatBuilder:
                         "logprobs": None, "finish_reason": None})
         new_text = o.delta_text  # not o.text: text held back for stop strings
         new_lps = o.delta_logprobs or []
+        self._num_tokens[index] = self._num_tokens.get(index, 0) + len(o.delta_token_ids)
         self._sent_text[index] += len(new_text)
         finish = None if index in self._finish_sent else o.finish_reason
         if finish is not None:  # a finished sample stays in its request's later outputs
@@ -210,7 +219,8 @@ async def _sse(streams: EngineStreams, builder: ChatBuilder, head: dict, tracker
                 final = out
                 for o in out.outputs:
                     for delta in builder.deltas(o.index, o):
-                        yield sse({**head, "choices": [delta], "usage": None})
+                        usage = builder.chunk_usage(o.index, out) if req.continuous_usage else None
+                        yield sse({**head, "choices": [delta], "usage": usage})
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": _usage(final)})
         except Exception as e:  # headers are gone: report in-band

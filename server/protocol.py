@@ -81,6 +81,7 @@ UNSUPPORTED: dict[str, dict[str, tuple]] = {
         "functions": (bool, "function calls are not supported"),
         "function_call": (lambda v: v is not None and v != "none", "function calls are not "
                           "supported; only \"none\""),
+        "prompt_logprobs": (_set, "prompt logprobs are returned by /v1/completions only"),
         **_STRUCTURED,
     },
 }
@@ -107,6 +108,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM: with include_usage, every chunk also carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_Request):
@@ -178,6 +181,11 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (vLLM: only together with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's view of this request; raises ValueError naming a field."""
@@ -201,6 +209,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: NonNegInt64 | None = 16
     logprobs: _bounded(0, MAX_LOGPROBS) | None = None
     echo: bool = False
+    # vLLM: the top-k logprobs of every prompt token, as `prompt_logprobs` on each choice
+    prompt_logprobs: _bounded(0, MAX_LOGPROBS) | None = None
     best_of: _bounded(1, MAX_N) | None = None  # only best_of == n (no ranking of extra samples)
 
     @model_validator(mode="before")
@@ -234,7 +244,10 @@ class CompletionRequest(_SamplingFields):
         # echo with max_tokens=0 (prompt scoring only): the engine samples one token that the
         # response then drops.
         max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        # the engine computes one set for both uses: the larger k, each use trims to its own
+        wanted = [k for k in (self.prompt_logprobs,
+                              self.logprobs if self.echo else None) if k is not None]
+        prompt_logprobs = max(wanted) if wanted else None
         return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 

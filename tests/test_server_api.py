@@ -159,6 +159,62 @@ def test_echo_logprobs_as_lm_eval_sends_them(client, server):
     assert r0.usage.completion_tokens == 0 and r0.choices[0].text == tok.decode(ctx + cont)
 
 
+def test_prompt_logprobs_as_vllm_returns_them(client, server):
+    tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+    ids = tok(PROMPTS[0])["input_ids"]
+    kw = dict(max_tokens=3, n=2, temperature=0, echo=True, logprobs=1,
+              extra_body={"prompt_logprobs": 3})
+    r = greedy(client, server, PROMPTS[0], **kw).model_dump()
+    for c in r["choices"]:
+        plp = c["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        for t, row in zip(ids[1:], plp[1:]):
+            assert str(t) in row and row[str(t)]["decoded_token"] == tok.decode([t])
+            assert 3 <= len(row) <= 4 and all(v["logprob"] <= 0 for v in row.values())
+            assert sorted(v["rank"] for v in row.values())[:3] == [1, 2, 3]
+        # echo's logprobs keep their own k (1): the engine computed 3, the response trims
+        assert all(len(top) <= 2 for top in c["logprobs"]["top_logprobs"][1:])
+        assert c["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(
+            [row[str(t)]["logprob"] for t, row in zip(ids[1:], plp[1:])], abs=1e-5)
+    chunks = list(greedy(client, server, PROMPTS[0], stream=True, **kw))
+    first = {}
+    for ch in chunks:
+        d = ch.model_dump()["choices"][0]
+        if d.get("prompt_logprobs") is not None:
+            assert d["index"] not in first, "prompt_logprobs sent twice"
+            first[d["index"]] = d["prompt_logprobs"]
+    assert first == {c["index"]: c["prompt_logprobs"] for c in r["choices"]}
+    plain = greedy(client, server, PROMPTS[0], max_tokens=2).model_dump()["choices"][0]
+    assert plain.get("prompt_logprobs") is None
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_continuous_usage_stats_in_every_chunk(client, server, route):
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    if route == "chat":
+        chunks = list(client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+            temperature=0, n=2, stream=True, stream_options=opts,
+            extra_body={"ignore_eos": True}))
+    else:
+        chunks = list(greedy(client, server, PROMPTS[:2], max_tokens=5, stream=True,
+                             stream_options=opts, extra_body={"ignore_eos": True}))
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 10
+    seen: dict[int, int] = {}
+    for ch in body:
+        u = ch.usage
+        assert u is not None and u.total_tokens == u.prompt_tokens + u.completion_tokens
+        (c,) = ch.choices
+        assert u.completion_tokens >= seen.get(c.index, 0)  # the choice's own count, growing
+        seen[c.index] = u.completion_tokens
+    assert seen == {0: 5, 1: 5}
+    # without continuous_usage_stats only the last chunk has usage
+    plain = list(greedy(client, server, PROMPTS[0], max_tokens=3, stream=True,
+                        stream_options={"include_usage": True}))
+    assert all(ch.usage is None for ch in plain[:-1]) and plain[-1].usage is not None
+
+
 def test_sampling_fields(client, server):
     base = greedy(client, server, PROMPTS[0], max_tokens=10).choices[0].text
     # top_k=1, tiny top_p and min_p=1 all reduce sampling to greedy, whatever the temperature

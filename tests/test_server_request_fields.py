@@ -285,3 +285,10 @@ def test_logit_bias_steers_the_real_engine():
     assert llm.generate(prompt, banned)[0].outputs[0].token_ids[0] != greedy[0]
     with pytest.raises(ValueError, match="logit_bias: token id"):
         llm.generate(prompt, SamplingParams(logit_bias={10 ** 6: 1.0}))
+
+
+def test_prompt_logprobs_range_and_chat_refusal(server):
+    r = post(server, "/v1/completions", {**CMPL, "prompt_logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    r = post(server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
