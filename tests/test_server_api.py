@@ -414,5 +414,23 @@ def test_metrics_count_requests_and_latencies(client, server):
     assert delta["mla_serve_inter_token_latency_seconds_count"] == 5
     assert delta["mla_serve_e2e_request_latency_seconds_count"] == 1
     assert 'mla_serve_request_success_total{finished_reason="length"}' in after
+    # vLLM's per-request histograms: one observation per finished choice
+    label = f'{{model_name="{server.model}"}}'
+    vdelta = {name: metric(after, f"vllm:{name}{label}") - metric(before, f"vllm:{name}{label}")
+              for name in ("request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+                           "request_inference_time_seconds_count",
+                           "request_time_per_output_token_seconds_count",
+                           "request_prompt_tokens_count", "request_prompt_tokens_sum",
+                           "request_generation_tokens_count", "request_generation_tokens_sum",
+                           "time_per_output_token_seconds_count",
+                           "request_decode_time_seconds_sum", "request_inference_time_seconds_sum")}
+    assert vdelta["request_prefill_time_seconds_count"] == vdelta["request_decode_time_seconds_count"] == 1
+    assert vdelta["request_inference_time_seconds_count"] == 1
+    assert vdelta["request_time_per_output_token_seconds_count"] == 1
+    assert vdelta["request_prompt_tokens_count"] == vdelta["request_generation_tokens_count"] == 1
+    assert vdelta["request_prompt_tokens_sum"] == r.usage.prompt_tokens
+    assert vdelta["request_generation_tokens_sum"] == 6
+    assert vdelta["time_per_output_token_seconds_count"] == 5
+    assert 0 < vdelta["request_decode_time_seconds_sum"] <= vdelta["request_inference_time_seconds_sum"]
     assert 0 <= metric(after, "mla_serve_kv_cache_usage_perc") <= 1
     assert metric(after, "mla_serve_num_requests_waiting") == 0
