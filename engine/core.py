@@ -29,6 +29,7 @@ class EngineCore:
                                  else args.async_scheduling)  # auto: overlap only pays with a GPU
         self._in_flight = None  # (SchedulerOutput, PendingStep) of the step launched last
         self._early: list[EngineCoreOutput] = []  # drained outside step(), reported by the next one
+        self.step_tokens = 0  # tokens the last step() scheduled (0: it only drained)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
@@ -64,11 +65,13 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        self.step_tokens = 0
         if self._early:
             early, self._early = self._early, []
             return early + self.step()
         if not self.async_scheduling:
             so = self.scheduler.schedule()
+            self.step_tokens = so.total_num_scheduled_tokens
             out = self.executor.execute(so)
             return self.scheduler.update_from_output(so, out)
         # Async: schedule and launch step N+1, then wait for step N and report it. The host work
@@ -76,6 +79,7 @@ class EngineCore:
         if self._in_flight is not None and self.scheduler.needs_sync():
             return self._drain()  # a request samples with its full history: no token may be in flight
         so = self.scheduler.schedule()
+        self.step_tokens = so.total_num_scheduled_tokens
         launched = self.executor.launch(so)
         outputs = self._drain()
         if launched is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.outputs import RequestOutput
 
@@ -79,6 +79,17 @@ class _EngineCollector:
                     m = family(f"{VLLM}{vllm_name}", doc, labels=["model_name"])
                     m.add_metric([self._model_name], float(value))
                     yield m
+        iteration = getattr(s, "iteration_tokens", None)
+        if iteration is not None:
+            bounds, counts, total = iteration
+            m = HistogramMetricFamily(f"{VLLM}iteration_tokens_total",
+                                      "Tokens scheduled per engine step", labels=["model_name"])
+            cumulative, acc = [], 0
+            for bound, count in zip([*(str(float(b)) for b in bounds), "+Inf"], counts):
+                acc += count
+                cumulative.append((bound, acc))
+            m.add_metric([self._model_name], cumulative, sum_value=total)
+            yield m
 
 
 class ServerMetrics:

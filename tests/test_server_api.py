@@ -432,5 +432,14 @@ def test_metrics_count_requests_and_latencies(client, server):
     assert vdelta["request_generation_tokens_sum"] == 6
     assert vdelta["time_per_output_token_seconds_count"] == 5
     assert 0 < vdelta["request_decode_time_seconds_sum"] <= vdelta["request_inference_time_seconds_sum"]
+    if server.model == "tiny":  # the real engine: tokens per step, as vLLM's iteration_tokens_total
+        steps = metric(after, f"vllm:iteration_tokens_total_count{label}") - \
+            metric(before, f"vllm:iteration_tokens_total_count{label}")
+        tokens = metric(after, f"vllm:iteration_tokens_total_sum{label}") - \
+            metric(before, f"vllm:iteration_tokens_total_sum{label}")
+        # the prompt (prefilled in one step) and 5 decode steps of one token; async scheduling
+        # may launch one more step whose token is dropped
+        assert 6 <= steps <= 7 and r.usage.prompt_tokens + 5 <= tokens <= r.usage.prompt_tokens + 6
+        assert f'vllm:iteration_tokens_total_bucket{{le="1.0",model_name="{server.model}"}}' in after
     assert 0 <= metric(after, "mla_serve_kv_cache_usage_perc") <= 1
     assert metric(after, "mla_serve_num_requests_waiting") == 0
