@@ -49,6 +49,8 @@ class EngineCore:
             raise ValueError(f"prompt: token ids must be in [0, {V})")
         if any(not 0 <= t < V for t in params.stop_token_ids):  # the sampler masks them by index
             raise ValueError(f"stop_token_ids must be in [0, {V})")
+        if any(not 0 <= t < V for t in params.logit_bias or {}):  # the sampler indexes by them
+            raise ValueError(f"logit_bias: token ids must be in [0, {V})")
         if self._in_flight is not None and request_id in self._in_flight[0].num_scheduled_tokens:
             # The id of a request that has ended but still has a step in flight: results are
             # matched by id, so that step must land before the new request can exist.

@@ -165,7 +165,8 @@ def build_app(engine, args=None) -> FastAPI:
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
-                                          req.add_generation_prompt)
+                                          req.add_generation_prompt, None,
+                                          req.chat_template_kwargs)
         else:
             ids = await asyncio.to_thread(encode, state.tokenizer, req.prompt, "prompt",
                                           req.add_special_tokens)

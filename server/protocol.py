@@ -344,6 +344,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in chat completions
 
     @model_validator(mode="after")
     def _exactly_one_input(self):

@@ -215,6 +215,29 @@ def test_continuous_usage_stats_in_every_chunk(client, server, route):
     assert all(ch.usage is None for ch in plain[:-1]) and plain[-1].usage is not None
 
 
+def test_logit_bias_reaches_the_engine(client, server):
+    if server.model != "tiny":
+        pytest.skip("the fake engine does not sample from logits")
+    base = greedy(client, server, PROMPTS[0], max_tokens=4, logprobs=0,
+                  extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    ids = [int(t.removeprefix("token_id:")) for t in base.choices[0].logprobs.tokens]
+    forced = next(t for t in range(10, 400) if t not in ids)
+    for temperature in (0.0, 1.0):  # greedy and sampled rows, completions and chat
+        r = greedy(client, server, PROMPTS[0], max_tokens=4, logprobs=0, temperature=temperature,
+                   logit_bias={str(forced): 100},
+                   extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        assert r.choices[0].logprobs.tokens == [f"token_id:{forced}"] * 4
+    c = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=3, temperature=0, logit_bias={str(forced): 100},
+                                       logprobs=True, extra_body={"ignore_eos": True,
+                                                                  "return_tokens_as_token_ids": True})
+    assert [e.token for e in c.choices[0].logprobs.content] == [f"token_id:{forced}"] * 3
+    banned = greedy(client, server, PROMPTS[0], max_tokens=4, logprobs=0,
+                    logit_bias={str(ids[0]): -100},
+                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert banned.choices[0].logprobs.tokens[0] != f"token_id:{ids[0]}"
+
+
 def test_sampling_fields(client, server):
     base = greedy(client, server, PROMPTS[0], max_tokens=10).choices[0].text
     # top_k=1, tiny top_p and min_p=1 all reduce sampling to greedy, whatever the temperature

@@ -203,6 +203,13 @@ def test_v3_thinks_only_with_chat_template_kwargs(v3):
     assert (joined(chunks, "reasoning"), joined(chunks, "content")) == (REASONING, CONTENT)
 
 
+def test_tokenize_messages_with_chat_template_kwargs(v3):
+    body = {"messages": CHAT["messages"]}
+    plain = post(v3, "/tokenize", body).json()["tokens"]
+    thinking = post(v3, "/tokenize", {**body, "chat_template_kwargs": {"thinking": True}}).json()
+    assert v3.engine.tokenizer.decode(thinking["tokens"][len(plain):]) == "<think>\n"
+
+
 def test_no_reasoning_parser_keeps_the_text_as_content(server):
     m = post(server, "/v1/chat/completions", CHAT).json()["choices"][0]["message"]
     assert set(m) == {"role", "content"}
