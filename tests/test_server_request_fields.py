@@ -299,3 +299,23 @@ def test_prompt_logprobs_range_and_chat_refusal(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
     r = post(server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+@pytest.mark.slow
+def test_serve_with_reasoning_parser_on_the_tiny_model(tmp_path_factory):
+    """`serve --reasoning-parser deepseek_r1` end to end: the tiny model never writes </think>, so
+    its whole output is reasoning, whole and streamed alike."""
+    from tests.server_fixtures import ServeProcess, tiny_model_dir
+
+    with ServeProcess("--model", tiny_model_dir(tmp_path_factory), "--device", "cpu",
+                      "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256",
+                      "--reasoning-parser", "deepseek_r1") as s:
+        body = {**CHAT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        r = post(s, "/v1/chat/completions", body).json()
+        m = r["choices"][0]["message"]
+        assert "</think>" not in (m["reasoning_content"] or "")
+        assert m["content"] is None and m["reasoning"] == m["reasoning_content"]
+        assert m["reasoning_content"] and r["usage"]["completion_tokens"] == 8
+        chunks = stream_chat(s, body)
+        assert joined(chunks, "reasoning_content") == m["reasoning_content"]
+        assert joined(chunks, "content") is None
