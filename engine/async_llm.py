@@ -7,6 +7,7 @@ never blocks HTTP handling.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -38,6 +39,18 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_steps: int
+    # tokens per engine step: (bucket upper bounds, steps per bucket with one more for +Inf,
+    # sum of tokens); vLLM's iteration_tokens_total histogram
+    iteration_tokens: tuple[tuple[int, ...], list[int], int] | None = None
+
+
+def iteration_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """1, 8, 16, 32, ... up to the step's token budget."""
+    out, b = [1, 8], 16
+    while b < max_num_batched_tokens:
+        out.append(b)
+        b *= 2
+    return tuple(x for x in out if x < max_num_batched_tokens) + (max_num_batched_tokens,)
 
 
 class EngineDeadError(RuntimeError):
@@ -63,6 +76,9 @@ class AsyncLLM:
         self._error: str | None = None
         self._prompt_tokens = self._generation_tokens = 0
         self._core_stats = CoreStats()
+        self._iter_buckets = iteration_buckets(args.max_num_batched_tokens)
+        self._iter_counts = [0] * (len(self._iter_buckets) + 1)  # written by the reader thread
+        self._iter_sum = 0
         self.last_output_time = time.monotonic()  # when outputs last reached the event loop
         # Stall detection (/health): the core reports after every step, outputs or not.
         self._last_core_message = self._busy_since = time.monotonic()
@@ -81,6 +97,9 @@ class AsyncLLM:
 
     def _on_core_outputs(self, outs: list[EngineCoreOutput], stats: CoreStats) -> None:
         self._last_core_message = time.monotonic()
+        if stats.num_steps > self._core_stats.num_steps and stats.step_tokens > 0:
+            self._iter_counts[bisect.bisect_left(self._iter_buckets, stats.step_tokens)] += 1
+            self._iter_sum += stats.step_tokens
         self._core_stats = stats
         if outs and self._loop is not None:
             self._loop.call_soon_threadsafe(self._on_outputs, outs)
@@ -195,7 +214,8 @@ class AsyncLLM:
         return EngineStats(s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks,
                            s.kv_cache_usage, s.num_preemptions, self._prompt_tokens,
                            self._generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits,
-                           s.num_steps)
+                           s.num_steps, (self._iter_buckets, list(self._iter_counts),
+                                         self._iter_sum))
 
     def wait_idle(self, timeout: float = 10.0) -> bool:
         """Block until no request is held here and the core's last report shows none running or

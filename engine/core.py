@@ -33,6 +33,7 @@ class EngineCore:
         # compiles constraints on the first structured request (tokenizer and llguidance then)
         self.grammars = GrammarCompiler(None if args.skip_tokenizer_init else args.tokenizer_path,
                                         cfg.vocab_size)
+        self.step_tokens = 0  # tokens the last step() scheduled (0: it only drained)
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
@@ -52,6 +53,8 @@ class EngineCore:
             raise ValueError(f"prompt: token ids must be in [0, {V})")
         if any(not 0 <= t < V for t in params.stop_token_ids):  # the sampler masks them by index
             raise ValueError(f"stop_token_ids must be in [0, {V})")
+        if any(not 0 <= t < V for t in params.logit_bias or {}):  # the sampler indexes by them
+            raise ValueError(f"logit_bias: token ids must be in [0, {V})")
         if self._in_flight is not None and request_id in self._in_flight[0].num_scheduled_tokens:
             # The id of a request that has ended but still has a step in flight: results are
             # matched by id, so that step must land before the new request can exist.
@@ -71,11 +74,13 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        self.step_tokens = 0
         if self._early:
             early, self._early = self._early, []
             return early + self.step()
         if not self.async_scheduling:
             so = self._schedule()
+            self.step_tokens = so.total_num_scheduled_tokens
             out = self.executor.execute(so)
             return self.scheduler.update_from_output(so, out)
         # Async: schedule and launch step N+1, then wait for step N and report it. The host work
@@ -83,6 +88,7 @@ class EngineCore:
         if self._in_flight is not None and self.scheduler.needs_sync():
             return self._drain()  # a request samples with its full history: no token may be in flight
         so = self._schedule()
+        self.step_tokens = so.total_num_scheduled_tokens
         launched = self.executor.launch(so)
         outputs = self._drain()
         if launched is not None:

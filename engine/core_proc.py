@@ -63,6 +63,7 @@ class CoreStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_steps: int = 0
+    step_tokens: int = 0  # tokens scheduled by the step this message reports (0: none)
 
 
 def encode_outputs(outs: list[EngineCoreOutput]) -> list[tuple]:
@@ -172,13 +173,15 @@ def _loop(core, cmd_conn, sender: _Sender) -> None:
                 elif kind == "shutdown":
                     return
             changed, timeout = True, 0
+        step_tokens = 0
         if core.has_unfinished_requests():
             outs += core.step()
             steps += 1
+            step_tokens = core.step_tokens
             changed = True
         if changed:
             s = core.scheduler.stats
             sender.put(("outputs", (outs, CoreStats(
                 s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks,
                 s.kv_cache_usage, s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits,
-                steps))))
+                steps, step_tokens))))

@@ -90,6 +90,10 @@ class InputProcessor:
                              f"the context length (max_model_len) {self.max_model_len}")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
+        bad = next((t for t in params.logit_bias or {} if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         return text, ids, params
 
     def check_text_length(self, text: str, field: str) -> None:

@@ -1,8 +1,8 @@
 """Token sampling: penalties, temperature, top-k / top-p / min-p, per-request seeded draws, logprobs.
 
-Order per step (vLLM semantics): min_tokens masking -> repetition / frequency / presence penalties
--> structured-output token bitmask -> (greedy rows: argmax here) -> temperature -> top-k -> top-p
--> min-p -> sample.
+Order per step (vLLM semantics): min_tokens masking -> logit_bias -> repetition / frequency /
+presence penalties -> structured-output token bitmask -> (greedy rows: argmax here) ->
+temperature -> top-k -> top-p -> min-p -> sample.
 Reported logprobs are taken from the RAW logits (log_softmax of what the model produced), as
 vLLM and OpenAI report them, not from the processed distribution that was sampled.
 
@@ -80,6 +80,9 @@ class SamplingBatch:
     # `bitmask_rows` [G] int64 (bit t % 32 of word t // 32: token t); None: no row constrained
     token_bitmask: torch.Tensor | None = None
     bitmask_rows: torch.Tensor | None = None
+    # sparse logit_bias of the rows that have one: (rows [B] int64, token ids [B] int64,
+    # biases [B] fp32); None when no row has a bias
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_params(
@@ -136,6 +139,7 @@ class SamplingBatch:
 
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
+            logit_bias=_logit_bias_entries(params, device),
             temperature=temperature,
             all_greedy=all_greedy,
             top_p=top_p,
@@ -172,6 +176,7 @@ class Sampler:
         raw = logits
         logits = logits.float()
         logits = _mask_min_tokens(logits, batch.min_tokens_masked_ids)
+        logits = _apply_logit_bias(logits, batch.logit_bias)
         logits = _apply_penalties(logits, batch)
         logits = _apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
 
@@ -222,6 +227,30 @@ def _apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None,
     logits = logits.clone()
     logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
     return logits
+
+
+def _logit_bias_entries(params: Sequence[SamplingParams], device: torch.device | str,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The batch's logit_bias as flat (row, token id, bias) columns; None when no row has one."""
+    rows, ids, biases = [], [], []
+    for i, p in enumerate(params):
+        for t, b in (p.logit_bias or {}).items():
+            rows.append(i)
+            ids.append(t)
+            biases.append(b)
+    if not rows:
+        return None
+    return (to_device(rows, torch.int64, device), to_device(ids, torch.int64, device),
+            to_device(biases, torch.float32, device))
+
+
+def _apply_logit_bias(logits: torch.Tensor,
+                      bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    # out of place: `logits` may still be the raw logits that logprobs are reported from
+    if bias is None:
+        return logits
+    rows, ids, values = bias
+    return logits.index_put((rows, ids), values, accumulate=True)
 
 
 def _token_counts(token_ids: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:

@@ -12,6 +12,8 @@ MAX_LOGPROBS = 20
 # integer field is bounded so that no request can carry a value torch refuses mid-step.
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOP_K = 2**31 - 1  # any top_k at or above the vocabulary size keeps every token
+# OpenAI's range of a logit_bias value: -100 bans a token, 100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
 # Temperatures below this sample greedily (vLLM's rule): dividing logits by ~1e-38 overflows
 # them to inf and the softmax to nan.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -65,6 +67,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # None: unconstrained
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -117,6 +120,12 @@ class SamplingParams:
         if any(not isinstance(t, int) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):
             raise bad("stop_token_ids", self.stop_token_ids,
                       f"must hold integers in [0, {INT64_MAX}]")
+        for t, b in (self.logit_bias or {}).items():
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT64_MAX:
+                raise bad("logit_bias", t, f"keys must be token ids in [0, {INT64_MAX}]")
+            if not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise bad("logit_bias", b, f"values must be in [-{MAX_LOGIT_BIAS:g}, "
+                          f"{MAX_LOGIT_BIAS:g}]")
         integer("seed", INT64_MIN, INT64_MAX, optional=True)
         if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
             # sample i of n is seeded with seed + i (OutputProcessor)

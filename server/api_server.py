@@ -24,14 +24,16 @@ from server.limits import ServerLimits
 from server.metrics import ServerMetrics
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest)
+from server.reasoning import check_parser_name
 
 
 class ServerState:
     """What the handlers share: the engine, its tokenizer, metrics and the API key."""
 
     def __init__(self, engine, api_key: str | None = None,
-                 limits: ServerLimits | None = None) -> None:
+                 limits: ServerLimits | None = None, reasoning_parser: str | None = None) -> None:
         self.engine = engine
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser (server/reasoning.py)
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name  # the one responses report
         # Every --served-model-name is accepted as `model`, and so is the --model path (vLLM
@@ -102,11 +104,14 @@ class ServerState:
 def build_app(engine, args=None) -> FastAPI:
     """The HTTP app around a started engine (AsyncLLM or anything with its interface).
 
-    `args` is the parsed `serve` namespace (or None): `api_key`, the CORS flags and the
-    ServerLimits fields are read from it.
+    `args` is the parsed `serve` namespace (or None): `api_key`, `reasoning_parser`, the CORS
+    flags and the ServerLimits fields are read from it.
     """
     limits = ServerLimits.from_args(args)
-    state = ServerState(engine, api_key=getattr(args, "api_key", None), limits=limits)
+    reasoning_parser = getattr(args, "reasoning_parser", None)
+    check_parser_name(reasoning_parser)
+    state = ServerState(engine, api_key=getattr(args, "api_key", None), limits=limits,
+                        reasoning_parser=reasoning_parser)
     app = FastAPI(title="mla-serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
@@ -160,7 +165,8 @@ def build_app(engine, args=None) -> FastAPI:
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
-                                          req.add_generation_prompt)
+                                          req.add_generation_prompt, None,
+                                          req.chat_template_kwargs)
         else:
             ids = await asyncio.to_thread(encode, state.tokenizer, req.prompt, "prompt",
                                           req.add_special_tokens)

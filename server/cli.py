@@ -13,6 +13,7 @@ import sys
 
 from engine.args import DTYPE_ALIASES, EngineArgs, human_readable_int
 from server.limits import ServerLimits
+from server.reasoning import check_parser_name
 
 logger = logging.getLogger("server")
 
@@ -190,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CORS: allowed request headers, a JSON list")
     g.add_argument("--allow-credentials", action="store_true",
                    help="CORS: allow credentials (cookies, Authorization) on cross-origin requests")
+    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split chat output at </think> into message.reasoning_content (and "
+                        "reasoning) and content: deepseek_r1 (R1: all text before </think> is "
+                        "reasoning), deepseek_v3 (V3.1+: the same when the request sends "
+                        "chat_template_kwargs {\"thinking\": true}); default: no split")
     g.add_argument("--shutdown-timeout", type=float, default=15.0,
                    help="on SIGTERM or SIGINT, seconds to let running requests finish before "
                         "the engine and its workers are stopped")
@@ -256,6 +262,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         master_addr=ns.master_addr, master_port=ns.master_port)
     if not 1 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
+    check_parser_name(ns.reasoning_parser)
     _check_limits(ns)
     _check_devices(args)
     return args

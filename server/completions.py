@@ -51,6 +51,7 @@ class CompletionBuilder:
         self._sent_tokens: dict[int, int] = {}  # choice indices that have had a chunk
         self._finish_sent: set[int] = set()  # choice indices whose finish_reason went out
         self._offset: dict[int, int] = {}  # choice index -> text_offset of its next token
+        self._num_tokens: dict[int, int] = {}  # choice index -> tokens generated so far
 
     def prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
@@ -95,6 +96,31 @@ class CompletionBuilder:
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
+    def prompt_logprobs(self, out: RequestOutput) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt token (the first is null) {token id: {logprob,
+        rank, decoded_token}} for the prompt token and the top `prompt_logprobs` alternatives."""
+        k = self.req.prompt_logprobs
+        rows: list[dict | None] = []
+        for tid, lp in self._prompt_entries(out):
+            if lp is None:
+                rows.append(None)
+                continue
+            row = {str(tid): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                              "decoded_token": self.token_str(tid)}}
+            for rank, (alt, alt_lp) in enumerate(lp.top[:k], 1):
+                row.setdefault(str(alt), {"logprob": finite(alt_lp), "rank": rank,
+                                          "decoded_token": self.token_str(alt)})
+            rows.append(row)
+        return rows
+
+    def chunk_usage(self, index: int, out: RequestOutput, o: CompletionOutput) -> dict:
+        """Usage so far of choice `index` (continuous_usage_stats, as vLLM counts it: the
+        choice's prompt and its own tokens)."""
+        prompt = len(out.prompt_token_ids)
+        completion = self._num_tokens.get(index, 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
     def choice(self, index: int, out: RequestOutput, o: CompletionOutput) -> dict:
         text, _, lps = self._generated(o)
         entries = [(lp.token_id, lp) for lp in lps]
@@ -106,6 +132,8 @@ class CompletionBuilder:
                   "finish_reason": _finish(o, self.drop_generated)}
         if self.state.tokenizer is None:
             choice["token_ids"] = [] if self.drop_generated else list(o.token_ids)
+        if self.req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(out)
         return choice
 
     def delta(self, index: int, out: RequestOutput, o: CompletionOutput) -> dict | None:
@@ -118,6 +146,8 @@ class CompletionBuilder:
         """
         first = index not in self._sent_tokens
         self._sent_tokens[index] = 1
+        if not self.drop_generated:
+            self._num_tokens[index] = self._num_tokens.get(index, 0) + len(o.delta_token_ids)
         # delta_text, not a slice of o.text: the engine holds back text that may still turn
         # into a stop string and be cut.
         new_text = "" if self.drop_generated else o.delta_text
@@ -132,7 +162,9 @@ class CompletionBuilder:
             if index in self._finish_sent:
                 finish = None  # a finished sample stays in its request's later outputs
             self._finish_sent.add(index)
-        if not new_text and not entries and not new_ids and finish is None:
+        owes_prompt_logprobs = first and self.req.prompt_logprobs is not None
+        if not new_text and not entries and not new_ids and finish is None \
+                and not owes_prompt_logprobs:
             return None
         logprobs = None
         if self.req.logprobs is not None:
@@ -143,6 +175,8 @@ class CompletionBuilder:
         chunk = {"index": index, "text": new_text, "logprobs": logprobs, "finish_reason": finish}
         if self.state.tokenizer is None:
             chunk["token_ids"] = list(new_ids)
+        if owes_prompt_logprobs:  # once, in the choice's first chunk
+            chunk["prompt_logprobs"] = self.prompt_logprobs(out)
         return chunk
 
     def usage(self, finals: list[RequestOutput]) -> dict:
@@ -217,9 +251,11 @@ async def _sse(streams: EngineStreams, builder: CompletionBuilder, head: dict, t
                 tracker.observe(i, out)
                 finals[i] = out
                 for o in out.outputs:
-                    delta = builder.delta(i * req.n + o.index, out, o)
+                    index = i * req.n + o.index
+                    delta = builder.delta(index, out, o)
                     if delta is not None:
-                        yield sse({**head, "choices": [delta], "usage": None})
+                        usage = builder.chunk_usage(index, out, o) if req.continuous_usage else None
+                        yield sse({**head, "choices": [delta], "usage": usage})
             if req.include_usage:
                 yield sse({**head, "choices": [], "usage": builder.usage(finals)})
         except Exception as e:  # headers are gone: report in-band, as OpenAI does

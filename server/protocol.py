@@ -1,8 +1,9 @@
 """OpenAI request models (pydantic) and their translation to `SamplingParams`.
 
-Unknown fields are ignored, as OpenAI's clients send fields we do not implement (`suffix`,
-`logit_bias`, ...). Limits live in `Field(...)` so that a bad value is a 400 naming the field and
-the limit before anything reaches the engine.
+Unknown fields are ignored, as OpenAI does. Fields that OpenAI or vLLM define but this server
+cannot honour are listed in `UNSUPPORTED` and answer a 400 naming them, never silently dropped.
+Limits live in `Field(...)` so that a bad value is a 400 naming the field and the limit before
+anything reaches the engine.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_validator,
                       model_validator)
 
-from engine.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_TOP_K, SamplingParams,
-                                    StructuredOutputs)
+from engine.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K,
+                                    SamplingParams, StructuredOutputs)
 
 MAX_N = 128  # OpenAI's cap on choices per prompt
+# logit_bias entries per request: each one is host work in every step of the request
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 def _bounded(lo: int, hi: int):
@@ -51,6 +54,38 @@ def check_text(value: Any, path: str) -> None:
             check_text(v, f"{path}.{i}" if path else str(i))
 
 
+def _set(v: Any) -> bool:
+    return v is not None
+
+
+# Recognised fields this server cannot honour: field -> (does this value ask for it?, why), per
+# route. A request that sets one is a 400 naming the field; removing a line enables the field
+# (it must then be declared on the request model).
+UNSUPPORTED: dict[str, dict[str, tuple]] = {
+    "completions": {
+        "suffix": (bool, "fill-in-the-middle (a non-empty suffix) is not supported"),
+    },
+    "chat": {
+        "tools": (bool, "tool calls are not supported yet"),
+        "tool_choice": (lambda v: v is not None and v != "none", "tool calls are not supported "
+                        "yet; only \"none\""),
+        "functions": (bool, "function calls are not supported"),
+        "function_call": (lambda v: v is not None and v != "none", "function calls are not "
+                          "supported; only \"none\""),
+        "prompt_logprobs": (_set, "prompt logprobs are returned by /v1/completions only"),
+    },
+}
+
+
+def refuse_unsupported(data: Any, route: str) -> None:
+    """ValueError naming the first field of `UNSUPPORTED[route]` that `data` asks for."""
+    if not isinstance(data, dict):
+        return
+    for name, (asks, why) in UNSUPPORTED[route].items():
+        if name in data and asks(data[name]):
+            raise ValueError(f"{name}: {why}")
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -63,6 +98,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM: with include_usage, every chunk also carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class JsonSchemaFormat(_Request):
@@ -143,6 +180,25 @@ class _SamplingFields(_Request):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    # OpenAI: token id (a string key) -> bias in [-100, 100] added to its logit
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_ids(cls, v):
+        if v is None:
+            return None
+        if len(v) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {len(v)}")
+        bias = {}
+        for key, b in v.items():
+            if not key.strip().isdigit():
+                raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise ValueError(f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {b!r} for token {key}")
+            bias[int(key)] = float(b)
+        return bias
 
     @field_validator("stop")
     @classmethod
@@ -231,6 +287,11 @@ class _SamplingFields(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every streamed chunk (vLLM: only together with include_usage)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's view of this request; raises ValueError naming a field."""
@@ -243,7 +304,8 @@ class _SamplingFields(_Request):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured())
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(),
+            logit_bias=self.logit_bias or None)
 
 
 Prompt = str | list[int]
@@ -254,6 +316,22 @@ class CompletionRequest(_SamplingFields):
     max_tokens: NonNegInt64 | None = 16
     logprobs: _bounded(0, MAX_LOGPROBS) | None = None
     echo: bool = False
+    # vLLM: the top-k logprobs of every prompt token, as `prompt_logprobs` on each choice
+    prompt_logprobs: _bounded(0, MAX_LOGPROBS) | None = None
+    best_of: _bounded(1, MAX_N) | None = None  # only best_of == n (no ranking of extra samples)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        refuse_unsupported(data, "completions")
+        return data
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of: only best_of == n ({self.n}) is supported (extra samples "
+                             f"are not generated and ranked), got {self.best_of}")
+        return self
 
     @field_validator("prompt")
     @classmethod
@@ -273,7 +351,10 @@ class CompletionRequest(_SamplingFields):
         # echo with max_tokens=0 (prompt scoring only): the engine samples one token that the
         # response then drops.
         max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
-        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        # the engine computes one set for both uses: the larger k, each use trims to its own
+        wanted = [k for k in (self.prompt_logprobs,
+                              self.logprobs if self.echo else None) if k is not None]
+        prompt_logprobs = max(wanted) if wanted else None
         return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
@@ -329,6 +410,17 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: _bounded(0, MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
+    # extra variables of the chat template (e.g. {"thinking": true} for DeepSeek-V3.1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's field; handed to the chat template as `reasoning_effort` (DeepSeek's templates
+    # do not read it: their thinking is on or off, see chat_template_kwargs)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        refuse_unsupported(data, "chat")
+        return data
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -344,6 +436,13 @@ class ChatCompletionRequest(_SamplingFields):
     def conversation(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
+    def template_kwargs(self) -> dict[str, Any]:
+        """The variables passed to the chat template besides the conversation."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
+
 
 class TokenizeRequest(_Request):
     model: str | None = None
@@ -352,6 +451,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in chat completions
 
     @model_validator(mode="after")
     def _exactly_one_input(self):

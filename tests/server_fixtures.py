@@ -94,6 +94,9 @@ class FakeEngine:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise ValueError(f"prompt: token id {bad} is outside [0, {self.vocab_size})")
+        bad = next((t for t in params.logit_bias or {} if t >= self.vocab_size), None)
+        if bad is not None:  # as InputProcessor
+            raise ValueError(f"logit_bias: token id {bad} is outside [0, {self.vocab_size})")
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         if len(ids) + max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds "

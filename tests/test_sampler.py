@@ -279,3 +279,32 @@ def test_cuda_temperature_sampling_matches_softmax():
     torch.manual_seed(3)
     ids = Sampler()(logits, batch_of([SamplingParams(temperature=0.7)] * n, device="cuda"))
     assert _chi_square(ids.token_ids.cpu(), torch.softmax(row / 0.7, dim=-1)) < 20.5
+
+
+def test_logit_bias_moves_greedy_and_sampled_rows_and_leaves_logprobs_raw():
+    logits = random_logits(4)
+    low = logits.argmin(-1)
+    params = [SamplingParams(temperature=0.0, logit_bias={int(low[0]): 100.0}, logprobs=1),
+              SamplingParams(temperature=0.0),  # no bias: the argmax, in the same batch
+              SamplingParams(temperature=1.0, seed=1, logit_bias={int(low[2]): 100.0}),
+              SamplingParams(temperature=0.0, logit_bias={int(logits[3].argmax()): -100.0,
+                                                          int(low[3]): 1.0})]
+    batch = batch_of(params, generators=[None, None, make_generator(1, "cpu"), None])
+    assert batch.logit_bias is not None and batch.logit_bias[0].tolist() == [0, 2, 3, 3]
+    out = Sampler()(logits.clone(), batch)
+    assert out.token_ids[0] == low[0] and out.token_ids[1] == logits[1].argmax()
+    assert out.token_ids[2] == low[2]  # +100 outweighs any difference of these logits
+    want3 = logits[3].clone()
+    want3[logits[3].argmax()] -= 100.0
+    want3[low[3]] += 1.0
+    assert out.token_ids[3] == want3.argmax()
+    # logprobs stay those of the raw logits (vLLM and OpenAI report them so)
+    raw = torch.log_softmax(logits[0], -1)
+    assert out.logprobs[0].logprob == pytest.approx(raw[low[0]].item(), abs=1e-5)
+    assert batch_of([SamplingParams()]).logit_bias is None
+
+
+@pytest.mark.parametrize("bias", [{3: 100.5}, {3: -101}, {-1: 1.0}, {3: float("nan")}])
+def test_logit_bias_out_of_range_is_refused(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)

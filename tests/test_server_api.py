@@ -159,6 +159,85 @@ def test_echo_logprobs_as_lm_eval_sends_them(client, server):
     assert r0.usage.completion_tokens == 0 and r0.choices[0].text == tok.decode(ctx + cont)
 
 
+def test_prompt_logprobs_as_vllm_returns_them(client, server):
+    tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+    ids = tok(PROMPTS[0])["input_ids"]
+    kw = dict(max_tokens=3, n=2, temperature=0, echo=True, logprobs=1,
+              extra_body={"prompt_logprobs": 3})
+    r = greedy(client, server, PROMPTS[0], **kw).model_dump()
+    for c in r["choices"]:
+        plp = c["prompt_logprobs"]
+        assert len(plp) == len(ids) and plp[0] is None
+        for t, row in zip(ids[1:], plp[1:]):
+            assert str(t) in row and row[str(t)]["decoded_token"] == tok.decode([t])
+            assert 3 <= len(row) <= 4 and all(v["logprob"] <= 0 for v in row.values())
+            assert sorted(v["rank"] for v in row.values())[:3] == [1, 2, 3]
+        # echo's logprobs keep their own k (1): the engine computed 3, the response trims
+        assert all(len(top) <= 2 for top in c["logprobs"]["top_logprobs"][1:])
+        assert c["logprobs"]["token_logprobs"][1:len(ids)] == pytest.approx(
+            [row[str(t)]["logprob"] for t, row in zip(ids[1:], plp[1:])], abs=1e-5)
+    chunks = list(greedy(client, server, PROMPTS[0], stream=True, **kw))
+    first = {}
+    for ch in chunks:
+        d = ch.model_dump()["choices"][0]
+        if d.get("prompt_logprobs") is not None:
+            assert d["index"] not in first, "prompt_logprobs sent twice"
+            first[d["index"]] = d["prompt_logprobs"]
+    assert first == {c["index"]: c["prompt_logprobs"] for c in r["choices"]}
+    plain = greedy(client, server, PROMPTS[0], max_tokens=2).model_dump()["choices"][0]
+    assert plain.get("prompt_logprobs") is None
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_continuous_usage_stats_in_every_chunk(client, server, route):
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    if route == "chat":
+        chunks = list(client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+            temperature=0, n=2, stream=True, stream_options=opts,
+            extra_body={"ignore_eos": True}))
+    else:
+        chunks = list(greedy(client, server, PROMPTS[:2], max_tokens=5, stream=True,
+                             stream_options=opts, extra_body={"ignore_eos": True}))
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 10
+    seen: dict[int, int] = {}
+    for ch in body:
+        u = ch.usage
+        assert u is not None and u.total_tokens == u.prompt_tokens + u.completion_tokens
+        (c,) = ch.choices
+        assert u.completion_tokens >= seen.get(c.index, 0)  # the choice's own count, growing
+        seen[c.index] = u.completion_tokens
+    assert seen == {0: 5, 1: 5}
+    # without continuous_usage_stats only the last chunk has usage
+    plain = list(greedy(client, server, PROMPTS[0], max_tokens=3, stream=True,
+                        stream_options={"include_usage": True}))
+    assert all(ch.usage is None for ch in plain[:-1]) and plain[-1].usage is not None
+
+
+def test_logit_bias_reaches_the_engine(client, server):
+    if server.model != "tiny":
+        pytest.skip("the fake engine does not sample from logits")
+    base = greedy(client, server, PROMPTS[0], max_tokens=4, logprobs=0,
+                  extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    ids = [int(t.removeprefix("token_id:")) for t in base.choices[0].logprobs.tokens]
+    forced = next(t for t in range(10, 400) if t not in ids)
+    for temperature in (0.0, 1.0):  # greedy and sampled rows, completions and chat
+        r = greedy(client, server, PROMPTS[0], max_tokens=4, logprobs=0, temperature=temperature,
+                   logit_bias={str(forced): 100},
+                   extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        assert r.choices[0].logprobs.tokens == [f"token_id:{forced}"] * 4
+    c = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=3, temperature=0, logit_bias={str(forced): 100},
+                                       logprobs=True, extra_body={"ignore_eos": True,
+                                                                  "return_tokens_as_token_ids": True})
+    assert [e.token for e in c.choices[0].logprobs.content] == [f"token_id:{forced}"] * 3
+    banned = greedy(client, server, PROMPTS[0], max_tokens=4, logprobs=0,
+                    logit_bias={str(ids[0]): -100},
+                    extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    assert banned.choices[0].logprobs.tokens[0] != f"token_id:{ids[0]}"
+
+
 def test_sampling_fields(client, server):
     base = greedy(client, server, PROMPTS[0], max_tokens=10).choices[0].text
     # top_k=1, tiny top_p and min_p=1 all reduce sampling to greedy, whatever the temperature
@@ -358,5 +437,32 @@ def test_metrics_count_requests_and_latencies(client, server):
     assert delta["mla_serve_inter_token_latency_seconds_count"] == 5
     assert delta["mla_serve_e2e_request_latency_seconds_count"] == 1
     assert 'mla_serve_request_success_total{finished_reason="length"}' in after
+    # vLLM's per-request histograms: one observation per finished choice
+    label = f'{{model_name="{server.model}"}}'
+    vdelta = {name: metric(after, f"vllm:{name}{label}") - metric(before, f"vllm:{name}{label}")
+              for name in ("request_prefill_time_seconds_count", "request_decode_time_seconds_count",
+                           "request_inference_time_seconds_count",
+                           "request_time_per_output_token_seconds_count",
+                           "request_prompt_tokens_count", "request_prompt_tokens_sum",
+                           "request_generation_tokens_count", "request_generation_tokens_sum",
+                           "time_per_output_token_seconds_count",
+                           "request_decode_time_seconds_sum", "request_inference_time_seconds_sum")}
+    assert vdelta["request_prefill_time_seconds_count"] == vdelta["request_decode_time_seconds_count"] == 1
+    assert vdelta["request_inference_time_seconds_count"] == 1
+    assert vdelta["request_time_per_output_token_seconds_count"] == 1
+    assert vdelta["request_prompt_tokens_count"] == vdelta["request_generation_tokens_count"] == 1
+    assert vdelta["request_prompt_tokens_sum"] == r.usage.prompt_tokens
+    assert vdelta["request_generation_tokens_sum"] == 6
+    assert vdelta["time_per_output_token_seconds_count"] == 5
+    assert 0 < vdelta["request_decode_time_seconds_sum"] <= vdelta["request_inference_time_seconds_sum"]
+    if server.model == "tiny":  # the real engine: tokens per step, as vLLM's iteration_tokens_total
+        steps = metric(after, f"vllm:iteration_tokens_total_count{label}") - \
+            metric(before, f"vllm:iteration_tokens_total_count{label}")
+        tokens = metric(after, f"vllm:iteration_tokens_total_sum{label}") - \
+            metric(before, f"vllm:iteration_tokens_total_sum{label}")
+        # the prompt (prefilled in one step) and 5 decode steps of one token; async scheduling
+        # may launch one more step whose token is dropped
+        assert 6 <= steps <= 7 and r.usage.prompt_tokens + 5 <= tokens <= r.usage.prompt_tokens + 6
+        assert f'vllm:iteration_tokens_total_bucket{{le="1.0",model_name="{server.model}"}}' in after
     assert 0 <= metric(after, "mla_serve_kv_cache_usage_perc") <= 1
     assert metric(after, "mla_serve_num_requests_waiting") == 0

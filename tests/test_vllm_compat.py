@@ -46,7 +46,7 @@ REJECTED = [
     # docs.vllm.ai recipes, DeepSeek-V3.2
     ("vllm serve deepseek-ai/DeepSeek-V3.2 --tensor-parallel-size 8 --tokenizer-mode deepseek_v32 "
      "--tool-call-parser deepseek_v32 --enable-auto-tool-choice --reasoning-parser deepseek_v3",
-     ["--tokenizer-mode", "--tool-call-parser", "--enable-auto-tool-choice", "--reasoning-parser"]),
+     ["--tokenizer-mode", "--tool-call-parser", "--enable-auto-tool-choice"]),
     # docs.vllm.ai/projects/ascend, context parallel guide (DeepSeek-V2-Lite)
     ("vllm serve deepseek-ai/DeepSeek-V2-Lite --tensor-parallel-size 2 "
      "--decode-context-parallel-size 2 --prefill-context-parallel-size 2",
@@ -74,7 +74,7 @@ REJECTED = [
      "--tool-call-parser deepseek_v4 --enable-auto-tool-choice --reasoning-parser deepseek_v4",
      ["--kv-cache-dtype", "--enable-expert-parallel", "--data-parallel-size", "--compilation-config",
       "--attention_config.use_fp4_indexer_cache", "--tokenizer-mode", "--tool-call-parser",
-      "--enable-auto-tool-choice", "--reasoning-parser"]),
+      "--enable-auto-tool-choice"]),
 ]
 
 
