@@ -25,15 +25,20 @@ from server.metrics import ServerMetrics
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest)
 from server.reasoning import check_parser_name
+from server.tool_calls import check_tool_flags
 
 
 class ServerState:
     """What the handlers share: the engine, its tokenizer, metrics and the API key."""
 
     def __init__(self, engine, api_key: str | None = None,
-                 limits: ServerLimits | None = None, reasoning_parser: str | None = None) -> None:
+                 limits: ServerLimits | None = None, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None) -> None:
         self.engine = engine
         self.reasoning_parser = reasoning_parser  # --reasoning-parser (server/reasoning.py)
+        # --tool-call-parser with --enable-auto-tool-choice (server/tool_calls.py); None: a
+        # request with tool_choice "auto" is refused
+        self.tool_call_parser = tool_call_parser
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name  # the one responses report
         # Every --served-model-name is accepted as `model`, and so is the --model path (vLLM
@@ -104,14 +109,17 @@ class ServerState:
 def build_app(engine, args=None) -> FastAPI:
     """The HTTP app around a started engine (AsyncLLM or anything with its interface).
 
-    `args` is the parsed `serve` namespace (or None): `api_key`, `reasoning_parser`, the CORS
-    flags and the ServerLimits fields are read from it.
+    `args` is the parsed `serve` namespace (or None): `api_key`, `reasoning_parser`,
+    `enable_auto_tool_choice` and `tool_call_parser`, the CORS flags and the ServerLimits fields
+    are read from it.
     """
     limits = ServerLimits.from_args(args)
     reasoning_parser = getattr(args, "reasoning_parser", None)
     check_parser_name(reasoning_parser)
+    tool_call_parser = check_tool_flags(getattr(args, "enable_auto_tool_choice", False),
+                                        getattr(args, "tool_call_parser", None))
     state = ServerState(engine, api_key=getattr(args, "api_key", None), limits=limits,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
     app = FastAPI(title="mla-serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)

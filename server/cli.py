@@ -14,6 +14,7 @@ import sys
 from engine.args import DTYPE_ALIASES, EngineArgs, human_readable_int
 from server.limits import ServerLimits
 from server.reasoning import check_parser_name
+from server.tool_calls import check_tool_flags
 
 logger = logging.getLogger("server")
 
@@ -196,6 +197,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "reasoning) and content: deepseek_r1 (R1: all text before </think> is "
                         "reasoning), deepseek_v3 (V3.1+: the same when the request sends "
                         "chat_template_kwargs {\"thinking\": true}); default: no split")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="chat requests with tools (tool_choice \"auto\", the default with "
+                        "tools) get the model's tool calls as message.tool_calls, parsed by "
+                        "--tool-call-parser; without it such requests answer 400")
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call markup: deepseek_v3 (V3, R1) or deepseek_v31 "
+                        "(V3.1 and later); tool_choice \"required\" or a named function "
+                        "constrains the output to the tools' schemas with or without it")
     g.add_argument("--shutdown-timeout", type=float, default=15.0,
                    help="on SIGTERM or SIGINT, seconds to let running requests finish before "
                         "the engine and its workers are stopped")
@@ -263,6 +272,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     if not 1 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
     check_parser_name(ns.reasoning_parser)
+    check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
     _check_limits(ns)
     _check_devices(args)
     return args

@@ -36,6 +36,10 @@ ACCEPTED = [
      "--max-model-len=65536 --max-num-batched-tokens=32768 --gpu-memory-utilization=0.95",
      dict(tensor_parallel_size=8, max_model_len=65536, max_num_batched_tokens=32768,
           gpu_memory_utilization=0.95)),
+    # a vLLM bug report ("'_moe_C' object has no attribute 'moe_align_block_size'"), DeepSeek-V3
+    ("vllm serve xxx --served-model-name deepseek-v3 -tp 8 --gpu-memory-utilization 0.85 "
+     "--max-model-len 65536 --enable-auto-tool-choice --tool-call-parser deepseek_v3",
+     dict(served_model_name=["deepseek-v3"], tensor_parallel_size=8, max_model_len=65536)),
 ]
 REJECTED = [
     # docs.vllm.ai recipes, DeepSeek-V3 (R1), 8xH200: TP8+EP and DP8+EP
@@ -46,7 +50,7 @@ REJECTED = [
     # docs.vllm.ai recipes, DeepSeek-V3.2
     ("vllm serve deepseek-ai/DeepSeek-V3.2 --tensor-parallel-size 8 --tokenizer-mode deepseek_v32 "
      "--tool-call-parser deepseek_v32 --enable-auto-tool-choice --reasoning-parser deepseek_v3",
-     ["--tokenizer-mode", "--tool-call-parser", "--enable-auto-tool-choice"]),
+     ["--tokenizer-mode"]),
     # docs.vllm.ai/projects/ascend, context parallel guide (DeepSeek-V2-Lite)
     ("vllm serve deepseek-ai/DeepSeek-V2-Lite --tensor-parallel-size 2 "
      "--decode-context-parallel-size 2 --prefill-context-parallel-size 2",
@@ -62,9 +66,6 @@ REJECTED = [
     ("--model deepseek-ai/DeepSeek-V3-0324 --tensor-parallel-size 8 --max-model-len 32768 "
      "--gpu-memory-utilization 0.90 --trust-remote-code --quantization fp8 --block-size 1",
      ["--quantization"]),
-    # docs.agno.com/examples/models/vllm, code generation example
-    ("vllm serve deepseek-ai/deepseek-coder-6.7b-instruct --dtype float32 --tool-call-parser pythonic",
-     ["--tool-call-parser"]),
     # github.com/vllm-project/vllm/issues/40778
     ("vllm serve /data/pretrained/DeepSeek-V4-Flash --served-model-name DeepSeek-V4-Flash "
      "--trust-remote-code --kv-cache-dtype fp8 --block-size 256 --enable-expert-parallel "
@@ -73,8 +74,7 @@ REJECTED = [
      "--attention_config.use_fp4_indexer_cache=True --tokenizer-mode deepseek_v4 "
      "--tool-call-parser deepseek_v4 --enable-auto-tool-choice --reasoning-parser deepseek_v4",
      ["--kv-cache-dtype", "--enable-expert-parallel", "--data-parallel-size", "--compilation-config",
-      "--attention_config.use_fp4_indexer_cache", "--tokenizer-mode", "--tool-call-parser",
-      "--enable-auto-tool-choice"]),
+      "--attention_config.use_fp4_indexer_cache", "--tokenizer-mode"]),
 ]
 
 
