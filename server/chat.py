@@ -41,18 +41,19 @@ def _reserved_template_kwargs(tokenizer) -> set[str]:
 
 def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool,
                     check_length=None, template_kwargs: dict | None = None,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, chat_template: str | None = None) -> list[int]:
     """Render the chat template and tokenize it without adding special tokens a second time.
 
     `template_kwargs` are extra template variables (chat_template_kwargs); `tools` the request's
-    tools, which the template renders into the prompt. `check_length(text,
+    tools, which the template renders into the prompt; `chat_template` replaces the tokenizer's
+    (--chat-template). `check_length(text,
     field)` may refuse the rendered text (ValueError) before tokenizing it. Blocking: call it off
     the event loop."""
     if tokenizer is None:
         raise APIError(400, "this server has no tokenizer (--skip-tokenizer-init, or none in the "
                        "model directory): chat needs one; use /v1/completions with token ids",
                        param="messages")
-    if not getattr(tokenizer, "chat_template", None):
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
                        param="messages")
     template_kwargs = template_kwargs or {}
@@ -64,7 +65,8 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: 
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
-                                             tools=tools, **template_kwargs)
+                                             tools=tools, chat_template=chat_template,
+                                             **template_kwargs)
     except Exception as e:  # jinja raises on conversations the template refuses
         raise APIError(400, f"messages: the chat template refused them: {e}",
                        param="messages") from None
@@ -236,6 +238,7 @@ def _usage(final: RequestOutput | None) -> dict:
 async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request) -> Response:
     """Handle one chat completions request end to end."""
     state.check_model(req.model)
+    req.apply_defaults(state.request_defaults)
     try:
         params = (await asyncio.to_thread(req.to_sampling_params) if req.asks_for_structure
                   else req.to_sampling_params())
@@ -249,7 +252,8 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
     # template + tokenizer off the event loop: a long conversation must not stall other requests
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
                                          req.add_generation_prompt, state.check_text_length,
-                                         req.template_kwargs(), req.tool_dicts())
+                                         req.template_kwargs(), req.tool_dicts(),
+                                         state.chat_template)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     tracker = state.metrics.tracker()
     try:

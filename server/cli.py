@@ -13,6 +13,7 @@ import sys
 
 from engine.args import DTYPE_ALIASES, EngineArgs, human_readable_int
 from server.limits import ServerLimits
+from server.overrides import load_chat_template, load_generation_defaults
 from server.reasoning import check_parser_name
 from server.tool_calls import check_tool_flags
 
@@ -110,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hf-overrides", default=None, metavar="JSON",
                    help="JSON object merged into config.json, e.g. "
                         "'{\"num_hidden_layers\": 2}'")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="Jinja chat template to use instead of the tokenizer's: a file path, or "
+                        "the template itself (a value with {, } or a newline in it)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="defaults of requests that do not set them (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty; max_new_tokens as max_tokens): auto reads the "
+                        "model directory's generation_config.json, vllm uses none (the API's "
+                        "defaults), DIR reads DIR/generation_config.json")
     g.add_argument("--max-model-len", type=_token_count, default=None,
                    help="longest prompt + completion in tokens, as a number or vLLM's "
                         "human-readable form (32k = 32000, 32K = 32768); default: the model's "
@@ -273,6 +282,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
     check_parser_name(ns.reasoning_parser)
     check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
+    load_chat_template(ns.chat_template)
+    load_generation_defaults(ns.generation_config, args.model)
     _check_limits(ns)
     _check_devices(args)
     return args

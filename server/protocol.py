@@ -280,6 +280,16 @@ class _SamplingFields(_Request):
         validate(out, field)
         return out
 
+    def apply_defaults(self, defaults: dict) -> None:
+        """Fields this request did not set take the server's defaults (--generation-config:
+        temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)."""
+        given = self.model_fields_set
+        for name, value in defaults.items():
+            if name == "max_tokens" and "max_completion_tokens" in given:
+                continue
+            if name not in given:
+                setattr(self, name, value)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

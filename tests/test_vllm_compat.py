@@ -4,6 +4,7 @@ CORS, several served model names, request logging, human-readable lengths)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shlex
 
@@ -304,3 +305,112 @@ def test_vllm_metric_names_with_model_name_label():
     assert 0 <= _sample(after, f"vllm:kv_cache_usage_perc{lab}") <= 1
     for c in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
         assert f"vllm:{c}_total{lab}" in after, c
+
+
+# ---- --chat-template and --generation-config ----
+
+def test_tool_launch_line_with_a_chat_template_file(tmp_path, monkeypatch):
+    """The DeepSeek-V3.1 model card's vLLM line (the template file stands in for vLLM's)."""
+    line = ("vllm serve ... --enable-auto-tool-choice --tool-call-parser deepseek_v31 "
+            "--chat-template examples/tool_chat_template_deepseekv31.jinja")
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "tool_chat_template_deepseekv31.jinja").write_text("{{ 'T' }}")
+    monkeypatch.chdir(tmp_path)
+    ns = build_parser().parse_args(_argv(line))
+    assert (ns.tool_call_parser, ns.enable_auto_tool_choice) == ("deepseek_v31", True)
+    engine_args_from(_local(ns))
+    from server.overrides import load_chat_template
+    assert load_chat_template(ns.chat_template) == "{{ 'T' }}"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template: no such file"),
+    (["--generation-config", "/no/such/dir"], "--generation-config: no generation_config.json"),
+])
+def test_template_and_generation_config_errors_name_the_flag(argv, needle, capsys):
+    from server.cli import main
+
+    assert main([*argv, "--device", "cpu"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def _recording(engine):
+    """Record the SamplingParams of every request the fake engine gets."""
+    seen, generate = [], engine.generate
+
+    def record(prompt, params, request_id):
+        seen.append(params)
+        return generate(prompt, params, request_id)
+    engine.generate = record
+    return seen
+
+
+def test_chat_template_replaces_the_tokenizers(client_for, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ '[' + m['content'] + ']' }}{% endfor %}")
+
+    async def run(flag: str) -> tuple[str, str]:
+        engine, c = client_for(["--chat-template", flag])
+        async with c:
+            body = {"messages": [{"role": "user", "content": "hi"}]}
+            ids = (await c.post("/tokenize", json=body)).json()["tokens"]
+            r = await c.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            info = (await c.get("/tokenizer_info")).json()["chat_template"]
+            return engine.tokenizer.decode(ids), info
+
+    assert asyncio.run(run(str(path))) == ("[hi]", path.read_text())
+    inline = "{{ 'inline:' + messages[0]['content'] }}"
+    assert asyncio.run(run(inline)) == ("inline:hi", inline)
+
+
+def test_generation_config_sets_defaults_of_unset_fields(client_for, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
+         "repetition_penalty": 1.1, "max_new_tokens": 3}))
+
+    async def run(argv: list[str]):
+        engine, c = client_for(argv)
+        seen = _recording(engine)
+        async with c:
+            r = await c.post("/v1/completions", json={"prompt": "hi"})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == seen[0].max_tokens
+            await c.post("/v1/completions",
+                         json={"prompt": "hi", "temperature": 0, "max_tokens": 5, "top_k": -1})
+            await c.post("/v1/chat/completions",
+                         json={"messages": [{"role": "user", "content": "hi"}]})
+            await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4})
+        return seen
+
+    plain, given, chat, chat_given = asyncio.run(run(["--generation-config", str(tmp_path)]))
+    got = (plain.temperature, plain.top_p, plain.top_k, plain.min_p, plain.repetition_penalty,
+           plain.max_tokens)
+    assert got == (0.6, 0.95, 20, 0.05, 1.1, 3)
+    # a field the request sets keeps its value, however it compares with the default
+    assert (given.temperature, given.max_tokens, given.top_p) == (0.0, 5, 0.95)
+    assert given.top_k <= 0  # the request's -1 (off) stands, not the default 20
+    assert (chat.temperature, chat.max_tokens) == (0.6, 3)
+    assert chat_given.max_tokens == 4
+    # `vllm` and the fake engine's `auto` (it has no model directory) leave the API's defaults
+    for argv in (["--generation-config", "vllm"], []):
+        plain = asyncio.run(run(argv))[0]
+        assert (plain.temperature, plain.top_p, plain.top_k, plain.max_tokens) == (1.0, 1.0, 0, 16)
+
+
+def test_generation_config_auto_reads_the_model_directory(tmp_path):
+    from server.overrides import load_generation_defaults
+
+    # the bundled model's file has none of the keys: its defaults are the API's (lm_eval and
+    # the tests that rely on server defaults see no change)
+    assert json.loads((TINY_MODEL / "generation_config.json").read_text()).keys() & {
+        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens"} == set()
+    assert load_generation_defaults("auto", str(TINY_MODEL)) == {}
+    assert load_generation_defaults("auto", str(tmp_path)) == {}  # no file: no defaults
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.3, "top_k": 5}')
+    assert load_generation_defaults("auto", str(tmp_path)) == {"temperature": 0.3, "top_k": 5}
+    assert load_generation_defaults("vllm", str(tmp_path)) == {}
+    (tmp_path / "generation_config.json").write_text('{"temperature": 5}')
+    with pytest.raises(ValueError, match=r"--generation-config: .*temperature.*got 5"):
+        load_generation_defaults("auto", str(tmp_path))
