@@ -414,3 +414,39 @@ def test_generation_config_auto_reads_the_model_directory(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"temperature": 5}')
     with pytest.raises(ValueError, match=r"--generation-config: .*temperature.*got 5"):
         load_generation_defaults("auto", str(tmp_path))
+
+
+# Every series the example dashboard in vLLM's repository queries
+# (examples/online_serving/prometheus_grafana/grafana.json, the version without the V0 swap and
+# CPU-cache panels), each with its model_name label.
+GRAFANA_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:time_per_output_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_sum", "vllm:time_per_output_token_seconds_count",
+    "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+]
+
+
+def test_grafana_dashboard_series_are_served(client_for):
+    async def run() -> str:
+        _, c = client_for([], names=["dash"])
+        async with c:
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "n": 2})
+            assert r.status_code == 200
+            return (await c.get("/metrics")).text
+
+    text = asyncio.run(run())
+    lines = text.splitlines()
+    for name in GRAFANA_SERIES:
+        assert any(ln.startswith(name + "{") and 'model_name="dash"' in ln for ln in lines), name
+    assert _sample(text, 'vllm:request_max_num_generation_tokens_count{model_name="dash"}') == 1
+    assert _sample(text, 'vllm:request_max_num_generation_tokens_sum{model_name="dash"}') == 3
+    assert _sample(text, 'vllm:gpu_cache_usage_perc{model_name="dash"}') == _sample(
+        text, 'vllm:kv_cache_usage_perc{model_name="dash"}')
