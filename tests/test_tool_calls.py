@@ -161,13 +161,13 @@ class ScriptedEngine(FakeEngine):
         return self.script[i] if i < len(self.script) else 1  # then EOS
 
 
-def _server(argv: list[str]):
+def _server(argv: list[str], script: str = V3_TWO):
     from server.cli import build_parser
 
     tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
     tok.chat_template = TOOL_TEMPLATE
     engine = ScriptedEngine(tok, max_model_len=1024)
-    engine.script = tok(V3_TWO, add_special_tokens=False)["input_ids"]
+    engine.script = tok(script, add_special_tokens=False)["input_ids"]
     args = build_parser().parse_args(["--model", str(TINY_MODEL), *argv])
     return engine, InProcessServer(build_app(engine, args))
 
@@ -235,6 +235,43 @@ def test_auto_tool_calls_streamed(auto):
     assert arg_chunks > 5  # the arguments came in fragments, token by token
     assert not any("｜" in (d.get("content") or "") for d in deltas)  # no markup leaked
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def _streamed_choices(chunks: list[dict]) -> dict[int, dict]:
+    """Per choice index: reasoning, content and calls [(name, arguments)] put together."""
+    out: dict[int, dict] = {}
+    for ch in chunks:
+        for c in ch["choices"]:
+            o = out.setdefault(c["index"], {"reasoning": "", "content": "", "calls": {}})
+            d = c["delta"]
+            o["reasoning"] += d.get("reasoning_content") or ""
+            o["content"] += d.get("content") or ""
+            for t in d.get("tool_calls") or []:
+                if "id" in t:
+                    o["calls"][t["index"]] = [t["function"]["name"], ""]
+                o["calls"][t["index"]][1] += t["function"].get("arguments") or ""
+            if c["finish_reason"]:
+                o["finish"] = c["finish_reason"]
+    return out
+
+
+def test_v31_calls_after_reasoning_whole_and_streamed_with_n():
+    """--reasoning-parser deepseek_r1 with deepseek_v31: the calls are parsed out of the content
+    after </think>, per choice (the n choices' chunks interleave)."""
+    engine, srv = _server(["--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice",
+                           "--tool-call-parser", "deepseek_v31"], "Weather first.</think>" + V31_TWO)
+    want = [("get_weather", WEATHER), ("get_time", "{}")]
+    with srv as s:
+        for c in post(s, {**CHAT, "n": 2}).json()["choices"]:
+            m = c["message"]
+            assert (m["reasoning_content"], m["content"]) == ("Weather first.", None)
+            assert [(t["function"]["name"], t["function"]["arguments"]) for t in m["tool_calls"]] == want
+            assert c["finish_reason"] == "tool_calls"
+        got = _streamed_choices(stream(s, {**CHAT, "n": 2}))
+    assert set(got) == {0, 1}
+    for o in got.values():
+        assert (o["reasoning"], o["content"], o["finish"]) == ("Weather first.", "", "tool_calls")
+        assert [tuple(o["calls"][i]) for i in sorted(o["calls"])] == want
 
 
 def test_openai_client_reads_the_calls(auto):
