@@ -259,13 +259,15 @@ def test_v31_calls_after_reasoning_whole_and_streamed_with_n():
     """--reasoning-parser deepseek_r1 with deepseek_v31: the calls are parsed out of the content
     after </think>, per choice (the n choices' chunks interleave)."""
     engine, srv = _server(["--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice",
-                           "--tool-call-parser", "deepseek_v31"], "Weather first.</think>" + V31_TWO)
+                           "--tool-call-parser", "deepseek_v31"],
+                          "Weather first.</think>" + V31_TWO)
     want = [("get_weather", WEATHER), ("get_time", "{}")]
     with srv as s:
         for c in post(s, {**CHAT, "n": 2}).json()["choices"]:
             m = c["message"]
             assert (m["reasoning_content"], m["content"]) == ("Weather first.", None)
-            assert [(t["function"]["name"], t["function"]["arguments"]) for t in m["tool_calls"]] == want
+            got = [(t["function"]["name"], t["function"]["arguments"]) for t in m["tool_calls"]]
+            assert got == want
             assert c["finish_reason"] == "tool_calls"
         got = _streamed_choices(stream(s, {**CHAT, "n": 2}))
     assert set(got) == {0, 1}
@@ -379,3 +381,27 @@ def test_forced_tool_choice_on_the_tiny_model(real, choice, streamed):
             calls[t["index"]]["function"]["arguments"] += t["function"].get("arguments") or ""
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     _check_calls([calls[i] for i in sorted(calls)], names)
+
+
+@pytest.mark.slow
+def test_serve_with_tool_flags_and_a_chat_template(tmp_path_factory, tmp_path):
+    """`serve` end to end: the flags reach the app; the --chat-template file renders the tools;
+    tool_choice "auto" is accepted, a named function forces a valid call."""
+    from tests.server_fixtures import ServeProcess, tiny_model_dir
+
+    template = tmp_path / "tools.jinja"
+    template.write_text("CUSTOM:" + TOOL_TEMPLATE)
+    with ServeProcess("--model", tiny_model_dir(tmp_path_factory), "--device", "cpu",
+                      "--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "512",
+                      "--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v3",
+                      "--chat-template", str(template), "--generation-config", "vllm") as s:
+        ids = httpx.post(f"{s.url}/tokenize", json={"messages": REAL["messages"]}).json()["tokens"]
+        text = httpx.post(f"{s.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+        assert text.startswith("CUSTOM:") and "TOOLS:" not in text  # no tools: none rendered
+        assert httpx.get(f"{s.url}/tokenizer_info").json()["chat_template"] == template.read_text()
+        r = post(s, {**REAL, "max_tokens": 8})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == []
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        c = post(s, {**REAL, "tool_choice": named}).json()["choices"][0]
+        assert c["finish_reason"] == "tool_calls"
+        _check_calls(c["message"]["tool_calls"], {"get_weather"})
