@@ -89,6 +89,8 @@ class ChatBuilder:
         # starts in reasoning, split at </think> (server/reasoning.py)
         self.reasoning = state.reasoning_parser is not None
         self.think = thinks(state.reasoning_parser, req.chat_template_kwargs)
+        # a forced tool choice constrains the output to JSON from its first token: no reasoning
+        self.think = self.think and req.forced_tool_choice is None
         self._parsers: dict[int, ThinkParser] = {}  # choice index -> its incremental split
         self._num_tokens: dict[int, int] = {}  # choice index -> tokens generated so far
         # tool calls: parsed out of the content (tool_choice "auto" with --tool-call-parser), or

@@ -276,6 +276,27 @@ def test_v31_calls_after_reasoning_whole_and_streamed_with_n():
         assert [tuple(o["calls"][i]) for i in sorted(o["calls"])] == want
 
 
+@pytest.mark.parametrize("choice", ["named", "required"])
+def test_forced_choice_with_a_reasoning_parser_is_all_call(choice):
+    """The constrained JSON is the call from its first token: nothing of it is reasoning."""
+    tool_choice = ({"type": "function", "function": {"name": "get_weather"}} if choice == "named"
+                   else "required")
+    script = WEATHER if choice == "named" else json.dumps(
+        [{"name": "get_weather", "parameters": json.loads(WEATHER)}])
+    engine, srv = _server(["--reasoning-parser", "deepseek_r1"], script)
+    body = {**CHAT, "tool_choice": tool_choice}
+    with srv as s:
+        c = post(s, body).json()["choices"][0]
+        m = c["message"]
+        want = [("get_weather", json.loads(WEATHER))]
+        assert (m["reasoning_content"], m["content"], c["finish_reason"]) == (None, None, "tool_calls")
+        assert [(t["function"]["name"], json.loads(t["function"]["arguments"]))
+                for t in m["tool_calls"]] == want
+        o = _streamed_choices(stream(s, body))[0]
+    assert (o["reasoning"], o["content"], o["finish"]) == ("", "", "tool_calls")
+    assert [(n, json.loads(a)) for n, a in o["calls"].values()] == want
+
+
 def test_openai_client_reads_the_calls(auto):
     import openai
 
