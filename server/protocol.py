@@ -441,16 +441,6 @@ class ChatCompletionRequest(_SamplingFields):
     # None: "auto" when tools are given, else "none" (OpenAI's default)
     tool_choice: Any = None  # "none" | "auto" | "required" | NamedToolChoice, see below
     parallel_tool_calls: bool = True  # false: "required" makes exactly one call
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice_value(cls, v):
-        if v is None or v in ("none", "auto", "required"):
-            return v
-        if isinstance(v, dict):
-            return NamedToolChoice.model_validate(v)
-        raise ValueError('must be "none", "auto", "required" or {"type": "function", '
-                         f'"function": {{"name": ...}}}}, got {v!r}')
     max_tokens: _bounded(1, INT64_MAX) | None = None
     max_completion_tokens: _bounded(1, INT64_MAX) | None = None
     logprobs: bool = False
@@ -473,6 +463,16 @@ class ChatCompletionRequest(_SamplingFields):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs is only allowed when logprobs is true")
         return self
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_value(cls, v):
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        if isinstance(v, dict):
+            return NamedToolChoice.model_validate(v)
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", '
+                         f'"function": {{"name": ...}}}}, got {v!r}')
 
     @model_validator(mode="after")
     def _tool_choice_needs_its_tool(self):
