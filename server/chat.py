@@ -18,8 +18,8 @@ from server.completions import finite, sse, start_streams
 from server.errors import APIError, error_body, param_of
 from server.protocol import ChatCompletionRequest
 from server.reasoning import ThinkParser, split_reasoning, thinks
-from server.tool_calls import Delta, ToolCallParser, assemble, call_id, forced_calls
 from server.streams import ClientDisconnected, EngineStreams, until_disconnect
+from server.tool_calls import Delta, ToolCallParser, assemble, call_id, forced_calls
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,8 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: 
 
     `template_kwargs` are extra template variables (chat_template_kwargs); `tools` the request's
     tools, which the template renders into the prompt; `chat_template` replaces the tokenizer's
-    (--chat-template). `check_length(text,
-    field)` may refuse the rendered text (ValueError) before tokenizing it. Blocking: call it off
-    the event loop."""
+    (--chat-template). `check_length(text, field)` may refuse the rendered text (ValueError)
+    before tokenizing it. Blocking: call it off the event loop."""
     if tokenizer is None:
         raise APIError(400, "this server has no tokenizer (--skip-tokenizer-init, or none in the "
                        "model directory): chat needs one; use /v1/completions with token ids",
