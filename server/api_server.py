@@ -184,13 +184,14 @@ def build_app(engine, args=None) -> FastAPI:
         state.need_tokenizer()
         # Tokenizing runs off the event loop: a long text must not stall other requests.
         if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             try:
                 conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
                                           req.add_generation_prompt, None,
-                                          req.chat_template_kwargs, None, state.chat_template)
+                                          req.chat_template_kwargs, tools, state.chat_template)
         else:
             ids = await asyncio.to_thread(encode, state.tokenizer, req.prompt, "prompt",
                                           req.add_special_tokens)

@@ -556,6 +556,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in chat completions
+    tools: list[Tool] | None = None  # with messages: rendered by the template, as in chat
 
     @model_validator(mode="after")
     def _exactly_one_input(self):

@@ -332,6 +332,14 @@ def test_bad_tool_requests_are_400s(plain, body, param, needle):
     assert err["param"] == param and needle in err["message"], err
 
 
+def test_tokenize_renders_the_tools(plain):
+    body = {"messages": CHAT["messages"]}
+    for tools, shown in ((None, False), (TOOLS, True)):
+        r = httpx.post(f"{plain.url}/tokenize", json={**body, "tools": tools})
+        text = plain.engine.tokenizer.decode(r.json()["tokens"])
+        assert ("TOOLS:get_weather,get_time" in text) == shown, text
+
+
 def test_tool_choice_none_needs_no_flag(plain):
     r = post(plain, {**CHAT, "tool_choice": "none"})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == V3_TWO
