@@ -7,6 +7,7 @@ so a slow client never stalls a step and HTTP work never waits for one.
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import time
 from functools import lru_cache
@@ -22,18 +23,30 @@ from server.errors import APIError, error_response, install_error_handlers
 from server.http_limits import BodyLimitMiddleware
 from server.limits import ServerLimits
 from server.metrics import ServerMetrics
+from server.overrides import load_chat_template, load_generation_defaults
 from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              TokenizeRequest)
 from server.reasoning import check_parser_name
+from server.tool_calls import check_tool_flags
+
+logger = logging.getLogger(__name__)
 
 
 class ServerState:
     """What the handlers share: the engine, its tokenizer, metrics and the API key."""
 
     def __init__(self, engine, api_key: str | None = None,
-                 limits: ServerLimits | None = None, reasoning_parser: str | None = None) -> None:
+                 limits: ServerLimits | None = None, reasoning_parser: str | None = None,
+                 tool_call_parser: str | None = None, chat_template: str | None = None,
+                 request_defaults: dict | None = None) -> None:
         self.engine = engine
         self.reasoning_parser = reasoning_parser  # --reasoning-parser (server/reasoning.py)
+        # --tool-call-parser with --enable-auto-tool-choice (server/tool_calls.py); None: a
+        # request with tool_choice "auto" is refused
+        self.tool_call_parser = tool_call_parser
+        self.chat_template = chat_template  # --chat-template; None: the tokenizer's
+        # --generation-config: values of fields a request does not set (server/overrides.py)
+        self.request_defaults = dict(request_defaults or {})
         self.tokenizer = engine.tokenizer
         self.model_name: str = engine.model_name  # the one responses report
         # Every --served-model-name is accepted as `model`, and so is the --model path (vLLM
@@ -104,14 +117,25 @@ class ServerState:
 def build_app(engine, args=None) -> FastAPI:
     """The HTTP app around a started engine (AsyncLLM or anything with its interface).
 
-    `args` is the parsed `serve` namespace (or None): `api_key`, `reasoning_parser`, the CORS
-    flags and the ServerLimits fields are read from it.
+    `args` is the parsed `serve` namespace (or None): `api_key`, `reasoning_parser`,
+    `enable_auto_tool_choice` and `tool_call_parser`, `chat_template`, `generation_config`, the
+    CORS flags and the ServerLimits fields are read from it.
     """
     limits = ServerLimits.from_args(args)
     reasoning_parser = getattr(args, "reasoning_parser", None)
     check_parser_name(reasoning_parser)
+    tool_call_parser = check_tool_flags(getattr(args, "enable_auto_tool_choice", False),
+                                        getattr(args, "tool_call_parser", None))
+    model_dir = getattr(getattr(engine, "args", None), "model", None)
+    defaults = load_generation_defaults(getattr(args, "generation_config", None) or "vllm",
+                                        model_dir if isinstance(model_dir, str) else None)
+    if defaults:
+        logger.info("request defaults from generation_config.json: %s (a request's own values "
+                    "win; --generation-config vllm turns this off)", defaults)
     state = ServerState(engine, api_key=getattr(args, "api_key", None), limits=limits,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
+                        chat_template=load_chat_template(getattr(args, "chat_template", None)),
+                        request_defaults=defaults)
     app = FastAPI(title="mla-serve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     install_error_handlers(app)
@@ -160,13 +184,14 @@ def build_app(engine, args=None) -> FastAPI:
         state.need_tokenizer()
         # Tokenizing runs off the event loop: a long text must not stall other requests.
         if req.messages is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             try:
                 conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
                                           req.add_generation_prompt, None,
-                                          req.chat_template_kwargs)
+                                          req.chat_template_kwargs, tools, state.chat_template)
         else:
             ids = await asyncio.to_thread(encode, state.tokenizer, req.prompt, "prompt",
                                           req.add_special_tokens)
@@ -193,7 +218,7 @@ def build_app(engine, args=None) -> FastAPI:
                 "bos_token": _str_or_none(tok.bos_token), "bos_token_id": tok.bos_token_id,
                 "eos_token": _str_or_none(tok.eos_token), "eos_token_id": tok.eos_token_id,
                 "pad_token": _str_or_none(tok.pad_token), "unk_token": _str_or_none(tok.unk_token),
-                "chat_template": getattr(tok, "chat_template", None),
+                "chat_template": state.chat_template or getattr(tok, "chat_template", None),
                 "model_max_length": state.max_model_len, "vocab_size": len(tok)}
 
     vllm_compat.install(app, engine, args)

@@ -19,6 +19,7 @@ from server.errors import APIError, error_body, param_of
 from server.protocol import ChatCompletionRequest
 from server.reasoning import ThinkParser, split_reasoning, thinks
 from server.streams import ClientDisconnected, EngineStreams, until_disconnect
+from server.tool_calls import Delta, ToolCallParser, assemble, call_id, forced_calls
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +40,19 @@ def _reserved_template_kwargs(tokenizer) -> set[str]:
 
 
 def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool,
-                    check_length=None, template_kwargs: dict | None = None) -> list[int]:
+                    check_length=None, template_kwargs: dict | None = None,
+                    tools: list[dict] | None = None, chat_template: str | None = None) -> list[int]:
     """Render the chat template and tokenize it without adding special tokens a second time.
 
-    `template_kwargs` are extra template variables (chat_template_kwargs). `check_length(text,
-    field)` may refuse the rendered text (ValueError) before tokenizing it. Blocking: call it off
-    the event loop."""
+    `template_kwargs` are extra template variables (chat_template_kwargs); `tools` the request's
+    tools, which the template renders into the prompt; `chat_template` replaces the tokenizer's
+    (--chat-template). `check_length(text, field)` may refuse the rendered text (ValueError)
+    before tokenizing it. Blocking: call it off the event loop."""
     if tokenizer is None:
         raise APIError(400, "this server has no tokenizer (--skip-tokenizer-init, or none in the "
                        "model directory): chat needs one; use /v1/completions with token ids",
                        param="messages")
-    if not getattr(tokenizer, "chat_template", None):
+    if not chat_template and not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
                        param="messages")
     template_kwargs = template_kwargs or {}
@@ -61,6 +64,7 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: 
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
+                                             tools=tools, chat_template=chat_template,
                                              **template_kwargs)
     except Exception as e:  # jinja raises on conversations the template refuses
         raise APIError(400, f"messages: the chat template refused them: {e}",
@@ -84,8 +88,19 @@ class ChatBuilder:
         # starts in reasoning, split at </think> (server/reasoning.py)
         self.reasoning = state.reasoning_parser is not None
         self.think = thinks(state.reasoning_parser, req.chat_template_kwargs)
+        # a forced tool choice constrains the output to JSON from its first token: no reasoning
+        self.think = self.think and req.forced_tool_choice is None
         self._parsers: dict[int, ThinkParser] = {}  # choice index -> its incremental split
         self._num_tokens: dict[int, int] = {}  # choice index -> tokens generated so far
+        # tool calls: parsed out of the content (tool_choice "auto" with --tool-call-parser), or
+        # the whole output is the constrained JSON of a forced choice ("required", named)
+        self.forced = req.forced_tool_choice
+        self.tool_parser = (state.tool_call_parser if req.tool_choice == "auto" and req.tools
+                            else None)
+        self.has_tools = self.forced is not None or self.tool_parser is not None
+        self._tool_parsers: dict[int, ToolCallParser] = {}
+        self._forced_text: dict[int, str] = {}  # choice index -> constrained output so far
+        self._called: set[int] = set()  # choice indices that made a tool call
 
     def chunk_usage(self, index: int, final: RequestOutput) -> dict:
         """Usage so far of choice `index` (continuous_usage_stats, counted as vLLM does)."""
@@ -107,31 +122,76 @@ class ChatBuilder:
                              "top_logprobs": [self._entry(t, v) for t, v in lp.top[:k]]}
                             for lp in lps]}
 
+    def _finish_reason(self, index: int, reason: str | None) -> str | None:
+        """"tool_calls" for an output that stopped after making calls (vLLM's)."""
+        return "tool_calls" if reason == "stop" and index in self._called else reason
+
     def choice(self, index: int, o: CompletionOutput) -> dict:
         message: dict = {"role": "assistant", "content": o.text}
         if self.reasoning:
             reasoning, content = split_reasoning(o.text) if self.think else (None, o.text)
             message = {"role": "assistant", "content": content, "reasoning_content": reasoning,
                        "reasoning": reasoning}
+        if self.forced is not None:
+            calls = forced_calls(o.text, self.forced)
+            message["content"] = o.text if calls is None else None
+            message["tool_calls"] = calls or []
+        elif self.tool_parser is not None:
+            parser = ToolCallParser(self.tool_parser)
+            d = parser.feed(message["content"] or "").merge(parser.finish())
+            message["content"], message["tool_calls"] = d.content or None, assemble(d)
+        if message.get("tool_calls"):
+            self._called.add(index)
         return {"index": index, "message": message,
                 "logprobs": self.logprobs(list(o.logprobs or [])),
-                "finish_reason": o.finish_reason}
+                "finish_reason": self._finish_reason(index, o.finish_reason)}
 
     def _delta(self, index: int, new_text: str, finished: bool) -> dict:
-        """The message delta of new text: content, or reasoning then content when thinking."""
-        if not self.think:
-            return {"content": new_text} if new_text else {}
-        parser = self._parsers.setdefault(index, ThinkParser())
-        reasoning, content = parser.feed(new_text)
-        if finished:
-            tail_reasoning, tail_content = parser.finish()
-            reasoning, content = reasoning + tail_reasoning, content + tail_content
+        """The message delta of new text: content, or reasoning then content when thinking;
+        tool calls out of the content when the request has tools."""
+        reasoning, content = "", new_text
+        if self.think:
+            parser = self._parsers.setdefault(index, ThinkParser())
+            reasoning, content = parser.feed(new_text)
+            if finished:
+                tail_reasoning, tail_content = parser.finish()
+                reasoning, content = reasoning + tail_reasoning, content + tail_content
         delta = {}
         if reasoning:
             delta["reasoning_content"] = delta["reasoning"] = reasoning
+        calls = []
+        if self.has_tools:
+            content, calls = self._tool_delta(index, content, finished)
         if content:
             delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+            self._called.add(index)
         return delta
+
+    def _tool_delta(self, index: int, content: str, finished: bool) -> tuple[str, list[dict]]:
+        """(content, delta.tool_calls) of new content: a call's first entry carries its id, type
+        and name, later ones argument fragments, each with the call's index."""
+        if self.forced is None:
+            parser = self._tool_parsers.setdefault(index, ToolCallParser(self.tool_parser))
+            d = parser.feed(content)
+            if finished:
+                d.merge(parser.finish())
+            return d.content, _call_entries(d)
+        if isinstance(self.forced, dict):  # named: the output is the arguments
+            d = Delta(args=[(0, content)] if content else [])
+            if index not in self._forced_text:
+                d.calls.append((0, call_id(), self.forced["function"]["name"]))
+            self._forced_text[index] = self._forced_text.get(index, "") + content
+            return "", _call_entries(d)
+        # required: a JSON array of calls, sent once it is complete
+        text = self._forced_text[index] = self._forced_text.get(index, "") + content
+        if not finished:
+            return "", []
+        calls = forced_calls(text, self.forced)
+        if calls is None:
+            return text, []
+        return "", [{"index": i, **c} for i, c in enumerate(calls)]
 
     def deltas(self, index: int, o: CompletionOutput) -> list[dict]:
         """Stream deltas for choice `index`: the role first, then new text, then the finish."""
@@ -149,10 +209,24 @@ class ChatBuilder:
             self._finish_sent.add(index)
         if new_text or new_lps or finish is not None:
             # a chunk for every output with new text, even while a possible tag is held back
-            out.append({"index": index, "delta": self._delta(index, new_text, finish is not None),
+            delta = self._delta(index, new_text, finish is not None)
+            out.append({"index": index, "delta": delta,
                         "logprobs": self.logprobs(new_lps) if new_lps else None,
-                        "finish_reason": finish})
+                        "finish_reason": self._finish_reason(index, finish)})
         return out
+
+
+def _call_entries(d: Delta) -> list[dict]:
+    """delta.tool_calls entries of a Delta, one per call index (a new call's first fragment of
+    arguments rides with its name)."""
+    entries: dict[int, dict] = {}
+    for i, cid, name in d.calls:
+        entries[i] = {"index": i, "id": cid, "type": "function",
+                      "function": {"name": name, "arguments": ""}}
+    for i, frag in d.args:
+        entry = entries.setdefault(i, {"index": i, "function": {"arguments": ""}})
+        entry["function"]["arguments"] += frag
+    return [entries[i] for i in sorted(entries)]
 
 
 def _usage(final: RequestOutput | None) -> dict:
@@ -165,17 +239,22 @@ def _usage(final: RequestOutput | None) -> dict:
 async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request) -> Response:
     """Handle one chat completions request end to end."""
     state.check_model(req.model)
+    req.apply_defaults(state.request_defaults)
     try:
         params = (await asyncio.to_thread(req.to_sampling_params) if req.asks_for_structure
                   else req.to_sampling_params())
         conversation = req.conversation()
     except ValueError as e:
         raise APIError(400, str(e), param=param_of(str(e))) from None
+    if req.tool_choice == "auto" and req.tools and state.tool_call_parser is None:
+        raise APIError(400, 'tool_choice: "auto" tool choice requires --enable-auto-tool-choice '
+                       'and --tool-call-parser to be set', param="tool_choice")
     state.limits.check(1, req.n, req.stop)
     # template + tokenizer off the event loop: a long conversation must not stall other requests
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
                                          req.add_generation_prompt, state.check_text_length,
-                                         req.template_kwargs())
+                                         req.template_kwargs(), req.tool_dicts(),
+                                         state.chat_template)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     tracker = state.metrics.tracker()
     try:

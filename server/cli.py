@@ -13,7 +13,9 @@ import sys
 
 from engine.args import DTYPE_ALIASES, EngineArgs, human_readable_int
 from server.limits import ServerLimits
+from server.overrides import load_chat_template, load_generation_defaults
 from server.reasoning import check_parser_name
+from server.tool_calls import check_tool_flags
 
 logger = logging.getLogger("server")
 
@@ -109,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hf-overrides", default=None, metavar="JSON",
                    help="JSON object merged into config.json, e.g. "
                         "'{\"num_hidden_layers\": 2}'")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="Jinja chat template to use instead of the tokenizer's: a file path, or "
+                        "the template itself (a value with {, } or a newline in it)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="defaults of requests that do not set them (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty; max_new_tokens as max_tokens): auto reads the "
+                        "model directory's generation_config.json, vllm uses none (the API's "
+                        "defaults), DIR reads DIR/generation_config.json")
     g.add_argument("--max-model-len", type=_token_count, default=None,
                    help="longest prompt + completion in tokens, as a number or vLLM's "
                         "human-readable form (32k = 32000, 32K = 32768); default: the model's "
@@ -196,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "reasoning) and content: deepseek_r1 (R1: all text before </think> is "
                         "reasoning), deepseek_v3 (V3.1+: the same when the request sends "
                         "chat_template_kwargs {\"thinking\": true}); default: no split")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="chat requests with tools (tool_choice \"auto\", the default with "
+                        "tools) get the model's tool calls as message.tool_calls, parsed by "
+                        "--tool-call-parser; without it such requests answer 400")
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call markup: deepseek_v3 (V3, R1) or deepseek_v31 "
+                        "(V3.1 and later); tool_choice \"required\" or a named function "
+                        "constrains the output to the tools' schemas with or without it")
     g.add_argument("--shutdown-timeout", type=float, default=15.0,
                    help="on SIGTERM or SIGINT, seconds to let running requests finish before "
                         "the engine and its workers are stopped")
@@ -263,6 +281,9 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     if not 1 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
     check_parser_name(ns.reasoning_parser)
+    check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
+    load_chat_template(ns.chat_template)
+    load_generation_defaults(ns.generation_config, args.model)
     _check_limits(ns)
     _check_devices(args)
     return args

@@ -196,6 +196,7 @@ def _finish(o: CompletionOutput, drop_generated: bool) -> str | None:
 async def create_completion(state, req: CompletionRequest, raw: Request) -> Response:
     """Handle one completions request end to end."""
     state.check_model(req.model)
+    req.apply_defaults(state.request_defaults)
     state.limits.check(len(req.prompts()), req.n, req.stop)
     try:
         params = (await asyncio.to_thread(req.to_sampling_params) if req.asks_for_structure

@@ -66,9 +66,6 @@ UNSUPPORTED: dict[str, dict[str, tuple]] = {
         "suffix": (bool, "fill-in-the-middle (a non-empty suffix) is not supported"),
     },
     "chat": {
-        "tools": (bool, "tool calls are not supported yet"),
-        "tool_choice": (lambda v: v is not None and v != "none", "tool calls are not supported "
-                        "yet; only \"none\""),
         "functions": (bool, "function calls are not supported"),
         "function_call": (lambda v: v is not None and v != "none", "function calls are not "
                           "supported; only \"none\""),
@@ -283,6 +280,16 @@ class _SamplingFields(_Request):
         validate(out, field)
         return out
 
+    def apply_defaults(self, defaults: dict) -> None:
+        """Fields this request did not set take the server's defaults (--generation-config:
+        temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)."""
+        given = self.model_fields_set
+        for name, value in defaults.items():
+            if name == "max_tokens" and "max_completion_tokens" in given:
+                continue
+            if name not in given:
+                setattr(self, name, value)
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -390,6 +397,10 @@ def _is_token(t: Any) -> bool:
 class ChatMessage(_Request):
     role: str
     content: str | list[dict] | None = None
+    # earlier turns of a tool conversation, handed to the chat template as they are
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
     def text(self) -> str:
         """The message's text; content parts other than text are refused."""
@@ -403,8 +414,33 @@ class ChatMessage(_Request):
         return "".join(texts)
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: any object
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
+    tools: list[Tool] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's default)
+    tool_choice: Any = None  # "none" | "auto" | "required" | NamedToolChoice, see below
+    parallel_tool_calls: bool = True  # false: "required" makes exactly one call
     max_tokens: _bounded(1, INT64_MAX) | None = None
     max_completion_tokens: _bounded(1, INT64_MAX) | None = None
     logprobs: bool = False
@@ -428,13 +464,81 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs is only allowed when logprobs is true")
         return self
 
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_value(cls, v):
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        if isinstance(v, dict):
+            return NamedToolChoice.model_validate(v)
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", '
+                         f'"function": {{"name": ...}}}}, got {v!r}')
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_its_tool(self):
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if names else "none"
+        elif choice in ("auto", "required") and not names:
+            raise ValueError(f"tool_choice: {choice!r} needs a non-empty tools list")
+        elif isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: function {choice.function.name!r} is not in tools "
+                             f"({', '.join(names) or 'none given'})")
+        return self
+
+    @property
+    def forced_tool_choice(self) -> str | dict | None:
+        """"required" or the named choice (as a dict) when the output must be a tool call."""
+        if self.tool_choice == "required":
+            return "required"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return None
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as the chat template sees them (None: no tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def asks_for_structure(self) -> bool:
+        return super().asks_for_structure or self.forced_tool_choice is not None
+
+    def structured(self) -> StructuredOutputs | None:
+        """As for completions, plus the JSON constraint of a forced tool choice."""
+        own = super().structured()
+        choice = self.forced_tool_choice
+        if choice is None:
+            return own
+        if own is not None:
+            raise ValueError("tool_choice: a forced tool call constrains the output; no other "
+                             "output constraint may be set")
+        from server.tool_calls import forced_schema
+        schema = forced_schema(self.tool_dicts(), choice)
+        if choice == "required" and not self.parallel_tool_calls:
+            schema["maxItems"] = 1
+        out = StructuredOutputs("json", json.dumps(schema))
+        from engine.structured_outputs import validate
+        validate(out, "tools")
+        return out
+
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs)
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict]:
+        turns = []
+        for m in self.messages:
+            turn: dict = {"role": m.role, "content": m.text()}
+            if m.tool_calls is not None:
+                turn["tool_calls"] = m.tool_calls
+                if m.content is None:
+                    turn["content"] = None  # DeepSeek's templates test for it
+            for key in ("tool_call_id", "name"):
+                if getattr(m, key) is not None:
+                    turn[key] = getattr(m, key)
+            turns.append(turn)
+        return turns
 
     def template_kwargs(self) -> dict[str, Any]:
         """The variables passed to the chat template besides the conversation."""
@@ -452,6 +556,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in chat completions
+    tools: list[Tool] | None = None  # with messages: rendered by the template, as in chat
 
     @model_validator(mode="after")
     def _exactly_one_input(self):

@@ -37,9 +37,11 @@ CMPL = {"prompt": "hi", "max_tokens": 4}
 REFUSED = [
     ("/v1/completions", {**CMPL, "suffix": " end"}, "suffix"),
     ("/v1/completions", {**CMPL, "best_of": 3}, "best_of"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call"),
+    # tools with tool_choice "auto" (the default with tools) need --enable-auto-tool-choice
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-     "tools"),
-    ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice"),
+     "tool_choice"),
 ]
 
 
@@ -57,6 +59,8 @@ ACCEPTED = [
     ("/v1/completions", {**CMPL, "n": 2, "best_of": 2}),
     ("/v1/completions", {**CMPL, "response_format": {"type": "text"}}),
     ("/v1/chat/completions", {**CHAT, "tools": [], "tool_choice": "none"}),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+                              "tool_choice": "none"}),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "text"}}),
     ("/v1/chat/completions", {**CHAT, "no_such_field": 1, "guided_json": None}),
 ]

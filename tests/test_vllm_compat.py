@@ -4,6 +4,7 @@ CORS, several served model names, request logging, human-readable lengths)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shlex
 
@@ -36,6 +37,10 @@ ACCEPTED = [
      "--max-model-len=65536 --max-num-batched-tokens=32768 --gpu-memory-utilization=0.95",
      dict(tensor_parallel_size=8, max_model_len=65536, max_num_batched_tokens=32768,
           gpu_memory_utilization=0.95)),
+    # a vLLM bug report ("'_moe_C' object has no attribute 'moe_align_block_size'"), DeepSeek-V3
+    ("vllm serve xxx --served-model-name deepseek-v3 -tp 8 --gpu-memory-utilization 0.85 "
+     "--max-model-len 65536 --enable-auto-tool-choice --tool-call-parser deepseek_v3",
+     dict(served_model_name=["deepseek-v3"], tensor_parallel_size=8, max_model_len=65536)),
 ]
 REJECTED = [
     # docs.vllm.ai recipes, DeepSeek-V3 (R1), 8xH200: TP8+EP and DP8+EP
@@ -46,7 +51,7 @@ REJECTED = [
     # docs.vllm.ai recipes, DeepSeek-V3.2
     ("vllm serve deepseek-ai/DeepSeek-V3.2 --tensor-parallel-size 8 --tokenizer-mode deepseek_v32 "
      "--tool-call-parser deepseek_v32 --enable-auto-tool-choice --reasoning-parser deepseek_v3",
-     ["--tokenizer-mode", "--tool-call-parser", "--enable-auto-tool-choice"]),
+     ["--tokenizer-mode"]),
     # docs.vllm.ai/projects/ascend, context parallel guide (DeepSeek-V2-Lite)
     ("vllm serve deepseek-ai/DeepSeek-V2-Lite --tensor-parallel-size 2 "
      "--decode-context-parallel-size 2 --prefill-context-parallel-size 2",
@@ -62,9 +67,6 @@ REJECTED = [
     ("--model deepseek-ai/DeepSeek-V3-0324 --tensor-parallel-size 8 --max-model-len 32768 "
      "--gpu-memory-utilization 0.90 --trust-remote-code --quantization fp8 --block-size 1",
      ["--quantization"]),
-    # docs.agno.com/examples/models/vllm, code generation example
-    ("vllm serve deepseek-ai/deepseek-coder-6.7b-instruct --dtype float32 --tool-call-parser pythonic",
-     ["--tool-call-parser"]),
     # github.com/vllm-project/vllm/issues/40778
     ("vllm serve /data/pretrained/DeepSeek-V4-Flash --served-model-name DeepSeek-V4-Flash "
      "--trust-remote-code --kv-cache-dtype fp8 --block-size 256 --enable-expert-parallel "
@@ -73,8 +75,7 @@ REJECTED = [
      "--attention_config.use_fp4_indexer_cache=True --tokenizer-mode deepseek_v4 "
      "--tool-call-parser deepseek_v4 --enable-auto-tool-choice --reasoning-parser deepseek_v4",
      ["--kv-cache-dtype", "--enable-expert-parallel", "--data-parallel-size", "--compilation-config",
-      "--attention_config.use_fp4_indexer_cache", "--tokenizer-mode", "--tool-call-parser",
-      "--enable-auto-tool-choice"]),
+      "--attention_config.use_fp4_indexer_cache", "--tokenizer-mode"]),
 ]
 
 
@@ -304,3 +305,148 @@ def test_vllm_metric_names_with_model_name_label():
     assert 0 <= _sample(after, f"vllm:kv_cache_usage_perc{lab}") <= 1
     for c in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
         assert f"vllm:{c}_total{lab}" in after, c
+
+
+# ---- --chat-template and --generation-config ----
+
+def test_tool_launch_line_with_a_chat_template_file(tmp_path, monkeypatch):
+    """The DeepSeek-V3.1 model card's vLLM line (the template file stands in for vLLM's)."""
+    line = ("vllm serve ... --enable-auto-tool-choice --tool-call-parser deepseek_v31 "
+            "--chat-template examples/tool_chat_template_deepseekv31.jinja")
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "tool_chat_template_deepseekv31.jinja").write_text("{{ 'T' }}")
+    monkeypatch.chdir(tmp_path)
+    ns = build_parser().parse_args(_argv(line))
+    assert (ns.tool_call_parser, ns.enable_auto_tool_choice) == ("deepseek_v31", True)
+    engine_args_from(_local(ns))
+    from server.overrides import load_chat_template
+    assert load_chat_template(ns.chat_template) == "{{ 'T' }}"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template: no such file"),
+    (["--generation-config", "/no/such/dir"], "--generation-config: no generation_config.json"),
+])
+def test_template_and_generation_config_errors_name_the_flag(argv, needle, capsys):
+    from server.cli import main
+
+    assert main([*argv, "--device", "cpu"]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def _recording(engine):
+    """Record the SamplingParams of every request the fake engine gets."""
+    seen, generate = [], engine.generate
+
+    def record(prompt, params, request_id):
+        seen.append(params)
+        return generate(prompt, params, request_id)
+    engine.generate = record
+    return seen
+
+
+def test_chat_template_replaces_the_tokenizers(client_for, tmp_path):
+    path = tmp_path / "t.jinja"
+    path.write_text("{% for m in messages %}{{ '[' + m['content'] + ']' }}{% endfor %}")
+
+    async def run(flag: str) -> tuple[str, str]:
+        engine, c = client_for(["--chat-template", flag])
+        async with c:
+            body = {"messages": [{"role": "user", "content": "hi"}]}
+            ids = (await c.post("/tokenize", json=body)).json()["tokens"]
+            r = await c.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            info = (await c.get("/tokenizer_info")).json()["chat_template"]
+            return engine.tokenizer.decode(ids), info
+
+    assert asyncio.run(run(str(path))) == ("[hi]", path.read_text())
+    inline = "{{ 'inline:' + messages[0]['content'] }}"
+    assert asyncio.run(run(inline)) == ("inline:hi", inline)
+
+
+def test_generation_config_sets_defaults_of_unset_fields(client_for, tmp_path):
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05,
+         "repetition_penalty": 1.1, "max_new_tokens": 3}))
+
+    async def run(argv: list[str]):
+        engine, c = client_for(argv)
+        seen = _recording(engine)
+        async with c:
+            r = await c.post("/v1/completions", json={"prompt": "hi"})
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["completion_tokens"] == seen[0].max_tokens
+            await c.post("/v1/completions",
+                         json={"prompt": "hi", "temperature": 0, "max_tokens": 5, "top_k": -1})
+            await c.post("/v1/chat/completions",
+                         json={"messages": [{"role": "user", "content": "hi"}]})
+            await c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4})
+        return seen
+
+    plain, given, chat, chat_given = asyncio.run(run(["--generation-config", str(tmp_path)]))
+    got = (plain.temperature, plain.top_p, plain.top_k, plain.min_p, plain.repetition_penalty,
+           plain.max_tokens)
+    assert got == (0.6, 0.95, 20, 0.05, 1.1, 3)
+    # a field the request sets keeps its value, however it compares with the default
+    assert (given.temperature, given.max_tokens, given.top_p) == (0.0, 5, 0.95)
+    assert given.top_k <= 0  # the request's -1 (off) stands, not the default 20
+    assert (chat.temperature, chat.max_tokens) == (0.6, 3)
+    assert chat_given.max_tokens == 4
+    # `vllm` and the fake engine's `auto` (it has no model directory) leave the API's defaults
+    for argv in (["--generation-config", "vllm"], []):
+        plain = asyncio.run(run(argv))[0]
+        assert (plain.temperature, plain.top_p, plain.top_k, plain.max_tokens) == (1.0, 1.0, 0, 16)
+
+
+def test_generation_config_auto_reads_the_model_directory(tmp_path):
+    from server.overrides import load_generation_defaults
+
+    # the bundled model's file has none of the keys: its defaults are the API's (lm_eval and
+    # the tests that rely on server defaults see no change)
+    assert json.loads((TINY_MODEL / "generation_config.json").read_text()).keys() & {
+        "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens"} == set()
+    assert load_generation_defaults("auto", str(TINY_MODEL)) == {}
+    assert load_generation_defaults("auto", str(tmp_path)) == {}  # no file: no defaults
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.3, "top_k": 5}')
+    assert load_generation_defaults("auto", str(tmp_path)) == {"temperature": 0.3, "top_k": 5}
+    assert load_generation_defaults("vllm", str(tmp_path)) == {}
+    (tmp_path / "generation_config.json").write_text('{"temperature": 5}')
+    with pytest.raises(ValueError, match=r"--generation-config: .*temperature.*got 5"):
+        load_generation_defaults("auto", str(tmp_path))
+
+
+# Every series the example dashboard in vLLM's repository queries
+# (examples/online_serving/prometheus_grafana/grafana.json, the version without the V0 swap and
+# CPU-cache panels), each with its model_name label.
+GRAFANA_SERIES = [
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total", "vllm:time_per_output_token_seconds_bucket",
+    "vllm:time_per_output_token_seconds_sum", "vllm:time_per_output_token_seconds_count",
+    "vllm:num_requests_running", "vllm:num_requests_waiting",
+    "vllm:time_to_first_token_seconds_bucket", "vllm:time_to_first_token_seconds_sum",
+    "vllm:time_to_first_token_seconds_count", "vllm:gpu_cache_usage_perc",
+    "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_decode_time_seconds_sum",
+    "vllm:request_max_num_generation_tokens_sum",
+]
+
+
+def test_grafana_dashboard_series_are_served(client_for):
+    async def run() -> str:
+        _, c = client_for([], names=["dash"])
+        async with c:
+            r = await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "n": 2})
+            assert r.status_code == 200
+            return (await c.get("/metrics")).text
+
+    text = asyncio.run(run())
+    lines = text.splitlines()
+    for name in GRAFANA_SERIES:
+        assert any(ln.startswith(name + "{") and 'model_name="dash"' in ln for ln in lines), name
+    assert _sample(text, 'vllm:request_max_num_generation_tokens_count{model_name="dash"}') == 1
+    assert _sample(text, 'vllm:request_max_num_generation_tokens_sum{model_name="dash"}') == 3
+    assert _sample(text, 'vllm:gpu_cache_usage_perc{model_name="dash"}') == _sample(
+        text, 'vllm:kv_cache_usage_perc{model_name="dash"}')

@@ -1,0 +1,79 @@
+"""Launch-time stand-ins for two checkpoint files, as vLLM reads them: `--chat-template` (instead
+of the tokenizer's template) and `--generation-config` (the sampling defaults of requests).
+
+Both are read once at startup; a bad value is a ValueError naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+# characters that make a --chat-template value a template rather than a path (vLLM's test)
+_JINJA_CHARS = "{}\n"
+
+# generation_config.json keys used as request defaults -> the request field each sets
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                       "max_new_tokens": "max_tokens"}
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """The template text of --chat-template: a file's contents, or the value itself when it
+    holds Jinja characters; None when the flag is not given."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if any(c in value for c in _JINJA_CHARS):
+        return value
+    raise ValueError(f"--chat-template: no such file: {value} (an inline template must contain "
+                     "Jinja markup)")
+
+
+def load_generation_defaults(value: str, model_dir: str | None) -> dict:
+    """Request defaults from generation_config.json: `auto` reads the model directory's (none
+    there: no defaults), `vllm` uses none, anything else names a directory holding one."""
+    if value == "vllm":
+        return {}
+    if value == "auto":
+        if model_dir is None:
+            return {}
+        path = os.path.join(model_dir, "generation_config.json")
+        if not os.path.isfile(path):
+            return {}
+    else:
+        path = os.path.join(value, "generation_config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"--generation-config: no generation_config.json in {value} "
+                             "(give a directory, `auto` or `vllm`)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--generation-config: cannot read {path}: {e}") from None
+    defaults = {}
+    for key, field in GENERATION_DEFAULTS.items():
+        v = config.get(key) if isinstance(config, dict) else None
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"--generation-config: {path}: {key} must be a number, got {v!r}")
+        defaults[field] = int(v) if field in ("top_k", "max_tokens") else float(v)
+    _check_ranges(defaults, path)
+    return defaults
+
+
+def _check_ranges(defaults: dict, path: str) -> None:
+    """The defaults must be values a request could send (the same limits, the same messages)."""
+    from pydantic import ValidationError
+
+    from server.protocol import CompletionRequest
+    try:
+        CompletionRequest(prompt="x", **defaults)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(p) for p in err["loc"])
+        raise ValueError(f"--generation-config: {path}: {field}: {err['msg']} "
+                         f"(got {err.get('input')!r})") from None
