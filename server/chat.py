@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import time
@@ -249,6 +250,10 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
     if req.tool_choice == "auto" and req.tools and state.tool_call_parser is None:
         raise APIError(400, 'tool_choice: "auto" tool choice requires --enable-auto-tool-choice '
                        'and --tool-call-parser to be set', param="tool_choice")
+    if req.tool_choice == "auto" and req.tools:
+        # The parser reads the tool-call markers from the decoded text, and a tokenizer may mark
+        # those added tokens special: keep them in the text, as vLLM does for tool requests.
+        params = dataclasses.replace(params, skip_special_tokens=False)
     state.limits.check(1, req.n, req.stop)
     # template + tokenizer off the event loop: a long conversation must not stall other requests
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,

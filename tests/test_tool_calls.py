@@ -152,7 +152,7 @@ class ScriptedEngine(FakeEngine):
     script: list[int] = []
 
     async def generate(self, prompt, params, request_id):
-        self.last_prompt = list(prompt)
+        self.last_prompt, self.last_params = list(prompt), params
         async for out in super().generate(prompt, params, request_id):
             yield out
 
@@ -214,6 +214,8 @@ def test_auto_tool_calls_whole(auto):
         assert all(t["id"].startswith("call_") and t["type"] == "function" for t in m["tool_calls"])
     # the tools reached the chat template
     assert "TOOLS:get_weather,get_time" in auto.engine.tokenizer.decode(auto.engine.last_prompt)
+    # the markers are decoded even where the tokenizer marks them special
+    assert auto.engine.last_params.skip_special_tokens is False
 
 
 def test_auto_tool_calls_streamed(auto):
