@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.transfer import to_device
+from common.transfer import to_device
 
 
 def local_len(length, dcp_size: int, dcp_rank: int):

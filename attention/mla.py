@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from attention.backend import AttentionOps
 from attention.metadata import ContextChunk, MLAMetadata
 from attention.torch_backend import merge_attn_states
-from engine import distributed as pd
-from models.fused import apply_rope, rms_norm_op, triton_fast_path, try_kernel
+from common import distributed as pd
+from common.fused import apply_rope, rms_norm_op, triton_fast_path, try_kernel
 
 
 @functools.cache
@@ -36,7 +36,7 @@ def _kernel(module: str, name: str):
 def _try_kernel(module: str, name: str, ops, *args) -> torch.Tensor | None:
     """`attention.<module>.<name>(*args)`, a fused decode-path kernel, with the Triton backend on
     CUDA (the torch backend stays the plain reference); None elsewhere or if it failed
-    (`models.fused.try_kernel`): the caller then runs the torch ops."""
+    (`common.fused.try_kernel`): the caller then runs the torch ops."""
     if getattr(ops, "name", "") != "triton" or not triton_fast_path(args[0]):
         return None
     return try_kernel(name, _kernel(module, name), *args)

@@ -41,7 +41,7 @@ def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_
     row = offs_t[:, None] * (H * (L + R)) + h * (L + R)
     tl.store(q_ptr + row + offs_l[None, :], acc.to(q_ptr.dtype.element_ty), mask=mt[:, None] & (offs_l[None, :] < L))
     if lb == 0:  # the rope part goes behind the latent part
-        if ROPE:  # rotated on interleaved pairs as models.fused.rope (cos | sin rows, fp32)
+        if ROPE:  # rotated on interleaved pairs as common.fused.rope (cos | sin rows, fp32)
             offs_i = tl.arange(0, BR // 2)
             mr = mt[:, None] & (offs_i[None, :] < R // 2)
             src = qp_ptr + offs_t[:, None] * s_qp_t + h * s_qp_h + 2 * offs_i[None, :]
@@ -108,7 +108,7 @@ def _rope_kernel(x_ptr, cs_ptr, out_ptr, H, s_x_t, s_x_h, s_cs_t,
 
 
 def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-    """`models.fused.apply_rope(cos_sin, x)` for x `[T, H, R]` (last dim contiguous), contiguous out:
+    """`common.fused.apply_rope(cos_sin, x)` for x `[T, H, R]` (last dim contiguous), contiguous out:
     the prefill's query RoPE in one pass (the compiled torch version moved these bytes at a
     fifth of the bandwidth)."""
     T, H, R = x.shape

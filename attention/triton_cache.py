@@ -100,13 +100,13 @@ def _kv_finish_kernel(kv_ptr, w_ptr, cs_ptr, out_ptr, cache_ptr, slot_ptr, eps,
     t = tl.program_id(0).to(tl.int64)
     src = kv_ptr + t * stride_kvt
     dt = out_ptr.dtype.element_ty
-    # RMSNorm of the latent part, as models.fused.rms_norm: w * (x * rsqrt(mean(x^2) + eps)) in x's dtype
+    # RMSNorm of the latent part, as common.fused.rms_norm: w * (x * rsqrt(mean(x^2) + eps)) in x's dtype
     offs_l = tl.arange(0, BLOCK_L)
     ml = offs_l < L
     c = tl.load(src + offs_l, mask=ml, other=0.0).to(tl.float32)
     r = tl.rsqrt(tl.sum(c * c, axis=0) / L + eps)
     cn = (c * r).to(dt) * tl.load(w_ptr + offs_l, mask=ml, other=0.0).to(dt)
-    # RoPE of the rope part on interleaved pairs, as models.fused.rope (cos | sin rows, fp32)
+    # RoPE of the rope part on interleaved pairs, as common.fused.rope (cos | sin rows, fp32)
     offs_h = tl.arange(0, BLOCK_H)
     mh = offs_h < R // 2
     x1 = tl.load(src + L + 2 * offs_h, mask=mh, other=0.0).to(tl.float32)

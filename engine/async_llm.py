@@ -18,7 +18,7 @@ from engine.core_client import CoreClient, EngineStartError
 from engine.core_proc import CoreStats
 from engine.llm import load_front_end
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from scheduler.outputs import EngineCoreOutput
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import logging
 from engine.args import EngineArgs
 from engine.executor import make_executor
 from engine.sampler import check_sampling_params
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from engine.structured_outputs import GrammarCompiler
 from engine.worker import resolve_device
 from models.config import ModelConfig

@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from models.config import ModelConfig
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from engine.core import EngineCore
 from engine.input_processor import InputProcessor, load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from engine.structured_outputs import validate as validate_structured
 from models.config import ModelConfig, check_parallel_layout
 

@@ -14,11 +14,11 @@ import numpy as np
 import torch
 
 from attention.metadata import MLAMetadata, build_mla_metadata
-from engine import distributed as pd
+from common import distributed as pd
 from engine.rank_agreement import RankAgreement
 from engine.sampler import DeviceLogprobs, Sampler, SamplingBatch, make_generator, prompt_logprobs_on_device
-from engine.sampling_params import SamplingParams
-from engine.transfer import to_device, to_host
+from common.sampling_params import SamplingParams
+from common.transfer import to_device, to_host
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs

@@ -51,7 +51,7 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
     try:
         import torch.distributed as dist
 
-        from engine import distributed as pd
+        from common import distributed as pd
         from engine.worker import Worker, resolve_device
 
         device = resolve_device(args, local_rank)
@@ -91,7 +91,7 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
         except Exception:  # noqa: BLE001
             pass
     finally:
-        from engine import distributed as pd
+        from common import distributed as pd
         pd.destroy_parallel()
 
 

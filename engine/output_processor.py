@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from scheduler.outputs import EngineCoreOutput, TokenLogprobs
 
 

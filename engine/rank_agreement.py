@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engine import distributed as pd
+from common import distributed as pd
 
 
 class RankDivergenceError(RuntimeError):

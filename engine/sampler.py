@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.transfer import to_device, to_host
+from common.sampling_params import SamplingParams
+from common.transfer import to_device, to_host
 from scheduler.outputs import TokenLogprobs
 
 _NEG_INF = float("-inf")

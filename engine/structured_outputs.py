@@ -1,7 +1,7 @@
 """Structured outputs: grammars that constrain sampling, through llguidance.
 
 A request's constraint travels as plain data (`StructuredOutputs`: a kind and its spec, in
-engine/sampling_params.py). The front end validates it without a tokenizer (`validate`), so that a
+common/sampling_params.py). The front end validates it without a tokenizer (`validate`), so that a
 bad schema or regex is a 400 naming the field. The engine core compiles it once per distinct
 (kind, spec) against the model's tokenizer (`GrammarCompiler`, an LRU of compiled matchers) and
 gives each request its own copy (`RequestGrammar`). The core advances that matcher with every
@@ -22,7 +22,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from engine.sampling_params import StructuredOutputs
+from common.sampling_params import StructuredOutputs
 
 log = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ import torch
 
 from attention.backend import AttentionOps
 from attention.torch_backend import TorchAttentionOps
-from engine import distributed as pd
+from common import distributed as pd
 from engine.args import EngineArgs
 from engine.model_runner import ModelRunner
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
-from models.fused import autotuning
+from common.fused import autotuning
 from models.loader import init_dummy_weights, load_weights
 
 log = logging.getLogger(__name__)

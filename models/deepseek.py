@@ -13,9 +13,9 @@ from torch import nn
 from attention.backend import AttentionOps
 from attention.metadata import MLAMetadata
 from attention.mla import MLAAttention
-from engine import distributed as pd
+from common import distributed as pd
 from models.config import ModelConfig
-from models.fused import add_rms_norm_op
+from common.fused import add_rms_norm_op
 from models.layers import Linear, ParallelLMHead, RMSNorm, VocabParallelEmbedding, YarnRotaryEmbedding
 from models.moe import MLP, MoE
 

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from models.fp8 import FP8, FP8_MAX
-from models.fused import autotuning, interpreting
+from common.fused import autotuning, interpreting
 
 GROUP = 128
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from models.fused import autotuning, interpreting
+from common.fused import autotuning, interpreting
 
 
 @triton.jit
@@ -410,7 +410,7 @@ def _silu_mul_kernel(x_ptr, out_ptr, I, BLOCK: tl.constexpr):
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU of `[R, 2I]` = [gate ‖ up] -> `[R, I]` (models.fused.silu_mul's math, in fp32)."""
+    """SwiGLU of `[R, 2I]` = [gate ‖ up] -> `[R, I]` (common.fused.silu_mul's math, in fp32)."""
     R, I2 = gate_up.shape
     gate_up = gate_up.contiguous()
     out = torch.empty(R, I2 // 2, dtype=gate_up.dtype, device=gate_up.device)

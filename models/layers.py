@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import distributed as pd
+from common import distributed as pd
 from models.config import RopeConfig, yarn_mscale
 from models.fp8 import FP8, dequantize
-from models.fused import apply_rope, rms_norm_op
+from common.fused import apply_rope, rms_norm_op
 
 
 def shard_param(shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype) -> nn.Parameter:

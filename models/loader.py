@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from engine import distributed as pd
+from common import distributed as pd
 from models.config import ModelConfig
 from models.fp8 import FP8
 

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import distributed as pd
+from common import distributed as pd
 from models.config import ModelConfig
 from models.fp8 import dequantize
-from models.fused import CudaCompiled, silu_mul_op, triton_fast_path, try_kernel
+from common.fused import CudaCompiled, silu_mul_op, triton_fast_path, try_kernel
 from models.layers import Linear, shard_param
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from scheduler.outputs import TokenLogprobs
 
 

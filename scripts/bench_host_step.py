@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from engine.model_runner import ModelRunner  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from common.sampling_params import SamplingParams  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
 from scheduler.request import Request  # noqa: E402

@@ -9,7 +9,7 @@ from typing import TypeVar
 from fastapi import Request
 
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 T = TypeVar("T")
 

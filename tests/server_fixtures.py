@@ -23,7 +23,7 @@ import httpx
 
 from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from scheduler.outputs import TokenLogprobs
 
 REPO = Path(__file__).resolve().parent.parent

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampling_params import SamplingParams as SP
+from common.sampling_params import SamplingParams as SP
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import ModelRunnerOutput
 from scheduler.request import Request

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from scheduler.block_manager import BlockManager, hash_block
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from transformers import PreTrainedTokenizerFast
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 CORPUS = [
     "Hello world, this is a naïve café.",

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine import distributed as pd
+from common import distributed as pd
 from engine.args import DEFAULT_MODEL
-from engine.distributed import GroupInfo
+from common.distributed import GroupInfo
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
 from models.fp8 import FP8

@@ -158,7 +158,7 @@ def test_core_in_a_thread_or_a_process_gives_the_same_outputs(tmp_path_factory):
 
     from engine.args import EngineArgs
     from engine.async_llm import AsyncLLM
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     args = EngineArgs(model=tiny_model_dir(tmp_path_factory), device="cpu", dtype="float32",
                       max_model_len=512, num_kv_blocks=256)

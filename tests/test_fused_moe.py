@@ -63,7 +63,7 @@ def check_glue(T, kt, E, block_m, device, seed=0):
     # the blocked path's one-kernel alignment equals the torch reference element for element;
     # the grouped path's SwiGLU and weighted un-permute equal their torch forms
     from models.fused_moe import align_pairs, silu_mul, sort_pairs_into_blocks, unpermute_sum
-    from models.fused import silu_mul as silu_ref
+    from common.fused import silu_mul as silu_ref
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(E, generator=g)[:kt] for _ in range(T)]).to(device)
     want = sort_pairs_into_blocks(ids, E, block_m)
@@ -160,7 +160,7 @@ def test_try_kernel_falls_back_once_and_propagates_bad_arguments(caplog):
     """A fast-path kernel that raises (e.g. does not compile on some GPU) is logged once and
     skipped from then on; a ValueError (a bad argument) and an out-of-memory error still reach
     the caller."""
-    from models import fused
+    from common import fused
 
     calls = []
 

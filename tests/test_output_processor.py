@@ -6,7 +6,7 @@ import pytest
 import transformers
 
 from engine.output_processor import OutputProcessor
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from scheduler.outputs import EngineCoreOutput, TokenLogprobs
 from tests.server_fixtures import TINY_MODEL
 

@@ -162,7 +162,7 @@ def _agreement_rank(rank: int, init: str, diverge_at: int | None, q) -> None:
     `diverge_at` on. Puts (rank, error message or None, steps agreed) on `q`."""
     import numpy as np
 
-    from engine import distributed as pd
+    from common import distributed as pd
     from engine.rank_agreement import RankAgreement, RankDivergenceError
 
     pd.init_parallel(2, 1, rank, init, "gloo", timeout_s=60)

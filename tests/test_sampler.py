@@ -7,7 +7,7 @@ import torch
 
 from engine.sampler import (Sampler, SamplingBatch, _apply_penalties, compute_prompt_logprobs,
                             make_generator)
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 
 V = 32
 

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from scheduler.request import Request, RequestStatus

@@ -25,7 +25,7 @@ import transformers
 from engine.args import EngineArgs
 from engine.input_processor import InputProcessor, load_tokenizer
 from engine.sampler import Sampler, SamplingBatch
-from engine.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams
 from models.config import ModelConfig
 from server.api_server import ServerState, build_app
 from server.cli import build_parser, uvicorn_config

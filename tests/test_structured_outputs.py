@@ -18,7 +18,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, SamplingBatch
-from engine.sampling_params import StructuredOutputs
+from common.sampling_params import StructuredOutputs
 from tests.server_fixtures import REPO, TINY_MODEL, InProcessServer, ServeProcess
 
 PROMPT = "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"

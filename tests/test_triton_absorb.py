@@ -10,7 +10,7 @@ from interpreted import run_interpreted
 CHECK = r"""
 import torch
 from attention.triton_absorb import absorb_o, absorb_q
-from models.fused import rope
+from common.fused import rope
 
 def check(T, H, P, R, L, V, dtype, device, tol):
     g = torch.Generator().manual_seed(T * 7 + H)
@@ -24,7 +24,7 @@ def check(T, H, P, R, L, V, dtype, device, tol):
     got_q = absorb_q(q_nope, q_pe, w_uk)
     assert got_q.shape == (T, H, L + R) and got_q.is_contiguous()
     assert torch.equal(got_q[..., L:], q_pe)  # the rope part is copied, not computed
-    # with the RoPE rows: the same latent part, the rope part rotated as models.fused.rope does
+    # with the RoPE rows: the same latent part, the rope part rotated as common.fused.rope does
     cos_sin = torch.randn(T, R, generator=g).to(device)
     got_qr = absorb_q(q_nope, q_pe, w_uk, cos_sin)
     assert torch.equal(got_qr[..., :L], got_q[..., :L])

@@ -32,7 +32,7 @@ llm = LLM({path!r}, device="cpu", dtype="float32", attention_backend="triton", n
           max_num_batched_tokens={budget})
 sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 out = [o.outputs[0].token_ids for o in llm.generate({prompts!r}, sp)]
-from models.fused import _FAILED
+from common.fused import _FAILED
 assert not _FAILED, _FAILED  # a kernel that raised was replaced by torch ops: its tokens prove nothing
 print("RESULT " + json.dumps({{"tokens": out, "calls": calls}}))
 """

@@ -13,7 +13,7 @@ import torch
 from attention.torch_backend import TorchAttentionOps
 from attention.triton_cache import kv_finish
 from models.config import RopeConfig
-from models.fused import rms_norm
+from common.fused import rms_norm
 from models.layers import YarnRotaryEmbedding
 
 def check(T, L, R, page, dtype, device, tol):

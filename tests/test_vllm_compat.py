@@ -240,7 +240,7 @@ def test_every_served_name_is_accepted(client_for):
 
 def test_requests_are_logged_when_asked(caplog):
     from engine.async_llm import AsyncLLM
-    from engine.sampling_params import SamplingParams
+    from common.sampling_params import SamplingParams
 
     async def run(flag: bool) -> list[str]:
         llm = AsyncLLM(EngineArgs(model=str(TINY_MODEL), device="cpu", num_kv_blocks=32,
