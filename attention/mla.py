@@ -14,41 +14,43 @@ part merged by LSE.
 
 from __future__ import annotations
 
-import functools
-import importlib
-
 import torch
 import torch.nn.functional as F
 
 from attention.backend import AttentionOps
 from attention.metadata import ContextChunk, MLAMetadata
-from attention.torch_backend import merge_attn_states
+from attention.torch_backend import TorchAttentionOps, merge_attn_states
 from common import distributed as pd
-from common.fused import apply_rope, rms_norm_op, triton_fast_path, try_kernel
+from common.fused import apply_rope, glue_for
+from common.kernel_plan import TRITON, KernelPlan
 
 
-@functools.cache
-def _kernel(module: str, name: str):
-    # imported on first use: triton is only installed with CUDA
-    return getattr(importlib.import_module(f"attention.{module}"), name)
-
-
-def _try_kernel(module: str, name: str, ops, *args) -> torch.Tensor | None:
-    """`attention.<module>.<name>(*args)`, a fused decode-path kernel, with the Triton backend on
-    CUDA (the torch backend stays the plain reference); None elsewhere or if it failed
-    (`common.fused.try_kernel`): the caller then runs the torch ops."""
-    if getattr(ops, "name", "") != "triton" or not triton_fast_path(args[0]):
-        return None
-    return try_kernel(name, _kernel(module, name), *args)
+def make_attention_ops(plan: KernelPlan) -> AttentionOps:
+    """The plan's AttentionOps backend (decode, prefill, context gather, KV write)."""
+    if plan.attention == TRITON:
+        from attention.triton_backend import TritonAttentionOps  # triton: CUDA installs only
+        return TritonAttentionOps()
+    return TorchAttentionOps()
 
 
 class MLAAttention:
     """The attention core of one MLA layer; projections stay in the model."""
 
     def __init__(self, num_heads: int, qk_nope_head_dim: int, qk_rope_head_dim: int,
-                 v_head_dim: int, kv_lora_rank: int, scale: float, ops: AttentionOps):
+                 v_head_dim: int, kv_lora_rank: int, scale: float, plan: KernelPlan,
+                 ops: AttentionOps):
         self.H, self.P, self.R = num_heads, qk_nope_head_dim, qk_rope_head_dim
         self.V, self.Lkv, self.scale, self.ops = v_head_dim, kv_lora_rank, scale, ops
+        self.glue = glue_for(plan.compile)
+        # the plan's fused decode-path kernels (None: the torch ops below)
+        self.kv_finish = self.rope_kernel = self.absorb_q_kernel = self.absorb_o_kernel = None
+        if plan.finish_kv == TRITON:
+            from attention.triton_cache import kv_finish  # triton: CUDA installs only
+            self.kv_finish = kv_finish
+        if plan.absorb == TRITON:
+            from attention import triton_absorb
+            self.rope_kernel, self.absorb_q_kernel = triton_absorb.rope, triton_absorb.absorb_q
+            self.absorb_o_kernel = triton_absorb.absorb_o
         self.w_kv_b: torch.Tensor | None = None  # [Hl*(P+V), Lkv]
         self.w_uk: torch.Tensor | None = None  # [Hl, P, Lkv]
         self.w_uv: torch.Tensor | None = None  # [Hl, V, Lkv]
@@ -63,15 +65,13 @@ class MLAAttention:
                   kv_cache: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
         """The new tokens' cache rows from kv_a_proj's output `kv [T, Lkv+R]`: RMSNorm of c, RoPE of
         k_pe, `[c ‖ k_pe]` written to the cache at the slot mapping and returned `[T, Lkv+R]`.
-        With the Triton backend on CUDA one kernel (attention/triton_cache.py `kv_finish`),
-        else the norm, rope, cat and the backend's write_kv."""
-        row = _try_kernel("triton_cache", "kv_finish", self.ops, kv, norm_weight, eps, cos_sin, kv_cache,
-                          meta.slot_mapping)
-        if row is not None:
-            return row
+        With the plan's finish_kv=triton one kernel (attention/triton_cache.py `kv_finish`), else
+        the norm, rope, cat and the backend's write_kv."""
+        if self.kv_finish is not None:
+            return self.kv_finish(kv, norm_weight, eps, cos_sin, kv_cache, meta.slot_mapping)
         c, k_pe = kv.split([self.Lkv, self.R], dim=-1)
-        k_pe = apply_rope(cos_sin, k_pe)
-        row = torch.cat([rms_norm_op(c, norm_weight, eps), k_pe], dim=-1)
+        k_pe = apply_rope(cos_sin, k_pe, self.glue.rope)
+        row = torch.cat([self.glue.rms_norm(c, norm_weight, eps), k_pe], dim=-1)
         self.ops.write_kv(kv_cache, row, meta.slot_mapping)
         return row
 
@@ -95,26 +95,25 @@ class MLAAttention:
         return out
 
     def _rope(self, q_pe, cos_sin):
-        """q_pe `[T, Hl, R]` rotated: one Triton kernel with the Triton backend, else `apply_rope`."""
-        out = _try_kernel("triton_absorb", "rope", self.ops, q_pe, cos_sin)
-        return apply_rope(cos_sin, q_pe) if out is None else out
+        """q_pe `[T, Hl, R]` rotated: one Triton kernel with absorb=triton, else `apply_rope`."""
+        if self.rope_kernel is not None:
+            return self.rope_kernel(q_pe, cos_sin)
+        return apply_rope(cos_sin, q_pe, self.glue.rope)
 
     def _absorb_q(self, q_nope, q_pe, cos_sin=None):
         """[q_nope @ W_UK ‖ q_pe] `[Nd, Hl, Lkv+R]`, q_pe rotated first when `cos_sin` is given:
-        one Triton kernel with the Triton backend (attention/triton_absorb.py), else the RoPE, a
+        one Triton kernel with absorb=triton (attention/triton_absorb.py), else the RoPE, a
         batched GEMM and a cat."""
-        q = _try_kernel("triton_absorb", "absorb_q", self.ops, q_nope, q_pe, self.w_uk, cos_sin)
-        if q is not None:
-            return q
+        if self.absorb_q_kernel is not None:
+            return self.absorb_q_kernel(q_nope, q_pe, self.w_uk, cos_sin)
         if cos_sin is not None:
-            q_pe = apply_rope(cos_sin, q_pe)
+            q_pe = apply_rope(cos_sin, q_pe, self.glue.rope)
         return torch.cat([torch.einsum("thp,hpl->thl", q_nope, self.w_uk), q_pe], dim=-1)
 
     def _absorb_o(self, o_lat):
-        """o_lat @ W_UVᵀ as `[Nd, Hl, V]`, contiguous with the Triton backend (o_proj reads it flat)."""
-        o = _try_kernel("triton_absorb", "absorb_o", self.ops, o_lat, self.w_uv)
-        if o is not None:
-            return o
+        """o_lat @ W_UVᵀ as `[Nd, Hl, V]`, contiguous with absorb=triton (o_proj reads it flat)."""
+        if self.absorb_o_kernel is not None:
+            return self.absorb_o_kernel(o_lat, self.w_uv)
         return torch.einsum("thl,hvl->thv", o_lat, self.w_uv)
 
     def _decode(self, q_nope, q_pe, kv_cache, meta, cos_sin=None):

@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.args import EngineArgs
+from common.args import EngineArgs
 from engine.core_client import CoreClient, EngineStartError
 from engine.core_proc import CoreStats
 from engine.llm import load_front_end

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.args import EngineArgs
+from common.args import EngineArgs
 from engine.executor import make_executor
 from engine.sampler import check_sampling_params
 from common.sampling_params import SamplingParams

@@ -18,7 +18,7 @@ import time
 import weakref
 from collections.abc import Callable
 
-from engine.args import EngineArgs
+from common.args import EngineArgs
 from engine.core_proc import CoreInfo, CoreStats, core_main, decode_outputs
 from models.config import ModelConfig
 from scheduler.outputs import EngineCoreOutput

@@ -28,7 +28,7 @@ import threading
 import traceback
 from dataclasses import dataclass
 
-from engine.args import EngineArgs
+from common.args import EngineArgs
 from engine.core import EngineCore
 from models.config import ModelConfig
 from scheduler.outputs import EngineCoreOutput

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from engine.args import EngineArgs
+from common.args import EngineArgs
 from engine.worker import Worker
 from models.config import ModelConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput

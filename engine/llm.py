@@ -7,7 +7,7 @@ import logging
 
 from tqdm import tqdm
 
-from engine.args import EngineArgs
+from common.args import EngineArgs
 from engine.core import EngineCore
 from engine.input_processor import InputProcessor, load_tokenizer
 from engine.output_processor import OutputProcessor

@@ -24,7 +24,7 @@ import traceback
 
 import torch
 
-from engine.args import EngineArgs
+from common.args import EngineArgs
 from models.config import ModelConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 

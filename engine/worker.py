@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import logging
-import os
 import random
 import time
 
 import torch
 
-from attention.backend import AttentionOps
-from attention.torch_backend import TorchAttentionOps
 from common import distributed as pd
-from engine.args import EngineArgs
+from common.kernel_plan import KernelPlan, resolve_plan, use_autotune
+from common.args import EngineArgs
 from engine.model_runner import ModelRunner
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
-from common.fused import autotuning
 from models.loader import init_dummy_weights, load_weights
 
 log = logging.getLogger(__name__)
@@ -40,17 +37,15 @@ def resolve_dtype(args: EngineArgs, cfg: ModelConfig, device: torch.device) -> t
     return _DTYPES.get(cfg.torch_dtype, torch.bfloat16)
 
 
-def make_attention_ops(args: EngineArgs, cfg: ModelConfig, device: torch.device) -> AttentionOps:
-    want = args.attention_backend
-    if want == "torch" or (want == "auto" and device.type != "cuda"):
-        return TorchAttentionOps()
-    if want == "auto" and (cfg.kv_lora_rank < 16 or cfg.qk_rope_head_dim < 16):
-        log.warning("Triton MLA kernels need kv_lora_rank and qk_rope_head_dim >= 16 (got %d, %d): "
-                    "using the torch reference backend, without CUDA graphs",
-                    cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-        return TorchAttentionOps()
-    from attention.triton_backend import TritonAttentionOps
-    return TritonAttentionOps()
+def make_kernel_plan(args: EngineArgs, cfg: ModelConfig, device: torch.device,
+                     dtype: torch.dtype) -> KernelPlan:
+    """The kernel plan for this rank: `--kernels` and `--attention-backend` on this device and dtype."""
+    plan, notes = resolve_plan(args.kernels, args.attention_backend, device.type, str(dtype).removeprefix("torch."),
+                               hasattr(torch, "_grouped_mm"),
+                               cfg.kv_lora_rank >= 16 and cfg.qk_rope_head_dim >= 16)
+    for note in notes:
+        log.warning(note)
+    return plan
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
@@ -81,18 +76,28 @@ class Worker:
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(args, cfg, self.device)
         torch.manual_seed(args.seed)  # identical on every rank: unseeded sampling stays in lockstep
-        self.ops = make_attention_ops(args, cfg, self.device)
+        self.plan = make_kernel_plan(args, cfg, self.device, self.dtype)
+        if pd.tp().rank == 0:
+            log.info("%s", self.plan.describe())
+        use_autotune(self.plan.autotune)
+        fp8_gemm = args.fp8_gemm and cfg.fp8_block is not None
+        if fp8_gemm and not self.plan.any_triton:
+            raise ValueError("--fp8-gemm runs W8A8 GEMM kernels (Triton or cuBLAS): not with the pure-torch "
+                             "kernel plan (--kernels torch, or auto off CUDA), which dequantizes FP8 weights")
         t0 = time.perf_counter()
         with torch.device(self.device):
-            self.model = DeepseekForCausalLM(cfg, self.dtype, self.ops)
+            try:
+                self.model = DeepseekForCausalLM(cfg, self.dtype, self.plan)
+            except ImportError as e:  # a kernel module of the plan (triton missing or broken)
+                raise self.plan.error("importing its module", e) from e
         if args.load_format == "dummy":
             init_dummy_weights(self.model, args.seed)
         else:
             load_weights(self.model, args.model, cfg)
-        self.model.process_weights_after_loading(fp8_gemm=args.fp8_gemm and cfg.fp8_block is not None)
+        self.model.process_weights_after_loading(fp8_gemm=fp8_gemm)
         self.model.eval()
-        log.info("model loaded in %.1f s: %s, dtype %s, device %s, attention %s",
-                 time.perf_counter() - t0, cfg.model_type, self.dtype, self.device, self.ops.name)
+        log.info("model loaded in %.1f s: %s, dtype %s, device %s",
+                 time.perf_counter() - t0, cfg.model_type, self.dtype, self.device)
 
     def determine_num_blocks(self, max_num_batched_tokens: int) -> int:
         """KV blocks this rank can hold: --num-kv-blocks, else GPU memory left after a profile
@@ -136,27 +141,42 @@ class Worker:
         return runner.prepare(prompts, [0] * len(prompts), tables)
 
     @torch.inference_mode()
-    def warm_up(self, max_tokens: int, max_len: int) -> list[int]:
+    def warm_up(self, max_tokens: int, max_len: int, max_seqs: int) -> list[int]:
         """One prefill step of each size in `warm_up_sizes(max_tokens)` through the model (prompts
-        of at most `max_len` tokens), before any request and before CUDA-graph capture; returns
-        the sizes.
+        of at most `max_len` tokens), then a decode step of up to 8 sequences, before any request
+        and before CUDA-graph capture; returns the prefill sizes. A failure raises KernelError
+        naming the --kernels setting that avoids it.
 
-        The autotuned Triton kernels (fused MoE, expert-sorted MoE, W8A8 GEMM) pick their tiles
-        per power-of-two token bucket on first use, compiling and timing every candidate: seconds
-        in which every running request would stall if a bucket were first met while serving.
-        The prompts (random tokens: tiles are then tuned under spread routing, as in serving)
-        write their cache rows into blocks no request holds yet, ids taken modulo the cache size
-        so that even a small cache is never indexed out of range."""
+        Every path of the plan runs here: the MoE's by token count, the prefill and decode
+        attention. The autotuned Triton kernels (fused MoE, expert-sorted MoE, W8A8 GEMM) pick
+        their tiles per power-of-two token bucket on first use, compiling and timing every
+        candidate: seconds in which every running request would stall if a bucket were first met
+        while serving. The prompts (random tokens: tiles are then tuned under spread routing, as
+        in serving) write their cache rows into blocks no request holds yet, ids taken modulo the
+        cache size so that even a small cache is never indexed out of range."""
         t0 = time.perf_counter()
         runner = ModelRunner(self.model, self.cfg, self.kv_caches, self.args.block_size, self.device, [])
         sizes = warm_up_sizes(max_tokens)
         rng = random.Random(0)  # varied tokens route to varied experts, as real prompts do
-        for n in sizes:
-            prompts = [[rng.randrange(self.cfg.vocab_size) for _ in range(k)] for k in dummy_prompt_lens(n, max_len)]
-            runner.forward(self._dummy_batch(runner, prompts, self.kv_caches[0].shape[0]))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        log.info("warm-up: prompts of %s tokens in %.1f s (autotuned kernels' buckets)",
+        num_blocks = self.kv_caches[0].shape[0]
+        try:
+            for n in sizes:
+                prompts = [[rng.randrange(self.cfg.vocab_size) for _ in range(k)]
+                           for k in dummy_prompt_lens(n, max_len)]
+                runner.forward(self._dummy_batch(runner, prompts, num_blocks))
+            # a decode step: b prompts of 2 tokens, then one more token each
+            b = min(8, max_seqs, max_tokens // 2)
+            if b and max_len > 2:
+                nb = -(-3 // self.args.block_size)
+                tables = [[(i * nb + j) % num_blocks for j in range(nb)] for i in range(b)]
+                prompts = [[rng.randrange(self.cfg.vocab_size) for _ in range(2)] for _ in range(b)]
+                runner.forward(runner.prepare(prompts, [0] * b, tables))
+                runner.forward(runner.prepare([[p[0]] for p in prompts], [2] * b, tables))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - any kernel failure stops start-up, naming the flag
+            raise self.plan.error("warming up", e) from e
+        log.info("warm-up: prompts of %s tokens and a decode step in %.1f s",
                  ", ".join(map(str, sizes)), time.perf_counter() - t0)
         return sizes
 
@@ -168,12 +188,15 @@ class Worker:
                           for _ in range(self.cfg.num_hidden_layers)]
         self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids,
                                   rank_check_interval=a.rank_check_interval)
-        if self.device.type == "cuda" and autotuning() and os.environ.get("DSV_WARMUP", "1") != "0":
-            self.warm_up(a.max_num_batched_tokens, max_model_len)
+        if self.plan.warmup:
+            self.warm_up(a.max_num_batched_tokens, max_model_len, a.max_num_seqs)
         # The torch reference ops sync with the host (lengths to Python): they cannot be captured.
-        if self.device.type == "cuda" and not a.enforce_eager and self.ops.name != "torch":
+        if self.device.type == "cuda" and not a.enforce_eager and self.plan.attention != "torch":
             from engine.cuda_graph import DecodeGraphs, default_buckets
             blocks_per_seq = -(-max_model_len // (bs * a.decode_context_parallel_size))
             self.runner.graphs = DecodeGraphs(self.model, self.kv_caches, blocks_per_seq,
                                               default_buckets(a.max_num_seqs), self.device)
-            self.runner.graphs.capture()
+            try:
+                self.runner.graphs.capture()
+            except Exception as e:  # noqa: BLE001
+                raise self.plan.error("capturing decode CUDA graphs (--enforce-eager avoids them)", e) from e

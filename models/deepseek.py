@@ -12,16 +12,17 @@ from torch import nn
 
 from attention.backend import AttentionOps
 from attention.metadata import MLAMetadata
-from attention.mla import MLAAttention
+from attention.mla import MLAAttention, make_attention_ops
 from common import distributed as pd
+from common.fused import glue_for
+from common.kernel_plan import KernelPlan
 from models.config import ModelConfig
-from common.fused import add_rms_norm_op
 from models.layers import Linear, ParallelLMHead, RMSNorm, VocabParallelEmbedding, YarnRotaryEmbedding
 from models.moe import MLP, MoE
 
 
 class DeepseekAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: AttentionOps):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan, ops: AttentionOps):
         super().__init__()
         tp = pd.tp().size
         if cfg.num_attention_heads % tp:
@@ -34,7 +35,7 @@ class DeepseekAttention(nn.Module):
             self.q_proj = Linear(D, H * qk, dtype, tp_dim=0, fp8_block=q8)
         else:
             self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype, fp8_block=q8)
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, glue_for(plan.compile))
             self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, dtype, tp_dim=0, fp8_block=q8)
         self.kv_a_proj_with_mqa = Linear(D, cfg.kv_cache_dim, dtype, fp8_block=q8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
@@ -42,7 +43,7 @@ class DeepseekAttention(nn.Module):
                                 tp_dim=0, fp8_block=q8)
         self.o_proj = Linear(H * cfg.v_head_dim, D, dtype, tp_dim=1, fp8_block=q8)
         self.mla = MLAAttention(self.Hl, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                                cfg.kv_lora_rank, cfg.softmax_scale, ops)
+                                cfg.kv_lora_rank, cfg.softmax_scale, plan, ops)
 
         self.w_qkv_a: torch.Tensor | None = None  # set by process_weights_after_loading
         self.qkv_a_split: list[int] = []
@@ -81,12 +82,14 @@ class DeepseekAttention(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, ops: AttentionOps):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, plan: KernelPlan,
+                 ops: AttentionOps):
         super().__init__()
-        self.self_attn = DeepseekAttention(cfg, dtype, ops)
-        self.mlp = MoE(cfg, dtype) if cfg.is_moe_layer(layer_idx) else \
-            MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block=cfg.fp8_block)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.glue = glue_for(plan.compile)
+        self.self_attn = DeepseekAttention(cfg, dtype, plan, ops)
+        self.mlp = MoE(cfg, dtype, plan) if cfg.is_moe_layer(layer_idx) else \
+            MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block=cfg.fp8_block, glue=self.glue)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, self.glue)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, x, residual, cos_sin, kv_cache, meta):
@@ -97,20 +100,21 @@ class DeepseekDecoderLayer(nn.Module):
         if residual is None:
             residual, h = x, n(x)
         else:
-            residual, h = add_rms_norm_op(residual, x, n.weight, n.eps)
+            residual, h = self.glue.add_rms_norm(residual, x, n.weight, n.eps)
         h = self.self_attn(h, cos_sin, kv_cache, meta)
         n = self.post_attention_layernorm
-        residual, h = add_rms_norm_op(residual, h, n.weight, n.eps)
+        residual, h = self.glue.add_rms_norm(residual, h, n.weight, n.eps)
         return self.mlp(h), residual
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: AttentionOps):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan, ops: AttentionOps):
         super().__init__()
+        self.glue = glue_for(plan.compile)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, dtype, ops)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, dtype, plan, ops)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, self.glue)
         self.rotary_emb = YarnRotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope)
 
     def forward(self, input_ids, positions, kv_caches, meta):
@@ -121,16 +125,18 @@ class DeepseekModel(nn.Module):
             x, residual = layer(x, residual, cos_sin, cache, meta)
         if residual is None:  # no layers
             return self.norm(x)
-        return add_rms_norm_op(residual, x, self.norm.weight, self.norm.eps)[1]
+        return self.glue.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)[1]
 
 
 class DeepseekForCausalLM(nn.Module):
-    """Token ids + positions + per-layer caches + step metadata -> hidden states; logits on demand."""
+    """Token ids + positions + per-layer caches + step metadata -> hidden states; logits on demand.
+    Every op runs as the kernel plan says (common/kernel_plan.py; default: pure torch)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: AttentionOps):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan = KernelPlan()):
         super().__init__()
-        self.config = cfg
-        self.model = DeepseekModel(cfg, dtype, ops)
+        self.config, self.plan = cfg, plan
+        self.ops = make_attention_ops(plan)
+        self.model = DeepseekModel(cfg, dtype, plan, self.ops)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -151,8 +157,10 @@ class DeepseekForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for name, m in self.named_modules():
-            if isinstance(m, Linear) and (not fp8_gemm or name.endswith("kv_b_proj")):
-                m.dequantize_weights()
+            if isinstance(m, Linear):
+                m.fp8_gemm = self.plan.fp8_gemm
+                if not fp8_gemm or name.endswith("kv_b_proj"):
+                    m.dequantize_weights()
         for layer in self.model.layers:
             layer.self_attn.process_weights_after_loading()
             if isinstance(layer.mlp, MoE):

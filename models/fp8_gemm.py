@@ -8,7 +8,7 @@ per 128 x 128 block (`W = Wq * sw[n // 128, k // 128]`), so
 
 with an fp8 tensor-core product per K block and the two scales applied to its fp32 partial sum.
 
-Two implementations (w8a8_block_gemm picks; DSV_FP8_GEMM=triton|cublas forces one):
+Two implementations (w8a8_block_gemm picks; the kernel plan's fp8_gemm=triton|cublas forces one):
 - cuBLAS's block-scaled FP8 GEMM through torch._scaled_mm (the default where this torch and an
   sm_90 GPU have it, from 4 rows): 1.48-1.60x of bf16 cuBLAS at M = 4096, V3 shapes (H200).
 - Triton, everywhere else (fewer rows, other GPUs, older torch): a persistent TMA kernel above 256
@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from models.fp8 import FP8, FP8_MAX
-from common.fused import autotuning, interpreting
+from common.kernel_plan import autotuning, interpreting
 
 GROUP = 128
 log = logging.getLogger(__name__)
@@ -288,18 +287,17 @@ def _cublas_gemm(xq, sx, wq, sw, out_dtype):
 
 def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
                     out_dtype: torch.dtype = torch.bfloat16, tile: tuple[int, int] | None = None,
-                    backend: str | None = None) -> torch.Tensor:
+                    backend: str = "auto") -> torch.Tensor:
     """y `[M, N]` from fp8 xq `[M, K]` + sx `[M, K/128]` (any strides) and fp8 wq `[N, K]` +
     sw `[N/128, K/128]`.
 
-    backend: "triton", "cublas" or None (DSV_FP8_GEMM, default "auto": cuBLAS's block-scaled
-    GEMM where this torch, GPU and shape have it, else Triton). Triton tiles are autotuned on CUDA
-    per (M bucket, N, K) on first use; fixed under the interpreter and with DSV_AUTOTUNE=0. `tile`
+    backend: "auto" (cuBLAS's block-scaled GEMM where this torch, GPU and shape have it, else
+    Triton), "triton" or "cublas" (the plan's fp8_gemm). Triton tiles are autotuned on CUDA per
+    (M bucket, N, K) on first use; fixed under the interpreter and with autotune=0. `tile`
     = (BM, BN) forces one (tests, benchmarks; BN must divide 128).
     """
     M, K = xq.shape
     N = wq.shape[0]
-    backend = backend or os.environ.get("DSV_FP8_GEMM", "auto")
     if backend not in ("auto", "triton", "cublas"):
         raise ValueError(f"W8A8 GEMM backend {backend!r}: expected auto, triton or cublas")
     if tile is None and backend != "triton" and _cublas_ok(xq, N, K, out_dtype):
@@ -328,11 +326,11 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
     return y
 
 
-def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     """x `[..., K]` @ dequant(wq, sw)ᵀ with activations quantized on the fly."""
     shape = x.shape
     xq, sx = act_quant(x.reshape(-1, shape[-1]))
-    return w8a8_block_gemm(xq, sx, wq, sw, x.dtype).view(*shape[:-1], wq.shape[0])
+    return w8a8_block_gemm(xq, sx, wq, sw, x.dtype, backend=backend).view(*shape[:-1], wq.shape[0])
 
 
 def tuned_configs() -> dict[str, dict[str, str]]:

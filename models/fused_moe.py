@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.fused import autotuning, interpreting
+from common.kernel_plan import autotuning, interpreting
 
 
 @triton.jit
@@ -136,7 +136,7 @@ def _sum_pairs_kernel(part_ptr, out_ptr, D, KT: tl.constexpr, BLOCK: tl.constexp
 
 
 _INTERPRET_TILES = {"BLOCK_N": 32, "BLOCK_K": 128}
-_FIXED_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)  # DSV_AUTOTUNE=0: among the H200's picks
+_FIXED_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)  # autotune=0: among the H200's picks
 # FP8 experts stage a [BLOCK_N, BLOCK_K] fp32 scale tile beside each weight tile: the bf16 tile's
 # 4 stages asked for 252 KB of shared memory on the H200 (227 KB there), so fewer and narrower.
 _FIXED_TILES_FP8 = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)

@@ -15,7 +15,7 @@ from torch import nn
 from common import distributed as pd
 from models.config import RopeConfig, yarn_mscale
 from models.fp8 import FP8, dequantize
-from common.fused import apply_rope, rms_norm_op
+from common.fused import EAGER, Glue
 
 
 def shard_param(shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype) -> nn.Parameter:
@@ -32,13 +32,13 @@ def shard_param(shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype) 
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, glue: Glue = EAGER):
         super().__init__()
-        self.eps = eps
+        self.eps, self.glue = eps, glue
         self.weight = shard_param((dim,), None, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm_op(x, self.weight, self.eps)
+        return self.glue.rms_norm(x, self.weight, self.eps)
 
 
 class Linear(nn.Module):
@@ -53,6 +53,7 @@ class Linear(nn.Module):
         super().__init__()
         self.dtype, self.fp8_block = dtype, fp8_block
         self.reduce = reduce and tp_dim == 1
+        self.fp8_gemm = "auto"  # the plan's W8A8 GEMM backend, for weights kept in FP8
         if fp8_block is None:
             self.weight = shard_param((out_features, in_features), tp_dim, dtype)
             return
@@ -79,7 +80,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_block is not None:  # kept in FP8 for the W8A8 block GEMM (--fp8-gemm)
             from models.fp8_gemm import fp8_linear  # triton: CUDA installs only
-            y = fp8_linear(x, self.weight, self.weight_scale_inv)
+            y = fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_gemm)
         else:
             y = F.linear(x, self.weight)
         return pd.tp_all_reduce(y) if self.reduce else y
@@ -156,13 +157,5 @@ class YarnRotaryEmbedding(nn.Module):
         return inv_freq_inter * (1 - extra_weight) + inv_freq_extra * extra_weight
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
-        """The rows `[T, R]` = [cos | sin] of `positions [T]`, for `rotate` in every layer."""
+        """The rows `[T, R]` = [cos | sin] of `positions [T]`, for `apply_rope` in every layer."""
         return self.cos_sin[positions]
-
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotate each x `[T, ..., R]` by its token's position; positions `[T]`."""
-        return self.rotate(self.at(positions), *xs)
-
-    def rotate(self, cos_sin: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Rotate each x `[T, ..., R]` by the rows `at(positions)` returned."""
-        return tuple(apply_rope(cos_sin, x) for x in xs)

@@ -2,45 +2,39 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from common import distributed as pd
+from common.fused import EAGER, Glue, glue_for
+from common.kernel_plan import TRITON, KernelPlan
 from models.config import ModelConfig
 from models.fp8 import dequantize
-from common.fused import CudaCompiled, silu_mul_op, triton_fast_path, try_kernel
 from models.layers import Linear, shard_param
 
+TORCH_PLAN = KernelPlan()
 
-# Which expert kernels serve a batch on CUDA (and under the Triton interpreter), by token count:
-#   <= _FUSED_MAX_TOKENS (8): the pair-parallel fused MoE (models/fused_moe.py `fused_moe_small`);
-#      at batch 1 a V2-Lite layer's routed + shared experts take 39 us instead of 111 us through
-#      the grouped GEMM (H200, CUDA graphs, scripts/bench_fused_moe.py). Above 8 tokens pairs
-#      share experts, and reading each expert once per pair costs more bytes.
-#   <= BLOCKED_MAX_TOKENS (512), experts not in FP8: the expert-sorted block kernels
+# Which expert path serves a batch of T tokens (the plan's fields; docs/architecture.md):
+#   T <= moe_fused_max_tokens (8): the pair-parallel fused MoE (models/fused_moe.py
+#      `fused_moe_small`); at batch 1 a V2-Lite layer's routed + shared experts take 39 us instead
+#      of 111 us through the grouped GEMM (H200, CUDA graphs, scripts/bench_fused_moe.py). Above 8
+#      tokens pairs share experts, and reading each expert once per pair costs more bytes.
+#   T <= moe_blocked_max_tokens (512), experts not in FP8: the expert-sorted block kernels
 #      (`fused_moe_blocked`), which read each touched expert once per block of 16/32 pairs; at
 #      32 and 128 tokens their two product kernels run at the copy bandwidth (RESULTS.md).
-#   beyond: torch's grouped GEMM between a sort and a weighted un-permute (`_routed_grouped`).
-# DSV_FUSED_MOE_MAX_TOKENS overrides the first bound (0 turns the fused path off);
-# DSV_MOE_BLOCKED=0 turns the block kernels off.
-_FUSED_MAX_TOKENS = int(os.environ.get("DSV_FUSED_MOE_MAX_TOKENS", "8"))
-_BLOCKED = os.environ.get("DSV_MOE_BLOCKED", "1") == "1"
-
-
-def _use_grouped_mm(x: torch.Tensor) -> bool:
-    # torch's grouped GEMM runs on CUDA (sm90+) in bf16; elsewhere the plain path is used.
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+#   beyond, `moe_large`: torch's grouped GEMM between a sort and a weighted un-permute
+#      (`_routed_grouped`, CUDA bf16), every expert on every token (`_routed_dense`, other CUDA
+#      dtypes), or the loop over the experts hit (`_routed`, the reference).
 
 
 class MLP(nn.Module):
     """SwiGLU: gate/up column-parallel, down row-parallel (reduced by the caller when reduce=False)."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, reduce: bool = True,
-                 fp8_block: tuple[int, int] | None = None):
+                 fp8_block: tuple[int, int] | None = None, glue: Glue = EAGER):
         super().__init__()
+        self.glue = glue
         self.gate_proj = Linear(hidden, inter, dtype, tp_dim=0, fp8_block=fp8_block)
         self.up_proj = Linear(hidden, inter, dtype, tp_dim=0, fp8_block=fp8_block)
         self.down_proj = Linear(inter, hidden, dtype, tp_dim=1, reduce=reduce, fp8_block=fp8_block)
@@ -57,16 +51,20 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w13 is not None:
-            return self.down_proj(silu_mul_op(F.linear(x, self.w13)))
+            return self.down_proj(self.glue.silu_mul(F.linear(x, self.w13)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Router(nn.Module):
     """Picks `top_k` experts per token and their weights, by the checkpoint's rule (fp32)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, plan: KernelPlan = TORCH_PLAN):
         super().__init__()
         self.cfg = cfg
+        self.kernel = route
+        if plan.router == TRITON:  # logits (Triton at decode sizes, else cuBLAS) + the choice kernel
+            from models.triton_route import route_triton  # triton: CUDA installs only
+            self.kernel = route_triton
         E = cfg.n_routed_experts
         self.weight = shard_param((E, cfg.hidden_size), None, torch.float32)
         if cfg.scoring_func == "sigmoid":
@@ -78,13 +76,7 @@ class Router(nn.Module):
         c = self.cfg
         args = (x, self.weight, self.e_score_correction_bias, c.scoring_func, c.topk_method,
                 c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
-        if triton_fast_path(x):  # logits (Triton at decode sizes, else cuBLAS) + the choice kernel
-            from models.triton_route import route_triton  # triton: CUDA installs only
-            out = try_kernel("route", route_triton, *args)
-            if out is not None:
-                return out
-            return route_op(*args)
-        return route(*args)
+        return self.kernel(*args)
 
 
 def _group_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:
@@ -118,8 +110,6 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scor
     return weights * scale, ids
 
 
-route_op = CudaCompiled(route)  # the CUDA fallback if the Triton router cannot run
-
 
 class MoE(nn.Module):
     """Routed experts + shared experts, summed locally, one all-reduce per layer under TP.
@@ -129,16 +119,24 @@ class MoE(nn.Module):
     shared experts appended as `n_shared` more experts that every token takes with weight 1.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan = TORCH_PLAN):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.plan = cfg, plan
+        self.glue = glue_for(plan.compile)
         D, I = cfg.hidden_size, cfg.moe_intermediate_size
-        self.gate = Router(cfg)
+        self.gate = Router(cfg, plan)
         q = cfg.fp8_block
         self.experts = nn.ModuleList(
             MLP(D, I, dtype, reduce=False, fp8_block=q) for _ in range(cfg.n_routed_experts))
-        self.shared_experts = (MLP(D, I * cfg.n_shared_experts, dtype, reduce=False, fp8_block=q)
-                               if cfg.n_shared_experts else None)
+        self.shared_experts = (MLP(D, I * cfg.n_shared_experts, dtype, reduce=False, fp8_block=q,
+                                   glue=self.glue) if cfg.n_shared_experts else None)
+        self.fused_small = self.fused_blocked = self.triton_glue = None
+        if plan.moe == TRITON:
+            from models import fused_moe  # triton: CUDA installs only
+            self.fused_small, self.fused_blocked = fused_moe.fused_moe_small, fused_moe.fused_moe_blocked
+            self.triton_glue = fused_moe.silu_mul, fused_moe.unpermute_sum
+        self.routed_large = {"grouped": self._routed_grouped, "dense": self._routed_dense,
+                             "loop": self._routed}[plan.moe_large]
         self.w13: torch.Tensor | None = None
         self.w2: torch.Tensor | None = None
         self.fp8_block: tuple[int, int] | None = None  # set when the experts stay in FP8
@@ -198,21 +196,18 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = None
-        if triton_fast_path(x) and x.shape[0] <= _FUSED_MAX_TOKENS:
-            from models.fused_moe import fused_moe_small  # triton: CUDA installs only
+        T, p = x.shape[0], self.plan
+        if self.fused_small is not None and T <= p.moe_fused_max_tokens:
             block = self.fp8_block[0] if self.fp8_block else 128
-            out = try_kernel("fused_moe", fused_moe_small, x, self.w13, self.w2, weights, ids, self.w13_scale,
-                             self.w2_scale, block, self.n_shared)
-        elif _BLOCKED and triton_fast_path(x) and self.fp8_block is None:
-            from models.fused_moe import BLOCKED_MAX_TOKENS, fused_moe_blocked
-            if x.shape[0] <= BLOCKED_MAX_TOKENS:
-                # 16-row blocks up to 128 tokens, 32 beyond (bench_fused_moe.py on the H200: at 256
-                # tokens 388 us with 32 rows against 455 with 16)
-                out = try_kernel("fused_moe_blocked", fused_moe_blocked, x, self.w13, self.w2,
-                                 *self._with_shared(weights, ids), 16 if x.shape[0] <= 128 else 32)
-        if out is None:
-            out = self._routed_any(x, *self._with_shared(weights, ids))
+            out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
+                                   self.n_shared)
+        elif self.fused_blocked is not None and T <= p.moe_blocked_max_tokens and self.fp8_block is None:
+            # 16-row blocks up to 128 tokens, 32 beyond (bench_fused_moe.py on the H200: at 256
+            # tokens 388 us with 32 rows against 455 with 16)
+            out = self.fused_blocked(x, self.w13, self.w2, *self._with_shared(weights, ids),
+                                     16 if T <= 128 else 32)
+        else:
+            out = self.routed_large(x, *self._with_shared(weights, ids))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return pd.tp_all_reduce(out)
@@ -224,13 +219,6 @@ class MoE(nn.Module):
         T, E = ids.shape[0], self.cfg.n_routed_experts
         sid = torch.arange(E, E + self.n_shared, device=ids.device, dtype=ids.dtype).expand(T, -1)
         return (torch.cat([weights, weights.new_ones(T, self.n_shared)], dim=1), torch.cat([ids, sid], dim=1))
-
-    def _routed_any(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        if _use_grouped_mm(x):
-            return self._routed_grouped(x, weights, ids)
-        if x.is_cuda:
-            return self._routed_dense(x, weights, ids)
-        return self._routed(x, weights, ids)
 
     def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """CUDA path with no host sync (CUDA-graph safe): (token, expert) pairs sorted by expert,
@@ -245,16 +233,16 @@ class MoE(nn.Module):
         xs = x[token_of]  # [T*k, D], grouped by expert
         w13, w2 = self._expert_weights(x.dtype)
         gate_up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
-        if triton_fast_path(x):
-            from models.fused_moe import silu_mul, unpermute_sum  # triton: CUDA installs only
+        if self.triton_glue is not None:
+            silu_mul, unpermute_sum = self.triton_glue
             y = torch._grouped_mm(silu_mul(gate_up), w2.transpose(-2, -1), offs=offs)  # [T*k, D]
             return unpermute_sum(y, order, weights)  # weights and the sum over k in one pass
-        y = torch._grouped_mm(silu_mul_op(gate_up), w2.transpose(-2, -1), offs=offs)
+        y = torch._grouped_mm(self.glue.silu_mul(gate_up), w2.transpose(-2, -1), offs=offs)
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y)
 
     def _routed_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """CUDA fallback without host syncs for dtypes the grouped GEMM lacks (fp32 tiny models):
+        """CUDA path without host syncs for dtypes the grouped GEMM lacks (fp32 tiny models):
         every expert on every token, weighted by its routing weight (0 where not chosen)."""
         w13, w2 = self._expert_weights(x.dtype)
         E, I = w2.shape[0], w2.shape[-1]

@@ -29,6 +29,7 @@ def add_engine_flags(p) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on with CUDA)")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--kernel-plan", default="auto", help="the engine's --kernels (kernel plan)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
@@ -41,7 +42,7 @@ def engine_kwargs(a) -> dict:
     kw = dict(model=a.model, load_format=a.load_format, dtype=a.dtype, max_model_len=a.max_model_len,
               max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
               enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
-              attention_backend=a.attention_backend,
+              attention_backend=a.attention_backend, kernels=a.kernel_plan,
               gpu_memory_utilization=a.gpu_memory_utilization, tensor_parallel_size=a.tensor_parallel_size,
               decode_context_parallel_size=a.decode_context_parallel_size)
     if a.hf_overrides:

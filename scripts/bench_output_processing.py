@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.args import DEFAULT_MODEL  # noqa: E402
+from common.args import DEFAULT_MODEL  # noqa: E402
 from engine.core_proc import decode_outputs, encode_outputs  # noqa: E402
 from engine.output_processor import OutputProcessor  # noqa: E402
 from common.sampling_params import SamplingParams  # noqa: E402

@@ -28,7 +28,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from engine import LLM, SamplingParams
-    from engine.args import DEFAULT_MODEL
+    from common.args import DEFAULT_MODEL
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=100, help="test items")

@@ -14,7 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from engine.args import DEFAULT_MODEL  # noqa: E402
+from common.args import DEFAULT_MODEL  # noqa: E402
 
 QUESTION = ("Question: Mia has 7 apples. Leo has 3 pens. Amy has 12 cups. "
             "How many are Mia's apples plus Amy's cups?\nAnswer:")

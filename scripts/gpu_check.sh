@@ -4,7 +4,7 @@
 # Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|latency|latency_sync|profile|throughput|http|fp8|r1]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
-#               with one fixed tile per fused-MoE / W8A8 kernel (DSV_AUTOTUNE=0: no tuning per test shape)
+#               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape)
 #   moe         fused small-batch MoE vs grouped GEMM at V2-Lite shapes (bench_fused_moe.py)
 #   mla         Triton MLA kernels: real-shape checks, decode grid, prefill (bench_mla_decode.py)
 #   latency     V2-Lite dummy bf16 TPOT at batch 1/8/32/128 (bench_latency.py; async scheduling, the default)
@@ -31,7 +31,7 @@ for spec in $steps; do
              tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_engine.py tests/test_triton_route.py \
              tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
              > "$log" 2>&1 ;;
-    quick) DSV_AUTOTUNE=0 timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=5 tests/test_triton_route.py tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
+    quick) timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu --no-autotune -rfE --durations=5 tests/test_triton_route.py tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
              tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_fp8_gemm.py \
              -k "not trained and not bf16_as_close and not w8a8_real" > "$log" 2>&1 ;;
     moe) timeout "$T" python3 scripts/bench_fused_moe.py --json "$OUT/fused_moe.json" > "$log" 2>&1 ;;

@@ -11,7 +11,8 @@ import signal
 import socket
 import sys
 
-from engine.args import DTYPE_ALIASES, EngineArgs, human_readable_int
+from common.kernel_plan import kernels_help
+from common.args import DTYPE_ALIASES, EngineArgs, human_readable_int
 from server.limits import ServerLimits
 from server.overrides import load_chat_template, load_generation_defaults
 from server.reasoning import check_parser_name
@@ -134,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where to run; auto: cuda when available, else cpu")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
                    default=d["attention_backend"],
-                   help="MLA kernels: torch reference or Triton; auto: triton on CUDA, torch on CPU")
+                   help="MLA attention ops (decode, prefill, context gather, KV write): torch "
+                        "reference or Triton; auto: as --kernels says (the plan's attention key)")
+    g.add_argument("--kernels", default=d["kernels"], metavar="BASE[,KEY=VALUE...]", help=kernels_help())
     g.add_argument("--fp8-gemm", action="store_true",
                    help="FP8 checkpoints: keep attention and dense MLP projections in FP8 (Triton "
                         "W8A8 block GEMMs) and routed experts in FP8 instead of dequantizing them "
@@ -274,7 +277,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         device=ns.device, load_format=ns.load_format, num_kv_blocks=ns.num_kv_blocks,
         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
         enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
-        enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend, fp8_gemm=ns.fp8_gemm,
+        enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend,
+        kernels=ns.kernels, fp8_gemm=ns.fp8_gemm,
         hf_overrides=overrides, rank_check_interval=ns.rank_check_interval,
         enable_log_requests=ns.enable_log_requests and not ns.disable_log_requests, nnodes=ns.nnodes, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port)

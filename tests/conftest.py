@@ -21,6 +21,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from tiny_models import make_model  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption("--no-autotune", action="store_true",
+                     help="GPU tests: one fixed tile per Triton kernel instead of tuning every test "
+                          "shape (engines built by the tests then get --kernels ...,autotune=0)")
+
+
+def pytest_configure(config):
+    if config.getoption("--no-autotune"):
+        from common.kernel_plan import use_autotune
+        use_autotune(False)
+
+
 def pytest_collection_modifyitems(config, items):
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA")

@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from common import distributed as pd
-from engine.args import DEFAULT_MODEL
+from common.args import DEFAULT_MODEL
 from common.distributed import GroupInfo
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
@@ -23,9 +23,8 @@ FP8_OVERRIDES = {"quantization_config": {"quant_method": "fp8", "weight_block_si
 
 def dummy_params(cfg: ModelConfig, tp_size: int, tp_rank: int, monkeypatch) -> dict[str, torch.Tensor]:
     """This rank's dummy parameters, built in this process as rank `tp_rank` of `tp_size`."""
-    from attention.torch_backend import TorchAttentionOps
     monkeypatch.setattr(pd, "_state", pd._State(GroupInfo(tp_size, tp_rank), GroupInfo(), None))
-    model = DeepseekForCausalLM(cfg, torch.float32, TorchAttentionOps())
+    model = DeepseekForCausalLM(cfg, torch.float32)
     init_dummy_weights(model, seed=3)
     params = dict(model.named_parameters())
     monkeypatch.setattr(pd, "_state", pd._State(GroupInfo(), GroupInfo(), None))

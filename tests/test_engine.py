@@ -143,11 +143,11 @@ def test_seeded_sampling_survives_preemption(tiny_v3, prompts_and_refs):
 
 
 def test_warm_up_meets_every_token_bucket_and_leaves_serving_unchanged(tiny_v3, prompts_and_refs):
-    """Worker.warm_up (run on CUDA before graph capture, so that autotuned kernels never tune
-    while serving): one prefill step per power of two up to the budget and the budget itself, on a
-    cache smaller than its largest step (block ids wrap, never out of range), with steps past the
-    model's context (256 positions) split into several prompts; greedy outputs after it still
-    equal transformers'."""
+    """Worker.warm_up (run before graph capture, so that autotuned kernels never tune while
+    serving): one prefill step per power of two up to the budget and the budget itself, on a cache
+    smaller than its largest step (block ids wrap, never out of range), with steps past the
+    model's context (256 positions) split into several prompts, then 8 prompts of 2 tokens and
+    their decode step; greedy outputs after it still equal transformers'."""
     prompts, refs = prompts_and_refs
     llm = make_llm(tiny_v3[0], num_kv_blocks=40, block_size=4, max_num_batched_tokens=600)
     worker = llm.engine.executor.worker
@@ -155,10 +155,10 @@ def test_warm_up_meets_every_token_bucket_and_leaves_serving_unchanged(tiny_v3, 
     model_forward = worker.model.forward
     worker.model.forward = lambda ids, pos, *a: seen.append((ids.shape[0], int(pos.max()))) or model_forward(ids, pos, *a)
     try:
-        assert worker.warm_up(600, 256) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600]  # 600 tokens: 150 blocks > 40
+        assert worker.warm_up(600, 256, 256) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600]  # 600 tokens: 150 blocks > 40
     finally:
         del worker.model.forward
-    assert [n for n, _ in seen] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600]
+    assert [n for n, _ in seen] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600, 16, 8]
     assert max(p for _, p in seen) == 255  # no position past the model's 256
     worker._profile_run(600)  # the CUDA start-up's memory probe: the same split (no IndexError)
     outs = llm.generate(prompts, GREEDY)

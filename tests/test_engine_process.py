@@ -156,7 +156,7 @@ def test_dead_core_fails_fast_and_shutdown_joins_the_core(tmp_path_factory):
 def test_core_in_a_thread_or_a_process_gives_the_same_outputs(tmp_path_factory):
     import asyncio
 
-    from engine.args import EngineArgs
+    from common.args import EngineArgs
     from engine.async_llm import AsyncLLM
     from common.sampling_params import SamplingParams
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from common.kernel_plan import autotuning
 from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -32,32 +33,28 @@ def gpu_v2(tmp_path_factory):
     return str(path), make_model(path, "v2", qk_rope_head_dim=16)
 
 
-@pytest.fixture(autouse=True)
-def _no_warm_up(monkeypatch):
-    """The start-up warm-up tunes every token bucket of each new tiny model (tens of seconds per
-    engine, most of this file's device time); test_cuda_graphs_equal_eager turns it back on."""
-    monkeypatch.setenv("DSV_WARMUP", "0")
-
-
 def _run(path, prompts=None, dtype="float32", params=GREEDY, **kw):
-    """Greedy token ids of `prompts` (default: the 8 short ones) on the GPU."""
+    """Greedy token ids of `prompts` (default: the 8 short ones) on the GPU. The start-up warm-up
+    is off unless `kernels` says otherwise: it tunes every token bucket of each new tiny model
+    (tens of seconds per engine, most of this file's device time)."""
     kw.setdefault("num_kv_blocks", 1024)
+    kw.setdefault("kernels", "auto,warmup=0")
+    kw["kernels"] += "" if autotuning() else ",autotune=0"  # pytest --no-autotune
     llm = LLM(path, device="cuda", dtype=dtype, **kw)
     return [o.outputs[0].token_ids for o in llm.generate(prompts or _prompts(), params)]
 
 
 @pytest.mark.parametrize("model", ["gpu_v3", "gpu_v2"])
-def test_cuda_graphs_equal_eager(model, request, monkeypatch):
+def test_cuda_graphs_equal_eager(model, request):
     """CUDA graphs == eager, with the start-up warm-up on (prompts past the 256-position context
-    split: one 2048-token prompt indexed the RoPE table out of range on the GPU)."""
-    monkeypatch.setenv("DSV_WARMUP", "1")
+    split: a 2048-token prompt must not index the RoPE table out of range)."""
     path, _ = request.getfixturevalue(model)
-    assert _run(path) == _run(path, enforce_eager=True)
+    assert _run(path, kernels="auto") == _run(path, kernels="auto", enforce_eager=True)
 
 
 @pytest.mark.parametrize("budget", [16, 2048])
 def test_async_scheduling_equals_sync(gpu_v3, budget):
-    """Issue 7: step N+1 launched before step N's tokens reach the host (inputs on the device,
+    """Step N+1 launched before step N's tokens reach the host (inputs on the device,
     pinned non-blocking copies, CUDA graphs) gives the same greedy tokens as the synchronous loop."""
     path, _ = gpu_v3
     prompts = _prompts64()
@@ -74,8 +71,8 @@ def _prompts64():
 @pytest.mark.parametrize("model", ["gpu_v3", "gpu_v2"])
 @pytest.mark.parametrize("budget", [16, 2048])
 def test_triton_backend_equals_torch_reference_fp32(model, budget, request):
-    """Issue 6: in fp32 the Triton backend gives the same greedy outputs as the torch backend for
-    all 64 prompts, with prefills chunked (budget 16) and not."""
+    """In fp32 the Triton attention backend gives the same greedy outputs as the torch backend
+    for all 64 prompts, with prefills chunked (budget 16) and not."""
     path, _ = request.getfixturevalue(model)
     fast = _run(path, _prompts64(), max_num_batched_tokens=budget, attention_backend="triton")
     ref = _run(path, _prompts64(), max_num_batched_tokens=budget, attention_backend="torch",
@@ -86,6 +83,8 @@ def test_triton_backend_equals_torch_reference_fp32(model, budget, request):
 def _prompt_logprobs(path, prompts, dtype="float32", **kw):
     """The log-probability of every prompt token after the first, all prompts concatenated."""
     kw.setdefault("num_kv_blocks", 1024)
+    kw.setdefault("kernels", "auto,warmup=0")
+    kw["kernels"] += "" if autotuning() else ",autotune=0"  # pytest --no-autotune
     llm = LLM(path, device="cuda", dtype=dtype, **kw)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     return torch.tensor([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]])
@@ -101,8 +100,7 @@ def test_triton_backend_bf16_as_close_to_fp32_as_torch_bf16(model, request):
     continuations (on the CPU, the torch backend in bf16 with budget 16 vs 2048 agreed on 42 of 64;
     the H200 gave Triton vs torch 30-32 of 64). Greedy agreement with fp32 is kept as a gross
     check: a count out of 64 near 60% has a standard deviation of ~4, the difference of two ~5.5,
-    so it allows 8. With a margin of 3 it failed once (gpu_v2, 34 vs 41 of 64, H200, 2026-11-30,
-    DSV_AUTOTUNE=0); the log-probability criterion was added then and has not yet run on a GPU."""
+    so it allows 8."""
     path, _ = request.getfixturevalue(model)
     prompts = _prompts64()
     ref_kw = dict(max_num_batched_tokens=2048, attention_backend="torch", enforce_eager=True)
@@ -122,7 +120,7 @@ def test_triton_backend_bf16_as_close_to_fp32_as_torch_bf16(model, request):
 
 @pytest.mark.parametrize("budget", [16, 2048])
 def test_triton_backend_bf16_equals_torch_on_trained_tiny_model(budget):
-    """Issue 6's bf16 criterion on a model whose logits mean something: the bundled trained tiny
+    """The bf16 criterion on a model whose logits mean something: the bundled trained tiny
     model on 64 of lm_eval's 5-shot task prompts (~550 tokens each), Triton vs torch backend, both
     bf16, greedy: at least 95% (61 of 64) equal, with prompts chunked by 16 tokens and not."""
     from scripts.eval_tiny_model_hf import build_prompts
@@ -142,14 +140,28 @@ def test_triton_backend_bf16_equals_torch_on_trained_tiny_model(budget):
     assert same >= 61, f"{same} of 64 greedy outputs equal"
 
 
+@pytest.mark.parametrize("model", ["gpu_v3", "gpu_v2"])
+@pytest.mark.parametrize("budget", [16, 2048])
+def test_torch_plan_equals_triton_plan_fp32(model, budget, request):
+    """`--kernels torch` (pure torch: no Triton attention, MoE, router or compiled glue, eager)
+    and the Triton plan (every kernel of it, CUDA graphs, the warm-up running each path) give the
+    same greedy tokens in fp32 for all 64 prompts, chunked by 16 tokens and not; the budget 2048
+    takes the MoE's fused, blocked and dense paths by prefill size."""
+    path, _ = request.getfixturevalue(model)
+    fast = _run(path, _prompts64(), max_num_batched_tokens=budget, kernels="triton")
+    ref = _run(path, _prompts64(), max_num_batched_tokens=budget, kernels="torch")
+    assert sum(a == b for a, b in zip(fast, ref)) == 64
+
+
 def test_grouped_moe_matches_plain_path():
+    from common.kernel_plan import KernelPlan
     from models.config import ModelConfig
     from models.moe import MoE
     cfg = ModelConfig.from_pretrained("configs/models/DeepSeek-V2-Lite",
                                       {"hidden_size": 512, "moe_intermediate_size": 256})
     torch.manual_seed(0)
     with torch.device("cuda"):
-        moe = MoE(cfg, torch.bfloat16)
+        moe = MoE(cfg, torch.bfloat16, KernelPlan(moe="triton", moe_large="grouped"))
         for p in moe.parameters():
             p.data.normal_(0, 0.05)
         moe.fuse_experts()

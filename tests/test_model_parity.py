@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.args import EngineArgs
+from common.args import EngineArgs
 from engine.worker import Worker
 from models.config import ModelConfig
 

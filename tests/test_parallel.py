@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.args import EngineArgs
+from common.args import EngineArgs
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -99,7 +99,7 @@ def test_two_nodes_on_loopback(tiny_v3, workload):
     path = tiny_v3[0]
     node1 = subprocess.Popen(
         [sys.executable, "-c",
-         "import sys; from engine.args import EngineArgs; from models.config import ModelConfig;"
+         "import sys; from common.args import EngineArgs; from models.config import ModelConfig;"
          "from engine.multiproc import run_worker_node;"
          f"a = EngineArgs(model={path!r}, device='cpu', dtype='float32', block_size=4, num_kv_blocks=64,"
          f" tensor_parallel_size=2, nnodes=2, node_rank=1, master_port={port});"

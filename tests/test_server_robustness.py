@@ -22,7 +22,7 @@ import pytest
 import torch
 import transformers
 
-from engine.args import EngineArgs
+from common.args import EngineArgs
 from engine.input_processor import InputProcessor, load_tokenizer
 from engine.sampler import Sampler, SamplingBatch
 from common.sampling_params import SamplingParams
@@ -323,7 +323,7 @@ def test_model_is_served_by_name_not_path(tok):
     assert args.model_name == "my-model"
     assert EngineArgs(model="/srv/secret/models/my-model/", load_format="dummy").model_name == "my-model"
     engine = FakeEngine(tok)
-    engine.model_name, engine.args = args.model_name, args
+    engine.model_name, common.args = args.model_name, args
     state = ServerState(engine)
     state.check_model("my-model")
     state.check_model("/srv/secret/models/my-model")  # the path is still accepted

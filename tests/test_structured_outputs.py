@@ -245,7 +245,7 @@ def test_offline_generate_checks_every_constraint_before_submitting(llm):
 
 @pytest.fixture(scope="module")
 def server():
-    from engine.args import EngineArgs
+    from common.args import EngineArgs
     from engine.async_llm import AsyncLLM
     from server.api_server import build_app
     engine = AsyncLLM(EngineArgs(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=512,

@@ -362,7 +362,7 @@ def test_tool_flag_errors_name_the_flag(argv, needle, capsys):
 
 @pytest.fixture(scope="module")
 def real():
-    from engine.args import EngineArgs
+    from common.args import EngineArgs
     from engine.async_llm import AsyncLLM
     engine = AsyncLLM(EngineArgs(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=256,
                                  max_model_len=512), core_in_thread=True)

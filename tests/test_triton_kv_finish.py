@@ -13,7 +13,7 @@ import torch
 from attention.torch_backend import TorchAttentionOps
 from attention.triton_cache import kv_finish
 from models.config import RopeConfig
-from common.fused import rms_norm
+from common.fused import apply_rope, rms_norm
 from models.layers import YarnRotaryEmbedding
 
 def check(T, L, R, page, dtype, device, tol):
@@ -29,7 +29,7 @@ def check(T, L, R, page, dtype, device, tol):
     slots[1::3] = -1  # padding / another DCP rank's tokens (row 0 is stored: T = 1 writes)
     ref_cache = torch.full((nb, page, L + R), 7.0, dtype=dtype, device=device)
     got_cache = ref_cache.clone()
-    (k_pe,) = rope.rotate(cs, kv[:, L:])
+    k_pe = apply_rope(cs, kv[:, L:])
     ref = torch.cat([rms_norm(kv[:, :L], w, 1e-6), k_pe], dim=-1)
     TorchAttentionOps().write_kv(ref_cache, ref, slots)
     got = kv_finish(kv, w, 1e-6, cs, got_cache, slots)

@@ -11,7 +11,7 @@ import shlex
 import httpx
 import pytest
 
-from engine.args import EngineArgs, human_readable_int
+from common.args import EngineArgs, human_readable_int
 from server.cli import build_parser, engine_args_from
 from tests.server_fixtures import TINY_MODEL
 

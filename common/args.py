@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.kernel_plan import parse_kernels
+
 # vLLM's spellings of --dtype that name one of ours
 DTYPE_ALIASES = {"half": "float16", "bf16": "bfloat16", "float": "float32"}
 
@@ -37,7 +39,9 @@ class EngineArgs:
     enforce_eager: bool = False
     # schedule and launch step N+1 while step N runs; None: on when the model runs on CUDA
     async_scheduling: bool | None = None
-    attention_backend: str = "auto"  # auto | torch | triton
+    attention_backend: str = "auto"  # auto | torch | triton: the kernel plan's attention key
+    # the kernel plan: auto | triton | torch, then key=value overrides (common/kernel_plan.py)
+    kernels: str = "auto"
     # every N sampling steps the TP ranks compare digests of their sampled ids; 0: never
     rank_check_interval: int = 256
     fp8_gemm: bool = False  # FP8 checkpoints: W8A8 block GEMM instead of dequantized weights
@@ -62,7 +66,7 @@ class EngineArgs:
             if not ok:
                 raise ValueError(msg)
 
-        need(self.load_format == "dummy" or os.path.isdir(self.model) or _is_dir_spec(self.model),
+        need(self.load_format == "dummy" or os.path.isdir(self.model),
              f"--model: no such model directory: {self.model}")
         need(self.tensor_parallel_size >= 1, f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         need(self.decode_context_parallel_size >= 1,
@@ -80,6 +84,7 @@ class EngineArgs:
         need(self.load_format in ("auto", "safetensors", "dummy"), f"--load-format: unknown format {self.load_format!r}")
         need(self.attention_backend in ("auto", "torch", "triton"),
              f"--attention-backend: unknown backend {self.attention_backend!r}")
+        parse_kernels(self.kernels)  # ValueError naming --kernels
         need(0 < self.gpu_memory_utilization <= 1,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
@@ -145,7 +150,3 @@ def human_readable_int(value: str) -> int:
                          f"did you mean {number}{suffix.lower()}?")
     return int(number) * 1024 ** power
 
-
-def _is_dir_spec(model: str) -> bool:
-    # A dummy-weight run may name a bare config file's directory; nothing else is accepted.
-    return False

@@ -1,0 +1,243 @@
+"""The kernel plan: which implementation runs each op of the model, chosen once at start-up.
+
+The plan is resolved from `--kernels` (and `--attention-backend`) with the device and dtype
+known, logged in one line, and passed to the model at construction; modules dispatch on its
+fields and nothing else (never on environment variables or on an earlier failure). A kernel
+that fails at start-up or in the warm-up stops the engine with a `KernelError` naming the
+`--kernels` setting that avoids it; nothing falls back at run time.
+
+`--kernels` is a base, `auto` | `triton` | `torch`, followed by comma-separated `key=value`
+overrides of single choices (`--kernels triton,router=torch,moe_fused_max_tokens=0`). `torch` is
+the pure-torch engine on any device: the reference the Triton plan is tested against.
+
+To add a choice: one `Choice` in `CHOICES` (its key, values, default per base, help), one field
+of the same name in `KernelPlan`, and the dispatch in the module that runs it; the CLI's help,
+the parser, the log line and the failure messages follow from the entry.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+TRITON, TORCH = "triton", "torch"
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1: Triton kernels run on the CPU (tests, fp32 only). The one
+    environment read of the kernel code: Triton itself reads it when imported, so it cannot be
+    a flag of ours."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_autotune = True
+
+
+def autotuning() -> bool:
+    """Whether the Triton kernels tune their tiles per token bucket (else one fixed tile each).
+    Triton's autotuners cache per process, so this is a process setting: the plan's `autotune`,
+    set by `use_autotune` when a worker builds its model (on by default for kernels called
+    directly, as in benchmarks); never under the interpreter."""
+    return _autotune and not interpreting()
+
+
+def use_autotune(on: bool) -> None:
+    global _autotune
+    _autotune = on
+
+
+@dataclass(frozen=True)
+class Choice:
+    key: str
+    values: tuple  # allowed values; ints and bools take any value of their type
+    help: str
+    modules: tuple[str, ...] = ()  # a failure raised inside one of these is charged to this key
+    triton: object = TRITON  # the value under base `triton` (None: not a base-dependent choice)
+    torch: object = TORCH  # the value under base `torch`
+
+
+# Every kernel choice, in log order. `triton` / `torch` give each key's value under that base;
+# the resolver (resolve_plan) adjusts a few for the device and dtype.
+CHOICES: tuple[Choice, ...] = (
+    Choice("attention", (TRITON, TORCH),
+           "paged decode, prefill, context gather and KV write (the AttentionOps backend)",
+           ("attention.triton_backend", "attention.triton_decode", "attention.triton_prefill")),
+    Choice("finish_kv", (TRITON, TORCH),
+           "new tokens' cache rows: RMSNorm of c, RoPE of k_pe and the cache write as one kernel",
+           ("attention.triton_cache",)),
+    Choice("absorb", (TRITON, TORCH),
+           "decode's q RoPE, absorb_q (q_nope @ W_UK) and absorb_o (o_lat @ W_UV^T) kernels",
+           ("attention.triton_absorb",)),
+    Choice("router", (TRITON, TORCH), "expert choice after the router GEMM as one kernel per token",
+           ("models.triton_route",)),
+    Choice("moe", (TRITON, TORCH),
+           "routed experts: Triton kernels by token count (moe_fused_max_tokens, "
+           "moe_blocked_max_tokens), then moe_large; torch: a loop over the experts hit",
+           ("models.fused_moe",)),
+    Choice("moe_fused_max_tokens", (int,), "batches up to this many tokens take the fused "
+           "small-batch MoE kernel (0: never)", triton=8, torch=0),
+    Choice("moe_blocked_max_tokens", (int,), "larger batches up to this many tokens take the "
+           "expert-sorted block kernels, experts not in FP8 (0: never)", triton=512, torch=0),
+    Choice("moe_large", ("grouped", "dense", "loop"),
+           "experts beyond the Triton bounds: grouped (torch._grouped_mm, CUDA bf16), dense "
+           "(every expert on every token, no host sync), loop (experts hit, one by one)",
+           triton="grouped", torch="loop"),
+    Choice("fp8_gemm", ("auto", TRITON, "cublas"),
+           "W8A8 block GEMM with --fp8-gemm: cuBLAS's block-scaled GEMM where torch, GPU and "
+           "shape have it (auto), or one of them", ("models.fp8_gemm",), triton="auto", torch="auto"),
+    Choice("compile", (bool,), "torch.compile the elementwise glue (norms, RoPE, SwiGLU) on CUDA",
+           ("torch._dynamo", "torch._inductor"), triton=True, torch=False),
+    Choice("autotune", (bool,), "autotune Triton tiles per token bucket (off: one fixed tile per "
+           "kernel, for quick GPU test runs)", triton=True, torch=False),
+    Choice("warmup", (bool,), "run every chosen path once at start-up (prefill steps of each "
+           "autotuned token bucket and a decode step), before serving", triton=True, torch=False),
+)
+_BY_KEY = {c.key: c for c in CHOICES}
+
+
+class KernelError(RuntimeError):
+    """A kernel of the plan failed at start-up or in the warm-up; the message names the flag."""
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """One value per `CHOICES` key. The default is the pure-torch plan."""
+
+    attention: str = TORCH
+    finish_kv: str = TORCH
+    absorb: str = TORCH
+    router: str = TORCH
+    moe: str = TORCH
+    moe_fused_max_tokens: int = 0
+    moe_blocked_max_tokens: int = 0
+    moe_large: str = "loop"
+    fp8_gemm: str = "auto"
+    compile: bool = False
+    autotune: bool = False
+    warmup: bool = False
+
+    def describe(self) -> str:
+        """The one log line: every choice as key=value."""
+        return "kernel plan: " + " ".join(f"{c.key}={_show(getattr(self, c.key))}" for c in CHOICES)
+
+    @property
+    def any_triton(self) -> bool:
+        return TRITON in (self.attention, self.finish_kv, self.absorb, self.router, self.moe)
+
+    def avoid(self, key: str | None) -> str:
+        """The --kernels setting that avoids a failure charged to `key` (None: unknown)."""
+        c = _BY_KEY.get(key)
+        if c is None or c.key == "attention":
+            return "--kernels torch"
+        if c.values[0] in (bool, int):
+            off = "0"
+        elif TORCH in c.values:
+            off = TORCH
+        else:  # another implementation of the op
+            off = next(v for v in c.values if v not in (getattr(self, c.key), "auto"))
+        return f"--kernels auto,{c.key}={off} (or --kernels torch)"
+
+    def error(self, what: str, exc: BaseException) -> KernelError:
+        """A KernelError for `exc`, raised while `what`, naming the flag that avoids it."""
+        key = charged_key(exc)
+        where = f"the {key} kernel" if key else "a kernel of the plan"
+        return KernelError(f"{where} failed while {what}: {type(exc).__name__}: {exc}. "
+                           f"{self.avoid(key)} avoids it ({self.describe()})")
+
+
+def _show(v) -> str:
+    return str(int(v)) if isinstance(v, bool) else str(v)
+
+
+def charged_key(exc: BaseException) -> str | None:
+    """The plan key whose module raised `exc`: the innermost frame in a Choice's modules."""
+    tb, key = exc.__traceback__, None
+    while tb is not None:
+        mod = tb.tb_frame.f_globals.get("__name__", "")
+        for c in CHOICES:
+            if any(mod == m or mod.startswith(m + ".") for m in c.modules):
+                key = c.key
+        tb = tb.tb_next
+    return key
+
+
+def parse_kernels(spec: str) -> tuple[str, dict]:
+    """`--kernels` as (base, {key: value}); ValueError naming the flag and the allowed values."""
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if not parts or parts[0] not in ("auto", TRITON, TORCH):
+        raise ValueError(f"--kernels {spec!r}: must start with auto, triton or torch")
+    overrides = {}
+    for p in parts[1:]:
+        key, eq, value = p.partition("=")
+        c = _BY_KEY.get(key.strip())
+        if c is None or not eq:
+            raise ValueError(f"--kernels: {p!r} is not key=value with a key of {', '.join(_BY_KEY)}")
+        overrides[c.key] = _value(c, value.strip())
+    return parts[0], overrides
+
+
+def _value(c: Choice, s: str):
+    kind = c.values[0]
+    if kind is bool:
+        if s not in ("0", "1", "true", "false", "on", "off"):
+            raise ValueError(f"--kernels {c.key}={s}: expected 0 or 1")
+        return s in ("1", "true", "on")
+    if kind is int:
+        if not s.isdigit():
+            raise ValueError(f"--kernels {c.key}={s}: expected a token count >= 0")
+        return int(s)
+    if s not in c.values:
+        raise ValueError(f"--kernels {c.key}={s}: expected one of {', '.join(c.values)}")
+    return s
+
+
+def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name: str,
+                 grouped_mm: bool, mla_dims_ok: bool) -> tuple[KernelPlan, list[str]]:
+    """The plan for `--kernels spec` on this device; returns (plan, notes for the log).
+
+    auto is triton on CUDA, torch elsewhere. With base triton: torch's grouped GEMM only where it
+    runs (CUDA, bf16, `grouped_mm`), else the dense CUDA path; no compile or tuning under the
+    interpreter; the Triton MLA kernels need kv_lora_rank and qk_rope_head_dim >= 16
+    (`mla_dims_ok`), else attention, finish_kv and absorb stay torch under auto.
+    `--attention-backend` sets the attention key (finish_kv and absorb follow it unless set).
+    """
+    base, over = parse_kernels(spec)
+    notes = []
+    triton_ok = device_type == "cuda" or interpreting()
+    if base == "auto":
+        base = TRITON if device_type == "cuda" else TORCH
+    if base == TRITON and not triton_ok:
+        raise ValueError("--kernels triton: Triton kernels need a CUDA device (or TRITON_INTERPRET=1 "
+                         "on the CPU, for tests); use --kernels torch")
+    values = {c.key: getattr(c, base) for c in CHOICES}
+    if attention_backend != "auto":
+        over.setdefault("attention", attention_backend)
+    if base == TRITON:
+        if not (device_type == "cuda" and dtype_name == "bfloat16" and grouped_mm):
+            values["moe_large"] = "dense" if device_type == "cuda" else "loop"
+        if device_type != "cuda" or interpreting():
+            values["compile"] = values["autotune"] = values["warmup"] = False
+        if not mla_dims_ok and "attention" not in over:
+            values["attention"] = TORCH
+            notes.append("Triton MLA kernels need kv_lora_rank and qk_rope_head_dim >= 16: "
+                         "attention, finish_kv and absorb use torch, without CUDA graphs")
+    values.update(over)
+    for key in ("finish_kv", "absorb"):
+        if key not in over and values["attention"] == TORCH:
+            values[key] = TORCH
+    plan = KernelPlan(**values)
+    if plan.any_triton and not triton_ok:
+        raise ValueError(f"--kernels / --attention-backend: Triton kernels ({plan.describe()}) need a "
+                         f"CUDA device (or TRITON_INTERPRET=1 on the CPU, for tests)")
+    return plan, notes
+
+
+def kernels_help() -> str:
+    """The --kernels help text, from CHOICES."""
+    keys = "; ".join(f"{c.key}=" + ("N" if c.values[0] is int else "0|1" if c.values[0] is bool
+                                    else "|".join(c.values)) + f" ({c.help}; triton: {_show(c.triton)})"
+                     for c in CHOICES)
+    return ("kernel plan (logged at start-up): auto (triton on CUDA, torch elsewhere), triton, or "
+            "torch (pure torch on any device: the reference), then optional comma-separated "
+            f"key=value overrides: {keys}")
+

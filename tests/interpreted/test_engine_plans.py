@@ -1,0 +1,83 @@
+"""The whole engine on the Triton kernel plan, on the CPU under the interpreter (fp32), against the
+pure-torch plan in the same process: equal greedy tokens with prompts chunked by 16 tokens
+(prefill with context, mixed steps) and not, every kernel of the plan called. A kernel that fails
+in the start-up warm-up stops the engine with an error naming the --kernels setting that avoids it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_model
+
+import attention.triton_absorb as triton_absorb
+import attention.triton_backend as triton_backend
+import attention.triton_cache as triton_cache
+import models.fused_moe as fused_moe
+import models.triton_route as triton_route
+from common.kernel_plan import KernelError
+from engine import LLM, SamplingParams
+
+SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+# (module, function): what each key of the Triton plan calls
+KERNELS = {"finish_kv": (triton_cache, "kv_finish"), "absorb_q": (triton_absorb, "absorb_q"),
+           "absorb_o": (triton_absorb, "absorb_o"), "router": (triton_route, "route_triton"),
+           "moe_fused": (fused_moe, "fused_moe_small"), "moe_blocked": (fused_moe, "fused_moe_blocked"),
+           "decode": (triton_backend, "mla_decode"), "prefill": (triton_backend, "prefill_attention_parts"),
+           "prefill_joined": (triton_backend, "prefill_attention")}  # widths the parts kernel cannot split
+
+
+@pytest.fixture(scope="module", params=["v3", "v2"])
+def model(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"interp_{request.param}")
+    make_model(path, request.param, qk_rope_head_dim=16)  # the Triton decode kernel needs rope >= 16
+    return str(path)
+
+
+def _llm(model, kernels, budget=16):
+    return LLM(model, device="cpu", dtype="float32", kernels=kernels, num_kv_blocks=64,
+               max_num_batched_tokens=budget)
+
+
+@pytest.mark.parametrize("budget,kernels", [(16, "triton"), (2048, "triton"),
+                                            (16, "triton,moe_blocked_max_tokens=0")])
+def test_triton_plan_equals_torch_plan(model, budget, kernels, monkeypatch):
+    """With moe_blocked_max_tokens=0 the prefill chunks of 9-16 tokens take the torch experts loop
+    instead of the expert-sorted block kernels."""
+    calls = dict.fromkeys(KERNELS, 0)
+    for key, (mod, name) in KERNELS.items():
+        def counting(*a, _key=key, _fn=getattr(mod, name), **k):
+            calls[_key] += 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(mod, name, counting)
+    g = torch.Generator().manual_seed(budget)
+    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    want = [o.outputs[0].token_ids for o in _llm(model, "torch", budget).generate(prompts, SP)]
+    assert sum(calls.values()) == 0  # the torch plan calls no Triton kernel
+    llm = _llm(model, kernels, budget)
+    plan = llm.engine.executor.worker.plan
+    assert (plan.attention, plan.router, plan.moe, plan.moe_fused_max_tokens) == ("triton", "triton", "triton", 8)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SP)]
+    assert got == want
+    calls["prefill"] += calls.pop("prefill_joined")
+    expect = set(calls) - ({"moe_blocked"} if "blocked_max_tokens=0" in kernels else set())
+    assert all(calls[k] > 0 for k in expect), str(calls)
+    assert "blocked_max_tokens=0" not in kernels or calls["moe_blocked"] == 0
+
+
+class _Broken:
+    """A Triton kernel that does not compile: launching it raises."""
+
+    def __getitem__(self, grid):
+        raise RuntimeError("PTX: no such instruction")
+
+
+def test_kernel_failure_in_warm_up_names_the_flag(model, monkeypatch):
+    """The router kernel fails when first launched (in the warm-up): start-up stops with a
+    KernelError naming `router=torch`; with that setting the same engine starts and serves."""
+    monkeypatch.setattr(triton_route, "_route_kernel", _Broken())
+    with pytest.raises(KernelError, match=r"the router kernel failed while warming up: RuntimeError: "
+                                          r"PTX: no such instruction\. --kernels auto,router=torch"):
+        _llm(model, "triton,warmup=1")
+    llm = _llm(model, "triton,warmup=1,router=torch")
+    assert llm.engine.executor.worker.plan.router == "torch"
+    assert len(llm.generate([[5, 6, 7]], SP)[0].outputs[0].token_ids) == 6

@@ -1,0 +1,85 @@
+"""The kernel plan: parsing --kernels, resolving it per device and dtype, charging a failure to
+the key whose module raised it, and the flag named in the error."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.kernel_plan import CHOICES, KernelPlan, charged_key, parse_kernels, resolve_plan
+
+
+def _resolve(spec, device="cuda", dtype="bfloat16", attention="auto", grouped_mm=True, dims_ok=True):
+    return resolve_plan(spec, attention, device, dtype, grouped_mm, dims_ok)[0]
+
+
+def test_every_choice_is_a_plan_field_and_the_default_plan_is_pure_torch():
+    assert [c.key for c in CHOICES] == list(KernelPlan.__dataclass_fields__)
+    assert KernelPlan() == _resolve("torch") == _resolve("auto", device="cpu")
+    assert not KernelPlan().any_triton
+
+
+def test_auto_on_cuda_is_the_triton_plan():
+    plan = _resolve("auto")
+    assert plan == _resolve("triton")
+    assert (plan.attention, plan.finish_kv, plan.absorb, plan.router, plan.moe) == ("triton",) * 5
+    assert (plan.moe_fused_max_tokens, plan.moe_blocked_max_tokens, plan.moe_large) == (8, 512, "grouped")
+    assert plan.compile and plan.autotune and plan.warmup
+    assert _resolve("auto", dtype="float32").moe_large == "dense"  # no grouped GEMM in fp32
+    assert _resolve("auto", grouped_mm=False).moe_large == "dense"
+
+
+def test_overrides_and_attention_backend():
+    plan = _resolve("auto,router=torch,moe_fused_max_tokens=0,autotune=0,fp8_gemm=cublas")
+    assert (plan.router, plan.moe_fused_max_tokens, plan.autotune, plan.fp8_gemm) == ("torch", 0, False, "cublas")
+    assert plan.moe == "triton" and plan.warmup
+    # --attention-backend torch: the attention ops and the decode-path kernels that go with them
+    plan = _resolve("auto", attention="torch")
+    assert (plan.attention, plan.finish_kv, plan.absorb, plan.router) == ("torch", "torch", "torch", "triton")
+    assert _resolve("auto,absorb=triton", attention="torch").absorb == "triton"
+    # MLA dims the Triton kernels do not take: attention stays torch under auto, not when asked for
+    assert _resolve("auto", dims_ok=False).attention == "torch"
+    assert _resolve("auto,attention=triton", dims_ok=False).attention == "triton"
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("fast", "must start with auto, triton or torch"),
+    ("auto,router", "not key=value"),
+    ("auto,nope=1", "not key=value with a key of attention"),
+    ("auto,router=cuda", r"router=cuda: expected one of triton, torch"),
+    ("auto,moe_fused_max_tokens=-1", "expected a token count"),
+    ("auto,warmup=yes", "expected 0 or 1"),
+])
+def test_bad_kernels_spec_names_the_flag(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_kernels(spec)
+
+
+def test_triton_on_cpu_is_refused_with_the_flag():
+    with pytest.raises(ValueError, match="--kernels triton: Triton kernels need a CUDA device"):
+        _resolve("triton", device="cpu")
+    with pytest.raises(ValueError, match="--kernels / --attention-backend"):
+        _resolve("auto", device="cpu", attention="triton")
+
+
+def test_a_failure_is_charged_to_the_module_that_raised_it():
+    import torch
+
+    import models.fp8_gemm as g  # a module of the fp8_gemm key
+    x = torch.zeros(2, 128)
+    with pytest.raises(ValueError) as info:
+        g.w8a8_block_gemm(x, x, x, x, backend="nope")
+    assert charged_key(info.value) == "fp8_gemm"
+    err = str(KernelPlan().error("warming up", info.value))
+    assert "the fp8_gemm kernel failed while warming up: ValueError" in err
+    assert "--kernels auto,fp8_gemm=triton (or --kernels torch) avoids it" in err
+    with pytest.raises(RuntimeError) as info:
+        raise RuntimeError("elsewhere")
+    assert charged_key(info.value) is None
+    err = str(KernelPlan().error("warming up", info.value))
+    assert "a kernel of the plan failed" in err and "--kernels torch avoids it" in err
+
+
+def test_describe_is_one_line_with_every_key():
+    line = _resolve("auto").describe()
+    assert "\n" not in line and all(f" {c.key}=" in line for c in CHOICES)
+    assert "moe_fused_max_tokens=8" in line and "compile=1" in line
