@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreted import run_interpreted
-
-
-CHECK = r"""
-import torch
 import torch.nn.functional as F
+
 from models.config import ModelConfig
 from models.fused_moe import fused_moe_small
 from models.moe import MoE
+
 
 def random_moe(cfg_overrides, T, dtype, device):
     # a V2-Lite-shaped MoE layer (2 shared experts, folded by fuse_experts), T tokens and their routing
@@ -98,31 +95,12 @@ def check_fp8(T, dtype, device, tol, D=256, I=256, E=8, k=3):
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < tol, (T, dtype, err)
     return err
-"""
-
-
-def test_fused_moe_interpreter():
-    """Small shapes (I and D not multiples of the tiles) under TRITON_INTERPRET=1."""
-    code = CHECK + r"""
-for T in (1, 3):
-    print(check({"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8,
-                 "num_experts_per_tok": 3}, T, torch.float32, "cpu", 1e-5))
-    print(check_fp8(T, torch.float32, "cpu", 1e-5))
-small = {"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8, "num_experts_per_tok": 3}
-for T, bm in ((1, 16), (9, 16), (40, 16), (40, 32)):
-    print(check_blocked(small, T, torch.float32, "cpu", 1e-5, bm))
-for T, kt, E, bm in ((1, 1, 2, 16), (3, 2, 4, 4), (37, 3, 8, 16), (64, 8, 66, 32), (5, 4, 300, 16)):
-    check_glue(T, kt, E, bm, "cpu", seed=T)
-"""
-    run_interpreted(code)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 2, 8])
 def test_fused_moe_real_shapes(T):
-    ns = {}
-    exec(CHECK, ns)
-    ns["check"]({}, T, torch.bfloat16, "cuda", 2e-2)
+    check({}, T, torch.bfloat16, "cuda", 2e-2)
 
 
 @pytest.mark.gpu
@@ -131,29 +109,23 @@ def test_fused_moe_real_shapes(T):
 def test_fused_moe_blocked_real_shapes(T, block_m):
     """The expert-sorted block kernels (9-512 tokens) at V2-Lite shapes, bf16 and fp32, and their
     one-kernel alignment against the torch sort at V2-Lite's and V3's expert counts."""
-    ns = {}
-    exec(CHECK, ns)
-    ns["check_glue"](T, 8, 66, block_m, "cuda", seed=T)
-    ns["check_glue"](T, 9, 257, block_m, "cuda", seed=T)
-    ns["check_blocked"]({}, T, torch.bfloat16, "cuda", 2e-2, block_m)
-    ns["check_blocked"]({}, T, torch.float32, "cuda", 1e-5, block_m)
+    check_glue(T, 8, 66, block_m, "cuda", seed=T)
+    check_glue(T, 9, 257, block_m, "cuda", seed=T)
+    check_blocked({}, T, torch.bfloat16, "cuda", 2e-2, block_m)
+    check_blocked({}, T, torch.float32, "cuda", 1e-5, block_m)
 
 
 @pytest.mark.gpu
 def test_fused_moe_fp32_exact():
     """fp32 models (the tiny test models on CUDA) get fp32 products: no TF32."""
-    ns = {}
-    exec(CHECK, ns)
-    ns["check"]({}, 4, torch.float32, "cuda", 1e-5)
+    check({}, 4, torch.float32, "cuda", 1e-5)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 8])
 def test_fused_moe_fp8_real_shapes(T):
     """V3/R1 expert shapes (D 7168, I 2048/tp 8 = 256), bf16 activations, FP8 weights."""
-    ns = {}
-    exec(CHECK, ns)
-    ns["check_fp8"](T, torch.bfloat16, "cuda", 2e-2, D=7168, I=256, E=32, k=8)
+    check_fp8(T, torch.bfloat16, "cuda", 2e-2, D=7168, I=256, E=32, k=8)
 
 
 def test_sort_pairs_into_blocks_layout():

@@ -1,7 +1,6 @@
 """Triton attention ops vs the torch reference (attention/torch_backend.py).
 
-CPU: every kernel runs under TRITON_INTERPRET=1 in one subprocess (the flag must be set before
-triton decorates the kernels, and another test module may already have imported them here); the
+CPU: `CPU_CASES` run under TRITON_INTERPRET=1 (tests/interpreted/test_attention_kernels.py); the
 interpreter's bf16 dot is wrong, so CPU cases use fp32/fp16. GPU (`-m gpu`, skipped without CUDA):
 real shapes (Lkv+R = 576, QK 192 / V 128), bf16/fp16/fp32. scripts/bench_mla_decode.py --check runs
 the same GPU cases.
@@ -10,20 +9,11 @@ the same GPU cases.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from attention.torch_backend import TorchAttentionOps  # noqa: E402
+from attention.torch_backend import TorchAttentionOps
 
 # Relative-error limits vs an fp32 reference (fp32 kernels use the "ieee" dot).
 TOL = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -48,23 +38,20 @@ def poison_allocator(device: str, nbytes: int = 1 << 28) -> None:
 @contextlib.contextmanager
 def poisoned(device: str):
     """Outputs the kernels never write read as NaN: on CUDA the allocator's freed memory is
-    NaN-filled first; on the CPU torch.empty hands out NaN-filled float tensors meanwhile (the
-    decode's partial rows of splits past a sequence's end are deliberately never written)."""
+    NaN-filled first; on the CPU torch fills new tensors itself meanwhile (NaN, integers at their
+    maximum: `torch.utils.deterministic.fill_uninitialized_memory`, on with deterministic
+    algorithms). The decode's partial rows of splits past a sequence's end are deliberately never
+    written: a read of them would show."""
     poison_allocator(device)
     if device != "cpu":
         yield
         return
-    empty = torch.empty
-
-    def nan_empty(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    torch.empty = nan_empty
+    was, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         yield
     finally:
-        torch.empty = empty
+        torch.use_deterministic_algorithms(was, warn_only=warn_only)
 
 
 def check_lse(lse: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -287,32 +274,6 @@ for _page in (16, 64):
         lambda p=_page: check_gather("cuda", bf16, p, 576, [1000, 0, 37, 4096], [0, 5, 63, 100]))
 
 
-def run_cases(cases: dict) -> dict:
-    """Run each case; {name: ["ok", err] or ["FAIL", message]}."""
-    out = {}
-    for name, fn in cases.items():
-        try:
-            out[name] = ["ok", fn()]
-        except Exception as e:  # report every case, not just the first failure
-            out[name] = ["FAIL", f"{type(e).__name__}: {e}"]
-    return out
-
-
-@pytest.fixture(scope="module")
-def interpreted_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, __file__, "--interpret"], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("name", sorted(CPU_CASES))
-def test_interpreted(interpreted_results, name):
-    status, detail = interpreted_results[name]
-    assert status == "ok", detail
-
-
 def test_bad_arguments_raise_value_error():
     from attention.triton_backend import TritonAttentionOps
     ops = TritonAttentionOps()
@@ -356,8 +317,3 @@ def test_split_heuristic_fills_gpu():
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
 def test_gpu(name):
     GPU_CASES[name]()
-
-
-if __name__ == "__main__" and "--interpret" in sys.argv:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before triton is imported"
-    print(json.dumps(run_cases(CPU_CASES)))

@@ -4,23 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from interpreted import run_interpreted
 
-
-# (scoring, topk_method, E, n_group, topk_group, top_k, norm, scale, bias)
-CASES = [
-    ("softmax", "greedy", 64, 1, 1, 6, False, 1.0, False),  # V2-Lite
-    ("softmax", "group_limited_greedy", 160, 8, 3, 6, False, 16.0, False),  # V2: 20 per group
-    ("sigmoid", "noaux_tc", 256, 8, 4, 8, True, 2.5, True),  # V3 / R1
-    ("sigmoid", "noaux_tc", 16, 4, 2, 4, True, 1.0, True),  # the tiny V3
-    ("softmax", "greedy", 20, 1, 1, 1, True, 1.0, False),  # k = 1: no normalisation
-    ("sigmoid", "noaux_tc", 24, 1, 1, 3, False, 1.0, True),  # sigmoid without groups
-]
-
-CHECK = r"""
-import torch
 from models.moe import route
 from models.triton_route import LOGITS_MAX_TOKENS, route_triton, router_logits
+
 
 def check(case, device, T=7, D=48):
     # T <= LOGITS_MAX_TOKENS: the logits are the Triton kernel's too
@@ -52,14 +39,17 @@ def check(case, device, T=7, D=48):
     assert int(bi.min()) >= 0 and int(bi.max()) < E
     assert all(len(set(r)) == k for r in bi.tolist())
     assert torch.equal(bi[3:], ti[3:]) and torch.equal(bi[0], ti[0])
-"""
 
 
-def test_route_kernel_interpreter():
-    # D 2100: the logits kernel's K loop takes two passes, the second masked
-    code = CHECK + f"\nfor case in {CASES!r}:\n    check(case, 'cpu')\ncheck({CASES[0]!r}, 'cpu', T=3, D=2100)" \
-        + f"\ncheck({CASES[2]!r}, 'cpu', T=1, D=200)"
-    run_interpreted(code)
+# (scoring, topk_method, E, n_group, topk_group, top_k, norm, scale, bias)
+CASES = [
+    ("softmax", "greedy", 64, 1, 1, 6, False, 1.0, False),  # V2-Lite
+    ("softmax", "group_limited_greedy", 160, 8, 3, 6, False, 16.0, False),  # V2: 20 per group
+    ("sigmoid", "noaux_tc", 256, 8, 4, 8, True, 2.5, True),  # V3 / R1
+    ("sigmoid", "noaux_tc", 16, 4, 2, 4, True, 1.0, True),  # the tiny V3
+    ("softmax", "greedy", 20, 1, 1, 1, True, 1.0, False),  # k = 1: no normalisation
+    ("sigmoid", "noaux_tc", 24, 1, 1, 3, False, 1.0, True),  # sigmoid without groups
+]
 
 
 def test_route_rejects_a_layout_that_cannot_fill_k():
@@ -78,9 +68,7 @@ def test_router_logits_rejects_mismatched_widths():
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 def test_route_kernel_gpu(case):
-    ns = {}
-    exec(CHECK, ns)
-    ns["check"](case, "cuda", T=300)  # cuBLAS logits
-    ns["check"](case, "cuda", T=8, D=2048)  # the Triton logits kernel where 8 * E * 2048 is in its envelope
-    ns["check"](case, "cuda", T=1, D=7168)  # the Triton logits kernel, four passes over V3's width
-    ns["check"](case, "cuda", T=3, D=7168)  # and with the overflowed rows
+    check(case, "cuda", T=300)  # cuBLAS logits
+    check(case, "cuda", T=8, D=2048)  # the Triton logits kernel where 8 * E * 2048 is in its envelope
+    check(case, "cuda", T=1, D=7168)  # the Triton logits kernel, four passes over V3's width
+    check(case, "cuda", T=3, D=7168)  # and with the overflowed rows

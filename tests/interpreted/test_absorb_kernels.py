@@ -1,0 +1,16 @@
+"""The absorbed decode's per-head product kernels on small CPU shapes: the checks of
+tests/test_triton_absorb.py."""
+
+from __future__ import annotations
+
+import torch
+from test_triton_absorb import check
+
+
+def test_absorb_kernels_interpreter():
+    """Small shapes (P and R not powers of two, V below one tile), and the real widths at T 80
+    (several L, V and T tiles: the loops and the rope copy's one-tile condition)."""
+    for T in (1, 5, 17):
+        check(T, 4, 16, 8, 32, 16, torch.float32, "cpu", 1e-6)
+    check(3, 2, 24, 12, 48, 20, torch.float32, "cpu", 1e-6)
+    check(80, 2, 128, 64, 512, 128, torch.float32, "cpu", 1e-6)

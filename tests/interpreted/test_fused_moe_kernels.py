@@ -1,0 +1,20 @@
+"""The fused MoE kernels (small-batch, expert-sorted blocks, their glue) on small CPU shapes
+against the torch experts loop: the checks of tests/test_fused_moe.py."""
+
+from __future__ import annotations
+
+import torch
+from test_fused_moe import check, check_blocked, check_fp8, check_glue
+
+
+def test_fused_moe_interpreter():
+    """Small shapes (I and D not multiples of the tiles) under TRITON_INTERPRET=1."""
+    for T in (1, 3):
+        check({"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8,
+               "num_experts_per_tok": 3}, T, torch.float32, "cpu", 1e-5)
+        check_fp8(T, torch.float32, "cpu", 1e-5)
+    small = {"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8, "num_experts_per_tok": 3}
+    for T, bm in ((1, 16), (9, 16), (40, 16), (40, 32)):
+        check_blocked(small, T, torch.float32, "cpu", 1e-5, bm)
+    for T, kt, E, bm in ((1, 1, 2, 16), (3, 2, 4, 4), (37, 3, 8, 16), (64, 8, 66, 32), (5, 4, 300, 16)):
+        check_glue(T, kt, E, bm, "cpu", seed=T)
