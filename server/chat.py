@@ -6,20 +6,18 @@ import asyncio
 import dataclasses
 import inspect
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
-from server.completions import finite, sse, start_streams
-from server.errors import APIError, error_body, param_of
+from server.errors import APIError, param_of
+from server.handler import finite, respond, sampling_params
 from server.protocol import ChatCompletionRequest
 from server.reasoning import ThinkParser, split_reasoning, thinks
-from server.streams import ClientDisconnected, EngineStreams, until_disconnect
 from server.tool_calls import Delta, ToolCallParser, assemble, call_id, forced_calls
 
 logger = logging.getLogger(__name__)
@@ -216,6 +214,21 @@ class ChatBuilder:
                         "finish_reason": self._finish_reason(index, finish)})
         return out
 
+    def choices(self, finals: list[RequestOutput]) -> list[dict]:
+        return [self.choice(o.index, o) for o in sorted(finals[0].outputs, key=lambda o: o.index)]
+
+    def usage(self, finals: list[RequestOutput | None]) -> dict:
+        final = finals[0]
+        prompt = len(final.prompt_token_ids) if final else 0
+        completion = sum(len(o.token_ids) for o in final.outputs) if final else 0
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion}
+
+    def chunks(self, i: int, out: RequestOutput) -> Iterator[tuple[dict, dict]]:
+        for o in out.outputs:
+            for delta in self.deltas(o.index, o):
+                yield delta, self.chunk_usage(o.index, out)
+
 
 def _call_entries(d: Delta) -> list[dict]:
     """delta.tool_calls entries of a Delta, one per call index (a new call's first fragment of
@@ -230,20 +243,12 @@ def _call_entries(d: Delta) -> list[dict]:
     return [entries[i] for i in sorted(entries)]
 
 
-def _usage(final: RequestOutput | None) -> dict:
-    prompt = len(final.prompt_token_ids) if final else 0
-    completion = sum(len(o.token_ids) for o in final.outputs) if final else 0
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
-
-
 async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request) -> Response:
-    """Handle one chat completions request end to end."""
+    """Handle one chat completions request end to end (server/handler.py)."""
     state.check_model(req.model)
     req.apply_defaults(state.request_defaults)
+    params = await sampling_params(req)
     try:
-        params = (await asyncio.to_thread(req.to_sampling_params) if req.asks_for_structure
-                  else req.to_sampling_params())
         conversation = req.conversation()
     except ValueError as e:
         raise APIError(400, str(e), param=param_of(str(e))) from None
@@ -260,58 +265,5 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
                                          req.add_generation_prompt, state.check_text_length,
                                          req.template_kwargs(), req.tool_dicts(),
                                          state.chat_template)
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    tracker = state.metrics.tracker()
-    try:
-        streams = await start_streams(state, raw, [prompt_ids], params, request_id)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    builder = ChatBuilder(state, req)
-    head = {"id": request_id, "created": int(time.time()), "model": state.model_name}
-    if req.stream:
-        return StreamingResponse(_sse(streams, builder, head, tracker, req),
-                                 media_type="text/event-stream")
-    try:
-        final = await until_disconnect(raw, _collect(streams, tracker))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        streams.close()
-        tracker.close(req.n)
-    choices = [builder.choice(o.index, o) for o in sorted(final.outputs, key=lambda o: o.index)]
-    return JSONResponse({**head, "object": "chat.completion", "choices": choices,
-                         "usage": _usage(final)})
-
-
-async def _collect(streams: EngineStreams, tracker) -> RequestOutput:
-    final = None
-    async for i, out in streams:
-        tracker.observe(i, out)
-        final = out
-    if final is None or not final.finished:
-        raise RuntimeError("engine stream ended without a finished output")
-    return final
-
-
-async def _sse(streams: EngineStreams, builder: ChatBuilder, head: dict, tracker,
-               req: ChatCompletionRequest) -> AsyncIterator[str]:
-    head = {**head, "object": "chat.completion.chunk"}
-    final = None
-    try:
-        try:
-            async for i, out in streams:
-                tracker.observe(i, out)
-                final = out
-                for o in out.outputs:
-                    for delta in builder.deltas(o.index, o):
-                        usage = builder.chunk_usage(o.index, out) if req.continuous_usage else None
-                        yield sse({**head, "choices": [delta], "usage": usage})
-            if req.include_usage:
-                yield sse({**head, "choices": [], "usage": _usage(final)})
-        except Exception as e:  # headers are gone: report in-band
-            logger.exception("stream %s failed", head["id"])
-            yield sse(error_body(500, f"internal server error ({type(e).__name__})"))
-        yield sse("[DONE]")
-    finally:
-        streams.close()
-        tracker.close(req.n)
+    return await respond(state, raw, req, [prompt_ids], params, f"chatcmpl-{uuid.uuid4().hex}",
+                         ChatBuilder(state, req), "chat.completion", "chat.completion.chunk")

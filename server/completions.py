@@ -2,44 +2,19 @@
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import Iterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response
 
 from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
-from server.errors import APIError, error_body, param_of
+from server.handler import finite, respond, sampling_params
 from server.protocol import CompletionRequest
-from server.streams import ClientDisconnected, EngineStreams, until_disconnect
 
 logger = logging.getLogger(__name__)
-
-# JSON has no -inf; OpenAI-compatible servers clamp impossible tokens to this.
-MIN_LOGPROB = -9999.0
-
-
-def finite(x: float) -> float:
-    return x if x > MIN_LOGPROB else MIN_LOGPROB
-
-
-async def start_streams(state, raw: Request, prompts, params, request_id: str) -> EngineStreams:
-    """Submit every prompt and wait until the engine accepted all of them (ValueError -> 400)."""
-    streams = EngineStreams(state.engine, prompts, params, request_id, state.background)
-    try:
-        await until_disconnect(raw, streams.prime())
-    except ValueError as e:
-        streams.close()
-        raise APIError(400, str(e), param=param_of(str(e))) from None
-    except BaseException:
-        streams.close()
-        raise
-    return streams
 
 
 class CompletionBuilder:
@@ -179,12 +154,25 @@ class CompletionBuilder:
             chunk["prompt_logprobs"] = self.prompt_logprobs(out)
         return chunk
 
-    def usage(self, finals: list[RequestOutput]) -> dict:
+    def usage(self, finals: list[RequestOutput | None]) -> dict:
+        finals = [f for f in finals if f is not None]
         prompt = sum(len(f.prompt_token_ids) for f in finals)
         completion = 0 if self.drop_generated else sum(
             len(o.token_ids) for f in finals for o in f.outputs)
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
+
+    def choices(self, finals: list[RequestOutput]) -> list[dict]:
+        n = self.req.n
+        choices = [self.choice(i * n + o.index, f, o) for i, f in enumerate(finals) for o in f.outputs]
+        return sorted(choices, key=lambda c: c["index"])
+
+    def chunks(self, i: int, out: RequestOutput) -> Iterator[tuple[dict, dict]]:
+        for o in out.outputs:
+            index = i * self.req.n + o.index
+            delta = self.delta(index, out, o)
+            if delta is not None:
+                yield delta, self.chunk_usage(index, out, o)
 
 
 def _finish(o: CompletionOutput, drop_generated: bool) -> str | None:
@@ -194,77 +182,10 @@ def _finish(o: CompletionOutput, drop_generated: bool) -> str | None:
 
 
 async def create_completion(state, req: CompletionRequest, raw: Request) -> Response:
-    """Handle one completions request end to end."""
+    """Handle one completions request end to end (server/handler.py)."""
     state.check_model(req.model)
     req.apply_defaults(state.request_defaults)
     state.limits.check(len(req.prompts()), req.n, req.stop)
-    try:
-        params = (await asyncio.to_thread(req.to_sampling_params) if req.asks_for_structure
-                  else req.to_sampling_params())
-    except ValueError as e:
-        raise APIError(400, str(e), param=param_of(str(e))) from None
-    request_id = f"cmpl-{uuid.uuid4().hex}"
-    tracker = state.metrics.tracker()
-    try:
-        streams = await start_streams(state, raw, req.prompts(), params, request_id)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    builder = CompletionBuilder(state, req)
-    head = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-            "model": state.model_name}
-    if req.stream:
-        return StreamingResponse(_sse(streams, builder, head, tracker, req),
-                                 media_type="text/event-stream")
-    try:
-        finals = await until_disconnect(raw, _collect(streams, tracker))
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        streams.close()
-        tracker.close(len(streams.request_ids) * req.n)
-    n = req.n
-    choices = [builder.choice(i * n + o.index, f, o) for i, f in enumerate(finals)
-               for o in f.outputs]
-    choices.sort(key=lambda c: c["index"])
-    return JSONResponse({**head, "choices": choices, "usage": builder.usage(finals)})
-
-
-async def _collect(streams: EngineStreams, tracker) -> list[RequestOutput]:
-    last: list[RequestOutput | None] = [None] * len(streams.request_ids)
-    async for i, out in streams:
-        tracker.observe(i, out)
-        last[i] = out
-    if any(f is None or not f.finished for f in last):
-        raise RuntimeError("engine stream ended without a finished output")
-    return last
-
-
-def sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, allow_nan=False)}\n\n"
-
-
-async def _sse(streams: EngineStreams, builder: CompletionBuilder, head: dict, tracker,
-               req: CompletionRequest) -> AsyncIterator[str]:
-    finals: list[RequestOutput | None] = [None] * len(streams.request_ids)
-    try:
-        try:
-            async for i, out in streams:
-                tracker.observe(i, out)
-                finals[i] = out
-                for o in out.outputs:
-                    index = i * req.n + o.index
-                    delta = builder.delta(index, out, o)
-                    if delta is not None:
-                        usage = builder.chunk_usage(index, out, o) if req.continuous_usage else None
-                        yield sse({**head, "choices": [delta], "usage": usage})
-            if req.include_usage:
-                yield sse({**head, "choices": [], "usage": builder.usage(finals)})
-        except Exception as e:  # headers are gone: report in-band, as OpenAI does
-            logger.exception("stream %s failed", head["id"])
-            status = 400 if isinstance(e, ValueError) else 500
-            msg = str(e) if status == 400 else f"internal server error ({type(e).__name__})"
-            yield sse(error_body(status, msg))
-        yield sse("[DONE]")
-    finally:
-        streams.close()
-        tracker.close(len(streams.request_ids) * req.n)
+    params = await sampling_params(req)
+    return await respond(state, raw, req, req.prompts(), params, f"cmpl-{uuid.uuid4().hex}",
+                         CompletionBuilder(state, req), "text_completion", "text_completion")

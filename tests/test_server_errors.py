@@ -15,18 +15,23 @@ from server.api_server import build_app
 from tests.server_fixtures import TINY_MODEL, FakeEngine, InProcessServer
 
 BOOM = "please crash"
+BAD = "bad value"
 
 
 class FaultyEngine(FakeEngine):
-    """Fails with a non-ValueError for prompts containing BOOM, before or after its first output."""
+    """Fails with a non-ValueError for prompts containing BOOM, before or after its first output
+    ("later"), and with a ValueError after its first output for prompts containing BAD."""
 
     async def generate(self, prompt, params, request_id):
-        if isinstance(prompt, str) and BOOM in prompt and "later" not in prompt:
+        text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+        if BOOM in text and "later" not in text:
             raise RuntimeError("simulated fault: /secret/path")
         async for out in super().generate(prompt, params, request_id):
             yield out
-            if isinstance(prompt, str) and BOOM in prompt:
+            if BOOM in text:
                 raise RuntimeError("simulated fault mid-stream: /secret/path")
+            if BAD in text:
+                raise ValueError("max_tokens: simulated bad value")
 
 
 def eventually(cond, timeout: float = 5.0) -> bool:
@@ -98,6 +103,29 @@ def test_fault_mid_stream_is_reported_in_band(faulty):
     err = json.loads(events[-2])["error"]
     assert err["type"] == "internal_server_error" and "/secret/path" not in err["message"]
     assert httpx.get(f"{faulty.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+@pytest.mark.parametrize("words,status", [(f"{BOOM} later", 500), (BAD, 400)])
+def test_mid_stream_errors_map_the_same_for_completions_and_chat(faulty, endpoint, words, status):
+    """Once a stream's headers are out, a ValueError is an in-band 400 carrying its message and
+    anything else an in-band 500 without internals, then [DONE], on both endpoints."""
+    body = {"max_tokens": 8, "stream": True, "ignore_eos": True}
+    if endpoint == "completions":
+        body["prompt"] = words
+    else:
+        body["messages"] = [{"role": "user", "content": words}]
+    with httpx.stream("POST", f"{faulty.url}/v1/{endpoint}", json=body) as r:
+        assert r.status_code == 200
+        events = [line.removeprefix("data: ") for line in r.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == ("invalid_request_error" if status == 400 else "internal_server_error"), err
+    if status == 400:
+        assert err["message"] == "max_tokens: simulated bad value"
+    else:
+        assert "/secret/path" not in err["message"]
+    assert eventually(lambda: faulty.engine.blocks == {})
 
 
 def test_health_is_503_when_the_engine_died(faulty):

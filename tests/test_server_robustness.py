@@ -323,7 +323,7 @@ def test_model_is_served_by_name_not_path(tok):
     assert args.model_name == "my-model"
     assert EngineArgs(model="/srv/secret/models/my-model/", load_format="dummy").model_name == "my-model"
     engine = FakeEngine(tok)
-    engine.model_name, common.args = args.model_name, args
+    engine.model_name, engine.args = args.model_name, args
     state = ServerState(engine)
     state.check_model("my-model")
     state.check_model("/srv/secret/models/my-model")  # the path is still accepted

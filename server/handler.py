@@ -1,0 +1,134 @@
+"""The request skeleton completions and chat share: sampling parameters, submission, the whole
+(JSON) or streamed (SSE) response, client disconnects and error mapping.
+
+An endpoint validates its request, builds its prompts and a builder (the endpoint's choice and
+delta format), then calls `respond`. Errors map the same way for both endpoints: a ValueError
+before the response starts is a 400 naming the field; once a stream's headers are sent, a
+ValueError is reported in-band as a 400 error event and anything else as a 500 one, then
+`[DONE]`; a client that leaves gets 499 (nothing is sent) and its engine requests are aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Protocol
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from common.sampling_params import SamplingParams
+from engine.outputs import RequestOutput
+from server.errors import APIError, error_body, param_of
+from server.streams import ClientDisconnected, EngineStreams, until_disconnect
+
+logger = logging.getLogger(__name__)
+
+# JSON has no -inf; OpenAI-compatible servers clamp impossible tokens to this.
+MIN_LOGPROB = -9999.0
+
+
+def finite(x: float) -> float:
+    return x if x > MIN_LOGPROB else MIN_LOGPROB
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, allow_nan=False)}\n\n"
+
+
+class Builder(Protocol):
+    """An endpoint's response format over the final or streamed engine outputs of its prompts."""
+
+    def choices(self, finals: list[RequestOutput]) -> list[dict]:
+        """The whole response's choices, by index."""
+
+    def usage(self, finals: list[RequestOutput | None]) -> dict:
+        """Token counts of the whole request (prompts not yet seen count 0)."""
+
+    def chunks(self, i: int, out: RequestOutput) -> Iterator[tuple[dict, dict]]:
+        """(choice delta, usage so far of that choice) for each delta prompt i's output brings."""
+
+
+async def sampling_params(req) -> SamplingParams:
+    """The request's SamplingParams (a ValueError is a 400 naming the field); a structured-output
+    grammar is compiled off the event loop."""
+    try:
+        if req.asks_for_structure:
+            return await asyncio.to_thread(req.to_sampling_params)
+        return req.to_sampling_params()
+    except ValueError as e:
+        raise APIError(400, str(e), param=param_of(str(e))) from None
+
+
+async def start_streams(state, raw: Request, prompts, params, request_id: str) -> EngineStreams:
+    """Submit every prompt and wait until the engine accepted all of them (ValueError -> 400)."""
+    streams = EngineStreams(state.engine, prompts, params, request_id, state.background)
+    try:
+        await until_disconnect(raw, streams.prime())
+    except ValueError as e:
+        streams.close()
+        raise APIError(400, str(e), param=param_of(str(e))) from None
+    except BaseException:
+        streams.close()
+        raise
+    return streams
+
+
+async def respond(state, raw: Request, req, prompts: list, params: SamplingParams, request_id: str,
+                  builder: Builder, obj: str, chunk_obj: str) -> Response:
+    """Run `prompts` (n choices each) and answer: JSON `{id, object: obj, created, model, choices,
+    usage}`, or with `req.stream` SSE chunks `{id, object: chunk_obj, ..., choices: [delta], usage}`."""
+    head = {"id": request_id, "object": obj, "created": int(time.time()), "model": state.model_name}
+    tracker = state.metrics.tracker()
+    try:
+        streams = await start_streams(state, raw, prompts, params, request_id)
+    except ClientDisconnected:
+        return Response(status_code=499)
+    num_outputs = len(prompts) * req.n
+    if req.stream:
+        return StreamingResponse(_events(streams, builder, {**head, "object": chunk_obj}, tracker, req, num_outputs),
+                                 media_type="text/event-stream")
+    try:
+        finals = await until_disconnect(raw, _collect(streams, tracker))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    finally:
+        streams.close()
+        tracker.close(num_outputs)
+    return JSONResponse({**head, "choices": builder.choices(finals), "usage": builder.usage(finals)})
+
+
+async def _collect(streams: EngineStreams, tracker) -> list[RequestOutput]:
+    """The final output of every prompt, in prompt order."""
+    last: list[RequestOutput | None] = [None] * len(streams.request_ids)
+    async for i, out in streams:
+        tracker.observe(i, out)
+        last[i] = out
+    if any(f is None or not f.finished for f in last):
+        raise RuntimeError("engine stream ended without a finished output")
+    return last
+
+
+async def _events(streams: EngineStreams, builder: Builder, head: dict, tracker, req,
+                  num_outputs: int) -> AsyncIterator[str]:
+    finals: list[RequestOutput | None] = [None] * len(streams.request_ids)
+    try:
+        try:
+            async for i, out in streams:
+                tracker.observe(i, out)
+                finals[i] = out
+                for delta, usage in builder.chunks(i, out):
+                    yield sse({**head, "choices": [delta], "usage": usage if req.continuous_usage else None})
+            if req.include_usage:
+                yield sse({**head, "choices": [], "usage": builder.usage(finals)})
+        except Exception as e:  # headers are gone: report in-band, as OpenAI does
+            logger.exception("stream %s failed", head["id"])
+            status = 400 if isinstance(e, ValueError) else 500
+            yield sse(error_body(status, str(e) if status == 400 else f"internal server error ({type(e).__name__})"))
+        yield sse("[DONE]")
+    finally:
+        streams.close()
+        tracker.close(num_outputs)
