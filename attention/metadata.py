@@ -55,10 +55,6 @@ class PrefillMetadata:
     context_lens: list[int]  # global cached tokens per prefill (host)
     context_chunks: list[ContextChunk]
 
-    @property
-    def has_context(self) -> bool:
-        return len(self.context_chunks) > 0
-
 
 @dataclass
 class MLAMetadata:

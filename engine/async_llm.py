@@ -217,17 +217,6 @@ class AsyncLLM:
                            s.num_steps, (self._iter_buckets, list(self._iter_counts),
                                          self._iter_sum))
 
-    def wait_idle(self, timeout: float = 10.0) -> bool:
-        """Block until no request is held here and the core's last report shows none running or
-        waiting (for tests and graceful shutdown)."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            s = self._core_stats
-            if not self._queues and s.num_running == 0 and s.num_waiting == 0:
-                return True
-            time.sleep(0.01)
-        return False
-
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine core and its workers, and wait for them."""
         self.core.shutdown(timeout)

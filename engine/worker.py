@@ -58,7 +58,7 @@ def warm_up_sizes(max_tokens: int) -> list[int]:
 def dummy_prompt_lens(num_tokens: int, max_len: int) -> list[int]:
     """`num_tokens` prompt tokens as sequences of at most `max_len` each, for the start-up passes
     (profile run, warm-up): a position past the model's context would index its RoPE table out of
-    range (seen on the GPU: a 2048-token warm-up prompt on a 256-position model)."""
+    range (a 2048-token warm-up prompt on a 256-position model would)."""
     return [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
 
 

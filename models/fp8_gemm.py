@@ -15,7 +15,7 @@ Two implementations (w8a8_block_gemm picks; the kernel plan's fp8_gemm=triton|cu
   rows (1.13-1.19x of bf16 at M = 4096), an autotuned pointer kernel below. Its ceiling here: each
   K block's product must be scaled before the next accumulates, so Triton waits for every
   wgmma (wait 0) instead of keeping one in flight; an unscaled Triton fp8 GEMM reaches 1.2-1.7x.
-Measurements and the variants tried: RESULTS.md (2026-11-30, fifth session), scripts/exp_fp8_gemm.py.
+Measurements and the variants tried: RESULTS.md.
 The engine uses this only with `--fp8-gemm` (else FP8 checkpoints are dequantized to bf16 at load).
 """
 
@@ -166,7 +166,7 @@ def _cfgs(tiles):
 
 
 # Candidate tiles per M range (BN divides 128: one weight scale per tile). The first of each list
-# is the untuned tile. 256-wide tiles, timed on the H200 (2026-11-30, fifth session), ran at
+# is the untuned tile. 256-wide tiles, timed on the H200, ran at
 # 200-300 TFLOP/s against 580-700 for 128 x 128: per-column scales and their registers spill.
 _TILES = {
     "small": [(16, 64, 4, 3), (16, 128, 4, 4), (16, 64, 4, 5), (32, 128, 4, 4)],
@@ -175,7 +175,7 @@ _TILES = {
 }
 _TUNED = {name: triton.autotune(configs=_cfgs(tiles), key=["M_BUCKET", "N", "K"])(_w8a8_kernel)
           for name, tiles in _TILES.items()}
-# The persistent TMA kernel at M > 256 (H200, fifth session: 761-860 TFLOP/s at M 4096 against
+# The persistent TMA kernel at M > 256 (H200: 761-860 TFLOP/s at M 4096 against
 # 560-710 for the pointer kernel); FLAT merges the tile and K loops into one software pipeline
 # (faster at K <= 2048, slower at K >= 7168)
 _TMA_TUNED = triton.autotune(
@@ -237,8 +237,8 @@ def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None):
 
 
 # cuBLAS's block-scaled FP8 GEMM (cuBLASLt 12.9+, Hopper; through torch._scaled_mm, whose scale
-# shapes select the 1x128 / 128x128 recipe). It took row counts that are multiples of 4 (probed on
-# the H200, 2026-11-30: 4, 8, 12, 16, 24, ..., 100, 1000 taken; 1, 2, 3, 5, 7, 15, 17, 33, 255,
+# shapes select the 1x128 / 128x128 recipe). It takes row counts that are multiples of 4 (probed on
+# the H200: 4, 8, 12, 16, 24, ..., 100, 1000 taken; 1, 2, 3, 5, 7, 15, 17, 33, 255,
 # 257 refused), so other counts >= 4 are padded with zero rows. A shape cuBLAS refuses anyway
 # (CUBLAS_STATUS_NOT_SUPPORTED) is remembered and goes to Triton; any other error from this path
 # (a torch that does not know the block-wise recipe) turns it off for the process.

@@ -186,17 +186,3 @@ class BlockManager:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_blocks[b] = None
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if ref counts, the free list and the cache disagree (tests)."""
-        refs = [0] * len(self.blocks)
-        for ids in self.req_blocks.values():
-            assert len(set(ids)) == len(ids), f"duplicate block in a request: {ids}"
-            for b in ids:
-                refs[b] += 1
-        for block in self.blocks:
-            assert block.ref_cnt == refs[block.block_id], block
-            assert (block.ref_cnt == 0) == (block.block_id in self.free_blocks), block
-        for h, b in self.cached.items():
-            assert self.blocks[b].block_hash == h, (b, self.blocks[b])
-        assert self.num_free_blocks + self.num_used_blocks == self.num_total_blocks

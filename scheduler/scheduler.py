@@ -98,9 +98,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     @property
     def stats(self) -> SchedulerStats:
         bm = self.block_manager

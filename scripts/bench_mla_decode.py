@@ -34,7 +34,7 @@ from attention.triton_prefill import PrefillConfig, default_prefill_config, pref
 
 LKV, R, P, V = 512, 64, 128, 128
 DEVICE = "cuda"  # a CPU dry run under TRITON_INTERPRET=1 (tiny shapes) may point this at "cpu"
-# Issue 6's grid: B in {1, 32, 128} x length in {1k, 4k, 16k} (x H in {16, 128} below), plus a
+# The grid: B in {1, 32, 128} x length in {1k, 4k, 16k} (x H in {16, 128} below), plus a
 # 32k single-sequence row for the long-context split heuristic.
 DECODE_SHAPES = [(B, S) for B in (1, 32, 128) for S in (1024, 4096, 16384)] + [(1, 32768)]
 PREFILL_SHAPES = [  # (name, [(Lq, Lk), ...], H, causal)

@@ -1,6 +1,6 @@
 """TP / DCP layouts of 4 and 8 ranks on the CPU (gloo): greedy outputs equal one rank.
 
-Issue 10's layouts (-tp 4, -tp 4 -dcp 2, -tp 4 -dcp 4, -tp 8 -dcp 8, -tp 8 -dcp 4) on a tiny V3
+The layouts (-tp 4, -tp 4 -dcp 2, -tp 4 -dcp 4, -tp 8 -dcp 8, -tp 8 -dcp 4) on a tiny V3
 model with 8 heads, fp32, every prompt chunked by 16 tokens, two waves (the second hits the
 prefix cache). The 4-rank layouts also run in CI (tests/test_parallel.py); 8 ranks take ~1 min
 each on 2 cores, so they live here.

@@ -18,7 +18,7 @@ from server.errors import APIError, param_of
 from server.handler import finite, respond, sampling_params
 from server.protocol import ChatCompletionRequest
 from server.reasoning import ThinkParser, split_reasoning, thinks
-from server.tool_calls import Delta, ToolCallParser, assemble, call_id, forced_calls
+from server.tool_calls import Delta, ToolCallParser, call_id, forced_calls, parse_tool_calls
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +136,8 @@ class ChatBuilder:
             message["content"] = o.text if calls is None else None
             message["tool_calls"] = calls or []
         elif self.tool_parser is not None:
-            parser = ToolCallParser(self.tool_parser)
-            d = parser.feed(message["content"] or "").merge(parser.finish())
-            message["content"], message["tool_calls"] = d.content or None, assemble(d)
+            parsed = parse_tool_calls(message["content"] or "", self.tool_parser)
+            message["content"], message["tool_calls"] = parsed.content, parsed.tool_calls
         if message.get("tool_calls"):
             self._called.add(index)
         return {"index": index, "message": message,

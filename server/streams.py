@@ -74,13 +74,6 @@ class EngineStreams:
             if out is not None:
                 yield i, out
 
-    async def final_outputs(self) -> list[RequestOutput | None]:
-        """Drain everything; the last output of each prompt, in prompt order."""
-        last: list[RequestOutput | None] = [None] * len(self._tasks)
-        async for i, out in self:
-            last[i] = out
-        return last
-
     def close(self) -> None:
         """Cancel unfinished engine requests and abort them (frees their KV blocks).
 

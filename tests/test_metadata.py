@@ -23,7 +23,7 @@ def test_split_is_rebased_and_sliced():
     assert m.decode.seq_lens.tolist() == [5, 10]
     assert m.decode.block_table.shape[0] == 2 and m.prefill.block_table.shape[0] == 2
     assert m.prefill.query_start_loc.tolist() == [0, 5, 8]  # rebased, prefill rows only
-    assert m.prefill.context_lens == [0, 6] and m.prefill.has_context  # the flag vLLM forgot
+    assert m.prefill.context_lens == [0, 6] and m.prefill.context_chunks  # the context vLLM forgot
     # slots: position p of a request lives in block table[p // 4] at offset p % 4
     assert m.slot_mapping.tolist() == [2 * 4 + 0, 1 * 4 + 1,
                                        5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 6 * 4 + 0,

@@ -1,4 +1,4 @@
-"""Golden parity of our model + paged MLA attention against transformers' DeepSeek (issue 2)."""
+"""Golden parity of our model + paged MLA attention against transformers' DeepSeek."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tensor and decode-context parallelism on CPU (gloo, 2 processes) equal one rank (issue 8)."""
+"""Tensor and decode-context parallelism on CPU (gloo, 2 processes) equal one rank."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def tiny_v3_8heads(tmp_path_factory):
 
 
 def test_four_ranks_equal_one_rank(tiny_v3_8heads, workload):
-    """Issue 10 on the CPU (gloo, 4 processes): -tp 4, -tp 4 -dcp 2, -tp 4 -dcp 4 equal one rank
+    """Four ranks on the CPU (gloo, 4 processes): -tp 4, -tp 4 -dcp 2, -tp 4 -dcp 4 equal one rank
     with every prompt chunked by 16 tokens. Eight ranks: scripts/cpu_parallel_check.py."""
     ref, _, cap1 = outputs(tiny_v3_8heads, workload, 1, 1, max_num_batched_tokens=16, num_kv_blocks=256)
     for tp, dcp in [(4, 1), (4, 2), (4, 4)]:

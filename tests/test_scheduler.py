@@ -17,6 +17,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler import Scheduler
+from test_block_manager import check_invariants
 
 VOCAB = 1000
 
@@ -91,7 +92,7 @@ def make_req(req_id, prompt, eos=None, **sp) -> Request:
 def step(sched: Scheduler, runner: FakeRunner, results: dict | None = None):
     so = sched.schedule()
     outs = sched.update_from_output(so, runner.execute(so))
-    sched.block_manager.check_invariants()
+    check_invariants(sched.block_manager)
     bm = sched.block_manager
     assert bm.num_free_blocks + bm.num_used_blocks == bm.num_total_blocks
     if results is not None:
@@ -241,7 +242,7 @@ def test_randomized_run_keeps_invariants():
             if o.finished:
                 live.discard(o.req_id)
         live -= aborted
-        assert sched.get_num_unfinished_requests() == len(live)
+        assert len(sched.requests) == len(live)
     results2, _ = run_all(sched, runner)
     for rid, outs in results2.items():
         results.setdefault(rid, []).extend(outs)
@@ -317,7 +318,7 @@ def test_add_request_rejects_prompt_larger_than_pool():
     sched.add_request(make_req("c", range(64)))
     with pytest.raises(ValueError, match="request_id"):
         sched.add_request(make_req("c", range(3)))
-    assert sched.get_num_unfinished_requests() == 1
+    assert len(sched.requests) == 1
 
 
 def run_one(req: Request, script=None, **cfg_kw):

@@ -86,8 +86,8 @@ def test_model_loads_with_vocab_covering_tokenizer(model, tokenizer):
 
 
 def test_greedy_five_shot_accuracy(model, tokenizer):
-    """The committed checkpoint scores 1.00 on all 200 test items (docs/tiny_model.md); issue 5 asks
-    >= 0.6. Here 20 items in one padded batch, with a margin for a retrained checkpoint."""
+    """The committed checkpoint scores 1.00 on all 200 test items (docs/tiny_model.md); the bar
+    is 0.6. Here 20 items in one padded batch, with a margin for a retrained checkpoint."""
     from scripts.eval_tiny_model_hf import evaluate
 
     acc, texts = evaluate(model, tokenizer, DATA_DIR, limit=20, add_bos=True, batch_size=20)
