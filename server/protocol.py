@@ -9,7 +9,7 @@ anything reaches the engine.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_validator,
                       model_validator)
@@ -149,6 +149,8 @@ def _json_spec(value: str | dict, field: str) -> str:
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI names, plus vLLM's extensions)."""
 
+    endpoint: ClassVar[str]  # "completions" | "chat": names the endpoint in refusals
+
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -204,6 +206,12 @@ class _SamplingFields(_Request):
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty")
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported(cls, data: Any) -> Any:
+        refuse_unsupported(data, cls.endpoint)
+        return data
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -319,6 +327,7 @@ Prompt = str | list[int]
 
 
 class CompletionRequest(_SamplingFields):
+    endpoint: ClassVar[str] = "completions"
     prompt: Any  # str | list[str] | list[int] | list[list[int]], see _normalize_prompt
     max_tokens: NonNegInt64 | None = 16
     logprobs: _bounded(0, MAX_LOGPROBS) | None = None
@@ -326,12 +335,6 @@ class CompletionRequest(_SamplingFields):
     # vLLM: the top-k logprobs of every prompt token, as `prompt_logprobs` on each choice
     prompt_logprobs: _bounded(0, MAX_LOGPROBS) | None = None
     best_of: _bounded(1, MAX_N) | None = None  # only best_of == n (no ranking of extra samples)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unsupported(cls, data: Any) -> Any:
-        refuse_unsupported(data, "completions")
-        return data
 
     @model_validator(mode="after")
     def _best_of_is_n(self):
@@ -436,6 +439,7 @@ class NamedToolChoice(_Request):
 
 
 class ChatCompletionRequest(_SamplingFields):
+    endpoint: ClassVar[str] = "chat"
     messages: list[ChatMessage] = Field(..., min_length=1)
     tools: list[Tool] | None = None
     # None: "auto" when tools are given, else "none" (OpenAI's default)
@@ -451,12 +455,6 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's field; handed to the chat template as `reasoning_effort` (DeepSeek's templates
     # do not read it: their thinking is on or off, see chat_template_kwargs)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unsupported(cls, data: Any) -> Any:
-        refuse_unsupported(data, "chat")
-        return data
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
