@@ -241,10 +241,10 @@ def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None):
 # the H200: 4, 8, 12, 16, 24, ..., 100, 1000 taken; 1, 2, 3, 5, 7, 15, 17, 33, 255,
 # 257 refused), so other counts >= 4 are padded with zero rows. A shape cuBLAS refuses anyway
 # (CUBLAS_STATUS_NOT_SUPPORTED) is remembered and goes to Triton; any other error from this path
-# (a torch that does not know the block-wise recipe) turns it off for the process.
+# (a torch that does not know the block-wise recipe) raises: the warm-up names the kernel plan's
+# fp8_gemm=triton, which avoids it.
 _CUBLAS_MIN_ROWS = 4
 _CUBLAS_REFUSED: set[tuple] = set()  # (rows, N, K, out dtype)
-_CUBLAS_BROKEN: list[str] = []  # the error that turned the path off, if one did
 
 
 def _cublas_device_ok(t: torch.Tensor) -> bool:
@@ -261,7 +261,7 @@ def _cublas_key(M: int, N: int, K: int, out_dtype: torch.dtype) -> tuple:
 
 def _cublas_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
     M = xq.shape[0]
-    return (not _CUBLAS_BROKEN and out_dtype in (torch.bfloat16, torch.float16) and N % GROUP == 0
+    return (out_dtype in (torch.bfloat16, torch.float16) and N % GROUP == 0
             and K % GROUP == 0 and M >= _CUBLAS_MIN_ROWS
             and _cublas_key(M, N, K, out_dtype) not in _CUBLAS_REFUSED and _cublas_device_ok(xq))
 
@@ -308,16 +308,13 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
         except RuntimeError as e:  # raised before the GEMM launches (the padding copies may have run)
             # never switch paths inside a CUDA-graph capture (graph capture runs every bucket
             # eagerly first, so a refusal shows there, not here)
-            if backend == "cublas" or (xq.is_cuda and torch.cuda.is_current_stream_capturing()):
-                raise
             msg = str(e).splitlines()[0][:160]
-            if "NOT_SUPPORTED" in msg:
-                _CUBLAS_REFUSED.add(_cublas_key(M, N, K, out_dtype))
-                log.info("cuBLAS block-scaled FP8 GEMM refused M %d, N %d, K %d (%s): Triton for that shape",
-                         M, N, K, msg)
-            else:
-                _CUBLAS_BROKEN.append(msg)
-                log.warning("cuBLAS block-scaled FP8 GEMM failed (%s): the Triton GEMM from now on", msg)
+            if (backend == "cublas" or "NOT_SUPPORTED" not in msg
+                    or (xq.is_cuda and torch.cuda.is_current_stream_capturing())):
+                raise
+            _CUBLAS_REFUSED.add(_cublas_key(M, N, K, out_dtype))
+            log.info("cuBLAS block-scaled FP8 GEMM refused M %d, N %d, K %d (%s): Triton for that shape",
+                     M, N, K, msg)
     elif backend == "cublas":
         raise ValueError(f"cuBLAS block-scaled FP8 GEMM unavailable for M {M}, N {N}, K {K}, {out_dtype} "
                          f"on this torch / device")
