@@ -87,14 +87,14 @@ class Worker:
         t0 = time.perf_counter()
         with torch.device(self.device):
             try:
-                self.model = DeepseekForCausalLM(cfg, self.dtype, self.plan)
+                self.model = DeepseekForCausalLM(cfg, self.dtype, self.plan, keep_fp8=fp8_gemm)
             except ImportError as e:  # a kernel module of the plan (triton missing or broken)
                 raise self.plan.error("importing its module", e) from e
         if args.load_format == "dummy":
             init_dummy_weights(self.model, args.seed)
         else:
             load_weights(self.model, args.model, cfg)
-        self.model.process_weights_after_loading(fp8_gemm=fp8_gemm)
+        self.model.process_weights_after_loading()
         self.model.eval()
         log.info("model loaded in %.1f s: %s, dtype %s, device %s",
                  time.perf_counter() - t0, cfg.model_type, self.dtype, self.device)

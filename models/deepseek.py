@@ -17,12 +17,13 @@ from common import distributed as pd
 from common.fused import glue_for
 from common.kernel_plan import KernelPlan
 from models.config import ModelConfig
-from models.layers import Linear, ParallelLMHead, RMSNorm, VocabParallelEmbedding, YarnRotaryEmbedding
+from models.layers import Linear, PackedLinear, ParallelLMHead, RMSNorm, VocabParallelEmbedding, YarnRotaryEmbedding
 from models.moe import MLP, MoE
 
 
 class DeepseekAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan, ops: AttentionOps):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan, ops: AttentionOps,
+                 keep_fp8: bool = False):
         super().__init__()
         tp = pd.tp().size
         if cfg.num_attention_heads % tp:
@@ -31,13 +32,16 @@ class DeepseekAttention(nn.Module):
         self.Hl = cfg.num_attention_heads // tp
         self.P, self.R, self.Lkv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         D, H, qk, q8 = cfg.hidden_size, cfg.num_attention_heads, cfg.qk_head_dim, cfg.fp8_block
-        if cfg.q_lora_rank is None:
-            self.q_proj = Linear(D, H * qk, dtype, tp_dim=0, fp8_block=q8)
-        else:
-            self.q_a_proj = Linear(D, cfg.q_lora_rank, dtype, fp8_block=q8)
+        # The projections that read x (q_proj or q_a_proj, and kv_a_proj_with_mqa) as one GEMM: at
+        # decode each is a latency-bound GEMV, so one launch instead of two. Under TP q_proj holds
+        # this rank's heads and kv_a is replicated: the local rows still stack.
+        q_part = ("q_proj", H * qk, 0) if cfg.q_lora_rank is None else ("q_a_proj", cfg.q_lora_rank, None)
+        self.qkv_a_proj = PackedLinear(D, [q_part, ("kv_a_proj_with_mqa", cfg.kv_cache_dim, None)], dtype,
+                                       fp8_block=q8, keep_fp8=keep_fp8)
+        self.q_lora = cfg.q_lora_rank is not None  # V2, V3: q_a_proj's output is a latent, up-projected
+        if self.q_lora:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, glue_for(plan.compile))
             self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, dtype, tp_dim=0, fp8_block=q8)
-        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_cache_dim, dtype, fp8_block=q8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype,
                                 tp_dim=0, fp8_block=q8)
@@ -45,33 +49,13 @@ class DeepseekAttention(nn.Module):
         self.mla = MLAAttention(self.Hl, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                                 cfg.kv_lora_rank, cfg.softmax_scale, plan, ops)
 
-        self.w_qkv_a: torch.Tensor | None = None  # set by process_weights_after_loading
-        self.qkv_a_split: list[int] = []
-
     def process_weights_after_loading(self) -> None:
         self.mla.set_kv_b_weight(self.kv_b_proj.weight)
-        # The projections that read x (q_proj or q_a_proj, and kv_a_proj_with_mqa) as one GEMM:
-        # at decode each is a latency-bound GEMV, so one launch instead of two. Under TP q_proj
-        # holds this rank's heads and kv_a is replicated: the local rows still concatenate.
-        first = self.q_proj if hasattr(self, "q_proj") else self.q_a_proj
-        if first.fp8_block is None and self.kv_a_proj_with_mqa.fp8_block is None:
-            kv_a = self.kv_a_proj_with_mqa.weight
-            self.w_qkv_a = nn.Parameter(torch.cat([first.weight, kv_a]), requires_grad=False)
-            self.qkv_a_split = [first.weight.shape[0], kv_a.shape[0]]
-            del self.kv_a_proj_with_mqa
-            if hasattr(self, "q_proj"):
-                del self.q_proj
-            else:
-                del self.q_a_proj
 
     def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
                 meta: MLAMetadata) -> torch.Tensor:
-        if self.w_qkv_a is not None:
-            q, kv = F.linear(x, self.w_qkv_a).split(self.qkv_a_split, dim=-1)
-        else:
-            q = self.q_proj(x) if hasattr(self, "q_proj") else self.q_a_proj(x)
-            kv = self.kv_a_proj_with_mqa(x)
-        if hasattr(self, "q_b_proj"):
+        q, kv = self.qkv_a_proj(x).split(self.qkv_a_proj.sizes, dim=-1)
+        if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q = q.reshape(-1, self.Hl, self.P + self.R)
         q_nope, q_pe = q.split([self.P, self.R], dim=-1)
@@ -83,12 +67,13 @@ class DeepseekAttention(nn.Module):
 
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, plan: KernelPlan,
-                 ops: AttentionOps):
+                 ops: AttentionOps, keep_fp8: bool = False):
         super().__init__()
         self.glue = glue_for(plan.compile)
-        self.self_attn = DeepseekAttention(cfg, dtype, plan, ops)
-        self.mlp = MoE(cfg, dtype, plan) if cfg.is_moe_layer(layer_idx) else \
-            MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block=cfg.fp8_block, glue=self.glue)
+        self.self_attn = DeepseekAttention(cfg, dtype, plan, ops, keep_fp8)
+        self.mlp = MoE(cfg, dtype, plan, keep_fp8) if cfg.is_moe_layer(layer_idx) else \
+            MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block=cfg.fp8_block, glue=self.glue,
+                keep_fp8=keep_fp8)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, self.glue)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
@@ -108,11 +93,12 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan, ops: AttentionOps):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan, ops: AttentionOps,
+                 keep_fp8: bool = False):
         super().__init__()
         self.glue = glue_for(plan.compile)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, dtype, plan, ops)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, dtype, plan, ops, keep_fp8)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, self.glue)
         self.rotary_emb = YarnRotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope)
@@ -130,13 +116,20 @@ class DeepseekModel(nn.Module):
 
 class DeepseekForCausalLM(nn.Module):
     """Token ids + positions + per-layer caches + step metadata -> hidden states; logits on demand.
-    Every op runs as the kernel plan says (common/kernel_plan.py; default: pure torch)."""
+    Every op runs as the kernel plan says (common/kernel_plan.py; default: pure torch).
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan = KernelPlan()):
+    FP8 checkpoints: the projections are dequantized to the compute dtype after loading, except,
+    with `keep_fp8` (--fp8-gemm), the attention and dense/shared MLP projections that the W8A8
+    GEMM reads as they are and the routed experts, stacked in FP8 for the fused MoE (kv_b_proj
+    feeds W_UK / W_UV, so it is always dequantized)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan = KernelPlan(),
+                 keep_fp8: bool = False):
         super().__init__()
         self.config, self.plan = cfg, plan
+        self.keep_fp8 = keep_fp8 and cfg.fp8_block is not None
         self.ops = make_attention_ops(plan)
-        self.model = DeepseekModel(cfg, dtype, plan, self.ops)
+        self.model = DeepseekModel(cfg, dtype, plan, self.ops, self.keep_fp8)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -146,26 +139,17 @@ class DeepseekForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [N, vocab] fp32
 
-    def process_weights_after_loading(self, fp8_gemm: bool = False) -> None:
-        """Derived weights, made once after loading: absorbed MLA matrices, fused experts.
-
-        FP8 checkpoints: projections are dequantized to the compute dtype, except, with
-        `fp8_gemm`, the attention and dense/shared MLP projections that the W8A8 GEMM reads as
-        they are and the routed experts, stacked in FP8 for the fused MoE (kv_b_proj feeds
-        W_UK / W_UV, so it is always dequantized).
-        """
+    def process_weights_after_loading(self) -> None:
+        """Derived weights, made once after loading: FP8 weights dequantized unless kept, the
+        absorbed MLA matrices, the tied LM head."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         for name, m in self.named_modules():
             if isinstance(m, Linear):
                 m.fp8_gemm = self.plan.fp8_gemm
-                if not fp8_gemm or name.endswith("kv_b_proj"):
+                if not self.keep_fp8 or name.endswith("kv_b_proj"):
                     m.dequantize_weights()
         for layer in self.model.layers:
             layer.self_attn.process_weights_after_loading()
             if isinstance(layer.mlp, MoE):
-                layer.mlp.fuse_experts()
-                if layer.mlp.shared_experts is not None:
-                    layer.mlp.shared_experts.fuse()
-            else:
-                layer.mlp.fuse()
+                layer.mlp.process_weights_after_loading()

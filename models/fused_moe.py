@@ -3,7 +3,7 @@
 At batch 1-8 the routed experts are T*k matrix-vector products that read each chosen expert's
 weights once; the grouped-GEMM path spends more time in its glue (sort, gather, scatter) than in
 the products. Each token has k routed pairs plus n_shared pairs for the shared experts folded
-into the weights (`MoE.fuse_experts`, weight 1). Here:
+into the weights (`MoE`, stacked at load, weight 1). Here:
   kernel 1, one program per (token-expert pair, tile of I): h = silu(x W_gate^T) * (x W_up^T)
   kernel 2, one program per (token-expert pair, tile of D): p = w * (h W2^T), fp32
   kernel 3, one program per (token, tile of D): out = sum of the token's pair partials, in the
@@ -160,7 +160,7 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     """Routed-expert output `[T, D]` for x `[T, D]`, ids / weights `[T, k]` (no host sync).
 
     `n_shared`: the last n_shared experts of w13 / w2 are shared experts folded in
-    (`MoE.fuse_experts`); every token also takes each of them with weight 1, so the output is
+    (`MoE`, stacked at load); every token also takes each of them with weight 1, so the output is
     routed + shared.
     FP8 experts (DeepSeek-V3/R1 checkpoints kept in FP8): w13 / w2 in float8 e4m3 with
     `w13_scale [E, ceil(2I/block), ceil(D/block)]` and `w2_scale [E, ceil(D/block), ceil(I/block)]`;

@@ -1,12 +1,17 @@
 """Building blocks: RMSNorm, YaRN RoPE, tensor-parallel linears and vocab-parallel embedding.
 
 Sharding is declared per parameter (`param.tp_dim`: the dimension split over TP ranks, or None
-for replicated); the loader reads only this rank's slice (DESIGN.md §6, STYLE.md rule 4).
+for replicated); the loader reads only this rank's slice (DESIGN.md §6, STYLE.md rule 4). A
+packed parameter holds several checkpoint tensors (`param.shards`, one `Shard` each: q_a_proj and
+kv_a_proj_with_mqa as one GEMM, gate and up, the stacked experts); the loader writes each
+checkpoint tensor's slice straight into its place, so the module tree is the same before and
+after loading.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +21,28 @@ from common import distributed as pd
 from models.config import RopeConfig, yarn_mscale
 from models.fp8 import FP8, dequantize
 from common.fused import EAGER, Glue
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One checkpoint tensor of a packed parameter: `name` relative to the parameter's module
+    ("../" for its parent's), its full checkpoint `shape`, `tp_dim` the checkpoint dimension split
+    over TP ranks (None: replicated), and `index` the place of this rank's slice in the parameter.
+    With `stack`, the slice is cut into equal pieces along that checkpoint dimension, stacked on
+    the index's leading dimension (the shared experts, folded into expert rows)."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_dim: int | None
+    index: tuple
+    stack: int | None = None
+
+
+def packed_param(shape: tuple[int, ...], dtype: torch.dtype, shards: list[Shard]) -> nn.Parameter:
+    """An uninitialised parameter `shape` (this rank's) filled by the loader from `shards`."""
+    p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    p.shards = shards
+    return p
 
 
 def shard_param(shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype) -> nn.Parameter:
@@ -84,6 +111,53 @@ class Linear(nn.Module):
         else:
             y = F.linear(x, self.weight)
         return pd.tp_all_reduce(y) if self.reduce else y
+
+
+class PackedLinear(Linear):
+    """Column-parallel or replicated projections of one input as one GEMM: `parts` are
+    (checkpoint module name, out_features, tp_dim 0 or None), their rows stacked in that order
+    (`sizes`: each part's rows on this rank). FP8 weights keep one scale per 128-row block, each
+    part's blocks after the previous part's; a kept-FP8 GEMM needs every part but the last to
+    fill whole blocks."""
+
+    def __init__(self, in_features: int, parts: list[tuple[str, int, int | None]], dtype: torch.dtype,
+                 fp8_block: tuple[int, int] | None = None, keep_fp8: bool = False):
+        nn.Module.__init__(self)
+        self.dtype, self.fp8_block, self.reduce = dtype, fp8_block, False
+        self.fp8_gemm = "auto"
+        tp = pd.tp().size
+        self.sizes = [out // tp if tp_dim == 0 else out for _, out, tp_dim in parts]
+        for (name, out, tp_dim), n in zip(parts, self.sizes):
+            if tp_dim == 0 and out % tp:
+                raise ValueError(f"{name}: dimension {out} is not divisible by tensor parallel size {tp}")
+            if fp8_block is not None and tp_dim == 0 and n % fp8_block[0]:
+                raise ValueError(f"tensor parallel size {tp} would split a {fp8_block[0]}x{fp8_block[1]} "
+                                 f"FP8 block: {name}'s {out} rows give {n} per rank")
+        starts = [sum(self.sizes[:i]) for i in range(len(parts))]
+        self.weight = packed_param((sum(self.sizes), in_features), FP8 if fp8_block else dtype, [
+            Shard(f"../{name}.weight", (out, in_features), tp_dim, (slice(r0, r0 + n),))
+            for (name, out, tp_dim), r0, n in zip(parts, starts, self.sizes)])
+        if fp8_block is None:
+            return
+        bn, bk = fp8_block
+        if keep_fp8 and any(n % bn for n in self.sizes[:-1]):
+            raise ValueError(f"--fp8-gemm: {', '.join(p[0] for p in parts)} ({self.sizes} rows) do not "
+                             f"pack on {bn}-row FP8 blocks; drop --fp8-gemm")
+        self.block_rows = [-(-n // bn) for n in self.sizes]  # each part's scale rows
+        b0 = [sum(self.block_rows[:i]) for i in range(len(parts))]
+        self.weight_scale_inv = packed_param((sum(self.block_rows), -(-in_features // bk)), torch.float32, [
+            Shard(f"../{name}.weight_scale_inv", (-(-out // bn), -(-in_features // bk)), tp_dim, (slice(r, r + nb),))
+            for (name, out, tp_dim), r, nb in zip(parts, b0, self.block_rows)])
+
+    def dequantize_weights(self) -> None:
+        """Post-load: the compute-dtype weight, part by part (each part's blocks start anew)."""
+        if self.fp8_block is None:
+            return
+        w, s = self.weight.split(self.sizes), self.weight_scale_inv.split(self.block_rows)
+        deq = torch.cat([dequantize(a, b, self.fp8_block, self.dtype) for a, b in zip(w, s)])
+        del self.weight_scale_inv
+        self.weight = nn.Parameter(deq, requires_grad=False)
+        self.fp8_block = None
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,7 +1,8 @@
 """Load a Hugging Face DeepSeek checkpoint (safetensors) or dummy weights into our model.
 
-The loader is a walk over the checkpoint's tensors: each name equals one of our parameters, and
-the parameter's `tp_dim` says which slice this rank reads (only that slice is read from disk).
+The loader is a walk over the checkpoint's tensors: each name is one of our parameters, or one
+`Shard` of a packed parameter (models/layers.py), and its `tp_dim` says which slice this rank
+reads (only that slice is read from disk) and where in the parameter it goes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tqdm import tqdm
 from common import distributed as pd
 from models.config import ModelConfig
 from models.fp8 import FP8
+from models.layers import Shard
 
 log = logging.getLogger(__name__)
 
@@ -41,9 +43,25 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+def checkpoint_shards(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, Shard]]:
+    """Every checkpoint tensor the model reads: name -> (parameter, where it goes). A parameter
+    that is not packed is one checkpoint tensor of its own name."""
+    out = {}
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        owner, _, leaf = pname.rpartition(".")
+        shards = getattr(p, "shards", None) or [Shard(leaf, tuple(_full_shape(p)), getattr(p, "tp_dim", None), ())]
+        for sh in shards:
+            base, name = owner, sh.name
+            while name.startswith("../"):
+                base, name = base.rpartition(".")[0], name[3:]
+            out[f"{base}.{name}" if base else name] = (p, sh)
+    return out
+
+
 def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig) -> None:
-    """Read this rank's slice of every parameter; fail with a message naming any bad tensor."""
-    params = dict(model.named_parameters(remove_duplicate=False))
+    """Read this rank's slice of every checkpoint tensor into its place; fail with a message naming
+    any bad tensor."""
+    params = checkpoint_shards(model)
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight", None)
     loaded: set[str] = set()
@@ -64,11 +82,11 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig
                     if name.endswith("weight_scale_inv") and cfg.fp8_block is None:
                         raise ValueError(f"checkpoint tensor {name}: an FP8-quantized checkpoint "
                                          "whose config.json has no quantization_config")
-                    p = params.get(name)
-                    if p is None:
+                    target = params.get(name)
+                    if target is None:
                         log.warning("checkpoint tensor %s has no matching parameter; ignored", name)
                         continue
-                    _copy_slice(p, f.get_slice(name), name)
+                    _copy_slice(*target, f.get_slice(name), name)
                     loaded.add(name)
     if skipped_mtp:
         log.info("skipped %d tensors of multi-token-prediction layers (num_nextn_predict_layers=%d)",
@@ -79,33 +97,34 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig
         raise ValueError(f"checkpoint {model_dir} is missing tensor(s): {', '.join(missing[:5])}{more}")
 
 
-def _copy_slice(p: torch.Tensor, sl, name: str) -> None:
+def _copy_slice(p: torch.Tensor, sh: Shard, sl, name: str) -> None:
+    """This rank's slice of checkpoint tensor `sl` (full shape `sh.shape`) into `p[sh.index]`."""
     full = list(sl.get_shape())
-    tp_dim = getattr(p, "tp_dim", None)
-    vocab = getattr(p, "vocab_size", None)
-    expected = list(p.shape)
-    if tp_dim is not None:
-        expected[tp_dim] *= pd.tp().size
-    if vocab is not None:
-        expected[0] = vocab  # the parameter is padded to a multiple of tp; the checkpoint is not
-    if full != expected:
-        raise ValueError(f"checkpoint tensor {name} has shape {full}, expected {expected}")
+    if full != list(sh.shape):
+        raise ValueError(f"checkpoint tensor {name} has shape {full}, expected {list(sh.shape)}")
+    vocab = getattr(p, "vocab_size", None)  # rows past it are padding
     with torch.no_grad():
-        if tp_dim is None:
-            p.copy_(sl[:])
-            return
-        n = p.shape[tp_dim]
-        start = pd.tp().rank * n
-        stop = min(start + n, full[tp_dim])
-        index = [slice(None)] * len(full)
-        index[tp_dim] = slice(start, stop)
-        part = sl[tuple(index)] if stop > start else None
-        if vocab is not None:
-            p.zero_()  # padding rows past the vocabulary
-            if part is not None:
-                p[: stop - start].copy_(part)
+        dst = p[sh.index] if sh.index else p
+        if sh.tp_dim is None:
+            part = sl[:]
         else:
-            p.copy_(part)
+            n = p.shape[0] if vocab is not None else full[sh.tp_dim] // pd.tp().size
+            start = pd.tp().rank * n
+            stop = min(start + n, full[sh.tp_dim])
+            index = [slice(None)] * len(full)
+            index[sh.tp_dim] = slice(start, stop)
+            part = sl[tuple(index)] if stop > start else None
+        if vocab is not None:
+            dst.zero_()
+            if part is not None:
+                dst[: part.shape[0]].copy_(part)
+            return
+        if sh.stack is not None:
+            part = torch.stack(part.chunk(dst.shape[0], dim=sh.stack))
+        if tuple(part.shape) != tuple(dst.shape):
+            raise ValueError(f"checkpoint tensor {name}: this rank's slice {tuple(part.shape)} does not fit "
+                             f"its place {tuple(dst.shape)}")
+        dst.copy_(part)
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
@@ -118,14 +137,14 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     """
     gens: dict[torch.device, torch.Generator] = {}
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, (p, sh) in checkpoint_shards(model).items():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                (p[sh.index] if sh.index else p).fill_(1.0)
                 continue
             if name.endswith("e_score_correction_bias"):
                 p.zero_()
                 continue
-            shape = _full_shape(p)
+            shape = list(sh.shape)
             g = gens.get(p.device)
             if g is None:
                 g = gens[p.device] = torch.Generator(device=p.device)
@@ -134,18 +153,16 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
             if name.endswith("weight_scale_inv"):
                 fan_in *= 128  # columns of blocks of the fp8 weight
             std = 0.02 if "embed" in name else fan_in ** -0.5
+            finish = None
             if p.dtype == FP8:  # values ~N(0, 64) in fp8, scales bring them to std
                 full = torch.empty(shape, device=p.device).normal_(0, 64, generator=g)
-                _copy_slice(p, _FullTensor(full, lambda t: t.clamp(-448, 448)), name)
-                del full  # before the next parameter's draw: at V3 size each is up to ~2 GB
+                finish = lambda t: t.clamp(-448, 448)  # noqa: E731
             elif name.endswith("weight_scale_inv"):
-                p.fill_(std / 64)
-            elif list(p.shape) == shape:  # replicated, or one rank: the same draw, in place
-                p.normal_(0.0, std, generator=g)
+                full = torch.full(shape, std / 64, dtype=p.dtype, device=p.device)
             else:
                 full = torch.empty(shape, dtype=p.dtype, device=p.device).normal_(0.0, std, generator=g)
-                _copy_slice(p, _FullTensor(full), name)
-                del full
+            _copy_slice(p, sh, _FullTensor(full, finish), name)
+            del full  # before the next tensor's draw: at V3 size each is up to ~2 GB
 
 
 def _full_shape(p: torch.Tensor) -> list[int]:

@@ -10,8 +10,8 @@ from common import distributed as pd
 from common.fused import EAGER, Glue, glue_for
 from common.kernel_plan import TRITON, KernelPlan
 from models.config import ModelConfig
-from models.fp8 import dequantize
-from models.layers import Linear, shard_param
+from models.fp8 import FP8, dequantize
+from models.layers import Linear, PackedLinear, Shard, packed_param, shard_param
 
 TORCH_PLAN = KernelPlan()
 
@@ -29,30 +29,19 @@ TORCH_PLAN = KernelPlan()
 
 
 class MLP(nn.Module):
-    """SwiGLU: gate/up column-parallel, down row-parallel (reduced by the caller when reduce=False)."""
+    """SwiGLU: gate and up column-parallel as one GEMM (`gate_up_proj`, loaded from the
+    checkpoint's gate_proj and up_proj), down row-parallel (reduced by the caller when reduce=False)."""
 
     def __init__(self, hidden: int, inter: int, dtype: torch.dtype, reduce: bool = True,
-                 fp8_block: tuple[int, int] | None = None, glue: Glue = EAGER):
+                 fp8_block: tuple[int, int] | None = None, glue: Glue = EAGER, keep_fp8: bool = False):
         super().__init__()
         self.glue = glue
-        self.gate_proj = Linear(hidden, inter, dtype, tp_dim=0, fp8_block=fp8_block)
-        self.up_proj = Linear(hidden, inter, dtype, tp_dim=0, fp8_block=fp8_block)
+        self.gate_up_proj = PackedLinear(hidden, [("gate_proj", inter, 0), ("up_proj", inter, 0)], dtype,
+                                         fp8_block=fp8_block, keep_fp8=keep_fp8)
         self.down_proj = Linear(inter, hidden, dtype, tp_dim=1, reduce=reduce, fp8_block=fp8_block)
 
-        self.w13: torch.Tensor | None = None
-
-    def fuse(self) -> None:
-        """Post-load: one GEMM for gate and up (both column-parallel: local shards concatenate).
-        FP8 weights kept for the W8A8 GEMM stay as two projections."""
-        if self.gate_proj.fp8_block is not None:
-            return
-        self.w13 = nn.Parameter(torch.cat([self.gate_proj.weight, self.up_proj.weight]), requires_grad=False)
-        del self.gate_proj, self.up_proj
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.w13 is not None:
-            return self.down_proj(self.glue.silu_mul(F.linear(x, self.w13)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.glue.silu_mul(self.gate_up_proj(x)))
 
 
 class Router(nn.Module):
@@ -114,22 +103,62 @@ def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scor
 class MoE(nn.Module):
     """Routed experts + shared experts, summed locally, one all-reduce per layer under TP.
 
-    Checkpoint names are kept (`experts.N.gate_proj`, ...) for loading; `fuse_experts()` then
-    stacks them into `w13 [E, 2*I/tp, D]` and `w2 [E, D, I/tp]` for the compute path, with the
-    shared experts appended as `n_shared` more experts that every token takes with weight 1.
+    The experts are stacked at load: `w13 [E, 2*I/tp, D]` (each expert's gate rows, then its up
+    rows) and `w2 [E, D, I/tp]`, filled from the checkpoint's `experts.N.{gate,up,down}_proj`
+    (models/layers.py `Shard`). The shared experts (an MLP of n_shared * I/tp units) are cut into
+    n_shared pieces of I/tp units, stacked as experts E..E+n_shared-1 that every token takes with
+    weight 1: an MLP is a sum over its intermediate units, so any split gives the same output, and
+    every path then runs them with the routed ones (at decode: no separate GEMMs, activation and
+    add). Not when FP8 weights are kept for the W8A8 GEMM (`keep_fp8`): then `shared_experts` is
+    an MLP of its own.
+
+    FP8 checkpoints (I/tp whole 128-row blocks) load as FP8 with their block scales stacked too:
+    `w13_scale [E, 2I/tp/128, D/128]` (gate blocks, then up blocks) and `w2_scale [E, D/128,
+    I/tp/128]`. After loading they stay FP8 with `keep_fp8` (the fused small-batch kernel reads
+    them as they are, the other paths dequantize on the fly), else they are dequantized to the
+    compute dtype once.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan = TORCH_PLAN):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan = TORCH_PLAN,
+                 keep_fp8: bool = False):
         super().__init__()
-        self.cfg, self.plan = cfg, plan
+        self.cfg, self.plan, self.dtype, self.keep_fp8 = cfg, plan, dtype, keep_fp8
         self.glue = glue_for(plan.compile)
-        D, I = cfg.hidden_size, cfg.moe_intermediate_size
+        E, S, D, I = cfg.n_routed_experts, cfg.n_shared_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        tp = pd.tp().size
+        if I % tp:
+            raise ValueError(f"moe_intermediate_size {I} is not divisible by tensor parallel size {tp}")
+        Il, q = I // tp, cfg.fp8_block
         self.gate = Router(cfg, plan)
-        q = cfg.fp8_block
-        self.experts = nn.ModuleList(
-            MLP(D, I, dtype, reduce=False, fp8_block=q) for _ in range(cfg.n_routed_experts))
-        self.shared_experts = (MLP(D, I * cfg.n_shared_experts, dtype, reduce=False, fp8_block=q,
-                                   glue=self.glue) if cfg.n_shared_experts else None)
+        if q is not None and Il % q[0]:
+            raise ValueError(f"tensor parallel size {tp} would split a {q[0]}x{q[1]} FP8 block: "
+                             f"moe_intermediate_size {I} gives {Il} per rank")
+        self.n_shared = S if S and not keep_fp8 else 0  # shared experts stacked after the routed
+        self.shared_experts = (MLP(D, I * S, dtype, reduce=False, fp8_block=q, glue=self.glue, keep_fp8=keep_fp8)
+                               if S and not self.n_shared else None)
+        n, wdt = E + self.n_shared, FP8 if q else dtype
+        w13 = [Shard(f"experts.{e}.{name}.weight", (I, D), 0, (e, slice(h * Il, (h + 1) * Il)))
+               for e in range(E) for h, name in enumerate(("gate_proj", "up_proj"))]
+        w2 = [Shard(f"experts.{e}.down_proj.weight", (D, I), 1, (e,)) for e in range(E)]
+        if self.n_shared:  # this rank's units of the shared MLP, in n_shared pieces (Shard.stack)
+            w13 += [Shard(f"shared_experts.{name}.weight", (S * I, D), 0, (slice(E, n), slice(h * Il, (h + 1) * Il)),
+                          stack=0) for h, name in enumerate(("gate_proj", "up_proj"))]
+            w2.append(Shard("shared_experts.down_proj.weight", (D, S * I), 1, (slice(E, n),), stack=1))
+        self.w13 = packed_param((n, 2 * Il, D), wdt, w13)
+        self.w2 = packed_param((n, D, Il), wdt, w2)
+        self.fp8_block: tuple[int, int] | None = None  # set when the experts stay in FP8
+        self.w13_scale: torch.Tensor | None = None
+        self.w2_scale: torch.Tensor | None = None
+        if q is not None:
+            # one scale per 128 x 128 block: the weights' shards on the block grid
+            cb, db = Il // q[0], -(-D // q[1])
+            s13 = [Shard(f"{sh.name}_scale_inv", (sh.shape[0] // q[0], db), 0,
+                         sh.index[:-1] + (slice(sh.index[-1].start // q[0], sh.index[-1].stop // q[0]),),
+                         stack=sh.stack) for sh in w13]
+            s2 = [Shard(f"{sh.name}_scale_inv", (db, sh.shape[1] // q[1]), 1, sh.index, stack=sh.stack)
+                  for sh in w2]
+            self.w13_scale = packed_param((n, 2 * cb, db), torch.float32, s13)
+            self.w2_scale = packed_param((n, db, cb), torch.float32, s2)
         self.fused_small = self.fused_blocked = self.triton_glue = None
         if plan.moe == TRITON:
             from models import fused_moe  # triton: CUDA installs only
@@ -137,54 +166,23 @@ class MoE(nn.Module):
             self.triton_glue = fused_moe.silu_mul, fused_moe.unpermute_sum
         self.routed_large = {"grouped": self._routed_grouped, "dense": self._routed_dense,
                              "loop": self._routed}[plan.moe_large]
-        self.w13: torch.Tensor | None = None
-        self.w2: torch.Tensor | None = None
-        self.fp8_block: tuple[int, int] | None = None  # set when the experts stay in FP8
-        self.w13_scale: torch.Tensor | None = None
-        self.w2_scale: torch.Tensor | None = None
-        self.n_shared = 0  # shared experts folded into w13 / w2 (after the routed ones)
 
-    def fuse_experts(self) -> None:
-        """Post-load step: stack per-expert weights and drop the per-expert modules.
-
-        Experts still in FP8 (checkpoint kept quantized, `--fp8-gemm`) stay FP8 with their block
-        scales stacked too: `w13_scale [E, 2I/128, D/128]`, `w2_scale [E, D/128, I/128]`; the
-        fused small-batch kernel reads them as they are, the other paths dequantize on the fly.
-
-        Shared experts (an MLP of n_shared * I/tp units) are cut into n_shared pieces of I/tp
-        units, appended as experts E..E+n_shared-1: an MLP is a sum over its intermediate units,
-        so any split gives the same output, and every path then runs them with the routed ones
-        (at decode: no separate GEMMs, activation and add). Not when either is kept in FP8.
-        """
-        block = self.experts[0].down_proj.fp8_block
-        if block is not None and self.experts[0].down_proj.weight.shape[-1] % block[1]:
-            # gate and up scales would not stack on block boundaries: compute dtype instead
-            for e in self.experts:
-                for proj in (e.gate_proj, e.up_proj, e.down_proj):
-                    proj.dequantize_weights()
-            block = None
-        self.fp8_block = block
-        w13 = [torch.cat([e.gate_proj.weight, e.up_proj.weight]) for e in self.experts]
-        w2 = [e.down_proj.weight for e in self.experts]
-        sh = self.shared_experts
-        if sh is not None and block is None and sh.w13 is None and sh.down_proj.fp8_block is None \
-                and sh.gate_proj.fp8_block is None:
-            il, S = w2[0].shape[-1], self.cfg.n_shared_experts
-            g, u, d = sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight
-            if g.shape[0] == S * il:
-                w13 += [torch.cat([g[i * il:(i + 1) * il], u[i * il:(i + 1) * il]]) for i in range(S)]
-                w2 += [d[:, i * il:(i + 1) * il] for i in range(S)]
-                self.n_shared, self.shared_experts = S, None
-        w13, w2 = torch.stack(w13), torch.stack(w2)
-        if self.fp8_block is not None:
-            s13 = torch.stack([torch.cat([e.gate_proj.weight_scale_inv, e.up_proj.weight_scale_inv])
-                               for e in self.experts])
-            s2 = torch.stack([e.down_proj.weight_scale_inv for e in self.experts])
-            self.w13_scale = nn.Parameter(s13, requires_grad=False)
-            self.w2_scale = nn.Parameter(s2, requires_grad=False)
-        self.experts = None
-        self.w13 = nn.Parameter(w13, requires_grad=False)
-        self.w2 = nn.Parameter(w2, requires_grad=False)
+    def process_weights_after_loading(self) -> None:
+        """FP8 experts: kept for the fused kernel with `keep_fp8`, else dequantized to the compute
+        dtype once."""
+        q = self.cfg.fp8_block
+        if q is None:
+            return
+        if self.keep_fp8:
+            self.fp8_block = q
+            return
+        w13 = torch.empty(self.w13.shape, dtype=self.dtype, device=self.w13.device)
+        w2 = torch.empty(self.w2.shape, dtype=self.dtype, device=self.w2.device)
+        for e in range(w13.shape[0]):  # expert by expert: fp32 temporaries of one expert at a time
+            w13[e] = dequantize(self.w13[e], self.w13_scale[e], q, self.dtype)
+            w2[e] = dequantize(self.w2[e], self.w2_scale[e], q, self.dtype)
+        self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
+        self.w13_scale = self.w2_scale = None
 
     def _expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """w13, w2 in the compute dtype for the unfused paths. FP8 experts are dequantized here,

@@ -21,6 +21,7 @@ from bench_common import environment, graph_us, write_json
 from models.config import ModelConfig
 from models.loader import init_dummy_weights
 from models.fused_moe import fused_moe_blocked, fused_moe_small, tuned_configs
+from common.kernel_plan import KernelPlan
 from models.moe import MoE
 
 
@@ -35,12 +36,11 @@ def main() -> None:
     cfg = ModelConfig.from_pretrained(a.model)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        moe = MoE(cfg, torch.bfloat16)
+        moe = MoE(cfg, torch.bfloat16, KernelPlan(moe="triton", moe_large="grouped"))
         init_dummy_weights(moe)
-        moe.fuse_experts()
     D, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
     per_expert = 3 * D * I * 2
-    ns = moe.n_shared  # shared experts folded into w13 / w2 by fuse_experts
+    ns = moe.n_shared  # shared experts stacked after the routed ones in w13 / w2
     rows, bad = [], []
     for T in a.tokens:
         calls = []

@@ -15,48 +15,55 @@ from common.distributed import GroupInfo
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
 from models.fp8 import FP8
-from models.loader import init_dummy_weights
+from models.loader import checkpoint_shards, init_dummy_weights
 
 FP8_OVERRIDES = {"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
                  "moe_intermediate_size": 256, "qk_rope_head_dim": 32}  # whole blocks at -tp 2
 
 
-def dummy_params(cfg: ModelConfig, tp_size: int, tp_rank: int, monkeypatch) -> dict[str, torch.Tensor]:
-    """This rank's dummy parameters, built in this process as rank `tp_rank` of `tp_size`."""
+def dummy_params(cfg: ModelConfig, tp_size: int, tp_rank: int, monkeypatch) -> dict[str, tuple]:
+    """This rank's dummy weights, built in this process as rank `tp_rank` of `tp_size`: checkpoint
+    name -> (this rank's slice as loaded, its Shard, the parameter)."""
     monkeypatch.setattr(pd, "_state", pd._State(GroupInfo(tp_size, tp_rank), GroupInfo(), None))
     model = DeepseekForCausalLM(cfg, torch.float32)
     init_dummy_weights(model, seed=3)
-    params = dict(model.named_parameters())
+    out = {}
+    for name, (p, sh) in checkpoint_shards(model).items():
+        part = (p[sh.index] if sh.index else p).detach()
+        if sh.stack is not None:  # pieces stacked on the leading dim: back to the slice's layout
+            part = torch.cat(part.unbind(0), dim=sh.stack)
+        out[name] = (part, sh, p)
     monkeypatch.setattr(pd, "_state", pd._State(GroupInfo(), GroupInfo(), None))
-    return params
+    return out
 
 
 @pytest.mark.parametrize("tp,overrides", [(2, {}), (4, {}), (2, FP8_OVERRIDES)], ids=["tp2", "tp4", "tp2-fp8"])
 def test_dummy_shards_are_slices_of_the_one_rank_model(tp, overrides, monkeypatch):
     cfg = ModelConfig.from_dict(json.load(open(f"{DEFAULT_MODEL}/config.json")), overrides)
     ref = dummy_params(cfg, 1, 0, monkeypatch)
-    assert any(p.dtype == FP8 for p in ref.values()) == bool(overrides)
+    assert any(p.dtype == FP8 for _, _, p in ref.values()) == bool(overrides)
+    assert any(sh.stack is not None for _, sh, _ in ref.values())  # folded shared experts are checked too
     replicated = sharded = 0
     for rank in range(tp):
         got = dummy_params(cfg, tp, rank, monkeypatch)
         assert got.keys() == ref.keys()
-        for name, p in got.items():
-            full = ref[name]
-            if p.tp_dim is None:
+        for name, (part, sh, p) in got.items():
+            full = ref[name][0]
+            if sh.tp_dim is None:
                 want = full
                 replicated += rank == 0
             else:
-                n = p.shape[p.tp_dim]
-                want = full.narrow(p.tp_dim, rank * n, min(n, full.shape[p.tp_dim] - rank * n))
+                n = part.shape[sh.tp_dim]
+                want = full.narrow(sh.tp_dim, rank * n, min(n, full.shape[sh.tp_dim] - rank * n))
                 sharded += rank == 0
             if getattr(p, "vocab_size", None) is not None:  # rows past the vocabulary are padding
-                assert not p[want.shape[0]:].any(), name
-                p = p[: want.shape[0]]
-            assert torch.equal(p.float(), want.float()), (name, rank)
+                assert not part[want.shape[0]:].any(), name
+                part = part[: want.shape[0]]
+            assert torch.equal(part.float(), want.float()), (name, rank)
     assert replicated > 10 and sharded > 10
     # not a constant: distinct parameters of one shape get distinct values
-    assert not torch.equal(ref["model.layers.1.mlp.experts.0.gate_proj.weight"].float(),
-                           ref["model.layers.1.mlp.experts.1.gate_proj.weight"].float())
+    assert not torch.equal(ref["model.layers.1.mlp.experts.0.gate_proj.weight"][0].float(),
+                           ref["model.layers.1.mlp.experts.1.gate_proj.weight"][0].float())
 
 
 def test_dummy_model_under_tp_and_dcp_equals_one_rank(tiny_v3):

@@ -21,13 +21,12 @@ def test_quantize_roundtrip_and_partial_blocks():
     assert ((back - w).norm() / w.norm()).item() < 0.05  # e4m3 has a 3-bit mantissa
 
 
-@pytest.fixture(scope="module")
-def fp8_model(tmp_path_factory):
-    """A tiny V3 (hidden 256, dims multiple of 128 where TP splits) quantized by the script, and
-    the transformers model holding the dequantized weights."""
+def _fp8_and_reference(tmp_path_factory, **overrides):
+    """A tiny V3 quantized by the script, and the transformers model holding the dequantized
+    weights."""
     from tiny_models import make_fp8_model
     dst = tmp_path_factory.mktemp("v3_fp8")
-    hf = make_fp8_model(tmp_path_factory.mktemp("v3_bf16"), dst)
+    hf = make_fp8_model(tmp_path_factory.mktemp("v3_bf16"), dst, **overrides)
     sd = {}
     with safe_open(str(dst / "model.safetensors"), framework="pt") as f:
         for name in f.keys():
@@ -44,10 +43,13 @@ def fp8_model(tmp_path_factory):
     return str(dst), ref
 
 
-def test_fp8_checkpoint_matches_transformers_dequantized(fp8_model):
-    path, hf = fp8_model
-    with safe_open(f"{path}/model.safetensors", framework="pt") as f:
-        assert f.get_slice("model.layers.1.mlp.experts.0.gate_proj.weight").get_dtype() == "F8_E4M3"
+@pytest.fixture(scope="module")
+def fp8_model(tmp_path_factory):
+    """Dims multiples of 128 where TP splits."""
+    return _fp8_and_reference(tmp_path_factory)
+
+
+def _greedy_matches(path, hf):
     torch.manual_seed(1)
     prompt = torch.randint(2, 320, (40,)).tolist()
     with torch.no_grad():
@@ -60,6 +62,20 @@ def test_fp8_checkpoint_matches_transformers_dequantized(fp8_model):
     assert out.token_ids == gen
     lp = torch.log_softmax(ref, -1)[gen[0]].item()
     assert abs(out.logprobs[0].logprob - lp) < 1e-4
+
+
+def test_fp8_checkpoint_matches_transformers_dequantized(fp8_model):
+    path, hf = fp8_model
+    with safe_open(f"{path}/model.safetensors", framework="pt") as f:
+        assert f.get_slice("model.layers.1.mlp.experts.0.gate_proj.weight").get_dtype() == "F8_E4M3"
+    _greedy_matches(path, hf)
+
+
+def test_fp8_partial_blocks_match_transformers_dequantized(tmp_path_factory):
+    """q_a_proj rows that do not fill 128-row blocks (q_lora_rank 96, replicated): packed with
+    kv_a_proj_with_mqa into one weight, each part's blocks dequantize apart."""
+    path, hf = _fp8_and_reference(tmp_path_factory, q_lora_rank=96)
+    _greedy_matches(path, hf)
 
 
 def test_tp_split_of_a_block_is_refused(fp8_model):

@@ -12,14 +12,13 @@ from models.moe import MoE
 
 
 def random_moe(cfg_overrides, T, dtype, device):
-    # a V2-Lite-shaped MoE layer (2 shared experts, folded by fuse_experts), T tokens and their routing
+    # a V2-Lite-shaped MoE layer (2 shared experts, stacked after the routed), T tokens and their routing
     cfg = ModelConfig.from_pretrained("configs/models/DeepSeek-V2-Lite", cfg_overrides)
     torch.manual_seed(T)
     with torch.device(device):
         moe = MoE(cfg, dtype)
         for p in moe.parameters():
             p.data.normal_(0, 0.05)
-        moe.fuse_experts()
         x = torch.randn(T, cfg.hidden_size, dtype=dtype)
         w, ids = moe.gate(x)
     assert moe.n_shared == cfg.n_shared_experts > 0

@@ -164,7 +164,6 @@ def test_grouped_moe_matches_plain_path():
         moe = MoE(cfg, torch.bfloat16, KernelPlan(moe="triton", moe_large="grouped"))
         for p in moe.parameters():
             p.data.normal_(0, 0.05)
-        moe.fuse_experts()
         for T in (1, 7, 300, 4096):
             x = torch.randn(T, 512, dtype=torch.bfloat16)
             w, ids = moe.gate(x)

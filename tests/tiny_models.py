@@ -85,16 +85,18 @@ def make_model(path, kind: str = "v3", seed: int = 0, **kw):
     return model
 
 
-def make_fp8_model(src, dst):
-    """A tiny V3 (hidden 256, dims multiples of 128 where TP splits) saved in `src`, quantized by
-    scripts/quantize_fp8.py into `dst`; returns the transformers model of `src`."""
+def make_fp8_model(src, dst, **overrides):
+    """A tiny V3 (hidden 256, dims multiples of 128 where TP splits, unless `overrides` say
+    otherwise) saved in `src`, quantized by scripts/quantize_fp8.py into `dst`; returns the
+    transformers model of `src`."""
     import subprocess
     import sys
     from pathlib import Path
 
-    hf = make_model(src, "v3", hidden_size=256, q_lora_rank=128, kv_lora_rank=128, intermediate_size=256,
-                    moe_intermediate_size=128, num_attention_heads=4, qk_nope_head_dim=32,
-                    qk_rope_head_dim=32, v_head_dim=32)
+    dims = dict(hidden_size=256, q_lora_rank=128, kv_lora_rank=128, intermediate_size=256,
+                moe_intermediate_size=128, num_attention_heads=4, qk_nope_head_dim=32,
+                qk_rope_head_dim=32, v_head_dim=32)
+    hf = make_model(src, "v3", **{**dims, **overrides})
     script = Path(__file__).resolve().parents[1] / "scripts" / "quantize_fp8.py"
     subprocess.run([sys.executable, str(script), str(src), str(dst)], check=True)
     return hf

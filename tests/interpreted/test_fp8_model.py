@@ -37,7 +37,7 @@ def test_fp8_gemm_path_runs_the_model(fp8_model, monkeypatch):
     llm = LLM(fp8_model, device="cpu", dtype="float32", num_kv_blocks=64, fp8_gemm=True, kernels="triton")
     model = llm.engine.executor.worker.model.model
     attn, moe = model.layers[0].self_attn, model.layers[1].mlp
-    assert attn.q_a_proj.weight.dtype == torch.float8_e4m3fn and attn.kv_b_proj.weight.dtype == torch.float32
+    assert attn.qkv_a_proj.weight.dtype == torch.float8_e4m3fn and attn.kv_b_proj.weight.dtype == torch.float32
     assert moe.w13.dtype == torch.float8_e4m3fn and moe.w13_scale.shape[1:] == (2, 2)  # experts stay FP8
     errs, shapes, kernel = [], set(), g.fp8_linear
 
@@ -51,5 +51,5 @@ def test_fp8_gemm_path_runs_the_model(fp8_model, monkeypatch):
     p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=5)
     out = llm.generate([list(range(5, 45))], p)[0].outputs[0]
     assert len(out.token_ids) == 4 and all(math.isfinite(lp.logprob) for lp in out.logprobs)
-    assert len(shapes) >= 4, shapes  # q_a, q_b, kv_a, o_proj and the MLPs all went through it
+    assert len(shapes) >= 4, shapes  # q_a + kv_a, q_b, o_proj and the MLPs all went through it
     assert errs and max(errs) < 1e-5, max(errs)
