@@ -52,7 +52,7 @@ class Choice:
     values: tuple  # allowed values; ints and bools take any value of their type
     help: str
     modules: tuple[str, ...] = ()  # a failure raised inside one of these is charged to this key
-    triton: object = TRITON  # the value under base `triton` (None: not a base-dependent choice)
+    triton: object = TRITON  # the value under base `triton`
     torch: object = TORCH  # the value under base `torch`
 
 
@@ -150,15 +150,17 @@ def _show(v) -> str:
 
 
 def charged_key(exc: BaseException) -> str | None:
-    """The plan key whose module raised `exc`: the innermost frame in a Choice's modules."""
-    tb, key = exc.__traceback__, None
+    """The plan key whose module raised `exc`: the outermost frame in a Choice's modules (the
+    Triton attention backend calls kernels of attention/triton_cache.py too: a failure there is
+    the backend's)."""
+    tb = exc.__traceback__
     while tb is not None:
         mod = tb.tb_frame.f_globals.get("__name__", "")
         for c in CHOICES:
             if any(mod == m or mod.startswith(m + ".") for m in c.modules):
-                key = c.key
+                return c.key
         tb = tb.tb_next
-    return key
+    return None
 
 
 def parse_kernels(spec: str) -> tuple[str, dict]:

@@ -79,6 +79,18 @@ def test_a_failure_is_charged_to_the_module_that_raised_it():
     assert "a kernel of the plan failed" in err and "--kernels torch avoids it" in err
 
 
+def test_a_kernel_called_by_the_attention_backend_is_charged_to_the_backend():
+    """write_kv runs a kernel of attention/triton_cache.py (finish_kv's module) for the Triton
+    backend: its failure (here: no GPU to launch on) names attention, the outermost module."""
+    import torch
+
+    from attention.triton_backend import TritonAttentionOps
+    with pytest.raises(Exception) as info:
+        TritonAttentionOps().write_kv(torch.zeros(3, 4, 48), torch.zeros(2, 48), torch.zeros(2, dtype=torch.int64))
+    assert charged_key(info.value) == "attention"
+    assert "--kernels torch avoids it" in str(KernelPlan().error("warming up", info.value))
+
+
 def test_describe_is_one_line_with_every_key():
     line = _resolve("auto").describe()
     assert "\n" not in line and all(f" {c.key}=" in line for c in CHOICES)
