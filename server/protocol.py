@@ -146,6 +146,9 @@ def _json_spec(value: str | dict, field: str) -> str:
     return json.dumps(value)
 
 
+_SPEC_KINDS = ("regex", "choice", "grammar")  # constraints passed on as given (json is checked first)
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions (OpenAI names, plus vLLM's extensions)."""
 
@@ -246,12 +249,8 @@ class _SamplingFields(_Request):
             if so.json_ is not None:
                 found.append(("structured_outputs.json", "json",
                               _json_spec(so.json_, "structured_outputs.json")))
-            if so.regex is not None:
-                found.append(("structured_outputs.regex", "regex", so.regex))
-            if so.choice is not None:
-                found.append(("structured_outputs.choice", "choice", so.choice))
-            if so.grammar is not None:
-                found.append(("structured_outputs.grammar", "grammar", so.grammar))
+            found += [(f"structured_outputs.{kind}", kind, getattr(so, kind)) for kind in _SPEC_KINDS
+                      if getattr(so, kind) is not None]
             if so.json_object:
                 found.append(("structured_outputs.json_object", "json_object", ""))
         rf = self.response_format
@@ -263,12 +262,8 @@ class _SamplingFields(_Request):
                          (where, "json", _json_spec(schema, where)))
         if self.guided_json is not None:
             found.append(("guided_json", "json", _json_spec(self.guided_json, "guided_json")))
-        if self.guided_regex is not None:
-            found.append(("guided_regex", "regex", self.guided_regex))
-        if self.guided_choice is not None:
-            found.append(("guided_choice", "choice", self.guided_choice))
-        if self.guided_grammar is not None:
-            found.append(("guided_grammar", "grammar", self.guided_grammar))
+        found += [(f"guided_{kind}", kind, getattr(self, f"guided_{kind}")) for kind in _SPEC_KINDS
+                  if getattr(self, f"guided_{kind}") is not None]
         if not found:
             return None
         if len(found) > 1:
