@@ -18,14 +18,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from server import vllm_compat
 from server.chat import chat_prompt_ids, create_chat_completion, encode
+from server.chat_protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.completions import create_completion
 from server.errors import APIError, error_response, install_error_handlers
 from server.http_limits import BodyLimitMiddleware
 from server.limits import ServerLimits
 from server.metrics import ServerMetrics
 from server.overrides import load_chat_template, load_generation_defaults
-from server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                             TokenizeRequest)
+from server.protocol import CompletionRequest
 from server.reasoning import check_parser_name
 from server.tool_calls import check_tool_flags
 

@@ -14,9 +14,9 @@ from fastapi.responses import Response
 
 from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
+from server.chat_protocol import ChatCompletionRequest
 from server.errors import APIError, param_of
 from server.handler import finite, respond, sampling_params
-from server.protocol import ChatCompletionRequest
 from server.reasoning import ThinkParser, split_reasoning, thinks
 from server.tool_calls import Delta, ToolCallParser, call_id, forced_calls, parse_tool_calls
 

@@ -1,4 +1,6 @@
-"""OpenAI request models (pydantic) and their translation to `SamplingParams`.
+"""OpenAI request models (pydantic) and their translation to `SamplingParams`: the fields and
+validators completions and chat share, and the completions request (chat, tokenize and
+detokenize: server/chat_protocol.py).
 
 Unknown fields are ignored, as OpenAI does. Fields that OpenAI or vLLM define but this server
 cannot honour are listed in `UNSUPPORTED` and answer a 400 naming them, never silently dropped.
@@ -22,7 +24,7 @@ MAX_N = 128  # OpenAI's cap on choices per prompt
 MAX_LOGIT_BIAS_TOKENS = 1024
 
 
-def _bounded(lo: int, hi: int):
+def bounded(lo: int, hi: int):
     """An int field limited to [lo, hi]; the 400 names the whole range (Python ints are
     unbounded, torch's are int64)."""
     def check(v: int) -> int:
@@ -32,8 +34,8 @@ def _bounded(lo: int, hi: int):
     return Annotated[int, AfterValidator(check)]
 
 
-Int64 = _bounded(INT64_MIN, INT64_MAX)
-NonNegInt64 = _bounded(0, INT64_MAX)
+Int64 = bounded(INT64_MIN, INT64_MAX)
+NonNegInt64 = bounded(0, INT64_MAX)
 
 
 def check_text(value: Any, path: str) -> None:
@@ -83,7 +85,7 @@ def refuse_unsupported(data: Any, route: str) -> None:
             raise ValueError(f"{name}: {why}")
 
 
-class _Request(BaseModel):
+class BaseRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     @model_validator(mode="before")
@@ -93,13 +95,13 @@ class _Request(BaseModel):
         return data
 
 
-class StreamOptions(_Request):
+class StreamOptions(BaseRequest):
     include_usage: bool = False
     # vLLM: with include_usage, every chunk also carries the usage so far
     continuous_usage_stats: bool = False
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(BaseRequest):
     """OpenAI's `response_format.json_schema`; the schema is always enforced (strict or not)."""
 
     name: str = Field(..., min_length=1, max_length=64)
@@ -108,7 +110,7 @@ class JsonSchemaFormat(_Request):
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(BaseRequest):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -119,7 +121,7 @@ class ResponseFormat(_Request):
         return self
 
 
-class StructuredOutputsRequest(_Request):
+class StructuredOutputsRequest(BaseRequest):
     """vLLM's `structured_outputs`: one constraint (json, regex, choice, grammar, json_object)
     and the JSON whitespace options."""
 
@@ -149,7 +151,7 @@ def _json_spec(value: str | dict, field: str) -> str:
 _SPEC_KINDS = ("regex", "choice", "grammar")  # constraints passed on as given (json is checked first)
 
 
-class _SamplingFields(_Request):
+class SamplingFields(BaseRequest):
     """Fields shared by completions and chat completions (OpenAI names, plus vLLM's extensions)."""
 
     endpoint: ClassVar[str]  # "completions" | "chat": names the endpoint in refusals
@@ -157,9 +159,9 @@ class _SamplingFields(_Request):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: _bounded(-1, MAX_TOP_K) = 0
+    top_k: bounded(-1, MAX_TOP_K) = 0
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    n: _bounded(1, MAX_N) = 1
+    n: bounded(1, MAX_N) = 1
     seed: Int64 | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[NonNegInt64] = Field(default_factory=list)
@@ -321,15 +323,15 @@ class _SamplingFields(_Request):
 Prompt = str | list[int]
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     endpoint: ClassVar[str] = "completions"
     prompt: Any  # str | list[str] | list[int] | list[list[int]], see _normalize_prompt
     max_tokens: NonNegInt64 | None = 16
-    logprobs: _bounded(0, MAX_LOGPROBS) | None = None
+    logprobs: bounded(0, MAX_LOGPROBS) | None = None
     echo: bool = False
     # vLLM: the top-k logprobs of every prompt token, as `prompt_logprobs` on each choice
-    prompt_logprobs: _bounded(0, MAX_LOGPROBS) | None = None
-    best_of: _bounded(1, MAX_N) | None = None  # only best_of == n (no ranking of extra samples)
+    prompt_logprobs: bounded(0, MAX_LOGPROBS) | None = None
+    best_of: bounded(1, MAX_N) | None = None  # only best_of == n (no ranking of extra samples)
 
     @model_validator(mode="after")
     def _best_of_is_n(self):
@@ -390,174 +392,3 @@ def _normalize_prompt(v: Any) -> list[Prompt]:
 
 def _is_token(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
-
-
-class ChatMessage(_Request):
-    role: str
-    content: str | list[dict] | None = None
-    # earlier turns of a tool conversation, handed to the chat template as they are
-    tool_calls: list[dict] | None = None
-    tool_call_id: str | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        """The message's text; content parts other than text are refused."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        texts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("messages: only text content parts are supported")
-            texts.append(part["text"])
-        return "".join(texts)
-
-
-class FunctionDefinition(_Request):
-    name: str = Field(..., min_length=1, max_length=64)
-    description: str | None = None
-    parameters: dict | None = None  # a JSON schema; None: any object
-    strict: bool | None = None
-
-
-class Tool(_Request):
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class NamedFunction(_Request):
-    name: str
-
-
-class NamedToolChoice(_Request):
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
-class ChatCompletionRequest(_SamplingFields):
-    endpoint: ClassVar[str] = "chat"
-    messages: list[ChatMessage] = Field(..., min_length=1)
-    tools: list[Tool] | None = None
-    # None: "auto" when tools are given, else "none" (OpenAI's default)
-    tool_choice: Any = None  # "none" | "auto" | "required" | NamedToolChoice, see below
-    parallel_tool_calls: bool = True  # false: "required" makes exactly one call
-    max_tokens: _bounded(1, INT64_MAX) | None = None
-    max_completion_tokens: _bounded(1, INT64_MAX) | None = None
-    logprobs: bool = False
-    top_logprobs: _bounded(0, MAX_LOGPROBS) | None = None
-    add_generation_prompt: bool = True
-    # extra variables of the chat template (e.g. {"thinking": true} for DeepSeek-V3.1)
-    chat_template_kwargs: dict[str, Any] | None = None
-    # OpenAI's field; handed to the chat template as `reasoning_effort` (DeepSeek's templates
-    # do not read it: their thinking is on or off, see chat_template_kwargs)
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-
-    @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self):
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs is only allowed when logprobs is true")
-        return self
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice_value(cls, v):
-        if v is None or v in ("none", "auto", "required"):
-            return v
-        if isinstance(v, dict):
-            return NamedToolChoice.model_validate(v)
-        raise ValueError('must be "none", "auto", "required" or {"type": "function", '
-                         f'"function": {{"name": ...}}}}, got {v!r}')
-
-    @model_validator(mode="after")
-    def _tool_choice_needs_its_tool(self):
-        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
-        if self.tool_choice is None:
-            self.tool_choice = "auto" if names else "none"
-        elif choice in ("auto", "required") and not names:
-            raise ValueError(f"tool_choice: {choice!r} needs a non-empty tools list")
-        elif isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice: function {choice.function.name!r} is not in tools "
-                             f"({', '.join(names) or 'none given'})")
-        return self
-
-    @property
-    def forced_tool_choice(self) -> str | dict | None:
-        """"required" or the named choice (as a dict) when the output must be a tool call."""
-        if self.tool_choice == "required":
-            return "required"
-        if isinstance(self.tool_choice, NamedToolChoice):
-            return self.tool_choice.model_dump()
-        return None
-
-    def tool_dicts(self) -> list[dict] | None:
-        """The tools as the chat template sees them (None: no tools)."""
-        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
-
-    @property
-    def asks_for_structure(self) -> bool:
-        return super().asks_for_structure or self.forced_tool_choice is not None
-
-    def structured(self) -> StructuredOutputs | None:
-        """As for completions, plus the JSON constraint of a forced tool choice."""
-        own = super().structured()
-        choice = self.forced_tool_choice
-        if choice is None:
-            return own
-        if own is not None:
-            raise ValueError("tool_choice: a forced tool call constrains the output; no other "
-                             "output constraint may be set")
-        from server.tool_calls import forced_schema
-        schema = forced_schema(self.tool_dicts(), choice)
-        if choice == "required" and not self.parallel_tool_calls:
-            schema["maxItems"] = 1
-        out = StructuredOutputs("json", json.dumps(schema))
-        from engine.structured_outputs import validate
-        validate(out, "tools")
-        return out
-
-    def to_sampling_params(self) -> SamplingParams:
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
-
-    def conversation(self) -> list[dict]:
-        turns = []
-        for m in self.messages:
-            turn: dict = {"role": m.role, "content": m.text()}
-            if m.tool_calls is not None:
-                turn["tool_calls"] = m.tool_calls
-                if m.content is None:
-                    turn["content"] = None  # DeepSeek's templates test for it
-            for key in ("tool_call_id", "name"):
-                if getattr(m, key) is not None:
-                    turn[key] = getattr(m, key)
-            turns.append(turn)
-        return turns
-
-    def template_kwargs(self) -> dict[str, Any]:
-        """The variables passed to the chat template besides the conversation."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.reasoning_effort is not None:
-            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
-        return kwargs
-
-
-class TokenizeRequest(_Request):
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
-    return_token_strs: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in chat completions
-    tools: list[Tool] | None = None  # with messages: rendered by the template, as in chat
-
-    @model_validator(mode="after")
-    def _exactly_one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
-        return self
-
-
-class DetokenizeRequest(_Request):
-    model: str | None = None
-    tokens: list[Int64]

@@ -124,7 +124,7 @@ def test_server_imports_and_serves_plain_requests_without_llguidance():
 import sys
 sys.modules["llguidance"] = None  # as if not installed
 import engine.core, engine.async_llm, server.api_server
-from server.protocol import ChatCompletionRequest
+from server.chat_protocol import ChatCompletionRequest
 msgs = [{"role": "user", "content": "hi"}]
 ChatCompletionRequest(messages=msgs).to_sampling_params()
 try:

@@ -1,0 +1,184 @@
+"""Chat completions and tokenizer request models (pydantic): messages, tools, tool choice, and
+their translation to `SamplingParams`. The shared sampling fields and validators:
+server/protocol.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, ClassVar, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from common.sampling_params import INT64_MAX, MAX_LOGPROBS, SamplingParams, StructuredOutputs
+from server.protocol import BaseRequest, Int64, SamplingFields, bounded
+
+
+class ChatMessage(BaseRequest):
+    role: str
+    content: str | list[dict] | None = None
+    # earlier turns of a tool conversation, handed to the chat template as they are
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text; content parts other than text are refused."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        texts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ValueError("messages: only text content parts are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+
+
+class FunctionDefinition(BaseRequest):
+    name: str = Field(..., min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema; None: any object
+    strict: bool | None = None
+
+
+class Tool(BaseRequest):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseRequest):
+    name: str
+
+
+class NamedToolChoice(BaseRequest):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class ChatCompletionRequest(SamplingFields):
+    endpoint: ClassVar[str] = "chat"
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    tools: list[Tool] | None = None
+    # None: "auto" when tools are given, else "none" (OpenAI's default)
+    tool_choice: Any = None  # "none" | "auto" | "required" | NamedToolChoice, see below
+    parallel_tool_calls: bool = True  # false: "required" makes exactly one call
+    max_tokens: bounded(1, INT64_MAX) | None = None
+    max_completion_tokens: bounded(1, INT64_MAX) | None = None
+    logprobs: bool = False
+    top_logprobs: bounded(0, MAX_LOGPROBS) | None = None
+    add_generation_prompt: bool = True
+    # extra variables of the chat template (e.g. {"thinking": true} for DeepSeek-V3.1)
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's field; handed to the chat template as `reasoning_effort` (DeepSeek's templates
+    # do not read it: their thinking is on or off, see chat_template_kwargs)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return self
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_value(cls, v):
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        if isinstance(v, dict):
+            return NamedToolChoice.model_validate(v)
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", '
+                         f'"function": {{"name": ...}}}}, got {v!r}')
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_its_tool(self):
+        choice, names = self.tool_choice, [t.function.name for t in self.tools or []]
+        if self.tool_choice is None:
+            self.tool_choice = "auto" if names else "none"
+        elif choice in ("auto", "required") and not names:
+            raise ValueError(f"tool_choice: {choice!r} needs a non-empty tools list")
+        elif isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice: function {choice.function.name!r} is not in tools "
+                             f"({', '.join(names) or 'none given'})")
+        return self
+
+    @property
+    def forced_tool_choice(self) -> str | dict | None:
+        """"required" or the named choice (as a dict) when the output must be a tool call."""
+        if self.tool_choice == "required":
+            return "required"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return None
+
+    def tool_dicts(self) -> list[dict] | None:
+        """The tools as the chat template sees them (None: no tools)."""
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    @property
+    def asks_for_structure(self) -> bool:
+        return super().asks_for_structure or self.forced_tool_choice is not None
+
+    def structured(self) -> StructuredOutputs | None:
+        """As for completions, plus the JSON constraint of a forced tool choice."""
+        own = super().structured()
+        choice = self.forced_tool_choice
+        if choice is None:
+            return own
+        if own is not None:
+            raise ValueError("tool_choice: a forced tool call constrains the output; no other "
+                             "output constraint may be set")
+        from server.tool_calls import forced_schema
+        schema = forced_schema(self.tool_dicts(), choice)
+        if choice == "required" and not self.parallel_tool_calls:
+            schema["maxItems"] = 1
+        out = StructuredOutputs("json", json.dumps(schema))
+        from engine.structured_outputs import validate
+        validate(out, "tools")
+        return out
+
+    def to_sampling_params(self) -> SamplingParams:
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs)
+
+    def conversation(self) -> list[dict]:
+        turns = []
+        for m in self.messages:
+            turn: dict = {"role": m.role, "content": m.text()}
+            if m.tool_calls is not None:
+                turn["tool_calls"] = m.tool_calls
+                if m.content is None:
+                    turn["content"] = None  # DeepSeek's templates test for it
+            for key in ("tool_call_id", "name"):
+                if getattr(m, key) is not None:
+                    turn[key] = getattr(m, key)
+            turns.append(turn)
+        return turns
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The variables passed to the chat template besides the conversation."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
+
+
+class TokenizeRequest(BaseRequest):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in chat completions
+    tools: list[Tool] | None = None  # with messages: rendered by the template, as in chat
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseRequest):
+    model: str | None = None
+    tokens: list[Int64]
