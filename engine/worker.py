@@ -110,7 +110,12 @@ class Worker:
             return max(1, int(a.cpu_kv_cache_gb * 2**30) // per_block)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        self._profile_run(max_num_batched_tokens)
+        try:
+            self._profile_run(max_num_batched_tokens)
+        except torch.cuda.OutOfMemoryError:
+            raise
+        except Exception as e:  # noqa: BLE001 - any kernel failure stops start-up, naming the flag
+            raise self.plan.error("in the profile run", e) from e
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()
@@ -174,6 +179,8 @@ class Worker:
                 runner.forward(runner.prepare([[p[0]] for p in prompts], [2] * b, tables))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
+        except torch.cuda.OutOfMemoryError:
+            raise
         except Exception as e:  # noqa: BLE001 - any kernel failure stops start-up, naming the flag
             raise self.plan.error("warming up", e) from e
         log.info("warm-up: prompts of %s tokens and a decode step in %.1f s",
@@ -198,5 +205,7 @@ class Worker:
                                               default_buckets(a.max_num_seqs), self.device)
             try:
                 self.runner.graphs.capture()
+            except torch.cuda.OutOfMemoryError:
+                raise
             except Exception as e:  # noqa: BLE001
                 raise self.plan.error("capturing decode CUDA graphs (--enforce-eager avoids them)", e) from e
