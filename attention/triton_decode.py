@@ -2,6 +2,8 @@
 
 Notation (DESIGN.md §4): q `[B, H, Lkv+R]` = `[q_lat ‖ q_pe]`, cache `[NB, BS, Lkv+R]` = `[c ‖ k_pe]`.
 score = q_lat·c + q_pe·k_pe, o = softmax(score) @ c.
+An FP8 cache (attention/kv_quant.py) is converted to q's dtype on load; its per-tensor scale folds
+out of both products: into the softmax scale and into the output.
 
 Stage 1 (`_mla_decode_partial_kernel`): program (head tile, split, b) streams the split's cache rows
 once for BLOCK_H heads (all query heads share the latent head, so a head tile re-reads nothing) and
@@ -18,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from attention.kv_quant import is_fp8
 
 LOG2E = 1.4426950408889634
 
@@ -88,7 +92,8 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
 @triton.jit
 def _mla_decode_partial_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
-    qk_scale_log2,  # softmax scale * log2(e): scores live in the log2 domain
+    qk_scale_log2,  # softmax scale * kv scale * log2(e): scores live in the log2 domain
+    o_scale,  # kv scale (FP8 cache), else 1
     H, num_splits,  # runtime, so a new split count never recompiles
     stride_qb, stride_qh,
     stride_kvb, stride_kvs,
@@ -99,6 +104,7 @@ def _mla_decode_partial_kernel(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, DIRECT: tl.constexpr,
+    IS_FP8: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
@@ -115,7 +121,8 @@ def _mla_decode_partial_kernel(
     hmask = heads < H
     lmask = offs_l < LKV
     rmask = offs_r < R
-    kv_dtype = kv_ptr.dtype.element_ty
+    # the products' input dtype: the cache's, or q's for an FP8 cache (converted on load)
+    kv_dtype = q_ptr.dtype.element_ty if IS_FP8 else kv_ptr.dtype.element_ty
     q_row = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
     q_lat = tl.load(q_row + offs_l[None, :], mask=hmask[:, None] & lmask[None, :], other=0.0)
     q_pe = tl.load(q_row + LKV + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
@@ -140,9 +147,9 @@ def _mla_decode_partial_kernel(
             blk = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
         row = blk * stride_kvb + (offs_n % PAGE).to(tl.int64) * stride_kvs  # [BLOCK_N]
         c = tl.load(kv_ptr + row[:, None] + offs_l[None, :],
-                    mask=nmask[:, None] & lmask[None, :], other=0.0)       # [BLOCK_N, BLOCK_L]
+                    mask=nmask[:, None] & lmask[None, :], other=0.0).to(kv_dtype)  # [BLOCK_N, BLOCK_L]
         k_pe = tl.load(kv_ptr + row[:, None] + LKV + offs_r[None, :],
-                       mask=nmask[:, None] & rmask[None, :], other=0.0)    # [BLOCK_N, BLOCK_R]
+                       mask=nmask[:, None] & rmask[None, :], other=0.0).to(kv_dtype)  # [BLOCK_N, BLOCK_R]
         if QK_T:  # scores as [BLOCK_N, BLOCK_H]: rows (tokens) fill the MMA's M, for wide head tiles
             s_t = tl.dot(c, tl.trans(q_lat), input_precision=PRECISION)
             s_t = tl.dot(k_pe, tl.trans(q_pe), acc=s_t, input_precision=PRECISION)
@@ -161,7 +168,7 @@ def _mla_decode_partial_kernel(
 
     empty = l_i == 0.0  # split (or whole sequence) without rows: lse -inf, output 0
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o = acc * (o_scale / tl.where(empty, 1.0, l_i))[:, None]
     o_ptrs = (o_ptr + b.to(tl.int64) * stride_ob + split * stride_os
               + heads[:, None] * stride_oh + offs_l[None, :])
     lse_ptrs = lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + heads * stride_lh
@@ -214,15 +221,19 @@ def _mla_decode_reduce_kernel(
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
                num_splits: int | None = None, num_sms: int | None = None,
-               cfg: DecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               cfg: DecodeConfig | None = None, kv_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: q [B, H, Lkv+R] -> (o [B, H, Lkv] in q.dtype, lse [B, H] fp32).
 
     Inputs are assumed validated (TritonAttentionOps does it); the last dims must be contiguous.
+    `kv_scale` is an FP8 cache's per-tensor scale (ignored for other caches).
     """
     B, H, D = q.shape
     page = kv_cache.shape[1]
     lkv, r = kv_lora_rank, D - kv_lora_rank
-    cfg = cfg or default_decode_config(H, kv_cache.dtype)
+    fp8 = is_fp8(kv_cache)
+    compute_dtype = q.dtype if fp8 else kv_cache.dtype
+    kv_scale = kv_scale if fp8 else 1.0
+    cfg = cfg or default_decode_config(H, compute_dtype)
     block_h = max(16, min(cfg.block_h, triton.next_power_of_2(H)))
     head_tiles = triton.cdiv(H, block_h)
     if num_splits is None:
@@ -232,7 +243,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
     if B == 0 or H == 0:
         return o, lse
-    precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    precision = "ieee" if compute_dtype == torch.float32 else "tf32"
     direct = num_splits == 1
     if direct:
         po, plse = o, lse
@@ -246,7 +257,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     block_l = triton.next_power_of_2(lkv)
     _mla_decode_partial_kernel[(head_tiles, num_splits, B)](
         q, kv_cache, block_table, seq_lens, po, plse,
-        scale * LOG2E, H, num_splits,
+        scale * kv_scale * LOG2E, kv_scale, H, num_splits,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
@@ -254,7 +265,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         PAGE=page, LKV=lkv, R=r,
         BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(r),
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
-        PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids, DIRECT=direct,
+        PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids, DIRECT=direct, IS_FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
