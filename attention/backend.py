@@ -31,13 +31,24 @@ class AttentionOps(Protocol):
         """Store `kv [T, Lkv+R]` at flat slots `block * block_size + offset`; slot -1 is skipped."""
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
+               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int, q_len: int = 1,
+               q_pos: torch.Tensor | None = None, dcp_size: int = 1, dcp_rank: int = 0,
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Absorbed MQA decode, one query token per sequence.
+        """Absorbed MQA decode, `q_len` query tokens per sequence (the same for every sequence).
 
-        q `[B, H, Lkv+R]` (`[q_lat ‖ q_pe]`) against the first `seq_lens[b]` cached tokens of
-        sequence b (blocks `block_table[b]`); scores use all Lkv+R dims, values are the first Lkv
-        dims (`c`). Returns o `[B, H, Lkv]` (q's dtype) and lse `[B, H]` fp32.
+        q `[B*q_len, H, Lkv+R]` (`[q_lat ‖ q_pe]`), sequence-major: rows `b*q_len .. b*q_len +
+        q_len - 1` are sequence b's query tokens in position order. Keys are the first
+        `seq_lens[b]` cached rows of sequence b on this rank (blocks `block_table[b]`),
+        this step's tokens included; scores use all Lkv+R dims, values are the first Lkv dims (`c`).
+
+        `q_pos [B*q_len]` int32 is each query token's global position. Local key index j on DCP
+        rank `dcp_rank` of `dcp_size` has global position `j * dcp_size + dcp_rank`; a query at
+        global position p sees exactly the keys at global positions <= p (the causal mask inside
+        the query, and DESIGN.md §7's per-token mask over interleaved shards). `q_pos=None`: every
+        query of sequence b sees all `seq_lens[b]` keys.
+
+        Returns o `[B*q_len, H, Lkv]` (q's dtype) and lse `[B*q_len, H]` fp32; a query token that
+        sees no key on this rank gets lse -inf and o 0, so the DCP merge by LSE stays exact.
         """
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

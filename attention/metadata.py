@@ -3,6 +3,8 @@
 The batch is ordered decodes first. Everything each kernel needs is precomputed here, once per
 step, and each path receives only its own rebased slices:
 - decode part: rows `[:num_decode_tokens]`, its block-table rows and (local) sequence lengths;
+  a decode computes `q_len` tokens (1, or 1 + k with k speculative tokens; the same for every
+  decode of a step), with each token's global position for the causal mask;
 - prefill part: rows `[num_decode_tokens:]`, `query_start_loc` rebased to start at 0, and, when
   any prefill has cached context (a continuation chunk or a prefix-cache hit), the context
   chunks to gather from the paged cache.
@@ -29,7 +31,9 @@ def local_len(length, dcp_size: int, dcp_rank: int):
 @dataclass
 class DecodeMetadata:
     block_table: torch.Tensor  # [Bd, max_blocks] int32
-    seq_lens: torch.Tensor  # [Bd] int32, local lengths including this step's token
+    seq_lens: torch.Tensor  # [Bd] int32, local lengths including this step's tokens
+    q_len: int = 1  # query tokens per decode
+    q_pos: torch.Tensor | None = None  # [Bd*q_len] int32 global positions; None when q_len == 1
 
 
 @dataclass
@@ -83,19 +87,20 @@ def build_mla_metadata(query_lens: list[int], context_lens: list[int], block_ids
 
     query_lens[i]: tokens computed for request i this step; context_lens[i]: tokens already in
     the cache before them; block_ids[i]: its (virtual, under DCP) block table.
+    The decodes are the leading requests whose query length equals the first one's, when that is
+    at most `decode_threshold` (the decode kernel takes one query length per call); any other
+    request, short ones included, is a prefill (correct for any length, slower).
     `context_chunk_tokens` bounds the rows one context chunk gathers on a rank.
     """
     n = len(query_lens)
     q = np.asarray(query_lens, dtype=np.int64)
     ctx = np.asarray(context_lens, dtype=np.int64)
-    is_decode = q <= decode_threshold
-    num_decodes = int(is_decode.sum())
-    if not is_decode[:num_decodes].all():
+    dq = int(q[0]) if n and q[0] <= decode_threshold else 0  # the decodes' query length
+    same = q == dq
+    num_decodes = 0 if not dq else n if same.all() else int(np.argmin(same))  # the leading run
+    if (same[num_decodes:].any() if dq else (q <= decode_threshold).any()):
         raise ValueError("batch must be ordered decodes first")
-    if decode_threshold > 1 and dcp_size > 1:
-        # Multi-token decode queries would need a per-token key mask over interleaved shards.
-        raise ValueError("decode_threshold > 1 is not supported with decode context parallelism")
-    num_decode_tokens = int(q[:num_decodes].sum())
+    num_decode_tokens = num_decodes * dq
     max_blocks = max((len(b) for b in block_ids), default=0)
     table = np.zeros((n, max(max_blocks, 1)), dtype=np.int32)
     for i, b in enumerate(block_ids):
@@ -106,8 +111,12 @@ def build_mla_metadata(query_lens: list[int], context_lens: list[int], block_ids
 
     decode = None
     if num_decodes:
-        seq = local_len(ctx[:num_decodes] + q[:num_decodes], dcp_size, dcp_rank)
-        decode = DecodeMetadata(block_table=to(table[:num_decodes]), seq_lens=to(seq))
+        seq = local_len(ctx[:num_decodes] + dq, dcp_size, dcp_rank)
+        q_pos = None
+        if dq > 1:  # each token's global position: the causal mask inside the query (and DCP's)
+            q_pos = to((ctx[:num_decodes, None] + np.arange(dq)).reshape(-1))
+        decode = DecodeMetadata(block_table=to(table[:num_decodes]), seq_lens=to(seq), q_len=dq,
+                                q_pos=q_pos)
 
     prefill = None
     if num_decodes < n:

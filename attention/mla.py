@@ -124,10 +124,12 @@ class MLAAttention:
         if dcp.size > 1:
             q = pd.dcp_all_gather(q, dim=1)  # [Nd, Hl*D, Lkv+R]: the group's heads, rank-major
         d = meta.decode
-        o_lat, lse = self.ops.decode(q, kv_cache, d.block_table, d.seq_lens, self.scale, self.Lkv)
+        o_lat, lse = self.ops.decode(q, kv_cache, d.block_table, d.seq_lens, self.scale, self.Lkv,
+                                     q_len=d.q_len, q_pos=d.q_pos, dcp_size=dcp.size, dcp_rank=dcp.rank)
         if dcp.size > 1:
             # Each rank attended over its own shard of the keys: rescale by the global LSE, sum
-            # over ranks and keep this rank's heads.
+            # over ranks and keep this rank's heads. A rank where a query token saw no key has
+            # lse -inf: its weight is exp(-inf) = 0 (nan when every rank has -inf, zeroed).
             lse_all = pd.dcp_all_gather_stacked(lse)  # [D, Nd, Hl*D]
             lse_g = torch.logsumexp(lse_all, dim=0)
             w = torch.exp(lse - lse_g).nan_to_num_(0.0).unsqueeze(-1)

@@ -39,18 +39,24 @@ class TorchAttentionOps:
         blocks = block_row.long()[pos // bs]
         return load_as(kv_cache[blocks, pos % bs], dtype, self.kv_scale)
 
-    def decode(self, q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
-        B, H, _ = q.shape
-        o = torch.zeros(B, H, kv_lora_rank, dtype=q.dtype, device=q.device)
-        lse = torch.full((B, H), float("-inf"), dtype=torch.float32, device=q.device)
+    def decode(self, q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, q_len=1, q_pos=None,
+               dcp_size=1, dcp_rank=0):
+        T, H, _ = q.shape
+        o = torch.zeros(T, H, kv_lora_rank, dtype=q.dtype, device=q.device)
+        lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
         for b, n in enumerate(seq_lens.tolist()):
             if n == 0:
                 continue
+            rows = slice(b * q_len, (b + 1) * q_len)
             kv = self._rows(kv_cache, block_table[b], 0, n, torch.float32)  # [n, Lkv+R]
-            ob, lb = _attend(q[b].unsqueeze(1), kv.unsqueeze(0), kv[:, :kv_lora_rank].unsqueeze(0),
-                             scale, None)
-            o[b] = ob[:, 0].to(q.dtype)
-            lse[b] = lb[:, 0]
+            mask = None
+            if q_pos is not None:  # [q_len, n]: key j holds global position j*D + r
+                key_pos = torch.arange(n, device=q.device) * dcp_size + dcp_rank
+                mask = key_pos.unsqueeze(0) <= q_pos[rows].to(q.device).long().unsqueeze(1)
+            ob, lb = _attend(q[rows].transpose(0, 1), kv.unsqueeze(0), kv[:, :kv_lora_rank].unsqueeze(0),
+                             scale, mask)  # [H, q_len, Lkv], [H, q_len]
+            o[rows] = ob.transpose(0, 1).to(q.dtype)
+            lse[rows] = lb.transpose(0, 1)
         return o, lse
 
     def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,

@@ -62,24 +62,32 @@ class TritonAttentionOps:
         _check_cache(kv_cache)
         write_kv(kv_cache, _last_contiguous(kv), slot_mapping.contiguous(), self.kv_scale)
 
-    def decode(self, q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
-        _check(q.dim() == 3, f"q must be [B, H, Lkv+R], got {tuple(q.shape)}")
+    def decode(self, q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, q_len=1, q_pos=None,
+               dcp_size=1, dcp_rank=0):
+        _check(q.dim() == 3, f"q must be [B*q_len, H, Lkv+R], got {tuple(q.shape)}")
         _check(kv_cache.dim() == 3 and kv_cache.shape[2] == q.shape[2],
                f"kv_cache must be [num_blocks, block_size, {q.shape[2]}], got {tuple(kv_cache.shape)}")
         _check(0 < kv_lora_rank < q.shape[2],
                f"kv_lora_rank must be in (0, {q.shape[2]}), got {kv_lora_rank}")
         _check(q.shape[2] - kv_lora_rank >= 16 and kv_lora_rank >= 16,
                f"kv_lora_rank {kv_lora_rank} and rope width {q.shape[2] - kv_lora_rank} must be >= 16")
-        B = q.shape[0]
+        _check(q_len >= 1 and q.shape[0] % q_len == 0,
+               f"q_len must be >= 1 and divide q's {q.shape[0]} rows, got {q_len}")
+        _check(0 <= dcp_rank < dcp_size, f"dcp_rank must be in [0, {dcp_size}), got {dcp_rank}")
+        B = q.shape[0] // q_len
         _check(block_table.dim() == 2 and block_table.shape[0] == B,
                f"block_table must be [{B}, max_blocks], got {tuple(block_table.shape)}")
         _check(seq_lens.shape == (B,), f"seq_lens must be [{B}], got {tuple(seq_lens.shape)}")
+        _check(q_pos is None or q_pos.shape == (q.shape[0],),
+               f"q_pos must be [{q.shape[0]}], got {None if q_pos is None else tuple(q_pos.shape)}")
         _check(q.dtype in _FLOAT_DTYPES and kv_cache.dtype in _CACHE_DTYPES,
                f"q must be fp16/bf16/fp32 and kv_cache that or fp8_e4m3, got {q.dtype}, {kv_cache.dtype}")
         _check_cache(kv_cache)
         return mla_decode(_last_contiguous(q), kv_cache, _last_contiguous(block_table),
-                          seq_lens.contiguous(), scale, kv_lora_rank,
-                          num_sms=self._sm_count(q.device), cfg=self.decode_config, kv_scale=self.kv_scale)
+                          seq_lens.contiguous(), scale, kv_lora_rank, q_len=q_len,
+                          q_pos=None if q_pos is None else q_pos.contiguous(), dcp_size=dcp_size,
+                          dcp_rank=dcp_rank, num_sms=self._sm_count(q.device), cfg=self.decode_config,
+                          kv_scale=self.kv_scale)
 
     def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
         _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,

@@ -1,13 +1,16 @@
-"""Paged split-KV MLA decode in Triton: one query token per sequence, one latent KV head.
+"""Paged split-KV MLA decode in Triton: q_len query tokens per sequence, one latent KV head.
 
-Notation (DESIGN.md §4): q `[B, H, Lkv+R]` = `[q_lat ‖ q_pe]`, cache `[NB, BS, Lkv+R]` = `[c ‖ k_pe]`.
-score = q_lat·c + q_pe·k_pe, o = softmax(score) @ c.
+Notation (DESIGN.md §4): q `[B*q_len, H, Lkv+R]` = `[q_lat ‖ q_pe]`, cache `[NB, BS, Lkv+R]` =
+`[c ‖ k_pe]`. score = q_lat·c + q_pe·k_pe, o = softmax(score) @ c.
 An FP8 cache (attention/kv_quant.py) is converted to q's dtype on load; its per-tensor scale folds
 out of both products: into the softmax scale and into the output.
 
-Stage 1 (`_mla_decode_partial_kernel`): program (head tile, split, b) streams the split's cache rows
-once for BLOCK_H heads (all query heads share the latent head, so a head tile re-reads nothing) and
-keeps an online softmax. Stage 2 (`_mla_decode_reduce_kernel`) merges the splits by LSE. With one
+Stage 1 (`_mla_decode_partial_kernel`): program (row tile, split, b) streams the split's cache rows
+once for BLOCK_H query rows, a row being one (query token, head) pair of sequence b (all of them
+share the latent head, so a row tile re-reads nothing), and keeps an online softmax. With query
+positions (`q_pos`) each row sees only the keys up to its token's position: under DCP the local key
+j of rank r is global position j*D + r, so a token at position p sees the first
+`local_len(p + 1)` local keys, a per-row prefix of the scan. Stage 2 (`_mla_decode_reduce_kernel`) merges the splits by LSE. With one
 split, stage 1 writes the final output directly and stage 2 is skipped.
 """
 
@@ -91,10 +94,11 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
 
 @triton.jit
 def _mla_decode_partial_kernel(
-    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, o_ptr, lse_ptr,
+    q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
     qk_scale_log2,  # softmax scale * kv scale * log2(e): scores live in the log2 domain
     o_scale,  # kv scale (FP8 cache), else 1
     H, num_splits,  # runtime, so a new split count never recompiles
+    q_len, dcp_size, dcp_rank,
     stride_qb, stride_qh,
     stride_kvb, stride_kvs,
     stride_btb,
@@ -104,7 +108,7 @@ def _mla_decode_partial_kernel(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, DIRECT: tl.constexpr,
-    IS_FP8: tl.constexpr,
+    HAS_POS: tl.constexpr, IS_FP8: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
@@ -115,15 +119,20 @@ def _mla_decode_partial_kernel(
     start = split * per_split
     end = tl.minimum(start + per_split, seq_len)
 
-    heads = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    rows = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)  # (query token, head) pairs of sequence b
+    hmask = rows < q_len * H
+    tok = b.to(tl.int64) * q_len + rows // H  # row of q / o / lse
+    heads = rows % H
+    if HAS_POS:  # keys visible to each row: local_len(p + 1) of its token's position p
+        p1 = tl.load(q_pos_ptr + tok, mask=hmask, other=0).to(tl.int32) + 1
+        visible = tl.minimum(p1 // dcp_size + (dcp_rank < p1 % dcp_size).to(tl.int32), seq_len)
     offs_l = tl.arange(0, BLOCK_L)
     offs_r = tl.arange(0, BLOCK_R)
-    hmask = heads < H
     lmask = offs_l < LKV
     rmask = offs_r < R
     # the products' input dtype: the cache's, or q's for an FP8 cache (converted on load)
     kv_dtype = q_ptr.dtype.element_ty if IS_FP8 else kv_ptr.dtype.element_ty
-    q_row = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q_row = q_ptr + tok[:, None] * stride_qb + heads[:, None] * stride_qh
     q_lat = tl.load(q_row + offs_l[None, :], mask=hmask[:, None] & lmask[None, :], other=0.0)
     q_pe = tl.load(q_row + LKV + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
     q_lat = q_lat.to(kv_dtype)  # [BLOCK_H, BLOCK_L]
@@ -157,11 +166,15 @@ def _mla_decode_partial_kernel(
         else:
             s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
             s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)
-        # Every tile holds >= 1 valid row (n0 < end), so m_new is finite.
-        s = tl.where(nmask[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        if HAS_POS:
+            s = tl.where(offs_n[None, :] < visible[:, None], s * qk_scale_log2, float("-inf"))
+        else:
+            s = tl.where(nmask[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        # A row that has seen no visible key yet keeps m = -inf: shift by 0 instead (p = 0).
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(kv_dtype), c, acc=acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
@@ -169,9 +182,9 @@ def _mla_decode_partial_kernel(
     empty = l_i == 0.0  # split (or whole sequence) without rows: lse -inf, output 0
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
     o = acc * (o_scale / tl.where(empty, 1.0, l_i))[:, None]
-    o_ptrs = (o_ptr + b.to(tl.int64) * stride_ob + split * stride_os
+    o_ptrs = (o_ptr + tok[:, None] * stride_ob + split * stride_os
               + heads[:, None] * stride_oh + offs_l[None, :])
-    lse_ptrs = lse_ptr + b.to(tl.int64) * stride_lb + split * stride_ls + heads * stride_lh
+    lse_ptrs = lse_ptr + tok * stride_lb + split * stride_ls + heads * stride_lh
     # A split past the sequence's end (the engine's block tables are max_model_len wide, so at
     # batch 1 most of ~100 splits are) stores only its lse of -inf: the reduce never reads the
     # rows of such a split, and they would be 32 KB each per (sequence, head tile). The direct
@@ -219,28 +232,32 @@ def _mla_decode_reduce_kernel(
 
 
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
+               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int, q_len: int = 1,
+               q_pos: torch.Tensor | None = None, dcp_size: int = 1, dcp_rank: int = 0,
                num_splits: int | None = None, num_sms: int | None = None,
                cfg: DecodeConfig | None = None, kv_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Absorbed MLA decode: q [B, H, Lkv+R] -> (o [B, H, Lkv] in q.dtype, lse [B, H] fp32).
+    """Absorbed MLA decode: q [B*q_len, H, Lkv+R] -> (o [B*q_len, H, Lkv] in q.dtype, lse
+    [B*q_len, H] fp32); `q_pos` and the DCP layout as in attention/backend.py `decode`.
 
     Inputs are assumed validated (TritonAttentionOps does it); the last dims must be contiguous.
     `kv_scale` is an FP8 cache's per-tensor scale (ignored for other caches).
     """
-    B, H, D = q.shape
+    T, H, D = q.shape
+    B = T // q_len
     page = kv_cache.shape[1]
     lkv, r = kv_lora_rank, D - kv_lora_rank
     fp8 = is_fp8(kv_cache)
     compute_dtype = q.dtype if fp8 else kv_cache.dtype
     kv_scale = kv_scale if fp8 else 1.0
-    cfg = cfg or default_decode_config(H, compute_dtype)
-    block_h = max(16, min(cfg.block_h, triton.next_power_of_2(H)))
-    head_tiles = triton.cdiv(H, block_h)
+    rows = q_len * H  # query rows per sequence
+    cfg = cfg or default_decode_config(rows, compute_dtype)
+    block_h = max(16, min(cfg.block_h, triton.next_power_of_2(rows)))
+    head_tiles = triton.cdiv(rows, block_h)
     if num_splits is None:
         max_len = block_table.shape[1] * page
         num_splits = choose_num_splits(B, head_tiles, max_len, num_sms or 1, cfg)
-    o = torch.empty(B, H, lkv, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H, dtype=torch.float32, device=q.device)
+    o = torch.empty(T, H, lkv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if B == 0 or H == 0:
         return o, lse
     precision = "ieee" if compute_dtype == torch.float32 else "tf32"
@@ -250,14 +267,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         po_strides = (o.stride(0), 0, o.stride(1))
         plse_strides = (lse.stride(0), 0, lse.stride(1))
     else:
-        po = torch.empty(B, num_splits, H, lkv, dtype=torch.float32, device=q.device)
-        plse = torch.empty(B, num_splits, H, dtype=torch.float32, device=q.device)
+        po = torch.empty(T, num_splits, H, lkv, dtype=torch.float32, device=q.device)
+        plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
         po_strides = (po.stride(0), po.stride(1), po.stride(2))
         plse_strides = (plse.stride(0), plse.stride(1), plse.stride(2))
     block_l = triton.next_power_of_2(lkv)
     _mla_decode_partial_kernel[(head_tiles, num_splits, B)](
-        q, kv_cache, block_table, seq_lens, po, plse,
-        scale * kv_scale * LOG2E, kv_scale, H, num_splits,
+        q, kv_cache, block_table, seq_lens, seq_lens if q_pos is None else q_pos, po, plse,
+        scale * kv_scale * LOG2E, kv_scale, H, num_splits, q_len, dcp_size, dcp_rank,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
@@ -265,12 +282,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         PAGE=page, LKV=lkv, R=r,
         BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(r),
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
-        PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids, DIRECT=direct, IS_FP8=fp8,
+        PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids, DIRECT=direct,
+        HAS_POS=q_pos is not None, IS_FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
     if not direct:
-        _mla_decode_reduce_kernel[(H, B)](
+        _mla_decode_reduce_kernel[(H, T)](
             po, plse, o, lse, H, num_splits,
             *po_strides, *plse_strides,
             o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
