@@ -2,8 +2,9 @@
 
 Notation (DESIGN.md §4): q `[B*q_len, H, Lkv+R]` = `[q_lat ‖ q_pe]`, cache `[NB, BS, Lkv+R]` =
 `[c ‖ k_pe]`. score = q_lat·c + q_pe·k_pe, o = softmax(score) @ c.
-An FP8 cache (attention/kv_quant.py) is converted to q's dtype on load; its per-tensor scale folds
-out of both products: into the softmax scale and into the output.
+The products run in q's dtype: a cache of another dtype (FP8, attention/kv_quant.py, or bf16 under
+fp32 compute) is converted on load; an FP8 cache's per-tensor scale folds out of both products,
+into the softmax scale and into the output.
 
 Stage 1 (`_mla_decode_partial_kernel`): program (row tile, split, b) streams the split's cache rows
 once for BLOCK_H query rows, a row being one (query token, head) pair of sequence b (all of them
@@ -41,19 +42,28 @@ class DecodeConfig:
     qk_t: bool = False       # compute scores transposed (tokens as MMA rows)
     maxnreg: int | None = None  # register cap per thread, to fit more programs per SM
     prefetch_ids: bool = False  # load the next tile's block ids before this tile's math
+    warp_specialize: bool = False  # Triton's warp-specialised loop (producer warps for the loads)
 
 
-def default_decode_config(num_heads: int, dtype: torch.dtype, smem_bytes: int | None = None) -> DecodeConfig:
-    """Tile shape by head count: 64-head tiles for wide ranks, 16 otherwise.
+WIDE_ROWS = 64  # query rows (heads x query tokens) per sequence from which 64-row tiles are used
 
-    Picked from the H200 sweep of 2026-11-30 (docs/kernel_notes.md, v3): 16-head tiles with the
-    block ids prefetched and 3 stages, 64-head tiles 64 rows deep. The 64x64 tile with 2 stages
-    needs ~221 KB of shared memory per block (Hopper has 227 KB); with less (`smem_bytes`, the
-    current CUDA device's opt-in limit when not given), 64-head tiles stay 32 rows deep.
+
+def default_decode_config(num_rows: int, dtype: torch.dtype, smem_bytes: int | None = None,
+                          cache_dtype: torch.dtype | None = None) -> DecodeConfig:
+    """The decode kernel's tiles for `num_rows` = heads x q_len query rows per sequence, products
+    in `dtype` over a cache of `cache_dtype` (default: the same).
+
+    Two regimes (H200 sweeps, docs/kernel_notes.md): below WIDE_ROWS the kernel is bound by the
+    cache's bytes and 16-row tiles (ids prefetched, 3 stages, 2 programs per SM) stream it at
+    ~90% of copy; from WIDE_ROWS on (V3/R1 at -tp 1, DCP's gathered heads, multi-token decode)
+    it is bound by the tensor cores: 64-row tiles, QK^T [64 x 576] x [576 x 64] and PV
+    [64 x 64] x [64 x 512] per step. The 64x64 tile with 2 stages needs ~221 KB of shared memory
+    per block (Hopper has 227 KB); with less (`smem_bytes`, the current CUDA device's opt-in limit
+    when not given), 64-row tiles stay 32 rows deep.
     """
     if dtype == torch.float32:  # fp32 tiles are twice the bytes: keep shared memory in bounds
         return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, min_split_tokens=256)
-    if num_heads >= 64:
+    if num_rows >= WIDE_ROWS:
         if smem_bytes is None:
             smem_bytes = _device_smem_bytes()
         deep = smem_bytes is None or smem_bytes >= 224 * 1024
@@ -108,7 +118,7 @@ def _mla_decode_partial_kernel(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_POS: tl.constexpr, IS_FP8: tl.constexpr,
+    HAS_POS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
@@ -130,8 +140,8 @@ def _mla_decode_partial_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     lmask = offs_l < LKV
     rmask = offs_r < R
-    # the products' input dtype: the cache's, or q's for an FP8 cache (converted on load)
-    kv_dtype = q_ptr.dtype.element_ty if IS_FP8 else kv_ptr.dtype.element_ty
+    # the products' input dtype is q's: cache rows of another dtype (FP8, bf16) are converted on load
+    kv_dtype = q_ptr.dtype.element_ty
     q_row = q_ptr + tok[:, None] * stride_qb + heads[:, None] * stride_qh
     q_lat = tl.load(q_row + offs_l[None, :], mask=hmask[:, None] & lmask[None, :], other=0.0)
     q_pe = tl.load(q_row + LKV + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
@@ -145,7 +155,7 @@ def _mla_decode_partial_kernel(
     if PREFETCH_IDS:  # block ids one tile ahead, so the row loads never wait on the id load
         offs_first = start + tl.arange(0, BLOCK_N)
         blk_next = tl.load(bt_row + offs_first // PAGE, mask=offs_first < end, other=0)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         if PREFETCH_IDS:
@@ -246,11 +256,10 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     B = T // q_len
     page = kv_cache.shape[1]
     lkv, r = kv_lora_rank, D - kv_lora_rank
-    fp8 = is_fp8(kv_cache)
-    compute_dtype = q.dtype if fp8 else kv_cache.dtype
-    kv_scale = kv_scale if fp8 else 1.0
+    compute_dtype = q.dtype  # the products' inputs; the cache's rows are converted on load
+    kv_scale = kv_scale if is_fp8(kv_cache) else 1.0
     rows = q_len * H  # query rows per sequence
-    cfg = cfg or default_decode_config(rows, compute_dtype)
+    cfg = cfg or default_decode_config(rows, compute_dtype, cache_dtype=kv_cache.dtype)
     block_h = max(16, min(cfg.block_h, triton.next_power_of_2(rows)))
     head_tiles = triton.cdiv(rows, block_h)
     if num_splits is None:
@@ -283,7 +292,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(r),
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids, DIRECT=direct,
-        HAS_POS=q_pos is not None, IS_FP8=fp8,
+        HAS_POS=q_pos is not None, WARP_SPECIALIZE=cfg.warp_specialize,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
