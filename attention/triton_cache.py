@@ -30,10 +30,11 @@ def fp8_store_value(x, inv_scale):
     # into the exponent by itself
     normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)
     # subnormal range: multiples of 2^-9, rounded by the fp32 add of 1.5 * 2^23 (ties to even),
-    # on |x| and signed after, so that -0 stays -0 as in torch
+    # on |x|, with x's sign bit put back by integer or, so that a value rounding to 0 keeps its
+    # sign (-0 as in torch; a float negation of +0 was seen to lose it on the GPU)
     a = tl.abs(x)
     sub = ((a * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
-    sub = tl.where(bits < 0, -sub, sub)
+    sub = (sub.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
     return tl.where(a < 0.015625, sub, normal).to(tl.float8e4nv)
 
 
