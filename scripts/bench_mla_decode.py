@@ -54,11 +54,10 @@ _H64 = dict(block_h=64, num_warps=8)
 DECODE_SWEEP = {
     (16, "bf16"): [dict(_H16, block_n=32, num_stages=2)],
     (16, "fp8"): [dict(_H16, block_n=32, num_stages=3), dict(_H16, block_n=32, num_stages=2, reload_v=True),
-                  dict(_H16, block_n=32, num_stages=4, reload_v=True),
-                  dict(_H16, block_n=64, num_stages=2, reload_v=True, programs_per_sm=1),
-                  dict(_H16, block_n=64, num_stages=3, reload_v=True, programs_per_sm=1, num_warps=8)],
+                  dict(_H16, block_n=64, num_stages=3, reload_v=True, programs_per_sm=1, num_warps=8),
+                  dict(_H16, block_n=64, num_stages=3)],
     (128, "bf16"): [dict(_H64, block_n=64, num_stages=2, warp_specialize=True)],
-    (128, "fp8"): [dict(_H64, block_n=64, num_stages=3), dict(_H64, block_n=64, num_stages=2, qk_t=True)],
+    (128, "fp8"): [dict(_H64, block_n=64, num_stages=3), dict(_H64, block_n=32, num_stages=3)],
 }
 CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 PREFILL_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 2), (128, 32, 8, 3)]
