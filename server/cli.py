@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of GPU memory for weights + activations + KV cache (0, 1]")
     g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=d["kv_cache_dtype"],
                    help="latent KV cache storage: auto (the model dtype), bf16, or fp8 (e4m3 with a "
-                        "per-tensor scale: half the bytes of bf16, twice the tokens); bfloat16 "
-                        "and fp8_e4m3 are vLLM's aliases")
+                        "per-tensor scale: half the bytes of bf16, twice the tokens; its decode is "
+                        "slower than bf16's today, docs/kernel_notes.md); bfloat16 and fp8_e4m3 "
+                        "are vLLM's aliases")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks to allocate; overrides the memory-based sizing")
     g.add_argument("--cpu-kv-cache-gb", type=float, default=d["cpu_kv_cache_gb"],

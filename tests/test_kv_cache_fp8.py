@@ -354,3 +354,20 @@ def test_fp8_cache_triton_engine_equals_torch_engine(budget, monkeypatch):
         del llm
     same = sum(a == b for a, b in zip(outs["triton"], outs["torch"]))
     assert same >= 61, f"{same} of 64 greedy outputs equal"
+
+
+@pytest.mark.parametrize("budget", [2048, 16])
+def test_fp8_cache_under_dcp_equals_one_rank(tiny_v3, budget):
+    """-tp 2 -dcp 2 over an FP8 cache (each rank quantises the tokens it stores; the context
+    gather dequantises before the all-gather) gives one rank's greedy tokens over an FP8 cache:
+    the stored values do not depend on which rank holds them."""
+    from test_parallel import outputs
+    torch.manual_seed(5)
+    shared = torch.randint(2, 320, (21,)).tolist()
+    prompts = [torch.randint(2, 320, (n,)).tolist() for n in (5, 17, 33, 64)]
+    prompts += [shared + torch.randint(2, 320, (n,)).tolist() for n in (2, 9, 14, 30)]
+    ref, _, cap1 = outputs(tiny_v3[0], prompts, 1, 1, max_num_batched_tokens=budget, num_kv_blocks=256,
+                           kv_cache_dtype="fp8")
+    got, _, cap2 = outputs(tiny_v3[0], prompts, 2, 2, max_num_batched_tokens=budget, num_kv_blocks=128,
+                           kv_cache_dtype="fp8")
+    assert got == ref and cap1 == cap2
