@@ -84,6 +84,7 @@ def _device_smem_bytes() -> int | None:
     return getattr(props, "shared_memory_per_block_optin", None)
 
 
+@functools.lru_cache(maxsize=None)
 def _hw_e4m3_convert(device: torch.device) -> bool:
     """Whether kernels on `device` convert e4m3 with the hardware instruction (CUDA sm_89+, not
     under the interpreter)."""
