@@ -164,7 +164,7 @@ def run_prefill(core, n: int, length: int, top: int) -> dict:
     return res
 
 
-def run_mixed(core, decodes: int, new_prompts: int, prompt_len: int, top: int) -> dict:
+def run_mixed(core, decodes: int, new_prompts: int, prompt_len: int, top: int, host_profile: bool = False) -> dict:
     """The offline workload's typical step: `decodes` running decodes plus the prefill of
     `new_prompts` fresh prompts, profiled, and the same step timed by wall clock (eager steps with
     prefill are not CUDA graphs, so host time may exceed GPU time)."""
@@ -190,8 +190,19 @@ def run_mixed(core, decodes: int, new_prompts: int, prompt_len: int, top: int) -
         sync()
         if rep < 2:
             t0 = time.perf_counter()
-            core.step()
-            sync()
+            if rep == 1 and host_profile:  # Python-level cost of one warm step, by function
+                import cProfile
+                import pstats
+                pr = cProfile.Profile()
+                pr.enable()
+                core.step()
+                sync()
+                pr.disable()
+                print("\nhost profile of one mixed step (cProfile, by own time):")
+                pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+            else:
+                core.step()
+                sync()
             walls.append(time.perf_counter() - t0)
         else:
             prof = profile_steps(core, 1)
@@ -214,6 +225,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=1000)
     p.add_argument("--mixed", nargs="*", default=[],
                    help="DECODESxPROMPTS: that many decodes plus the prefill of PROMPTS new prompts in one step")
+    p.add_argument("--host-profile", action="store_true",
+                   help="with --mixed: also cProfile one warm mixed step (its wall time is then not comparable)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--moe", choices=["default", "blocked"], default="default",
@@ -242,7 +255,7 @@ def main() -> None:
         out.append(run_prefill(core, n, length, a.top))
     for spec in a.mixed:
         d, n = map(int, spec.split("x"))
-        out.append(run_mixed(core, d, n, a.prompt_len, a.top))
+        out.append(run_mixed(core, d, n, a.prompt_len, a.top, a.host_profile))
     if a.json or "OUT" in os.environ:
         path = a.json or os.path.join(os.environ["OUT"], "profile_ops.json")
         with open(path, "w") as f:
