@@ -1,10 +1,15 @@
 """Time (and with --check, verify on real shapes) the Triton MLA attention kernels on one CUDA GPU.
 
-Decode bytes = every cached row read once (Lkv+R values, 2 bytes each in a bf16 cache, 1 in an FP8
-cache) + q + o; compared with the measured device-to-device copy rate (read + write), and FLOP/s
-(QK^T over Lkv+R and PV over Lkv, 2 per multiply-add) for the tensor-core bound many-heads case. Prefill is reported in TFLOP/s (QK and PV products,
-causal counts only visible pairs). Times are triton.testing.do_bench medians (it flushes L2 before
-every run). Prints a table and writes JSON to --out (default $OUT/bench_mla_decode.json).
+Decode: bytes = every cached row read once (Lkv+R values, 2 bytes each in a bf16 cache, 1 in an
+FP8 cache) + q + o, compared with the measured device-to-device copy rate (read + write); FLOP/s
+count QK^T over Lkv+R and PV over Lkv, 2 per multiply-add (the measure for many heads, where the
+tensor cores bind). Each (B, S, heads, cache dtype) row names the kernel's tiles (`_short`: h rows
+per program, n cache rows per step, w warps, s stages, p programs per SM, P prefetched block ids,
+T transposed scores, W warp-specialised loop, V FP8 tile loaded twice). Decode times are CUDA-graph
+replays over input sets rotated through 256 MB, so L2 holds none of them. Prefill is reported in
+TFLOP/s (QK and PV products, causal counts only visible pairs), timed with triton.testing.do_bench
+medians (it flushes L2 before every run). Prints a table and writes JSON to --out (default
+$OUT/bench_mla_decode.json).
 
   python3 scripts/bench_mla_decode.py --check --sweep
   python3 scripts/bench_mla_decode.py --decode-only --decode-shapes 128x4096,128x16384 --heads 16,128 \
