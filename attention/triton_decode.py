@@ -141,7 +141,7 @@ def _as_product(x, dtype: tl.constexpr, FP8: tl.constexpr, HW_CVT: tl.constexpr)
     return x.to(dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_partial_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
     qk_scale_log2,  # softmax scale * kv scale * log2(e): scores live in the log2 domain
@@ -258,7 +258,7 @@ def _mla_decode_partial_kernel(
     tl.store(lse_ptrs, lse, mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_reduce_kernel(
     po_ptr, plse_ptr, o_ptr, lse_ptr,
     H, num_splits,
