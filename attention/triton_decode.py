@@ -45,6 +45,7 @@ class DecodeConfig:
     prefetch_ids: bool = False  # load the next tile's block ids before this tile's math
     warp_specialize: bool = False  # Triton's warp-specialised loop (producer warps for the loads)
     reload_v: bool = False  # FP8 cache: load each tile twice (QK^T and PV), see the kernel
+    stage_v: bool = False  # with reload_v on CUDA: PV's tile converted to fp16 before shared memory
 
 
 WIDE_ROWS = 64  # query rows (heads x query tokens) per sequence from which 64-row tiles are used
@@ -158,7 +159,7 @@ def _mla_decode_partial_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, DIRECT: tl.constexpr,
     HAS_POS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FP8: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
-    RELOAD_V: tl.constexpr, HW_CVT: tl.constexpr,
+    RELOAD_V: tl.constexpr, HW_CVT: tl.constexpr, STAGE_V: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
@@ -226,7 +227,17 @@ def _mla_decode_partial_kernel(
         else:
             s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
             s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)
-        v = c if not RELOAD_V else _as_product(v, kv_dtype, FP8, HW_CVT)
+        if RELOAD_V:
+            v = _as_product(v, kv_dtype, FP8, HW_CVT)
+            if STAGE_V and HW_CVT:
+                # An opaque identity (not pure: Triton can neither move nor drop it) keeps the
+                # conversion in the load's layout: the fp16 tile then goes through shared memory
+                # and PV reads it with ldmatrix.trans, instead of Triton converting in PV's operand
+                # layout, where 8-bit data has no ldmatrix.trans (single-byte shared loads).
+                v = tl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r", args=[v],
+                                              dtype=tl.float16, is_pure=False, pack=2)
+        else:
+            v = c
         if HAS_POS:
             s = tl.where(offs_n[None, :] < visible[:, None], s * qk_scale_log2, float("-inf"))
         else:
@@ -349,7 +360,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids, DIRECT=direct,
         HAS_POS=q_pos is not None, WARP_SPECIALIZE=cfg.warp_specialize, FP8=fp8,
-        RELOAD_V=fp8 and cfg.reload_v, HW_CVT=hw_cvt,
+        RELOAD_V=fp8 and cfg.reload_v, HW_CVT=hw_cvt, STAGE_V=fp8 and cfg.reload_v and cfg.stage_v,
         PRODUCT_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[compute_dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),

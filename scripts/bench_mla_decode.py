@@ -5,7 +5,8 @@ FP8 cache) + q + o, compared with the measured device-to-device copy rate (read 
 count QK^T over Lkv+R and PV over Lkv, 2 per multiply-add (the measure for many heads, where the
 tensor cores bind). Each (B, S, heads, cache dtype) row names the kernel's tiles (`_short`: h rows
 per program, n cache rows per step, w warps, s stages, p programs per SM, P prefetched block ids,
-T transposed scores, W warp-specialised loop, V FP8 tile loaded twice). Decode times are CUDA-graph
+T transposed scores, W warp-specialised loop, V FP8 tile loaded twice, S its PV copy staged in
+fp16). Decode times are CUDA-graph
 replays over input sets rotated through 256 MB, so L2 holds none of them. Prefill is reported in
 TFLOP/s (QK and PV products, causal counts only visible pairs), timed with triton.testing.do_bench
 medians (it flushes L2 before every run). Prints a table and writes JSON to --out (default
@@ -58,7 +59,9 @@ _H16 = dict(block_h=16, num_warps=4, programs_per_sm=2, prefetch_ids=True)
 _H64 = dict(block_h=64, num_warps=8)
 DECODE_SWEEP = {
     (16, "bf16"): [dict(_H16, block_n=32, num_stages=2)],
-    (16, "fp8"): [dict(_H16, block_n=32, num_stages=3), dict(_H16, block_n=32, num_stages=2, reload_v=True),
+    (16, "fp8"): [dict(_H16, block_n=32, num_stages=2, reload_v=True, stage_v=True),
+                  dict(_H16, block_n=32, num_stages=3, reload_v=True, stage_v=True, programs_per_sm=1),
+                  dict(_H16, block_n=32, num_stages=3), dict(_H16, block_n=32, num_stages=2, reload_v=True),
                   dict(_H16, block_n=64, num_stages=3, reload_v=True, programs_per_sm=1, num_warps=8),
                   dict(_H16, block_n=64, num_stages=3)],
     (128, "bf16"): [dict(_H64, block_n=64, num_stages=2, warp_specialize=True)],
@@ -187,7 +190,8 @@ def _short(cfg: dict) -> str:
     out = f"h{cfg['block_h']}n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}p{cfg['programs_per_sm']}"
     out += f"r{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
     return (out + ("T" if cfg.get("qk_t") else "") + ("P" if cfg.get("prefetch_ids") else "")
-            + ("W" if cfg.get("warp_specialize") else "") + ("V" if cfg.get("reload_v") else ""))
+            + ("W" if cfg.get("warp_specialize") else "") + ("V" if cfg.get("reload_v") else "")
+            + ("S" if cfg.get("stage_v") else ""))
 
 
 def prefill_flops(lens, H, causal):

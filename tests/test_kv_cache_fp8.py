@@ -24,6 +24,7 @@ if str(REPO) not in sys.path:
 
 from attention.kv_quant import FP8_DTYPE, FP8_MAX, load_as, resolve_kv_cache_dtype, store_as  # noqa: E402
 from attention.torch_backend import TorchAttentionOps  # noqa: E402
+from attention.triton_decode import DecodeConfig  # noqa: E402
 from test_triton_ops import check_lse, poisoned, rel_err  # noqa: E402
 
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
@@ -201,6 +202,10 @@ for _h in (16, 128):
         lambda h=_h: check_decode_cache("cuda", bf16, F8, h, 512, 64, 64, [(37 * i) % 4000 for i in range(64)]))
     GPU_CASES[f"decode_fp8_H{_h}_qlen2_dcp"] = (
         lambda h=_h: check_decode_cache("cuda", bf16, F8, h, 512, 64, 64, _LENS, q_len=2, with_pos=True, dcp=(2, 0)))
+    GPU_CASES[f"decode_fp8_H{_h}_stage_v"] = (
+        lambda h=_h: check_decode_cache("cuda", bf16, F8, h, 512, 64, 64, _LENS, num_splits=5, cfg=DecodeConfig(
+            block_h=16 if h == 16 else 64, block_n=32, num_warps=4 if h == 16 else 8, num_stages=2,
+            reload_v=True, stage_v=True)))
     GPU_CASES[f"decode_bf16_H{_h}_poisoned"] = (
         lambda h=_h: check_decode_cache("cuda", bf16, bf16, h, 512, 64, 64, _LENS))
 
