@@ -11,6 +11,9 @@ Conventions shared by all backends:
   sees keys j <= i + Lk - Lq.
 - Index tensors (block tables, lengths, cu_seqlens, slot mappings) are int32 or int64 on the
   device of the data.
+- The cache may be stored in another dtype than the model computes in: bf16, or FP8 e4m3 with a
+  per-tensor scale (`ops.kv_scale`, attention/kv_quant.py). Writes quantise, every read (decode,
+  gather_context) dequantises with the same arithmetic in every backend.
 """
 
 from __future__ import annotations
@@ -22,18 +25,30 @@ import torch
 
 class AttentionOps(Protocol):
     name: str
+    kv_scale: float  # an FP8 cache's per-tensor scale
 
     def write_kv(self, kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store `kv [T, Lkv+R]` at flat slots `block * block_size + offset`; slot -1 is skipped."""
 
     def decode(self, q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int,
+               seq_lens: torch.Tensor, scale: float, kv_lora_rank: int, q_len: int = 1,
+               q_pos: torch.Tensor | None = None, dcp_size: int = 1, dcp_rank: int = 0,
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Absorbed MQA decode, one query token per sequence.
+        """Absorbed MQA decode, `q_len` query tokens per sequence (the same for every sequence).
 
-        q `[B, H, Lkv+R]` (`[q_lat ‖ q_pe]`) against the first `seq_lens[b]` cached tokens of
-        sequence b (blocks `block_table[b]`); scores use all Lkv+R dims, values are the first Lkv
-        dims (`c`). Returns o `[B, H, Lkv]` (q's dtype) and lse `[B, H]` fp32.
+        q `[B*q_len, H, Lkv+R]` (`[q_lat ‖ q_pe]`), sequence-major: rows `b*q_len .. b*q_len +
+        q_len - 1` are sequence b's query tokens in position order. Keys are the first
+        `seq_lens[b]` cached rows of sequence b on this rank (blocks `block_table[b]`),
+        this step's tokens included; scores use all Lkv+R dims, values are the first Lkv dims (`c`).
+
+        `q_pos [B*q_len]` int32 is each query token's global position. Local key index j on DCP
+        rank `dcp_rank` of `dcp_size` has global position `j * dcp_size + dcp_rank`; a query at
+        global position p sees exactly the keys at global positions <= p (the causal mask inside
+        the query, and DESIGN.md §7's per-token mask over interleaved shards). `q_pos=None`: every
+        query of sequence b sees all `seq_lens[b]` keys.
+
+        Returns o `[B*q_len, H, Lkv]` (q's dtype) and lse `[B*q_len, H]` fp32; a query token that
+        sees no key on this rank gets lse -inf and o 0, so the DCP merge by LSE stays exact.
         """
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -54,13 +69,19 @@ class AttentionOps(Protocol):
         """`prefill` with MLA's operands in parts: q = [q_nope ‖ q_pe] `[Tq, H, P]` + `[Tq, H, R]`,
         k = [k_nope ‖ k_pe] with k_nope `[Tk, H, P]` and k_pe `[Tk, R]` shared by all heads."""
 
+    def merge_attn_states_(self, o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor,
+                           lse_b: torch.Tensor) -> None:
+        """In place: (o `[T, H, V]`, lse `[T, H]` fp32) becomes the merge of itself and (o_b, lse_b),
+        two attentions of the same queries over disjoint key sets. A row that saw no key on
+        either side keeps lse -inf and gets o = 0."""
+
     def gather_context(self, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        starts: torch.Tensor, cu_lens: torch.Tensor, num_tokens: int,
-                       ) -> torch.Tensor:
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
         """Copy cached rows out of the paged cache into a dense workspace.
 
         For sequence b, rows of token positions `starts[b] .. starts[b] + len_b - 1` (positions
         index the sequence's blocks through `block_table[b]`) go to output rows
         `cu_lens[b] .. cu_lens[b+1] - 1`, with `len_b = cu_lens[b+1] - cu_lens[b]`.
-        Returns `[num_tokens, Lkv+R]` in the cache's dtype.
+        Returns `[num_tokens, Lkv+R]` in `dtype` (None: the cache's), dequantised from FP8.
         """

@@ -3,6 +3,8 @@
 The batch is ordered decodes first. Everything each kernel needs is precomputed here, once per
 step, and each path receives only its own rebased slices:
 - decode part: rows `[:num_decode_tokens]`, its block-table rows and (local) sequence lengths;
+  a decode computes `q_len` tokens (1, or 1 + k with k speculative tokens; the same for every
+  decode of a step), with each token's global position for the causal mask;
 - prefill part: rows `[num_decode_tokens:]`, `query_start_loc` rebased to start at 0, and, when
   any prefill has cached context (a continuation chunk or a prefix-cache hit), the context
   chunks to gather from the paged cache.
@@ -29,21 +31,24 @@ def local_len(length, dcp_size: int, dcp_rank: int):
 @dataclass
 class DecodeMetadata:
     block_table: torch.Tensor  # [Bd, max_blocks] int32
-    seq_lens: torch.Tensor  # [Bd] int32, local lengths including this step's token
+    seq_lens: torch.Tensor  # [Bd] int32, local lengths including this step's tokens
+    q_len: int = 1  # query tokens per decode
+    q_pos: torch.Tensor | None = None  # [Bd*q_len] int32 global positions; None when q_len == 1
 
 
 @dataclass
 class ContextChunk:
-    """One bounded slice of every prefill's cached context (local indices on this rank)."""
+    """One bounded slice of the cached context of prefills 0 .. Bc-1 (Bc = the prefill
+    metadata's `num_context_prefills`; local indices on this rank)."""
 
-    starts: torch.Tensor  # [Bp] local start index of this chunk per prefill
-    cu_lens: torch.Tensor  # [Bp+1] rows of this rank's gathered chunk per prefill
+    starts: torch.Tensor  # [Bc] local start index of this chunk per prefill
+    cu_lens: torch.Tensor  # [Bc+1] rows of this rank's gathered chunk per prefill
     num_tokens: int  # rows this rank gathers
     # After the DCP all-gather (`[D, max_tokens]` rows, rank-major): rows of each prefill made
     # contiguous by `gather_index` (None when D == 1), with `cu_seqlens_k` over them.
     max_tokens: int  # rows per rank in the all-gather buffer (max over ranks)
     gather_index: torch.Tensor | None
-    cu_seqlens_k: torch.Tensor  # [Bp+1] int32
+    cu_seqlens_k: torch.Tensor  # [Bc+1] int32
     max_seqlen_k: int
 
 
@@ -54,6 +59,15 @@ class PrefillMetadata:
     block_table: torch.Tensor  # [Bp, max_blocks] int32
     context_lens: list[int]  # global cached tokens per prefill (host)
     context_chunks: list[ContextChunk]
+    # The context attention covers prefills 0 .. num_context_prefills-1 only (up to the last one
+    # with cached context): their query rows `[:context_query_rows]`, longest `context_max_query_len`.
+    num_context_prefills: int = 0
+    context_query_rows: int = 0
+    context_max_query_len: int = 0
+
+    @property
+    def has_context(self) -> bool:
+        return len(self.context_chunks) > 0
 
 
 @dataclass
@@ -79,19 +93,20 @@ def build_mla_metadata(query_lens: list[int], context_lens: list[int], block_ids
 
     query_lens[i]: tokens computed for request i this step; context_lens[i]: tokens already in
     the cache before them; block_ids[i]: its (virtual, under DCP) block table.
+    The decodes are the leading requests whose query length equals the first one's, when that is
+    at most `decode_threshold` (the decode kernel takes one query length per call); any other
+    request, short ones included, is a prefill (correct for any length, slower).
     `context_chunk_tokens` bounds the rows one context chunk gathers on a rank.
     """
     n = len(query_lens)
     q = np.asarray(query_lens, dtype=np.int64)
     ctx = np.asarray(context_lens, dtype=np.int64)
-    is_decode = q <= decode_threshold
-    num_decodes = int(is_decode.sum())
-    if not is_decode[:num_decodes].all():
+    dq = int(q[0]) if n and q[0] <= decode_threshold else 0  # the decodes' query length
+    same = q == dq
+    num_decodes = 0 if not dq else n if same.all() else int(np.argmin(same))  # the leading run
+    if (same[num_decodes:].any() if dq else (q <= decode_threshold).any()):
         raise ValueError("batch must be ordered decodes first")
-    if decode_threshold > 1 and dcp_size > 1:
-        # Multi-token decode queries would need a per-token key mask over interleaved shards.
-        raise ValueError("decode_threshold > 1 is not supported with decode context parallelism")
-    num_decode_tokens = int(q[:num_decodes].sum())
+    num_decode_tokens = num_decodes * dq
     max_blocks = max((len(b) for b in block_ids), default=0)
     table = np.zeros((n, max(max_blocks, 1)), dtype=np.int32)
     for i, b in enumerate(block_ids):
@@ -102,17 +117,25 @@ def build_mla_metadata(query_lens: list[int], context_lens: list[int], block_ids
 
     decode = None
     if num_decodes:
-        seq = local_len(ctx[:num_decodes] + q[:num_decodes], dcp_size, dcp_rank)
-        decode = DecodeMetadata(block_table=to(table[:num_decodes]), seq_lens=to(seq))
+        seq = local_len(ctx[:num_decodes] + dq, dcp_size, dcp_rank)
+        q_pos = None
+        if dq > 1:  # each token's global position: the causal mask inside the query (and DCP's)
+            q_pos = to((ctx[:num_decodes, None] + np.arange(dq)).reshape(-1))
+        decode = DecodeMetadata(block_table=to(table[:num_decodes]), seq_lens=to(seq), q_len=dq,
+                                q_pos=q_pos)
 
     prefill = None
     if num_decodes < n:
         qp, cp = q[num_decodes:], ctx[num_decodes:]
         qsl = np.concatenate([[0], np.cumsum(qp)])
-        chunks = _context_chunks(cp, dcp_size, dcp_rank, context_chunk_tokens, to)
+        with_ctx = np.flatnonzero(cp > 0)
+        nc = int(with_ctx[-1]) + 1 if len(with_ctx) else 0
+        chunks = _context_chunks(cp[:nc], dcp_size, dcp_rank, context_chunk_tokens, to)
         prefill = PrefillMetadata(query_start_loc=to(qsl), max_query_len=int(qp.max()),
                                   block_table=to(table[num_decodes:]),
-                                  context_lens=cp.tolist(), context_chunks=chunks)
+                                  context_lens=cp.tolist(), context_chunks=chunks,
+                                  num_context_prefills=nc, context_query_rows=int(qsl[nc]),
+                                  context_max_query_len=int(qp[:nc].max()) if nc else 0)
     return MLAMetadata(num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
                        num_prefills=n - num_decodes, num_prefill_tokens=int(q.sum()) - num_decode_tokens,
                        slot_mapping=to(slot, torch.int64), decode=decode, prefill=prefill)
@@ -133,7 +156,8 @@ def _context_chunks(ctx, dcp_size, dcp_rank, chunk_tokens, to) -> list[ContextCh
         return []
     # local context per (rank, prefill): [D, Bp]
     local = np.stack([local_len(ctx, dcp_size, r) for r in range(dcp_size)])
-    per_req = max(1, chunk_tokens // len(ctx))  # rows per prefill per chunk on one rank
+    # rows per prefill per chunk on one rank: the budget shared by the prefills that have context
+    per_req = max(1, chunk_tokens // int((ctx > 0).sum()))
     chunks = []
     for k in range(-(-int(local.max()) // per_req)):
         start = k * per_req

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from attention.backend import AttentionOps
 from attention.metadata import ContextChunk, MLAMetadata
-from attention.torch_backend import TorchAttentionOps, merge_attn_states
+from attention.torch_backend import TorchAttentionOps
 from common import distributed as pd
 from common.fused import apply_rope, glue_for
 from common.kernel_plan import TRITON, KernelPlan
@@ -68,7 +68,7 @@ class MLAAttention:
         With the plan's finish_kv=triton one kernel (attention/triton_cache.py `kv_finish`), else
         the norm, rope, cat and the backend's write_kv."""
         if self.kv_finish is not None:
-            return self.kv_finish(kv, norm_weight, eps, cos_sin, kv_cache, meta.slot_mapping)
+            return self.kv_finish(kv, norm_weight, eps, cos_sin, kv_cache, meta.slot_mapping, self.ops.kv_scale)
         c, k_pe = kv.split([self.Lkv, self.R], dim=-1)
         k_pe = apply_rope(cos_sin, k_pe, self.glue.rope)
         row = torch.cat([self.glue.rms_norm(c, norm_weight, eps), k_pe], dim=-1)
@@ -123,10 +123,12 @@ class MLAAttention:
         if dcp.size > 1:
             q = pd.dcp_all_gather(q, dim=1)  # [Nd, Hl*D, Lkv+R]: the group's heads, rank-major
         d = meta.decode
-        o_lat, lse = self.ops.decode(q, kv_cache, d.block_table, d.seq_lens, self.scale, self.Lkv)
+        o_lat, lse = self.ops.decode(q, kv_cache, d.block_table, d.seq_lens, self.scale, self.Lkv,
+                                     q_len=d.q_len, q_pos=d.q_pos, dcp_size=dcp.size, dcp_rank=dcp.rank)
         if dcp.size > 1:
             # Each rank attended over its own shard of the keys: rescale by the global LSE, sum
-            # over ranks and keep this rank's heads.
+            # over ranks and keep this rank's heads. A rank where a query token saw no key has
+            # lse -inf: its weight is exp(-inf) = 0 (nan when every rank has -inf, zeroed).
             lse_all = pd.dcp_all_gather_stacked(lse)  # [D, Nd, Hl*D]
             lse_g = torch.logsumexp(lse_all, dim=0)
             w = torch.exp(lse - lse_g).nan_to_num_(0.0).unsqueeze(-1)
@@ -145,17 +147,25 @@ class MLAAttention:
         qsl = p.query_start_loc
         o, lse = self.ops.prefill_mla(q_nope, q_pe, k_nope, k_pe, v, qsl, qsl, p.max_query_len,
                                       p.max_query_len, self.scale, causal=True)
+        if not p.has_context:
+            return o
+        # Cached context: only the prefills up to the last one that has any (their rows come
+        # first), attended chunk by chunk and merged into their rows of (o, lse) in place.
+        r, nc = p.context_query_rows, p.num_context_prefills
+        qn, qp, qsl_c = q_nope[:r], q_pe[:r], qsl[: nc + 1]
+        o_c, lse_c = o[:r], lse[:r]
         for chunk in p.context_chunks:
-            rows = self._gather_chunk(kv_cache, p.block_table, chunk)  # [Nk, Lkv+R]
+            rows = self._gather_chunk(kv_cache, p.block_table, chunk, q_nope.dtype)  # [Nk, Lkv+R]
             ck, cv = self._up_project(rows[:, : self.Lkv])
-            oc, lc = self.ops.prefill_mla(q_nope, q_pe, ck, rows[:, self.Lkv:], cv, qsl, chunk.cu_seqlens_k,
-                                          p.max_query_len, chunk.max_seqlen_k, self.scale, causal=False)
-            o, lse = merge_attn_states(o, lse, oc, lc)
+            oc, lc = self.ops.prefill_mla(qn, qp, ck, rows[:, self.Lkv:], cv, qsl_c, chunk.cu_seqlens_k,
+                                          p.context_max_query_len, chunk.max_seqlen_k, self.scale, causal=False)
+            self.ops.merge_attn_states_(o_c, lse_c, oc, lc)
         return o
 
-    def _gather_chunk(self, kv_cache, block_table, chunk: ContextChunk) -> torch.Tensor:
+    def _gather_chunk(self, kv_cache, block_table, chunk: ContextChunk, dtype: torch.dtype) -> torch.Tensor:
+        # in the compute dtype: an FP8 or bf16 cache is dequantised here, before kv_b_proj
         rows = self.ops.gather_context(kv_cache, block_table, chunk.starts, chunk.cu_lens,
-                                       chunk.num_tokens)
+                                       chunk.num_tokens, dtype)
         if chunk.gather_index is None:
             return rows
         # Under DCP each rank holds an interleaved share of the context: all-gather the shares

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from attention.kv_quant import load_as, store_as
+
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,31 +20,43 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 class TorchAttentionOps:
+    """`kv_scale`: the per-tensor scale of an FP8 cache (attention/kv_quant.py); unused otherwise."""
+
     name = "torch"
+
+    def __init__(self, kv_scale: float = 1.0):
+        self.kv_scale = kv_scale
 
     def write_kv(self, kv_cache, kv, slot_mapping):
         flat = kv_cache.view(-1, kv_cache.shape[-1])
         keep = slot_mapping >= 0
-        flat[slot_mapping[keep].long()] = kv[keep].to(kv_cache.dtype)
+        flat[slot_mapping[keep].long()] = store_as(kv[keep], kv_cache.dtype, self.kv_scale)
 
-    def _rows(self, kv_cache, block_row, start: int, length: int) -> torch.Tensor:
+    def _rows(self, kv_cache, block_row, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """Cached rows of positions start .. start+length-1, dequantised to `dtype`: [length, Lkv+R]."""
         bs = kv_cache.shape[1]
         pos = torch.arange(start, start + length, device=kv_cache.device)
         blocks = block_row.long()[pos // bs]
-        return kv_cache[blocks, pos % bs]  # [length, Lkv+R]
+        return load_as(kv_cache[blocks, pos % bs], dtype, self.kv_scale)
 
-    def decode(self, q, kv_cache, block_table, seq_lens, scale, kv_lora_rank):
-        B, H, _ = q.shape
-        o = torch.zeros(B, H, kv_lora_rank, dtype=q.dtype, device=q.device)
-        lse = torch.full((B, H), float("-inf"), dtype=torch.float32, device=q.device)
+    def decode(self, q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, q_len=1, q_pos=None,
+               dcp_size=1, dcp_rank=0):
+        T, H, _ = q.shape
+        o = torch.zeros(T, H, kv_lora_rank, dtype=q.dtype, device=q.device)
+        lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
         for b, n in enumerate(seq_lens.tolist()):
             if n == 0:
                 continue
-            kv = self._rows(kv_cache, block_table[b], 0, n)  # [n, Lkv+R]
-            ob, lb = _attend(q[b].unsqueeze(1), kv.unsqueeze(0), kv[:, :kv_lora_rank].unsqueeze(0),
-                             scale, None)
-            o[b] = ob[:, 0].to(q.dtype)
-            lse[b] = lb[:, 0]
+            rows = slice(b * q_len, (b + 1) * q_len)
+            kv = self._rows(kv_cache, block_table[b], 0, n, torch.float32)  # [n, Lkv+R]
+            mask = None
+            if q_pos is not None:  # [q_len, n]: key j holds global position j*D + r
+                key_pos = torch.arange(n, device=q.device) * dcp_size + dcp_rank
+                mask = key_pos.unsqueeze(0) <= q_pos[rows].to(q.device).long().unsqueeze(1)
+            ob, lb = _attend(q[rows].transpose(0, 1), kv.unsqueeze(0), kv[:, :kv_lora_rank].unsqueeze(0),
+                             scale, mask)  # [H, q_len, Lkv], [H, q_len]
+            o[rows] = ob.transpose(0, 1).to(q.dtype)
+            lse[rows] = lb.transpose(0, 1)
         return o, lse
 
     def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale,
@@ -73,12 +87,18 @@ class TorchAttentionOps:
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, k_nope.shape[1], -1)], dim=-1)
         return self.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
 
-    def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens):
-        out = kv_cache.new_empty(num_tokens, kv_cache.shape[-1])
+    def merge_attn_states_(self, o, lse, o_b, lse_b):
+        mo, ml = merge_attn_states(o, lse, o_b, lse_b)
+        o.copy_(mo)
+        lse.copy_(ml)
+
+    def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens, dtype=None):
+        dtype = dtype or kv_cache.dtype
+        out = kv_cache.new_empty(num_tokens, kv_cache.shape[-1], dtype=dtype)
         cu = cu_lens.tolist()
         for b, s in enumerate(starts.tolist()):
             if cu[b + 1] > cu[b]:
-                out[cu[b]:cu[b + 1]] = self._rows(kv_cache, block_table[b], s, cu[b + 1] - cu[b])
+                out[cu[b]:cu[b + 1]] = self._rows(kv_cache, block_table[b], s, cu[b + 1] - cu[b], dtype)
         return out
 
 

@@ -12,6 +12,8 @@ from common.kernel_plan import parse_kernels
 
 # vLLM's spellings of --dtype that name one of ours
 DTYPE_ALIASES = {"half": "float16", "bf16": "bfloat16", "float": "float32"}
+# --kv-cache-dtype values and vLLM's aliases -> our names (attention/kv_quant.py)
+KV_CACHE_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "configs" / "models" / "tiny-deepseek-v3")
 
@@ -45,6 +47,9 @@ class EngineArgs:
     # every N sampling steps the TP ranks compare digests of their sampled ids; 0: never
     rank_check_interval: int = 256
     fp8_gemm: bool = False  # FP8 checkpoints: W8A8 block GEMM instead of dequantized weights
+    # latent cache storage: auto (the model dtype) | bf16 | fp8 (e4m3, per-tensor scale); vLLM's
+    # aliases bfloat16 and fp8_e4m3 are accepted (attention/kv_quant.py)
+    kv_cache_dtype: str = "auto"
     hf_overrides: dict = field(default_factory=dict)
     enable_log_requests: bool = False  # log each request's id, prompt length and parameters
     # multi-node: ranks are split evenly over nodes; node 0 runs the engine and the HTTP server
@@ -85,6 +90,9 @@ class EngineArgs:
         need(self.attention_backend in ("auto", "torch", "triton"),
              f"--attention-backend: unknown backend {self.attention_backend!r}")
         parse_kernels(self.kernels)  # ValueError naming --kernels
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"--kv-cache-dtype: unknown value {self.kv_cache_dtype!r}; expected one of "
+             f"{', '.join(KV_CACHE_DTYPES)}")
         need(0 < self.gpu_memory_utilization <= 1,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,

@@ -75,7 +75,9 @@ CHOICES: tuple[Choice, ...] = (
            "moe_blocked_max_tokens), then moe_large; torch: a loop over the experts hit",
            ("models.fused_moe",)),
     Choice("moe_fused_max_tokens", (int,), "batches up to this many tokens take the fused "
-           "small-batch MoE kernel (0: never)", triton=8, torch=0),
+           "small-batch MoE kernel (0: never)", triton=4, torch=0),
+    Choice("moe_fused_max_tokens_fp8", (int,), "the same bound for experts kept in FP8 (--fp8-gemm), "
+           "which the block kernels do not take", triton=8, torch=0),
     Choice("moe_blocked_max_tokens", (int,), "larger batches up to this many tokens take the "
            "expert-sorted block kernels, experts not in FP8 (0: never)", triton=512, torch=0),
     Choice("moe_large", ("grouped", "dense", "loop"),
@@ -109,6 +111,7 @@ class KernelPlan:
     router: str = TORCH
     moe: str = TORCH
     moe_fused_max_tokens: int = 0
+    moe_fused_max_tokens_fp8: int = 0
     moe_blocked_max_tokens: int = 0
     moe_large: str = "loop"
     fp8_gemm: str = "auto"

@@ -39,8 +39,8 @@ class EngineCore:
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
             dcp_size=args.decode_context_parallel_size, async_scheduling=self.async_scheduling))
-        log.info("KV cache: %d blocks of %d tokens%s: capacity %d tokens",
-                 num_blocks, args.block_size,
+        log.info("KV cache (%s): %d blocks of %d tokens%s: capacity %d tokens",
+                 args.kv_cache_dtype, num_blocks, args.block_size,
                  f" x dcp {args.decode_context_parallel_size}" if args.decode_context_parallel_size > 1 else "",
                  self.scheduler.config.capacity_tokens)
 

@@ -61,11 +61,13 @@ class StepBatch:
 class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, cfg: ModelConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, eos_token_ids: list[int],
-                 context_chunk_tokens: int = 8192, rank_check_interval: int = 0):
+                 context_chunk_tokens: int = 8192, rank_check_interval: int = 0,
+                 decode_threshold: int = 1):
         self.model, self.cfg, self.kv_caches = model, cfg, kv_caches
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
         self.context_chunk_tokens = context_chunk_tokens
+        self.decode_threshold = decode_threshold  # 1 + k with k speculative tokens
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.graphs = None  # engine.cuda_graph.DecodeGraphs, set by the worker on CUDA
@@ -78,18 +80,20 @@ class ModelRunner:
                 block_ids: list[list[int]], req_ids: list[str] | None = None) -> StepBatch:
         """Inputs for requests computing `token_ids[i]` after `context_lens[i]` cached tokens.
 
-        Requests may come in any order; rows are reordered decodes first (stable).
+        Requests may come in any order; rows are reordered decodes first (stable): the decodes
+        are the requests of the most common query length up to `decode_threshold`.
         """
         n = len(token_ids)
         req_ids = req_ids or [str(i) for i in range(n)]
-        order = sorted(range(n), key=lambda i: len(token_ids[i]) > 1)  # stable: decodes first
+        dq = decode_query_len([len(t) for t in token_ids], self.decode_threshold)
+        order = sorted(range(n), key=lambda i: len(token_ids[i]) != dq)  # stable: decodes first
         q = [len(token_ids[i]) for i in order]
         ctx = [context_lens[i] for i in order]
         ids = np.fromiter((t for i in order for t in token_ids[i]), dtype=np.int64, count=sum(q))
         pos = np.concatenate([np.arange(c, c + k) for c, k in zip(ctx, q)]) if n else np.zeros(0, np.int64)
         dcp = pd.dcp()
         meta = build_mla_metadata(q, ctx, [block_ids[i] for i in order], self.block_size, self.device,
-                                  dcp_size=dcp.size, dcp_rank=dcp.rank,
+                                  dcp_size=dcp.size, dcp_rank=dcp.rank, decode_threshold=self.decode_threshold,
                                   context_chunk_tokens=self.context_chunk_tokens)
         return StepBatch(input_ids=to_device(ids, torch.int64, self.device),
                          positions=to_device(pos, torch.int64, self.device), meta=meta,
@@ -262,6 +266,16 @@ class ModelRunner:
         if self._last is pending:
             self._last = None
         return out
+
+
+def decode_query_len(query_lens: list[int], threshold: int) -> int:
+    """The query length the step decodes: the most common one up to `threshold` (the longer on
+    a tie); 0 when every request is longer. The decode kernel takes one length per call."""
+    counts: dict[int, int] = {}
+    for q in query_lens:
+        if q <= threshold:
+            counts[q] = counts.get(q, 0) + 1
+    return max(counts, key=lambda q: (counts[q], q)) if counts else 0
 
 
 @dataclass

@@ -16,10 +16,13 @@ from models.layers import Linear, PackedLinear, Shard, packed_param, shard_param
 TORCH_PLAN = KernelPlan()
 
 # Which expert path serves a batch of T tokens (the plan's fields; docs/architecture.md):
-#   T <= moe_fused_max_tokens (8): the pair-parallel fused MoE (models/fused_moe.py
-#      `fused_moe_small`); at batch 1 a V2-Lite layer's routed + shared experts take 39 us instead
-#      of 111 us through the grouped GEMM (H200, CUDA graphs, scripts/bench_fused_moe.py). Above 8
-#      tokens pairs share experts, and reading each expert once per pair costs more bytes.
+#   T <= moe_fused_max_tokens (4; moe_fused_max_tokens_fp8, 8, for FP8 experts, which the block
+#      kernels do not take): the pair-parallel fused MoE (models/fused_moe.py `fused_moe_small`);
+#      at batch 1 a V2-Lite layer's routed + shared experts take 39 us instead of 111 us through
+#      the grouped GEMM (H200, CUDA graphs, scripts/bench_fused_moe.py). It reads an expert once
+#      per (token, expert) pair, so once pairs share experts the block kernels win: a V2-Lite
+#      decode step took 3.01 / 4.13 / 6.07 ms of GPU time at batch 2 / 4 / 8 with it and 3.32 /
+#      4.18 / 5.57 ms with them.
 #   T <= moe_blocked_max_tokens (512), experts not in FP8: the expert-sorted block kernels
 #      (`fused_moe_blocked`), which read each touched expert once per block of 16/32 pairs; at
 #      32 and 128 tokens their two product kernels run at the copy bandwidth (RESULTS.md).
@@ -60,12 +63,24 @@ class Router(nn.Module):
             self.e_score_correction_bias = shard_param((E,), None, torch.float32)
         else:
             self.e_score_correction_bias = None
+        self.weight_bf16: torch.Tensor | None = None
+
+    def keep_bf16_weight(self) -> None:
+        """Post-load: a bf16 copy of the weight when it holds it exactly (checkpoints store the
+        router in bf16). bf16 x bf16 products are exact in fp32, so a tensor-core GEMM with fp32
+        accumulation and output computes the same sums as the fp32 GEMM (in another order) from
+        half the weight bytes and without an fp32 copy of x."""
+        w = self.weight.detach()
+        lp = w.to(torch.bfloat16)
+        self.weight_bf16 = lp if torch.equal(lp.float(), w) else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
         args = (x, self.weight, self.e_score_correction_bias, c.scoring_func, c.topk_method,
                 c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
-        return self.kernel(*args)
+        if self.kernel is route:
+            return route(*args)
+        return self.kernel(*args, self.weight_bf16)
 
 
 def _group_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:
@@ -195,7 +210,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         T, p = x.shape[0], self.plan
-        if self.fused_small is not None and T <= p.moe_fused_max_tokens:
+        fused_max = p.moe_fused_max_tokens_fp8 if self.fp8_block is not None else p.moe_fused_max_tokens
+        if self.fused_small is not None and T <= fused_max:
             block = self.fp8_block[0] if self.fp8_block else 128
             out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
                                    self.n_shared)

@@ -22,7 +22,8 @@ def test_auto_on_cuda_is_the_triton_plan():
     plan = _resolve("auto")
     assert plan == _resolve("triton")
     assert (plan.attention, plan.finish_kv, plan.absorb, plan.router, plan.moe) == ("triton",) * 5
-    assert (plan.moe_fused_max_tokens, plan.moe_blocked_max_tokens, plan.moe_large) == (8, 512, "grouped")
+    assert (plan.moe_fused_max_tokens, plan.moe_fused_max_tokens_fp8, plan.moe_blocked_max_tokens,
+            plan.moe_large) == (4, 8, 512, "grouped")
     assert plan.compile and plan.autotune and plan.warmup
     assert _resolve("auto", dtype="float32").moe_large == "dense"  # no grouped GEMM in fp32
     assert _resolve("auto", grouped_mm=False).moe_large == "dense"
@@ -94,4 +95,4 @@ def test_a_kernel_called_by_the_attention_backend_is_charged_to_the_backend():
 def test_describe_is_one_line_with_every_key():
     line = _resolve("auto").describe()
     assert "\n" not in line and all(f" {c.key}=" in line for c in CHOICES)
-    assert "moe_fused_max_tokens=8" in line and "compile=1" in line
+    assert "moe_fused_max_tokens=4" in line and "compile=1" in line

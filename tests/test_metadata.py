@@ -23,7 +23,7 @@ def test_split_is_rebased_and_sliced():
     assert m.decode.seq_lens.tolist() == [5, 10]
     assert m.decode.block_table.shape[0] == 2 and m.prefill.block_table.shape[0] == 2
     assert m.prefill.query_start_loc.tolist() == [0, 5, 8]  # rebased, prefill rows only
-    assert m.prefill.context_lens == [0, 6] and m.prefill.context_chunks  # the context vLLM forgot
+    assert m.prefill.context_lens == [0, 6] and m.prefill.has_context  # the flag vLLM forgot
     # slots: position p of a request lives in block table[p // 4] at offset p % 4
     assert m.slot_mapping.tolist() == [2 * 4 + 0, 1 * 4 + 1,
                                        5 * 4 + 0, 5 * 4 + 1, 5 * 4 + 2, 5 * 4 + 3, 6 * 4 + 0,
@@ -52,6 +52,41 @@ def test_dcp_slots_and_context_gather_cover_every_token_once():
     assert seen[0] == seen[1] == 13  # after the all-gather each rank sees the whole context
 
 
-def test_dcp_refuses_multi_token_decode():
-    with pytest.raises(ValueError, match="decode_threshold"):
-        build_mla_metadata([2], [4], [[0, 1]], 4, "cpu", dcp_size=2, decode_threshold=2)
+@pytest.mark.parametrize("D", [1, 2, 4])
+def test_multi_token_decodes_carry_positions_and_local_lengths(D):
+    # three decodes of 1 + 2 tokens, then a 1-token request (a prefill: not the decodes' length)
+    # and a first chunk; under DCP each rank's lengths are its local shares
+    q, ctx = [3, 3, 3, 1, 4], [0, 5, 8, 6, 0]
+    tables = [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9], [10]]
+    for r in range(D):
+        m = build_mla_metadata(q, ctx, tables, 4, "cpu", dcp_size=D, dcp_rank=r, decode_threshold=3)
+        assert (m.num_decodes, m.num_decode_tokens, m.num_prefills, m.num_prefill_tokens) == (3, 9, 2, 5)
+        assert m.decode.q_len == 3
+        assert m.decode.q_pos.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 10]
+        assert m.decode.seq_lens.tolist() == [local_len(n, D, r) for n in (3, 8, 11)]
+        assert m.prefill.query_start_loc.tolist() == [0, 1, 5] and m.prefill.context_lens == [6, 0]
+
+
+def test_single_token_decodes_need_no_positions():
+    m = build_mla_metadata([1, 1], [4, 9], [[0, 1], [2, 3, 4]], 4, "cpu", dcp_size=2, decode_threshold=3)
+    assert m.decode.q_len == 1 and m.decode.q_pos is None and m.num_decodes == 2
+
+
+def test_misordered_multi_token_decodes_are_refused():
+    with pytest.raises(ValueError, match="decodes first"):
+        build_mla_metadata([3, 1, 3], [4, 4, 4], [[0, 1], [2, 3], [4, 5]], 4, "cpu", decode_threshold=3)
+
+
+def test_context_attention_covers_only_prefills_up_to_the_last_with_context():
+    # decodes, then prefills with context [0, 9, 0, 0]: only prefills 0..1 need the context
+    # attention; the chunk budget goes to the one prefill that has context
+    q, ctx = [1, 1, 5, 3, 4, 2], [7, 3, 0, 9, 0, 0]
+    tables = [[0, 1], [2], [3, 4], [5, 6, 7], [8], [9]]
+    m = build_mla_metadata(q, ctx, tables, 4, "cpu", context_chunk_tokens=16)
+    p = m.prefill
+    assert (p.num_context_prefills, p.context_query_rows, p.context_max_query_len) == (2, 8, 5)
+    assert len(p.context_chunks) == 1  # 9 rows fit the 16-row budget of its only context prefill
+    ch = p.context_chunks[0]
+    assert ch.cu_seqlens_k.tolist() == [0, 0, 9] and ch.num_tokens == 9 and ch.max_seqlen_k == 9
+    none = build_mla_metadata([5, 3], [0, 0], [[0, 1], [2]], 4, "cpu").prefill
+    assert (none.num_context_prefills, none.context_query_rows, none.has_context) == (0, 0, False)

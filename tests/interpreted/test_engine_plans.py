@@ -55,7 +55,7 @@ def test_triton_plan_equals_torch_plan(model, budget, kernels, monkeypatch):
     assert sum(calls.values()) == 0  # the torch plan calls no Triton kernel
     llm = _llm(model, kernels, budget)
     plan = llm.engine.executor.worker.plan
-    assert (plan.attention, plan.router, plan.moe, plan.moe_fused_max_tokens) == ("triton", "triton", "triton", 8)
+    assert (plan.attention, plan.router, plan.moe, plan.moe_fused_max_tokens) == ("triton", "triton", "triton", 4)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, SP)]
     assert got == want
     calls["prefill"] += calls.pop("prefill_joined")
