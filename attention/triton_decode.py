@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +26,7 @@ import triton
 import triton.language as tl
 
 from attention.kv_quant import is_fp8
+from common.kernel_plan import interpreting
 
 LOG2E = 1.4426950408889634
 
@@ -89,7 +89,7 @@ def _device_smem_bytes() -> int | None:
 def _hw_e4m3_convert(device: torch.device) -> bool:
     """Whether kernels on `device` convert e4m3 with the hardware instruction (CUDA sm_89+, not
     under the interpreter)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if device.type != "cuda" or interpreting():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
 
