@@ -28,6 +28,14 @@ class EngineCore:
         num_blocks = self.executor.num_blocks
         self.async_scheduling = (resolve_device(args).type == "cuda" if args.async_scheduling is None
                                  else args.async_scheduling)  # auto: overlap only pays with a GPU
+        spec = args.speculative_config
+        if spec is not None and self.async_scheduling:  # only when auto chose it (args refuse both)
+            log.info("speculative decoding (--speculative-config) turns async scheduling off: the "
+                     "next step's inputs depend on how many drafts this step accepts")
+            self.async_scheduling = False
+        if spec is not None:
+            log.info("speculative decoding: %s, up to %d draft tokens per decode", spec.method,
+                     spec.num_speculative_tokens)
         self._in_flight = None  # (SchedulerOutput, PendingStep) of the step launched last
         self._early: list[EngineCoreOutput] = []  # drained outside step(), reported by the next one
         # compiles constraints on the first structured request (tokenizer and llguidance then)
@@ -38,7 +46,8 @@ class EngineCore:
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
-            dcp_size=args.decode_context_parallel_size, async_scheduling=self.async_scheduling))
+            dcp_size=args.decode_context_parallel_size, async_scheduling=self.async_scheduling,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens))
         log.info("KV cache: %d blocks of %d tokens%s: capacity %d tokens",
                  num_blocks, args.block_size,
                  f" x dcp {args.decode_context_parallel_size}" if args.decode_context_parallel_size > 1 else "",

@@ -167,7 +167,8 @@ class Worker:
         self.kv_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.dtype, device=self.device)
                           for _ in range(self.cfg.num_hidden_layers)]
         self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids,
-                                  rank_check_interval=a.rank_check_interval)
+                                  rank_check_interval=a.rank_check_interval,
+                                  speculative_config=a.speculative_config)
         if self.device.type == "cuda" and autotuning() and os.environ.get("DSV_WARMUP", "1") != "0":
             self.warm_up(a.max_num_batched_tokens, max_model_len)
         # The torch reference ops sync with the host (lengths to Python): they cannot be captured.
