@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from engine.args import EngineArgs
 from engine.executor import make_executor
@@ -42,6 +43,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(None if args.skip_tokenizer_init else args.tokenizer_path,
                                         cfg.vocab_size)
         self.step_tokens = 0  # tokens the last step() scheduled (0: it only drained)
+        self._spec_logged = (time.monotonic(), 0, 0, 0)  # time, drafts, draft tokens, accepted
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
@@ -83,6 +85,7 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        self._log_spec_decode()
         self.step_tokens = 0
         if self._early:
             early, self._early = self._early, []
@@ -105,6 +108,23 @@ class EngineCore:
             if not self.scheduler.has_unfinished_requests():
                 outputs += self._drain()  # every request ended with step N: nothing to wait for
         return outputs
+
+    def _log_spec_decode(self, interval: float = 10.0) -> None:
+        """Every `interval` seconds with drafts verified: the mean acceptance length (tokens one
+        verifying step yields per request) and the acceptance rate over that interval."""
+        spec = self.scheduler.stats.spec
+        if spec is None:
+            return
+        t0, d0, n0, a0 = self._spec_logged
+        now = time.monotonic()
+        if now - t0 < interval or spec.num_drafts == d0:
+            return
+        drafts, tokens, accepted = spec.num_drafts - d0, spec.num_draft_tokens - n0, spec.num_accepted_tokens - a0
+        log.info("speculative decoding: mean acceptance length %.2f, %d of %d draft tokens accepted "
+                 "(%.1f%%) in %d drafts over %.0f s; accepted per position so far: %s",
+                 1 + accepted / drafts, accepted, tokens, 100 * accepted / max(tokens, 1), drafts, now - t0,
+                 spec.accepted_per_pos)
+        self._spec_logged = (now, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
 
     def _schedule(self):
         """The next step, with the bitmask of its constrained rows (needs_sync() guarantees that

@@ -224,3 +224,45 @@ def test_sampled_tokens_keep_the_target_distribution(tiny_v3):
         assert p > 1e-3, f"output position {pos}: distributions differ (chi-square p = {p:.2e})"
     # the test can tell distributions apart: position 1 against position 2 differ
     assert two_sample_chi2_pvalue([t[1] for t in plain], [t[2] for t in plain]) < 1e-3
+
+
+def test_spec_decode_metrics_use_vllm_names(tiny_v3, workload):
+    """The engine's counters reach /metrics under vLLM's spec_decode names (and ours)."""
+    from types import SimpleNamespace
+
+    from engine.async_llm import EngineStats
+    from server.metrics import ServerMetrics
+    _, s = generate(tiny_v3[0], workload, GREEDY, speculative_config=NGRAM)
+    sp = s.spec
+    assert sp.num_drafts > 0 and sum(sp.accepted_per_pos) == sp.num_accepted_tokens
+    assert sp.accepted_per_pos == sorted(sp.accepted_per_pos, reverse=True)  # position i needs i-1
+    stats = EngineStats(0, 0, 10, 10, 0.0, 0, 0, 0, 0, 0, 0, None, sp)
+    engine = SimpleNamespace(stats=lambda: stats, model_name="m", max_model_len=256)
+    text = ServerMetrics(engine).render().decode()
+    for name, value in (("num_drafts", sp.num_drafts), ("num_draft_tokens", sp.num_draft_tokens),
+                        ("num_accepted_tokens", sp.num_accepted_tokens)):
+        assert f'vllm:spec_decode_{name}_total{{model_name="m"}} {float(value)}' in text
+        assert f"mla_serve_spec_decode_{name}_total {float(value)}" in text
+    for pos, value in enumerate(sp.accepted_per_pos):
+        assert (f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} '
+                f'{float(value)}') in text
+
+
+def test_mean_acceptance_length_is_logged(tiny_v3, workload, caplog):
+    llm = LLM(tiny_v3[0], device="cpu", dtype="float32", block_size=4, num_kv_blocks=256,
+              speculative_config=NGRAM)
+    try:
+        llm.generate(workload, GREEDY)
+        sp = llm.scheduler.stats.spec
+        core = llm.engine
+        core._spec_logged = (core._spec_logged[0] - 11, 0, 0, 0)  # the interval has passed
+        with caplog.at_level("INFO", logger="engine.core"):
+            core._log_spec_decode()
+        want = f"mean acceptance length {1 + sp.num_accepted_tokens / sp.num_drafts:.2f}"
+        assert any(want in r.getMessage() for r in caplog.records), caplog.text
+        caplog.clear()
+        with caplog.at_level("INFO", logger="engine.core"):
+            core._log_spec_decode()  # nothing new, and the interval has not passed
+        assert not caplog.records
+    finally:
+        llm.engine.shutdown()
