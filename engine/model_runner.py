@@ -105,7 +105,8 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Hidden states `[T, hidden]` of every row of the batch."""
         m = batch.meta
-        if self.graphs is not None and m.prefill is None and self.graphs.bucket_for(m.num_decodes):
+        if (self.graphs is not None and m.prefill is None and m.decode is not None
+                and self.graphs.bucket_for(m.num_decodes, m.decode.q_len)):
             return self.graphs.run(batch.input_ids, batch.positions, m)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, m)
 

@@ -175,6 +175,8 @@ class Worker:
         if self.device.type == "cuda" and not a.enforce_eager and self.ops.name != "torch":
             from engine.cuda_graph import DecodeGraphs, default_buckets
             blocks_per_seq = -(-max_model_len // (bs * a.decode_context_parallel_size))
+            spec = a.speculative_config
+            q_lens = (1,) if spec is None else (1, spec.decode_threshold)
             self.runner.graphs = DecodeGraphs(self.model, self.kv_caches, blocks_per_seq,
-                                              default_buckets(a.max_num_seqs), self.device)
+                                              default_buckets(a.max_num_seqs), self.device, q_lens)
             self.runner.graphs.capture()
