@@ -49,7 +49,8 @@ class EngineCore:
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
             dcp_size=args.decode_context_parallel_size, async_scheduling=self.async_scheduling,
-            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens))
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+            num_lookahead_tokens=spec.num_speculative_tokens - 1 if spec is not None and spec.method == "mtp" else 0))
         log.info("KV cache: %d blocks of %d tokens%s: capacity %d tokens",
                  num_blocks, args.block_size,
                  f" x dcp {args.decode_context_parallel_size}" if args.decode_context_parallel_size > 1 else "",

@@ -63,12 +63,14 @@ class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, cfg: ModelConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, eos_token_ids: list[int],
                  context_chunk_tokens: int = 8192, rank_check_interval: int = 0,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None,
+                 mtp_kv_caches: list[torch.Tensor] | None = None):
         self.model, self.cfg, self.kv_caches = model, cfg, kv_caches
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
         self.context_chunk_tokens = context_chunk_tokens
         self.spec = speculative_config
+        self.mtp_kv_caches = mtp_kv_caches or []  # with {"method": "mtp"}: the MTP layer's cache
         self.decode_threshold = 1 if self.spec is None else self.spec.decode_threshold  # 1 + k drafts
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
@@ -177,6 +179,7 @@ class ModelRunner:
             src = to_device([index[r] for r in fill], torch.int64, self.device)
             batch.input_ids[dst] = self._last.token_ids[src]
         hidden = self.forward(batch)
+        mtp_inputs = (batch, hidden) if self.spec is not None and self.spec.method == "mtp" else None
 
         # Rows whose logits are needed: the last row of each request that reaches the end of its
         # known tokens (it samples), with the rows of its drafts before it (each samples the
@@ -200,6 +203,7 @@ class ModelRunner:
             row += n
         pending = PendingStep(ModelRunnerOutput([], [], []), [s.req_id for s in sample_states])
         pending.drafts = {rid: d for rid, d in spec.items() if rid in self.requests}
+        pending.mtp_inputs = mtp_inputs
         for st, ctx, r0, k in prompt_jobs:
             lps = []
             if k:
@@ -268,6 +272,67 @@ class ModelRunner:
         s = self.spec
         return ngram_propose(st.token_ids, s.prompt_lookup_min, s.prompt_lookup_max, s.num_speculative_tokens)
 
+    def _mtp_propose(self, pending: PendingStep, accepted: dict[str, int]) -> dict[str, list[int]]:
+        """MTP drafts (models/mtp.py) after a step, argmax at each depth.
+
+        Every row of the step whose input token was real (prompt rows, the last token, accepted
+        drafts) runs through the MTP layer with the main model's hidden state there and the token
+        after it, writing the layer's cache at that position; the last row of each request that
+        sampled yields its first draft. Further drafts feed the layer its own output and the
+        draft, one row per request (the scheduler allocates those k - 1 lookahead slots).
+        """
+        batch, hidden = pending.mtp_inputs
+        layer, cache = self.model.mtp[0], self.mtp_kv_caches[0]
+        rotary = self.model.model.rotary_emb
+        rows: dict[str, list[int]] = {}
+        toks, ctxs, tables, rids = [], [], [], []
+        r0 = 0
+        for rid, n, ctx in zip(batch.order, batch.query_lens, batch.context_lens):
+            st = self.requests.get(rid)
+            m = n - len(pending.drafts.get(rid, [])) + accepted.get(rid, 0)
+            if st is not None and len(st.token_ids) >= ctx + m + 1:  # the token after each row is known
+                rows[rid] = list(range(r0, r0 + m))
+                toks.append(st.token_ids[ctx + 1: ctx + 1 + m])
+                ctxs.append(ctx)
+                tables.append(st.block_ids)
+                rids.append(rid)
+            r0 += n
+        if not rids:
+            return {}
+        mb = self.prepare(toks, ctxs, tables, rids)
+        index = to_device([r for rid in mb.order for r in rows[rid]], torch.int64, hidden.device)
+        out = layer(mb.input_ids, rotary.at(mb.positions), hidden[index], cache, mb.meta)
+        sampled = set(accepted)
+        ends, lasts, pos = [], [], {}
+        row = 0
+        for rid, n, ctx in zip(mb.order, mb.query_lens, mb.context_lens):
+            if rid in sampled:
+                ends.append(rid)
+                lasts.append(row + n - 1)
+                pos[rid] = ctx + n  # the position of the first draft's input (the sampled token)
+            row += n
+        drafts: dict[str, list[int]] = {rid: [] for rid in ends}
+        if not ends:
+            return drafts
+        h = out[to_device(lasts, torch.int64, out.device)]
+        for depth in range(self.spec.num_speculative_tokens):
+            d = to_host(layer.compute_logits(h).argmax(dim=-1)).tolist()
+            for rid, t in zip(ends, d):
+                drafts[rid].append(t)
+            if depth + 1 == self.spec.num_speculative_tokens:
+                break
+            # the next depth: one row per request at the draft's position, its cache slot
+            # allocated ahead by the scheduler; stop before the model's last position
+            keep = [i for i, rid in enumerate(ends) if pos[rid] + depth < min(
+                rotary.max_positions, len(self.requests[rid].block_ids) * self.block_size * pd.dcp().size)]
+            if not keep:
+                break
+            ends, h, d = [ends[i] for i in keep], h[keep], [d[i] for i in keep]
+            cb = self.prepare([[t] for t in d], [pos[rid] + depth for rid in ends],
+                              [self.requests[rid].block_ids for rid in ends], ends)
+            h = layer(cb.input_ids, rotary.at(cb.positions), h, cache, cb.meta)  # same order: all 1 token
+        return drafts
+
     def _add_bitmask(self, sb: SamplingBatch, so: SchedulerOutput, sample_ids: list[str]) -> None:
         """Attach the step's grammar bitmask rows to the sampler rows they constrain (one
         non-blocking copy)."""
@@ -279,6 +344,7 @@ class ModelRunner:
         sb.bitmask_rows = to_device([row_of[rid] for rid in so.grammar_req_ids], torch.int64,
                                     self.device)
 
+    @torch.inference_mode()
     def finish(self, pending: PendingStep | None) -> ModelRunnerOutput:
         """Wait for a launched step's results (the one host sync per step) and record them."""
         if pending is None:
@@ -291,6 +357,7 @@ class ModelRunner:
         if pending.token_ids is not None:
             self.agreement.record(pending.host_ids.numpy())
             ids = pending.host_ids.tolist()
+            accepted: dict[str, int] = {}
             row = 0
             while row < len(ids):
                 rid = pending.req_ids[row]
@@ -300,9 +367,10 @@ class ModelRunner:
                 st = self.requests.get(rid)
                 if st is not None:  # else finished, aborted or preempted since the launch
                     st.token_ids.extend(rows[: a + 1])
+                    accepted[rid] = a
                     if rid in pending.generator_states:
                         self._replay_draws(st, pending.generator_states[rid], a + 1)
-                    if self.spec is not None:
+                    if self.spec is not None and self.spec.method == "ngram":
                         out.draft_token_ids[rid] = self._propose(st)
                 out.req_ids.append(rid)
                 out.sampled_token_ids.append(rows[a])
@@ -313,6 +381,8 @@ class ModelRunner:
                     if any(lp is not None for lp in lps):
                         out.spec_logprobs[rid] = lps[:-1]
                 row += len(drafts) + 1
+            if pending.mtp_inputs is not None:
+                out.draft_token_ids.update(self._mtp_propose(pending, accepted))
         if self._last is pending:
             self._last = None
         return out
@@ -341,4 +411,5 @@ class PendingStep:
     prompt_jobs: list = field(default_factory=list)  # (req_id, starts the prompt, DeviceLogprobs)
     drafts: dict[str, list[int]] = field(default_factory=dict)  # req_id -> drafts it verifies
     generator_states: dict[str, torch.Tensor] = field(default_factory=dict)  # seeded spec requests
+    mtp_inputs: tuple | None = None  # (StepBatch, hidden [T, D]) for the MTP drafter
     event: object | None = None  # torch.cuda.Event on CUDA: everything above has landed

@@ -67,8 +67,9 @@ def dummy_prompt_lens(num_tokens: int, max_len: int) -> list[int]:
     return [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
 
 
-def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return cfg.num_hidden_layers * block_size * cfg.kv_cache_dim * dtype.itemsize
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                             num_mtp_layers: int = 0) -> int:
+    return (cfg.num_hidden_layers + num_mtp_layers) * block_size * cfg.kv_cache_dim * dtype.itemsize
 
 
 class Worker:
@@ -82,11 +83,16 @@ class Worker:
         self.dtype = resolve_dtype(args, cfg, self.device)
         torch.manual_seed(args.seed)  # identical on every rank: unseeded sampling stays in lockstep
         self.ops = make_attention_ops(args, cfg, self.device)
+        spec = args.speculative_config
+        self.num_mtp_layers = 1 if spec is not None and spec.method == "mtp" else 0  # drafts chain on it
         t0 = time.perf_counter()
         with torch.device(self.device):
-            self.model = DeepseekForCausalLM(cfg, self.dtype, self.ops)
+            self.model = DeepseekForCausalLM(cfg, self.dtype, self.ops, self.num_mtp_layers)
         if args.load_format == "dummy":
             init_dummy_weights(self.model, args.seed)
+            for m in self.model.mtp:  # as the report has it: the main model's embedding and head
+                m.share_missing(self.model.model.embed_tokens, self.model.lm_head,
+                                {"embed_tokens.weight", "shared_head.head.weight"})
         else:
             load_weights(self.model, args.model, cfg)
         self.model.process_weights_after_loading(fp8_gemm=args.fp8_gemm and cfg.fp8_block is not None)
@@ -98,7 +104,7 @@ class Worker:
         """KV blocks this rank can hold: --num-kv-blocks, else GPU memory left after a profile
         run, else the CPU memory setting."""
         a = self.args
-        per_block = kv_cache_bytes_per_block(self.cfg, a.block_size, self.dtype)
+        per_block = kv_cache_bytes_per_block(self.cfg, a.block_size, self.dtype, self.num_mtp_layers)
         if a.num_kv_blocks is not None:
             return a.num_kv_blocks
         if self.device.type == "cpu":
@@ -166,9 +172,12 @@ class Worker:
         alloc = torch.zeros if self.device.type == "cpu" else torch.empty
         self.kv_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.dtype, device=self.device)
                           for _ in range(self.cfg.num_hidden_layers)]
+        # the MTP drafter's own layer caches, on the same block ids as the model's
+        mtp_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.dtype, device=self.device)
+                      for _ in range(self.num_mtp_layers)]
         self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids,
                                   rank_check_interval=a.rank_check_interval,
-                                  speculative_config=a.speculative_config)
+                                  speculative_config=a.speculative_config, mtp_kv_caches=mtp_caches)
         if self.device.type == "cuda" and autotuning() and os.environ.get("DSV_WARMUP", "1") != "0":
             self.warm_up(a.max_num_batched_tokens, max_model_len)
         # The torch reference ops sync with the host (lengths to Python): they cannot be captured.

@@ -127,11 +127,19 @@ class DeepseekModel(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """Token ids + positions + per-layer caches + step metadata -> hidden states; logits on demand."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: AttentionOps):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, ops: AttentionOps, num_mtp_layers: int = 0):
         super().__init__()
         self.config = cfg
         self.model = DeepseekModel(cfg, dtype, ops)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        if num_mtp_layers > cfg.num_nextn_predict_layers:
+            raise ValueError(f"--speculative-config method mtp: the checkpoint has "
+                             f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers}, no MTP layer "
+                             f"to draft with; use method ngram")
+        from models.mtp import DeepseekMTPLayer
+        # the drafter's layers, checkpoint layers num_hidden_layers + i (models/mtp.py)
+        self.mtp = nn.ModuleList(DeepseekMTPLayer(cfg, cfg.num_hidden_layers + i, dtype, ops)
+                                 for i in range(num_mtp_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: MLAMetadata) -> torch.Tensor:
@@ -153,7 +161,7 @@ class DeepseekForCausalLM(nn.Module):
         for name, m in self.named_modules():
             if isinstance(m, Linear) and (not fp8_gemm or name.endswith("kv_b_proj")):
                 m.dequantize_weights()
-        for layer in self.model.layers:
+        for layer in [*self.model.layers, *(m.block for m in self.mtp)]:
             layer.self_attn.process_weights_after_loading()
             if isinstance(layer.mlp, MoE):
                 layer.mlp.fuse_experts()

@@ -23,6 +23,9 @@ class SchedulerConfig:
     async_scheduling: bool = False
     # Speculative decoding: the most drafts one decode verifies (0: off)
     num_speculative_tokens: int = 0
+    # KV slots allocated past each step's tokens (the MTP drafter writes its layer's cache at the
+    # positions of its drafts after the first)
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",

@@ -156,13 +156,13 @@ class Scheduler:
                 continue
             drafts = self._drafts_to_verify(request, n, budget)
             if drafts:
-                new_block_ids = self.block_manager.allocate(request, 1 + len(drafts))
+                new_block_ids = self._allocate(request, 1 + len(drafts))
                 if new_block_ids is None:
                     drafts = []  # the pool is short: decode without drafts before preempting anyone
             request.spec_token_ids = []
             n += len(drafts)
             while not drafts:
-                new_block_ids = self.block_manager.allocate(request, n)
+                new_block_ids = self._allocate(request, n)
                 if new_block_ids is not None:
                     break
                 victim = self.running[-1]
@@ -190,7 +190,7 @@ class Scheduler:
             num_hit = len(hit_blocks) * self.block_manager.tokens_per_block
             request.num_computed_tokens = num_hit
             n = min(request.num_tokens - num_hit, budget)
-            if self.block_manager.allocate(request, n, hit_blocks) is None:
+            if self._allocate(request, n, hit_blocks) is None:
                 request.num_computed_tokens = 0
                 break  # waits; only running requests may preempt
             self.waiting.popleft()
@@ -224,6 +224,12 @@ class Scheduler:
         assert total <= self.config.max_num_batched_tokens and len(num_scheduled) <= self.config.max_num_seqs
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, finished,
                                scheduled_spec_decode_tokens=spec_tokens)
+
+    def _allocate(self, request: Request, n: int, hit_blocks: list[int] | None = None) -> list[int] | None:
+        """Blocks for `n` more tokens, and the lookahead slots after them up to max_model_len."""
+        ahead = min(self.config.num_lookahead_tokens,
+                    min(self.config.max_model_len, self.config.capacity_tokens) - request.num_computed_tokens - n)
+        return self.block_manager.allocate(request, n + max(ahead, 0), hit_blocks)
 
     def _drafts_to_verify(self, request: Request, n: int, budget: int) -> list[int]:
         """The drafts a decode verifies this step: its proposed ones, as many as the token budget,
