@@ -316,7 +316,7 @@ class ModelRunner:
             return drafts
         h = out[to_device(lasts, torch.int64, out.device)]
         for depth in range(self.spec.num_speculative_tokens):
-            d = to_host(layer.compute_logits(h).argmax(dim=-1)).tolist()
+            d = layer.compute_logits(h).argmax(dim=-1).tolist()  # waits: the next depth needs them
             for rid, t in zip(ends, d):
                 drafts[rid].append(t)
             if depth + 1 == self.spec.num_speculative_tokens:
