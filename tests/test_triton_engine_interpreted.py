@@ -29,12 +29,14 @@ def counting(name, fn, *a):
 real = mla.try_kernel
 mla.try_kernel = moe.try_kernel = counting
 llm = LLM({path!r}, device="cpu", dtype="float32", attention_backend="triton", num_kv_blocks=64,
-          max_num_batched_tokens={budget})
+          max_num_batched_tokens={budget}, speculative_config={spec!r})
 sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 out = [o.outputs[0].token_ids for o in llm.generate({prompts!r}, sp)]
 from models.fused import _FAILED
 assert not _FAILED, _FAILED  # a kernel that raised was replaced by torch ops: its tokens prove nothing
-print("RESULT " + json.dumps({{"tokens": out, "calls": calls}}))
+spec = llm.scheduler.stats.spec
+print("RESULT " + json.dumps({{"tokens": out, "calls": calls,
+                               "accepted": spec.num_accepted_tokens if spec else None}}))
 """
 
 
@@ -45,18 +47,29 @@ def model(request, tmp_path_factory):
     return str(path)
 
 
-@pytest.mark.parametrize("budget,blocked", [(16, "1"), (2048, "1"), (16, "0")])
-def test_triton_paths_equal_torch_engine(model, budget, blocked):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("budget,blocked,spec", [(16, "1", None), (2048, "1", None), (16, "0", None),
+                                                 (2048, "1", NGRAM)])
+def test_triton_paths_equal_torch_engine(model, budget, blocked, spec):
     """blocked "1" (the default): the expert-sorted MoE kernels take the prefill chunks of 9-512
-    tokens; "0" (DSV_MOE_BLOCKED=0) leaves them to the dense path."""
+    tokens; "0" (DSV_MOE_BLOCKED=0) leaves them to the dense path. With ngram speculation the
+    decode kernel verifies drafts (q_len 1 + k, masks from positions); the reference engine runs
+    without it."""
     g = torch.Generator().manual_seed(budget)
     prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    if spec is not None:  # repetitive prompts: the drafter finds matches
+        prompts = [p[:4] * 5 for p in prompts]
     sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     ref = LLM(model, device="cpu", dtype="float32", attention_backend="torch", num_kv_blocks=64,
               max_num_batched_tokens=budget)
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, sp)]
-    out = run_interpreted(RUN.format(path=model, budget=budget, prompts=prompts, blocked=blocked), timeout=600)
+    out = run_interpreted(RUN.format(path=model, budget=budget, prompts=prompts, blocked=blocked, spec=spec),
+                          timeout=600)
     got = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
     assert got["tokens"] == want
+    if spec is not None:
+        assert got["accepted"] > 0, "no draft accepted: the multi-token decode was not exercised"
     expect = KERNELS + (("fused_moe_blocked",) if blocked == "1" else ())
     assert all(got["calls"].get(k, 0) > 0 for k in expect), got["calls"]
