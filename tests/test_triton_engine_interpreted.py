@@ -30,7 +30,7 @@ real = mla.try_kernel
 mla.try_kernel = moe.try_kernel = counting
 llm = LLM({path!r}, device="cpu", dtype="float32", attention_backend="triton", num_kv_blocks=64,
           max_num_batched_tokens={budget}, speculative_config={spec!r})
-sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+sp = SamplingParams(temperature=0, max_tokens={max_tokens}, ignore_eos=True)
 out = [o.outputs[0].token_ids for o in llm.generate({prompts!r}, sp)]
 from models.fused import _FAILED
 assert not _FAILED, _FAILED  # a kernel that raised was replaced by torch ops: its tokens prove nothing
@@ -59,13 +59,15 @@ def test_triton_paths_equal_torch_engine(model, budget, blocked, spec):
     without it."""
     g = torch.Generator().manual_seed(budget)
     prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
-    if spec is not None:  # repetitive prompts: the drafter finds matches
-        prompts = [p[:4] * 5 for p in prompts]
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    max_tokens = 6
+    if spec is not None:  # repetitive prompts and longer outputs: the drafter finds matches
+        prompts, max_tokens = [p[:4] * 5 for p in prompts], 16
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     ref = LLM(model, device="cpu", dtype="float32", attention_backend="torch", num_kv_blocks=64,
               max_num_batched_tokens=budget)
     want = [o.outputs[0].token_ids for o in ref.generate(prompts, sp)]
-    out = run_interpreted(RUN.format(path=model, budget=budget, prompts=prompts, blocked=blocked, spec=spec),
+    out = run_interpreted(RUN.format(path=model, budget=budget, prompts=prompts, blocked=blocked, spec=spec,
+                                     max_tokens=max_tokens),
                           timeout=600)
     got = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
     assert got["tokens"] == want
