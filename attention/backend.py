@@ -65,6 +65,12 @@ class AttentionOps(Protocol):
         """`prefill` with MLA's operands in parts: q = [q_nope ‖ q_pe] `[Tq, H, P]` + `[Tq, H, R]`,
         k = [k_nope ‖ k_pe] with k_nope `[Tk, H, P]` and k_pe `[Tk, R]` shared by all heads."""
 
+    def merge_attn_states_(self, o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor,
+                           lse_b: torch.Tensor) -> None:
+        """In place: (o `[T, H, V]`, lse `[T, H]` fp32) becomes the merge of itself and (o_b, lse_b),
+        two attentions of the same queries over disjoint key sets. A row that saw no key on
+        either side keeps lse -inf and gets o = 0."""
+
     def gather_context(self, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        starts: torch.Tensor, cu_lens: torch.Tensor, num_tokens: int,
                        ) -> torch.Tensor:

@@ -38,16 +38,17 @@ class DecodeMetadata:
 
 @dataclass
 class ContextChunk:
-    """One bounded slice of every prefill's cached context (local indices on this rank)."""
+    """One bounded slice of the cached context of prefills 0 .. Bc-1 (Bc = the prefill
+    metadata's `num_context_prefills`; local indices on this rank)."""
 
-    starts: torch.Tensor  # [Bp] local start index of this chunk per prefill
-    cu_lens: torch.Tensor  # [Bp+1] rows of this rank's gathered chunk per prefill
+    starts: torch.Tensor  # [Bc] local start index of this chunk per prefill
+    cu_lens: torch.Tensor  # [Bc+1] rows of this rank's gathered chunk per prefill
     num_tokens: int  # rows this rank gathers
     # After the DCP all-gather (`[D, max_tokens]` rows, rank-major): rows of each prefill made
     # contiguous by `gather_index` (None when D == 1), with `cu_seqlens_k` over them.
     max_tokens: int  # rows per rank in the all-gather buffer (max over ranks)
     gather_index: torch.Tensor | None
-    cu_seqlens_k: torch.Tensor  # [Bp+1] int32
+    cu_seqlens_k: torch.Tensor  # [Bc+1] int32
     max_seqlen_k: int
 
 
@@ -58,6 +59,11 @@ class PrefillMetadata:
     block_table: torch.Tensor  # [Bp, max_blocks] int32
     context_lens: list[int]  # global cached tokens per prefill (host)
     context_chunks: list[ContextChunk]
+    # The context attention covers prefills 0 .. num_context_prefills-1 only (up to the last one
+    # with cached context): their query rows `[:context_query_rows]`, longest `context_max_query_len`.
+    num_context_prefills: int = 0
+    context_query_rows: int = 0
+    context_max_query_len: int = 0
 
     @property
     def has_context(self) -> bool:
@@ -122,10 +128,14 @@ def build_mla_metadata(query_lens: list[int], context_lens: list[int], block_ids
     if num_decodes < n:
         qp, cp = q[num_decodes:], ctx[num_decodes:]
         qsl = np.concatenate([[0], np.cumsum(qp)])
-        chunks = _context_chunks(cp, dcp_size, dcp_rank, context_chunk_tokens, to)
+        with_ctx = np.flatnonzero(cp > 0)
+        nc = int(with_ctx[-1]) + 1 if len(with_ctx) else 0
+        chunks = _context_chunks(cp[:nc], dcp_size, dcp_rank, context_chunk_tokens, to)
         prefill = PrefillMetadata(query_start_loc=to(qsl), max_query_len=int(qp.max()),
                                   block_table=to(table[num_decodes:]),
-                                  context_lens=cp.tolist(), context_chunks=chunks)
+                                  context_lens=cp.tolist(), context_chunks=chunks,
+                                  num_context_prefills=nc, context_query_rows=int(qsl[nc]),
+                                  context_max_query_len=int(qp[:nc].max()) if nc else 0)
     return MLAMetadata(num_decodes=num_decodes, num_decode_tokens=num_decode_tokens,
                        num_prefills=n - num_decodes, num_prefill_tokens=int(q.sum()) - num_decode_tokens,
                        slot_mapping=to(slot, torch.int64), decode=decode, prefill=prefill)
@@ -146,7 +156,8 @@ def _context_chunks(ctx, dcp_size, dcp_rank, chunk_tokens, to) -> list[ContextCh
         return []
     # local context per (rank, prefill): [D, Bp]
     local = np.stack([local_len(ctx, dcp_size, r) for r in range(dcp_size)])
-    per_req = max(1, chunk_tokens // len(ctx))  # rows per prefill per chunk on one rank
+    # rows per prefill per chunk on one rank: the budget shared by the prefills that have context
+    per_req = max(1, chunk_tokens // int((ctx > 0).sum()))
     chunks = []
     for k in range(-(-int(local.max()) // per_req)):
         start = k * per_req

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 
 from attention.backend import AttentionOps
 from attention.metadata import ContextChunk, MLAMetadata
-from attention.torch_backend import merge_attn_states
 from engine import distributed as pd
 from models.fused import apply_rope, rms_norm_op, triton_fast_path, try_kernel
 
@@ -148,12 +147,19 @@ class MLAAttention:
         qsl = p.query_start_loc
         o, lse = self.ops.prefill_mla(q_nope, q_pe, k_nope, k_pe, v, qsl, qsl, p.max_query_len,
                                       p.max_query_len, self.scale, causal=True)
+        if not p.has_context:
+            return o
+        # Cached context: only the prefills up to the last one that has any (their rows come
+        # first), attended chunk by chunk and merged into their rows of (o, lse) in place.
+        r, nc = p.context_query_rows, p.num_context_prefills
+        qn, qp, qsl_c = q_nope[:r], q_pe[:r], qsl[: nc + 1]
+        o_c, lse_c = o[:r], lse[:r]
         for chunk in p.context_chunks:
             rows = self._gather_chunk(kv_cache, p.block_table, chunk)  # [Nk, Lkv+R]
             ck, cv = self._up_project(rows[:, : self.Lkv])
-            oc, lc = self.ops.prefill_mla(q_nope, q_pe, ck, rows[:, self.Lkv:], cv, qsl, chunk.cu_seqlens_k,
-                                          p.max_query_len, chunk.max_seqlen_k, self.scale, causal=False)
-            o, lse = merge_attn_states(o, lse, oc, lc)
+            oc, lc = self.ops.prefill_mla(qn, qp, ck, rows[:, self.Lkv:], cv, qsl_c, chunk.cu_seqlens_k,
+                                          p.context_max_query_len, chunk.max_seqlen_k, self.scale, causal=False)
+            self.ops.merge_attn_states_(o_c, lse_c, oc, lc)
         return o
 
     def _gather_chunk(self, kv_cache, block_table, chunk: ContextChunk) -> torch.Tensor:

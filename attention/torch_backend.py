@@ -79,6 +79,11 @@ class TorchAttentionOps:
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, k_nope.shape[1], -1)], dim=-1)
         return self.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
 
+    def merge_attn_states_(self, o, lse, o_b, lse_b):
+        mo, ml = merge_attn_states(o, lse, o_b, lse_b)
+        o.copy_(mo)
+        lse.copy_(ml)
+
     def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens):
         out = kv_cache.new_empty(num_tokens, kv_cache.shape[-1])
         cu = cu_lens.tolist()

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t,
                      H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
                      BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
@@ -61,7 +61,7 @@ def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_
             tl.store(q_ptr + row + L + offs_r[None, :], pe.to(q_ptr.dtype.element_ty), mask=mr)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _absorb_o_kernel(o_ptr, w_ptr, out_ptr, T, s_o_t, s_o_h, s_w_h, s_w_v,
                      H: tl.constexpr, L: tl.constexpr, V: tl.constexpr,
                      BL: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr):
@@ -88,29 +88,31 @@ def _absorb_o_kernel(o_ptr, w_ptr, out_ptr, T, s_o_t, s_o_h, s_w_h, s_w_v,
              mask=mt[:, None] & mv[None, :])
 
 
-@triton.jit
-def _rope_kernel(x_ptr, cs_ptr, out_ptr, H, s_x_t, s_x_h, s_cs_t,
-                 R: tl.constexpr, BH: tl.constexpr, BR2: tl.constexpr):
-    """out[t, h] = x[t, h] rotated on interleaved pairs by token t's [cos | sin] row (fp32)."""
-    t = tl.program_id(0).to(tl.int64)
+@triton.jit(do_not_specialize=["T"])
+def _rope_kernel(x_ptr, cs_ptr, out_ptr, T, H, s_x_t, s_x_h, s_cs_t,
+                 R: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr):
+    """out[t, h] = x[t, h] rotated on interleaved pairs by token t's [cos | sin] row (fp32), for a
+    tile of BT tokens x BH heads: whole rows are loaded and stored (the pairs are split in
+    registers), so the accesses are contiguous."""
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
     offs_h = tl.program_id(1) * BH + tl.arange(0, BH)
-    offs_i = tl.arange(0, BR2)
-    m = (offs_h[:, None] < H) & (offs_i[None, :] < R // 2)
-    src = x_ptr + t * s_x_t + offs_h[:, None] * s_x_h + 2 * offs_i[None, :]
-    x1 = tl.load(src, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(src + 1, mask=m, other=0.0).to(tl.float32)
-    cos = tl.load(cs_ptr + t * s_cs_t + offs_i, mask=offs_i < R // 2, other=0.0)[None, :]
-    sin = tl.load(cs_ptr + t * s_cs_t + R // 2 + offs_i, mask=offs_i < R // 2, other=0.0)[None, :]
-    dst = out_ptr + t * H * R + offs_h[:, None] * R + 2 * offs_i[None, :]
-    dt = out_ptr.dtype.element_ty
-    tl.store(dst, (x1 * cos - x2 * sin).to(dt), mask=m)
-    tl.store(dst + 1, (x2 * cos + x1 * sin).to(dt), mask=m)
+    offs_r = tl.arange(0, BR)
+    offs_i = tl.arange(0, BR // 2)
+    t3, h3, r3 = offs_t[:, None, None].to(tl.int64), offs_h[None, :, None], offs_r[None, None, :]
+    m = (t3 < T) & (h3 < H) & (r3 < R)
+    x = tl.load(x_ptr + t3 * s_x_t + h3 * s_x_h + r3, mask=m, other=0.0).to(tl.float32)
+    x1, x2 = tl.split(tl.reshape(x, [BT, BH, BR // 2, 2]))  # even and odd elements of each pair
+    mc = (offs_t[:, None] < T) & (offs_i[None, :] < R // 2)
+    cs = cs_ptr + offs_t[:, None].to(tl.int64) * s_cs_t + offs_i[None, :]
+    cos = tl.load(cs, mask=mc, other=0.0)[:, None, :]
+    sin = tl.load(cs + R // 2, mask=mc, other=0.0)[:, None, :]
+    y = tl.reshape(tl.join(x1 * cos - x2 * sin, x2 * cos + x1 * sin), [BT, BH, BR])
+    tl.store(out_ptr + t3 * (H * R) + h3 * R + r3, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
 def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """`models.fused.apply_rope(cos_sin, x)` for x `[T, H, R]` (last dim contiguous), contiguous out:
-    the prefill's query RoPE in one pass (the compiled torch version moved these bytes at a
-    fifth of the bandwidth)."""
+    the prefill's query RoPE in one pass."""
     T, H, R = x.shape
     if cos_sin.shape != (T, R) or cos_sin.stride(-1) != 1 or x.stride(-1) != 1 or R % 2:
         raise ValueError(f"rope: x {tuple(x.shape)}, cos_sin {tuple(cos_sin.shape)} (cos_sin [T, R], R even, "
@@ -118,8 +120,11 @@ def rope(x: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     out = torch.empty(T, H, R, dtype=x.dtype, device=x.device)
     if T and H:
         BH = min(16, triton.next_power_of_2(H))
-        _rope_kernel[(T, triton.cdiv(H, BH))](x, cos_sin, out, H, x.stride(0), x.stride(1), cos_sin.stride(0),
-                                              R=R, BH=BH, BR2=max(2, triton.next_power_of_2(R // 2)), num_warps=2)
+        BR = max(2, triton.next_power_of_2(R))
+        BT = max(1, min(16, 4096 // (BH * BR)))
+        _rope_kernel[(triton.cdiv(T, BT), triton.cdiv(H, BH))](
+            x, cos_sin, out, T, H, x.stride(0), x.stride(1), cos_sin.stride(0), R=R, BT=BT, BH=BH, BR=BR,
+            num_warps=4)
     return out
 
 

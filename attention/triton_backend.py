@@ -11,7 +11,8 @@ import triton
 
 from attention.triton_cache import gather_context, write_kv
 from attention.triton_decode import DecodeConfig, mla_decode
-from attention.triton_prefill import PrefillConfig, prefill_attention, prefill_attention_parts, split_width
+from attention.triton_prefill import (PrefillConfig, merge_attn_states_, prefill_attention, prefill_attention_parts,
+                                      split_width)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -125,6 +126,9 @@ class TritonAttentionOps:
                                        kb, _last_contiguous(v), cu_seqlens_q.contiguous(),
                                        cu_seqlens_k.contiguous(), max_seqlen_q, scale, causal,
                                        cfg=self.prefill_config)
+
+    def merge_attn_states_(self, o, lse, o_b, lse_b):
+        merge_attn_states_(o, lse, o_b, lse_b)
 
     def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens):
         _check(kv_cache.dim() == 3, f"kv_cache must be [num_blocks, block_size, D], got {tuple(kv_cache.shape)}")

@@ -21,7 +21,7 @@ def _col_block(d: int) -> int:
     return min(128, triton.next_power_of_2(d))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _write_kv_kernel(kv_ptr, cache_ptr, slot_ptr, T,
                      stride_kvt, stride_cb, stride_cs,
                      PAGE: tl.constexpr, D: tl.constexpr,
@@ -39,7 +39,7 @@ def _write_kv_kernel(kv_ptr, cache_ptr, slot_ptr, T,
         tl.store(dst[:, None] + cols[None, :], x.to(cache_ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "B"])
 def _gather_kernel(cache_ptr, out_ptr, block_table_ptr, starts_ptr, cu_ptr, num_tokens, B,
                    stride_cb, stride_cs, stride_btb, stride_ot,
                    PAGE: tl.constexpr, D: tl.constexpr,

@@ -88,7 +88,7 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
     return next(s for s, e in enumerate(effs, start=1) if e >= 0.85 * best)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_partial_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
     qk_scale_log2,  # softmax scale * log2(e): scores live in the log2 domain
@@ -191,7 +191,7 @@ def _mla_decode_partial_kernel(
     tl.store(lse_ptrs, lse, mask=hmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_reduce_kernel(
     po_ptr, plse_ptr, o_ptr, lse_ptr,
     H, num_splits,

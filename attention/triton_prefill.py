@@ -181,3 +181,48 @@ def prefill_attention_parts(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse
+
+
+@triton.jit
+def _merge_kernel(o_ptr, lse_ptr, ob_ptr, lseb_ptr, H, s_o_t, s_o_h, s_ob_t, s_ob_h, s_l_t, s_lb_t,
+                  DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr):
+    """Row t, heads h0..h0+BLOCK_H: (o, lse) <- the merge of (o, lse) and (ob, lseb)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mh = offs_h < H
+    la = tl.load(lse_ptr + t * s_l_t + offs_h, mask=mh, other=float("-inf"))
+    lb = tl.load(lseb_ptr + t * s_lb_t + offs_h, mask=mh, other=float("-inf"))
+    mx = tl.maximum(la, lb)
+    empty = mx == float("-inf")  # no key on either side: weights 0, lse stays -inf
+    mx = tl.where(empty, 0.0, mx)
+    ea, eb = tl.exp(la - mx), tl.exp(lb - mx)
+    tot = tl.where(empty, 1.0, ea + eb)
+    wa = tl.where(empty, 0.0, ea / tot)
+    wb = tl.where(empty, 0.0, eb / tot)
+    m2 = mh[:, None] & (offs_d[None, :] < DV)
+    pa = o_ptr + t * s_o_t + offs_h[:, None] * s_o_h + offs_d[None, :]
+    pb = ob_ptr + t * s_ob_t + offs_h[:, None] * s_ob_h + offs_d[None, :]
+    oa = tl.load(pa, mask=m2, other=0.0).to(tl.float32)
+    ob = tl.load(pb, mask=m2, other=0.0).to(tl.float32)
+    tl.store(pa, (oa * wa[:, None] + ob * wb[:, None]).to(o_ptr.dtype.element_ty), mask=m2)
+    tl.store(lse_ptr + t * s_l_t + offs_h, tl.where(empty, float("-inf"), mx + tl.log(tot)), mask=mh)
+
+
+def merge_attn_states_(o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """In place: (o, lse) becomes the merge of two partial attentions over disjoint key sets,
+    o `[T, H, V]` (any float dtype, math in fp32), lse `[T, H]` fp32; rows where neither side saw
+    a key keep lse -inf and get o = 0. One pass over both outputs (the torch version is ~10)."""
+    T, H, V = o.shape
+    if (o_b.shape != o.shape or lse.shape != (T, H) or lse_b.shape != (T, H) or o.stride(-1) != 1
+            or o_b.stride(-1) != 1 or lse.stride(-1) != 1 or lse_b.stride(-1) != 1
+            or lse.dtype != torch.float32 or lse_b.dtype != torch.float32):
+        raise ValueError(f"merge_attn_states_: o {tuple(o.shape)}, lse {tuple(lse.shape)} {lse.dtype}, o_b "
+                         f"{tuple(o_b.shape)}, lse_b {tuple(lse_b.shape)} {lse_b.dtype} (shapes must match, "
+                         "lse fp32, last dims contiguous)")
+    if T == 0 or H == 0:
+        return
+    bh = min(16, triton.next_power_of_2(H))
+    _merge_kernel[(T, triton.cdiv(H, bh))](o, lse, o_b, lse_b, H, o.stride(0), o.stride(1), o_b.stride(0),
+                                           o_b.stride(1), lse.stride(0), lse_b.stride(0), DV=V, BLOCK_H=bh,
+                                           BLOCK_DV=triton.next_power_of_2(V), num_warps=4)

@@ -67,7 +67,7 @@ def act_quant_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), s
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, NG, FMAX: tl.constexpr, GROUP_SIZE: tl.constexpr,
                       GROUPS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -116,7 +116,7 @@ def _grouped_tile(t, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.const
     return first_m + (t % per_group) % group_m, (t % per_group) // group_m
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _w8a8_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, NKB, M_BUCKET, stride_sam, stride_sak,
                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                  EVEN_K: tl.constexpr):
@@ -142,7 +142,7 @@ def _w8a8_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, c_ptr, M, N, K, NKB, M_BUCKET, st
              mask=mm[:, None] & mn[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _w8a8_tma_kernel(a_desc, sa_ptr, b_desc, sb_ptr, c_desc, M, N, NKB, M_BUCKET, stride_sam, stride_sak,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      PROGS: tl.constexpr, FLAT: tl.constexpr):

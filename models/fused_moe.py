@@ -309,7 +309,7 @@ def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) ->
     return rows, block_expert
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["P", "NB"])
 def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
                   BINS: tl.constexpr):
     """Program e < E writes expert e's run of `rows` and its blocks' `bexp`; program E the unused

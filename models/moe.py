@@ -16,17 +16,20 @@ from models.layers import Linear, shard_param
 
 
 # Which expert kernels serve a batch on CUDA (and under the Triton interpreter), by token count:
-#   <= _FUSED_MAX_TOKENS (8): the pair-parallel fused MoE (models/fused_moe.py `fused_moe_small`);
-#      at batch 1 a V2-Lite layer's routed + shared experts take 39 us instead of 111 us through
-#      the grouped GEMM (H200, CUDA graphs, scripts/bench_fused_moe.py). Above 8 tokens pairs
-#      share experts, and reading each expert once per pair costs more bytes.
+#   <= _FUSED_MAX_TOKENS (4; 8 for FP8 experts, which the block kernels do not take): the
+#      pair-parallel fused MoE (models/fused_moe.py `fused_moe_small`); at batch 1 a V2-Lite
+#      layer's routed + shared experts take 39 us instead of 111 us through the grouped GEMM (H200,
+#      CUDA graphs, scripts/bench_fused_moe.py). It reads an expert once per (token, expert)
+#      pair, so once pairs share experts the block kernels win: a V2-Lite decode step took 3.01 /
+#      4.13 / 6.07 ms of GPU time at batch 2 / 4 / 8 with it and 3.32 / 4.18 / 5.57 ms with them.
 #   <= BLOCKED_MAX_TOKENS (512), experts not in FP8: the expert-sorted block kernels
 #      (`fused_moe_blocked`), which read each touched expert once per block of 16/32 pairs; at
 #      32 and 128 tokens their two product kernels run at the copy bandwidth (RESULTS.md).
 #   beyond: torch's grouped GEMM between a sort and a weighted un-permute (`_routed_grouped`).
 # DSV_FUSED_MOE_MAX_TOKENS overrides the first bound (0 turns the fused path off);
 # DSV_MOE_BLOCKED=0 turns the block kernels off.
-_FUSED_MAX_TOKENS = int(os.environ.get("DSV_FUSED_MOE_MAX_TOKENS", "8"))
+_FUSED_MAX_TOKENS = int(os.environ.get("DSV_FUSED_MOE_MAX_TOKENS", "4"))
+_FUSED_MAX_TOKENS_FP8 = max(_FUSED_MAX_TOKENS, 8)
 _BLOCKED = os.environ.get("DSV_MOE_BLOCKED", "1") == "1"
 
 
@@ -73,6 +76,16 @@ class Router(nn.Module):
             self.e_score_correction_bias = shard_param((E,), None, torch.float32)
         else:
             self.e_score_correction_bias = None
+        self.weight_bf16: torch.Tensor | None = None
+
+    def keep_bf16_weight(self) -> None:
+        """Post-load: a bf16 copy of the weight when it holds it exactly (checkpoints store the
+        router in bf16). bf16 x bf16 products are exact in fp32, so a tensor-core GEMM with fp32
+        accumulation and output computes the same sums as the fp32 GEMM (in another order) from
+        half the weight bytes and without an fp32 copy of x."""
+        w = self.weight.detach()
+        lp = w.to(torch.bfloat16)
+        self.weight_bf16 = lp if torch.equal(lp.float(), w) else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
@@ -80,7 +93,7 @@ class Router(nn.Module):
                 c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
         if triton_fast_path(x):  # logits (Triton at decode sizes, else cuBLAS) + the choice kernel
             from models.triton_route import route_triton  # triton: CUDA installs only
-            out = try_kernel("route", route_triton, *args)
+            out = try_kernel("route", route_triton, *args, self.weight_bf16)
             if out is not None:
                 return out
             return route_op(*args)
@@ -199,7 +212,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = None
-        if triton_fast_path(x) and x.shape[0] <= _FUSED_MAX_TOKENS:
+        fused_max = _FUSED_MAX_TOKENS_FP8 if self.fp8_block is not None and _FUSED_MAX_TOKENS else _FUSED_MAX_TOKENS
+        if triton_fast_path(x) and x.shape[0] <= fused_max:
             from models.fused_moe import fused_moe_small  # triton: CUDA installs only
             block = self.fp8_block[0] if self.fp8_block else 128
             out = try_kernel("fused_moe", fused_moe_small, x, self.w13, self.w2, weights, ids, self.w13_scale,

@@ -34,6 +34,10 @@ def add_engine_flags(p) -> None:
     p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
     p.add_argument("--hf-overrides", default=None)
     p.add_argument("--fp8-gemm", action="store_true", help="keep FP8 checkpoints' projections in FP8 (W8A8 GEMM)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefix caching (default: the engine's, on)")
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer (token-id prompts only): for checkpoints without tokenizer files")
     p.add_argument("--json", default=None, help="write results here")
 
 
@@ -48,6 +52,10 @@ def engine_kwargs(a) -> dict:
         kw["hf_overrides"] = a.hf_overrides
     if a.fp8_gemm:
         kw["fp8_gemm"] = True
+    if getattr(a, "enable_prefix_caching", None) is not None:
+        kw["enable_prefix_caching"] = a.enable_prefix_caching
+    if getattr(a, "skip_tokenizer_init", False):
+        kw["skip_tokenizer_init"] = True
     return kw
 
 

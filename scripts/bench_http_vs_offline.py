@@ -6,7 +6,10 @@ them):
   2. `python -m server` with the same engine flags, then scripts/bench_serving.py against it with
      the same request count and shape (all sent at once unless --max-concurrency): HTTP req/s and
      TTFT / TPOT / ITL / e2e percentiles;
-and prints both with the HTTP / offline ratio. Results go to --out-dir (default $OUT or .).
+  3. with --single-stream N (default 10; 0: skip): the same server at concurrency 1 (N requests
+     one after the other: TTFT and TPOT p50), against the offline batch-1 TPOT of
+     scripts/bench_latency.py with the same engine flags;
+and prints both with the HTTP / offline ratios. Results go to --out-dir (default $OUT or .).
 
     python scripts/bench_http_vs_offline.py                          # V2-Lite dummy, 1000 x (1000 in, 100 out)
     python scripts/bench_http_vs_offline.py --num-prompts 200 --serve-arg=--async-scheduling
@@ -50,6 +53,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=100)
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="bench_serving's cap on requests in flight (default: all at once)")
+    p.add_argument("--single-stream", type=int, default=10,
+                   help="requests sent one at a time after the main run (0: skip that phase)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="extra flag for `serve` only, e.g. --serve-arg=--skip-tokenizer-init")
     p.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
@@ -126,7 +131,16 @@ def serving(a: argparse.Namespace, out: Path) -> dict:
              *workload_argv(a), *(["--max-concurrency", str(a.max_concurrency)]
                                   if a.max_concurrency else []),
              "--json", str(path)], out / "bench_serving.log")
-        return json.loads(path.read_text())["results"][0]["summary"]
+        main = json.loads(path.read_text())["results"][0]["summary"]
+        single = None
+        if a.single_stream:
+            path = out / "serving_single.json"
+            run([sys.executable, str(SCRIPTS / "bench_serving.py"), "--base-url", f"{url}/v1",
+                 "--num-prompts", str(a.single_stream), "--input-len", str(a.input_len),
+                 "--output-len", str(a.output_len), "--max-concurrency", "1", "--json", str(path)],
+                out / "bench_serving_single.log")
+            single = json.loads(path.read_text())["results"][0]["summary"]
+        return main, single
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -135,6 +149,21 @@ def serving(a: argparse.Namespace, out: Path) -> dict:
             proc.kill()
             proc.wait()
         log.close()
+
+
+def offline_batch1(a: argparse.Namespace, out: Path) -> float:
+    """Offline batch-1 TPOT (ms) with the same engine flags and prompt length."""
+    path = out / "latency.json"
+    run([sys.executable, str(SCRIPTS / "bench_latency.py"), *engine_argv(a), "--batch-sizes", "1",
+         "--prompt-len", str(a.input_len), "--decode-steps", str(a.output_len), "--json", str(path)],
+        out / "latency.log")
+    return json.loads(path.read_text())["results"][0]["tpot_ms"]
+
+
+def single_table(single: dict, tpot1: float) -> str:
+    t, f = single["tpot"]["p50_ms"], single["ttft"]["p50_ms"]
+    return (f"concurrency 1 ({single['completed']} requests): TTFT p50 {f:.1f} ms, TPOT p50 {t:.3f} ms; "
+            f"offline batch-1 TPOT {tpot1:.3f} ms; HTTP / offline TPOT {t / tpot1:.3f}")
 
 
 def table(off: dict, http: dict, a: argparse.Namespace) -> str:
@@ -159,8 +188,11 @@ def main(argv=None) -> None:
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     off = offline(a, out)
-    http = serving(a, out)
+    tpot1 = offline_batch1(a, out) if a.single_stream else None
+    http, single = serving(a, out)
     text = table(off, http, a)
+    if single is not None:
+        text += "\n" + single_table(single, tpot1)
     print(text)
     (out / "http_vs_offline.txt").write_text(text + "\n")
 

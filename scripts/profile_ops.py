@@ -82,6 +82,10 @@ def summarize(prof, n_steps: int, title: str, top: int) -> dict:
     mods = sorted(((e.key[5:], e.device_time_total / n_steps, e.count / n_steps) for e in ev
                    if e.key.startswith("mod::")), key=lambda r: -r[1])
     print(f"\n## {title}: GPU time per step {total / 1e3:.3f} ms in {launches:.0f} kernels")
+    host = sorted((e for e in ev if e.key.startswith(("aten::", "cuda")) and e.self_cpu_time_total > 0),
+                  key=lambda e: -e.self_cpu_time_total)[:12]
+    print("\nhost (self CPU time, top ops): " + "; ".join(
+        f"{e.key} {e.self_cpu_time_total / n_steps / 1e3:.2f} ms x{e.count / n_steps:.0f}" for e in host))
     print("\n| module (inclusive) | us/step | calls/step |\n|---|---|---|")
     for k, us, c in mods:
         print(f"| {k} | {us:.1f} | {c:.0f} |")
@@ -160,16 +164,75 @@ def run_prefill(core, n: int, length: int, top: int) -> dict:
     return res
 
 
+def run_mixed(core, decodes: int, new_prompts: int, prompt_len: int, top: int, host_profile: bool = False) -> dict:
+    """The offline workload's typical step: `decodes` running decodes plus the prefill of
+    `new_prompts` fresh prompts, profiled, and the same step timed by wall clock (eager steps with
+    prefill are not CUDA graphs, so host time may exceed GPU time)."""
+    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for i, ids in enumerate(random_prompts(decodes, prompt_len, core.cfg.vocab_size, seed=7)):
+        core.add_request(f"m{decodes}-{i}", ids, sp)
+    while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
+        core.step()
+    walls, enqueue = [], []
+    model = core.executor.worker.runner.model
+    forward = model.forward
+
+    def timed_forward(*args, **kwargs):  # host time to enqueue the forward's kernels (no sync)
+        t = time.perf_counter()
+        out = forward(*args, **kwargs)
+        enqueue.append(time.perf_counter() - t)
+        return out
+
+    model.forward = timed_forward
+    for rep in range(3):
+        for i, ids in enumerate(random_prompts(new_prompts, prompt_len, core.cfg.vocab_size, seed=200 + rep)):
+            core.add_request(f"mp{rep}-{i}", ids, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+        sync()
+        if rep < 2:
+            t0 = time.perf_counter()
+            if rep == 1 and host_profile:  # Python-level cost of one warm step, by function
+                import cProfile
+                import pstats
+                pr = cProfile.Profile()
+                pr.enable()
+                core.step()
+                sync()
+                pr.disable()
+                print("\nhost profile of one mixed step (cProfile, by own time):")
+                pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+            else:
+                core.step()
+                sync()
+            walls.append(time.perf_counter() - t0)
+        else:
+            prof = profile_steps(core, 1)
+    model.forward = forward
+    res = summarize(prof, 1, f"mixed step, {decodes} decodes + {new_prompts} x {prompt_len} prefill", top)
+    print(f"\nwall per step (unprofiled): {', '.join(f'{w * 1e3:.1f}' for w in walls)} ms; host time to "
+          f"enqueue the forward: {', '.join(f'{w * 1e3:.1f}' for w in enqueue[:2])} ms")
+    res["wall_ms"] = [w * 1e3 for w in walls]
+    res["enqueue_ms"] = [w * 1e3 for w in enqueue[:2]]
+    while core.has_unfinished_requests():
+        core.step()
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(p)
     p.add_argument("--decode", type=int, nargs="*", default=[32, 128])
     p.add_argument("--prefill", nargs="*", default=["8x1024", "1x8192"])
     p.add_argument("--prompt-len", type=int, default=1000)
+    p.add_argument("--mixed", nargs="*", default=[],
+                   help="DECODESxPROMPTS: that many decodes plus the prefill of PROMPTS new prompts in one step")
+    p.add_argument("--host-profile", action="store_true",
+                   help="with --mixed: also cProfile one warm mixed step (its wall time is then not comparable)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--moe", choices=["default", "blocked"], default="default",
                    help="blocked: the expert-sorted block kernels for 9-512 tokens")
+    p.add_argument("--fused-max-tokens", type=int, default=None,
+                   help="largest batch for the pair-parallel fused MoE (default: the engine's)")
     a = p.parse_args()
     a.enforce_eager = True
     a.async_scheduling = False
@@ -178,6 +241,9 @@ def main() -> None:
     if a.moe == "blocked":
         import models.moe
         models.moe._BLOCKED = True
+    if a.fused_max_tokens is not None:
+        import models.moe
+        models.moe._FUSED_MAX_TOKENS = a.fused_max_tokens
     llm = LLM(**engine_kwargs(a))
     core = llm.engine
     install_ranges(core.executor.worker.runner.model)
@@ -187,6 +253,9 @@ def main() -> None:
     for spec in a.prefill:
         n, length = map(int, spec.split("x"))
         out.append(run_prefill(core, n, length, a.top))
+    for spec in a.mixed:
+        d, n = map(int, spec.split("x"))
+        out.append(run_mixed(core, d, n, a.prompt_len, a.top, a.host_profile))
     if a.json or "OUT" in os.environ:
         path = a.json or os.path.join(os.environ["OUT"], "profile_ops.json")
         with open(path, "w") as f:

@@ -75,3 +75,18 @@ def test_single_token_decodes_need_no_positions():
 def test_misordered_multi_token_decodes_are_refused():
     with pytest.raises(ValueError, match="decodes first"):
         build_mla_metadata([3, 1, 3], [4, 4, 4], [[0, 1], [2, 3], [4, 5]], 4, "cpu", decode_threshold=3)
+
+
+def test_context_attention_covers_only_prefills_up_to_the_last_with_context():
+    # decodes, then prefills with context [0, 9, 0, 0]: only prefills 0..1 need the context
+    # attention; the chunk budget goes to the one prefill that has context
+    q, ctx = [1, 1, 5, 3, 4, 2], [7, 3, 0, 9, 0, 0]
+    tables = [[0, 1], [2], [3, 4], [5, 6, 7], [8], [9]]
+    m = build_mla_metadata(q, ctx, tables, 4, "cpu", context_chunk_tokens=16)
+    p = m.prefill
+    assert (p.num_context_prefills, p.context_query_rows, p.context_max_query_len) == (2, 8, 5)
+    assert len(p.context_chunks) == 1  # 9 rows fit the 16-row budget of its only context prefill
+    ch = p.context_chunks[0]
+    assert ch.cu_seqlens_k.tolist() == [0, 0, 9] and ch.num_tokens == 9 and ch.max_seqlen_k == 9
+    none = build_mla_metadata([5, 3], [0, 0], [[0, 1], [2]], 4, "cpu").prefill
+    assert (none.num_context_prefills, none.context_query_rows, none.has_context) == (0, 0, False)

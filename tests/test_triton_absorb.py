@@ -54,6 +54,7 @@ def test_absorb_kernels_interpreter():
 for T in (1, 5, 17):
     check(T, 4, 16, 8, 32, 16, torch.float32, "cpu", 1e-6)
 check(3, 2, 24, 12, 48, 20, torch.float32, "cpu", 1e-6)
+check(19, 20, 16, 8, 32, 16, torch.float32, "cpu", 1e-6)  # heads over two partial tiles
 check(80, 2, 128, 64, 512, 128, torch.float32, "cpu", 1e-6)
 """
     run_interpreted(code)

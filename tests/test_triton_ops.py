@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from attention.torch_backend import TorchAttentionOps  # noqa: E402
+from attention.torch_backend import TorchAttentionOps, merge_attn_states  # noqa: E402
 
 # Relative-error limits vs an fp32 reference (fp32 kernels use the "ieee" dot).
 TOL = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 1e-2}
@@ -201,6 +201,32 @@ def check_gather(device, dtype, page, d, lens, starts, seed=0):
     return 0.0
 
 
+def check_merge(device, dtype, T, H, V, seed=0):
+    """In-place merge of two partial attentions equals the torch reference's, including rows where
+    one side or both saw no key (lse -inf), on a strided view (rows of a larger output)."""
+    from attention.triton_backend import TritonAttentionOps
+    gen = torch.Generator().manual_seed(seed)
+    o_full = torch.randn(T + 3, H, V, generator=gen).to(dtype).to(device)
+    lse_full = (torch.randn(T + 3, H, generator=gen) * 4).to(device)
+    o_b = torch.randn(T, H, V, generator=gen).to(dtype).to(device)
+    lse_b = (torch.randn(T, H, generator=gen) * 4).to(device)
+    pick = torch.rand(T, H, generator=gen).to(device)
+    lse_full[:T][pick < 0.2] = float("-inf")  # a side without keys has o = 0
+    o_full[:T][pick < 0.2] = 0
+    lse_b[(pick >= 0.1) & (pick < 0.3)] = float("-inf")  # 0.1-0.2: neither side
+    o_b[(pick >= 0.1) & (pick < 0.3)] = 0
+    ref_o, ref_lse = merge_attn_states(o_full[:T].float(), lse_full[:T], o_b.float(), lse_b)
+    tail_o, tail_lse = o_full[T:].clone(), lse_full[T:].clone()
+    TritonAttentionOps().merge_attn_states_(o_full[:T], lse_full[:T], o_b, lse_b)
+    check_lse(lse_full[:T], ref_lse, "merge")
+    assert torch.equal(o_full[T:], tail_o) and torch.equal(lse_full[T:], tail_lse), "merge wrote past its rows"
+    both = torch.isinf(ref_lse)
+    assert (o_full[:T][both] == 0).all(), "merge: rows without keys must be 0"
+    err = rel_err(o_full[:T], ref_o)
+    assert err <= TOL[dtype], f"merge rel err {err} > {TOL[dtype]} ({dtype})"
+    return err
+
+
 f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 # Tiny CPU cases: shuffled block tables, pages that do not divide lengths, lengths 0 and 1.
 CPU_CASES = {
@@ -237,6 +263,8 @@ CPU_CASES = {
     "prefill_default_tiles": lambda: check_prefill("cpu", f32, 1, 48, 32, [(9, 12), (0, 0)], True),
     "write_kv_fp32_to_fp16": lambda: check_write_kv("cpu", f16, f32, 4, 48, 21),
     "write_kv_page16": lambda: check_write_kv("cpu", f32, f32, 16, 48, 40),
+    "merge_states_f32": lambda: check_merge("cpu", f32, 37, 5, 24),
+    "merge_states_f16_one_head": lambda: check_merge("cpu", f16, 9, 1, 16, seed=1),
     "gather_page4": lambda: check_gather("cpu", f32, 4, 48, [5, 0, 9, 1], [0, 3, 6, 0]),
     "gather_page16": lambda: check_gather("cpu", f32, 16, 48, [17, 40], [15, 0]),
 }
@@ -281,6 +309,8 @@ for _dt in (bf16, f16, f32):
 for _causal in (True, False):
     GPU_CASES[f"prefill_mla_parts_bf16_causal{int(_causal)}"] = (
         lambda c=_causal: check_prefill_mla("cuda", bf16, 16, 128, 64, 128, _PREFILL_LENS, c))
+GPU_CASES["merge_states_bf16"] = lambda: check_merge("cuda", bf16, 5000, 16, 128)
+GPU_CASES["merge_states_f32_h128"] = lambda: check_merge("cuda", f32, 300, 128, 128)
 for _page in (16, 64):
     GPU_CASES[f"write_kv_page{_page}"] = lambda p=_page: check_write_kv("cuda", bf16, bf16, p, 576, 3000)
     GPU_CASES[f"gather_page{_page}"] = (
