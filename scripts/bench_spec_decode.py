@@ -5,6 +5,10 @@ of 1 token, and end-to-end time per output token with and without ngram speculat
   python scripts/bench_spec_decode.py step --batch-sizes 1 2 4 8 16 32 64 --q-lens 1 2 3 4 5
   # end to end: a repetitive prompt, batch 1, greedy, with and without ngram drafts
   python scripts/bench_spec_decode.py e2e --batch-sizes 1 8 --num-speculative-tokens 3
+  # MTP drafts on a V3-shaped model with few layers (dummy weights: its MTP layer is random too,
+  # so this times the cost; acceptance needs a real checkpoint)
+  python scripts/bench_spec_decode.py e2e --method mtp --num-speculative-tokens 1 --batch-sizes 1 \
+      --model configs/models/DeepSeek-V3 --hf-overrides '{"num_hidden_layers": 4}'
 
 `step` builds the engine once (V2-Lite config, dummy bf16 weights by default), captures one CUDA
 graph per (batch, q_len) and times replays of the whole model forward (no sampling) with
@@ -83,8 +87,10 @@ def repetitive_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
 
 def bench_e2e(a) -> list[dict]:
     rows = []
-    for spec in (None, {"method": "ngram", "num_speculative_tokens": a.num_speculative_tokens,
-                        "prompt_lookup_min": a.prompt_lookup_min, "prompt_lookup_max": a.prompt_lookup_max}):
+    drafts = {"method": a.method, "num_speculative_tokens": a.num_speculative_tokens}
+    if a.method == "ngram":
+        drafts |= {"prompt_lookup_min": a.prompt_lookup_min, "prompt_lookup_max": a.prompt_lookup_max}
+    for spec in (None, drafts):
         llm = LLM(**engine_kwargs(a), speculative_config=spec)
         core = llm.engine
         for B in a.batch_sizes:
@@ -113,7 +119,8 @@ def bench_e2e(a) -> list[dict]:
                 row["mean_acceptance_length"] = 1 + (s.num_accepted_tokens - a0) / max(s.num_drafts - d0, 1)
                 row["accepted_per_pos"] = s.accepted_per_pos
             rows.append(row)
-            print(f"{'ngram k=%d' % a.num_speculative_tokens if spec else 'no speculation':14s} batch {B:3d}: "
+            label = f"{a.method} k={a.num_speculative_tokens}" if spec else "no speculation"
+            print(f"{label:14s} batch {B:3d}: "
                   f"{row['tpot_ms']:7.3f} ms per output token, {row['tokens_per_step']:.2f} output tokens per step (all requests)"
                   + (f", mean acceptance length {row['mean_acceptance_length']:.2f}" if s else ""), flush=True)
         llm.engine.shutdown()
@@ -131,6 +138,7 @@ def main() -> None:
     p.add_argument("--q-lens", type=int, nargs="+", default=[1, 2, 3, 4, 5], help="step: query tokens per decode")
     p.add_argument("--context-len", type=int, default=1024, help="step: cached tokens per sequence")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--method", choices=["ngram", "mtp"], default="ngram", help="e2e: the drafter")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--prompt-lookup-min", type=int, default=1)
     p.add_argument("--prompt-lookup-max", type=int, default=3)
