@@ -74,8 +74,8 @@ def test_mtp_needs_an_mtp_layer(tiny_v3):
 def test_bundled_model_mtp_drafts_are_mostly_accepted():
     """The bundled tiny V3's trained MTP layer (docs/tiny_model.md: 83.9% on the 200 test items
     at k = 1): on 10 test prompts its drafts are accepted most of the time, and greedy outputs
-    equal those without speculation. A wiring error (input order, hidden state, positions)
-    drops the acceptance to about chance."""
+    equal those without speculation, also chunked, preempted and under DCP. A wiring error
+    (input order, hidden state, positions) drops the acceptance to about chance."""
     from scripts.eval_tiny_model_hf import DEFAULT_DATA, build_prompts
     from scripts.make_task_data import read_jsonl
     from tests.server_fixtures import TINY_MODEL
@@ -91,3 +91,17 @@ def test_bundled_model_mtp_drafts_are_mostly_accepted():
             llm.engine.shutdown()
     assert outs["mtp"] == outs["plain"]
     assert s.num_accepted_tokens / s.num_draft_tokens > 0.7, s
+    # chunked by 16 tokens, in a pool small enough to preempt, and under -tp 2 -dcp 2
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    for kw in ({"max_num_batched_tokens": 16, "num_kv_blocks": 160, "block_size": 4},
+               {"max_num_batched_tokens": 16, "tensor_parallel_size": 2, "decode_context_parallel_size": 2}):
+        llm = LLM(str(TINY_MODEL), device="cpu", dtype="float32", speculative_config=spec, **kw)
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts[:4], params)]
+            st = llm.scheduler.stats
+        finally:
+            llm.engine.shutdown()
+        assert got == outs["plain"][:4], kw
+        assert st.spec.num_accepted_tokens > 0
+        if "num_kv_blocks" in kw:
+            assert st.num_preemptions > 0
