@@ -4,7 +4,8 @@ A decode step's work is a fixed sequence of kernels whose shapes depend only on 
 and the query length (1, or 1 + k with k speculative tokens), so it is captured once per bucket
 and length and replayed: the inputs and metadata live in persistent buffers, real rows are
 copied in and the rest of the bucket is padding (slot -1: nothing written; sequence length 0:
-nothing read). Prefill and mixed steps run eagerly, and so do decodes of another query length.
+nothing read). Prefill and mixed steps run eagerly, and so do decode steps whose decodes differ
+in length (padded to the longest for the attention) or have another length.
 """
 
 from __future__ import annotations

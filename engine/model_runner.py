@@ -86,12 +86,11 @@ class ModelRunner:
         """Inputs for requests computing `token_ids[i]` after `context_lens[i]` cached tokens.
 
         Requests may come in any order; rows are reordered decodes first (stable): the decodes
-        are the requests of the most common query length up to `decode_threshold`.
+        are the requests of at most `decode_threshold` tokens.
         """
         n = len(token_ids)
         req_ids = req_ids or [str(i) for i in range(n)]
-        dq = decode_query_len([len(t) for t in token_ids], self.decode_threshold)
-        order = sorted(range(n), key=lambda i: len(token_ids[i]) != dq)  # stable: decodes first
+        order = sorted(range(n), key=lambda i: len(token_ids[i]) > self.decode_threshold)  # stable
         q = [len(token_ids[i]) for i in order]
         ctx = [context_lens[i] for i in order]
         ids = np.fromiter((t for i in order for t in token_ids[i]), dtype=np.int64, count=sum(q))
@@ -109,7 +108,7 @@ class ModelRunner:
         """Hidden states `[T, hidden]` of every row of the batch."""
         m = batch.meta
         if (self.graphs is not None and m.prefill is None and m.decode is not None
-                and self.graphs.bucket_for(m.num_decodes, m.decode.q_len)):
+                and m.decode.row_index is None and self.graphs.bucket_for(m.num_decodes, m.decode.q_len)):
             return self.graphs.run(batch.input_ids, batch.positions, m)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, m)
 
@@ -326,16 +325,6 @@ class ModelRunner:
         if self._last is pending:
             self._last = None
         return out
-
-
-def decode_query_len(query_lens: list[int], threshold: int) -> int:
-    """The query length the step decodes: the most common one up to `threshold` (the longer on
-    a tie); 0 when every request is longer. The decode kernel takes one length per call."""
-    counts: dict[int, int] = {}
-    for q in query_lens:
-        if q <= threshold:
-            counts[q] = counts.get(q, 0) + 1
-    return max(counts, key=lambda q: (counts[q], q)) if counts else 0
 
 
 @dataclass
