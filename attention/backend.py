@@ -11,6 +11,9 @@ Conventions shared by all backends:
   sees keys j <= i + Lk - Lq.
 - Index tensors (block tables, lengths, cu_seqlens, slot mappings) are int32 or int64 on the
   device of the data.
+- The cache may be stored in another dtype than the model computes in: bf16, or FP8 e4m3 with a
+  per-tensor scale (`ops.kv_scale`, attention/kv_quant.py). Writes quantise, every read (decode,
+  gather_context) dequantises with the same arithmetic in every backend.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 
 class AttentionOps(Protocol):
     name: str
+    kv_scale: float  # an FP8 cache's per-tensor scale
 
     def write_kv(self, kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store `kv [T, Lkv+R]` at flat slots `block * block_size + offset`; slot -1 is skipped."""
@@ -74,11 +78,11 @@ class AttentionOps(Protocol):
 
     def gather_context(self, kv_cache: torch.Tensor, block_table: torch.Tensor,
                        starts: torch.Tensor, cu_lens: torch.Tensor, num_tokens: int,
-                       ) -> torch.Tensor:
+                       dtype: torch.dtype | None = None) -> torch.Tensor:
         """Copy cached rows out of the paged cache into a dense workspace.
 
         For sequence b, rows of token positions `starts[b] .. starts[b] + len_b - 1` (positions
         index the sequence's blocks through `block_table[b]`) go to output rows
         `cu_lens[b] .. cu_lens[b+1] - 1`, with `len_b = cu_lens[b+1] - cu_lens[b]`.
-        Returns `[num_tokens, Lkv+R]` in the cache's dtype.
+        Returns `[num_tokens, Lkv+R]` in `dtype` (None: the cache's), dequantised from FP8.
         """

@@ -65,7 +65,7 @@ class MLAAttention:
         With the Triton backend on CUDA one kernel (attention/triton_cache.py `kv_finish`),
         else the norm, rope, cat and the backend's write_kv."""
         row = _try_kernel("triton_cache", "kv_finish", self.ops, kv, norm_weight, eps, cos_sin, kv_cache,
-                          meta.slot_mapping)
+                          meta.slot_mapping, self.ops.kv_scale)
         if row is not None:
             return row
         c, k_pe = kv.split([self.Lkv, self.R], dim=-1)
@@ -161,16 +161,17 @@ class MLAAttention:
         qn, qp, qsl_c = q_nope[:r], q_pe[:r], qsl[: nc + 1]
         o_c, lse_c = o[:r], lse[:r]
         for chunk in p.context_chunks:
-            rows = self._gather_chunk(kv_cache, p.block_table, chunk)  # [Nk, Lkv+R]
+            rows = self._gather_chunk(kv_cache, p.block_table, chunk, q_nope.dtype)  # [Nk, Lkv+R]
             ck, cv = self._up_project(rows[:, : self.Lkv])
             oc, lc = self.ops.prefill_mla(qn, qp, ck, rows[:, self.Lkv:], cv, qsl_c, chunk.cu_seqlens_k,
                                           p.context_max_query_len, chunk.max_seqlen_k, self.scale, causal=False)
             self.ops.merge_attn_states_(o_c, lse_c, oc, lc)
         return o
 
-    def _gather_chunk(self, kv_cache, block_table, chunk: ContextChunk) -> torch.Tensor:
+    def _gather_chunk(self, kv_cache, block_table, chunk: ContextChunk, dtype: torch.dtype) -> torch.Tensor:
+        # in the compute dtype: an FP8 or bf16 cache is dequantised here, before kv_b_proj
         rows = self.ops.gather_context(kv_cache, block_table, chunk.starts, chunk.cu_lens,
-                                       chunk.num_tokens)
+                                       chunk.num_tokens, dtype)
         if chunk.gather_index is None:
             return rows
         # Under DCP each rank holds an interleaved share of the context: all-gather the shares

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from attention.kv_quant import load_as, store_as
+
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -18,18 +20,24 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 class TorchAttentionOps:
+    """`kv_scale`: the per-tensor scale of an FP8 cache (attention/kv_quant.py); unused otherwise."""
+
     name = "torch"
+
+    def __init__(self, kv_scale: float = 1.0):
+        self.kv_scale = kv_scale
 
     def write_kv(self, kv_cache, kv, slot_mapping):
         flat = kv_cache.view(-1, kv_cache.shape[-1])
         keep = slot_mapping >= 0
-        flat[slot_mapping[keep].long()] = kv[keep].to(kv_cache.dtype)
+        flat[slot_mapping[keep].long()] = store_as(kv[keep], kv_cache.dtype, self.kv_scale)
 
-    def _rows(self, kv_cache, block_row, start: int, length: int) -> torch.Tensor:
+    def _rows(self, kv_cache, block_row, start: int, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """Cached rows of positions start .. start+length-1, dequantised to `dtype`: [length, Lkv+R]."""
         bs = kv_cache.shape[1]
         pos = torch.arange(start, start + length, device=kv_cache.device)
         blocks = block_row.long()[pos // bs]
-        return kv_cache[blocks, pos % bs]  # [length, Lkv+R]
+        return load_as(kv_cache[blocks, pos % bs], dtype, self.kv_scale)
 
     def decode(self, q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, q_len=1, q_pos=None,
                dcp_size=1, dcp_rank=0):
@@ -40,7 +48,7 @@ class TorchAttentionOps:
             if n == 0:
                 continue
             rows = slice(b * q_len, (b + 1) * q_len)
-            kv = self._rows(kv_cache, block_table[b], 0, n)  # [n, Lkv+R]
+            kv = self._rows(kv_cache, block_table[b], 0, n, torch.float32)  # [n, Lkv+R]
             mask = None
             if q_pos is not None:  # [q_len, n]: key j holds global position j*D + r
                 key_pos = torch.arange(n, device=q.device) * dcp_size + dcp_rank
@@ -84,12 +92,13 @@ class TorchAttentionOps:
         o.copy_(mo)
         lse.copy_(ml)
 
-    def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens):
-        out = kv_cache.new_empty(num_tokens, kv_cache.shape[-1])
+    def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens, dtype=None):
+        dtype = dtype or kv_cache.dtype
+        out = kv_cache.new_empty(num_tokens, kv_cache.shape[-1], dtype=dtype)
         cu = cu_lens.tolist()
         for b, s in enumerate(starts.tolist()):
             if cu[b + 1] > cu[b]:
-                out[cu[b]:cu[b + 1]] = self._rows(kv_cache, block_table[b], s, cu[b + 1] - cu[b])
+                out[cu[b]:cu[b + 1]] = self._rows(kv_cache, block_table[b], s, cu[b + 1] - cu[b], dtype)
         return out
 
 

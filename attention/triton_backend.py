@@ -9,12 +9,14 @@ from __future__ import annotations
 import torch
 import triton
 
+from attention.kv_quant import FP8_DTYPE
 from attention.triton_cache import gather_context, write_kv
 from attention.triton_decode import DecodeConfig, mla_decode
 from attention.triton_prefill import (PrefillConfig, merge_attn_states_, prefill_attention, prefill_attention_parts,
                                       split_width)
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CACHE_DTYPES = _FLOAT_DTYPES + (FP8_DTYPE,)
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -33,10 +35,13 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 class TritonAttentionOps:
+    """`kv_scale`: the per-tensor scale of an FP8 cache (attention/kv_quant.py); unused otherwise."""
+
     name = "triton"
 
     def __init__(self, decode_config: DecodeConfig | None = None,
-                 prefill_config: PrefillConfig | None = None):
+                 prefill_config: PrefillConfig | None = None, kv_scale: float = 1.0):
+        self.kv_scale = kv_scale
         self.decode_config = decode_config
         self.prefill_config = prefill_config
         self._num_sms: dict[torch.device, int] = {}
@@ -54,8 +59,9 @@ class TritonAttentionOps:
                f"kv must be [T, {kv_cache.shape[2]}], got {tuple(kv.shape)}")
         _check(slot_mapping.shape == (kv.shape[0],),
                f"slot_mapping must be [{kv.shape[0]}], got {tuple(slot_mapping.shape)}")
+        _check(kv_cache.dtype in _CACHE_DTYPES, f"kv_cache must be fp16/bf16/fp32/fp8_e4m3, got {kv_cache.dtype}")
         _check_cache(kv_cache)
-        write_kv(kv_cache, _last_contiguous(kv), slot_mapping.contiguous())
+        write_kv(kv_cache, _last_contiguous(kv), slot_mapping.contiguous(), self.kv_scale)
 
     def decode(self, q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, q_len=1, q_pos=None,
                dcp_size=1, dcp_rank=0):
@@ -75,13 +81,14 @@ class TritonAttentionOps:
         _check(seq_lens.shape == (B,), f"seq_lens must be [{B}], got {tuple(seq_lens.shape)}")
         _check(q_pos is None or q_pos.shape == (q.shape[0],),
                f"q_pos must be [{q.shape[0]}], got {None if q_pos is None else tuple(q_pos.shape)}")
-        _check(q.dtype in _FLOAT_DTYPES and kv_cache.dtype in _FLOAT_DTYPES,
-               f"q and kv_cache must be fp16/bf16/fp32, got {q.dtype}, {kv_cache.dtype}")
+        _check(q.dtype in _FLOAT_DTYPES and kv_cache.dtype in _CACHE_DTYPES,
+               f"q must be fp16/bf16/fp32 and kv_cache that or fp8_e4m3, got {q.dtype}, {kv_cache.dtype}")
         _check_cache(kv_cache)
         return mla_decode(_last_contiguous(q), kv_cache, _last_contiguous(block_table),
                           seq_lens.contiguous(), scale, kv_lora_rank, q_len=q_len,
                           q_pos=None if q_pos is None else q_pos.contiguous(), dcp_size=dcp_size,
-                          dcp_rank=dcp_rank, num_sms=self._sm_count(q.device), cfg=self.decode_config)
+                          dcp_rank=dcp_rank, num_sms=self._sm_count(q.device), cfg=self.decode_config,
+                          kv_scale=self.kv_scale)
 
     def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
         _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
@@ -130,7 +137,7 @@ class TritonAttentionOps:
     def merge_attn_states_(self, o, lse, o_b, lse_b):
         merge_attn_states_(o, lse, o_b, lse_b)
 
-    def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens):
+    def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens, dtype=None):
         _check(kv_cache.dim() == 3, f"kv_cache must be [num_blocks, block_size, D], got {tuple(kv_cache.shape)}")
         B = starts.shape[0]
         _check(block_table.dim() == 2 and block_table.shape[0] >= B,
@@ -138,5 +145,6 @@ class TritonAttentionOps:
         _check(cu_lens.shape == (B + 1,), f"cu_lens must be [{B + 1}], got {tuple(cu_lens.shape)}")
         _check(num_tokens >= 0, f"num_tokens must be >= 0, got {num_tokens}")
         _check_cache(kv_cache)
+        _check(kv_cache.dtype in _CACHE_DTYPES, f"kv_cache must be fp16/bf16/fp32/fp8_e4m3, got {kv_cache.dtype}")
         return gather_context(kv_cache, _last_contiguous(block_table),
-                              starts.contiguous(), cu_lens.contiguous(), num_tokens)
+                              starts.contiguous(), cu_lens.contiguous(), num_tokens, dtype, self.kv_scale)

@@ -2,6 +2,9 @@
 
 Notation (DESIGN.md §4): q `[B*q_len, H, Lkv+R]` = `[q_lat ‖ q_pe]`, cache `[NB, BS, Lkv+R]` =
 `[c ‖ k_pe]`. score = q_lat·c + q_pe·k_pe, o = softmax(score) @ c.
+The products run in q's dtype: a cache of another dtype (FP8, attention/kv_quant.py, or bf16 under
+fp32 compute) is converted on load; an FP8 cache's per-tensor scale folds out of both products,
+into the softmax scale and into the output.
 
 Stage 1 (`_mla_decode_partial_kernel`): program (row tile, split, b) streams the split's cache rows
 once for BLOCK_H query rows, a row being one (query token, head) pair of sequence b (all of them
@@ -16,11 +19,14 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from attention.kv_quant import is_fp8
 
 LOG2E = 1.4426950408889634
 
@@ -37,24 +43,37 @@ class DecodeConfig:
     qk_t: bool = False       # compute scores transposed (tokens as MMA rows)
     maxnreg: int | None = None  # register cap per thread, to fit more programs per SM
     prefetch_ids: bool = False  # load the next tile's block ids before this tile's math
+    warp_specialize: bool = False  # Triton's warp-specialised loop (producer warps for the loads)
+    reload_v: bool = False  # FP8 cache: load each tile twice (QK^T and PV), see the kernel
+    stage_v: bool = False  # with reload_v on CUDA: PV's tile converted to fp16 before shared memory
 
 
-def default_decode_config(num_heads: int, dtype: torch.dtype, smem_bytes: int | None = None) -> DecodeConfig:
-    """Tile shape by head count: 64-head tiles for wide ranks, 16 otherwise.
+WIDE_ROWS = 64  # query rows (heads x query tokens) per sequence from which 64-row tiles are used
 
-    Picked from the H200 sweep of 2026-11-30 (docs/kernel_notes.md, v3): 16-head tiles with the
-    block ids prefetched and 3 stages, 64-head tiles 64 rows deep. The 64x64 tile with 2 stages
-    needs ~221 KB of shared memory per block (Hopper has 227 KB); with less (`smem_bytes`, the
-    current CUDA device's opt-in limit when not given), 64-head tiles stay 32 rows deep.
+
+def default_decode_config(num_rows: int, dtype: torch.dtype, smem_bytes: int | None = None,
+                          cache_dtype: torch.dtype | None = None) -> DecodeConfig:
+    """The decode kernel's tiles for `num_rows` = heads x q_len query rows per sequence, products
+    in `dtype` over a cache of `cache_dtype` (default: the same).
+
+    Two regimes (H200 sweeps, docs/kernel_notes.md): below WIDE_ROWS the kernel is bound by the
+    cache's bytes and 16-row tiles (ids prefetched, 3 stages, 2 programs per SM) stream it at
+    ~90% of copy; from WIDE_ROWS on (V3/R1 at -tp 1, DCP's gathered heads, multi-token decode)
+    it is bound by the tensor cores: 64-row tiles, QK^T [64 x 576] x [576 x 64] and PV
+    [64 x 64] x [64 x 512] per step. The 64x64 tile with 2 stages needs ~221 KB of shared memory
+    per block (Hopper has 227 KB); with less (`smem_bytes`, the current CUDA device's opt-in limit
+    when not given), 64-row tiles stay 32 rows deep.
     """
     if dtype == torch.float32:  # fp32 tiles are twice the bytes: keep shared memory in bounds
         return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, min_split_tokens=256)
-    if num_heads >= 64:
+    if num_rows >= WIDE_ROWS:
         if smem_bytes is None:
             smem_bytes = _device_smem_bytes()
         deep = smem_bytes is None or smem_bytes >= 224 * 1024
         return DecodeConfig(block_h=64, block_n=64 if deep else 32, num_warps=8, num_stages=2)
-    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True)
+    # over an FP8 cache each tile is loaded twice (reload_v): the only form Triton pipelines here
+    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True,
+                        reload_v=cache_dtype is not None and is_fp8(cache_dtype))
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,6 +83,15 @@ def _device_smem_bytes() -> int | None:
         return None
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return getattr(props, "shared_memory_per_block_optin", None)
+
+
+@functools.lru_cache(maxsize=None)
+def _hw_e4m3_convert(device: torch.device) -> bool:
+    """Whether kernels on `device` convert e4m3 with the hardware instruction (CUDA sm_89+, not
+    under the interpreter)."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 @functools.lru_cache(maxsize=1024)  # pure; called once per decode step
@@ -88,10 +116,37 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
     return next(s for s, e in enumerate(effs, start=1) if e >= 0.85 * best)
 
 
+@triton.jit
+def _e4m3_as_f16(raw, HW_CVT: tl.constexpr):
+    """e4m3 bytes (uint8) -> fp16, exactly; the load stays a plain byte copy, which Triton
+    pipelines (an fp8-typed load converted for two products was left synchronous on sm_90).
+
+    HW_CVT (sm_89+): the hardware's e4m3x2 -> f16x2 convert, 2 values an instruction; the values
+    are the true ones. Else (the interpreter): e4m3's sign, 4 exponent and 3 mantissa bits moved
+    into fp16's places with integer ops, which gives value * 2^-8 (fp16's exponent bias is 8 more;
+    subnormals map to subnormals); `mla_decode` folds the 2^8 into both scales."""
+    if HW_CVT:
+        return tl.inline_asm_elementwise(
+            asm="{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; "
+                "cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            constraints="=r,=r,r", args=[raw], dtype=tl.float16, is_pure=True, pack=4)
+    b = raw.to(tl.int32)
+    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _as_product(x, dtype: tl.constexpr, FP8: tl.constexpr, HW_CVT: tl.constexpr):
+    """A loaded cache tile as a product operand: e4m3 bytes via _e4m3_as_f16, else a cast."""
+    if FP8:
+        x = _e4m3_as_f16(x, HW_CVT)
+    return x.to(dtype)
+
+
 @triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_partial_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
-    qk_scale_log2,  # softmax scale * log2(e): scores live in the log2 domain
+    qk_scale_log2,  # softmax scale * kv scale * log2(e): scores live in the log2 domain
+    o_scale,  # kv scale (FP8 cache), else 1
     H, num_splits,  # runtime, so a new split count never recompiles
     q_len, dcp_size, dcp_rank,
     stride_qb, stride_qh,
@@ -103,7 +158,8 @@ def _mla_decode_partial_kernel(
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_POS: tl.constexpr,
+    HAS_POS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FP8: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
+    RELOAD_V: tl.constexpr, HW_CVT: tl.constexpr, STAGE_V: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
@@ -125,7 +181,9 @@ def _mla_decode_partial_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     lmask = offs_l < LKV
     rmask = offs_r < R
-    kv_dtype = kv_ptr.dtype.element_ty
+    # the products' input dtype (PRODUCT_DTYPE): q's, or fp16 over an FP8 cache (kv_ptr is then
+    # the cache's bytes, read as fp16 values * 2^-8; the host folds the 2^8 into both scales)
+    kv_dtype = PRODUCT_DTYPE
     q_row = q_ptr + tok[:, None] * stride_qb + heads[:, None] * stride_qh
     q_lat = tl.load(q_row + offs_l[None, :], mask=hmask[:, None] & lmask[None, :], other=0.0)
     q_pe = tl.load(q_row + LKV + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
@@ -139,7 +197,7 @@ def _mla_decode_partial_kernel(
     if PREFETCH_IDS:  # block ids one tile ahead, so the row loads never wait on the id load
         offs_first = start + tl.arange(0, BLOCK_N)
         blk_next = tl.load(bt_row + offs_first // PAGE, mask=offs_first < end, other=0)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         if PREFETCH_IDS:
@@ -149,10 +207,19 @@ def _mla_decode_partial_kernel(
         else:
             blk = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
         row = blk * stride_kvb + (offs_n % PAGE).to(tl.int64) * stride_kvs  # [BLOCK_N]
-        c = tl.load(kv_ptr + row[:, None] + offs_l[None, :],
-                    mask=nmask[:, None] & lmask[None, :], other=0.0)       # [BLOCK_N, BLOCK_L]
-        k_pe = tl.load(kv_ptr + row[:, None] + LKV + offs_r[None, :],
-                       mask=nmask[:, None] & rmask[None, :], other=0.0)    # [BLOCK_N, BLOCK_R]
+        c_ptrs = kv_ptr + row[:, None] + offs_l[None, :]
+        cmask = nmask[:, None] & lmask[None, :]
+        c = tl.load(c_ptrs, mask=cmask, other=0)  # [BLOCK_N, BLOCK_L]
+        k_pe = _as_product(tl.load(kv_ptr + row[:, None] + LKV + offs_r[None, :],
+                                   mask=nmask[:, None] & rmask[None, :], other=0), kv_dtype, FP8, HW_CVT)  # [BLOCK_N, BLOCK_R]
+        if RELOAD_V:
+            # An FP8 tile converted in registers for both products is loaded synchronously by
+            # Triton's pipeliner (sm_90, 16-row tiles); a second load of the same rows for PV
+            # (from L1/L2) keeps both loads pipelined.
+            v = tl.load(c_ptrs, mask=cmask, other=0, cache_modifier=".ca")  # a distinct op: not CSEd with c
+        else:
+            v = c
+        c = _as_product(c, kv_dtype, FP8, HW_CVT)
         if QK_T:  # scores as [BLOCK_N, BLOCK_H]: rows (tokens) fill the MMA's M, for wide head tiles
             s_t = tl.dot(c, tl.trans(q_lat), input_precision=PRECISION)
             s_t = tl.dot(k_pe, tl.trans(q_pe), acc=s_t, input_precision=PRECISION)
@@ -160,6 +227,17 @@ def _mla_decode_partial_kernel(
         else:
             s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
             s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)
+        if RELOAD_V:
+            v = _as_product(v, kv_dtype, FP8, HW_CVT)
+            if STAGE_V and HW_CVT:
+                # An opaque identity (not pure: Triton can neither move nor drop it) keeps the
+                # conversion in the load's layout: the fp16 tile then goes through shared memory
+                # and PV reads it with ldmatrix.trans, instead of Triton converting in PV's operand
+                # layout, where 8-bit data has no ldmatrix.trans (single-byte shared loads).
+                v = tl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r", args=[v],
+                                              dtype=tl.float16, is_pure=False, pack=2)
+        else:
+            v = c
         if HAS_POS:
             s = tl.where(offs_n[None, :] < visible[:, None], s * qk_scale_log2, float("-inf"))
         else:
@@ -170,12 +248,12 @@ def _mla_decode_partial_kernel(
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(kv_dtype), c, acc=acc * alpha[:, None], input_precision=PRECISION)
+        acc = tl.dot(p.to(kv_dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
     empty = l_i == 0.0  # split (or whole sequence) without rows: lse -inf, output 0
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-    o = acc / tl.where(empty, 1.0, l_i)[:, None]
+    o = acc * (o_scale / tl.where(empty, 1.0, l_i))[:, None]
     o_ptrs = (o_ptr + tok[:, None] * stride_ob + split * stride_os
               + heads[:, None] * stride_oh + offs_l[None, :])
     lse_ptrs = lse_ptr + tok * stride_lb + split * stride_ls + heads * stride_lh
@@ -229,18 +307,26 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                seq_lens: torch.Tensor, scale: float, kv_lora_rank: int, q_len: int = 1,
                q_pos: torch.Tensor | None = None, dcp_size: int = 1, dcp_rank: int = 0,
                num_splits: int | None = None, num_sms: int | None = None,
-               cfg: DecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               cfg: DecodeConfig | None = None, kv_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: q [B*q_len, H, Lkv+R] -> (o [B*q_len, H, Lkv] in q.dtype, lse
     [B*q_len, H] fp32); `q_pos` and the DCP layout as in attention/backend.py `decode`.
 
     Inputs are assumed validated (TritonAttentionOps does it); the last dims must be contiguous.
+    `kv_scale` is an FP8 cache's per-tensor scale (ignored for other caches).
     """
     T, H, D = q.shape
     B = T // q_len
     page = kv_cache.shape[1]
     lkv, r = kv_lora_rank, D - kv_lora_rank
+    fp8 = is_fp8(kv_cache)
+    # the products' inputs: q's dtype; over an FP8 cache fp16 (e4m3 -> fp16 is exact), or fp32
+    compute_dtype = torch.float16 if fp8 and q.dtype != torch.float32 else q.dtype
+    # e4m3 -> fp16 by the hardware's convert on CUDA (sm_89+), else by moving bits, which reads
+    # values * 2^-8 (_e4m3_as_f16): then 2^8 goes into both scales
+    hw_cvt = fp8 and _hw_e4m3_convert(q.device)
+    kv_scale = (kv_scale * (1.0 if hw_cvt else 256.0)) if fp8 else 1.0
     rows = q_len * H  # query rows per sequence
-    cfg = cfg or default_decode_config(rows, kv_cache.dtype)
+    cfg = cfg or default_decode_config(rows, compute_dtype, cache_dtype=kv_cache.dtype)
     block_h = max(16, min(cfg.block_h, triton.next_power_of_2(rows)))
     head_tiles = triton.cdiv(rows, block_h)
     if num_splits is None:
@@ -250,7 +336,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if B == 0 or H == 0:
         return o, lse
-    precision = "ieee" if kv_cache.dtype == torch.float32 else "tf32"
+    precision = "ieee" if compute_dtype == torch.float32 else "tf32"
     direct = num_splits == 1
     if direct:
         po, plse = o, lse
@@ -263,8 +349,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         plse_strides = (plse.stride(0), plse.stride(1), plse.stride(2))
     block_l = triton.next_power_of_2(lkv)
     _mla_decode_partial_kernel[(head_tiles, num_splits, B)](
-        q, kv_cache, block_table, seq_lens, seq_lens if q_pos is None else q_pos, po, plse,
-        scale * LOG2E, H, num_splits, q_len, dcp_size, dcp_rank,
+        q, kv_cache.view(torch.uint8) if fp8 else kv_cache, block_table, seq_lens,
+        seq_lens if q_pos is None else q_pos, po, plse, scale * kv_scale * LOG2E, kv_scale, H, num_splits, q_len, dcp_size, dcp_rank,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
@@ -273,7 +359,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(r),
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids, DIRECT=direct,
-        HAS_POS=q_pos is not None,
+        HAS_POS=q_pos is not None, WARP_SPECIALIZE=cfg.warp_specialize, FP8=fp8,
+        RELOAD_V=fp8 and cfg.reload_v, HW_CVT=hw_cvt, STAGE_V=fp8 and cfg.reload_v and cfg.stage_v,
+        PRODUCT_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[compute_dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )

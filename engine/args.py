@@ -8,6 +8,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attention.kv_quant import KV_CACHE_DTYPES
+
 # vLLM's spellings of --dtype that name one of ours
 DTYPE_ALIASES = {"half": "float16", "bf16": "bfloat16", "float": "float32"}
 
@@ -41,6 +43,9 @@ class EngineArgs:
     # every N sampling steps the TP ranks compare digests of their sampled ids; 0: never
     rank_check_interval: int = 256
     fp8_gemm: bool = False  # FP8 checkpoints: W8A8 block GEMM instead of dequantized weights
+    # latent cache storage: auto (the model dtype) | bf16 | fp8 (e4m3, per-tensor scale); vLLM's
+    # aliases bfloat16 and fp8_e4m3 are accepted (attention/kv_quant.py)
+    kv_cache_dtype: str = "auto"
     hf_overrides: dict = field(default_factory=dict)
     # speculative decoding, vLLM's JSON: {"method": "ngram" | "mtp", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b}; parsed into engine.spec_decode.SpeculativeConfig
@@ -85,6 +90,9 @@ class EngineArgs:
         need(self.load_format in ("auto", "safetensors", "dummy"), f"--load-format: unknown format {self.load_format!r}")
         need(self.attention_backend in ("auto", "torch", "triton"),
              f"--attention-backend: unknown backend {self.attention_backend!r}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES,
+             f"--kv-cache-dtype: unknown value {self.kv_cache_dtype!r}; expected one of "
+             f"{', '.join(KV_CACHE_DTYPES)}")
         need(0 < self.gpu_memory_utilization <= 1,
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,

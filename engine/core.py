@@ -51,8 +51,8 @@ class EngineCore:
             dcp_size=args.decode_context_parallel_size, async_scheduling=self.async_scheduling,
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
             num_lookahead_tokens=spec.num_speculative_tokens - 1 if spec is not None and spec.method == "mtp" else 0))
-        log.info("KV cache: %d blocks of %d tokens%s: capacity %d tokens",
-                 num_blocks, args.block_size,
+        log.info("KV cache (%s): %d blocks of %d tokens%s: capacity %d tokens",
+                 args.kv_cache_dtype, num_blocks, args.block_size,
                  f" x dcp {args.decode_context_parallel_size}" if args.decode_context_parallel_size > 1 else "",
                  self.scheduler.config.capacity_tokens)
 

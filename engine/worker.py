@@ -10,6 +10,7 @@ import time
 import torch
 
 from attention.backend import AttentionOps
+from attention.kv_quant import resolve_kv_cache_dtype
 from attention.torch_backend import TorchAttentionOps
 from engine import distributed as pd
 from engine.args import EngineArgs
@@ -67,9 +68,11 @@ def dummy_prompt_lens(num_tokens: int, max_len: int) -> list[int]:
     return [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
 
 
-def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, cache_dtype: torch.dtype,
                              num_mtp_layers: int = 0) -> int:
-    return (cfg.num_hidden_layers + num_mtp_layers) * block_size * cfg.kv_cache_dim * dtype.itemsize
+    """Bytes of one block over all layers (and the MTP drafter's), in the cache's storage dtype
+    (FP8: 1 byte a value)."""
+    return (cfg.num_hidden_layers + num_mtp_layers) * block_size * cfg.kv_cache_dim * cache_dtype.itemsize
 
 
 class Worker:
@@ -81,6 +84,7 @@ class Worker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(args, cfg, self.device)
+        self.cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         torch.manual_seed(args.seed)  # identical on every rank: unseeded sampling stays in lockstep
         self.ops = make_attention_ops(args, cfg, self.device)
         spec = args.speculative_config
@@ -97,14 +101,14 @@ class Worker:
             load_weights(self.model, args.model, cfg)
         self.model.process_weights_after_loading(fp8_gemm=args.fp8_gemm and cfg.fp8_block is not None)
         self.model.eval()
-        log.info("model loaded in %.1f s: %s, dtype %s, device %s, attention %s",
-                 time.perf_counter() - t0, cfg.model_type, self.dtype, self.device, self.ops.name)
+        log.info("model loaded in %.1f s: %s, dtype %s, KV cache %s, device %s, attention %s",
+                 time.perf_counter() - t0, cfg.model_type, self.dtype, self.cache_dtype, self.device, self.ops.name)
 
     def determine_num_blocks(self, max_num_batched_tokens: int) -> int:
         """KV blocks this rank can hold: --num-kv-blocks, else GPU memory left after a profile
         run, else the CPU memory setting."""
         a = self.args
-        per_block = kv_cache_bytes_per_block(self.cfg, a.block_size, self.dtype, self.num_mtp_layers)
+        per_block = kv_cache_bytes_per_block(self.cfg, a.block_size, self.cache_dtype, self.num_mtp_layers)
         if a.num_kv_blocks is not None:
             return a.num_kv_blocks
         if self.device.type == "cpu":
@@ -125,7 +129,7 @@ class Worker:
         """A forward pass over `num_tokens` prompt tokens to measure peak activation memory."""
         lens = dummy_prompt_lens(num_tokens, self.args.resolve_max_model_len(self.cfg))
         nblocks = sum(-(-n // self.args.block_size) for n in lens)
-        caches = [torch.empty(nblocks, self.args.block_size, self.cfg.kv_cache_dim, dtype=self.dtype,
+        caches = [torch.empty(nblocks, self.args.block_size, self.cfg.kv_cache_dim, dtype=self.cache_dtype,
                               device=self.device) for _ in range(self.cfg.num_hidden_layers)]
         runner = ModelRunner(self.model, self.cfg, caches, self.args.block_size, self.device, [])
         runner.logits(runner.forward(self._dummy_batch(runner, [[0] * n for n in lens], nblocks))[-1:])
@@ -170,11 +174,15 @@ class Worker:
         a = self.args
         bs = a.block_size
         alloc = torch.zeros if self.device.type == "cpu" else torch.empty
-        self.kv_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.cache_dtype, device=self.device)
                           for _ in range(self.cfg.num_hidden_layers)]
         # the MTP drafter's own layer caches, on the same block ids as the model's
-        mtp_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.dtype, device=self.device)
+        mtp_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.cache_dtype, device=self.device)
                       for _ in range(self.num_mtp_layers)]
+        per_token = kv_cache_bytes_per_block(self.cfg, 1, self.cache_dtype, self.num_mtp_layers)
+        log.info("KV cache on this rank: %s, %d bytes per token (all layers), %d blocks of %d = %d tokens, %.2f GiB",
+                 str(self.cache_dtype).removeprefix("torch."), per_token, num_blocks, bs, num_blocks * bs,
+                 num_blocks * bs * per_token / 2**30)
         self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids,
                                   rank_check_interval=a.rank_check_interval,
                                   speculative_config=a.speculative_config, mtp_kv_caches=mtp_caches)

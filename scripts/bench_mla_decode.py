@@ -1,11 +1,20 @@
 """Time (and with --check, verify on real shapes) the Triton MLA attention kernels on one CUDA GPU.
 
-Decode bytes = every cached row read once (Lkv+R values) + q + o; compared with the measured
-device-to-device copy rate (read + write). Prefill is reported in TFLOP/s (QK and PV products,
-causal counts only visible pairs). Times are triton.testing.do_bench medians (it flushes L2 before
-every run). Prints a table and writes JSON to --out (default $OUT/bench_mla_decode.json).
+Decode: bytes = every cached row read once (Lkv+R values, 2 bytes each in a bf16 cache, 1 in an
+FP8 cache) + q + o, compared with the measured device-to-device copy rate (read + write); FLOP/s
+count QK^T over Lkv+R and PV over Lkv, 2 per multiply-add (the measure for many heads, where the
+tensor cores bind). Each (B, S, heads, cache dtype) row names the kernel's tiles (`_short`: h rows
+per program, n cache rows per step, w warps, s stages, p programs per SM, P prefetched block ids,
+T transposed scores, W warp-specialised loop, V FP8 tile loaded twice, S its PV copy staged in
+fp16). Decode times are CUDA-graph
+replays over input sets rotated through 256 MB, so L2 holds none of them. Prefill is reported in
+TFLOP/s (QK and PV products, causal counts only visible pairs), timed with triton.testing.do_bench
+medians (it flushes L2 before every run). Prints a table and writes JSON to --out (default
+$OUT/bench_mla_decode.json).
 
   python3 scripts/bench_mla_decode.py --check --sweep
+  python3 scripts/bench_mla_decode.py --decode-only --decode-shapes 128x4096,128x16384 --heads 16,128 \
+      --cache-dtypes bf16,fp8 --sweep
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ sys.path.insert(0, str(REPO))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from attention.kv_quant import FP8_DTYPE, store_as  # noqa: E402
 from attention.triton_cache import gather_context, write_kv  # noqa: E402
 from attention.triton_decode import (DecodeConfig, choose_num_splits, default_decode_config,  # noqa: E402
                                      mla_decode)
@@ -44,22 +54,20 @@ PREFILL_SHAPES = [  # (name, [(Lq, Lk), ...], H, causal)
     ("1x4096 causal H128", [(4096, 4096)], 128, True),
     ("2x(1024q,8192ctx) noncausal", [(1024, 8192)] * 2, 16, False),
 ]
-DECODE_SWEEP = {  # DecodeConfig fields beyond the default, per head count
-    16: [dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=168),
-         dict(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=3, maxnreg=168),
-         dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2),
-         dict(block_h=16, block_n=128, num_warps=8, num_stages=2, programs_per_sm=1),
-         dict(block_h=16, block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, maxnreg=168),
-         dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True),
-         dict(block_h=16, block_n=32, num_warps=8, num_stages=3, programs_per_sm=2, prefetch_ids=True),
-         dict(block_h=16, block_n=64, num_warps=8, num_stages=3, programs_per_sm=1, prefetch_ids=True)],
-    128: [dict(block_h=64, block_n=64, num_warps=8, num_stages=2),
-          dict(block_h=64, block_n=64, num_warps=8, num_stages=2, qk_t=True),
-          dict(block_h=64, block_n=32, num_warps=8, num_stages=3),
-          dict(block_h=64, block_n=128, num_warps=8, num_stages=1, qk_t=True),
-          dict(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=3, maxnreg=168),
-          dict(block_h=64, block_n=32, num_warps=8, num_stages=3, prefetch_ids=True)],
+# DecodeConfig candidates beyond the default, per (head count, cache dtype); fields as DecodeConfig's
+_H16 = dict(block_h=16, num_warps=4, programs_per_sm=2, prefetch_ids=True)
+_H64 = dict(block_h=64, num_warps=8)
+DECODE_SWEEP = {
+    (16, "bf16"): [dict(_H16, block_n=32, num_stages=2)],
+    (16, "fp8"): [dict(_H16, block_n=32, num_stages=2, reload_v=True, stage_v=True),
+                  dict(_H16, block_n=32, num_stages=3, reload_v=True, stage_v=True, programs_per_sm=1),
+                  dict(_H16, block_n=32, num_stages=3), dict(_H16, block_n=32, num_stages=2, reload_v=True),
+                  dict(_H16, block_n=64, num_stages=3, reload_v=True, programs_per_sm=1, num_warps=8),
+                  dict(_H16, block_n=64, num_stages=3)],
+    (128, "bf16"): [dict(_H64, block_n=64, num_stages=2, warp_specialize=True)],
+    (128, "fp8"): [dict(_H64, block_n=64, num_stages=3), dict(_H64, block_n=32, num_stages=3)],
 }
+CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 PREFILL_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 2), (128, 32, 8, 3)]
 L2_ROTATE_BYTES = 256 << 20  # graph timings cycle through input sets this large (L2 is 60 MB)
 
@@ -104,79 +112,86 @@ def copy_ceiling() -> float:
     return 2 * x.numel() * 2 / ms / 1e6
 
 
-def decode_inputs(B, S, H, page=64, dtype=torch.bfloat16):
-    """q [B, H, 576] and a paged cache holding `n` disjoint sets of B sequences of S rows."""
+def decode_inputs(B, S, H, page=64, cache_dtype=torch.bfloat16):
+    """q [B, H, 576] bf16 and a paged cache (bf16, or FP8 with scale 1) holding `n` disjoint sets
+    of B sequences of S rows."""
     nblk = triton.cdiv(S, page)
-    n = max(1, min(64, L2_ROTATE_BYTES // (B * nblk * page * (LKV + R) * 2)))
-    cache = torch.randn(n * B * nblk, page, LKV + R, device=DEVICE, dtype=dtype)
+    n = max(1, min(64, L2_ROTATE_BYTES // (B * nblk * page * (LKV + R) * cache_dtype.itemsize)))
+    cache = store_as(torch.randn(n * B * nblk, page, LKV + R, device=DEVICE), cache_dtype, 1.0)
     perm = torch.randperm(n * B * nblk, device=DEVICE).to(torch.int32)
     bts = [perm[i * B * nblk:(i + 1) * B * nblk].view(B, nblk) for i in range(n)]
-    q = torch.randn(B, H, LKV + R, device=DEVICE, dtype=dtype)
+    q = torch.randn(B, H, LKV + R, device=DEVICE, dtype=torch.bfloat16)
     lens = torch.full((B,), S, dtype=torch.int32, device=DEVICE)
     return q, cache, bts, lens
 
 
-def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float):
-    for B, S in DECODE_SHAPES:
-        for H in (16, 128):
-            q, cache, bts, lens = decode_inputs(B, S, H)
-            nbytes = B * S * (LKV + R) * 2 + B * H * (LKV + R + LKV) * 2
-            flops = 2 * B * S * H * (LKV + R + LKV)
-            cfgs = [default_decode_config(H, torch.bfloat16)]
-            if sweep:
-                cfgs += [DecodeConfig(**c) for c in DECODE_SWEEP[H]]
-            tried, ref = [], None
-            for cfg in dict.fromkeys(cfgs):
-                bh = max(16, min(cfg.block_h, H))
-                auto = choose_num_splits(B, triton.cdiv(H, bh), bts[0].shape[1] * 64, num_sms, cfg)
-                split_opts = [auto]
-                if sweep and cfg == cfgs[0]:  # is the heuristic's choice the best split count?
-                    more = (16, 32, 66, 132, 264) if B == 1 else (max(1, auto // 2), auto + 1, 2 * auto)
-                    split_opts += [s for s in dict.fromkeys(more) if s != auto]
-                for ns in split_opts:
-                    calls = [lambda bt=bt: mla_decode(q, cache, bt, lens, 0.1, LKV, num_splits=ns,
-                                                      num_sms=num_sms, cfg=cfg) for bt in bts]
-                    calls = (calls * 4)[:max(4, len(calls))]
-                    if tried and time.time() > deadline:
-                        break
-                    try:
-                        o, lse = calls[0]()
-                        if ref is None:  # the default config (verified by --check) is the yardstick
-                            ref = (o.float(), lse)
-                        agree = max((o.float() - ref[0]).norm().item() / ref[0].norm().item(),
-                                    (lse - ref[1]).abs().max().item())
-                        ms = graph_ms(calls)
-                        eager = bench_ms(calls[0]) if ns == auto else float("nan")
-                    except Exception as e:  # a config that does not compile is reported, not fatal
-                        log.append(f"decode B={B} S={S} H={H} {cfg} splits={ns}: {type(e).__name__} {e}"[:300])
-                        continue
-                    if agree > 1e-2:
-                        log.append(f"decode B={B} S={S} H={H} {_short(vars(cfg))}/{ns} DISAGREES {agree:.3g}")
-                    tried.append(dict(agree=agree, cfg={k: v for k, v in vars(cfg).items() if k not in ("min_split_tokens",
-                                                                                           "max_splits")},
-                                      splits=ns, auto=ns == auto, ms=ms, eager_ms=eager, default=cfg == cfgs[0]))
-            if not tried:
+def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float, shapes, heads, cache_names):
+    for B, S in shapes:
+        for H in heads:
+            for cname in cache_names:
+                cdt = CACHE_DTYPES[cname]
+                q, cache, bts, lens = decode_inputs(B, S, H, cache_dtype=cdt)
+                # bytes: every cached row once, q read, o written (bf16)
+                nbytes = B * S * (LKV + R) * cdt.itemsize + B * H * (LKV + R + LKV) * 2
+                flops = 2 * B * S * H * (LKV + R + LKV)
+                cfgs = [default_decode_config(H, torch.bfloat16, cache_dtype=cdt)]
+                if sweep:
+                    cfgs += [DecodeConfig(**c) for c in DECODE_SWEEP.get((H, cname), [])]
+                _time_configs(rows, log, deadline, num_sms, sweep, B, S, H, cname, q, cache, bts, lens, nbytes,
+                              flops, cfgs)
+                del q, cache, bts, lens
+                torch.cuda.empty_cache()
+
+
+def _time_configs(rows, log, deadline, num_sms, sweep, B, S, H, cname, q, cache, bts, lens, nbytes, flops, cfgs):
+    tried, ref = [], None
+    for cfg in dict.fromkeys(cfgs):
+        bh = max(16, min(cfg.block_h, H))
+        auto = choose_num_splits(B, triton.cdiv(H, bh), bts[0].shape[1] * 64, num_sms, cfg)
+        split_opts = [auto]
+        if sweep and cfg == cfgs[0] and B == 1:  # is the heuristic's choice the best split count?
+            split_opts += [s for s in dict.fromkeys((16, 32, 66, 132, 264)) if s != auto]
+        for ns in split_opts:
+            calls = [lambda bt=bt: mla_decode(q, cache, bt, lens, 0.1, LKV, num_splits=ns,
+                                              num_sms=num_sms, cfg=cfg) for bt in bts]
+            calls = (calls * 4)[:max(4, len(calls))]
+            if tried and time.time() > deadline:
+                break
+            try:
+                o, lse = calls[0]()
+                if ref is None:  # the default config (verified by --check) is the yardstick
+                    ref = (o.float(), lse)
+                agree = max((o.float() - ref[0]).norm().item() / ref[0].norm().item(),
+                            (lse - ref[1]).abs().max().item())
+                ms = graph_ms(calls)
+            except Exception as e:  # a config that does not compile is reported, not fatal
+                log.append(f"decode B={B} S={S} H={H} {cname} {cfg} splits={ns}: {type(e).__name__} {e}"[:300])
                 continue
-            dflt = [t for t in tried if t["default"] and t["auto"]]
-            best = min(tried, key=lambda t: t["ms"])
-            for tag, t in (("default", dflt[0] if dflt else None), ("best", best)):
-                if t is None:
-                    continue
-                rows.append(dict(kind="decode", B=B, S=S, H=H, which=tag, cfg=t["cfg"], splits=t["splits"],
-                                 us=t["ms"] * 1e3, eager_us=t["eager_ms"] * 1e3, GBps=nbytes / t["ms"] / 1e6,
-                                 TFLOPs=flops / t["ms"] / 1e9))
-            rows[-1]["tried"] = tried
-            print(f"decode B={B} S={S} H={H}: " + ", ".join(
-                f"{_short(t['cfg'])}/{t['splits']}={t['ms'] * 1e3:.1f}us" for t in tried), flush=True)
-            del q, cache, bts, lens
-            torch.cuda.empty_cache()
+            if agree > 1e-2:
+                log.append(f"decode B={B} S={S} H={H} {cname} {_short(vars(cfg))}/{ns} DISAGREES {agree:.3g}")
+            tried.append(dict(agree=agree, cfg={k: v for k, v in vars(cfg).items() if k not in ("min_split_tokens",
+                                                                                   "max_splits")},
+                              splits=ns, auto=ns == auto, ms=ms, default=cfg == cfgs[0]))
+    if not tried:
+        return
+    dflt = [t for t in tried if t["default"] and t["auto"]]
+    best = min(tried, key=lambda t: t["ms"])
+    for tag, t in (("default", dflt[0] if dflt else None), ("best", best)):
+        if t is not None:
+            rows.append(dict(kind="decode", B=B, S=S, H=H, cache=cname, which=tag, cfg=t["cfg"], splits=t["splits"],
+                             us=t["ms"] * 1e3, GBps=nbytes / t["ms"] / 1e6, TFLOPs=flops / t["ms"] / 1e9))
+    rows[-1]["tried"] = tried
+    print(f"decode B={B} S={S} H={H} {cname}: " + ", ".join(
+        f"{_short(t['cfg'])}/{t['splits']}={t['ms'] * 1e3:.1f}us" for t in tried), flush=True)
 
 
 def _short(cfg: dict) -> str:
     """Compact tile description: h16n32w4s2[r168][T]."""
     out = f"h{cfg['block_h']}n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}p{cfg['programs_per_sm']}"
     out += f"r{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
-    return out + ("T" if cfg.get("qk_t") else "") + ("P" if cfg.get("prefetch_ids") else "")
+    return (out + ("T" if cfg.get("qk_t") else "") + ("P" if cfg.get("prefetch_ids") else "")
+            + ("W" if cfg.get("warp_specialize") else "") + ("V" if cfg.get("reload_v") else "")
+            + ("S" if cfg.get("stage_v") else ""))
 
 
 def prefill_flops(lens, H, causal):
@@ -240,10 +255,15 @@ def run_cache_ops(rows, T=16384, page=64):
 
 
 def run_checks():
-    spec = importlib.util.spec_from_file_location("test_triton_ops", REPO / "tests" / "test_triton_ops.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.run_cases(mod.GPU_CASES)
+    """The real-shape GPU cases of tests/test_triton_ops.py and tests/test_kv_cache_fp8.py."""
+    sys.path.insert(0, str(REPO / "tests"))
+    out = {}
+    for name in ("test_triton_ops", "test_kv_cache_fp8"):
+        spec = importlib.util.spec_from_file_location(name, REPO / "tests" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        out.update(mod.run_cases(mod.GPU_CASES))
+    return out
 
 
 def print_table(info, checks, rows, log):
@@ -254,12 +274,12 @@ def print_table(info, checks, rows, log):
         print(f"checks: {len(checks) - len(bad)}/{len(checks)} ok")
         for k, v in checks.items():
             print(f"  {k:40s} {v[0]:4s} {v[1] if v[0] == 'ok' else v[1][:200]}")
-    print(f"\n{'decode':6s} {'B':>4s} {'S':>6s} {'H':>4s} {'which':8s} {'cfg':22s} {'splits':>6s} "
-          f"{'graph us':>9s} {'eager us':>9s} {'GB/s':>7s} {'%copy':>6s} {'TFLOP/s':>8s}")
+    print(f"\n{'decode':6s} {'B':>4s} {'S':>6s} {'H':>4s} {'cache':5s} {'which':8s} {'kernel tiles':24s} "
+          f"{'splits':>6s} {'graph us':>9s} {'GB/s':>7s} {'%copy':>6s} {'TFLOP/s':>8s}")
     for r in rows:
         if r["kind"] == "decode":
-            print(f"{'':6s} {r['B']:4d} {r['S']:6d} {r['H']:4d} {r['which']:8s} {_short(r['cfg']):22s} "
-                  f"{r['splits']:6d} {r['us']:9.1f} {r['eager_us']:9.1f} {r['GBps']:7.0f} "
+            print(f"{'':6s} {r['B']:4d} {r['S']:6d} {r['H']:4d} {r['cache']:5s} {r['which']:8s} {_short(r['cfg']):24s} "
+                  f"{r['splits']:6d} {r['us']:9.1f} {r['GBps']:7.0f} "
                   f"{100 * r['GBps'] / info['copy_GBps']:6.1f} {r['TFLOPs']:8.1f}")
     print(f"\n{'prefill':30s} {'H':>4s} {'which':8s} {'cfg':18s} {'us':>9s} {'TFLOP/s':>8s}")
     for r in rows:
@@ -278,6 +298,11 @@ def main():
     ap.add_argument("--check", action="store_true", help="run the real-shape correctness cases first")
     ap.add_argument("--sweep", action="store_true", help="also time candidate tile configs and split counts")
     ap.add_argument("--skip-bench", action="store_true", help="checks only")
+    ap.add_argument("--decode-shapes", default=None, metavar="BxS,...",
+                    help="decode shapes, e.g. 128x4096,128x16384 (default: the full grid)")
+    ap.add_argument("--heads", default="16,128", help="query heads per rank to time decode at")
+    ap.add_argument("--cache-dtypes", default="bf16,fp8", help="cache dtypes to time decode over (bf16, fp8)")
+    ap.add_argument("--decode-only", action="store_true", help="skip the prefill and cache-op timings")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="after 70%% (decode) / 90%% (prefill) of this many seconds, time default configs only")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_mla_decode.json or ./)")
@@ -302,13 +327,17 @@ def main():
 
     save()
     if not args.skip_bench:
-        run_decode(rows, args.sweep, props.multi_processor_count, log, t0 + args.budget_s * 0.7)
+        shapes = [tuple(int(v) for v in x.split("x")) for x in args.decode_shapes.split(",")] if args.decode_shapes \
+            else DECODE_SHAPES
+        run_decode(rows, args.sweep, props.multi_processor_count, log, t0 + args.budget_s * 0.7, shapes,
+                   [int(h) for h in args.heads.split(",")], args.cache_dtypes.split(","))
         save()
         print(f"decode done in {time.time() - t0:.0f} s", flush=True)
-        run_prefill(rows, args.sweep, log, t0 + args.budget_s * 0.9)
-        save()
-        run_cache_ops(rows)
-        save()
+        if not args.decode_only:
+            run_prefill(rows, args.sweep, log, t0 + args.budget_s * 0.9)
+            save()
+            run_cache_ops(rows)
+            save()
     print_table(info, checks, rows, log)
     if checks is not None and any(v[0] != "ok" for v in checks.values()):
         sys.exit(1)

@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 
+from attention.kv_quant import KV_CACHE_DTYPES
 from engine.args import DTYPE_ALIASES, EngineArgs, human_readable_int
 from server.limits import ServerLimits
 from server.overrides import load_chat_template, load_generation_defaults
@@ -165,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per KV cache block (a power of two)")
     g.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"],
                    help="fraction of GPU memory for weights + activations + KV cache (0, 1]")
+    g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=d["kv_cache_dtype"],
+                   help="latent KV cache storage: auto (the model dtype), bf16, or fp8 (e4m3 with a "
+                        "per-tensor scale: half the bytes of bf16, twice the tokens; its decode is "
+                        "slower than bf16's today, docs/kernel_notes.md); bfloat16 and fp8_e4m3 "
+                        "are vLLM's aliases")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV cache blocks to allocate; overrides the memory-based sizing")
     g.add_argument("--cpu-kv-cache-gb", type=float, default=d["cpu_kv_cache_gb"],
@@ -282,6 +288,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
         enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
         enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend, fp8_gemm=ns.fp8_gemm,
+        kv_cache_dtype=ns.kv_cache_dtype,
         hf_overrides=overrides, rank_check_interval=ns.rank_check_interval,
         speculative_config=ns.speculative_config,
         enable_log_requests=ns.enable_log_requests and not ns.disable_log_requests, nnodes=ns.nnodes, node_rank=ns.node_rank,

@@ -74,7 +74,7 @@ REJECTED = [
      "--compilation-config '{\"cudagraph_mode\":\"FULL_AND_PIECEWISE\", \"custom_ops\":[\"all\"]}' "
      "--attention_config.use_fp4_indexer_cache=True --tokenizer-mode deepseek_v4 "
      "--tool-call-parser deepseek_v4 --enable-auto-tool-choice --reasoning-parser deepseek_v4",
-     ["--kv-cache-dtype", "--enable-expert-parallel", "--data-parallel-size", "--compilation-config",
+     ["--enable-expert-parallel", "--data-parallel-size", "--compilation-config",
       "--attention_config.use_fp4_indexer_cache", "--tokenizer-mode"]),
 ]
 
