@@ -44,7 +44,8 @@ class AttentionOps(Protocol):
         `q_pos [B*q_len]` int32 is each query token's global position. Local key index j on DCP
         rank `dcp_rank` of `dcp_size` has global position `j * dcp_size + dcp_rank`; a query at
         global position p sees exactly the keys at global positions <= p (the causal mask inside
-        the query, and DESIGN.md §7's per-token mask over interleaved shards). `q_pos=None`: every
+        the query, and DESIGN.md §7's per-token mask over interleaved shards); -1 marks a padding row
+        (a sequence with fewer query tokens), which sees no key. `q_pos=None`: every
         query of sequence b sees all `seq_lens[b]` keys.
 
         Returns o `[B*q_len, H, Lkv]` (q's dtype) and lse `[B*q_len, H]` fp32; a query token that

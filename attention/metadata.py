@@ -3,8 +3,10 @@
 The batch is ordered decodes first. Everything each kernel needs is precomputed here, once per
 step, and each path receives only its own rebased slices:
 - decode part: rows `[:num_decode_tokens]`, its block-table rows and (local) sequence lengths;
-  a decode computes `q_len` tokens (1, or 1 + k with k speculative tokens; the same for every
-  decode of a step), with each token's global position for the causal mask;
+  a decode computes 1 token, or 1 + k with k speculative tokens; the kernel takes one query
+  length per call, so decodes of fewer tokens than the longest are padded to its `q_len` rows
+  (position -1: a padding row sees no key), with each token's global position for the causal
+  mask;
 - prefill part: rows `[num_decode_tokens:]`, `query_start_loc` rebased to start at 0, and, when
   any prefill has cached context (a continuation chunk or a prefix-cache hit), the context
   chunks to gather from the paged cache.
@@ -33,7 +35,10 @@ class DecodeMetadata:
     block_table: torch.Tensor  # [Bd, max_blocks] int32
     seq_lens: torch.Tensor  # [Bd] int32, local lengths including this step's tokens
     q_len: int = 1  # query tokens per decode
-    q_pos: torch.Tensor | None = None  # [Bd*q_len] int32 global positions; None when q_len == 1
+    q_pos: torch.Tensor | None = None  # [Bd*q_len] int32 global positions, -1 padding; None when q_len == 1
+    # [num_decode_tokens] int64: each decode token's row in the padded [Bd*q_len] layout; None
+    # when every decode has q_len tokens
+    row_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -93,20 +98,18 @@ def build_mla_metadata(query_lens: list[int], context_lens: list[int], block_ids
 
     query_lens[i]: tokens computed for request i this step; context_lens[i]: tokens already in
     the cache before them; block_ids[i]: its (virtual, under DCP) block table.
-    The decodes are the leading requests whose query length equals the first one's, when that is
-    at most `decode_threshold` (the decode kernel takes one query length per call); any other
-    request, short ones included, is a prefill (correct for any length, slower).
+    Decodes are the requests of at most `decode_threshold` tokens (1 + k with k speculative
+    tokens), all before the prefills.
     `context_chunk_tokens` bounds the rows one context chunk gathers on a rank.
     """
     n = len(query_lens)
     q = np.asarray(query_lens, dtype=np.int64)
     ctx = np.asarray(context_lens, dtype=np.int64)
-    dq = int(q[0]) if n and q[0] <= decode_threshold else 0  # the decodes' query length
-    same = q == dq
-    num_decodes = 0 if not dq else n if same.all() else int(np.argmin(same))  # the leading run
-    if (same[num_decodes:].any() if dq else (q <= decode_threshold).any()):
+    is_decode = q <= decode_threshold
+    num_decodes = int(is_decode.sum())
+    if not is_decode[:num_decodes].all():
         raise ValueError("batch must be ordered decodes first")
-    num_decode_tokens = num_decodes * dq
+    num_decode_tokens = int(q[:num_decodes].sum())
     max_blocks = max((len(b) for b in block_ids), default=0)
     table = np.zeros((n, max(max_blocks, 1)), dtype=np.int32)
     for i, b in enumerate(block_ids):
@@ -117,12 +120,17 @@ def build_mla_metadata(query_lens: list[int], context_lens: list[int], block_ids
 
     decode = None
     if num_decodes:
-        seq = local_len(ctx[:num_decodes] + dq, dcp_size, dcp_rank)
-        q_pos = None
+        qd, cd = q[:num_decodes], ctx[:num_decodes]
+        seq = local_len(cd + qd, dcp_size, dcp_rank)
+        dq = int(qd.max())
+        q_pos = row_index = None
         if dq > 1:  # each token's global position: the causal mask inside the query (and DCP's)
-            q_pos = to((ctx[:num_decodes, None] + np.arange(dq)).reshape(-1))
+            real = np.arange(dq)[None, :] < qd[:, None]  # [Bd, dq]: rows past a decode's tokens pad
+            q_pos = to(np.where(real, cd[:, None] + np.arange(dq), -1).reshape(-1))
+            if not real.all():
+                row_index = to(np.flatnonzero(real.reshape(-1)), torch.int64)
         decode = DecodeMetadata(block_table=to(table[:num_decodes]), seq_lens=to(seq), q_len=dq,
-                                q_pos=q_pos)
+                                q_pos=q_pos, row_index=row_index)
 
     prefill = None
     if num_decodes < n:

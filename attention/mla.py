@@ -123,8 +123,14 @@ class MLAAttention:
         if dcp.size > 1:
             q = pd.dcp_all_gather(q, dim=1)  # [Nd, Hl*D, Lkv+R]: the group's heads, rank-major
         d = meta.decode
+        if d.row_index is not None:  # decodes of fewer tokens: padded to q_len rows each
+            padded = q.new_zeros(d.block_table.shape[0] * d.q_len, *q.shape[1:])
+            padded[d.row_index] = q
+            q = padded
         o_lat, lse = self.ops.decode(q, kv_cache, d.block_table, d.seq_lens, self.scale, self.Lkv,
                                      q_len=d.q_len, q_pos=d.q_pos, dcp_size=dcp.size, dcp_rank=dcp.rank)
+        if d.row_index is not None:
+            o_lat, lse = o_lat[d.row_index], lse[d.row_index]
         if dcp.size > 1:
             # Each rank attended over its own shard of the keys: rescale by the global LSE, sum
             # over ranks and keep this rank's heads. A rank where a query token saw no key has

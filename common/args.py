@@ -51,6 +51,9 @@ class EngineArgs:
     # aliases bfloat16 and fp8_e4m3 are accepted (attention/kv_quant.py)
     kv_cache_dtype: str = "auto"
     hf_overrides: dict = field(default_factory=dict)
+    # speculative decoding, vLLM's JSON: {"method": "ngram" | "mtp", "num_speculative_tokens": k,
+    # "prompt_lookup_min": a, "prompt_lookup_max": b}; parsed into engine.spec_decode.SpeculativeConfig
+    speculative_config: object = None
     enable_log_requests: bool = False  # log each request's id, prompt length and parameters
     # multi-node: ranks are split evenly over nodes; node 0 runs the engine and the HTTP server
     nnodes: int = 1
@@ -62,6 +65,8 @@ class EngineArgs:
         if isinstance(self.hf_overrides, str):
             self.hf_overrides = json.loads(self.hf_overrides)
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        from engine.spec_decode import SpeculativeConfig
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if isinstance(self.served_model_name, (list, tuple)):
             self.served_model_name = list(self.served_model_name) or None
         self.validate()
@@ -103,6 +108,9 @@ class EngineArgs:
         need(self.nnodes == 1 or self.master_port is not None, "--master-port is required with --nnodes > 1")
         need(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
              f"async_scheduling must be a bool or None (auto), got {self.async_scheduling!r}")
+        need(not (self.speculative_config is not None and self.async_scheduling),
+             "--async-scheduling cannot be combined with --speculative-config: the next step's "
+             "inputs depend on how many drafts this step accepts; leave --async-scheduling unset")
         need(self.rank_check_interval >= 0,
              f"--rank-check-interval must be >= 0, got {self.rank_check_interval}")
         need(self.max_model_len is None or self.max_model_len >= 1,

@@ -42,6 +42,7 @@ class EngineStats:
     # tokens per engine step: (bucket upper bounds, steps per bucket with one more for +Inf,
     # sum of tokens); vLLM's iteration_tokens_total histogram
     iteration_tokens: tuple[tuple[int, ...], list[int], int] | None = None
+    spec: object = None  # scheduler.scheduler.SpecDecodeStats with speculative decoding, else None
 
 
 def iteration_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -215,7 +216,7 @@ class AsyncLLM:
                            s.kv_cache_usage, s.num_preemptions, self._prompt_tokens,
                            self._generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits,
                            s.num_steps, (self._iter_buckets, list(self._iter_counts),
-                                         self._iter_sum))
+                                         self._iter_sum), s.spec)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine core and its workers, and wait for them."""

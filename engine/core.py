@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from common.args import EngineArgs
 from engine.executor import make_executor
@@ -28,17 +29,28 @@ class EngineCore:
         num_blocks = self.executor.num_blocks
         self.async_scheduling = (resolve_device(args).type == "cuda" if args.async_scheduling is None
                                  else args.async_scheduling)  # auto: overlap only pays with a GPU
+        spec = args.speculative_config
+        if spec is not None and self.async_scheduling:  # only when auto chose it (args refuse both)
+            log.info("speculative decoding (--speculative-config) turns async scheduling off: the "
+                     "next step's inputs depend on how many drafts this step accepts")
+            self.async_scheduling = False
+        if spec is not None:
+            log.info("speculative decoding: %s, up to %d draft tokens per decode", spec.method,
+                     spec.num_speculative_tokens)
         self._in_flight = None  # (SchedulerOutput, PendingStep) of the step launched last
         self._early: list[EngineCoreOutput] = []  # drained outside step(), reported by the next one
         # compiles constraints on the first structured request (tokenizer and llguidance then)
         self.grammars = GrammarCompiler(None if args.skip_tokenizer_init else args.tokenizer_path,
                                         cfg.vocab_size)
         self.step_tokens = 0  # tokens the last step() scheduled (0: it only drained)
+        self._spec_logged = (time.monotonic(), 0, 0, 0)  # time, drafts, draft tokens, accepted
         self.scheduler = Scheduler(SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
-            dcp_size=args.decode_context_parallel_size, async_scheduling=self.async_scheduling))
+            dcp_size=args.decode_context_parallel_size, async_scheduling=self.async_scheduling,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+            num_lookahead_tokens=spec.num_speculative_tokens - 1 if spec is not None and spec.method == "mtp" else 0))
         log.info("KV cache (%s): %d blocks of %d tokens%s: capacity %d tokens",
                  args.kv_cache_dtype, num_blocks, args.block_size,
                  f" x dcp {args.decode_context_parallel_size}" if args.decode_context_parallel_size > 1 else "",
@@ -74,6 +86,7 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[EngineCoreOutput]:
+        self._log_spec_decode()
         self.step_tokens = 0
         if self._early:
             early, self._early = self._early, []
@@ -96,6 +109,23 @@ class EngineCore:
             if not self.scheduler.has_unfinished_requests():
                 outputs += self._drain()  # every request ended with step N: nothing to wait for
         return outputs
+
+    def _log_spec_decode(self, interval: float = 10.0) -> None:
+        """Every `interval` seconds with drafts verified: the mean acceptance length (tokens one
+        verifying step yields per request) and the acceptance rate over that interval."""
+        spec = self.scheduler.stats.spec
+        if spec is None:
+            return
+        t0, d0, n0, a0 = self._spec_logged
+        now = time.monotonic()
+        if now - t0 < interval or spec.num_drafts == d0:
+            return
+        drafts, tokens, accepted = spec.num_drafts - d0, spec.num_draft_tokens - n0, spec.num_accepted_tokens - a0
+        log.info("speculative decoding: mean acceptance length %.2f, %d of %d draft tokens accepted "
+                 "(%.1f%%) in %d drafts over %.0f s; accepted per position so far: %s",
+                 1 + accepted / drafts, accepted, tokens, 100 * accepted / max(tokens, 1), drafts, now - t0,
+                 spec.accepted_per_pos)
+        self._spec_logged = (now, spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens)
 
     def _schedule(self):
         """The next step, with the bitmask of its constrained rows (needs_sync() guarantees that

@@ -18,6 +18,8 @@ processes (engine/multiproc.py); rank 0's output comes back to it as before.
 
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 import logging
 import operator
@@ -64,6 +66,7 @@ class CoreStats:
     prefix_cache_hits: int = 0
     num_steps: int = 0
     step_tokens: int = 0  # tokens scheduled by the step this message reports (0: none)
+    spec: object = None  # scheduler.scheduler.SpecDecodeStats (a copy) with speculative decoding
 
 
 def encode_outputs(outs: list[EngineCoreOutput]) -> list[tuple]:
@@ -184,4 +187,4 @@ def _loop(core, cmd_conn, sender: _Sender) -> None:
             sender.put(("outputs", (outs, CoreStats(
                 s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks,
                 s.kv_cache_usage, s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits,
-                steps, step_tokens))))
+                steps, step_tokens, copy.deepcopy(s.spec)))))

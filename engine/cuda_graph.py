@@ -1,9 +1,11 @@
-"""CUDA graphs for pure-decode steps, one per batch-size bucket.
+"""CUDA graphs for pure-decode steps, one per (batch-size bucket, decode query length).
 
-A decode step's work is a fixed sequence of kernels whose shapes depend only on the batch size,
-so it is captured once per bucket and replayed: the inputs and metadata live in persistent
-buffers, real rows are copied in and the rest of the bucket is padding (slot -1: nothing
-written; sequence length 0: nothing read). Prefill and mixed steps run eagerly.
+A decode step's work is a fixed sequence of kernels whose shapes depend only on the batch size
+and the query length (1, or 1 + k with k speculative tokens), so it is captured once per bucket
+and length and replayed: the inputs and metadata live in persistent buffers, real rows are
+copied in and the rest of the bucket is padding (slot -1: nothing written; sequence length 0:
+nothing read). Prefill and mixed steps run eagerly, and so do decode steps whose decodes differ
+in length (padded to the longest for the attention) or have another length.
 """
 
 from __future__ import annotations
@@ -25,23 +27,27 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, kv_caches: list[torch.Tensor], max_blocks_per_seq: int,
-                 buckets: list[int], device: torch.device):
+                 buckets: list[int], device: torch.device, q_lens: tuple[int, ...] = (1,)):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.buckets = sorted(buckets)
+        self.q_lens = tuple(sorted(set(q_lens)))
         n = self.buckets[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        rows = n * self.q_lens[-1]  # token rows of the largest graph
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.q_pos = torch.zeros(rows, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
 
-    def _meta(self, b: int) -> MLAMetadata:
-        return MLAMetadata(num_decodes=b, num_decode_tokens=b, num_prefills=0, num_prefill_tokens=0,
-                           slot_mapping=self.slot_mapping[:b],
-                           decode=DecodeMetadata(self.block_table[:b], self.seq_lens[:b]), prefill=None)
+    def _meta(self, b: int, q: int) -> MLAMetadata:
+        decode = DecodeMetadata(self.block_table[:b], self.seq_lens[:b], q_len=q,
+                                q_pos=self.q_pos[: b * q] if q > 1 else None)
+        return MLAMetadata(num_decodes=b, num_decode_tokens=b * q, num_prefills=0, num_prefill_tokens=0,
+                           slot_mapping=self.slot_mapping[: b * q], decode=decode, prefill=None)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -49,40 +55,48 @@ class DecodeGraphs:
         torch.cuda.empty_cache()  # torch.cuda.graph() empties the cache itself: measure from there
         free0 = torch.cuda.mem_get_info()[0]
         self.seq_lens.fill_(1)  # capture reads one (garbage) key per row; replays read real ones
-        for b in reversed(self.buckets):  # largest first: the shared pool is sized by it
-            args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
-            for _ in range(2):  # warm up: Triton compiles, allocator settles
-                self.model(*args)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                self.outputs[b] = self.model(*args)
-            self.pool = g.pool()
-            self.graphs[b] = g
+        self.q_pos.zero_()  # every capture query sees that key
+        for q in reversed(self.q_lens):
+            for b in reversed(self.buckets):  # largest first: the shared pool is sized by it
+                args = (self.input_ids[: b * q], self.positions[: b * q], self.kv_caches, self._meta(b, q))
+                for _ in range(2):  # warm up: Triton compiles, allocator settles
+                    self.model(*args)
+                torch.cuda.synchronize()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    self.outputs[b, q] = self.model(*args)
+                self.pool = g.pool()
+                self.graphs[b, q] = g
         self.seq_lens.zero_()
         torch.cuda.synchronize()
-        log.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s, %.2f GiB",
-                 len(self.graphs), self.buckets[0], self.buckets[-1], time.perf_counter() - t0,
-                 (free0 - torch.cuda.mem_get_info()[0]) / 2**30)
+        log.info("captured %d decode CUDA graphs (batch %d..%d, query length %s) in %.1f s, %.2f GiB",
+                 len(self.graphs), self.buckets[0], self.buckets[-1], "/".join(map(str, self.q_lens)),
+                 time.perf_counter() - t0, (free0 - torch.cuda.mem_get_info()[0]) / 2**30)
 
-    def bucket_for(self, batch: int) -> int | None:
+    def bucket_for(self, batch: int, q_len: int = 1) -> int | None:
+        """The smallest captured batch size >= `batch` for decodes of `q_len` tokens, or None."""
+        if q_len not in self.q_lens:
+            return None
         for b in self.buckets:
             if b >= batch:
                 return b
         return None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
-        """Replay the bucket's graph for a pure-decode batch; returns hidden `[B, hidden]`."""
-        B = input_ids.shape[0]
-        b = self.bucket_for(B)
+        """Replay the bucket's graph for a pure-decode batch; returns hidden `[B*q_len, hidden]`."""
         d = meta.decode
-        self.input_ids[:B].copy_(input_ids, non_blocking=True)
-        self.positions[:B].copy_(positions, non_blocking=True)
-        self.slot_mapping[:B].copy_(meta.slot_mapping, non_blocking=True)
+        B, q = meta.num_decodes, d.q_len
+        b = self.bucket_for(B, q)
+        T = B * q
+        self.input_ids[:T].copy_(input_ids, non_blocking=True)
+        self.positions[:T].copy_(positions, non_blocking=True)
+        self.slot_mapping[:T].copy_(meta.slot_mapping, non_blocking=True)
+        if d.q_pos is not None:
+            self.q_pos[:T].copy_(d.q_pos, non_blocking=True)
         self.seq_lens[:B].copy_(d.seq_lens, non_blocking=True)
         self.block_table[:B, : d.block_table.shape[1]].copy_(d.block_table, non_blocking=True)
         if b > B:
-            self.slot_mapping[B:b].fill_(-1)
+            self.slot_mapping[T: b * q].fill_(-1)
             self.seq_lens[B:b].zero_()
-        self.graphs[b].replay()
-        return self.outputs[b][:B]
+        self.graphs[b, q].replay()
+        return self.outputs[b, q][:T]

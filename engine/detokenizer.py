@@ -74,6 +74,10 @@ class IncrementalDetokenizer:
         self.finished = False
         self.stop_str: str | None = None
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return bool(self._stops)
+
     def _decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special,
                                       clean_up_tokenization_spaces=False)

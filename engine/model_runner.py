@@ -19,6 +19,8 @@ from engine.rank_agreement import RankAgreement
 from engine.sampler import DeviceLogprobs, Sampler, SamplingBatch, make_generator, prompt_logprobs_on_device
 from common.sampling_params import SamplingParams
 from common.transfer import to_device, to_host
+from engine.mtp_drafter import mtp_propose
+from engine.spec_decode import SpeculativeConfig, accepted_prefix, ngram_propose
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
@@ -62,12 +64,15 @@ class ModelRunner:
     def __init__(self, model: DeepseekForCausalLM, cfg: ModelConfig, kv_caches: list[torch.Tensor],
                  block_size: int, device: torch.device, eos_token_ids: list[int],
                  context_chunk_tokens: int = 8192, rank_check_interval: int = 0,
-                 decode_threshold: int = 1):
+                 speculative_config: SpeculativeConfig | None = None,
+                 mtp_kv_caches: list[torch.Tensor] | None = None):
         self.model, self.cfg, self.kv_caches = model, cfg, kv_caches
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
         self.context_chunk_tokens = context_chunk_tokens
-        self.decode_threshold = decode_threshold  # 1 + k with k speculative tokens
+        self.spec = speculative_config
+        self.mtp_kv_caches = mtp_kv_caches or []  # with {"method": "mtp"}: the MTP layer's cache
+        self.decode_threshold = 1 if self.spec is None else self.spec.decode_threshold  # 1 + k drafts
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.graphs = None  # engine.cuda_graph.DecodeGraphs, set by the worker on CUDA
@@ -81,12 +86,11 @@ class ModelRunner:
         """Inputs for requests computing `token_ids[i]` after `context_lens[i]` cached tokens.
 
         Requests may come in any order; rows are reordered decodes first (stable): the decodes
-        are the requests of the most common query length up to `decode_threshold`.
+        are the requests of at most `decode_threshold` tokens.
         """
         n = len(token_ids)
         req_ids = req_ids or [str(i) for i in range(n)]
-        dq = decode_query_len([len(t) for t in token_ids], self.decode_threshold)
-        order = sorted(range(n), key=lambda i: len(token_ids[i]) != dq)  # stable: decodes first
+        order = sorted(range(n), key=lambda i: len(token_ids[i]) > self.decode_threshold)  # stable
         q = [len(token_ids[i]) for i in order]
         ctx = [context_lens[i] for i in order]
         ids = np.fromiter((t for i in order for t in token_ids[i]), dtype=np.int64, count=sum(q))
@@ -103,7 +107,8 @@ class ModelRunner:
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Hidden states `[T, hidden]` of every row of the batch."""
         m = batch.meta
-        if self.graphs is not None and m.prefill is None and self.graphs.bucket_for(m.num_decodes):
+        if (self.graphs is not None and m.prefill is None and m.decode is not None
+                and m.decode.row_index is None and self.graphs.bucket_for(m.num_decodes, m.decode.q_len)):
             return self.graphs.run(batch.input_ids, batch.positions, m)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, m)
 
@@ -149,9 +154,11 @@ class ModelRunner:
         if so.is_empty:
             return None
         states = [self.requests[rid] for rid in so.num_scheduled_tokens]
+        spec = so.scheduled_spec_decode_tokens
         chunks, fill, index = [], [], None
         for s in states:
-            n = so.num_scheduled_tokens[s.req_id]
+            drafts = spec.get(s.req_id, [])
+            n = so.num_scheduled_tokens[s.req_id] - len(drafts)
             toks = s.token_ids[s.num_computed_tokens: s.num_computed_tokens + n]
             if len(toks) < n:  # its last input was sampled by the step in flight
                 if index is None:  # sampler row of each request in that step
@@ -163,7 +170,7 @@ class ModelRunner:
                     raise RuntimeError(f"{s.req_id}: penalties need the token in flight on the host")
                 toks = toks + [0]
                 fill.append(s.req_id)
-            chunks.append(toks)
+            chunks.append(toks + drafts)
         batch = self.prepare(chunks, [s.num_computed_tokens for s in states], [s.block_ids for s in states],
                              [s.req_id for s in states])
         if fill:  # decode rows (1 token each) whose input is the previous step's sample
@@ -172,22 +179,31 @@ class ModelRunner:
             src = to_device([index[r] for r in fill], torch.int64, self.device)
             batch.input_ids[dst] = self._last.token_ids[src]
         hidden = self.forward(batch)
+        mtp_inputs = (batch, hidden) if self.spec is not None and self.spec.method == "mtp" else None
 
         # Rows whose logits are needed: the last row of each request that reaches the end of its
-        # known tokens (it samples), and prompt rows of requests that want prompt logprobs.
+        # known tokens (it samples), with the rows of its drafts before it (each samples the
+        # token after its input: spec_decode.py), and prompt rows of requests that want prompt
+        # logprobs.
         sample_rows, sample_states, prompt_jobs = [], [], []
+        row_drafts: list[list[int]] = []  # per sampled row: the drafts before its position
         row = 0
         for rid, n, ctx in zip(batch.order, batch.query_lens, batch.context_lens):
             st = self.requests[rid]
+            drafts = spec.get(rid, [])
             if st.params.prompt_logprobs is not None and ctx < st.num_prompt_tokens:
                 # predictions for prompt tokens ctx+1 .. min(ctx+n, P-1)
                 k = min(ctx + n, st.num_prompt_tokens - 1) - ctx
                 prompt_jobs.append((st, ctx, row, max(k, 0)))
-            if ctx + n >= len(st.token_ids):  # > when its last input is a placeholder
-                sample_rows.append(row + n - 1)
-                sample_states.append(st)
+            if ctx + n - len(drafts) >= len(st.token_ids):  # > when its last input is a placeholder
+                for j in range(len(drafts) + 1):
+                    sample_rows.append(row + n - 1 - len(drafts) + j)
+                    sample_states.append(st)
+                    row_drafts.append(drafts[:j])
             row += n
         pending = PendingStep(ModelRunnerOutput([], [], []), [s.req_id for s in sample_states])
+        pending.drafts = {rid: d for rid, d in spec.items() if rid in self.requests}
+        pending.mtp_inputs = mtp_inputs
         for st, ctx, r0, k in prompt_jobs:
             lps = []
             if k:
@@ -202,7 +218,7 @@ class ModelRunner:
             # request's prompt each step would put O(context) list copies on the hot path.
             if any(p.reads_history for p in params):
                 prompts = [s.prompt_token_ids for s in sample_states]
-                outputs = [s.output_token_ids for s in sample_states]
+                outputs = [s.output_token_ids + d for s, d in zip(sample_states, row_drafts)]
             else:
                 prompts = outputs = [[] for _ in sample_states]
             sb = SamplingBatch.from_params(params, prompts, outputs,
@@ -210,6 +226,12 @@ class ModelRunner:
                                            self.eos_token_ids, self.device)
             if so.grammar_req_ids:
                 self._add_bitmask(sb, so, [s.req_id for s in sample_states])
+            for rid in pending.drafts:
+                # a seeded request's stream must advance by the tokens it outputs, not by the rows
+                # it samples: keep the state to replay from once the accepted count is known
+                st = self.requests[rid]
+                if st.generator is not None and not st.params.greedy:
+                    pending.generator_states[rid] = st.generator.get_state()
             so_ = self.sampler(logits, sb)
             pending.token_ids = so_.token_ids
             pending.logprobs = so_.logprobs
@@ -228,6 +250,28 @@ class ModelRunner:
         self._last = pending
         return pending
 
+    def _row_logprobs(self, pending: PendingStep, row: int) -> TokenLogprobs | None:
+        n = pending.num_logprobs[row]
+        if n is None or pending.logprobs is None:
+            return None
+        lp = pending.logprobs[row]
+        return TokenLogprobs(lp.token_id, lp.logprob, lp.rank, lp.top[:n])
+
+    def _replay_draws(self, st: RequestState, state: torch.Tensor, num_tokens: int) -> None:
+        """Rewind a seeded request's generator to before this step and draw once per token it
+        output, as a plain decode of those tokens would have (one Exponential(1) vector each)."""
+        st.generator.set_state(state)
+        for _ in range(num_tokens):
+            torch.empty(self.cfg.vocab_size, device=self.device).exponential_(generator=st.generator)
+
+    def _propose(self, st: RequestState) -> list[int]:
+        """Drafts for a request's next step (none for a constrained request: its grammar must see
+        each token before the next is allowed)."""
+        if st.params.structured_outputs is not None:
+            return []
+        s = self.spec
+        return ngram_propose(st.token_ids, s.prompt_lookup_min, s.prompt_lookup_max, s.num_speculative_tokens)
+
     def _add_bitmask(self, sb: SamplingBatch, so: SchedulerOutput, sample_ids: list[str]) -> None:
         """Attach the step's grammar bitmask rows to the sampler rows they constrain (one
         non-blocking copy)."""
@@ -239,6 +283,7 @@ class ModelRunner:
         sb.bitmask_rows = to_device([row_of[rid] for rid in so.grammar_req_ids], torch.int64,
                                     self.device)
 
+    @torch.inference_mode()
     def finish(self, pending: PendingStep | None) -> ModelRunnerOutput:
         """Wait for a launched step's results (the one host sync per step) and record them."""
         if pending is None:
@@ -251,31 +296,35 @@ class ModelRunner:
         if pending.token_ids is not None:
             self.agreement.record(pending.host_ids.numpy())
             ids = pending.host_ids.tolist()
-            for rid, tok in zip(pending.req_ids, ids):
+            accepted: dict[str, int] = {}
+            row = 0
+            while row < len(ids):
+                rid = pending.req_ids[row]
+                drafts = pending.drafts.get(rid, [])
+                rows = ids[row: row + len(drafts) + 1]  # the target's token at each position
+                a = accepted_prefix(rows, drafts)
                 st = self.requests.get(rid)
                 if st is not None:  # else finished, aborted or preempted since the launch
-                    st.token_ids.append(tok)
-            out.req_ids.extend(pending.req_ids)
-            out.sampled_token_ids.extend(ids)
-            for i, n in enumerate(pending.num_logprobs):
-                lp = None
-                if n is not None and pending.logprobs is not None:
-                    lp = pending.logprobs[i]
-                    lp = TokenLogprobs(lp.token_id, lp.logprob, lp.rank, lp.top[:n])
-                out.logprobs.append(lp)
+                    st.token_ids.extend(rows[: a + 1])
+                    accepted[rid] = a
+                    if rid in pending.generator_states:
+                        self._replay_draws(st, pending.generator_states[rid], a + 1)
+                    if self.spec is not None and self.spec.method == "ngram":
+                        out.draft_token_ids[rid] = self._propose(st)
+                out.req_ids.append(rid)
+                out.sampled_token_ids.append(rows[a])
+                lps = [self._row_logprobs(pending, row + j) for j in range(a + 1)]
+                out.logprobs.append(lps[-1])
+                if drafts:
+                    out.spec_token_ids[rid] = rows[:a]
+                    if any(lp is not None for lp in lps):
+                        out.spec_logprobs[rid] = lps[:-1]
+                row += len(drafts) + 1
+            if pending.mtp_inputs is not None:
+                out.draft_token_ids.update(mtp_propose(self, pending, accepted))
         if self._last is pending:
             self._last = None
         return out
-
-
-def decode_query_len(query_lens: list[int], threshold: int) -> int:
-    """The query length the step decodes: the most common one up to `threshold` (the longer on
-    a tie); 0 when every request is longer. The decode kernel takes one length per call."""
-    counts: dict[int, int] = {}
-    for q in query_lens:
-        if q <= threshold:
-            counts[q] = counts.get(q, 0) + 1
-    return max(counts, key=lambda q: (counts[q], q)) if counts else 0
 
 
 @dataclass
@@ -283,10 +332,13 @@ class PendingStep:
     """A launched step: its output so far, and its sampled ids on the device and (soon) the host."""
 
     out: ModelRunnerOutput
-    req_ids: list[str]  # requests that sample, in sampler row order
+    req_ids: list[str]  # the request of each sampler row (k + 1 rows for one verifying k drafts)
     token_ids: torch.Tensor | None = None  # [len(req_ids)] on the device
     host_ids: torch.Tensor | None = None  # pinned copy, valid once `event` has completed
     logprobs: DeviceLogprobs | None = None  # of the sampled rows, when any row wants them
     num_logprobs: list[int | None] = field(default_factory=list)  # per sampled row: its top-N
     prompt_jobs: list = field(default_factory=list)  # (req_id, starts the prompt, DeviceLogprobs)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # req_id -> drafts it verifies
+    generator_states: dict[str, torch.Tensor] = field(default_factory=dict)  # seeded spec requests
+    mtp_inputs: tuple | None = None  # (StepBatch, hidden [T, D]) for the MTP drafter
     event: object | None = None  # torch.cuda.Event on CUDA: everything above has landed

@@ -127,14 +127,26 @@ class OutputProcessor:
                 parent.queue_time = o.queue_time  # the first sample admitted (n > 1)
             # A "stop" finish from the engine is a token (EOS or a stop token id) whose text is
             # left out, as OpenAI and vLLM do, unless the request's grammar ended it.
-            stop_str = None if s.detok is None else s.detok.update(
-                o.new_token_ids, stop_terminated=o.finish_reason == "stop" and not o.grammar_ended)
-            s.token_ids.extend(o.new_token_ids)
-            s.delta_token_ids.extend(o.new_token_ids)
-            if s.want_logprobs:
-                lps = [lp for lp in o.new_logprobs if lp is not None]
-                s.logprobs.extend(lps)
-                s.delta_logprobs.extend(lps)
+            ends_stopped = o.finish_reason == "stop" and not o.grammar_ended
+            news, news_lps = o.new_token_ids, o.new_logprobs
+            if s.detok is not None and s.detok.has_stop_strings and len(news) > 1:
+                # several tokens in one step (speculative decoding): token by token, so the
+                # output ends at the token that completes a stop string, as one at a time would
+                pieces = [(news[j:j + 1], news_lps[j:j + 1]) for j in range(len(news))]
+            else:
+                pieces = [(news, news_lps)]
+            stop_str = None
+            for j, (ids, lps) in enumerate(pieces):
+                if s.detok is not None:
+                    stop_str = s.detok.update(ids, stop_terminated=ends_stopped and j == len(pieces) - 1)
+                s.token_ids.extend(ids)
+                s.delta_token_ids.extend(ids)
+                if s.want_logprobs:
+                    lps = [lp for lp in lps if lp is not None]
+                    s.logprobs.extend(lps)
+                    s.delta_logprobs.extend(lps)
+                if stop_str is not None:
+                    break
             if stop_str is not None:
                 s.finish_reason, s.stop_reason = "stop", stop_str
                 if not o.finished:

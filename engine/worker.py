@@ -63,9 +63,11 @@ def dummy_prompt_lens(num_tokens: int, max_len: int) -> list[int]:
     return [max_len] * (num_tokens // max_len) + ([num_tokens % max_len] if num_tokens % max_len else [])
 
 
-def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, cache_dtype: torch.dtype) -> int:
-    """Bytes of one block over all layers, in the cache's storage dtype (FP8: 1 byte a value)."""
-    return cfg.num_hidden_layers * block_size * cfg.kv_cache_dim * cache_dtype.itemsize
+def kv_cache_bytes_per_block(cfg: ModelConfig, block_size: int, cache_dtype: torch.dtype,
+                             num_mtp_layers: int = 0) -> int:
+    """Bytes of one block over all layers (and the MTP drafter's), in the cache's storage dtype
+    (FP8: 1 byte a value)."""
+    return (cfg.num_hidden_layers + num_mtp_layers) * block_size * cfg.kv_cache_dim * cache_dtype.itemsize
 
 
 class Worker:
@@ -87,14 +89,20 @@ class Worker:
         if fp8_gemm and not self.plan.any_triton:
             raise ValueError("--fp8-gemm runs W8A8 GEMM kernels (Triton or cuBLAS): not with the pure-torch "
                              "kernel plan (--kernels torch, or auto off CUDA), which dequantizes FP8 weights")
+        spec = args.speculative_config
+        self.num_mtp_layers = 1 if spec is not None and spec.method == "mtp" else 0  # drafts chain on it
         t0 = time.perf_counter()
         with torch.device(self.device):
             try:
-                self.model = DeepseekForCausalLM(cfg, self.dtype, self.plan, keep_fp8=fp8_gemm)
+                self.model = DeepseekForCausalLM(cfg, self.dtype, self.plan, keep_fp8=fp8_gemm,
+                                                 num_mtp_layers=self.num_mtp_layers)
             except ImportError as e:  # a kernel module of the plan (triton missing or broken)
                 raise self.plan.error("importing its module", e) from e
         if args.load_format == "dummy":
             init_dummy_weights(self.model, args.seed)
+            for m in self.model.mtp:  # as the report has it: the main model's embedding and head
+                m.share_missing(self.model.model.embed_tokens, self.model.lm_head,
+                                {"embed_tokens.weight", "shared_head.head.weight"})
         else:
             load_weights(self.model, args.model, cfg)
         self.model.process_weights_after_loading()
@@ -106,7 +114,7 @@ class Worker:
         """KV blocks this rank can hold: --num-kv-blocks, else GPU memory left after a profile
         run, else the CPU memory setting."""
         a = self.args
-        per_block = kv_cache_bytes_per_block(self.cfg, a.block_size, self.cache_dtype)
+        per_block = kv_cache_bytes_per_block(self.cfg, a.block_size, self.cache_dtype, self.num_mtp_layers)
         if a.num_kv_blocks is not None:
             return a.num_kv_blocks
         if self.device.type == "cpu":
@@ -196,20 +204,26 @@ class Worker:
         alloc = torch.zeros if self.device.type == "cpu" else torch.empty
         self.kv_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.cache_dtype, device=self.device)
                           for _ in range(self.cfg.num_hidden_layers)]
-        per_token = kv_cache_bytes_per_block(self.cfg, 1, self.cache_dtype)
+        # the MTP drafter's own layer caches, on the same block ids as the model's
+        mtp_caches = [alloc(num_blocks, bs, self.cfg.kv_cache_dim, dtype=self.cache_dtype, device=self.device)
+                      for _ in range(self.num_mtp_layers)]
+        per_token = kv_cache_bytes_per_block(self.cfg, 1, self.cache_dtype, self.num_mtp_layers)
         log.info("KV cache on this rank: %s, %d bytes per token (all layers), %d blocks of %d = %d tokens, %.2f GiB",
                  str(self.cache_dtype).removeprefix("torch."), per_token, num_blocks, bs, num_blocks * bs,
                  num_blocks * bs * per_token / 2**30)
         self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids,
-                                  rank_check_interval=a.rank_check_interval)
+                                  rank_check_interval=a.rank_check_interval,
+                                  speculative_config=a.speculative_config, mtp_kv_caches=mtp_caches)
         if self.plan.warmup:
             self.warm_up(a.max_num_batched_tokens, max_model_len, a.max_num_seqs)
         # The torch reference ops sync with the host (lengths to Python): they cannot be captured.
         if self.device.type == "cuda" and not a.enforce_eager and self.plan.attention != "torch":
             from engine.cuda_graph import DecodeGraphs, default_buckets
             blocks_per_seq = -(-max_model_len // (bs * a.decode_context_parallel_size))
+            spec = a.speculative_config
+            q_lens = (1,) if spec is None else (1, spec.decode_threshold)
             self.runner.graphs = DecodeGraphs(self.model, self.kv_caches, blocks_per_seq,
-                                              default_buckets(a.max_num_seqs), self.device)
+                                              default_buckets(a.max_num_seqs), self.device, q_lens)
             try:
                 self.runner.graphs.capture()
             except torch.cuda.OutOfMemoryError:

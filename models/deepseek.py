@@ -124,13 +124,21 @@ class DeepseekForCausalLM(nn.Module):
     feeds W_UK / W_UV, so it is always dequantized)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan = KernelPlan(),
-                 keep_fp8: bool = False):
+                 keep_fp8: bool = False, num_mtp_layers: int = 0):
         super().__init__()
         self.config, self.plan = cfg, plan
         self.keep_fp8 = keep_fp8 and cfg.fp8_block is not None
         self.ops = make_attention_ops(plan)
         self.model = DeepseekModel(cfg, dtype, plan, self.ops, self.keep_fp8)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype)
+        if num_mtp_layers > cfg.num_nextn_predict_layers:
+            raise ValueError(f"--speculative-config method mtp: the checkpoint has "
+                             f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers}, no MTP layer "
+                             f"to draft with; use method ngram")
+        from models.mtp import DeepseekMTPLayer
+        # the drafter's layers, checkpoint layers num_hidden_layers + i (models/mtp.py)
+        self.mtp = nn.ModuleList(DeepseekMTPLayer(cfg, cfg.num_hidden_layers + i, dtype, plan, self.ops, self.keep_fp8)
+                                 for i in range(num_mtp_layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: MLAMetadata) -> torch.Tensor:
@@ -149,7 +157,7 @@ class DeepseekForCausalLM(nn.Module):
                 m.fp8_gemm = self.plan.fp8_gemm
                 if not self.keep_fp8 or name.endswith("kv_b_proj"):
                     m.dequantize_weights()
-        for layer in self.model.layers:
+        for layer in [*self.model.layers, *(m.block for m in self.mtp)]:
             layer.self_attn.process_weights_after_loading()
             if isinstance(layer.mlp, MoE):
                 layer.mlp.gate.keep_bf16_weight()

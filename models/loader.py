@@ -64,6 +64,8 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig
     params = checkpoint_shards(model)
     if cfg.tie_word_embeddings:
         params.pop("lm_head.weight", None)
+    mtp = list(getattr(model, "mtp", []))
+    shareable = {f"mtp.{i}.{n}" for i in range(len(mtp)) for n in ("embed_tokens.weight", "shared_head.head.weight")}
     loaded: set[str] = set()
     skipped_mtp = 0
     files = checkpoint_files(model_dir)
@@ -73,10 +75,14 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
                     bar.update(1)
+                    key = name  # the tensor's name in the file; `name` becomes our parameter's
                     m = _LAYER.match(name)
                     if m and int(m.group(1)) >= cfg.num_hidden_layers:
-                        skipped_mtp += 1  # multi-token-prediction layers of V3/R1 checkpoints
-                        continue
+                        i = int(m.group(1)) - cfg.num_hidden_layers
+                        if i >= len(mtp):
+                            skipped_mtp += 1  # multi-token-prediction layers no drafter uses
+                            continue
+                        name = f"mtp.{i}." + mtp[i].checkpoint_to_param(name[m.end():])
                     if name.endswith("rotary_emb.inv_freq"):
                         continue
                     if name.endswith("weight_scale_inv") and cfg.fp8_block is None:
@@ -86,12 +92,20 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig
                     if target is None:
                         log.warning("checkpoint tensor %s has no matching parameter; ignored", name)
                         continue
-                    _copy_slice(*target, f.get_slice(name), name)
+                    _copy_slice(*target, f.get_slice(key), name)
                     loaded.add(name)
     if skipped_mtp:
         log.info("skipped %d tensors of multi-token-prediction layers (num_nextn_predict_layers=%d)",
                  skipped_mtp, cfg.num_nextn_predict_layers)
-    missing = sorted(set(params) - loaded)
+    for i, layer in enumerate(mtp):  # no copy in the checkpoint: the main model's, shared
+        prefix = f"mtp.{i}."
+        if not any(n.startswith(prefix) for n in loaded):
+            raise ValueError(f"--speculative-config method mtp: checkpoint {model_dir} has no tensors of "
+                             f"MTP layer model.layers.{cfg.num_hidden_layers + i}.* (config.json says "
+                             f"num_nextn_predict_layers = {cfg.num_nextn_predict_layers}); use method ngram")
+        layer.share_missing(model.model.embed_tokens, model.lm_head,
+                            {n[len(prefix):] for n in shareable - loaded if n.startswith(prefix)})
+    missing = sorted(set(params) - loaded - shareable)
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint {model_dir} is missing tensor(s): {', '.join(missing[:5])}{more}")

@@ -21,6 +21,11 @@ class SchedulerConfig:
     # Schedule step N+1 while step N runs: a request that samples in step N holds an output
     # placeholder until N's token arrives (its next input is read on the device).
     async_scheduling: bool = False
+    # Speculative decoding: the most drafts one decode verifies (0: off)
+    num_speculative_tokens: int = 0
+    # KV slots allocated past each step's tokens (the MTP drafter writes its layer's cache at the
+    # positions of its drafts after the first)
+    num_lookahead_tokens: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
@@ -28,6 +33,11 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
+                or self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
+        if self.num_speculative_tokens and self.async_scheduling:
+            raise ValueError("async_scheduling cannot be combined with speculative decoding")
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be a bool, got {self.async_scheduling!r}")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -49,6 +49,9 @@ class SchedulerOutput:
     # the engine core once, so every TP rank masks its logits alike; empty: nothing constrained.
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: np.ndarray | None = None  # [len(grammar_req_ids), ceil(V / 32)] int32
+    # Speculative decoding: req_id -> the draft tokens it verifies this step, computed after its
+    # known tokens (they count in num_scheduled_tokens and have KV slots allocated)
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -75,6 +78,12 @@ class ModelRunnerOutput:
     # req_id -> logprobs of the prompt tokens whose predictions were computed this step, in order.
     # The first prompt token has no prediction; the runner reports it as None once.
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    # Speculative decoding: req_id -> its accepted drafts, the output tokens that precede its
+    # sampled_token_ids entry this step (with their logprobs, parallel, when it wants them)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    # req_id -> drafts proposed for its next step (after this step's tokens)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

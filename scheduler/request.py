@@ -52,6 +52,8 @@ class Request:
         self.num_computed_tokens = 0
         # Async scheduling: tokens sampled by steps still in flight, not yet in output_token_ids.
         self.num_output_placeholders = 0
+        # Speculative decoding: drafts proposed after its last token, verified by its next step
+        self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0

@@ -37,6 +37,30 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     prefix_cache_queries: int  # tokens looked up, cumulative
     prefix_cache_hits: int  # tokens found, cumulative
+    spec: SpecDecodeStats | None = None  # speculative decoding counters, when it is on
+
+
+@dataclass
+class SpecDecodeStats:
+    """Cumulative counts with vLLM's spec_decode meaning: drafts verified (one per request and
+    step that had any), draft tokens verified, draft tokens accepted, and accepted per position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] | None = None  # [num_speculative_tokens]
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step yields per request on average: 1 + accepted / drafts."""
+        return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)
 
 
 class Scheduler:
@@ -54,6 +78,8 @@ class Scheduler:
         self._structured: set[str] = set()  # unfinished requests with a grammar
         self._prefix_queries = 0
         self._prefix_hits = 0
+        k = config.num_speculative_tokens
+        self._spec = SpecDecodeStats(accepted_per_pos=[0] * k) if k else None
 
     # ---- intake ----
 
@@ -103,7 +129,7 @@ class Scheduler:
         bm = self.block_manager
         return SchedulerStats(len(self.running), len(self.waiting), bm.num_free_blocks,
                               bm.num_total_blocks, bm.usage, self._num_preemptions,
-                              self._prefix_queries, self._prefix_hits)
+                              self._prefix_queries, self._prefix_hits, self._spec)
 
     # ---- scheduling ----
 
@@ -113,6 +139,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        spec_tokens: dict[str, list[int]] = {}
         preempted_now = False
 
         # Running requests, oldest first. Victims come from the end of the list, i.e. from those
@@ -124,8 +151,15 @@ class Scheduler:
             if n <= 0 or (request.num_output_placeholders and self._ends_with_placeholder(request)):
                 i += 1
                 continue
-            while True:
-                new_block_ids = self.block_manager.allocate(request, n)
+            drafts = self._drafts_to_verify(request, n, budget)
+            if drafts:
+                new_block_ids = self._allocate(request, 1 + len(drafts))
+                if new_block_ids is None:
+                    drafts = []  # the pool is short: decode without drafts before preempting anyone
+            request.spec_token_ids = []
+            n += len(drafts)
+            while not drafts:
+                new_block_ids = self._allocate(request, n)
                 if new_block_ids is not None:
                     break
                 victim = self.running[-1]
@@ -138,6 +172,8 @@ class Scheduler:
             cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
                                                  request.num_computed_tokens))
             num_scheduled[request.request_id] = n
+            if drafts:
+                spec_tokens[request.request_id] = drafts
             budget -= n
             i += 1
 
@@ -151,7 +187,7 @@ class Scheduler:
             num_hit = len(hit_blocks) * self.block_manager.tokens_per_block
             request.num_computed_tokens = num_hit
             n = min(request.num_tokens - num_hit, budget)
-            if self.block_manager.allocate(request, n, hit_blocks) is None:
+            if self._allocate(request, n, hit_blocks) is None:
                 request.num_computed_tokens = 0
                 break  # waits; only running requests may preempt
             self.waiting.popleft()
@@ -183,7 +219,27 @@ class Scheduler:
         finished, self._finished_req_ids = self._finished_req_ids, set()
         total = sum(num_scheduled.values())
         assert total <= self.config.max_num_batched_tokens and len(num_scheduled) <= self.config.max_num_seqs
-        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, finished)
+        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, finished,
+                               scheduled_spec_decode_tokens=spec_tokens)
+
+    def _allocate(self, request: Request, n: int, hit_blocks: list[int] | None = None) -> list[int] | None:
+        """Blocks for `n` more tokens, and the lookahead slots after them up to max_model_len."""
+        ahead = min(self.config.num_lookahead_tokens,
+                    min(self.config.max_model_len, self.config.capacity_tokens) - request.num_computed_tokens - n)
+        return self.block_manager.allocate(request, n + max(ahead, 0), hit_blocks)
+
+    def _drafts_to_verify(self, request: Request, n: int, budget: int) -> list[int]:
+        """The drafts a decode verifies this step: its proposed ones, as many as the token budget,
+        max_model_len, the pool and max_tokens leave room for (a step outputs up to 1 + drafts)."""
+        if not request.spec_token_ids or n != 1 or request.num_output_placeholders:
+            return []
+        num_tokens = request.num_tokens
+        room = min(len(request.spec_token_ids), budget - 1, self.config.max_model_len - num_tokens,
+                   self.config.capacity_tokens - num_tokens)
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - request.num_output_tokens - 1)
+        return request.spec_token_ids[:max(room, 0)]
 
     def _ends_with_placeholder(self, request: Request) -> bool:
         """True if the token a step in flight samples for `request` must end it whatever its value
@@ -216,6 +272,7 @@ class Scheduler:
         self.running.remove(request)
         self._free(request)
         request.num_output_placeholders = 0  # a token in flight for it is dropped and recomputed
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -249,6 +306,7 @@ class Scheduler:
                 request.prompt_logprobs.extend(chunk)
 
         outputs = []
+        spec = scheduler_output.scheduled_spec_decode_tokens
         for req_id, token_id, logprobs in zip(runner_output.req_ids, runner_output.sampled_token_ids,
                                               runner_output.logprobs):
             request = self.requests.get(req_id)
@@ -256,20 +314,38 @@ class Scheduler:
                 continue  # aborted, preempted or finished while the step ran
             if request.num_output_placeholders:
                 request.num_output_placeholders -= 1
-            request.append_output_token(token_id)
-            out = EngineCoreOutput(req_id, [token_id], [logprobs])
-            if request.num_output_tokens == 1:
+            tokens, lps = [token_id], [logprobs]
+            drafts = spec.get(req_id)
+            if drafts:
+                accepted = runner_output.spec_token_ids.get(req_id, [])
+                # KV of the rejected drafts is stale: those slots are written again by the next
+                # tokens (the blocks stay the request's, so the pool's accounting is unchanged)
+                request.num_computed_tokens -= len(drafts) - len(accepted)
+                tokens = accepted + tokens
+                lps = runner_output.spec_logprobs.get(req_id, [None] * len(accepted)) + lps
+                if self._spec is not None:
+                    self._spec.record(len(drafts), len(accepted))
+            first = request.num_output_tokens == 0
+            out = EngineCoreOutput(req_id, [], [])
+            for tok, lp in zip(tokens, lps):
+                request.append_output_token(tok)
+                out.new_token_ids.append(tok)
+                out.new_logprobs.append(lp)
+                if self._check_stop(request, tok):
+                    out.finish_reason = request.finish_reason
+                    out.stop_reason = request.stop_reason
+                    out.grammar_ended = request.ended_by_grammar
+                    self.running.remove(request)
+                    self._finish(request)
+                    break
+            if first:
                 out.num_cached_tokens = max(request.num_cached_tokens, 0)
                 out.queue_time = request.queue_time
             if request.wants_prompt_logprobs:
                 out.prompt_logprobs = list(request.prompt_logprobs)
                 request.prompt_logprobs_emitted = True
-            if self._check_stop(request, token_id):
-                out.finish_reason = request.finish_reason
-                out.stop_reason = request.stop_reason
-                out.grammar_ended = request.ended_by_grammar
-                self.running.remove(request)
-                self._finish(request)
+            if not out.finished:
+                request.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])
             outputs.append(out)
         return outputs
 

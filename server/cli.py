@@ -148,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every N sampling steps the tensor-parallel ranks compare a digest of the "
                         "tokens each sampled (each rank samples for itself) and stop the engine "
                         "if they differ; 0: never")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as a JSON object: {"method": "ngram", '
+                        '"num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} '
+                        '(drafts looked up in the prompt and output, any model) or {"method": "mtp", '
+                        '"num_speculative_tokens": k} (the checkpoint\'s multi-token-prediction layer, '
+                        'V3/R1); every decode then verifies up to k drafts in one step; turns async '
+                        'scheduling off')
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch step N+1 while the GPU runs step N "
                         "(default: on with CUDA, off on the CPU)")
@@ -285,6 +292,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend,
         kernels=ns.kernels, fp8_gemm=ns.fp8_gemm, kv_cache_dtype=ns.kv_cache_dtype,
         hf_overrides=overrides, rank_check_interval=ns.rank_check_interval,
+        speculative_config=ns.speculative_config,
         enable_log_requests=ns.enable_log_requests and not ns.disable_log_requests, nnodes=ns.nnodes, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port)
     if not 1 <= ns.port <= 65535:

@@ -85,6 +85,9 @@ class _EngineCollector:
                     m = family(f"{VLLM}{vllm_name}", doc, labels=["model_name"])
                     m.add_metric([self._model_name], float(value))
                     yield m
+        spec = getattr(s, "spec", None)
+        if spec is not None:
+            yield from self._spec_decode(spec)
         iteration = getattr(s, "iteration_tokens", None)
         if iteration is not None:
             bounds, counts, total = iteration
@@ -96,6 +99,30 @@ class _EngineCollector:
                 cumulative.append((bound, acc))
             m.add_metric([self._model_name], cumulative, sum_value=total)
             yield m
+
+
+    def _spec_decode(self, spec):
+        """vLLM's spec_decode counters (and ours): drafts verified, draft tokens, accepted draft
+        tokens, and accepted tokens per draft position (label `position`, 0-based)."""
+        rows = [("num_drafts", "Draft sequences verified (one per request and step)", spec.num_drafts),
+                ("num_draft_tokens", "Draft tokens verified", spec.num_draft_tokens),
+                ("num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)]
+        for name, doc, value in rows:
+            m = CounterMetricFamily(f"{PREFIX}_spec_decode_{name}", doc)
+            m.add_metric([], float(value))
+            yield m
+            m = CounterMetricFamily(f"{VLLM}spec_decode_{name}", doc, labels=["model_name"])
+            m.add_metric([self._model_name], float(value))
+            yield m
+        doc = "Draft tokens accepted at each draft position"
+        ours = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos", doc, labels=["position"])
+        theirs = CounterMetricFamily(f"{VLLM}spec_decode_num_accepted_tokens_per_pos", doc,
+                                     labels=["model_name", "position"])
+        for pos, value in enumerate(spec.accepted_per_pos):
+            ours.add_metric([str(pos)], float(value))
+            theirs.add_metric([self._model_name, str(pos)], float(value))
+        yield ours
+        yield theirs
 
 
 class ServerMetrics:

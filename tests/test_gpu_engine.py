@@ -174,3 +174,19 @@ def test_grouped_moe_matches_plain_path():
                 from models.fused_moe import fused_moe_small
                 fused = fused_moe_small(x, moe.w13, moe.w2, w, ids).float()
                 assert ((fused - plain).norm() / plain.norm()).item() < 2e-2
+
+
+@pytest.mark.parametrize("model", ["gpu_v3", "gpu_v2"])
+def test_speculation_with_cuda_graphs_equals_eager_without(model, request):
+    """ngram speculation on the GPU: decodes of 1 + k tokens replay their own CUDA graphs (the
+    Triton decode kernel with per-token positions); greedy outputs equal plain eager decoding."""
+    path, _ = request.getfixturevalue(model)
+    g = torch.Generator().manual_seed(1)
+    motif = torch.randint(2, 320, (6,), generator=g).tolist()
+    prompts = _prompts() + [motif * 6, motif[:3] * 5]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=1024, speculative_config=spec)
+    assert llm.engine.executor.worker.runner.graphs.q_lens == (1, 4)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert llm.scheduler.stats.spec.num_accepted_tokens > 0
+    assert got == _run(path, prompts, enforce_eager=True)

@@ -54,17 +54,20 @@ def test_dcp_slots_and_context_gather_cover_every_token_once():
 
 @pytest.mark.parametrize("D", [1, 2, 4])
 def test_multi_token_decodes_carry_positions_and_local_lengths(D):
-    # three decodes of 1 + 2 tokens, then a 1-token request (a prefill: not the decodes' length)
-    # and a first chunk; under DCP each rank's lengths are its local shares
-    q, ctx = [3, 3, 3, 1, 4], [0, 5, 8, 6, 0]
-    tables = [[0, 1, 2], [3, 4], [5, 6, 7], [8, 9], [10]]
+    # decodes of 1 + 2 tokens and one of 1 token (padded to 3 rows), then a first chunk; under
+    # DCP each rank's lengths are its local shares
+    q, ctx = [3, 1, 3, 3, 4], [0, 6, 5, 8, 0]
+    tables = [[0, 1, 2], [8, 9], [3, 4], [5, 6, 7], [10]]
     for r in range(D):
         m = build_mla_metadata(q, ctx, tables, 4, "cpu", dcp_size=D, dcp_rank=r, decode_threshold=3)
-        assert (m.num_decodes, m.num_decode_tokens, m.num_prefills, m.num_prefill_tokens) == (3, 9, 2, 5)
+        assert (m.num_decodes, m.num_decode_tokens, m.num_prefills, m.num_prefill_tokens) == (4, 10, 1, 4)
         assert m.decode.q_len == 3
-        assert m.decode.q_pos.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 10]
-        assert m.decode.seq_lens.tolist() == [local_len(n, D, r) for n in (3, 8, 11)]
-        assert m.prefill.query_start_loc.tolist() == [0, 1, 5] and m.prefill.context_lens == [6, 0]
+        assert m.decode.q_pos.tolist() == [0, 1, 2, 6, -1, -1, 5, 6, 7, 8, 9, 10]
+        assert m.decode.row_index.tolist() == [0, 1, 2, 3, 6, 7, 8, 9, 10, 11]
+        assert m.decode.seq_lens.tolist() == [local_len(n, D, r) for n in (3, 7, 8, 11)]
+        assert m.prefill.query_start_loc.tolist() == [0, 4] and m.prefill.context_lens == [0]
+    uniform = build_mla_metadata([3, 3], [0, 5], tables[:2], 4, "cpu", decode_threshold=3)
+    assert uniform.decode.row_index is None and uniform.decode.q_pos.tolist() == [0, 1, 2, 5, 6, 7]
 
 
 def test_single_token_decodes_need_no_positions():
@@ -74,7 +77,7 @@ def test_single_token_decodes_need_no_positions():
 
 def test_misordered_multi_token_decodes_are_refused():
     with pytest.raises(ValueError, match="decodes first"):
-        build_mla_metadata([3, 1, 3], [4, 4, 4], [[0, 1], [2, 3], [4, 5]], 4, "cpu", decode_threshold=3)
+        build_mla_metadata([3, 4, 1], [4, 4, 4], [[0, 1], [2, 3], [4, 5]], 4, "cpu", decode_threshold=3)
 
 
 def test_context_attention_covers_only_prefills_up_to_the_last_with_context():

@@ -133,19 +133,19 @@ def test_mixed_batch_equals_requests_alone(tiny_v2):
 @pytest.mark.parametrize("model", ["tiny_v2", "tiny_v3"])
 def test_multi_token_decodes_equal_transformers(model, request):
     """Decodes of 1 + 2 tokens (the speculative shape: the decode kernel with the causal mask
-    from positions) beside a 1-token request and a prefill chunk equal transformers' logits of
-    the whole sequences at those positions."""
+    from positions) and of 1 token (padded to 3 rows) beside a prefill chunk equal transformers'
+    logits of the whole sequences at those positions."""
     path, hf = request.getfixturevalue(model)
     torch.manual_seed(3)
     seqs_tok = {k: torch.randint(2, 320, (n,)).tolist() for k, n in dict(a=17, b=24, c=12, d=30).items()}
     w, seqs = make_worker(path), Seqs(seed=5)
-    w.runner.decode_threshold = 3
+    w.runner.decode_threshold = 3  # the 21-token continuation of "d" stays a prefill
     pre = {"a": 14, "b": 21, "c": 11, "d": 9}  # cached before the step checked
     run(w, seqs, [(k, t[:pre[k]]) for k, t in seqs_tok.items()])
     step = [("d", seqs_tok["d"][9:]), ("a", seqs_tok["a"][14:]), ("c", seqs_tok["c"][11:]),
             ("b", seqs_tok["b"][21:])]
     batch_order = w.runner.prepare([t for _, t in step], [9, 14, 11, 21], [list(range(8))] * 4, [n for n, _ in step]).order
-    assert batch_order[:2] == ["a", "b"]  # the two 3-token decodes first
+    assert batch_order == ["a", "c", "b", "d"]  # the decodes first
     got = run(w, seqs, step)
     for k, t in seqs_tok.items():
         with torch.no_grad():

@@ -48,18 +48,24 @@ def merge(parts):
 
 
 def check_case(q_len, D, ctx_lens, H=3, lkv=32, r=16, page=4, seed=0, device="cpu",
-               dtype=torch.float32, triton_splits=None, use_triton=False):
+               dtype=torch.float32, triton_splits=None, use_triton=False, pad_every=0):
     """One batch (one sequence per context length, each with q_len new tokens) on every DCP rank:
     the reference (and Triton) per rank against each other, and merged against the oracle.
-    Returns the worst relative error of the merged output."""
+    `pad_every` n: every n-th sequence has fewer tokens and padding rows (position -1), as the
+    runner pads a decode with fewer drafts; they must see nothing. Returns the worst relative
+    error of the merged output."""
     gen = torch.Generator().manual_seed(seed)
     d = lkv + r
-    lens = [c + q_len for c in ctx_lens]
+    n_real = [max(1, q_len - 1 - b % q_len) if pad_every and b % pad_every == 0 else q_len
+              for b in range(len(ctx_lens))]
+    lens = [c + k for c, k in zip(ctx_lens, n_real)]
     # rounded to the kernel's dtype first, so every path sees the same values
     keys = [torch.randn(n, d, generator=gen).to(dtype).float() for n in lens]
     B = len(lens)
     q = torch.randn(B * q_len, H, d, generator=gen).to(dtype).float()
-    q_pos = torch.tensor([c + i for c in ctx_lens for i in range(q_len)], dtype=torch.int32)
+    q_pos = torch.tensor([c + i if i < k else -1 for c, k in zip(ctx_lens, n_real) for i in range(q_len)],
+                         dtype=torch.int32)
+    real = q_pos >= 0
     scale = d ** -0.5 * 2.0
     ref_ops = TorchAttentionOps()
     if use_triton:
@@ -91,10 +97,12 @@ def check_case(q_len, D, ctx_lens, H=3, lkv=32, r=16, page=4, seed=0, device="cp
         else:
             parts.append((o_ref, lse_ref))
     o, lse = merge(parts)
-    o_ref = torch.cat([dense_oracle(q[b * q_len:(b + 1) * q_len], keys[b], q_pos[b * q_len:(b + 1) * q_len],
-                                    scale, lkv)[0] for b in range(B)])
-    lse_ref = torch.cat([dense_oracle(q[b * q_len:(b + 1) * q_len], keys[b], q_pos[b * q_len:(b + 1) * q_len],
-                                      scale, lkv)[1] for b in range(B)])
+    assert torch.isneginf(lse[~real]).all() and (o[~real] == 0).all(), "a padding row saw keys"
+    o, lse, q, q_pos = o[real], lse[real], q[real], q_pos[real]
+    starts = [0] + torch.tensor(n_real).cumsum(0).tolist()
+    rows = [slice(starts[b], starts[b + 1]) for b in range(B)]
+    o_ref = torch.cat([dense_oracle(q[i], keys[b], q_pos[i], scale, lkv)[0] for b, i in enumerate(rows)])
+    lse_ref = torch.cat([dense_oracle(q[i], keys[b], q_pos[i], scale, lkv)[1] for b, i in enumerate(rows)])
     assert torch.isfinite(lse).all()
     d_lse = (lse - lse_ref).abs().max().item()
     assert d_lse < (1e-4 if dtype == torch.float32 else 2e-2), f"merged lse differs from single-rank attention: {d_lse}"
@@ -113,6 +121,8 @@ def test_reference_shards_merge_to_single_rank_attention(q_len, D):
     lens = [c + q_len for c in CTX]
     assert {n % D for n in lens} == set(range(D))
     check_case(q_len, D, CTX, seed=q_len * 10 + D)
+    if q_len > 1:
+        check_case(q_len, D, CTX, seed=q_len * 10 + D + 1, pad_every=2)
 
 
 def test_reference_without_positions_sees_every_key():
@@ -147,6 +157,8 @@ def _cpu_cases():
     # forced splits: split boundaries fall inside the visible prefixes; 5x3 = 15 rows, 2 row tiles
     cases["D2_q3_splits3"] = dict(q_len=3, D=2, ctx_lens=[0, 9, 30], use_triton=True, triton_splits=3)
     cases["D4_q5_splits4_H6"] = dict(q_len=5, D=4, ctx_lens=[0, 3, 40], H=6, use_triton=True, triton_splits=4)
+    for D in (1, 2, 4):  # decodes with fewer tokens, padded to q_len rows (position -1)
+        cases[f"D{D}_q4_padded"] = dict(q_len=4, D=D, ctx_lens=CTX, use_triton=True, pad_every=2)
     return cases
 
 
@@ -162,6 +174,8 @@ def _gpu_cases():
             for D in (1, 2):
                 cases[f"H{H}_q{q_len}_D{D}"] = dict(q_len=q_len, D=D, ctx_lens=ctx, H=H, lkv=512, r=64, page=64,
                                                     device="cuda", dtype=torch.bfloat16, use_triton=True)
+    cases["H16_q4_D2_padded"] = dict(q_len=4, D=2, ctx_lens=ctx, H=16, lkv=512, r=64, page=64, device="cuda",
+                                     dtype=torch.bfloat16, use_triton=True, pad_every=2)
     cases["H16_q3_D4_splits7"] = dict(q_len=3, D=4, ctx_lens=ctx, H=16, lkv=512, r=64, page=64, device="cuda",
                                       dtype=torch.bfloat16, use_triton=True, triton_splits=7)
     return cases

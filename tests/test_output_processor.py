@@ -70,3 +70,29 @@ def test_abort_returns_the_whole_output():
     out = proc.abort("r")
     assert out.finished and out.outputs[0].finish_reason == "abort"
     assert out.outputs[0].token_ids == [5, 6] and out.outputs[0].delta_token_ids == []
+
+
+def test_several_tokens_in_one_step_end_at_the_stop_string(tokenizer):
+    """A step that delivers several tokens (speculative decoding) ends the output at the token
+    that completes a stop string, as delivering them one by one would: later ids, their
+    logprobs and text are dropped, and the request is aborted in the engine."""
+    ids = tokenizer("Answer: 7 + 3 = 10 #### 10", add_special_tokens=False)["input_ids"]
+    stop_at = next(j for j in range(len(ids)) if "####" in tokenizer.decode(ids[: j + 1]))
+    assert stop_at < len(ids) - 1  # tokens follow the stop string
+    results = {}
+    for split in ("one_by_one", "one_step"):
+        proc = OutputProcessor(tokenizer)
+        ((cid, _),) = proc.add_request("r", None, [10, 11], SamplingParams(max_tokens=50, stop=["####"],
+                                                                          logprobs=0))
+        steps = [[t] for t in ids] if split == "one_by_one" else [ids]
+        aborted = []
+        for new in steps:
+            outs, to_abort = proc.process([EngineCoreOutput(cid, list(new), [_lp(t) for t in new])])
+            aborted += to_abort
+            if outs and outs[0].finished:
+                results[split] = outs[0].outputs[0]
+                break
+        assert aborted == [cid]
+    a, b = results["one_by_one"], results["one_step"]
+    assert b.token_ids == a.token_ids == ids[: stop_at + 1]
+    assert b.text == a.text and b.logprobs == a.logprobs and b.stop_reason == "####"

@@ -22,7 +22,7 @@ FLAGS = ["--model", "--host", "--port", "-tp", "--tensor-parallel-size", "-dcp",
          "--max-model-len", "--block-size", "--dtype", "--device", "--load-format", "--tokenizer",
          "--served-model-name", "--api-key", "--gpu-memory-utilization", "--num-kv-blocks",
          "--enable-prefix-caching", "--no-enable-prefix-caching", "--enforce-eager", "--seed",
-         "--log-level", "--attention-backend", "--cpu-kv-cache-gb", "--hf-overrides",
+         "--log-level", "--attention-backend", "--cpu-kv-cache-gb", "--hf-overrides", "--speculative-config",
          "--shutdown-timeout", "--max-request-body-bytes", "--http-header-timeout",
          "--http-body-timeout", "--http-keep-alive-timeout", "--max-prompts-per-request",
          "--max-seqs-per-request", "--max-stop-strings", "--max-stop-str-len",
@@ -63,6 +63,11 @@ def test_flags_map_to_engine_args():
     assert defaults.async_scheduling is None  # auto: on with CUDA
     with pytest.raises(ValueError, match="async_scheduling"):
         dataclasses.replace(defaults, async_scheduling=1)
+    ns = build_parser().parse_args(["--model", str(TINY_MODEL), "--speculative-config",
+                                    '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 4}'])
+    spec = engine_args_from(ns).speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_max) == ("ngram", 2, 4)
+    assert defaults.speculative_config is None
     for flag, want in (("--async-scheduling", True), ("--no-async-scheduling", False)):
         ns = build_parser().parse_args(["--model", str(TINY_MODEL), flag])
         assert engine_args_from(ns).async_scheduling is want
@@ -80,6 +85,9 @@ def test_flags_map_to_engine_args():
     (["--device", "cuda", "-tp", "64"], "--"),
     (["--max-request-body-bytes", "0"], "--max-request-body-bytes"),
     (["--engine-stall-timeout", "0"], "--engine-stall-timeout"),
+    (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--async-scheduling"],
+     "--async-scheduling"),
 ])
 def test_bad_flags_exit_with_one_line(argv, needle):
     if "--model" not in argv:

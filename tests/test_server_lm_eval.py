@@ -1,8 +1,9 @@
 """End to end: `lm_eval --model local-completions` against a live `serve`, chunked vs unchunked.
 
 The same lm_eval run (the local GSM8K-format task, generate_until, plus a loglikelihood variant
-that drives echo + logprobs) goes against a server with the default token budget and one with
-`--max-num-batched-tokens 16`, where every prompt is prefilled in chunks. Per-sample outputs
+that drives echo + logprobs) goes against a server with the default token budget, one with
+`--max-num-batched-tokens 16`, where every prompt is prefilled in chunks, and one with ngram
+speculative decoding. Per-sample outputs
 must agree: the greedy generations exactly, the loglikelihoods to float32 rounding.
 """
 
@@ -26,6 +27,7 @@ API_KEY = "lm-eval-key"
 MAX_MODEL_LEN = 1024
 CHUNK_BUDGET = 16
 LIMIT = 8
+NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
 
 LOGLIKELIHOOD_TASK = """\
 task: tiny_arith_ll
@@ -68,7 +70,8 @@ def test_lm_eval_outputs_equal_with_every_prompt_chunked(tmp_path_factory, tmp_p
     ll_task.write_text(LOGLIKELIHOOD_TASK)
     runs = {}
     for name, extra in (("default", []),
-                        ("chunked", ["--max-num-batched-tokens", str(CHUNK_BUDGET)])):
+                        ("chunked", ["--max-num-batched-tokens", str(CHUNK_BUDGET)]),
+                        ("ngram", ["--speculative-config", NGRAM])):
         with ServeProcess("--model", model, "--served-model-name", "tiny", "--device", "cpu",
                           "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
                           "--num-kv-blocks", "1024", "--api-key", API_KEY, *extra) as server:
@@ -83,6 +86,8 @@ def test_lm_eval_outputs_equal_with_every_prompt_chunked(tmp_path_factory, tmp_p
         assert len(tok(context)["input_ids"]) > CHUNK_BUDGET  # really chunked
         assert a["resps"] == b["resps"], f"doc {a['doc_id']}: generations differ"
         assert a["resps"][0][0], "empty generation"
+    for a, b in zip(gen_a, runs["ngram"]["tiny_arith"]):  # drafts verified: the same generations
+        assert a["resps"] == b["resps"], f"doc {a['doc_id']}: generations differ with speculation"
     ll_a, ll_b = runs["default"]["tiny_arith_ll"], runs["chunked"]["tiny_arith_ll"]
     assert len(ll_a) == len(ll_b) == LIMIT
     for a, b in zip(ll_a, ll_b):

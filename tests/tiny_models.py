@@ -100,3 +100,50 @@ def make_fp8_model(src, dst, **overrides):
     script = Path(__file__).resolve().parents[1] / "scripts" / "quantize_fp8.py"
     subprocess.run([sys.executable, str(script), str(src), str(dst)], check=True)
     return hf
+
+
+def add_mtp_layer(path, seed: int = 0, copies: bool = True, near_main: bool = True) -> None:
+    """Append one multi-token-prediction layer to a saved tiny V3 (transformers has no MTP):
+    `model.layers.{L}.*` with L = num_hidden_layers, in the V3 checkpoint layout (enorm, hnorm,
+    eh_proj, a MoE decoder block, shared_head.norm / head, embed_tokens), and
+    num_nextn_predict_layers = 1 in config.json. `copies`: store the embedding and head copies
+    (else the loader must share the main model's). `near_main`: eh_proj passes the main hidden
+    state through and the block adds little, so the MTP head guesses roughly what the main head
+    does next (drafts are accepted sometimes); else all random."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    files = sorted(path.glob("*.safetensors"))
+    assert len(files) == 1, files
+    tensors = load_file(str(files[0]))
+    L, D = cfg["num_hidden_layers"], cfg["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    src = f"model.layers.{L - 1}."  # a MoE layer: the MTP block has its shapes
+    for name, t in list(tensors.items()):
+        if name.startswith(src):
+            new = name.replace(src, f"model.layers.{L}.", 1)
+            if name.endswith("norm.weight"):
+                tensors[new] = torch.empty_like(t).uniform_(0.8, 1.2, generator=g)
+            elif name.endswith("e_score_correction_bias"):
+                tensors[new] = torch.empty_like(t).uniform_(-0.3, 0.3, generator=g)
+            else:
+                scale = 0.01 if near_main and ("o_proj" in name or "down_proj" in name) else 0.08
+                tensors[new] = torch.empty_like(t).normal_(0.0, scale, generator=g)
+    p = f"model.layers.{L}."
+    tensors[p + "enorm.weight"] = torch.ones(D)
+    tensors[p + "hnorm.weight"] = torch.ones(D)
+    eh = torch.empty(D, 2 * D).normal_(0.0, 0.02 if near_main else 0.08, generator=g)
+    if near_main:
+        eh[:, D:] += torch.eye(D)
+    tensors[p + "eh_proj.weight"] = eh
+    tensors[p + "shared_head.norm.weight"] = tensors["model.norm.weight"].clone()
+    if copies:
+        tensors[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+        tensors[p + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(files[0]), metadata={"format": "pt"})
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg, indent=2))

@@ -33,16 +33,21 @@ def model(request, tmp_path_factory):
     return str(path)
 
 
-def _llm(model, kernels, budget=16):
+def _llm(model, kernels, budget=16, spec=None):
     return LLM(model, device="cpu", dtype="float32", kernels=kernels, num_kv_blocks=64,
-               max_num_batched_tokens=budget)
+               max_num_batched_tokens=budget, speculative_config=spec)
 
 
-@pytest.mark.parametrize("budget,kernels", [(16, "triton"), (2048, "triton"),
-                                            (16, "triton,moe_blocked_max_tokens=0")])
-def test_triton_plan_equals_torch_plan(model, budget, kernels, monkeypatch):
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+@pytest.mark.parametrize("budget,kernels,spec", [(16, "triton", None), (2048, "triton", None),
+                                                 (16, "triton,moe_blocked_max_tokens=0", None),
+                                                 (2048, "triton", NGRAM)])
+def test_triton_plan_equals_torch_plan(model, budget, kernels, spec, monkeypatch):
     """With moe_blocked_max_tokens=0 the prefill chunks of 9-16 tokens take the torch experts loop
-    instead of the expert-sorted block kernels."""
+    instead of the expert-sorted block kernels. With ngram speculation the decode kernel verifies
+    drafts (q_len 1 + k, masks from positions); the torch engine runs without it."""
     calls = dict.fromkeys(KERNELS, 0)
     for key, (mod, name) in KERNELS.items():
         def counting(*a, _key=key, _fn=getattr(mod, name), **k):
@@ -51,13 +56,18 @@ def test_triton_plan_equals_torch_plan(model, budget, kernels, monkeypatch):
         monkeypatch.setattr(mod, name, counting)
     g = torch.Generator().manual_seed(budget)
     prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
-    want = [o.outputs[0].token_ids for o in _llm(model, "torch", budget).generate(prompts, SP)]
+    sp = SP
+    if spec is not None:  # repetitive prompts and longer outputs: the drafter finds matches
+        prompts, sp = [p[:4] * 5 for p in prompts], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in _llm(model, "torch", budget).generate(prompts, sp)]
     assert sum(calls.values()) == 0  # the torch plan calls no Triton kernel
-    llm = _llm(model, kernels, budget)
+    llm = _llm(model, kernels, budget, spec)
     plan = llm.engine.executor.worker.plan
     assert (plan.attention, plan.router, plan.moe, plan.moe_fused_max_tokens) == ("triton", "triton", "triton", 4)
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, SP)]
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp)]
     assert got == want
+    if spec is not None:
+        assert llm.scheduler.stats.spec.num_accepted_tokens > 0, "no draft accepted: no multi-token decode"
     calls["prefill"] += calls.pop("prefill_joined")
     expect = set(calls) - ({"moe_blocked"} if "blocked_max_tokens=0" in kernels else set())
     assert all(calls[k] > 0 for k in expect), str(calls)
