@@ -153,29 +153,12 @@ class _Sender:
 def _loop(core, cmd_conn, sender: _Sender) -> None:
     steps = 0
     while True:
-        outs: list[EngineCoreOutput] = []
-        changed = False
-        # Idle: wait for work. Busy: take the commands that arrived (a bounded number of
-        # messages, so a flood of arrivals cannot hold the step back), then step.
-        timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_S
-        for _ in range(_MAX_MESSAGES_PER_STEP):
-            if not cmd_conn.poll(timeout):
-                break
-            for kind, payload in pickle.loads(cmd_conn.recv_bytes()):
-                if kind == "add":
-                    refused = []
-                    for req_id, prompt_ids, params in payload:
-                        try:
-                            core.add_request(req_id, prompt_ids, params)
-                        except ValueError as e:  # this request's own fault: it fails alone
-                            refused.append((req_id, str(e)))
-                    if refused:
-                        sender.put(("refused", refused))
-                elif kind == "abort":
-                    outs += core.abort_requests(payload)
-                elif kind == "shutdown":
-                    return
-            changed, timeout = True, 0
+        # Idle: wait for work. Busy: take the commands that arrived, then step.
+        got = _take_commands(core, cmd_conn, sender,
+                             0 if core.has_unfinished_requests() else _IDLE_POLL_S)
+        if got is None:
+            return  # shutdown
+        outs, changed = got
         step_tokens = 0
         if core.has_unfinished_requests():
             outs += core.step()
@@ -183,8 +166,43 @@ def _loop(core, cmd_conn, sender: _Sender) -> None:
             step_tokens = core.step_tokens
             changed = True
         if changed:
-            s = core.scheduler.stats
-            sender.put(("outputs", (outs, CoreStats(
-                s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks,
-                s.kv_cache_usage, s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits,
-                steps, step_tokens, copy.deepcopy(s.spec)))))
+            _report(core, sender, outs, steps, step_tokens)
+
+
+def _take_commands(core, cmd_conn, sender: _Sender,
+                   timeout: float) -> tuple[list[EngineCoreOutput], bool] | None:
+    """Apply the commands that arrived (waiting up to `timeout` for the first): a bounded number
+    of messages, so that a flood of arrivals cannot hold the step back. Returns the outputs of
+    aborts and whether anything arrived, or None on shutdown."""
+    outs: list[EngineCoreOutput] = []
+    changed = False
+    for _ in range(_MAX_MESSAGES_PER_STEP):
+        if not cmd_conn.poll(timeout):
+            break
+        for kind, payload in pickle.loads(cmd_conn.recv_bytes()):
+            if kind == "add":
+                refused = []
+                for req_id, prompt_ids, params in payload:
+                    try:
+                        core.add_request(req_id, prompt_ids, params)
+                    except ValueError as e:  # this request's own fault: it fails alone
+                        refused.append((req_id, str(e)))
+                if refused:
+                    sender.put(("refused", refused))
+            elif kind == "abort":
+                outs += core.abort_requests(payload)
+            elif kind == "shutdown":
+                return None
+        changed, timeout = True, 0
+    return outs, changed
+
+
+def _report(core, sender: _Sender, outs: list[EngineCoreOutput], steps: int,
+            step_tokens: int) -> None:
+    """Queue one output message: the outputs and the scheduler's counters (the sender thread
+    encodes and writes it)."""
+    s = core.scheduler.stats
+    sender.put(("outputs", (outs, CoreStats(
+        s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks,
+        s.kv_cache_usage, s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits,
+        steps, step_tokens, copy.deepcopy(s.spec)))))

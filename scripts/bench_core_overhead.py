@@ -1,0 +1,467 @@
+"""The control plane on the CPU: `serve` (front end + engine-core process) against the offline
+LLM, both driving a stub model, so that what is left is scheduling, input/output plumbing and
+HTTP work. Reports requests/s, steps/s and the engine core's time per step split by phase.
+
+The stub: the real tiny model is built (configs/models/tiny-deepseek-v3, token-id prompts), but
+ModelRunner.forward returns zero hidden states and ModelRunner.logits zero logits over its
+512-token vocabulary, so every step samples token 0 (ignore_eos keeps requests going). With
+--device-ms / --device-us-per-token the stub stands in for a GPU: each launched step occupies
+an imaginary device for that long (steps queue behind each other), and ModelRunner.finish
+sleeps until its step is done (a sleep releases the GIL, as the wait on a CUDA event does), so
+async scheduling overlaps host work with it as on a GPU. Everything else is the real code:
+Scheduler, ModelRunner input preparation and sampler (on the CPU, over 512 logits), EngineCore,
+the core process's loop, pipes and sender thread, AsyncLLM, the output processor, FastAPI,
+uvicorn, SSE.
+
+What the stub changes: with no device time the host work is the whole step, so every cost here
+is on the critical path and the sender thread contends for the core's GIL all the time; on a GPU
+the step loop waits on the device with the GIL released and async scheduling hides the host
+work that fits in the device time. The figures are per-step costs to compare between the two
+paths, not a prediction of GPU throughput. The client (a minimal asyncio HTTP/1.1 client, one
+connection per request) shares this machine's cores with the server.
+
+    python scripts/bench_core_overhead.py                       # both paths, 1000 x (1000 in, 100 out), streamed
+    python scripts/bench_core_overhead.py --num-prompts 256 --no-stream
+    python scripts/bench_core_overhead.py --mode http --device-ms 15   # a 15 ms "GPU" step
+
+The engine-core phases (ms per step, exclusive): schedule (Scheduler.schedule), launch (input
+preparation, stub forward, sampler), device wait (the stub's imaginary device), finish (sampled
+ids back to requests), update (Scheduler.update_from_output), step other (the rest of
+EngineCore.step), add_request (EngineCore.add_request), commands (receiving and unpickling
+commands, less add_request), report (building and queueing the output message), idle (waiting
+for commands with nothing to run), loop other (the rest of the loop's wall time). "sender thread"
+is the time the core process's sender thread spends encoding, pickling and writing output
+messages (concurrent with the loop; it holds the GIL while it encodes and pickles).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+STUB_ENV = "BENCH_CORE_OVERHEAD_STUB"  # JSON settings of the stub for the server and its children
+TINY = str(REPO / "configs" / "models" / "tiny-deepseek-v3")
+PHASES = ("schedule", "launch", "device wait", "finish", "update", "step other", "add_request",
+          "commands", "report", "idle", "loop other")
+
+
+class Timers:
+    """Seconds and calls per phase over one busy period of the engine core."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.t = {}
+        self.n = {}
+        self.steps = self.tokens = 0
+        self.start = self.end = None
+        self.first_add = self.last_add = None  # when the first and the last request were added
+        self.cpu0 = time.process_time()
+
+    def add(self, name: str, dt: float) -> None:
+        self.t[name] = self.t.get(name, 0.0) + dt
+        self.n[name] = self.n.get(name, 0) + 1
+
+    def snapshot(self) -> dict:
+        return {"t": dict(self.t), "n": dict(self.n), "steps": self.steps, "tokens": self.tokens,
+                "wall": (self.end or time.perf_counter()) - (self.start or time.perf_counter()),
+                "start": self.start, "end": self.end, "first_add": self.first_add, "last_add": self.last_add,
+                "cpu": time.process_time() - self.cpu0}
+
+
+TIMERS = Timers()
+
+
+def _timed(name: str, fn):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            TIMERS.add(name, time.perf_counter() - t0)
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def install_stub(settings: dict) -> None:
+    """Patch the model runner (stub model, imaginary device) and time the engine core's phases."""
+    import threading
+    from multiprocessing import connection
+
+    import torch
+
+    import engine.core_proc as cp
+    from engine.core import EngineCore
+    from engine.model_runner import ModelRunner
+    from scheduler.scheduler import Scheduler
+
+    device_s, per_token_s = settings["device_ms"] / 1e3, settings["device_us_per_token"] / 1e6
+    vocab = settings["vocab"]
+    busy_until = [0.0]
+
+    def forward(self, batch):
+        return torch.zeros(batch.input_ids.shape[0], 8)
+
+    def logits(self, hidden):
+        return torch.zeros(hidden.shape[0], vocab)
+
+    launch, finish = ModelRunner.launch, ModelRunner.finish
+
+    def timed_launch(self, so):
+        t0 = time.perf_counter()
+        pending = launch(self, so)
+        now = time.perf_counter()
+        TIMERS.add("launch", now - t0)
+        if pending is not None:
+            busy_until[0] = max(busy_until[0], now) + device_s + per_token_s * so.total_num_scheduled_tokens
+            pending.ready_at = busy_until[0]
+        return pending
+
+    def timed_finish(self, pending):
+        t0 = time.perf_counter()
+        if pending is not None and getattr(pending, "ready_at", 0.0) > t0:
+            time.sleep(pending.ready_at - t0)
+        t1 = time.perf_counter()
+        TIMERS.add("device wait", t1 - t0)
+        try:
+            return finish(self, pending)
+        finally:
+            TIMERS.add("finish", time.perf_counter() - t1)
+
+    ModelRunner.forward, ModelRunner.logits = forward, logits
+    ModelRunner.launch, ModelRunner.finish = timed_launch, timed_finish
+    Scheduler.schedule = _timed("schedule", Scheduler.schedule)
+    Scheduler.update_from_output = _timed("update", Scheduler.update_from_output)
+    add_request = _timed("add_request", EngineCore.add_request)
+
+    def timed_add(self, *args, **kwargs):
+        TIMERS.last_add = time.perf_counter()
+        TIMERS.first_add = TIMERS.first_add or TIMERS.last_add
+        return add_request(self, *args, **kwargs)
+
+    EngineCore.add_request = timed_add
+    step = EngineCore.step
+
+    def timed_step(self):
+        t0 = time.perf_counter()
+        try:
+            return step(self)
+        finally:
+            TIMERS.add("step", time.perf_counter() - t0)
+            TIMERS.steps += 1
+            TIMERS.tokens += self.step_tokens
+            TIMERS.end = time.perf_counter()
+
+    EngineCore.step = timed_step
+
+    # ---- the engine-core process's loop (engine/core_proc.py) ----
+    poll = connection.Connection.poll
+    main_thread = threading.main_thread()
+    last_idle = [0.0, 0.0]  # (end, length) of the latest idle wait
+
+    def timed_poll(self, timeout=0.0):
+        if timeout == 0 or threading.current_thread() is not main_thread:
+            return poll(self, timeout)
+        t0 = time.perf_counter()
+        try:
+            return poll(self, timeout)
+        finally:
+            last_idle[:] = time.perf_counter(), time.perf_counter() - t0
+            TIMERS.add("idle", last_idle[1])
+
+    connection.Connection.poll = timed_poll
+    take = cp._take_commands
+    periods: list[dict] = []
+    out_path = settings.get("out")
+
+    def close_period() -> None:
+        if TIMERS.steps:
+            periods.append(TIMERS.snapshot())
+            if out_path:
+                Path(out_path).write_text(json.dumps(periods))
+        TIMERS.reset()
+
+    def timed_take(core, conn, sender, timeout):
+        if timeout > 0 and TIMERS.steps:
+            close_period()  # idle again: the busy period is over
+        if TIMERS.start is None:
+            TIMERS.reset()  # waiting for work: nothing counts yet
+        t0 = time.perf_counter()
+        got = take(core, conn, sender, timeout)
+        TIMERS.add("commands", time.perf_counter() - t0)
+        if got is None:
+            close_period()
+        elif got[1] and TIMERS.start is None:
+            # the period starts when the first command arrived: the wait before it is not in it
+            TIMERS.start = last_idle[0] if timeout > 0 else t0
+            if timeout > 0:
+                for k in ("idle", "commands"):
+                    TIMERS.t[k] -= last_idle[1]
+        return got
+
+    cp._take_commands = timed_take
+    cp._report = _timed("report", cp._report)
+    cp.encode_outputs = _timed("sender encode", cp.encode_outputs)
+    dumps, send_bytes = cp.pickle.dumps, connection.Connection.send_bytes
+    cp.pickle.dumps = _timed("sender pickle", dumps)  # the front end's pickling is timed too, unread
+    connection.Connection.send_bytes = _timed("pipe write", send_bytes)
+
+
+if STUB_ENV in os.environ:  # the server process, and its engine-core child (spawn imports this)
+    install_stub(json.loads(os.environ[STUB_ENV]))
+
+
+def per_step_table(p: dict, wall_s: float) -> str:
+    """ms per step of each exclusive phase of one busy period."""
+    t, steps = dict(p["t"]), max(p["steps"], 1)
+    inner = sum(t.get(k, 0.0) for k in ("schedule", "launch", "device wait", "finish", "update"))
+    t["step other"] = t.get("step", 0.0) - inner
+    if "commands" in t:  # the server's core loop: its wall time is the busy period
+        t["commands"] -= t.get("idle", 0.0) + t.get("add_request", 0.0)
+        t["loop other"] = p["wall"] - sum(t.get(k, 0.0) for k in PHASES if k != "loop other")
+    rows = [f"  {k:<14}{t[k] * 1e3 / steps:>9.3f}" for k in PHASES if k in t]
+    for k in ("sender encode", "sender pickle", "pipe write"):
+        if k in t:
+            rows.append(f"  {k:<14}{t[k] * 1e3 / steps:>9.3f}   (sender thread, concurrent)")
+    return "\n".join(rows)
+
+
+# ---- offline ----
+
+def run_offline(a: argparse.Namespace) -> dict:
+    from bench_common import random_prompts
+
+    from common.sampling_params import SamplingParams
+    from engine import LLM
+    from engine.output_processor import OutputProcessor
+    install_stub({"device_ms": a.device_ms, "device_us_per_token": a.device_us_per_token,
+                  "vocab": 512})
+    OutputProcessor.process = _timed("output processing", OutputProcessor.process)
+    llm = LLM(**engine_kwargs(a))
+    sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    prompts = random_prompts(a.num_prompts, a.input_len, 512)
+    llm.generate(prompts[:8], sp)
+    TIMERS.reset()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp)
+    dt = time.perf_counter() - t0
+    snap = TIMERS.snapshot()
+    snap["wall"] = dt
+    assert all(len(o.outputs[0].token_ids) == a.output_len for o in outs)
+    return {"wall": dt, "core": snap}
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict:
+    return dict(model=TINY, load_format="dummy", device="cpu", max_model_len=a.input_len + a.output_len + 16,
+                max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs,
+                async_scheduling=a.async_scheduling, skip_tokenizer_init=not a.tokenizer,
+                num_kv_blocks=a.max_num_seqs * ((a.input_len + a.output_len) // 16 + 2) + 64)
+
+
+def serve_argv(a: argparse.Namespace, port: int) -> list[str]:
+    kw = engine_kwargs(a)
+    argv = ["--model", kw["model"], "--load-format", "dummy", "--device", "cpu",
+            "--max-model-len", str(kw["max_model_len"]), "--max-num-batched-tokens", str(kw["max_num_batched_tokens"]),
+            "--max-num-seqs", str(kw["max_num_seqs"]), "--num-kv-blocks", str(kw["num_kv_blocks"]),
+            "--async-scheduling" if a.async_scheduling else "--no-async-scheduling",
+            "--port", str(port), "--log-level", "warning"]
+    return argv + ([] if a.tokenizer else ["--skip-tokenizer-init"])
+
+
+# ---- HTTP ----
+
+async def _request(port: int, body: bytes, stream: bool) -> tuple[int, bytes]:
+    """One POST /v1/completions on its own connection; (SSE events seen, the last bytes)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    events, tail, first, last = 0, b"", None, b""
+    while data := await reader.read(65536):
+        if first is None:
+            first = data
+        buf = tail + data
+        events += buf.count(b"data: ")  # the tail is too short to hold a whole marker
+        tail = buf[-5:]
+        last = (last + data)[-4000:]
+    writer.close()
+    if first is None or not first.startswith(b"HTTP/1.1 200"):
+        raise RuntimeError(f"request failed: {(first or b'')[:300]!r}")
+    return events, last
+
+
+async def _load_httpx(port: int, a: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list]:
+    """The same load through scripts/bench_serving.py's client (httpx, one SSE parse per line),
+    as the GPU comparison runs it."""
+    import httpx
+    from bench_serving import Target, run_load
+
+    limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=60), trust_env=False) as client:
+        t = Target(f"http://127.0.0.1:{port}/v1/completions", {}, None, a.output_len, 0.0, 600)
+        t0 = time.perf_counter()
+        results, dt = await run_load(client, t, prompts, float("inf"), None, 0)
+    failed = [r.error for r in results if not r.ok or r.output_tokens != a.output_len]
+    if failed:
+        raise SystemExit(f"{len(failed)} requests failed or came back short, e.g. {failed[0]}")
+    return dt, [(len(r.itl) + 2, f'"completion_tokens":{a.output_len}'.encode()) for r in results], t0
+
+
+async def _load(port: int, a: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list]:
+    if a.client == "httpx":
+        return await _load_httpx(port, a, prompts)
+    bodies = [json.dumps({"model": None, "prompt": p, "max_tokens": a.output_len, "ignore_eos": True,
+                          "temperature": 0.0, "stream": a.stream,
+                          **({"stream_options": {"include_usage": True}} if a.stream else {})}).encode()
+              for p in prompts]
+    t0 = time.perf_counter()
+    results = await asyncio.gather(*(_request(port, b, a.stream) for b in bodies))
+    return time.perf_counter() - t0, results, t0
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (all its threads) from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _core_pid(server_pid: int) -> int:
+    """The engine-core process: the server's child started by multiprocessing's spawn (not its
+    resource tracker)."""
+    for task in Path(f"/proc/{server_pid}/task").iterdir():
+        for c in (task / "children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes():
+                return int(c)
+    raise SystemExit("no engine-core process found under the server")
+
+
+def run_http(a: argparse.Namespace) -> dict:
+    import httpx
+    from bench_common import random_prompts
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = Path(tempfile.mkdtemp(prefix="bench_core_")) / "core.json"
+    env = {**os.environ, STUB_ENV: json.dumps({"device_ms": a.device_ms, "device_us_per_token": a.device_us_per_token,
+                                               "vocab": 512, "out": str(out)})}
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-child", *serve_argv(a, port)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env)
+    try:
+        deadline = time.time() + 300
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"serve exited with {proc.returncode} during start-up")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() > deadline:
+                raise SystemExit("serve did not become healthy in 300 s")
+            time.sleep(0.5)
+        prompts = random_prompts(a.num_prompts + 8, a.input_len, 512, seed=1)
+        asyncio.run(_load(port, a, prompts[:8]))  # warm-up
+        time.sleep(1.5)  # the core goes idle: its warm-up period closes
+        core_pid = _core_pid(proc.pid)
+        cpu0 = (_cpu_s(proc.pid), _cpu_s(core_pid), time.process_time())
+        dt, results, t_send = asyncio.run(_load(port, a, prompts[8:]))
+        cpu1 = (_cpu_s(proc.pid), _cpu_s(core_pid), time.process_time())
+        bad = [r for r in results if (a.stream and r[0] < a.output_len) or
+               f'"completion_tokens":{a.output_len}'.encode() not in r[1].replace(b" ", b"")]
+        if bad:
+            raise SystemExit(f"{len(bad)} responses lack {a.output_len} tokens, e.g. {bad[0][1][-300:]!r}")
+        events = sum(r[0] for r in results)
+        time.sleep(1.5)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    periods = json.loads(out.read_text())
+    c = periods[-1]
+    return {"wall": dt, "core": c, "events": events, "sent": t_send,
+            "to_first_add": c["first_add"] - t_send, "adds_span": c["last_add"] - c["first_add"],
+            "after_last_step": t_send + dt - c["end"],
+            "front_cpu": cpu1[0] - cpu0[0], "core_cpu": cpu1[1] - cpu0[1], "client_cpu": cpu1[2] - cpu0[2]}
+
+
+def report(name: str, r: dict, a: argparse.Namespace) -> str:
+    c = r["core"]
+    lines = [f"{name}: {a.num_prompts / r['wall']:.2f} req/s, {c['steps']} steps in {r['wall']:.2f} s "
+             f"({c['steps'] / r['wall']:.1f} steps/s, {r['wall'] / max(c['steps'], 1) * 1e3:.3f} ms per step "
+             f"of wall time), {c['tokens'] / max(c['steps'], 1):.0f} tokens per step"]
+    if "events" in r:
+        lines.append(f"  core busy period {c['wall']:.2f} s; CPU s over the run: front end {r['front_cpu']:.2f}, "
+                     f"engine core {r['core_cpu']:.2f}, client {r['client_cpu']:.2f}; {r['events']} SSE events")
+        lines.append(f"  first request sent -> first in the core {r['to_first_add']:.3f} s; first -> last in the "
+                     f"core {r['adds_span']:.3f} s; core's last step -> last response read {r['after_last_step']:.3f} s")
+    else:
+        lines.append(f"  output processing (front end, in-process) "
+                     f"{c['t'].get('output processing', 0) * 1e3 / max(c['steps'], 1):.3f} ms per step")
+    lines.append("  engine core, ms per step:")
+    lines.append(per_step_table(c, r["wall"]))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--serve-child":
+        from server.cli import main as serve
+        prof = os.environ.get("BENCH_CORE_OVERHEAD_PROFILE")  # cProfile of the front end
+        if not prof:
+            sys.exit(serve(sys.argv[2:]))
+        import cProfile
+        profiler = cProfile.Profile()
+        rc = profiler.runcall(serve, sys.argv[2:])
+        profiler.dump_stats(prof)
+        sys.exit(rc)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["both", "offline", "http"], default="both")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--input-len", type=int, default=1000)
+    p.add_argument("--output-len", type=int, default=100)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="as serve and LLM run on a GPU (their CPU default is off)")
+    p.add_argument("--client", choices=["raw", "httpx"], default="raw",
+                   help="raw: a minimal asyncio client that counts SSE events; httpx: bench_serving.py's")
+    p.add_argument("--tokenizer", action="store_true", help="load the tiny model's tokenizer (detokenize)")
+    p.add_argument("--device-ms", type=float, default=0.0, help="imaginary device time per step")
+    p.add_argument("--device-us-per-token", type=float, default=0.0, help="and per scheduled token")
+    p.add_argument("--json", default=None, help="write the results here")
+    a = p.parse_args()
+    sys.path.insert(0, str(REPO / "scripts"))
+    print(f"{a.num_prompts} x ({a.input_len} in, {a.output_len} out), max_num_seqs {a.max_num_seqs}, "
+          f"{'streamed' if a.stream else 'not streamed'}, async scheduling {'on' if a.async_scheduling else 'off'}, "
+          f"device {a.device_ms} ms + {a.device_us_per_token} us/token per step, {a.client} client", flush=True)
+    res = {}
+    if a.mode in ("both", "offline"):
+        res["offline"] = run_offline(a)
+        print(report("offline", res["offline"], a), flush=True)
+    if a.mode in ("both", "http"):
+        res["http"] = run_http(a)
+        print(report("HTTP", res["http"], a), flush=True)
+    if len(res) == 2:
+        print(f"HTTP / offline req/s: {res['offline']['wall'] / res['http']['wall']:.3f}")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"args": vars(a), "results": res}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
