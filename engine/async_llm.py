@@ -84,6 +84,7 @@ class AsyncLLM:
         # Stall detection (/health): the core reports after every step, outputs or not.
         self._last_core_message = self._busy_since = time.monotonic()
         self._parent: dict[str, str] = {}  # engine (child) request id -> request id
+        self._children: dict[str, list[str]] = {}  # request id -> its engine request ids
         self._submitted: set[str] = set()  # requests handed to the core and not yet over
         self.core = CoreClient(args, self.model_config, self.inputs.eos_token_id,
                                self._on_core_outputs, self._on_core_death, self._on_refused,
@@ -157,9 +158,27 @@ class AsyncLLM:
             return 0.0
         return max(0.0, time.monotonic() - max(self._last_core_message, self._busy_since))
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutputs (per-step deltas; engine/outputs.py) until finished."""
+    def generate(self, prompt: str | list[int], params: SamplingParams,
+                 request_id: str) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs (per-step deltas; engine/outputs.py) until finished.
+
+        A token-id prompt is checked and handed to the engine core before this returns (a bad
+        one raises ValueError here): when many requests arrive at once, the event loop parses
+        them one after the other, and each reaches the core as soon as it is parsed rather than
+        when its stream is first read, after all the others. A text prompt is tokenized off the
+        event loop once the stream is read."""
+        if isinstance(prompt, str):
+            return self._stream(request_id, None, prompt, params)
+        q = self._open(request_id)
+        try:
+            self._submit(request_id, self.inputs.process(prompt, params))
+        except BaseException:
+            self._queues.pop(request_id, None)
+            raise
+        return self._stream(request_id, q, None, None)
+
+    def _open(self, request_id: str) -> asyncio.Queue:
+        """Take the request id and the queue its outputs go to."""
         if self.errored:
             raise EngineDeadError("engine core is not running")
         self._loop = self._loop or asyncio.get_running_loop()
@@ -167,24 +186,39 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = q  # the id is taken from here on
-        try:
-            if isinstance(prompt, str):  # tokenizing is the slow part: off the event loop
-                text, ids, params = await asyncio.to_thread(self.inputs.process, prompt, params)
-            else:
-                text, ids, params = self.inputs.process(prompt, params)
-            children = self.outputs.add_request(request_id, text, ids, params)
-        except BaseException:
-            self._queues.pop(request_id, None)
-            raise
+        return q
+
+    def _submit(self, request_id: str, processed: tuple) -> None:
+        """Register a checked request with the output processor and send it to the core."""
+        text, ids, params = processed
+        children = self.outputs.add_request(request_id, text, ids, params)
         if self.args.enable_log_requests:
             log.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
         self._prompt_tokens += len(ids)
+        self._children[request_id] = [cid for cid, _ in children]
         for cid, _ in children:
             self._parent[cid] = request_id
         if not self._submitted:
             self._busy_since = time.monotonic()  # the stall clock starts with the core's first request
         self._submitted.add(request_id)
         self.core.add([(cid, ids, p) for cid, p in children])
+
+    def _release(self, request_id: str) -> None:
+        """Forget a request's queue and ids (idempotent)."""
+        self._queues.pop(request_id, None)
+        self._submitted.discard(request_id)
+        for cid in self._children.pop(request_id, ()):
+            self._parent.pop(cid, None)
+
+    async def _stream(self, request_id: str, q: asyncio.Queue | None, prompt: str | None,
+                      params: SamplingParams | None) -> AsyncIterator[RequestOutput]:
+        if q is None:  # a text prompt: tokenizing is the slow part, off the event loop
+            q = self._open(request_id)
+            try:
+                self._submit(request_id, await asyncio.to_thread(self.inputs.process, prompt, params))
+            except BaseException:
+                self._queues.pop(request_id, None)
+                raise
         finished = False
         try:
             while True:
@@ -196,16 +230,16 @@ class AsyncLLM:
                 if finished:
                     return
         finally:
-            self._queues.pop(request_id, None)
-            self._submitted.discard(request_id)
-            for cid, _ in children:
-                self._parent.pop(cid, None)
+            self._release(request_id)
             if not finished:  # client went away (cancelled / closed the generator): free its blocks
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
+        """Stop a request: in the output processor and the core; its queue and ids are released
+        (also for a stream that was never read)."""
         children = self.outputs.child_ids(request_id)
         self.outputs.abort(request_id)
+        self._release(request_id)
         if children:
             self.core.abort(children)
 

@@ -35,12 +35,21 @@ class EngineStreams:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffer: list[tuple[int, RequestOutput]] = []
         self._open = set(range(len(prompts)))
-        self._tasks = [asyncio.create_task(self._pump(i, p, params))
-                       for i, p in enumerate(prompts)]
+        self._tasks = []
+        for i, p in enumerate(prompts):
+            # AsyncLLM submits a token-id prompt here, before the task runs (engine/async_llm.py);
+            # a refusal is delivered by the task, in order, like any failure
+            try:
+                source = engine.generate(p, params, self.request_ids[i])
+            except Exception as e:  # noqa: BLE001 - the consumer maps it to 400/500
+                source = e
+            self._tasks.append(asyncio.create_task(self._pump(i, source)))
 
-    async def _pump(self, i: int, prompt: str | list[int], params: SamplingParams) -> None:
+    async def _pump(self, i: int, source: AsyncIterator[RequestOutput] | Exception) -> None:
         try:
-            async for out in self._engine.generate(prompt, params, self.request_ids[i]):
+            if isinstance(source, Exception):
+                raise source
+            async for out in source:
                 self._queue.put_nowait((i, out, None))
         except asyncio.CancelledError:
             raise

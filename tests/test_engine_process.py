@@ -187,3 +187,42 @@ def test_core_in_a_thread_or_a_process_gives_the_same_outputs(tmp_path_factory):
     for deltas, final in spawned:
         for k, (ids, _, lp_ids) in enumerate(final):
             assert ids == [t for step in deltas for t in step[k]] == lp_ids and len(ids) == 6
+
+
+def test_token_id_prompt_reaches_the_core_before_its_stream_is_read(tmp_path_factory):
+    """generate() hands a token-id prompt to the core at once: it runs while nobody reads the
+    stream (a burst of requests starts on the core while the rest are still being parsed), and a
+    stream never read but aborted leaves no request behind."""
+    import asyncio
+
+    from common.args import EngineArgs
+    from common.sampling_params import SamplingParams
+    from engine.async_llm import AsyncLLM
+
+    args = EngineArgs(model=tiny_model_dir(tmp_path_factory), device="cpu", dtype="float32",
+                      max_model_len=512, num_kv_blocks=256)
+
+    async def run():
+        engine = AsyncLLM(args, core_in_thread=True)
+        try:
+            params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+            stream = engine.generate([5, 6, 7], params, "eager")  # not read yet
+            deadline = time.monotonic() + 60
+            while engine.stats().generation_tokens_total < 4:
+                assert time.monotonic() < deadline, "the core did not run the unread request"
+                await asyncio.sleep(0.01)
+            outs = [o async for o in stream]
+            assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 4
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                engine.generate([5, 10**6], params, "bad")
+            engine.generate([5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True), "dropped")
+            assert engine.has_unfinished_requests()
+            await engine.abort("dropped")
+            assert not engine.has_unfinished_requests() and engine.stalled_for() == 0.0
+            while engine.stats().num_running:  # the core frees it
+                assert time.monotonic() < deadline, "the aborted request still runs"
+                await asyncio.sleep(0.01)
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
