@@ -61,7 +61,7 @@ class EngineCore:
         so that a bad request fails alone before it ever joins a batch."""
         check_sampling_params(params)
         V = self.cfg.vocab_size
-        if any(not 0 <= t < V for t in prompt_token_ids):
+        if prompt_token_ids and not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < V:
             raise ValueError(f"prompt: token ids must be in [0, {V})")
         if any(not 0 <= t < V for t in params.stop_token_ids):  # the sampler masks them by index
             raise ValueError(f"stop_token_ids must be in [0, {V})")

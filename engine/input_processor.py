@@ -73,9 +73,11 @@ class InputProcessor:
             if not ids:
                 raise ValueError("prompt must not be empty")
             V = self.vocab_size
-            bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < V), None)
-            if bad is not None:
-                raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {V})")
+            # one pass over the types and min/max at C speed; the item scan only to name a bad one
+            if not (set(map(type, ids)) <= {int} and 0 <= min(ids) and max(ids) < V):
+                bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < V), None)
+                if bad is not None:
+                    raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {V})")
         if self.capacity_tokens and len(ids) > self.capacity_tokens:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the KV cache holds "
                              f"({self.capacity_tokens} tokens)")

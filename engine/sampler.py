@@ -14,6 +14,7 @@ never depends on other rows, so a seed gives the same stream whatever the batch 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,24 +35,29 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return gen
 
 
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_FP32_OVERFLOW = 3.4028235677973366e38  # the smallest magnitude that rounds to inf in fp32
+
+
 def check_sampling_params(p: SamplingParams) -> None:
     """ValueError naming the field when torch cannot build this request's sampling state (its
     generator, its int64 / fp32 columns). The engine core runs it when a request is added, so
-    that a bad value is refused on its own instead of failing a whole step later."""
+    that a bad value is refused on its own instead of failing a whole step later. The int64 and
+    fp32 tests are done in Python (the ranges torch.tensor accepts), not by building tensors:
+    this runs for every request on the core's loop."""
     if p.seed is not None:
         try:
             torch.Generator().manual_seed(p.seed)
         except (RuntimeError, OverflowError, TypeError, ValueError) as e:
             raise ValueError(f"seed {p.seed!r} cannot seed a torch generator ({e})") from None
     for name, values in (("top_k", [p.top_k]), ("stop_token_ids", list(p.stop_token_ids))):
-        try:
-            torch.tensor(values, dtype=torch.int64)
-        except (RuntimeError, OverflowError, TypeError, ValueError) as e:
-            raise ValueError(f"{name} {values!r} does not fit in int64 ({e})") from None
+        bad = next((v for v in values if not isinstance(v, int) or not _INT64_MIN <= v <= _INT64_MAX), None)
+        if bad is not None:
+            raise ValueError(f"{name} {values!r} does not fit in int64 ({bad!r} is not an int64)")
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         v = getattr(p, name)
-        if not torch.isfinite(torch.tensor(float(v), dtype=torch.float32)):
+        if not (math.isfinite(float(v)) and abs(float(v)) < _FP32_OVERFLOW):
             raise ValueError(f"{name} {v!r} is not a finite fp32 number")
 
 

@@ -38,9 +38,16 @@ Int64 = bounded(INT64_MIN, INT64_MAX)
 NonNegInt64 = bounded(0, INT64_MAX)
 
 
+_CONTAINERS = (str, dict, list)
+_SCALARS = {int, float, bool, type(None)}
+
+
 def check_text(value: Any, path: str) -> None:
     """Refuse strings that are not valid Unicode text (a lone surrogate such as "\ud800" parses
-    from JSON but cannot be encoded, tokenized or echoed): ValueError naming the field."""
+    from JSON but cannot be encoded, tokenized or echoed): ValueError naming the field.
+
+    Numbers and other scalars are skipped without building their path: a prompt of token ids
+    is a list of thousands of ints."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -50,10 +57,14 @@ def check_text(value: Any, path: str) -> None:
     elif isinstance(value, dict):
         for k, v in value.items():
             check_text(k, path)
-            check_text(v, f"{path}.{k}" if path else str(k))
+            if isinstance(v, _CONTAINERS):
+                check_text(v, f"{path}.{k}" if path else str(k))
     elif isinstance(value, list):
+        if set(map(type, value)) <= _SCALARS:
+            return  # token ids: one pass at C speed
         for i, v in enumerate(value):
-            check_text(v, f"{path}.{i}" if path else str(i))
+            if isinstance(v, _CONTAINERS):
+                check_text(v, f"{path}.{i}" if path else str(i))
 
 
 def _set(v: Any) -> bool:
@@ -373,22 +384,28 @@ def _normalize_prompt(v: Any) -> list[Prompt]:
         raise ValueError("prompt is required")
     if isinstance(v, str):
         prompts: list[Prompt] = [v]
-    elif isinstance(v, list) and v and all(_is_token(t) for t in v):
+    elif isinstance(v, list) and v and _all_tokens(v):
         prompts = [list(v)]
     elif isinstance(v, list) and v and all(isinstance(p, str) for p in v):
         prompts = list(v)
     elif (isinstance(v, list) and v and all(isinstance(p, list) for p in v)
-          and all(_is_token(t) for p in v for t in p)):
+          and all(_all_tokens(p) for p in v)):
         prompts = [list(p) for p in v]
     else:
         raise ValueError(shape if v != [] else "prompt must not be empty")
     for p in prompts:
         if len(p) == 0:
             raise ValueError("prompt must not be empty")
-        if isinstance(p, list) and any(not 0 <= t <= INT64_MAX for t in p):
+        if isinstance(p, list) and not 0 <= min(p) <= max(p) <= INT64_MAX:
             raise ValueError(f"prompt token ids must be in [0, {INT64_MAX}]")
     return prompts
 
 
 def _is_token(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _all_tokens(p: list) -> bool:
+    """Every item an int (not a bool). JSON gives exact ints, so the common case is one pass
+    over the item types at C speed; the per-item test runs only when that fails."""
+    return set(map(type, p)) <= {int} or all(_is_token(t) for t in p)

@@ -308,3 +308,22 @@ def test_logit_bias_moves_greedy_and_sampled_rows_and_leaves_logprobs_raw():
 def test_logit_bias_out_of_range_is_refused(bias):
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias=bias)
+
+
+def test_check_sampling_params_matches_what_torch_accepts():
+    """The core's per-request check refuses what the sampler's int64 / fp32 columns could not
+    hold, and accepts the largest values they can (the same bounds torch.tensor has)."""
+    from engine.sampler import check_sampling_params
+
+    for t in (3.4e38, 0.0, 2.0):
+        check_sampling_params(SamplingParams(temperature=t))
+        torch.tensor(t, dtype=torch.float32).isfinite().item() or pytest.fail(f"{t} overflows fp32")
+    with pytest.raises(ValueError, match="temperature .* not a finite fp32"):
+        check_sampling_params(SamplingParams(temperature=3.5e38))
+    assert not torch.tensor(3.5e38, dtype=torch.float32).isfinite().item()
+    p = SamplingParams()
+    p.stop_token_ids = [2**63 - 1]
+    check_sampling_params(p)
+    p.stop_token_ids = [5, 2**63]
+    with pytest.raises(ValueError, match="stop_token_ids .* does not fit in int64"):
+        check_sampling_params(p)
