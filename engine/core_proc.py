@@ -12,6 +12,10 @@ declaration order (a field added to the dataclass travels without touching this 
 of 256 decodes is ~15 KB, encoded and pickled in ~0.13 ms on the CPU, a third of the time
 pickling the dataclasses takes. Only new tokens cross, never cumulative lists.
 
+Two threads of the core process do the pipe work, so that the step loop never waits on the
+front end: a receiver reads and unpickles commands into a queue the loop drains between steps,
+a sender encodes, pickles and writes output messages.
+
 The core process builds the executor itself, so under -tp it is the parent of the worker
 processes (engine/multiproc.py); rank 0's output comes back to it as before.
 """
@@ -107,7 +111,7 @@ def core_main(args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None, cmd_
                                            core.scheduler.config.capacity_tokens,
                                            core.executor.num_blocks)))
         sender = _Sender(out_conn)
-        _loop(core, cmd_conn, sender)
+        _loop(core, _Receiver(cmd_conn), sender)
     except (EOFError, BrokenPipeError):
         pass  # the front end is gone: nobody to report to
     except BaseException as e:  # noqa: BLE001 - report any fault; the front end fails its requests
@@ -150,11 +154,48 @@ class _Sender:
         self._thread.join(10.0)
 
 
-def _loop(core, cmd_conn, sender: _Sender) -> None:
+class _Receiver:
+    """Reads and unpickles command messages on its own thread, so that the step loop never
+    waits on the pipe: a message the front end's writer thread has only partly written (it
+    shares its GIL with the busy event loop) would otherwise hold the loop in a read."""
+
+    _EOF = object()
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="engine-core-receiver", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                commands = pickle.loads(self._conn.recv_bytes())
+                self._queue.put(commands)
+                if any(kind == "shutdown" for kind, _ in commands):
+                    return
+        except (EOFError, OSError):
+            self._queue.put(self._EOF)  # the front end is gone
+        except BaseException as e:  # noqa: BLE001 - an undecodable message: the loop raises it
+            self._queue.put(e)
+
+    def get(self, timeout: float) -> list:
+        """The next message's commands, waiting up to `timeout` s (0: not at all); raises
+        queue.Empty when none came, EOFError once the front end has gone."""
+        commands = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
+        if commands is self._EOF:
+            self._queue.put(self._EOF)
+            raise EOFError("the front end closed the command pipe")
+        if isinstance(commands, BaseException):
+            raise commands
+        return commands
+
+
+def _loop(core, receiver: _Receiver, sender: _Sender) -> None:
     steps = 0
     while True:
         # Idle: wait for work. Busy: take the commands that arrived, then step.
-        got = _take_commands(core, cmd_conn, sender,
+        got = _take_commands(core, receiver, sender,
                              0 if core.has_unfinished_requests() else _IDLE_POLL_S)
         if got is None:
             return  # shutdown
@@ -169,7 +210,7 @@ def _loop(core, cmd_conn, sender: _Sender) -> None:
             _report(core, sender, outs, steps, step_tokens)
 
 
-def _take_commands(core, cmd_conn, sender: _Sender,
+def _take_commands(core, receiver: _Receiver, sender: _Sender,
                    timeout: float) -> tuple[list[EngineCoreOutput], bool] | None:
     """Apply the commands that arrived (waiting up to `timeout` for the first): a bounded number
     of messages, so that a flood of arrivals cannot hold the step back. Returns the outputs of
@@ -177,9 +218,11 @@ def _take_commands(core, cmd_conn, sender: _Sender,
     outs: list[EngineCoreOutput] = []
     changed = False
     for _ in range(_MAX_MESSAGES_PER_STEP):
-        if not cmd_conn.poll(timeout):
+        try:
+            commands = receiver.get(timeout)
+        except queue.Empty:
             break
-        for kind, payload in pickle.loads(cmd_conn.recv_bytes()):
+        for kind, payload in commands:
             if kind == "add":
                 refused = []
                 for req_id, prompt_ids, params in payload:

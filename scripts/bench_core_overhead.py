@@ -27,11 +27,12 @@ connection per request) shares this machine's cores with the server.
 The engine-core phases (ms per step, exclusive): schedule (Scheduler.schedule), launch (input
 preparation, stub forward, sampler), device wait (the stub's imaginary device), finish (sampled
 ids back to requests), update (Scheduler.update_from_output), step other (the rest of
-EngineCore.step), add_request (EngineCore.add_request), commands (receiving and unpickling
-commands, less add_request), report (building and queueing the output message), idle (waiting
-for commands with nothing to run), loop other (the rest of the loop's wall time). "sender thread"
-is the time the core process's sender thread spends encoding, pickling and writing output
-messages (concurrent with the loop; it holds the GIL while it encodes and pickles).
+EngineCore.step), add_request (EngineCore.add_request), commands (taking commands off the
+receiver thread's queue and applying them, less add_request), report (building and queueing the output message), idle (waiting
+for commands with nothing to run), loop other (the rest of the loop's wall time). The sender
+rows are the core process's sender thread encoding, pickling and writing output messages
+(concurrent with the loop; it holds the GIL while it encodes and pickles; a pipe write waits
+while the front end is behind, without the GIL). The receiver thread's reads are not timed.
 """
 
 from __future__ import annotations
@@ -98,7 +99,6 @@ def _timed(name: str, fn):
 
 def install_stub(settings: dict) -> None:
     """Patch the model runner (stub model, imaginary device) and time the engine core's phases."""
-    import threading
     from multiprocessing import connection
 
     import torch
@@ -168,21 +168,20 @@ def install_stub(settings: dict) -> None:
     EngineCore.step = timed_step
 
     # ---- the engine-core process's loop (engine/core_proc.py) ----
-    poll = connection.Connection.poll
-    main_thread = threading.main_thread()
+    get = cp._Receiver.get
     last_idle = [0.0, 0.0]  # (end, length) of the latest idle wait
 
-    def timed_poll(self, timeout=0.0):
-        if timeout == 0 or threading.current_thread() is not main_thread:
-            return poll(self, timeout)
+    def timed_get(self, timeout):
+        if timeout == 0:
+            return get(self, timeout)
         t0 = time.perf_counter()
         try:
-            return poll(self, timeout)
+            return get(self, timeout)
         finally:
             last_idle[:] = time.perf_counter(), time.perf_counter() - t0
             TIMERS.add("idle", last_idle[1])
 
-    connection.Connection.poll = timed_poll
+    cp._Receiver.get = timed_get
     take = cp._take_commands
     periods: list[dict] = []
     out_path = settings.get("out")

@@ -226,3 +226,33 @@ def test_token_id_prompt_reaches_the_core_before_its_stream_is_read(tmp_path_fac
             engine.shutdown()
 
     asyncio.run(run())
+
+
+def test_core_receiver_never_blocks_the_loop_on_a_partly_written_message():
+    """The core's step loop takes commands from the receiver thread's queue: a message whose
+    bytes are only partly in the pipe (the front end's writer thread lost the GIL mid-write)
+    leaves the loop free to step; once complete it arrives whole, and a closed pipe is EOFError."""
+    import multiprocessing as mp
+    import pickle
+    import queue
+    import struct
+
+    from engine.core_proc import _Receiver
+
+    r, w = mp.Pipe(duplex=False)
+    receiver = _Receiver(r)
+    payload = pickle.dumps([("abort", ["a", "b"])])
+    os.write(w.fileno(), struct.pack("!i", len(payload)) + payload[:5])
+    t0 = time.monotonic()
+    with pytest.raises(queue.Empty):
+        receiver.get(0)
+    with pytest.raises(queue.Empty):
+        receiver.get(0.2)
+    assert time.monotonic() - t0 < 5
+    os.write(w.fileno(), payload[5:])
+    assert receiver.get(10) == [("abort", ["a", "b"])]
+    w.close()
+    with pytest.raises(EOFError):
+        receiver.get(10)
+    with pytest.raises(EOFError):  # and stays so
+        receiver.get(0)
