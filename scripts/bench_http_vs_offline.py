@@ -62,7 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def engine_argv(a: argparse.Namespace) -> list[str]:
+def engine_argv(a: argparse.Namespace, serve: bool = False) -> list[str]:
+    """The engine flags for the offline scripts (bench_common's names), or with `serve` for
+    `serve`, whose name of the kernel plan flag is --kernels."""
     out = []
     for flag, _ in ENGINE_FLAGS:
         v = getattr(a, flag.lstrip("-").replace("-", "_"))
@@ -74,6 +76,11 @@ def engine_argv(a: argparse.Namespace) -> list[str]:
         out.append("--async-scheduling" if a.async_scheduling else "--no-async-scheduling")
     if a.fp8_gemm:
         out.append("--fp8-gemm")
+    out += ["--kernels" if serve else "--kernel-plan", a.kernel_plan]
+    if a.enable_prefix_caching is not None:
+        out.append("--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching")
+    if a.skip_tokenizer_init:
+        out.append("--skip-tokenizer-init")
     return out
 
 
@@ -107,7 +114,7 @@ def offline(a: argparse.Namespace, out: Path) -> dict:
 def serving(a: argparse.Namespace, out: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "server", *engine_argv(a), "--port", str(port),
+    cmd = [sys.executable, "-m", "server", *engine_argv(a, serve=True), "--port", str(port),
            *(["--device", a.device] if a.device else []), *a.serve_arg]
     print("+", " ".join(cmd), flush=True)
     log = open(out / "serve.log", "w")

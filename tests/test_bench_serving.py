@@ -102,3 +102,33 @@ def test_vocab_and_context_checks():
         bs.resolve_vocab({}, None, 64, 16)
     with pytest.raises(ValueError, match="max_model_len 2048"):
         bs.resolve_vocab({"vocab_size": 506, "max_model_len": 2048}, None, 2040, 16)
+
+
+@pytest.mark.parametrize("extra", [
+    [], ["--kernel-plan", "torch"], ["--no-enable-prefix-caching"], ["--async-scheduling"],
+    ["--no-async-scheduling", "--enforce-eager"], ["--skip-tokenizer-init"],
+    ["--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--max-model-len", "2048"],
+])
+def test_http_vs_offline_runs_serve_with_the_offline_engine_settings(extra):
+    """bench_http_vs_offline.py starts `serve` with the EngineArgs bench_throughput.py builds:
+    every field equal, so that the HTTP / offline ratio compares the same engine."""
+    import dataclasses
+
+    import argparse
+
+    import bench_http_vs_offline as hvo
+    from bench_common import add_engine_flags, engine_kwargs
+
+    from common.args import EngineArgs
+    from server.cli import build_parser, engine_args_from
+
+    a = hvo.parse_args(extra)
+    offline = EngineArgs(**engine_kwargs(a))
+    served = engine_args_from(build_parser().parse_args(hvo.engine_argv(a, serve=True) + ["--port", "8000"]))
+    # and the offline scripts take the same argv back into the same settings
+    p = argparse.ArgumentParser()
+    add_engine_flags(p)
+    assert EngineArgs(**engine_kwargs(p.parse_args(hvo.engine_argv(a)))) == offline
+    diff = {f.name: (getattr(offline, f.name), getattr(served, f.name))
+            for f in dataclasses.fields(EngineArgs) if getattr(offline, f.name) != getattr(served, f.name)}
+    assert diff == {}
