@@ -207,7 +207,7 @@ async def discover(client: httpx.AsyncClient, base_url: str, headers: dict) -> d
 
 def check_args(a: argparse.Namespace) -> None:
     """Raise ValueError naming the flag and its limit."""
-    for name in ("num_prompts", "input_len", "output_len"):
+    for name in ("num_prompts", "input_len", "output_len", "warmup_requests"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     rates = a.sweep_rate or [a.request_rate]
@@ -308,9 +308,12 @@ async def bench(a: argparse.Namespace) -> dict:
         vocab = resolve_vocab(card, a.vocab_size, a.input_len, a.output_len)
         t = Target(f"{a.base_url.rstrip('/')}/completions", headers, a.model or card["id"],
                    a.output_len, a.temperature, a.request_timeout)
-        warm = await send_one(client, t, random_prompts(1, a.input_len, vocab, seed=a.seed - 1)[0])
-        if not warm.ok:
-            raise RuntimeError(f"warm-up request failed: {warm.error}")
+        # as bench_throughput.py warms the offline engine: --warmup-requests prompts at once
+        warm = await asyncio.gather(*(send_one(client, t, p) for p in random_prompts(
+            a.warmup_requests, a.input_len, vocab, seed=a.seed - 1)))
+        bad = next((w for w in warm if not w.ok), None)
+        if bad is not None:
+            raise RuntimeError(f"warm-up request failed: {bad.error}")
         rows = []
         for k, (rate, conc) in enumerate(levels):
             prompts = random_prompts(a.num_prompts, a.input_len, vocab, seed=a.seed + k)
@@ -368,6 +371,8 @@ def parse_args(argv=None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds before one request counts as failed")
     p.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
+    p.add_argument("--warmup-requests", type=int, default=8,
+                   help="requests sent at once before measuring (bench_throughput.py warms up with 8)")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--plot", default=None,
                    help="sweep plot PNG; default: --json's path with .png, else bench_serving_sweep.png")

@@ -75,6 +75,7 @@ def test_summary_edge_cases():
 
 @pytest.mark.parametrize("argv, match", [
     (["--num-prompts", "0"], "--num-prompts must be >= 1"),
+    (["--warmup-requests", "0"], "--warmup-requests must be >= 1"),
     (["--request-rate", "0"], "request rates must be > 0"),
     (["--sweep-concurrency", "1", "0"], "concurrencies must be >= 1"),
     (["--sweep-rate", "1", "--sweep-concurrency", "2"], "not both"),
