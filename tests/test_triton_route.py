@@ -73,3 +73,32 @@ def test_route_kernel_gpu(case):
     check(case, "cuda", T=1, D=7168)  # the Triton logits kernel, four passes over V3's width
     check(case, "cuda", T=3, D=7168)  # and with the overflowed rows
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [17, 512, 8192])
+def test_router_logits_bf16_gemm_equals_fp32_gemm(T):
+    """Beyond the Triton kernel's envelope, bf16 activations against a bf16 copy of a
+    bf16-representable fp32 weight: the cuBLAS bf16 GEMM with fp32 output gives the fp32 GEMM's
+    logits up to fp32 summation order (the products are exact)."""
+    from models.moe import Router
+    from models.triton_route import router_logits
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 2048, generator=g).to("cuda", torch.bfloat16)
+    w = torch.randn(64, 2048, generator=g).to(torch.bfloat16).float().to("cuda")
+    r = Router.__new__(Router)
+    torch.nn.Module.__init__(r)
+    r.weight = torch.nn.Parameter(w, requires_grad=False)
+    r.keep_bf16_weight()
+    assert r.weight_bf16 is not None and r.weight_bf16.dtype == torch.bfloat16
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    got = router_logits(x, w, r.weight_bf16)
+    assert got.dtype == torch.float32 and got.shape == (T, 64)
+    # Sums of 2048 products of size ~1 carry fp32 rounding of ~1e-4 in any order: the bound is
+    # the fp32 GEMM's own error against float64, which bf16 partial sums would exceed ~1000-fold.
+    err = (got.double() - ref).abs().max().item()
+    err_fp32 = (torch.nn.functional.linear(x.float(), w).double() - ref).abs().max().item()
+    assert err <= 4 * err_fp32 + 1e-5, (err, err_fp32)
+    # a weight bf16 cannot hold keeps the fp32 path
+    r.weight = torch.nn.Parameter(w + 1e-4, requires_grad=False)
+    r.keep_bf16_weight()
+    assert r.weight_bf16 is None
