@@ -23,6 +23,9 @@ class PrefillConfig:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3  # measured best on H200 (docs/kernel_notes.md)
+    # causal: launch the query tiles with the most keys first (the last tiles of a sequence), so
+    # that the short ones fill the tail of the grid instead of the long ones running alone
+    reverse_m: bool = False
 
 
 def default_prefill_config(dtype: torch.dtype) -> PrefillConfig:
@@ -88,9 +91,11 @@ def _prefill_kernel(
     D_QK: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, PRECISION: tl.constexpr, REVERSE_M: tl.constexpr,
 ):
     mblk = tl.program_id(0)
+    if REVERSE_M:
+        mblk = tl.num_programs(0) - 1 - mblk
     b = tl.program_id(1)
     h = tl.program_id(2)
     q0 = tl.load(cu_q_ptr + b).to(tl.int32)
@@ -178,7 +183,7 @@ def prefill_attention_parts(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor
         D_QK=d_qk, DA=da, DB=db, DV=dv, BLOCK_DV=triton.next_power_of_2(dv),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         CAUSAL=causal, PRECISION="ieee" if qa.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        REVERSE_M=cfg.reverse_m and causal, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return o, lse
 

@@ -9,8 +9,10 @@ the same GPU cases.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
+
 import torch
 
 from attention.torch_backend import TorchAttentionOps, merge_attn_states
@@ -240,6 +242,10 @@ CPU_CASES = {
     # Every causal shift Lk - Lq in 0..33 against 16-wide tiles: tile-boundary off-by-ones show up.
     "prefill_causal_all_shifts": lambda: check_prefill("cpu", f32, 1, 48, 16, [(17, 17 + s) for s in range(34)],
                                                        True, cfg=_small_prefill()),
+    # heavy tiles first (reverse_m): the same masks from the other end of the grid
+    "prefill_causal_all_shifts_reversed": lambda: check_prefill(
+        "cpu", f32, 1, 48, 16, [(17, 17 + s) for s in range(0, 34, 3)] + [(40, 5), (3, 3)], True,
+        cfg=_small_prefill(reverse_m=True)),
     "prefill_mla_parts_causal": lambda: check_prefill_mla("cpu", f32, 2, 32, 16, 16, [(3, 3), (0, 4), (5, 9), (7, 4)],
                                                       True, cfg=_small_prefill()),
     "prefill_mla_parts_noncausal": lambda: check_prefill_mla("cpu", f32, 2, 32, 16, 16, [(3, 0), (6, 20)],
@@ -268,9 +274,14 @@ def _default_cfg(num_heads):
     return default_decode_config(num_heads, torch.bfloat16, smem_bytes=227 * 1024)
 
 
-def _small_prefill():
+def _default_prefill():
+    from attention.triton_prefill import default_prefill_config
+    return default_prefill_config(torch.bfloat16)
+
+
+def _small_prefill(reverse_m=False):
     from attention.triton_prefill import PrefillConfig
-    return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, reverse_m=reverse_m)
 
 
 # Real shapes. Decode lengths span 1..16k with a 0 in each batch.
@@ -293,6 +304,8 @@ for _dt in (bf16, f16, f32):
     for _causal in (True, False):
         GPU_CASES[f"prefill_{str(_dt)[6:]}_causal{int(_causal)}"] = (
             lambda dt=_dt, c=_causal: check_prefill("cuda", dt, 16, 192, 128, _PREFILL_LENS, c))
+GPU_CASES["prefill_bf16_causal1_reversed"] = lambda: check_prefill(
+    "cuda", bf16, 16, 192, 128, _PREFILL_LENS, True, cfg=dataclasses.replace(_default_prefill(), reverse_m=True))
 for _causal in (True, False):
     GPU_CASES[f"prefill_mla_parts_bf16_causal{int(_causal)}"] = (
         lambda c=_causal: check_prefill_mla("cuda", bf16, 16, 128, 64, 128, _PREFILL_LENS, c))
