@@ -55,7 +55,8 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, E: tl.constexpr, B
 def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 `x @ weight.T` `[T, E]` for x `[T, D]` (any float dtype), weight fp32 `[E, D]`.
     Beyond the Triton kernel's envelope: with bf16 x and `weight_bf16` (the same weight, exactly
-    representable in bf16), cuBLAS's bf16 GEMM with fp32 output (exact products, fp32 sums);
+    representable in bf16), cuBLAS's bf16 GEMM with fp32 output (exact products summed in fp32 by
+    the tensor cores, in their order and rounding);
     otherwise the fp32 GEMM on an fp32 copy of x."""
     T, D = x.shape
     E = weight.shape[0]

@@ -304,8 +304,8 @@ for _dt in (bf16, f16, f32):
     for _causal in (True, False):
         GPU_CASES[f"prefill_{str(_dt)[6:]}_causal{int(_causal)}"] = (
             lambda dt=_dt, c=_causal: check_prefill("cuda", dt, 16, 192, 128, _PREFILL_LENS, c))
-GPU_CASES["prefill_bf16_causal1_reversed"] = lambda: check_prefill(
-    "cuda", bf16, 16, 192, 128, _PREFILL_LENS, True, cfg=dataclasses.replace(_default_prefill(), reverse_m=True))
+GPU_CASES["prefill_bf16_causal1_in_order"] = lambda: check_prefill(
+    "cuda", bf16, 16, 192, 128, _PREFILL_LENS, True, cfg=dataclasses.replace(_default_prefill(), reverse_m=False))
 for _causal in (True, False):
     GPU_CASES[f"prefill_mla_parts_bf16_causal{int(_causal)}"] = (
         lambda c=_causal: check_prefill_mla("cuda", bf16, 16, 128, 64, 128, _PREFILL_LENS, c))
