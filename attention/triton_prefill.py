@@ -157,17 +157,25 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def prefill_attention_parts(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor, kb: torch.Tensor,
                             v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
                             max_seqlen_q: int, scale: float, causal: bool,
-                            cfg: PrefillConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                            cfg: PrefillConfig | None = None,
+                            out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The same attention with q = [qa ‖ qb] and k = [ka ‖ kb] given as parts, each read through
     its own strides: qa, ka `[T, H, DA]` with DA a power of two, qb, kb `[T, H, <= DA]`. MLA
     passes q_nope / q_pe, and k_nope (a view of kv_b_proj's output) / k_pe expanded over the
-    heads (head stride 0), so nothing is concatenated."""
+    heads (head stride 0), so nothing is concatenated. With `out` (`[Tq, H, V]`, q's dtype, last dim
+    contiguous, any row and head strides) o is written there."""
     Tq, H, da = qa.shape
     d_qk = da + qb.shape[-1]
     dv = v.shape[-1]
     B = cu_seqlens_q.shape[0] - 1
     cfg = cfg or default_prefill_config(qa.dtype)
-    o = torch.empty(Tq, H, dv, dtype=qa.dtype, device=qa.device)
+    if out is None:
+        o = torch.empty(Tq, H, dv, dtype=qa.dtype, device=qa.device)
+    elif out.shape != (Tq, H, dv) or out.dtype != qa.dtype or out.stride(-1) != 1:
+        raise ValueError(f"prefill out must be {(Tq, H, dv)} {qa.dtype} with a contiguous last dim, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    else:
+        o = out
     lse = torch.empty(Tq, H, dtype=torch.float32, device=qa.device)
     if Tq == 0 or B == 0 or H == 0 or max_seqlen_q == 0:
         return o, lse
