@@ -66,9 +66,11 @@ class AttentionOps(Protocol):
     def prefill_mla(self, q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor,
                     k_pe: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                     cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, scale: float,
-                    causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    causal: bool, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """`prefill` with MLA's operands in parts: q = [q_nope ‖ q_pe] `[Tq, H, P]` + `[Tq, H, R]`,
-        k = [k_nope ‖ k_pe] with k_nope `[Tk, H, P]` and k_pe `[Tk, R]` shared by all heads."""
+        k = [k_nope ‖ k_pe] with k_nope `[Tk, H, P]` and k_pe `[Tk, R]` shared by all heads.
+        With `out` (`[Tq, H, V]` in q's dtype, last dim contiguous: e.g. the prefill rows of a
+        mixed step's joint output) o is written there and returned."""
 
     def merge_attn_states_(self, o: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor,
                            lse_b: torch.Tensor) -> None:

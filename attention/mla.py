@@ -90,8 +90,8 @@ class MLAAttention:
         out = q_nope.new_empty(q_nope.shape[0], self.H, self.V)
         if meta.decode is not None:
             out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], kv_cache, meta)
-        if meta.prefill is not None:
-            out[nd:] = self._prefill(q_nope[nd:], q_pe[nd:], c[nd:], k_pe[nd:], kv_cache, meta)
+        if meta.prefill is not None:  # written in place: no copy of the prefill rows
+            self._prefill(q_nope[nd:], q_pe[nd:], c[nd:], k_pe[nd:], kv_cache, meta, out=out[nd:])
         return out
 
     def _rope(self, q_pe, cos_sin):
@@ -147,12 +147,13 @@ class MLAAttention:
         k_nope, v = kv.split([self.P, self.V], dim=-1)
         return k_nope, v
 
-    def _prefill(self, q_nope, q_pe, c, k_pe, kv_cache, meta):
+    def _prefill(self, q_nope, q_pe, c, k_pe, kv_cache, meta, out=None):
+        """Prefill rows' attention `[Tp, Hl, V]`, into `out` when given."""
         p = meta.prefill
         k_nope, v = self._up_project(c)
         qsl = p.query_start_loc
         o, lse = self.ops.prefill_mla(q_nope, q_pe, k_nope, k_pe, v, qsl, qsl, p.max_query_len,
-                                      p.max_query_len, self.scale, causal=True)
+                                      p.max_query_len, self.scale, causal=True, out=out)
         if not p.has_context:
             return o
         # Cached context: only the prefills up to the last one that has any (their rows come

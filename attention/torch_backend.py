@@ -82,10 +82,14 @@ class TorchAttentionOps:
         return o, lse
 
     def prefill_mla(self, q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, scale, causal):
+                    max_seqlen_k, scale, causal, out=None):
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, k_nope.shape[1], -1)], dim=-1)
-        return self.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
+        o, lse = self.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
+        if out is None:
+            return o, lse
+        _check_out(out, o.shape, o.dtype)
+        return out.copy_(o), lse
 
     def merge_attn_states_(self, o, lse, o_b, lse_b):
         mo, ml = merge_attn_states(o, lse, o_b, lse_b)
@@ -100,6 +104,12 @@ class TorchAttentionOps:
             if cu[b + 1] > cu[b]:
                 out[cu[b]:cu[b + 1]] = self._rows(kv_cache, block_table[b], s, cu[b + 1] - cu[b], dtype)
         return out
+
+
+def _check_out(out: torch.Tensor, shape, dtype) -> None:
+    if out.shape != shape or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"prefill out must be {tuple(shape)} {dtype} with a contiguous last dim, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
 
 
 def merge_attn_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,

@@ -108,7 +108,7 @@ class TritonAttentionOps:
                                  max_seqlen_q, scale, causal, cfg=self.prefill_config)
 
     def prefill_mla(self, q_nope, q_pe, k_nope, k_pe, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, scale, causal):
+                    max_seqlen_k, scale, causal, out=None):
         P, R = q_nope.shape[-1], q_pe.shape[-1]
         H = q_nope.shape[1]
         _check(k_nope.shape[1:] == q_nope.shape[1:] and k_pe.dim() == 2 and k_pe.shape[1] == R
@@ -119,7 +119,8 @@ class TritonAttentionOps:
             # the kernel's two QK parts are not (P, R) for this width: join the operands
             q = torch.cat([q_nope, q_pe], dim=-1)
             k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, H, -1)], dim=-1)
-            return self.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
+            o, lse = self.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
+            return (o, lse) if out is None else (out.copy_(o), lse)
         _check(q_nope.dtype in _FLOAT_DTYPES and all(t.dtype == q_nope.dtype for t in (q_pe, k_nope, k_pe, v)),
                f"MLA prefill operands must share one of fp16/bf16/fp32, got {q_nope.dtype}, {q_pe.dtype}, "
                f"{k_nope.dtype}, {k_pe.dtype}, {v.dtype}")
@@ -132,7 +133,7 @@ class TritonAttentionOps:
         return prefill_attention_parts(_last_contiguous(q_nope), _last_contiguous(q_pe), _last_contiguous(k_nope),
                                        kb, _last_contiguous(v), cu_seqlens_q.contiguous(),
                                        cu_seqlens_k.contiguous(), max_seqlen_q, scale, causal,
-                                       cfg=self.prefill_config)
+                                       cfg=self.prefill_config, out=out)
 
     def merge_attn_states_(self, o, lse, o_b, lse_b):
         merge_attn_states_(o, lse, o_b, lse_b)

@@ -71,9 +71,13 @@ def default_decode_config(num_rows: int, dtype: torch.dtype, smem_bytes: int | N
             smem_bytes = _device_smem_bytes()
         deep = smem_bytes is None or smem_bytes >= 224 * 1024
         return DecodeConfig(block_h=64, block_n=64 if deep else 32, num_warps=8, num_stages=2)
-    # over an FP8 cache each tile is loaded twice (reload_v): the only form Triton pipelines here
-    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True,
-                        reload_v=cache_dtype is not None and is_fp8(cache_dtype))
+    if cache_dtype is not None and is_fp8(cache_dtype):
+        # each tile loaded twice (reload_v: the only form Triton pipelines here), PV's converted to
+        # fp16 before shared memory (stage_v), 2 stages: 799 us against 873 with 3 stages and no
+        # staging at B = 128, S = 16k (H200, bench_mla_decode.py --sweep)
+        return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2,
+                            prefetch_ids=True, reload_v=True, stage_v=True)
+    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True)
 
 
 @functools.lru_cache(maxsize=None)

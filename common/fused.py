@@ -48,6 +48,14 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate_up[..., :i]) * gate_up[..., i:]
 
 
+# Dynamo keeps its compiled variants per code object, so every engine of a process shares one
+# cache per glue function: each dtype, tensor rank, stride pattern and size-1 specialization
+# (decode at batch 1) is a variant, and a process that builds several engines (tests, a server
+# with the MTP drafter and FP8 layers) passes dynamo's default of 8. With fullgraph=True that
+# limit is a hard failure, so the glue's compilations get a higher one.
+RECOMPILE_LIMIT = 64
+
+
 class Compiled:
     """`fn` through `torch.compile` (one fused kernel, CUDA-graph safe), compiled on first call.
     A compiler failure raises: the warm-up meets it and names `--kernels auto,compile=0`."""
@@ -59,6 +67,8 @@ class Compiled:
 
     def __call__(self, *args):
         if self.compiled is None:
+            import torch._dynamo.config as dynamo_config
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, RECOMPILE_LIMIT)
             self.compiled = torch.compile(self.fn, dynamic=True, fullgraph=True)
         return self.compiled(*args)
 

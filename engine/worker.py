@@ -159,19 +159,21 @@ class Worker:
     @torch.inference_mode()
     def warm_up(self, max_tokens: int, max_len: int, max_seqs: int) -> list[int]:
         """One prefill step of each size in `warm_up_sizes(max_tokens)` through the model (prompts
-        of at most `max_len` tokens), then a decode step of up to 8 sequences, before any request
-        and before CUDA-graph capture; returns the prefill sizes. A failure raises KernelError
+        of at most `max_len` tokens), then decode steps and a mixed step of up to 8 sequences
+        (decodes beside chunks after cached tokens; with speculation, multi-token decodes), before
+        any request and before CUDA-graph capture; returns the prefill sizes. A failure raises KernelError
         naming the --kernels setting that avoids it.
 
-        Every path of the plan runs here: the MoE's by token count, the prefill and decode
-        attention. The autotuned Triton kernels (fused MoE, expert-sorted MoE, W8A8 GEMM) pick
+        Every path of the plan runs here: the MoE's by token count, the prefill attention with
+        and without cached context, the decode attention. The autotuned Triton kernels (fused MoE, expert-sorted MoE, W8A8 GEMM) pick
         their tiles per power-of-two token bucket on first use, compiling and timing every
         candidate: seconds in which every running request would stall if a bucket were first met
         while serving. The prompts (random tokens: tiles are then tuned under spread routing, as
         in serving) write their cache rows into blocks no request holds yet, ids taken modulo the
         cache size so that even a small cache is never indexed out of range."""
         t0 = time.perf_counter()
-        runner = ModelRunner(self.model, self.cfg, self.kv_caches, self.args.block_size, self.device, [])
+        runner = ModelRunner(self.model, self.cfg, self.kv_caches, self.args.block_size, self.device, [],
+                             speculative_config=self.args.speculative_config)
         sizes = warm_up_sizes(max_tokens)
         rng = random.Random(0)  # varied tokens route to varied experts, as real prompts do
         num_blocks = self.kv_caches[0].shape[0]
@@ -180,21 +182,34 @@ class Worker:
                 prompts = [[rng.randrange(self.cfg.vocab_size) for _ in range(k)]
                            for k in dummy_prompt_lens(n, max_len)]
                 runner.forward(self._dummy_batch(runner, prompts, num_blocks))
-            # a decode step: b prompts of 2 tokens, then one more token each
-            b = min(8, max_seqs, max_tokens // 2)
-            if b and max_len > 2:
-                nb = -(-3 // self.args.block_size)
+            # b prompts of 2 tokens, then a decode step (one more token each), then a mixed step:
+            # half decode again, the other half a chunk of `chunk` tokens after their 3 cached ones
+            # (a prefill with context: the context gather, the context attention and the merge),
+            # then, with speculation, a step of decodes of `q` tokens each (multi-token decode)
+            q = runner.decode_threshold
+            chunk = q + 1  # the shortest chunk that is a prefill, not a decode
+            b = min(8, max_seqs, max_tokens // max(2, chunk))
+            if b and max_len > 3 + chunk:
+                v = self.cfg.vocab_size
+                nb = -(-(3 + chunk) // self.args.block_size)
                 tables = [[(i * nb + j) % num_blocks for j in range(nb)] for i in range(b)]
-                prompts = [[rng.randrange(self.cfg.vocab_size) for _ in range(2)] for _ in range(b)]
+                prompts = [[rng.randrange(v) for _ in range(2)] for _ in range(b)]
                 runner.forward(runner.prepare(prompts, [0] * b, tables))
                 runner.forward(runner.prepare([[p[0]] for p in prompts], [2] * b, tables))
+                half = b // 2
+                mixed = [[rng.randrange(v)] if i < half else [rng.randrange(v) for _ in range(chunk)]
+                         for i in range(b)]
+                runner.forward(runner.prepare(mixed, [3] * b, tables))
+                if q > 1:
+                    runner.forward(runner.prepare([[rng.randrange(v) for _ in range(q)] for _ in range(b)],
+                                                  [3] * b, tables))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
         except torch.cuda.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - any kernel failure stops start-up, naming the flag
             raise self.plan.error("warming up", e) from e
-        log.info("warm-up: prompts of %s tokens and a decode step in %.1f s",
+        log.info("warm-up: prompts of %s tokens, decode and mixed steps in %.1f s",
                  ", ".join(map(str, sizes)), time.perf_counter() - t0)
         return sizes
 

@@ -160,4 +160,5 @@ class DeepseekForCausalLM(nn.Module):
         for layer in [*self.model.layers, *(m.block for m in self.mtp)]:
             layer.self_attn.process_weights_after_loading()
             if isinstance(layer.mlp, MoE):
+                layer.mlp.gate.keep_bf16_weight()
                 layer.mlp.process_weights_after_loading()

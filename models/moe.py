@@ -63,6 +63,16 @@ class Router(nn.Module):
             self.e_score_correction_bias = shard_param((E,), None, torch.float32)
         else:
             self.e_score_correction_bias = None
+        self.weight_bf16: torch.Tensor | None = None
+
+    def keep_bf16_weight(self) -> None:
+        """Post-load: a bf16 copy of the weight when it holds it exactly (checkpoints store the
+        router in bf16). bf16 x bf16 products are exact in fp32, so a tensor-core GEMM with fp32
+        accumulation and output computes the same sums as the fp32 GEMM (in another order) from
+        half the weight bytes and without an fp32 copy of x."""
+        w = self.weight.detach()
+        lp = w.to(torch.bfloat16)
+        self.weight_bf16 = lp if torch.equal(lp.float(), w) else None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cfg
@@ -70,7 +80,7 @@ class Router(nn.Module):
                 c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
         if self.kernel is route:
             return route(*args)
-        return self.kernel(*args)
+        return self.kernel(*args, self.weight_bf16)
 
 
 def _group_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:

@@ -52,15 +52,20 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, E: tl.constexpr, B
     tl.store(out_ptr + t * E + e, tl.sum(acc, axis=0))
 
 
-def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """fp32 `x @ weight.T` `[T, E]` for x `[T, D]` (any float dtype), weight fp32 `[E, D]`; beyond
-    the Triton kernel's envelope, cuBLAS's fp32 GEMM on an fp32 copy of x."""
+def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 `x @ weight.T` `[T, E]` for x `[T, D]` (any float dtype), weight fp32 `[E, D]`.
+    Beyond the Triton kernel's envelope: with bf16 x and `weight_bf16` (the same weight, exactly
+    representable in bf16), cuBLAS's bf16 GEMM with fp32 output (exact products summed in fp32 by
+    the tensor cores, in their order and rounding);
+    otherwise the fp32 GEMM on an fp32 copy of x."""
     T, D = x.shape
     E = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != D:
         raise ValueError(f"router_logits: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
     if (T > LOGITS_MAX_TOKENS or (T > 1 and T * E * D > _LOGITS_MAX_ELEMS) or x.stride(-1) != 1
             or weight.dtype != torch.float32 or not weight.is_contiguous()):
+        if weight_bf16 is not None and x.dtype == torch.bfloat16 and x.is_cuda:
+            return torch.mm(x, weight_bf16.t(), out_dtype=torch.float32)
         return torch.nn.functional.linear(x.float(), weight).contiguous()
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T:
@@ -126,7 +131,7 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
 
 def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str,
                  topk_method: str, n_group: int, topk_group: int, top_k: int, norm: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, weight_bf16: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`models.moe.route` as two Triton kernels (`router_logits`, cuBLAS beyond decode sizes,
     then the expert choice): weights fp32 [T, k], ids int64 [T, k]."""
     T, E = x.shape[0], weight.shape[0]
@@ -135,7 +140,7 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     G = n_group if grouped else 1
     if E % G or top_k > E or (grouped and topk_group * (E // G) < top_k):
         raise ValueError(f"router: {E} experts in {G} groups, top {topk_group} groups, top-{top_k} does not fit")
-    logits = router_logits(x, weight)  # [T, E] fp32
+    logits = router_logits(x, weight, weight_bf16)  # [T, E] fp32
     weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
     if T:

@@ -48,6 +48,7 @@ DEVICE = "cuda"  # a CPU dry run under TRITON_INTERPRET=1 (tiny shapes) may poin
 # 32k single-sequence row for the long-context split heuristic.
 DECODE_SHAPES = [(B, S) for B in (1, 32, 128) for S in (1024, 4096, 16384)] + [(1, 32768)]
 PREFILL_SHAPES = [  # (name, [(Lq, Lk), ...], H, causal)
+    ("8x1000 causal (a mixed step's prompts)", [(1000, 1000)] * 8, 16, True),
     ("1x4096 causal", [(4096, 4096)], 16, True),
     ("4x2048 causal", [(2048, 2048)] * 4, 16, True),
     ("1x8192 causal", [(8192, 8192)], 16, True),
@@ -68,7 +69,8 @@ DECODE_SWEEP = {
     (128, "fp8"): [dict(_H64, block_n=64, num_stages=3), dict(_H64, block_n=32, num_stages=3)],
 }
 CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
-PREFILL_SWEEP = [(128, 64, 8, 2), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 2), (128, 32, 8, 3)]
+PREFILL_SWEEP = [(128, 64, 8, 3, True), (128, 64, 8, 2), (128, 64, 8, 4), (128, 64, 8, 4, True), (128, 128, 8, 2),
+                 (128, 128, 8, 2, True), (64, 64, 4, 2), (64, 64, 4, 3, True), (128, 32, 8, 3)]
 L2_ROTATE_BYTES = 256 << 20  # graph timings cycle through input sets this large (L2 is 60 MB)
 
 
@@ -228,7 +230,7 @@ def run_prefill(rows, sweep: bool, log, deadline: float):
                 continue
             if agree > 1e-2:
                 log.append(f"prefill {name} {cfg} DISAGREES {agree:.3g}")
-            tried.append(dict(agree=agree, cfg=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages], ms=ms,
+            tried.append(dict(agree=agree, cfg=[cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages] + (["rev"] if cfg.reverse_m else []), ms=ms,
                               default=cfg == cfgs[0]))
         for tag, t in (("default", tried[0] if tried and tried[0]["default"] else None),
                        ("best", min(tried, key=lambda t: t["ms"]) if tried else None)):

@@ -85,6 +85,32 @@ def repetitive_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [(p * (length // 32 + 1))[:length] for p in random_prompts(n, 32, vocab, seed=n)]
 
 
+def profile_decode(core, a, B: int) -> None:
+    """torch.profiler over `a.profile_steps` decode steps of B fresh requests: the GPU kernels and
+    the host ops that take the time of a step (with speculation: verification and drafting)."""
+    from torch.profiler import ProfilerActivity, profile
+    prompts = repetitive_prompts(B, a.prompt_len, core.cfg.vocab_size)
+    sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        core.add_request(f"prof-{B}-{i}", ids, sp)
+    while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
+        core.step()
+    for _ in range(3):
+        core.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(a.profile_steps):
+            core.step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    print(f"\nprofile of {a.profile_steps} steps at batch {B}, by GPU time:")
+    print(ka.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
+    print("by host self time:")
+    print(ka.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+    while core.has_unfinished_requests():
+        core.step()
+
+
 def bench_e2e(a) -> list[dict]:
     rows = []
     drafts = {"method": a.method, "num_speculative_tokens": a.num_speculative_tokens}
@@ -93,11 +119,11 @@ def bench_e2e(a) -> list[dict]:
     for spec in (None, drafts):
         llm = LLM(**engine_kwargs(a), speculative_config=spec)
         core = llm.engine
-        for B in a.batch_sizes:
+        for rep, B in enumerate(a.batch_sizes):  # a batch size given twice: the second run is warm
             prompts = repetitive_prompts(B, a.prompt_len, core.cfg.vocab_size)
             sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
             for i, ids in enumerate(prompts):
-                core.add_request(f"{B}-{i}", ids, sp)
+                core.add_request(f"{rep}-{B}-{i}", ids, sp)
             while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
                 core.step()
             spec0 = core.scheduler.stats.spec
@@ -123,6 +149,8 @@ def bench_e2e(a) -> list[dict]:
             print(f"{label:14s} batch {B:3d}: "
                   f"{row['tpot_ms']:7.3f} ms per output token, {row['tokens_per_step']:.2f} output tokens per step (all requests)"
                   + (f", mean acceptance length {row['mean_acceptance_length']:.2f}" if s else ""), flush=True)
+        if a.profile_steps:
+            profile_decode(core, a, a.batch_sizes[-1])
         llm.engine.shutdown()
         del llm, core
         gc.collect()
@@ -144,6 +172,8 @@ def main() -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=3)
     p.add_argument("--prompt-len", type=int, default=1000)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="e2e: also profile this many decode steps at the last batch size (torch.profiler tables)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_spec_decode.py needs a CUDA GPU")

@@ -9,8 +9,10 @@ the same GPU cases.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import pytest
+
 import torch
 
 from attention.torch_backend import TorchAttentionOps, merge_attn_states
@@ -125,9 +127,10 @@ def check_prefill(device, dtype, H, d_qk, d_v, lens_qk, causal, seed=0, cfg=None
     return err
 
 
-def check_prefill_mla(device, dtype, H, P, R, d_v, lens_qk, causal, seed=0, cfg=None):
+def check_prefill_mla(device, dtype, H, P, R, d_v, lens_qk, causal, seed=0, cfg=None, into_out=False):
     """MLA's parts (q_nope / q_pe, k_nope and v as views of one up-projection, k_pe shared by the
-    heads) through the Triton backend equal the joined operands through the torch reference."""
+    heads) through the Triton backend equal the joined operands through the torch reference;
+    `into_out`: written into rows 3.. of a larger NaN-filled buffer, the rows around untouched."""
     from attention.triton_backend import TritonAttentionOps
     gen = torch.Generator().manual_seed(seed)
     cq = torch.tensor([0] + [a for a, _ in lens_qk]).cumsum(0)
@@ -144,7 +147,15 @@ def check_prefill_mla(device, dtype, H, P, R, d_v, lens_qk, causal, seed=0, cfg=
     scale = (P + R) ** -0.5
     poison_allocator(device)
     ops = TritonAttentionOps(prefill_config=cfg)
-    o, lse = ops.prefill_mla(q[..., :P], q[..., P:], k_nope, k_pe, v, cq, ck, max_q, max_k, scale, causal)
+    buf = out = None
+    if into_out:
+        buf = torch.full((tq + 5, H, d_v), float("nan"), dtype=dtype, device=device)
+        out = buf[3:3 + tq]
+    o, lse = ops.prefill_mla(q[..., :P], q[..., P:], k_nope, k_pe, v, cq, ck, max_q, max_k, scale, causal,
+                             out=out)
+    if into_out:
+        assert o.data_ptr() == out.data_ptr(), "prefill_mla must return the out it was given"
+        assert buf[:3].isnan().all() and buf[3 + tq:].isnan().all(), "prefill_mla wrote outside out"
     k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, H, -1)], dim=-1)
     ref_o, ref_lse = TorchAttentionOps().prefill(q.float(), k.float(), v.float(), cq, ck, max_q, max_k,
                                                  scale, causal)
@@ -240,8 +251,16 @@ CPU_CASES = {
     # Every causal shift Lk - Lq in 0..33 against 16-wide tiles: tile-boundary off-by-ones show up.
     "prefill_causal_all_shifts": lambda: check_prefill("cpu", f32, 1, 48, 16, [(17, 17 + s) for s in range(34)],
                                                        True, cfg=_small_prefill()),
+    # heavy tiles first (reverse_m): the same masks from the other end of the grid
+    "prefill_causal_all_shifts_reversed": lambda: check_prefill(
+        "cpu", f32, 1, 48, 16, [(17, 17 + s) for s in range(0, 34, 3)] + [(40, 5), (3, 3)], True,
+        cfg=_small_prefill(reverse_m=True)),
     "prefill_mla_parts_causal": lambda: check_prefill_mla("cpu", f32, 2, 32, 16, 16, [(3, 3), (0, 4), (5, 9), (7, 4)],
                                                       True, cfg=_small_prefill()),
+    "prefill_mla_parts_into_out": lambda: check_prefill_mla("cpu", f32, 2, 32, 16, 16, [(3, 3), (5, 9)],
+                                                        True, cfg=_small_prefill(), into_out=True),
+    "prefill_mla_joined_widths_into_out": lambda: check_prefill_mla("cpu", f32, 2, 24, 24, 16, [(5, 9)], True,
+                                                                cfg=_small_prefill(), into_out=True),
     "prefill_mla_parts_noncausal": lambda: check_prefill_mla("cpu", f32, 2, 32, 16, 16, [(3, 0), (6, 20)],
                                                          False, cfg=_small_prefill()),
     # widths whose kernel split is not (P, R) (48 = 32 + 16 with P 24): the backend joins them
@@ -268,9 +287,14 @@ def _default_cfg(num_heads):
     return default_decode_config(num_heads, torch.bfloat16, smem_bytes=227 * 1024)
 
 
-def _small_prefill():
+def _default_prefill():
+    from attention.triton_prefill import default_prefill_config
+    return default_prefill_config(torch.bfloat16)
+
+
+def _small_prefill(reverse_m=False):
     from attention.triton_prefill import PrefillConfig
-    return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, reverse_m=reverse_m)
 
 
 # Real shapes. Decode lengths span 1..16k with a 0 in each batch.
@@ -293,9 +317,13 @@ for _dt in (bf16, f16, f32):
     for _causal in (True, False):
         GPU_CASES[f"prefill_{str(_dt)[6:]}_causal{int(_causal)}"] = (
             lambda dt=_dt, c=_causal: check_prefill("cuda", dt, 16, 192, 128, _PREFILL_LENS, c))
+GPU_CASES["prefill_bf16_causal1_in_order"] = lambda: check_prefill(
+    "cuda", bf16, 16, 192, 128, _PREFILL_LENS, True, cfg=dataclasses.replace(_default_prefill(), reverse_m=False))
 for _causal in (True, False):
     GPU_CASES[f"prefill_mla_parts_bf16_causal{int(_causal)}"] = (
         lambda c=_causal: check_prefill_mla("cuda", bf16, 16, 128, 64, 128, _PREFILL_LENS, c))
+GPU_CASES["prefill_mla_parts_bf16_into_out"] = (
+    lambda: check_prefill_mla("cuda", bf16, 16, 128, 64, 128, _PREFILL_LENS, True, into_out=True))
 GPU_CASES["merge_states_bf16"] = lambda: check_merge("cuda", bf16, 5000, 16, 128)
 GPU_CASES["merge_states_f32_h128"] = lambda: check_merge("cuda", f32, 300, 128, 128)
 for _page in (16, 64):

@@ -73,3 +73,39 @@ def test_route_kernel_gpu(case):
     check(case, "cuda", T=1, D=7168)  # the Triton logits kernel, four passes over V3's width
     check(case, "cuda", T=3, D=7168)  # and with the overflowed rows
 
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [17, 512, 8192])
+def test_router_logits_bf16_gemm_equals_fp32_gemm(T):
+    """Beyond the Triton kernel's envelope, bf16 activations against a bf16 copy of a
+    bf16-representable fp32 weight: the cuBLAS bf16 GEMM with fp32 output gives fp32-class logits
+    (the products are exact) and the float64 expert choice."""
+    from models.moe import Router
+    from models.triton_route import router_logits
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 2048, generator=g).to("cuda", torch.bfloat16)
+    w = torch.randn(64, 2048, generator=g).to(torch.bfloat16).float().to("cuda")
+    r = Router.__new__(Router)
+    torch.nn.Module.__init__(r)
+    r.weight = torch.nn.Parameter(w, requires_grad=False)
+    r.keep_bf16_weight()
+    assert r.weight_bf16 is not None and r.weight_bf16.dtype == torch.bfloat16
+    ref = torch.nn.functional.linear(x.double(), w.double())
+    got = router_logits(x, w, r.weight_bf16)
+    assert got.dtype == torch.float32 and got.shape == (T, 64)
+    # fp32-class sums: tensor cores add the exact products in fp32 in their own order and rounding,
+    # so the error is not the fp32 GEMM's, but it stays far below a bf16 output's rounding (2^-9 of
+    # the largest logit) or bf16 partial sums; and the top-6 choice is the float64 one wherever
+    # the 6th and 7th logits are not a near-tie
+    err = (got.double() - ref).abs().max().item()
+    err_fp32 = (torch.nn.functional.linear(x.float(), w).double() - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    assert err <= scale * 2 ** -14, (err, err_fp32, scale)
+    top = ref.topk(7, dim=-1).values
+    clear = (top[:, 5] - top[:, 6]) > 1e-2
+    assert torch.equal(got.topk(6, dim=-1).indices.sort(-1).values[clear],
+                       ref.topk(6, dim=-1).indices.sort(-1).values[clear])
+    # a weight bf16 cannot hold keeps the fp32 path
+    r.weight = torch.nn.Parameter(w + 1e-4, requires_grad=False)
+    r.keep_bf16_weight()
+    assert r.weight_bf16 is None
