@@ -6,6 +6,9 @@ and length and replayed: the inputs and metadata live in persistent buffers, rea
 copied in and the rest of the bucket is padding (slot -1: nothing written; sequence length 0:
 nothing read). Prefill and mixed steps run eagerly, and so do decode steps whose decodes differ
 in length (padded to the longest for the attention) or have another length.
+
+The same class captures the MTP drafter's step (engine/mtp_drafter.py `MTPStep`), which also
+takes each row's hidden state: `hidden=(width, dtype)` gives it a persistent input of its own.
 """
 
 from __future__ import annotations
@@ -26,8 +29,12 @@ def default_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches: list[torch.Tensor], max_blocks_per_seq: int,
-                 buckets: list[int], device: torch.device, q_lens: tuple[int, ...] = (1,)):
+    """`model(input_ids, positions, kv_caches, meta[, hidden])` captured per (batch bucket, q_len);
+    `kv_caches` is passed through as given (the model's list of layer caches, or one cache)."""
+
+    def __init__(self, model, kv_caches, max_blocks_per_seq: int,
+                 buckets: list[int], device: torch.device, q_lens: tuple[int, ...] = (1,),
+                 hidden: tuple[int, torch.dtype] | None = None):
         self.model, self.kv_caches, self.device = model, kv_caches, device
         self.buckets = sorted(buckets)
         self.q_lens = tuple(sorted(set(q_lens)))
@@ -39,6 +46,7 @@ class DecodeGraphs:
         self.q_pos = torch.zeros(rows, dtype=torch.int32, device=device)
         self.block_table = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.hidden = None if hidden is None else torch.zeros(rows, hidden[0], dtype=hidden[1], device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
@@ -49,8 +57,12 @@ class DecodeGraphs:
         return MLAMetadata(num_decodes=b, num_decode_tokens=b * q, num_prefills=0, num_prefill_tokens=0,
                            slot_mapping=self.slot_mapping[: b * q], decode=decode, prefill=None)
 
+    def _args(self, b: int, q: int) -> tuple:
+        args = (self.input_ids[: b * q], self.positions[: b * q], self.kv_caches, self._meta(b, q))
+        return args if self.hidden is None else args + (self.hidden[: b * q],)
+
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, what: str = "decode") -> None:
         t0 = time.perf_counter()
         torch.cuda.empty_cache()  # torch.cuda.graph() empties the cache itself: measure from there
         free0 = torch.cuda.mem_get_info()[0]
@@ -58,7 +70,7 @@ class DecodeGraphs:
         self.q_pos.zero_()  # every capture query sees that key
         for q in reversed(self.q_lens):
             for b in reversed(self.buckets):  # largest first: the shared pool is sized by it
-                args = (self.input_ids[: b * q], self.positions[: b * q], self.kv_caches, self._meta(b, q))
+                args = self._args(b, q)
                 for _ in range(2):  # warm up: Triton compiles, allocator settles
                     self.model(*args)
                 torch.cuda.synchronize()
@@ -69,8 +81,8 @@ class DecodeGraphs:
                 self.graphs[b, q] = g
         self.seq_lens.zero_()
         torch.cuda.synchronize()
-        log.info("captured %d decode CUDA graphs (batch %d..%d, query length %s) in %.1f s, %.2f GiB",
-                 len(self.graphs), self.buckets[0], self.buckets[-1], "/".join(map(str, self.q_lens)),
+        log.info("captured %d %s CUDA graphs (batch %d..%d, query length %s) in %.1f s, %.2f GiB",
+                 len(self.graphs), what, self.buckets[0], self.buckets[-1], "/".join(map(str, self.q_lens)),
                  time.perf_counter() - t0, (free0 - torch.cuda.mem_get_info()[0]) / 2**30)
 
     def bucket_for(self, batch: int, q_len: int = 1) -> int | None:
@@ -82,14 +94,20 @@ class DecodeGraphs:
                 return b
         return None
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
-        """Replay the bucket's graph for a pure-decode batch; returns hidden `[B*q_len, hidden]`."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: MLAMetadata,
+            hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the bucket's graph for a pure-decode batch (with `hidden` rows when captured
+        with them); returns the output rows `[B*q_len, width]`."""
         d = meta.decode
         B, q = meta.num_decodes, d.q_len
         b = self.bucket_for(B, q)
         T = B * q
         self.input_ids[:T].copy_(input_ids, non_blocking=True)
         self.positions[:T].copy_(positions, non_blocking=True)
+        if (hidden is None) != (self.hidden is None):
+            raise ValueError("DecodeGraphs.run: hidden rows are given exactly when captured with them")
+        if hidden is not None:
+            self.hidden[:T].copy_(hidden, non_blocking=True)
         self.slot_mapping[:T].copy_(meta.slot_mapping, non_blocking=True)
         if d.q_pos is not None:
             self.q_pos[:T].copy_(d.q_pos, non_blocking=True)

@@ -76,6 +76,7 @@ class ModelRunner:
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.graphs = None  # engine.cuda_graph.DecodeGraphs, set by the worker on CUDA
+        self.mtp_graphs = None  # the MTP drafter's DecodeGraphs, with {"method": "mtp"} on CUDA
         self._last: PendingStep | None = None  # the latest launched step, until finished
         self.agreement = RankAgreement(rank_check_interval)  # ranks sample alike (rank_agreement.py)
 

@@ -1,13 +1,55 @@
 """The MTP drafter's step (`{"method": "mtp"}`): after the model runner has verified a step, run
 the checkpoint's MTP layer (models/mtp.py) over the step's rows and draft each sampling request's
-next tokens."""
+next tokens.
+
+On CUDA (unless --enforce-eager) the layer's decode-shaped runs replay CUDA graphs
+(`runner.mtp_graphs`, engine/cuda_graph.py), one per (batch bucket, rows per request): after a
+verification step each request has 1 + accepted rows, so the rows are padded to the step's
+longest (padding rows write no cache slot and see no key) and the real rows are taken back out.
+Runs with prompt rows (the first drafts after a prefill) or beyond the largest bucket run eagerly.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from common import distributed as pd
 from common.transfer import to_device
+
+
+class MTPStep:
+    """The MTP layer as `DecodeGraphs` calls a model: (input_ids, positions, kv_cache, meta,
+    hidden) -> the layer's output rows."""
+
+    def __init__(self, layer, rotary):
+        self.layer, self.rotary = layer, rotary
+
+    def __call__(self, input_ids, positions, kv_cache, meta, hidden):
+        return self.layer(input_ids, self.rotary.at(positions), hidden, kv_cache, meta)
+
+
+def _run_layer(runner, batch, hidden: torch.Tensor) -> torch.Tensor:
+    """The MTP layer over a prepared batch (`ModelRunner.prepare`) with one hidden row per input
+    row -> output rows in the batch's row order: a CUDA graph where one fits, else eager."""
+    m, graphs = batch.meta, runner.mtp_graphs
+    d = m.decode
+    if graphs is None or m.prefill is not None or d is None or graphs.bucket_for(m.num_decodes, d.q_len) is None:
+        layer, rotary = runner.model.mtp[0], runner.model.model.rotary_emb
+        return layer(batch.input_ids, rotary.at(batch.positions), hidden, runner.mtp_kv_caches[0], m)
+    if d.row_index is None:  # every request has d.q_len rows
+        return graphs.run(batch.input_ids, batch.positions, m, hidden=hidden)
+    # pad each request to d.q_len rows: no cache slot (-1), token 0 at position 0, hidden 0; their
+    # q_pos is -1 already (build_mla_metadata), so they attend to nothing
+    T, idx = m.num_decodes * d.q_len, d.row_index
+    ids = batch.input_ids.new_zeros(T).index_copy_(0, idx, batch.input_ids)
+    pos = batch.positions.new_zeros(T).index_copy_(0, idx, batch.positions)
+    slots = m.slot_mapping.new_full((T,), -1).index_copy_(0, idx, m.slot_mapping)
+    rows = hidden.new_zeros(T, hidden.shape[-1]).index_copy_(0, idx, hidden)
+    padded = dataclasses.replace(m, num_decode_tokens=T, slot_mapping=slots,
+                                 decode=dataclasses.replace(d, row_index=None))
+    return graphs.run(ids, pos, padded, hidden=rows)[idx]
 
 
 def mtp_propose(runner, pending, accepted: dict[str, int]) -> dict[str, list[int]]:
@@ -20,7 +62,7 @@ def mtp_propose(runner, pending, accepted: dict[str, int]) -> dict[str, list[int
     draft, one row per request (the scheduler allocates those k - 1 lookahead slots).
     """
     batch, hidden = pending.mtp_inputs
-    layer, cache = runner.model.mtp[0], runner.mtp_kv_caches[0]
+    layer = runner.model.mtp[0]
     rotary = runner.model.model.rotary_emb
     rows: dict[str, list[int]] = {}
     toks, ctxs, tables, rids = [], [], [], []
@@ -39,7 +81,7 @@ def mtp_propose(runner, pending, accepted: dict[str, int]) -> dict[str, list[int
         return {}
     mb = runner.prepare(toks, ctxs, tables, rids)
     index = to_device([r for rid in mb.order for r in rows[rid]], torch.int64, hidden.device)
-    out = layer(mb.input_ids, rotary.at(mb.positions), hidden[index], cache, mb.meta)
+    out = _run_layer(runner, mb, hidden[index])
     sampled = set(accepted)
     ends, lasts, pos = [], [], {}
     row = 0
@@ -68,5 +110,5 @@ def mtp_propose(runner, pending, accepted: dict[str, int]) -> dict[str, list[int
         ends, h, d = [ends[i] for i in keep], h[keep], [d[i] for i in keep]
         cb = runner.prepare([[t] for t in d], [pos[rid] + depth for rid in ends],
                           [runner.requests[rid].block_ids for rid in ends], ends)
-        h = layer(cb.input_ids, rotary.at(cb.positions), h, cache, cb.meta)  # same order: all 1 token
+        h = _run_layer(runner, cb, h)  # same order: all 1 token
     return drafts

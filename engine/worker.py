@@ -241,7 +241,20 @@ class Worker:
                                               default_buckets(a.max_num_seqs), self.device, q_lens)
             try:
                 self.runner.graphs.capture()
+                if self.num_mtp_layers:
+                    self.runner.mtp_graphs = self._mtp_graphs(blocks_per_seq, mtp_caches[0])
             except torch.cuda.OutOfMemoryError:
                 raise
             except Exception as e:  # noqa: BLE001
                 raise self.plan.error("capturing decode CUDA graphs (--enforce-eager avoids them)", e) from e
+
+    def _mtp_graphs(self, blocks_per_seq: int, cache: torch.Tensor):
+        """CUDA graphs of the MTP drafter's layer for 1 .. 1 + k rows per request (engine/mtp_drafter.py)."""
+        from engine.cuda_graph import DecodeGraphs, default_buckets
+        from engine.mtp_drafter import MTPStep
+        spec = self.args.speculative_config
+        step = MTPStep(self.model.mtp[0], self.model.model.rotary_emb)
+        graphs = DecodeGraphs(step, cache, blocks_per_seq, default_buckets(self.args.max_num_seqs), self.device,
+                              tuple(range(1, spec.decode_threshold + 1)), hidden=(self.cfg.hidden_size, self.dtype))
+        graphs.capture("MTP drafter")
+        return graphs

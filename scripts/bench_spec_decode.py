@@ -85,16 +85,21 @@ def repetitive_prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [(p * (length // 32 + 1))[:length] for p in random_prompts(n, 32, vocab, seed=n)]
 
 
+def start_batch(core, a, B: int, tag: str) -> None:
+    """B repetitive prompts added and run until each has its first token (prefill done)."""
+    prompts = repetitive_prompts(B, a.prompt_len, core.cfg.vocab_size)
+    sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        core.add_request(f"{tag}-{B}-{i}", ids, sp)
+    while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
+        core.step()
+
+
 def profile_decode(core, a, B: int) -> None:
     """torch.profiler over `a.profile_steps` decode steps of B fresh requests: the GPU kernels and
     the host ops that take the time of a step (with speculation: verification and drafting)."""
     from torch.profiler import ProfilerActivity, profile
-    prompts = repetitive_prompts(B, a.prompt_len, core.cfg.vocab_size)
-    sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
-    for i, ids in enumerate(prompts):
-        core.add_request(f"prof-{B}-{i}", ids, sp)
-    while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
-        core.step()
+    start_batch(core, a, B, "prof")
     for _ in range(3):
         core.step()
     torch.cuda.synchronize()
@@ -120,12 +125,7 @@ def bench_e2e(a) -> list[dict]:
         llm = LLM(**engine_kwargs(a), speculative_config=spec)
         core = llm.engine
         for rep, B in enumerate(a.batch_sizes):  # a batch size given twice: the second run is warm
-            prompts = repetitive_prompts(B, a.prompt_len, core.cfg.vocab_size)
-            sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
-            for i, ids in enumerate(prompts):
-                core.add_request(f"{rep}-{B}-{i}", ids, sp)
-            while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
-                core.step()
+            start_batch(core, a, B, str(rep))
             spec0 = core.scheduler.stats.spec
             d0, a0 = (spec0.num_drafts, spec0.num_accepted_tokens) if spec0 else (0, 0)
             out0 = sum(r.num_output_tokens for r in core.scheduler.running)

@@ -190,3 +190,21 @@ def test_speculation_with_cuda_graphs_equals_eager_without(model, request):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
     assert llm.scheduler.stats.spec.num_accepted_tokens > 0
     assert got == _run(path, prompts, enforce_eager=True)
+
+
+def test_mtp_drafter_graphs_equal_eager_without_speculation(tmp_path):
+    """MTP on the GPU: the verification steps and the drafter's layer replay CUDA graphs (the
+    drafter's inputs padded to the step's most rows per request); greedy outputs equal plain
+    eager decoding and some drafts are accepted."""
+    from tiny_models import add_mtp_layer, make_model
+    make_model(tmp_path, "v3", qk_rope_head_dim=16)
+    add_mtp_layer(tmp_path, copies=False)
+    path = str(tmp_path)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    kernels = "auto,warmup=0" + ("" if autotuning() else ",autotune=0")
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=1024, speculative_config=spec, kernels=kernels)
+    runner = llm.engine.executor.worker.runner
+    assert runner.mtp_graphs is not None and runner.mtp_graphs.q_lens == (1, 2, 3)
+    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
+    assert llm.scheduler.stats.spec.num_accepted_tokens > 0
+    assert got == _run(path, enforce_eager=True)

@@ -61,6 +61,47 @@ def test_mtp_under_chunking_preemption_and_dcp(tiny_mtp):
     assert got == ref and s.spec.num_accepted_tokens > 0
 
 
+class EagerDrafterGraphs:
+    """Stands in for the drafter's CUDA graphs on the CPU: `DecodeGraphs`' interface, the padded
+    inputs run eagerly through the same step (engine/mtp_drafter.py `MTPStep`)."""
+
+    def __init__(self, step, cache, q_lens):
+        self.step, self.cache, self.q_lens = step, cache, q_lens
+        self.padded_rows = 0  # rows run that are padding (no cache slot)
+
+    def bucket_for(self, batch, q_len=1):
+        return batch if q_len in self.q_lens else None
+
+    def run(self, input_ids, positions, meta, hidden=None):
+        assert meta.prefill is None and meta.decode.row_index is None
+        assert input_ids.shape[0] == meta.num_decodes * meta.decode.q_len == hidden.shape[0]
+        self.padded_rows += int((meta.slot_mapping < 0).sum())
+        return self.step(input_ids, positions, self.cache, meta, hidden)
+
+
+def test_mtp_drafts_through_padded_graph_inputs_equal_eager(tiny_mtp):
+    """The drafter's graph path (requests padded to the step's most rows, padding writing no slot
+    and seeing no key) drafts exactly what the eager path drafts: the same outputs and the same
+    accepted count, with padding rows run."""
+    from engine.mtp_drafter import MTPStep
+    path, _ = tiny_mtp
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    ref, s_eager, _ = generate(path, speculative_config=spec)
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, num_kv_blocks=256, speculative_config=spec)
+    try:
+        runner = llm.engine.executor.worker.runner
+        graphs = EagerDrafterGraphs(MTPStep(runner.model.mtp[0], runner.model.model.rotary_emb),
+                                    runner.mtp_kv_caches[0], (1, 2, 3, 4))
+        runner.mtp_graphs = graphs
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts(), GREEDY)]
+        s = llm.scheduler.stats
+    finally:
+        llm.engine.shutdown()
+    assert got == ref
+    assert s.spec.num_accepted_tokens == s_eager.spec.num_accepted_tokens > 0
+    assert graphs.padded_rows > 0
+
+
 def test_mtp_needs_an_mtp_layer(tiny_v3):
     spec = {"method": "mtp", "num_speculative_tokens": 1}
     # transformers' config says 1 MTP layer, but its checkpoint stores none
