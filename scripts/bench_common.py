@@ -105,3 +105,41 @@ def graph_us(fn, calls: list, reps: int = 20) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (reps * len(calls))
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(proc, url: str, timeout_s: float, log_path: Path | None = None, poll_s: float = 1.0) -> None:
+    """Wait until a started `serve` answers /health with 200; exit naming the cause if the process
+    dies first (with the tail of its log) or `timeout_s` passes."""
+    import httpx
+    deadline = time.time() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            tail = ":\n" + log_path.read_text()[-4000:] if log_path is not None else ""
+            raise SystemExit(f"serve exited with {proc.returncode} during start-up{tail}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.time() > deadline:
+            raise SystemExit(f"serve did not become healthy in {timeout_s} s")
+        time.sleep(poll_s)
+
+
+def stop_server(proc, timeout_s: float) -> None:
+    """SIGINT (serve's graceful shutdown), then a kill if it takes longer than `timeout_s`."""
+    import signal
+    import subprocess
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -41,8 +41,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -347,30 +345,16 @@ def _core_pid(server_pid: int) -> int:
 
 
 def run_http(a: argparse.Namespace) -> dict:
-    import httpx
-    from bench_common import random_prompts
+    from bench_common import free_port, random_prompts, stop_server, wait_healthy
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = Path(tempfile.mkdtemp(prefix="bench_core_")) / "core.json"
     env = {**os.environ, STUB_ENV: json.dumps({"device_ms": a.device_ms, "device_us_per_token": a.device_us_per_token,
                                                "vocab": 512, "out": str(out)})}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-child", *serve_argv(a, port)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     try:
-        deadline = time.time() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"serve exited with {proc.returncode} during start-up")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise SystemExit("serve did not become healthy in 300 s")
-            time.sleep(0.5)
+        wait_healthy(proc, f"http://127.0.0.1:{port}", 300, poll_s=0.5)
         prompts = random_prompts(a.num_prompts + 8, a.input_len, 512, seed=1)
         asyncio.run(_load(port, a, prompts[:8]))  # warm-up
         time.sleep(1.5)  # the core goes idle: its warm-up period closes
@@ -385,12 +369,7 @@ def run_http(a: argparse.Namespace) -> dict:
         events = sum(r[0] for r in results)
         time.sleep(1.5)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc, 60)
     periods = json.loads(out.read_text())
     c = periods[-1]
     return {"wall": dt, "core": c, "events": events, "sent": t_send,

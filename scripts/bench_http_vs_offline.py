@@ -22,14 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
@@ -89,12 +84,6 @@ def workload_argv(a: argparse.Namespace) -> list[str]:
             "--output-len", str(a.output_len)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(cmd: list[str], log: Path) -> None:
     print("+", " ".join(cmd), flush=True)
     with open(log, "w") as f:
@@ -112,6 +101,7 @@ def offline(a: argparse.Namespace, out: Path) -> dict:
 
 
 def serving(a: argparse.Namespace, out: Path) -> dict:
+    from bench_common import free_port, stop_server, wait_healthy  # scripts/ is on sys.path (parse_args)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "server", *engine_argv(a, serve=True), "--port", str(port),
@@ -120,19 +110,7 @@ def serving(a: argparse.Namespace, out: Path) -> dict:
     log = open(out / "serve.log", "w")
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + a.startup_timeout
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"serve exited with {proc.returncode} during start-up:\n"
-                                 + (out / "serve.log").read_text()[-4000:])
-            try:
-                if httpx.get(f"{url}/health", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise SystemExit(f"serve did not become healthy in {a.startup_timeout} s")
-            time.sleep(1)
+        wait_healthy(proc, url, a.startup_timeout, out / "serve.log")
         path = out / "serving.json"
         run([sys.executable, str(SCRIPTS / "bench_serving.py"), "--base-url", f"{url}/v1",
              *workload_argv(a), *(["--max-concurrency", str(a.max_concurrency)]
@@ -149,12 +127,7 @@ def serving(a: argparse.Namespace, out: Path) -> dict:
             single = json.loads(path.read_text())["results"][0]["summary"]
         return main, single
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc, 120)
         log.close()
 
 
