@@ -15,7 +15,12 @@
 #               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:560`)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
-# A step may carry its own timeout in seconds: `tests:150`. Default STEP_TIMEOUT (240).
+#   spec        speculative decoding: decode step cost at q_len 1..4 (V2-Lite), then MTP end to end
+#               on the V3 config with 4 layers, warm (bench_spec_decode.py step / e2e)
+#   core        the control plane on this host's CPU: serve around a stub model with 44 ms steps,
+#               minimal and httpx clients (bench_core_overhead.py; no GPU use)
+# A step may carry its own timeout in seconds: `tests:150`. Default STEP_TIMEOUT (240); spec and
+# core run two scripts, each under that timeout.
 # LATENCY_ARGS: extra flags for the latency step (e.g. "--batch-sizes 1 8").
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -47,6 +52,14 @@ for spec in $steps; do
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
           --hf-overrides '{"num_hidden_layers": 4}' --batch-sizes 1 64 --decode-steps 50 \
           --json "$OUT/r1_latency.json" > "$log" 2>&1 ;;
+    spec) { timeout "$T" python3 scripts/bench_spec_decode.py step --batch-sizes 1 4 16 64 --q-lens 1 2 3 4 \
+              --json "$OUT/spec_step.json"
+            timeout "$T" python3 scripts/bench_spec_decode.py e2e --method mtp --num-speculative-tokens 1 --batch-sizes 1 1 \
+              --model configs/models/DeepSeek-V3 --hf-overrides '{"num_hidden_layers": 4}' \
+              --json "$OUT/spec_mtp.json"; } > "$log" 2>&1 ;;
+    core) { timeout "$T" python3 scripts/bench_core_overhead.py --device-ms 44 --json "$OUT/core_raw.json"
+            timeout "$T" python3 scripts/bench_core_overhead.py --device-ms 44 --mode http --client httpx \
+              --json "$OUT/core_httpx.json"; } > "$log" 2>&1 ;;
     *) echo "unknown step $s" > "$log" ;;
   esac
   rc=$?
