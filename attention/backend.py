@@ -88,3 +88,10 @@ class AttentionOps(Protocol):
         `cu_lens[b] .. cu_lens[b+1] - 1`, with `len_b = cu_lens[b+1] - cu_lens[b]`.
         Returns `[num_tokens, Lkv+R]` in `dtype` (None: the cache's), dequantised from FP8.
         """
+
+
+def check_prefill_out(out: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
+    """`prefill_mla(out=)`'s buffer: exactly `shape` and `dtype`, last dim contiguous."""
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.stride(-1) != 1:
+        raise ValueError(f"prefill out must be {tuple(shape)} {dtype} with a contiguous last dim, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")

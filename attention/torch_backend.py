@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from attention.backend import check_prefill_out
 from attention.kv_quant import load_as, store_as
 
 
@@ -88,7 +89,7 @@ class TorchAttentionOps:
         o, lse = self.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
         if out is None:
             return o, lse
-        _check_out(out, o.shape, o.dtype)
+        check_prefill_out(out, o.shape, o.dtype)
         return out.copy_(o), lse
 
     def merge_attn_states_(self, o, lse, o_b, lse_b):
@@ -104,12 +105,6 @@ class TorchAttentionOps:
             if cu[b + 1] > cu[b]:
                 out[cu[b]:cu[b + 1]] = self._rows(kv_cache, block_table[b], s, cu[b + 1] - cu[b], dtype)
         return out
-
-
-def _check_out(out: torch.Tensor, shape, dtype) -> None:
-    if out.shape != shape or out.dtype != dtype or out.stride(-1) != 1:
-        raise ValueError(f"prefill out must be {tuple(shape)} {dtype} with a contiguous last dim, got "
-                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
 
 
 def merge_attn_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from attention.backend import check_prefill_out
 from attention.kv_quant import FP8_DTYPE
 from attention.triton_cache import gather_context, write_kv
 from attention.triton_decode import DecodeConfig, mla_decode
@@ -120,7 +121,10 @@ class TritonAttentionOps:
             q = torch.cat([q_nope, q_pe], dim=-1)
             k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, H, -1)], dim=-1)
             o, lse = self.prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal)
-            return (o, lse) if out is None else (out.copy_(o), lse)
+            if out is None:
+                return o, lse
+            check_prefill_out(out, o.shape, o.dtype)
+            return out.copy_(o), lse
         _check(q_nope.dtype in _FLOAT_DTYPES and all(t.dtype == q_nope.dtype for t in (q_pe, k_nope, k_pe, v)),
                f"MLA prefill operands must share one of fp16/bf16/fp32, got {q_nope.dtype}, {q_pe.dtype}, "
                f"{k_nope.dtype}, {k_pe.dtype}, {v.dtype}")

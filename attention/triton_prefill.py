@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.backend import check_prefill_out
+
 LOG2E = 1.4426950408889634
 
 
@@ -171,10 +173,8 @@ def prefill_attention_parts(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor
     cfg = cfg or default_prefill_config(qa.dtype)
     if out is None:
         o = torch.empty(Tq, H, dv, dtype=qa.dtype, device=qa.device)
-    elif out.shape != (Tq, H, dv) or out.dtype != qa.dtype or out.stride(-1) != 1:
-        raise ValueError(f"prefill out must be {(Tq, H, dv)} {qa.dtype} with a contiguous last dim, got "
-                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     else:
+        check_prefill_out(out, (Tq, H, dv), qa.dtype)
         o = out
     lse = torch.empty(Tq, H, dtype=torch.float32, device=qa.device)
     if Tq == 0 or B == 0 or H == 0 or max_seqlen_q == 0:
