@@ -333,7 +333,28 @@ def install_front_end_probe(path: str) -> None:
                 row[2], row[5] = time.perf_counter(), thread_cpu()
 
     AsyncLLM._on_core_outputs, AsyncLLM._on_outputs = probed_on_core, probed_on_loop
-    atexit.register(lambda: Path(path).write_text(json.dumps(rows)))
+
+    # when connections were accepted, requests reached the app, and were handed to the core
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from server.http_limits import BodyLimitMiddleware
+    marks: dict[str, list[float]] = {"accepted": [], "app": [], "submitted": []}
+
+    def marked(name, fn, is_async=False):
+        if is_async:
+            async def wrapper(*args, **kwargs):
+                marks[name].append(time.perf_counter())
+                return await fn(*args, **kwargs)
+        else:
+            def wrapper(*args, **kwargs):
+                marks[name].append(time.perf_counter())
+                return fn(*args, **kwargs)
+        return wrapper
+
+    H11Protocol.connection_made = marked("accepted", H11Protocol.connection_made)
+    BodyLimitMiddleware.__call__ = marked("app", BodyLimitMiddleware.__call__, is_async=True)
+    AsyncLLM._submit = marked("submitted", AsyncLLM._submit)
+    atexit.register(lambda: Path(path).write_text(json.dumps({"rows": rows, "marks": marks})))
 
 
 if STUB_ENV in os.environ:  # the server process, and its engine-core child (spawn imports this)
@@ -433,13 +454,14 @@ async def _load_httpx(port: int, a: argparse.Namespace, prompts: list[list[int]]
     """The same load through scripts/bench_serving.py's client (httpx, one SSE parse per line),
     as the GPU comparison runs it."""
     import httpx
-    from bench_serving import Target, run_load
+    from bench_serving import ClientShards, Target, run_load, shard_count
 
     limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=60), trust_env=False) as client:
+    shards = shard_count(len(prompts)) if a.client_shards is None else a.client_shards
+    async with ClientShards(shards, limits, httpx.Timeout(600, connect=60)) as clients:
         t = Target(f"http://127.0.0.1:{port}/v1/completions", {}, None, a.output_len, 0.0, 600)
         t0 = time.perf_counter()
-        results, dt = await run_load(client, t, prompts, float("inf"), None, 0)
+        results, dt = await run_load(clients, t, prompts, float("inf"), None, 0)
     failed = [r.error for r in results if not r.ok or r.output_tokens != a.output_len]
     if failed:
         raise SystemExit(f"{len(failed)} requests failed or came back short, e.g. {failed[0]}")
@@ -503,6 +525,9 @@ def run_http(a: argparse.Namespace) -> dict:
     c = periods[-1]
     front = Path(str(out) + ".front.json")
     fe = front_end_summary(json.loads(front.read_text()), t_send, t_send + dt) if front.exists() else None
+    if fe:
+        fe["arrivals"] = {k: [x - t_send for x in v if t_send <= x <= t_send + dt]
+                          for k, v in json.loads(front.read_text())["marks"].items()}
     return {"wall": dt, "core": c, "events": events, "sent": t_send, "front": fe,
             "finish_lag": finish_lags(results, c.get("finished", {})),
             "to_first_add": c["first_add"] - t_send, "adds_span": c["last_add"] - c["first_add"],
@@ -510,11 +535,11 @@ def run_http(a: argparse.Namespace) -> dict:
             "front_cpu": cpu1[0] - cpu0[0], "core_cpu": cpu1[1] - cpu0[1], "client_cpu": cpu1[2] - cpu0[2]}
 
 
-def front_end_summary(rows: list[list], t0: float, t1: float) -> dict | None:
+def front_end_summary(probe: dict, t0: float, t1: float) -> dict | None:
     """The front end's pace over the run [t0, t1]: how long output messages took from the core's
     queueing them to the reader thread and to the event loop's output processing, and the CPU
     time of the front end's threads between the first and the last message processed."""
-    rows = [r for r in rows if r[0] is not None and r[2] is not None and t0 <= r[0] <= t1]
+    rows = [r for r in probe["rows"] if r[0] is not None and r[2] is not None and t0 <= r[0] <= t1]
     if not rows:
         return None
 
@@ -578,6 +603,11 @@ def report(name: str, r: dict, a: argparse.Namespace) -> str:
                          + f" ms (last message {fe['last_loop_lag'] * 1e3:.1f} ms)")
             lines.append(f"  front-end threads, CPU over {fe['span']:.2f} s of messages: "
                          f"{_threads(fe['thread_cpu'], fe['span'])}")
+            arr = {k: v for k, v in fe.get("arrivals", {}).items() if v}
+            if arr:
+                lines.append("  after the first send (s), first/median/last: " + "; ".join(
+                    f"{k} {v[0]:.3f}/{sorted(v)[len(v) // 2]:.3f}/{v[-1]:.3f} ({len(v)})"
+                    for k, v in arr.items()))
     else:
         lines.append(f"  main thread CPU over the run: {_threads(c.get('thread_cpu', {}), r['wall'])}")
         lines.append(f"  output processing (front end, in-process) "
@@ -610,6 +640,9 @@ def main() -> None:
                    help="as serve and LLM run on a GPU (their CPU default is off)")
     p.add_argument("--client", choices=["raw", "httpx"], default="raw",
                    help="raw: a minimal asyncio client that counts SSE events; httpx: bench_serving.py's")
+    p.add_argument("--client-shards", type=int, default=None,
+                   help="httpx client: clients the requests are shared among (default: one per 32 "
+                        "requests, as bench_serving.py; 1: one pool for all, its cost grows as N^2)")
     p.add_argument("--tokenizer", action="store_true", help="load the tiny model's tokenizer (detokenize)")
     p.add_argument("--device-ms", type=float, default=0.0, help="imaginary device time per step")
     p.add_argument("--device-us-per-token", type=float, default=0.0, help="and per scheduled token")
