@@ -1,38 +1,63 @@
 """The control plane on the CPU: `serve` (front end + engine-core process) against the offline
 LLM, both driving a stub model, so that what is left is scheduling, input/output plumbing and
-HTTP work. Reports requests/s, steps/s and the engine core's time per step split by phase.
+HTTP work. Reports requests/s, steps/s, the engine core's time per step split by phase, where
+its step loop lost time, and how far the front end ran behind it.
 
 The stub: the real tiny model is built (configs/models/tiny-deepseek-v3, token-id prompts), but
 ModelRunner.forward returns zero hidden states and ModelRunner.logits zero logits over its
-512-token vocabulary, so every step samples token 0 (ignore_eos keeps requests going). With
---device-ms / --device-us-per-token the stub stands in for a GPU: each launched step occupies
-an imaginary device for that long (steps queue behind each other), and ModelRunner.finish
-sleeps until its step is done (a sleep releases the GIL, as the wait on a CUDA event does), so
-async scheduling overlaps host work with it as on a GPU. Everything else is the real code:
-Scheduler, ModelRunner input preparation and sampler (on the CPU, over 512 logits), EngineCore,
-the core process's loop, pipes and sender thread, AsyncLLM, the output processor, FastAPI,
-uvicorn, SSE.
+512-token vocabulary, so every step samples token 0 (ignore_eos keeps requests going).
+Everything else is the real code: Scheduler, ModelRunner input preparation and sampler (on the
+CPU, over 512 logits), EngineCore, the core process's loop, pipes and threads, AsyncLLM, the
+output processor, FastAPI, uvicorn, SSE.
 
-What the stub changes: with no device time the host work is the whole step, so every cost here
-is on the critical path and the sender thread contends for the core's GIL all the time; on a GPU
-the step loop waits on the device with the GIL released and async scheduling hides the host
-work that fits in the device time. The figures are per-step costs to compare between the two
-paths, not a prediction of GPU throughput. The client (a minimal asyncio HTTP/1.1 client, one
-connection per request) shares this machine's cores with the server.
+Emulating a GPU step, two costs:
+  device  --device-ms / --device-us-per-token: each launched step occupies an imaginary device
+          for that long. It starts when the launch starts (kernels run as they are launched),
+          once the step before is done, and ends no earlier than the launch; ModelRunner.finish
+          sleeps until then (a sleep releases the GIL, as the wait on a CUDA event does), so
+          async scheduling overlaps host work with it as on a GPU.
+  host    --host-ms / --host-us-per-token / --prefill-host-ms: CPU time added to each launch, as
+          busy pure Python in ~70 us slices, each ended by a tiny torch op (whose dispatch
+          releases the GIL, as every kernel launch does), counted in the thread's own CPU time:
+          while another thread of the core process holds the GIL, or the thread waits for a
+          core, the launch takes longer, as on the GPU host. --prefill-host-ms is for steps
+          with prompt tokens, which run eager on a GPU (no CUDA graph).
+V2-Lite on one H200 (1000 x (1000 in, 100 out)): a mixed step of ~8,200 tokens takes ~100 ms
+of host time to launch against ~85 ms of GPU, a decode step of 256 a few ms of host (graph
+replays) against ~15 ms. `--device-ms 14 --device-us-per-token 9 --prefill-host-ms 92` gives
+433 steps in ~19 s offline, as on the H200 (the stub's real input preparation and sampler add a
+few ms per step on top).
+
+Without device and host costs every cost here is on the critical path; with them, only what
+does not fit in the device time, or takes the step loop's GIL, is. The client (a minimal asyncio
+HTTP/1.1 client, one connection per request, or --client httpx: bench_serving.py's) shares this
+machine's cores with the server: on a 2-core machine the three processes contend for cores,
+which the "waiting for a core" figures show (Linux schedstat); "wall less that" is the wall time
+without the step loop's waits for a core.
 
     python scripts/bench_core_overhead.py                       # both paths, 1000 x (1000 in, 100 out), streamed
+    python scripts/bench_core_overhead.py --device-ms 14 --device-us-per-token 9 --prefill-host-ms 92
+    python scripts/bench_core_overhead.py --mode http --client httpx --device-ms 14 --device-us-per-token 9 --prefill-host-ms 92
     python scripts/bench_core_overhead.py --num-prompts 256 --no-stream
-    python scripts/bench_core_overhead.py --mode http --device-ms 15   # a 15 ms "GPU" step
 
 The engine-core phases (ms per step, exclusive): schedule (Scheduler.schedule), launch (input
-preparation, stub forward, sampler), device wait (the stub's imaginary device), finish (sampled
-ids back to requests), update (Scheduler.update_from_output), step other (the rest of
-EngineCore.step), add_request (EngineCore.add_request), commands (taking commands off the
-receiver thread's queue and applying them, less add_request), report (building and queueing the output message), idle (waiting
-for commands with nothing to run), loop other (the rest of the loop's wall time). The sender
-rows are the core process's sender thread encoding, pickling and writing output messages
+preparation, stub forward, sampler, the host cost; "of which off CPU": waiting for a core, or
+blocked, i.e. for the GIL), device wait (the stub's imaginary device), finish (sampled ids back
+to requests), update (Scheduler.update_from_output), step other (the rest of EngineCore.step),
+add_request (EngineCore.add_request), commands (taking commands off the receiver thread's queue
+and applying them, less add_request), report (building and queueing the output message), idle
+(waiting for commands with nothing to run), loop other (the rest of the loop's wall time). The
+sender rows are the core process's sender thread encoding, pickling and writing output messages
 (concurrent with the loop; it holds the GIL while it encodes and pickles; a pipe write waits
-while the front end is behind, without the GIL). The receiver thread's reads are not timed.
+while the front end is behind, without the GIL). The CPU time of each thread of the core
+process (step loop, receiver, sender) and of the front end (event loop, pipe reader, pipe
+writer) is reported over the run.
+
+HTTP timeline figures: first request sent -> first in the core (EngineCore.add_request), the
+span of the arrivals, when connections were accepted, reached the app and were handed to the
+core (after the client's first send), the core's last step -> the last response read, per
+response the core's report of its last token -> the client's reading its end (minimal client),
+and per output message the core's queueing it -> the front end's reader thread and event loop.
 """
 
 from __future__ import annotations
@@ -68,12 +93,14 @@ class Timers:
         self.t = {}
         self.n = {}
         self.steps = self.tokens = 0
-        self.step_log: list[tuple] = []  # per launched step: (launch start, tokens, requests, eager)
+        # per launched step: (launch start, tokens, requests, eager, launch blocked off CPU: GIL)
+        self.step_log: list[tuple] = []
         self.finished: dict[str, float] = {}  # HTTP request id -> when the core reported its end
         self.start = self.end = None
         self.first_add = self.last_add = None  # when the first and the last request were added
         self.cpu0 = time.process_time()
         self.threads0 = thread_cpu()
+        self.runqueue0 = runqueue_wait()  # of the thread that resets: the step loop's
 
     def add(self, name: str, dt: float) -> None:
         self.t[name] = self.t.get(name, 0.0) + dt
@@ -84,6 +111,7 @@ class Timers:
                 "wall": (self.end or time.perf_counter()) - (self.start or time.perf_counter()),
                 "start": self.start, "end": self.end, "first_add": self.first_add, "last_add": self.last_add,
                 "cpu": time.process_time() - self.cpu0, "step_log": list(self.step_log),
+                "runqueue": runqueue_wait() - self.runqueue0,
                 "finished": dict(self.finished),
                 "thread_cpu": {k: v - self.threads0.get(k, 0.0) for k, v in thread_cpu().items()}}
 
@@ -183,7 +211,7 @@ def install_stub(settings: dict) -> None:
         TIMERS.add("launch off-CPU", off_cpu)
         TIMERS.add("launch runqueue", queued)
         if pending is not None:
-            TIMERS.step_log.append((t0, tokens, len(so.num_scheduled_tokens), eager))
+            TIMERS.step_log.append((t0, tokens, len(so.num_scheduled_tokens), eager, off_cpu - queued))
         if pending is not None:
             # The device runs kernels as they are launched: the step is done device time after it
             # started (once the previous step is done), and not before its last launch.
@@ -584,6 +612,13 @@ def report(name: str, r: dict, a: argparse.Namespace) -> str:
                      f"{sum(x[1] for x in eager) / max(len(eager), 1):.0f} tokens each; decode-only steps "
                      f"{len(log) - len(eager)}, {sum(x[2] for x in log if not x[3]) / max(len(log) - len(eager), 1):.0f} "
                      f"requests each")
+    if log and c["first_add"] is not None and c["last_add"] is not None:
+        during = sum(x[4] for x in log if x[0] <= c["last_add"])
+        lines.append(f"  launches blocked off CPU (for the GIL): {during:.3f} s while requests arrived "
+                     f"(to the last add_request), {sum(x[4] for x in log) - during:.3f} s after")
+    if "runqueue" in c:
+        lines.append(f"  the step loop waited {c['runqueue']:.2f} s for a core (a contended CPU); "
+                     f"wall less that: {r['wall'] - c['runqueue']:.2f} s")
     if "events" in r:
         lines.append(f"  core busy period {c['wall']:.2f} s; CPU s over the run: front end {r['front_cpu']:.2f}, "
                      f"engine core {r['core_cpu']:.2f}, client {r['client_cpu']:.2f}; {r['events']} SSE events")
