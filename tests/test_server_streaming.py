@@ -166,3 +166,49 @@ def test_sse_events_go_out_one_write_per_output_when_the_client_keeps_up():
     writes = asyncio.run(main())
     # the last output's chunk goes out with the usage and [DONE]
     assert [len(_events_of([w])) for w in writes] == [1, 1, 3]
+
+
+@pytest.mark.skipif(not hasattr(asyncio, "timeout"), reason="asyncio.timeout is Python 3.11+")
+def test_a_burst_of_requests_each_reaches_the_app_without_waiting_for_the_others():
+    """BodyLimitMiddleware reads a body that is already in without giving up the event loop, so
+    each request of a burst goes on to the app (and the engine) at once, not after every other
+    request of the burst has read its body."""
+    from server.http_limits import BodyLimitMiddleware
+
+    events = []
+
+    async def inner(scope, receive, send):
+        body = (await receive())["body"]
+        events.append(("app", body))
+
+    mw = BodyLimitMiddleware(inner, max_body_bytes=1 << 20, body_timeout=5.0)
+
+    def request(i: int):
+        async def receive():
+            events.append(("read", i))
+            return {"type": "http.request", "body": b"%d" % i, "more_body": False}
+        return mw({"type": "http", "headers": []}, receive, None)
+
+    async def main():
+        await asyncio.gather(*(request(i) for i in range(4)))
+    asyncio.run(main())
+    assert events == [e for i in range(4) for e in (("read", i), ("app", b"%d" % i))]
+
+
+def test_a_slow_body_still_times_out():
+    from server.http_limits import BodyLimitMiddleware
+
+    sent = []
+
+    async def inner(scope, receive, send):
+        raise AssertionError("the app must not run")
+
+    async def receive():
+        await asyncio.sleep(10)
+
+    async def send(message):
+        sent.append(message)
+
+    mw = BodyLimitMiddleware(inner, max_body_bytes=1 << 20, body_timeout=0.05)
+    asyncio.run(mw({"type": "http", "headers": []}, receive, send))
+    assert sent[0]["status"] == 408 and b"--http-body-timeout" in sent[1]["body"]
