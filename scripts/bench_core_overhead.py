@@ -615,7 +615,9 @@ def report(name: str, r: dict, a: argparse.Namespace) -> str:
     if log and c["first_add"] is not None and c["last_add"] is not None:
         during = sum(x[4] for x in log if x[0] <= c["last_add"])
         lines.append(f"  launches blocked off CPU (for the GIL): {during:.3f} s while requests arrived "
-                     f"(to the last add_request), {sum(x[4] for x in log) - during:.3f} s after")
+                     f"(to the last add_request), {sum(x[4] for x in log) - during:.3f} s after; "
+                     f"{sum(x[4] for x in eager):.3f} s of it in steps with prompt tokens (host-bound "
+                     f"with --prefill-host-ms: on the critical path)")
     if "runqueue" in c:
         lines.append(f"  the step loop waited {c['runqueue']:.2f} s for a core (a contended CPU); "
                      f"wall less that: {r['wall'] - c['runqueue']:.2f} s")
