@@ -175,6 +175,8 @@ def install_stub(settings: dict) -> None:
     host_s, host_per_token_s = settings.get("host_ms", 0.0) / 1e3, settings.get("host_us_per_token", 0.0) / 1e6
     prefill_host_s = settings.get("prefill_host_ms", 0.0) / 1e3
     vocab = settings["vocab"]
+    if settings.get("switch_interval_ms"):
+        sys.setswitchinterval(settings["switch_interval_ms"] / 1e3)
     busy_until = [0.0]
     gil_release = torch.zeros(1)
 
@@ -435,7 +437,8 @@ def run_offline(a: argparse.Namespace) -> dict:
 
 def stub_settings(a: argparse.Namespace) -> dict:
     return {"device_ms": a.device_ms, "device_us_per_token": a.device_us_per_token, "host_ms": a.host_ms,
-            "host_us_per_token": a.host_us_per_token, "prefill_host_ms": a.prefill_host_ms, "vocab": 512}
+            "host_us_per_token": a.host_us_per_token, "prefill_host_ms": a.prefill_host_ms, "vocab": 512,
+            "switch_interval_ms": a.switch_interval_ms}
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -677,6 +680,10 @@ def main() -> None:
                    help="as serve and LLM run on a GPU (their CPU default is off)")
     p.add_argument("--client", choices=["raw", "httpx"], default="raw",
                    help="raw: a minimal asyncio client that counts SSE events; httpx: bench_serving.py's")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="sys.setswitchinterval of the stepping process (the engine core's; offline, "
+                        "this one) and of the server: how long a thread may hold the GIL while "
+                        "another waits (Python's default 5 ms)")
     p.add_argument("--client-shards", type=int, default=None,
                    help="httpx client: clients the requests are shared among (default: one per 32 "
                         "requests, as bench_serving.py; 1: one pool for all, its cost grows as N^2)")
