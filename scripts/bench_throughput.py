@@ -14,9 +14,19 @@ from engine import LLM, SamplingParams
 
 
 def watch_steps(core) -> list:
-    """Record (scheduled tokens, decode rows, wall seconds) of every engine step from now on."""
+    """Record every engine step from now on: its scheduled tokens and decode rows, the wall time
+    of the step() call that scheduled it, and (CUDA) the host time of its launch (input
+    preparation, the forward's launches, the sampler) with CUDA events at the launch's start and
+    end on the stream, from which print_step_stats gets each step's GPU span and the GPU's idle
+    time between steps."""
+    import torch
+
+    from engine.model_runner import ModelRunner
+
     steps, schedule, step = [], core.scheduler.schedule, core.step
+    runner = getattr(getattr(core.executor, "worker", None), "runner", None)
     last = {}
+    cuda = torch.cuda.is_available()
 
     def scheduling():
         so = schedule()
@@ -26,22 +36,133 @@ def watch_steps(core) -> list:
 
     def stepping():
         t = time.perf_counter()
+        last["launch"] = last["events"] = None
         out = step()
-        steps.append((last.get("tokens", 0), last.get("decodes", 0), time.perf_counter() - t))
+        steps.append({"tokens": last.get("tokens", 0), "decodes": last.get("decodes", 0),
+                      "wall": time.perf_counter() - t, "launch": last["launch"], "events": last["events"]})
         return out
 
+    if isinstance(runner, ModelRunner):  # one rank in this process (not -tp N)
+        launch = runner.launch
+
+        def launching(so):
+            if cuda:
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+            t = time.perf_counter()
+            pending = launch(so)
+            last["launch"] = time.perf_counter() - t
+            if cuda:
+                e1.record()
+                last["events"] = (e0, e1)
+            return pending
+
+        runner.launch = launching
     core.scheduler.schedule, core.step = scheduling, stepping
     return steps
 
 
-def print_step_stats(steps: list) -> None:
-    kinds = {"pure decode": [s for s in steps if s[0] == s[1]], "with prefill": [s for s in steps if s[0] > s[1]]}
-    print("| steps | count | wall s | ms / step | tokens / step | decode rows / step |\n|---|---|---|---|---|---|")
+def print_step_stats(steps: list) -> dict:
+    """Per step kind: wall of the step() call, host time of the launch, GPU span from the launch's
+    first to its last queued work (the GPU's kernels plus any wait for the host's launches inside
+    the step); then the GPU's idle time between consecutive steps (the host was late)."""
+    import torch
+    if any(s["events"] for s in steps):
+        torch.cuda.synchronize()
+    kinds = {"pure decode": [s for s in steps if s["tokens"] == s["decodes"]],
+             "with prefill": [s for s in steps if s["tokens"] > s["decodes"]]}
+    res = {}
+    print("| steps | count | wall s | ms / step | tokens / step | decode rows / step | launch ms / step "
+          "| GPU span ms / step |\n|---|---|---|---|---|---|---|---|")
     for name, rows in kinds.items():
-        if rows:
-            n, wall = len(rows), sum(r[2] for r in rows)
-            print(f"| {name} | {n} | {wall:.2f} | {wall / n * 1e3:.1f} | {sum(r[0] for r in rows) / n:.0f} "
-                  f"| {sum(r[1] for r in rows) / n:.0f} |")
+        if not rows:
+            continue
+        n, wall = len(rows), sum(r["wall"] for r in rows)
+        launch = [r["launch"] for r in rows if r["launch"] is not None]
+        span = [r["events"][0].elapsed_time(r["events"][1]) for r in rows if r["events"]]
+        res[name] = {"count": n, "wall_s": wall, "launch_ms": sum(launch) / max(len(launch), 1) * 1e3,
+                     "gpu_span_ms": sum(span) / max(len(span), 1)}
+        print(f"| {name} | {n} | {wall:.2f} | {wall / n * 1e3:.1f} | {sum(r['tokens'] for r in rows) / n:.0f} "
+              f"| {sum(r['decodes'] for r in rows) / n:.0f} | {res[name]['launch_ms']:.1f} "
+              f"| {res[name]['gpu_span_ms']:.1f} |")
+    ev = [s["events"] for s in steps if s["events"]]
+    if len(ev) > 1:
+        gaps = [a[1].elapsed_time(b[0]) for a, b in zip(ev, ev[1:])]
+        total = ev[0][0].elapsed_time(ev[-1][1])
+        res["gpu_total_ms"], res["idle_between_ms"] = total, sum(gaps)
+        print(f"GPU from the first step's launch to the last's end: {total:.0f} ms; idle between steps "
+              f"{sum(gaps):.0f} ms ({sum(g > 1 for g in gaps)} gaps over 1 ms)")
+    res["step_calls_s"] = sum(s["wall"] for s in steps)
+    return res
+
+
+def gpu_window(core, start: int, count: int) -> dict:
+    """Trace the GPU's kernels (CUDA activity only, so the host runs nearly as unprofiled) over
+    engine steps [start, start + count) of the timed run; `window` fills in once it has ended."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    window, step, n = {}, core.step, [0]
+
+    def stepping():
+        i = n[0]
+        n[0] += 1
+        if i == start:
+            window["prof"] = profile(activities=[ProfilerActivity.CUDA])
+            window["prof"].__enter__()
+            window["t0"] = time.perf_counter()
+        out = step()
+        if i == start + count - 1:
+            torch.cuda.synchronize()
+            window["wall_s"] = time.perf_counter() - window["t0"]
+            window["prof"].__exit__(None, None, None)
+        return out
+
+    core.step = stepping
+    return window
+
+
+def print_gpu_window(window: dict, count: int, top: int = 15) -> dict:
+    """GPU busy time (the union of kernel and copy intervals) against the window's span, the idle
+    gaps by size and where the largest fall, and the kernels by total time."""
+    if "prof" not in window:
+        print("GPU window: the run ended before the window did")
+        return {}
+    ev = [(e.start_ns(), e.start_ns() + e.duration_ns(), e.name())
+          for e in window["prof"].profiler.kineto_results.events()
+          if e.device_type().name == "CUDA" and e.duration_ns() > 0]
+    if not ev:
+        print("GPU window: no CUDA kernels traced")
+        return {}
+    ev.sort()
+    busy, gaps, end, last = 0, [], ev[0][0], ev[0][2]
+    for s, e, name in ev:
+        if s > end:
+            gaps.append((s - end, last, name))
+        if e > end:
+            busy += e - max(s, end)
+            end, last = e, name
+    span = end - ev[0][0]
+    idle = sum(g[0] for g in gaps)
+    print(f"\nGPU window of {count} steps: host wall {window['wall_s'] * 1e3:.1f} ms, GPU span "
+          f"{span / 1e6:.1f} ms, busy {busy / 1e6:.1f} ms ({100 * busy / span:.1f}%), idle {idle / 1e6:.1f} ms "
+          f"in {len(gaps)} gaps")
+    print("| gap size | count | idle ms |\n|---|---|---|")
+    for lo, hi in ((0, 5e3), (5e3, 50e3), (50e3, 1e6), (1e6, float("inf"))):
+        sel = [g[0] for g in gaps if lo <= g[0] < hi]
+        print(f"| {lo / 1e3:g}-{hi / 1e3:g} us | {len(sel)} | {sum(sel) / 1e6:.2f} |")
+    print("largest gaps (us: kernel before -> kernel after):")
+    for g, before, after in sorted(gaps, reverse=True)[:10]:
+        print(f"  {g / 1e3:.0f}: {before[:60]} -> {after[:60]}")
+    per = {}
+    for s, e, name in ev:
+        t = per.setdefault(name, [0, 0])
+        t[0] += e - s
+        t[1] += 1
+    print("| kernel | ms in window | calls |\n|---|---|---|")
+    for name, (t, c) in sorted(per.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"| {name[:90]} | {t / 1e6:.2f} | {c} |")
+    return {"steps": count, "wall_ms": window["wall_s"] * 1e3, "span_ms": span / 1e6, "busy_ms": busy / 1e6,
+            "idle_ms": idle / 1e6, "gaps": len(gaps)}
 
 
 def main() -> None:
@@ -52,21 +173,35 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=100)
     p.add_argument("--step-stats", action="store_true",
                    help="also print wall time per step kind (pure decode / with prefill tokens)")
+    p.add_argument("--gpu-window", default=None, metavar="START:COUNT",
+                   help="trace the GPU over steps START..START+COUNT-1 of the timed run: busy time, idle "
+                        "gaps and top kernels (the trace slows those steps slightly)")
     a = p.parse_args()
+    if a.gpu_window:
+        import torch
+        if not torch.cuda.is_available():
+            p.error("--gpu-window traces CUDA kernels: it needs a GPU")
     llm = LLM(**engine_kwargs(a))
     prompts = random_prompts(a.num_prompts, a.input_len, llm.engine.cfg.vocab_size)
     sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
     llm.generate(prompts[:8], sp)  # warm-up (Triton compiles, allocator)
     steps = watch_steps(llm.engine) if a.step_stats else None
+    if a.gpu_window:
+        w_start, w_count = map(int, a.gpu_window.split(":"))
+        window = gpu_window(llm.engine, w_start, w_count)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp)
     dt = time.perf_counter() - t0
+    stats = None
     if steps is not None:
-        print_step_stats(steps)
+        stats = print_step_stats(steps)
+        print(f"outside engine.step (adding requests, output processing): "
+              f"{dt - stats['step_calls_s']:.2f} s of {dt:.2f}")
+    gpu = print_gpu_window(window, w_count) if a.gpu_window else None
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     res = {"requests_per_s": a.num_prompts / dt, "output_tokens_per_s": out_tokens / dt,
            "total_tokens_per_s": (out_tokens + a.num_prompts * a.input_len) / dt, "elapsed_s": dt,
-           "num_preemptions": llm.scheduler.stats.num_preemptions}
+           "num_preemptions": llm.scheduler.stats.num_preemptions, "gpu_window": gpu, "step_stats": stats}
     print(f"{a.num_prompts} requests x ({a.input_len} in, {a.output_len} out) in {dt:.2f} s: "
           f"{res['requests_per_s']:.2f} req/s, {res['output_tokens_per_s']:.0f} output tok/s, "
           f"{res['total_tokens_per_s']:.0f} total tok/s, {res['num_preemptions']} preemptions")

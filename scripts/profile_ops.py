@@ -199,7 +199,9 @@ def run_mixed(core, decodes: int, new_prompts: int, prompt_len: int, top: int, h
                 sync()
                 pr.disable()
                 print("\nhost profile of one mixed step (cProfile, by own time):")
-                pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+                pstats.Stats(pr).sort_stats("tottime").print_stats(40)
+                print("\nthe same, by cumulative time:")
+                pstats.Stats(pr).sort_stats("cumulative").print_stats(60)
             else:
                 core.step()
                 sync()
