@@ -6,7 +6,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import sys
 import time
+from pathlib import Path
 
 from bench_common import add_engine_flags, engine_kwargs, environment, random_prompts, write_json
 
@@ -96,6 +99,89 @@ def print_step_stats(steps: list) -> dict:
     return res
 
 
+class HostSampler:
+    """Where the main thread's time goes during the timed run: a thread samples its Python stack
+    every `interval` s (a busy main thread gives the GIL up at least every switch interval, 5 ms), and gc.callbacks time every collection. Self counts are by the sampled
+    leaf frame; inclusive counts by every frame of this repository on the stack."""
+
+    def __init__(self, interval: float = 0.005):
+        import gc
+        import threading
+        self.interval, self.samples = interval, 0
+        self.leaf, self.incl = {}, {}
+        self.gc = {}  # generation -> [collections, seconds]
+        self._gc_t0 = None
+        self._stop = threading.Event()
+        self._main = threading.main_thread().ident
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._gc_module = gc
+        self._repo = str(Path(__file__).resolve().parent.parent)
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0 is not None:
+            g = self.gc.setdefault(info["generation"], [0, 0.0])
+            g[0] += 1
+            g[1] += time.perf_counter() - self._gc_t0
+
+    def _name(self, code) -> str | None:
+        """`path:function` of a code object of this repository (outside site-packages), else None;
+        cached, so that a sample costs a dict lookup per frame."""
+        try:
+            return self._names[code]
+        except KeyError:
+            f = code.co_filename
+            name = (f"{Path(f).relative_to(self._repo)}:{code.co_name}"
+                    if f.startswith(self._repo) and "site-packages" not in f else None)
+            self._names[code] = name
+            return name
+
+    def _run(self):
+        self._names = {}
+        while not self._stop.wait(self.interval):
+            f = sys._current_frames().get(self._main)
+            if f is None:
+                continue
+            self.samples += 1
+            key = (f.f_code, f.f_lineno)
+            self.leaf[key] = self.leaf.get(key, 0) + 1
+            seen = set()
+            while f is not None:
+                k = self._name(f.f_code)
+                if k is not None and k not in seen:
+                    seen.add(k)
+                    self.incl[k] = self.incl.get(k, 0) + 1
+                f = f.f_back
+
+    def __enter__(self):
+        self._gc_module.callbacks.append(self._on_gc)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self._gc_module.callbacks.remove(self._on_gc)
+
+    def report(self, wall: float, top: int = 30) -> dict:
+        n = max(self.samples, 1)
+        print(f"\nhost samples of the main thread: {self.samples} over {wall:.2f} s")
+        print("garbage collections: " + ", ".join(f"gen {g}: {c} in {t * 1e3:.0f} ms"
+                                                 for g, (c, t) in sorted(self.gc.items())))
+        print("| leaf frame (self) | % |\n|---|---|")
+        leaf = sorted(((f"{Path(code.co_filename).name}:{line} {code.co_name}", c)
+                       for (code, line), c in self.leaf.items()), key=lambda kv: -kv[1])[:top]
+        for k, c in leaf:
+            print(f"| {k[:110]} | {100 * c / n:.1f} |")
+        print("| repository function (inclusive) | % |\n|---|---|")
+        for k, c in sorted(self.incl.items(), key=lambda kv: -kv[1])[:top]:
+            print(f"| {k[:110]} | {100 * c / n:.1f} |")
+        return {"samples": self.samples, "gc": self.gc,
+                "leaf": leaf,
+                "inclusive": sorted(self.incl.items(), key=lambda kv: -kv[1])[:top]}
+
+
 def gpu_window(core, start: int, count: int) -> dict:
     """Trace the GPU's kernels (CUDA activity only, so the host runs nearly as unprofiled) over
     engine steps [start, start + count) of the timed run; `window` fills in once it has ended."""
@@ -165,6 +251,14 @@ def print_gpu_window(window: dict, count: int, top: int = 15) -> dict:
             "idle_ms": idle / 1e6, "gaps": len(gaps)}
 
 
+def _dynamo_graphs() -> int | None:
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    return counters["stats"]["unique_graphs"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(p)
@@ -173,6 +267,9 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=100)
     p.add_argument("--step-stats", action="store_true",
                    help="also print wall time per step kind (pure decode / with prefill tokens)")
+    p.add_argument("--host-sample", action="store_true",
+                   help="sample the main thread's Python stack during the timed run (self and inclusive "
+                        "shares by function) and time the garbage collector")
     p.add_argument("--gpu-window", default=None, metavar="START:COUNT",
                    help="trace the GPU over steps START..START+COUNT-1 of the timed run: busy time, idle "
                         "gaps and top kernels (the trace slows those steps slightly)")
@@ -189,9 +286,15 @@ def main() -> None:
     if a.gpu_window:
         w_start, w_count = map(int, a.gpu_window.split(":"))
         window = gpu_window(llm.engine, w_start, w_count)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, sp)
-    dt = time.perf_counter() - t0
+    sampler = HostSampler() if a.host_sample else contextlib.nullcontext()
+    compiles = _dynamo_graphs()
+    with sampler:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp)
+        dt = time.perf_counter() - t0
+    host = sampler.report(dt) if a.host_sample else None
+    if compiles is not None:
+        print(f"torch.compile graphs compiled during the timed run: {_dynamo_graphs() - compiles}")
     stats = None
     if steps is not None:
         stats = print_step_stats(steps)
@@ -201,7 +304,7 @@ def main() -> None:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     res = {"requests_per_s": a.num_prompts / dt, "output_tokens_per_s": out_tokens / dt,
            "total_tokens_per_s": (out_tokens + a.num_prompts * a.input_len) / dt, "elapsed_s": dt,
-           "num_preemptions": llm.scheduler.stats.num_preemptions, "gpu_window": gpu, "step_stats": stats}
+           "num_preemptions": llm.scheduler.stats.num_preemptions, "gpu_window": gpu, "step_stats": stats, "host": host}
     print(f"{a.num_prompts} requests x ({a.input_len} in, {a.output_len} out) in {dt:.2f} s: "
           f"{res['requests_per_s']:.2f} req/s, {res['output_tokens_per_s']:.0f} output tok/s, "
           f"{res['total_tokens_per_s']:.0f} total tok/s, {res['num_preemptions']} preemptions")
