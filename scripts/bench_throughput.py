@@ -154,7 +154,33 @@ class HostSampler:
                     self.incl[k] = self.incl.get(k, 0) + 1
                 f = f.f_back
 
+    def _watch_triton(self):
+        """Time every Triton JIT compile (JITFunction._do_compile) by kernel name."""
+        try:
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return
+        if not hasattr(JITFunction, "_do_compile"):
+            print("host sampler: this Triton has no JITFunction._do_compile; compiles are not timed")
+            return
+        orig, compiles = JITFunction._do_compile, self.compiles
+
+        def timed(fn_self, *args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return orig(fn_self, *args, **kwargs)
+            finally:
+                c = compiles.setdefault(fn_self.__name__, [0, 0.0, None])
+                c[0] += 1
+                c[1] += time.perf_counter() - t
+                c[2] = c[2] or str(args[0])[:300]  # the first specialization key compiled in the run
+
+        JITFunction._do_compile = timed
+        self._unwatch = lambda: setattr(JITFunction, "_do_compile", orig)
+
     def __enter__(self):
+        self.compiles, self._unwatch = {}, lambda: None
+        self._watch_triton()
         self._gc_module.callbacks.append(self._on_gc)
         self._thread.start()
         return self
@@ -163,12 +189,18 @@ class HostSampler:
         self._stop.set()
         self._thread.join()
         self._gc_module.callbacks.remove(self._on_gc)
+        self._unwatch()
 
     def report(self, wall: float, top: int = 30) -> dict:
         n = max(self.samples, 1)
         print(f"\nhost samples of the main thread: {self.samples} over {wall:.2f} s")
         print("garbage collections: " + ", ".join(f"gen {g}: {c} in {t * 1e3:.0f} ms"
                                                  for g, (c, t) in sorted(self.gc.items())))
+        print("Triton JIT compiles during the run: " + (", ".join(
+            f"{k} {c} in {t * 1e3:.0f} ms" for k, (c, t, _) in sorted(self.compiles.items(), key=lambda kv: -kv[1][1]))
+            or "none"))
+        for k, (_, _, key) in sorted(self.compiles.items(), key=lambda kv: -kv[1][1])[:6]:
+            print(f"  {k}: first key {key}")
         print("| leaf frame (self) | % |\n|---|---|")
         leaf = sorted(((f"{Path(code.co_filename).name}:{line} {code.co_name}", c)
                        for (code, line), c in self.leaf.items()), key=lambda kv: -kv[1])[:top]
@@ -177,7 +209,7 @@ class HostSampler:
         print("| repository function (inclusive) | % |\n|---|---|")
         for k, c in sorted(self.incl.items(), key=lambda kv: -kv[1])[:top]:
             print(f"| {k[:110]} | {100 * c / n:.1f} |")
-        return {"samples": self.samples, "gc": self.gc,
+        return {"samples": self.samples, "gc": self.gc, "triton_compiles": self.compiles,
                 "leaf": leaf,
                 "inclusive": sorted(self.incl.items(), key=lambda kv: -kv[1])[:top]}
 
