@@ -159,7 +159,7 @@ class Worker:
     @torch.inference_mode()
     def warm_up(self, max_tokens: int, max_len: int, max_seqs: int) -> list[int]:
         """One prefill step of each size in `warm_up_sizes(max_tokens)` through the model (prompts
-        of at most `max_len` tokens), then decode steps and a mixed step of up to 8 sequences
+        of at most `max_len` tokens), then decode steps and a mixed step of up to 64 sequences
         (decodes beside chunks after cached tokens; with speculation, multi-token decodes), before
         any request and before CUDA-graph capture; returns the prefill sizes. A failure raises KernelError
         naming the --kernels setting that avoids it.
@@ -185,13 +185,18 @@ class Worker:
             # b prompts of 2 tokens, then a decode step (one more token each), then a mixed step:
             # half decode again, the other half a chunk of `chunk` tokens after their 3 cached ones
             # (a prefill with context: the context gather, the context attention and the merge),
-            # then, with speculation, a step of decodes of `q` tokens each (multi-token decode)
+            # then, with speculation, a step of decodes of `q` tokens each (multi-token decode),
+            # then two decodes whose block tables are wide (the decode attention splits its keys).
+            # Up to 64 sequences: more than 16 decodes take the absorb kernels' large-tile variant,
+            # as serving's eager mixed steps do; a variant first met while serving compiles with
+            # every request waiting.
             q = runner.decode_threshold
             chunk = q + 1  # the shortest chunk that is a prefill, not a decode
-            b = min(8, max_seqs, max_tokens // max(2, chunk))
+            b = min(64, max_seqs, max_tokens // max(2, chunk))
             if b and max_len > 3 + chunk:
                 v = self.cfg.vocab_size
-                nb = -(-(3 + chunk) // self.args.block_size)
+                bs = self.args.block_size
+                nb = -(-(3 + chunk) // bs)
                 tables = [[(i * nb + j) % num_blocks for j in range(nb)] for i in range(b)]
                 prompts = [[rng.randrange(v) for _ in range(2)] for _ in range(b)]
                 runner.forward(runner.prepare(prompts, [0] * b, tables))
@@ -203,6 +208,10 @@ class Worker:
                 if q > 1:
                     runner.forward(runner.prepare([[rng.randrange(v) for _ in range(q)] for _ in range(b)],
                                                   [3] * b, tables))
+                wide = max(nb, min(max_len, 1024) // bs)  # blocks past a sequence's end are never read
+                w = min(2, b)
+                runner.forward(runner.prepare([[rng.randrange(v)] for _ in range(w)], [3] * w,
+                                              [t + [t[0]] * (wide - nb) for t in tables[:w]]))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
         except torch.cuda.OutOfMemoryError:
