@@ -182,14 +182,15 @@ class Worker:
                 prompts = [[rng.randrange(self.cfg.vocab_size) for _ in range(k)]
                            for k in dummy_prompt_lens(n, max_len)]
                 runner.forward(self._dummy_batch(runner, prompts, num_blocks))
-            # b prompts of 2 tokens, then a decode step (one more token each), then a mixed step:
-            # half decode again, the other half a chunk of `chunk` tokens after their 3 cached ones
-            # (a prefill with context: the context gather, the context attention and the merge),
+            # b prompts of 2 tokens, then a decode step (one more token each), then mixed steps of
+            # 8 and of b sequences: half decode again, the other half a chunk of `chunk` tokens
+            # after their 3 cached ones (a prefill with context: the context gather, the context
+            # attention and the merge),
             # then, with speculation, a step of decodes of `q` tokens each (multi-token decode),
             # then two decodes whose block tables are wide (the decode attention splits its keys).
-            # Up to 64 sequences: more than 16 decodes take the absorb kernels' large-tile variant,
-            # as serving's eager mixed steps do; a variant first met while serving compiles with
-            # every request waiting.
+            # Up to 64 sequences: up to 16 decodes and more take the absorb kernels' two tiles, as
+            # serving's eager mixed steps do; a variant first met while serving compiles with every
+            # request waiting.
             q = runner.decode_threshold
             chunk = q + 1  # the shortest chunk that is a prefill, not a decode
             b = min(64, max_seqs, max_tokens // max(2, chunk))
@@ -201,10 +202,10 @@ class Worker:
                 prompts = [[rng.randrange(v) for _ in range(2)] for _ in range(b)]
                 runner.forward(runner.prepare(prompts, [0] * b, tables))
                 runner.forward(runner.prepare([[p[0]] for p in prompts], [2] * b, tables))
-                half = b // 2
-                mixed = [[rng.randrange(v)] if i < half else [rng.randrange(v) for _ in range(chunk)]
-                         for i in range(b)]
-                runner.forward(runner.prepare(mixed, [3] * b, tables))
+                for n in sorted({min(8, b), b}):  # up to 16 decodes and beyond: both absorb tiles
+                    mixed = [[rng.randrange(v)] if i < n // 2 else [rng.randrange(v) for _ in range(chunk)]
+                             for i in range(n)]
+                    runner.forward(runner.prepare(mixed, [3] * n, tables[:n]))
                 if q > 1:
                     runner.forward(runner.prepare([[rng.randrange(v) for _ in range(q)] for _ in range(b)],
                                                   [3] * b, tables))
