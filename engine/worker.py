@@ -99,7 +99,7 @@ class Worker:
             except ImportError as e:  # a kernel module of the plan (triton missing or broken)
                 raise self.plan.error("importing its module", e) from e
         if args.load_format == "dummy":
-            init_dummy_weights(self.model, args.seed)
+            init_dummy_weights(self.model, args.seed, storage_dtype=self.dtype)  # as a checkpoint in it
             for m in self.model.mtp:  # as the report has it: the main model's embedding and head
                 m.share_missing(self.model.model.embed_tokens, self.model.lm_head,
                                 {"embed_tokens.weight", "shared_head.head.weight"})
