@@ -15,6 +15,10 @@ import triton.language as tl
 from attention.kv_quant import is_fp8
 
 BLOCK_T = 16
+# Sequences one gather program compares its rows against per loop step. Fixed, as are the block
+# table's row stride and the counts (do_not_specialize), so that one compiled variant serves every
+# step: a variant first met while serving compiles for ~0.25 s with every request waiting.
+GATHER_BLOCK_B = 32
 
 
 @triton.jit
@@ -73,7 +77,7 @@ def _write_kv_kernel(kv_ptr, cache_ptr, slot_ptr, T, inv_scale,
                  mask=m)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "B"])
+@triton.jit(do_not_specialize=["num_tokens", "B", "stride_btb"])
 def _gather_kernel(cache_ptr, out_ptr, block_table_ptr, starts_ptr, cu_ptr, num_tokens, B, kv_scale,
                    stride_cb, stride_cs, stride_btb, stride_ot,
                    PAGE: tl.constexpr, D: tl.constexpr,
@@ -128,7 +132,7 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, starts: to
         kv_cache, out, block_table, starts, cu_lens, num_tokens, B, float(kv_scale),
         kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0), out.stride(0),
         PAGE=kv_cache.shape[1], D=D, BLOCK_T=BLOCK_T, BLOCK_D=_col_block(D),
-        BLOCK_B=min(128, triton.next_power_of_2(B)), IS_FP8=is_fp8(kv_cache), num_warps=4)
+        BLOCK_B=GATHER_BLOCK_B, IS_FP8=is_fp8(kv_cache), num_warps=4)
     return out
 
 

@@ -146,7 +146,7 @@ def _as_product(x, dtype: tl.constexpr, FP8: tl.constexpr, HW_CVT: tl.constexpr)
     return x.to(dtype)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_btb"])  # the table width varies by step
 def _mla_decode_partial_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
     qk_scale_log2,  # softmax scale * kv scale * log2(e): scores live in the log2 domain

@@ -6,6 +6,7 @@ import logging
 import time
 
 from common.args import EngineArgs
+from common.gc_tuning import freeze_startup_objects, thaw_frozen_objects
 from engine.executor import make_executor
 from engine.sampler import check_sampling_params
 from common.sampling_params import SamplingParams
@@ -55,6 +56,7 @@ class EngineCore:
                  args.kv_cache_dtype, num_blocks, args.block_size,
                  f" x dcp {args.decode_context_parallel_size}" if args.decode_context_parallel_size > 1 else "",
                  self.scheduler.config.capacity_tokens)
+        freeze_startup_objects()  # full collections while serving walk only the requests' objects
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; ValueError (nothing queued) when one of its values could not run,
@@ -148,3 +150,4 @@ class EngineCore:
     def shutdown(self) -> None:
         self._in_flight = None  # its results no longer matter (and the engine thread may still run)
         self.executor.shutdown()
+        thaw_frozen_objects()  # a process that builds another engine can collect this one's cycles

@@ -52,6 +52,7 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
         import torch.distributed as dist
 
         from common import distributed as pd
+        from common.gc_tuning import freeze_startup_objects
         from engine.worker import Worker, resolve_device
 
         device = resolve_device(args, local_rank)
@@ -64,6 +65,7 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
         n = torch.tensor([worker.determine_num_blocks(args.max_num_batched_tokens)])
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=pd.cpu_group())  # every rank the same pool
         worker.init_kv_cache(int(n), eos_token_ids, args.resolve_max_model_len(cfg))
+        freeze_startup_objects()
         conn.send(("ready", int(n)))
         box = [None]
         launched = collections.deque()  # async scheduling: steps launched, not yet finished

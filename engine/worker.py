@@ -99,7 +99,7 @@ class Worker:
             except ImportError as e:  # a kernel module of the plan (triton missing or broken)
                 raise self.plan.error("importing its module", e) from e
         if args.load_format == "dummy":
-            init_dummy_weights(self.model, args.seed)
+            init_dummy_weights(self.model, args.seed, storage_dtype=self.dtype)  # as a checkpoint in it
             for m in self.model.mtp:  # as the report has it: the main model's embedding and head
                 m.share_missing(self.model.model.embed_tokens, self.model.lm_head,
                                 {"embed_tokens.weight", "shared_head.head.weight"})
@@ -159,7 +159,7 @@ class Worker:
     @torch.inference_mode()
     def warm_up(self, max_tokens: int, max_len: int, max_seqs: int) -> list[int]:
         """One prefill step of each size in `warm_up_sizes(max_tokens)` through the model (prompts
-        of at most `max_len` tokens), then decode steps and a mixed step of up to 8 sequences
+        of at most `max_len` tokens), then decode steps and a mixed step of up to 64 sequences
         (decodes beside chunks after cached tokens; with speculation, multi-token decodes), before
         any request and before CUDA-graph capture; returns the prefill sizes. A failure raises KernelError
         naming the --kernels setting that avoids it.
@@ -182,27 +182,37 @@ class Worker:
                 prompts = [[rng.randrange(self.cfg.vocab_size) for _ in range(k)]
                            for k in dummy_prompt_lens(n, max_len)]
                 runner.forward(self._dummy_batch(runner, prompts, num_blocks))
-            # b prompts of 2 tokens, then a decode step (one more token each), then a mixed step:
-            # half decode again, the other half a chunk of `chunk` tokens after their 3 cached ones
-            # (a prefill with context: the context gather, the context attention and the merge),
-            # then, with speculation, a step of decodes of `q` tokens each (multi-token decode)
+            # b prompts of 2 tokens, then a decode step (one more token each), then mixed steps of
+            # 8 and of b sequences: half decode again, the other half a chunk of `chunk` tokens
+            # after their 3 cached ones (a prefill with context: the context gather, the context
+            # attention and the merge),
+            # then, with speculation, a step of decodes of `q` tokens each (multi-token decode),
+            # then two decodes whose block tables are wide (the decode attention splits its keys).
+            # Up to 64 sequences: up to 16 decodes and more take the absorb kernels' two tiles, as
+            # serving's eager mixed steps do; a variant first met while serving compiles with every
+            # request waiting.
             q = runner.decode_threshold
             chunk = q + 1  # the shortest chunk that is a prefill, not a decode
-            b = min(8, max_seqs, max_tokens // max(2, chunk))
+            b = min(64, max_seqs, max_tokens // max(2, chunk))
             if b and max_len > 3 + chunk:
                 v = self.cfg.vocab_size
-                nb = -(-(3 + chunk) // self.args.block_size)
+                bs = self.args.block_size
+                nb = -(-(3 + chunk) // bs)
                 tables = [[(i * nb + j) % num_blocks for j in range(nb)] for i in range(b)]
                 prompts = [[rng.randrange(v) for _ in range(2)] for _ in range(b)]
                 runner.forward(runner.prepare(prompts, [0] * b, tables))
                 runner.forward(runner.prepare([[p[0]] for p in prompts], [2] * b, tables))
-                half = b // 2
-                mixed = [[rng.randrange(v)] if i < half else [rng.randrange(v) for _ in range(chunk)]
-                         for i in range(b)]
-                runner.forward(runner.prepare(mixed, [3] * b, tables))
+                for n in sorted({min(8, b), b}):  # up to 16 decodes and beyond: both absorb tiles
+                    mixed = [[rng.randrange(v)] if i < n // 2 else [rng.randrange(v) for _ in range(chunk)]
+                             for i in range(n)]
+                    runner.forward(runner.prepare(mixed, [3] * n, tables[:n]))
                 if q > 1:
                     runner.forward(runner.prepare([[rng.randrange(v) for _ in range(q)] for _ in range(b)],
                                                   [3] * b, tables))
+                wide = max(nb, min(max_len, 1024) // bs)  # blocks past a sequence's end are never read
+                w = min(2, b)
+                runner.forward(runner.prepare([[rng.randrange(v)] for _ in range(w)], [3] * w,
+                                              [t + [t[0]] * (wide - nb) for t in tables[:w]]))
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
         except torch.cuda.OutOfMemoryError:

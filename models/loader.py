@@ -141,8 +141,13 @@ def _copy_slice(p: torch.Tensor, sh: Shard, sl, name: str) -> None:
         dst.copy_(part)
 
 
-def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0, storage_dtype: torch.dtype | None = None) -> None:
     """Random weights of realistic scale, with no file read (for benchmarks on real configs).
+
+    With `storage_dtype` (the dtype a checkpoint stores its tensors in, e.g. bf16), parameters the
+    model keeps in fp32 (the router's weight) hold values that dtype represents, as they would when
+    loaded from such a checkpoint: the router then takes the same kernels as with real weights
+    (models/moe.py `Router.keep_bf16_weight`).
 
     Each parameter's value is a function of (seed, name, full shape) only: the full tensor is
     drawn on the parameter's device from a generator seeded by a hash of these, and this rank's
@@ -175,6 +180,8 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
                 full = torch.full(shape, std / 64, dtype=p.dtype, device=p.device)
             else:
                 full = torch.empty(shape, dtype=p.dtype, device=p.device).normal_(0.0, std, generator=g)
+                if storage_dtype is not None and p.dtype == torch.float32 and storage_dtype != p.dtype:
+                    full = full.to(storage_dtype).to(p.dtype)
             _copy_slice(p, sh, _FullTensor(full, finish), name)
             del full  # before the next tensor's draw: at V3 size each is up to ~2 GB
 

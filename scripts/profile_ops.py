@@ -164,7 +164,8 @@ def run_prefill(core, n: int, length: int, top: int) -> dict:
     return res
 
 
-def run_mixed(core, decodes: int, new_prompts: int, prompt_len: int, top: int, host_profile: bool = False) -> dict:
+def run_mixed(core, decodes: int, new_prompts: int, prompt_len: int, top: int, host_profile: bool = False,
+              sync_debug: bool = False) -> dict:
     """The offline workload's typical step: `decodes` running decodes plus the prefill of
     `new_prompts` fresh prompts, profiled, and the same step timed by wall clock (eager steps with
     prefill are not CUDA graphs, so host time may exceed GPU time)."""
@@ -190,7 +191,22 @@ def run_mixed(core, decodes: int, new_prompts: int, prompt_len: int, top: int, h
         sync()
         if rep < 2:
             t0 = time.perf_counter()
-            if rep == 1 and host_profile:  # Python-level cost of one warm step, by function
+            if rep == 0 and sync_debug:  # every call that synchronizes the host with the GPU
+                import warnings
+                torch.cuda.set_sync_debug_mode("warn")
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    core.step()
+                torch.cuda.set_sync_debug_mode("default")
+                sync()
+                sites = {}
+                for w in caught:
+                    key = f"{w.filename}:{w.lineno}: {str(w.message)[:80]}"
+                    sites[key] = sites.get(key, 0) + 1
+                print(f"\nsynchronizing calls in one mixed step: {len(caught)}")
+                for k, c in sorted(sites.items(), key=lambda kv: -kv[1]):
+                    print(f"  {c} x {k}")
+            elif rep == 1 and host_profile:  # Python-level cost of one warm step, by function
                 import cProfile
                 import pstats
                 pr = cProfile.Profile()
@@ -199,7 +215,9 @@ def run_mixed(core, decodes: int, new_prompts: int, prompt_len: int, top: int, h
                 sync()
                 pr.disable()
                 print("\nhost profile of one mixed step (cProfile, by own time):")
-                pstats.Stats(pr).sort_stats("tottime").print_stats(30)
+                pstats.Stats(pr).sort_stats("tottime").print_stats(40)
+                print("\nthe same, by cumulative time:")
+                pstats.Stats(pr).sort_stats("cumulative").print_stats(60)
             else:
                 core.step()
                 sync()
@@ -227,6 +245,9 @@ def main() -> None:
                    help="DECODESxPROMPTS: that many decodes plus the prefill of PROMPTS new prompts in one step")
     p.add_argument("--host-profile", action="store_true",
                    help="with --mixed: also cProfile one warm mixed step (its wall time is then not comparable)")
+    p.add_argument("--sync-debug", action="store_true",
+                   help="with --mixed: list the calls of the first mixed step that synchronize with the GPU "
+                        "(torch.cuda.set_sync_debug_mode; its wall time is then not comparable)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     a = p.parse_args()
@@ -245,7 +266,7 @@ def main() -> None:
         out.append(run_prefill(core, n, length, a.top))
     for spec in a.mixed:
         d, n = map(int, spec.split("x"))
-        out.append(run_mixed(core, d, n, a.prompt_len, a.top, a.host_profile))
+        out.append(run_mixed(core, d, n, a.prompt_len, a.top, a.host_profile, a.sync_debug))
     if a.json or "OUT" in os.environ:
         path = a.json or os.path.join(os.environ["OUT"], "profile_ops.json")
         with open(path, "w") as f:

@@ -80,3 +80,16 @@ def test_dummy_model_under_tp_and_dcp_equals_one_rank(tiny_v3):
             llm.engine.shutdown()
     assert got[2, 1] == got[1, 1] and got[2, 2] == got[1, 1]
     assert len({t for ids in got[1, 1] for t in ids}) > 3  # the dummy model says more than one word
+
+
+def test_dummy_fp32_parameters_hold_values_of_the_storage_dtype(monkeypatch):
+    """With bf16 storage the fp32 router weight holds bf16 values (as loaded from a bf16
+    checkpoint), so Router.keep_bf16_weight keeps its bf16 copy; without, it does not."""
+    cfg = ModelConfig.from_dict(json.load(open(f"{DEFAULT_MODEL}/config.json")))
+    for storage, exact in ((torch.bfloat16, True), (None, False)):
+        model = DeepseekForCausalLM(cfg, torch.float32)
+        init_dummy_weights(model, seed=3, storage_dtype=storage)
+        gate = next(m for m in model.modules() if hasattr(m, "keep_bf16_weight"))
+        assert gate.weight.dtype == torch.float32 and gate.weight.abs().sum() > 0
+        gate.keep_bf16_weight()
+        assert (gate.weight_bf16 is not None) == exact

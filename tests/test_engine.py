@@ -146,9 +146,10 @@ def test_warm_up_meets_every_token_bucket_and_leaves_serving_unchanged(tiny_v3, 
     """Worker.warm_up (run before graph capture, so that autotuned kernels never tune while
     serving): one prefill step per power of two up to the budget and the budget itself, on a cache
     smaller than its largest step (block ids wrap, never out of range), with steps past the
-    model's context (256 positions) split into several prompts, then 8 prompts of 2 tokens, their
-    decode step and a mixed step (4 decodes beside 4 chunks after cached tokens: the context
-    attention runs); greedy outputs after it still equal transformers'."""
+    model's context (256 positions) split into several prompts, then 64 prompts of 2 tokens, their
+    decode step, mixed steps of 8 and 64 sequences (half decodes, half chunks after cached tokens:
+    the context attention runs) and 2 decodes over wide block tables; greedy outputs after it still equal
+    transformers'."""
     prompts, refs = prompts_and_refs
     llm = make_llm(tiny_v3[0], num_kv_blocks=40, block_size=4, max_num_batched_tokens=600)
     worker = llm.engine.executor.worker
@@ -160,10 +161,12 @@ def test_warm_up_meets_every_token_bucket_and_leaves_serving_unchanged(tiny_v3, 
         assert worker.warm_up(600, 256, 256) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600]  # 600 tokens: 150 blocks > 40
     finally:
         del worker.model.forward
-    assert [n for n, _, _ in seen] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600, 16, 8, 12]
+    assert [n for n, _, _ in seen] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600, 128, 64, 12, 96, 2]
     assert max(p for _, p, _ in seen) == 255  # no position past the model's 256
-    mixed = seen[-1][2]
-    assert (mixed.num_decodes, mixed.num_prefills, mixed.prefill.num_context_prefills) == (4, 4, 4)
+    mixed, wide = seen[-2][2], seen[-1][2]
+    assert (mixed.num_decodes, mixed.num_prefills, mixed.prefill.num_context_prefills) == (32, 32, 32)
+    assert (wide.num_decodes, wide.prefill) == (2, None)
+    assert wide.decode.block_table.shape == (2, 256 // 4)  # the longest sequence, in 4-token blocks
     worker._profile_run(600)  # the CUDA start-up's memory probe: the same split (no IndexError)
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == refs
@@ -171,7 +174,8 @@ def test_warm_up_meets_every_token_bucket_and_leaves_serving_unchanged(tiny_v3, 
 
 def test_warm_up_with_speculation_runs_a_multi_token_decode(tiny_v3):
     """With k = 2 draft tokens a decode carries 3 query tokens: the warm-up's mixed step uses
-    chunks of 4 (the shortest prefill) and a last step decodes 3 tokens for each of 8 sequences."""
+    chunks of 4 (the shortest prefill), and a step decodes 3 tokens for each of its 16 sequences
+    (a budget of 64 tokens: 16 chunks of 4), after mixed steps of 8 and 16 sequences."""
     llm = make_llm(tiny_v3[0], num_kv_blocks=40, block_size=4, max_num_batched_tokens=64,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     worker = llm.engine.executor.worker
@@ -182,7 +186,8 @@ def test_warm_up_with_speculation_runs_a_multi_token_decode(tiny_v3):
         worker.warm_up(64, 256, 256)
     finally:
         del worker.model.forward
-    mixed, multi = seen[-2:]
-    assert (mixed.num_decodes, mixed.num_prefills, mixed.prefill.num_context_prefills) == (4, 4, 4)
-    assert mixed.num_decode_tokens == 4 and mixed.num_prefill_tokens == 16
-    assert (multi.num_decodes, multi.num_decode_tokens, multi.prefill) == (8, 24, None)
+    small, mixed, multi = seen[-4:-1]
+    assert (small.num_decodes, small.num_prefills, small.num_prefill_tokens) == (4, 4, 16)
+    assert (mixed.num_decodes, mixed.num_prefills, mixed.prefill.num_context_prefills) == (8, 8, 8)
+    assert mixed.num_decode_tokens == 8 and mixed.num_prefill_tokens == 32
+    assert (multi.num_decodes, multi.num_decode_tokens, multi.prefill) == (16, 48, None)

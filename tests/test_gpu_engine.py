@@ -208,3 +208,31 @@ def test_mtp_drafter_graphs_equal_eager_without_speculation(tmp_path):
     got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
     assert llm.scheduler.stats.spec.num_accepted_tokens > 0
     assert got == _run(path, enforce_eager=True)
+
+
+def test_no_kernel_compiles_while_serving_after_the_warm_up(gpu_v2):
+    """After start-up (warm-up on, CUDA graphs), 64 prompts of 1-199 tokens under a 256-token
+    budget (chunked prefills beside decodes, decode batches of every size from 64 down to 1, block
+    tables of every width) compile no Triton kernel and no torch.compile graph: a compile while
+    serving stalls every running request (0.36-2.4 s a kernel on V2-Lite, RESULTS.md)."""
+    from torch._dynamo.utils import counters
+    from triton.runtime.jit import JITFunction
+    if not hasattr(JITFunction, "_do_compile"):
+        pytest.skip("this Triton has no JITFunction._do_compile to count compiles with")
+    path, _ = gpu_v2
+    llm = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=1024, max_num_batched_tokens=256,
+              kernels="auto" + ("" if autotuning() else ",autotune=0"))
+    compiled, orig = [], JITFunction._do_compile
+
+    def record(self, *args, **kwargs):
+        compiled.append(self.__name__)
+        return orig(self, *args, **kwargs)
+
+    graphs = counters["stats"]["unique_graphs"]
+    JITFunction._do_compile = record
+    try:
+        outs = llm.generate(_prompts64(), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    finally:
+        JITFunction._do_compile = orig
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    assert compiled == [] and counters["stats"]["unique_graphs"] == graphs
