@@ -110,7 +110,7 @@ class Timers:
         return {"t": dict(self.t), "n": dict(self.n), "steps": self.steps, "tokens": self.tokens,
                 "wall": (self.end or time.perf_counter()) - (self.start or time.perf_counter()),
                 "start": self.start, "end": self.end, "first_add": self.first_add, "last_add": self.last_add,
-                "cpu": time.process_time() - self.cpu0, "step_log": list(self.step_log),
+                "cpu": time.process_time() - self.cpu0, "step_log": list(self.step_log), "gc": list(GC_LOG),
                 "runqueue": runqueue_wait() - self.runqueue0,
                 "finished": dict(self.finished),
                 "thread_cpu": {k: v - self.threads0.get(k, 0.0) for k, v in thread_cpu().items()}}
@@ -128,6 +128,26 @@ def thread_cpu() -> dict[str, float]:
         except (OSError, ProcessLookupError):
             pass  # the thread has ended
     return out
+
+
+GC_LOG: list[tuple[float, int, float]] = []  # garbage collections: (start, generation, seconds)
+
+
+def _gc_callback(phase: str, info: dict, _start=[0.0]) -> None:
+    if phase == "start":
+        _start[0] = time.perf_counter()
+    else:
+        GC_LOG.append((_start[0], info["generation"], time.perf_counter() - _start[0]))
+
+
+def gc_summary(log: list, t0: float, t1: float) -> str:
+    """Collections in [t0, t1] per generation: count, total and longest pause."""
+    parts = []
+    for g in range(3):
+        xs = [d for t, gen, d in log if gen == g and t0 <= t <= t1]
+        if xs:
+            parts.append(f"gen{g} {len(xs)} x, {sum(xs) * 1e3:.0f} ms (longest {max(xs) * 1e3:.1f})")
+    return "; ".join(parts) or "none"
 
 
 def runqueue_wait() -> float:
@@ -319,6 +339,8 @@ def install_stub(settings: dict) -> None:
     cp.pickle.dumps = _timed("sender pickle", dumps)  # the front end's pickling is timed too, unread
     connection.Connection.send_bytes = _timed("pipe write", send_bytes)
     THREADS["main"] = threading.get_ident()  # the step loop (core process), the event loop (server)
+    import gc
+    gc.callbacks.append(_gc_callback)
     cp._Receiver._run = _track_thread("receiver", cp._Receiver._run)
     cp._Sender._run = _track_thread("sender", cp._Sender._run)
     put = cp._Sender.put
@@ -384,7 +406,7 @@ def install_front_end_probe(path: str) -> None:
     H11Protocol.connection_made = marked("accepted", H11Protocol.connection_made)
     BodyLimitMiddleware.__call__ = marked("app", BodyLimitMiddleware.__call__, is_async=True)
     AsyncLLM._submit = marked("submitted", AsyncLLM._submit)
-    atexit.register(lambda: Path(path).write_text(json.dumps({"rows": rows, "marks": marks})))
+    atexit.register(lambda: Path(path).write_text(json.dumps({"rows": rows, "marks": marks, "gc": GC_LOG})))
 
 
 if STUB_ENV in os.environ:  # the server process, and its engine-core child (spawn imports this)
@@ -432,7 +454,7 @@ def run_offline(a: argparse.Namespace) -> dict:
     snap = TIMERS.snapshot()
     snap["wall"] = dt
     assert all(len(o.outputs[0].token_ids) == a.output_len for o in outs)
-    return {"wall": dt, "core": snap}
+    return {"wall": dt, "core": snap, "sent": t0}
 
 
 def stub_settings(a: argparse.Namespace) -> dict:
@@ -557,8 +579,10 @@ def run_http(a: argparse.Namespace) -> dict:
     front = Path(str(out) + ".front.json")
     fe = front_end_summary(json.loads(front.read_text()), t_send, t_send + dt) if front.exists() else None
     if fe:
+        probe = json.loads(front.read_text())
         fe["arrivals"] = {k: [x - t_send for x in v if t_send <= x <= t_send + dt]
-                          for k, v in json.loads(front.read_text())["marks"].items()}
+                          for k, v in probe["marks"].items()}
+        fe["gc"] = gc_summary(probe["gc"], t_send, t_send + dt)
     return {"wall": dt, "core": c, "events": events, "sent": t_send, "front": fe,
             "finish_lag": finish_lags(results, c.get("finished", {})),
             "to_first_add": c["first_add"] - t_send, "adds_span": c["last_add"] - c["first_add"],
@@ -621,6 +645,9 @@ def report(name: str, r: dict, a: argparse.Namespace) -> str:
                      f"(to the last add_request), {sum(x[4] for x in log) - during:.3f} s after; "
                      f"{sum(x[4] for x in eager):.3f} s of it in steps with prompt tokens (host-bound "
                      f"with --prefill-host-ms: on the critical path)")
+    if "gc" in c:
+        t0 = r.get("sent", c["start"] or 0.0)
+        lines.append(f"  garbage collections in the stepping process: {gc_summary(c['gc'], t0, t0 + r['wall'])}")
     if "runqueue" in c:
         lines.append(f"  the step loop waited {c['runqueue']:.2f} s for a core (a contended CPU); "
                      f"wall less that: {r['wall'] - c['runqueue']:.2f} s")
@@ -643,6 +670,8 @@ def report(name: str, r: dict, a: argparse.Namespace) -> str:
                          + f" ms (last message {fe['last_loop_lag'] * 1e3:.1f} ms)")
             lines.append(f"  front-end threads, CPU over {fe['span']:.2f} s of messages: "
                          f"{_threads(fe['thread_cpu'], fe['span'])}")
+            if "gc" in fe:
+                lines.append(f"  garbage collections in the front end: {fe['gc']}")
             arr = {k: v for k, v in fe.get("arrivals", {}).items() if v}
             if arr:
                 lines.append("  after the first send (s), first/median/last: " + "; ".join(

@@ -212,3 +212,23 @@ def test_a_slow_body_still_times_out():
     mw = BodyLimitMiddleware(inner, max_body_bytes=1 << 20, body_timeout=0.05)
     asyncio.run(mw({"type": "http", "headers": []}, receive, send))
     assert sent[0]["status"] == 408 and b"--http-body-timeout" in sent[1]["body"]
+
+
+@pytest.mark.slow
+def test_serve_freezes_the_start_up_objects_of_both_processes(tmp_path_factory, tmp_path, monkeypatch):
+    """The HTTP process, like the engine core, moves its start-up objects out of garbage
+    collection before it serves: full collections then walk only what requests allocate."""
+    from tests.server_fixtures import ServeProcess, tiny_model_dir
+
+    log = tmp_path / "serve.log"
+    monkeypatch.setenv("SERVE_TEST_LOG", str(log))
+    with ServeProcess("--model", tiny_model_dir(tmp_path_factory), "--skip-tokenizer-init",
+                      "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
+                      "--num-kv-blocks", "64"):
+        pass
+    text = log.read_text()
+    frozen = [line for line in text.splitlines() if "start-up objects frozen" in line]
+    assert any("engine-core" in line for line in frozen), text[-2000:]
+    front = [line for line in frozen if "engine-core" not in line]
+    assert front, text[-2000:]
+    assert text.index(front[0]) < text.index("serving ")  # before the first request can come
