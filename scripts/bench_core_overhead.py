@@ -197,6 +197,9 @@ def install_stub(settings: dict) -> None:
     vocab = settings["vocab"]
     if settings.get("switch_interval_ms"):
         sys.setswitchinterval(settings["switch_interval_ms"] / 1e3)
+    if settings.get("front_gc_threshold") and "--serve-child" in sys.argv:
+        import gc
+        gc.set_threshold(*settings["front_gc_threshold"])
     busy_until = [0.0]
     gil_release = torch.zeros(1)
 
@@ -460,7 +463,7 @@ def run_offline(a: argparse.Namespace) -> dict:
 def stub_settings(a: argparse.Namespace) -> dict:
     return {"device_ms": a.device_ms, "device_us_per_token": a.device_us_per_token, "host_ms": a.host_ms,
             "host_us_per_token": a.host_us_per_token, "prefill_host_ms": a.prefill_host_ms, "vocab": 512,
-            "switch_interval_ms": a.switch_interval_ms}
+            "switch_interval_ms": a.switch_interval_ms, "front_gc_threshold": a.front_gc_threshold}
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -713,6 +716,8 @@ def main() -> None:
                    help="sys.setswitchinterval of the stepping process (the engine core's; offline, "
                         "this one) and of the server: how long a thread may hold the GIL while "
                         "another waits (Python's default 5 ms)")
+    p.add_argument("--front-gc-threshold", type=int, nargs=3, default=None, metavar=("G0", "G1", "G2"),
+                   help="gc.set_threshold of the server (front end) process (Python's default 700 10 10)")
     p.add_argument("--client-shards", type=int, default=None,
                    help="httpx client: clients the requests are shared among (default: one per 32 "
                         "requests, as bench_serving.py; 1: one pool for all, its cost grows as N^2)")

@@ -232,3 +232,4 @@ def test_serve_freezes_the_start_up_objects_of_both_processes(tmp_path_factory, 
     front = [line for line in frozen if "engine-core" not in line]
     assert front, text[-2000:]
     assert text.index(front[0]) < text.index("serving ")  # before the first request can come
+    assert "gc: a full collection after every 100 of the middle generation" in text
