@@ -33,6 +33,27 @@ def make_attention_ops(plan: KernelPlan) -> AttentionOps:
     return TorchAttentionOps()
 
 
+# The prefill's up-projections meet a new row count nearly every step (the prompt rows after the
+# step's decodes, each context chunk's length). cuBLAS chooses an algorithm per shape: ~120 us of
+# host time the first time a row count is seen against ~19 us after (scripts/bench_host_calls.py,
+# H200). Rounded up to this multiple, the counts repeat.
+UP_PROJECT_ROWS = 128
+
+
+def padded_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    """x `[n, K]` (rows of stride s, last dim contiguous) as `[m, K]`, m = n rounded up to
+    `multiple`, when x's storage already holds those m rows (the rows past n are whatever the
+    buffer holds: a row-wise op's results there are to be dropped); else x itself."""
+    n = x.shape[0]
+    m = -(-n // multiple) * multiple
+    if m == n or x.dim() != 2 or x.stride(-1) != 1:
+        return x
+    need = (x.storage_offset() + (m - 1) * x.stride(0) + x.shape[1]) * x.element_size()
+    if need > x.untyped_storage().nbytes():
+        return x
+    return x.as_strided((m, x.shape[1]), x.stride())
+
+
 class MLAAttention:
     """The attention core of one MLA layer; projections stay in the model."""
 
@@ -142,8 +163,11 @@ class MLAAttention:
         return self._absorb_o(o_lat)
 
     def _up_project(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k_nope `[N, Hl, P]`, v `[N, Hl, V]`: views of one kv_b_proj GEMM's output."""
-        kv = F.linear(c, self.w_kv_b).view(-1, self.H, self.P + self.V)
+        """k_nope `[N, Hl, P]`, v `[N, Hl, V]`: views of one kv_b_proj GEMM's output. The GEMM
+        runs over N rounded up to a multiple of UP_PROJECT_ROWS where c's storage holds those rows
+        (`padded_rows`), its extra rows' outputs dropped."""
+        n = c.shape[0]
+        kv = F.linear(padded_rows(c, UP_PROJECT_ROWS), self.w_kv_b)[:n].view(n, self.H, self.P + self.V)
         k_nope, v = kv.split([self.P, self.V], dim=-1)
         return k_nope, v
 

@@ -19,6 +19,7 @@ BLOCK_T = 16
 # table's row stride and the counts (do_not_specialize), so that one compiled variant serves every
 # step: a variant first met while serving compiles for ~0.25 s with every request waiting.
 GATHER_BLOCK_B = 32
+SPARE_ROWS = 127  # rows past the end of kv_finish's and gather_context's outputs (see kv_finish)
 
 
 @triton.jit
@@ -124,7 +125,7 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, starts: to
     """Rows starts[b] .. starts[b]+len_b-1 of sequence b -> out[cu_lens[b]:cu_lens[b+1]]; [num_tokens, D]
     in `dtype` (default the cache's; an FP8 cache is dequantised)."""
     D = kv_cache.shape[-1]
-    out = kv_cache.new_empty(num_tokens, D, dtype=dtype or kv_cache.dtype)
+    out = kv_cache.new_empty(num_tokens + SPARE_ROWS, D, dtype=dtype or kv_cache.dtype)[:num_tokens]  # as kv_finish
     B = starts.shape[0]
     if num_tokens == 0 or B == 0:
         return out
@@ -187,7 +188,9 @@ def kv_finish(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos_sin: 
         raise ValueError(f"kv_finish: kv {tuple(kv.shape)}, norm weight {tuple(norm_weight.shape)}, "
                          f"cos_sin {tuple(cos_sin.shape)}, cache {tuple(kv_cache.shape)}, "
                          f"slots {tuple(slot_mapping.shape)}")
-    out = torch.empty(T, L + R, dtype=kv.dtype, device=kv.device)
+    # rows to spare after T: any run of rows in it can be read as a whole multiple of 128
+    # (attention/mla.py `padded_rows`, the prefill's up-projection)
+    out = torch.empty(T + SPARE_ROWS, L + R, dtype=kv.dtype, device=kv.device)[:T]
     if T:
         _kv_finish_kernel[(T,)](kv, norm_weight, cos_sin, out, kv_cache, slot_mapping.contiguous(), float(eps),
                                 1.0 / kv_scale,

@@ -36,8 +36,8 @@ def _run_layer(runner, batch, hidden: torch.Tensor) -> torch.Tensor:
     m, graphs = batch.meta, runner.mtp_graphs
     d = m.decode
     if graphs is None or m.prefill is not None or d is None or graphs.bucket_for(m.num_decodes, d.q_len) is None:
-        layer, rotary = runner.model.mtp[0], runner.model.model.rotary_emb
-        return layer(batch.input_ids, rotary.at(batch.positions), hidden, runner.mtp_kv_caches[0], m)
+        step = MTPStep(runner.model.mtp[0], runner.model.model.rotary_emb)  # what the graphs replay
+        return step(batch.input_ids, batch.positions, runner.mtp_kv_caches[0], m, hidden)
     if d.row_index is None:  # every request has d.q_len rows
         return graphs.run(batch.input_ids, batch.positions, m, hidden=hidden)
     # pad each request to d.q_len rows: no cache slot (-1), token 0 at position 0, hidden 0; their

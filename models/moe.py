@@ -31,6 +31,11 @@ TORCH_PLAN = KernelPlan()
 #      dtypes), or the loop over the experts hit (`_routed`, the reference).
 
 
+def _capturing(device: torch.device) -> bool:
+    """Whether CUDA-graph capture is recording on `device`'s current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 class MLP(nn.Module):
     """SwiGLU: gate and up column-parallel as one GEMM (`gate_up_proj`, loaded from the
     checkpoint's gate_proj and up_proj), down row-parallel (reduced by the caller when reduce=False)."""
@@ -179,6 +184,8 @@ class MoE(nn.Module):
             from models import fused_moe  # triton: CUDA installs only
             self.fused_small, self.fused_blocked = fused_moe.fused_moe_small, fused_moe.fused_moe_blocked
             self.triton_glue = fused_moe.silu_mul, fused_moe.unpermute_sum
+        self._shared_cache: dict = {}  # _shared_choice's tensors by (device, dtypes)
+        self._expert_ends: dict = {}  # _routed_grouped's expert end keys by device
         self.routed_large = {"grouped": self._routed_grouped, "dense": self._routed_dense,
                              "loop": self._routed}[plan.moe_large]
 
@@ -230,9 +237,22 @@ class MoE(nn.Module):
         """Routing with the folded shared experts as k+1.. k+n_shared-th choices of weight 1."""
         if not self.n_shared:
             return weights, ids
-        T, E = ids.shape[0], self.cfg.n_routed_experts
-        sid = torch.arange(E, E + self.n_shared, device=ids.device, dtype=ids.dtype).expand(T, -1)
-        return (torch.cat([weights, weights.new_ones(T, self.n_shared)], dim=1), torch.cat([ids, sid], dim=1))
+        sid, one = self._shared_choice(ids.device, ids.dtype, weights.dtype)
+        T = ids.shape[0]
+        return (torch.cat([weights, one.expand(T, -1)], dim=1), torch.cat([ids, sid.expand(T, -1)], dim=1))
+
+    def _shared_choice(self, device, id_dtype, w_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The shared experts' ids `[1, n_shared]` and weights (ones), made once per device and
+        dtype: two launches fewer per layer and step (and fixed addresses inside CUDA graphs)."""
+        key = (device, id_dtype, w_dtype)
+        got = self._shared_cache.get(key)
+        if got is None:
+            E = self.cfg.n_routed_experts
+            got = (torch.arange(E, E + self.n_shared, device=device, dtype=id_dtype).unsqueeze(0),
+                   torch.ones(1, self.n_shared, device=device, dtype=w_dtype))
+            if not _capturing(device):  # made inside a graph capture, they would hold values only in replays
+                self._shared_cache[key] = got
+        return got
 
     def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """CUDA path with no host sync (CUDA-graph safe): (token, expert) pairs sorted by expert,
@@ -241,8 +261,12 @@ class MoE(nn.Module):
         flat = ids.flatten().to(torch.int32)  # int32 keys: half the radix-sort passes of int64
         order = flat.argsort(stable=True)
         # each expert's end offset in the sorted pairs, by binary search (no host sync, no atomics)
-        experts = torch.arange(1, self.w13.shape[0] + 1, dtype=torch.int32, device=x.device)
-        offs = torch.searchsorted(flat[order], experts, out_int32=True)
+        ends = self._expert_ends.get(x.device)
+        if ends is None:  # 1 .. E: made once, not one launch per layer and step
+            ends = torch.arange(1, self.w13.shape[0] + 1, dtype=torch.int32, device=x.device)
+            if not _capturing(x.device):
+                self._expert_ends[x.device] = ends
+        offs = torch.searchsorted(flat[order], ends, out_int32=True)
         token_of = order // k
         xs = x[token_of]  # [T*k, D], grouped by expert
         w13, w2 = self._expert_weights(x.dtype)

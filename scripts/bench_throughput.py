@@ -283,6 +283,14 @@ def print_gpu_window(window: dict, count: int, top: int = 15) -> dict:
             "idle_ms": idle / 1e6, "gaps": len(gaps)}
 
 
+def _allocator_counts() -> dict | None:
+    import torch
+    if not torch.cuda.is_available():
+        return None
+    st = torch.cuda.memory_stats()
+    return {k: st.get(k, 0) for k in ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")}
+
+
 def _dynamo_graphs() -> int | None:
     try:
         from torch._dynamo.utils import counters
@@ -320,6 +328,7 @@ def main() -> None:
         window = gpu_window(llm.engine, w_start, w_count)
     sampler = HostSampler() if a.host_sample else contextlib.nullcontext()
     compiles = _dynamo_graphs()
+    mem0 = _allocator_counts()
     with sampler:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, sp)
@@ -327,6 +336,10 @@ def main() -> None:
     host = sampler.report(dt) if a.host_sample else None
     if compiles is not None:
         print(f"torch.compile graphs compiled during the timed run: {_dynamo_graphs() - compiles}")
+    mem = None
+    if mem0 is not None:  # cudaMalloc / cudaFree calls and retries (a retry frees the cache: a sync)
+        mem = {k: v - mem0[k] for k, v in _allocator_counts().items()}
+        print("CUDA caching allocator during the timed run: " + ", ".join(f"{k} {v}" for k, v in mem.items()))
     stats = None
     if steps is not None:
         stats = print_step_stats(steps)
@@ -336,7 +349,7 @@ def main() -> None:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     res = {"requests_per_s": a.num_prompts / dt, "output_tokens_per_s": out_tokens / dt,
            "total_tokens_per_s": (out_tokens + a.num_prompts * a.input_len) / dt, "elapsed_s": dt,
-           "num_preemptions": llm.scheduler.stats.num_preemptions, "gpu_window": gpu, "step_stats": stats, "host": host}
+           "num_preemptions": llm.scheduler.stats.num_preemptions, "gpu_window": gpu, "step_stats": stats, "host": host, "allocator": mem}
     print(f"{a.num_prompts} requests x ({a.input_len} in, {a.output_len} out) in {dt:.2f} s: "
           f"{res['requests_per_s']:.2f} req/s, {res['output_tokens_per_s']:.0f} output tok/s, "
           f"{res['total_tokens_per_s']:.0f} total tok/s, {res['num_preemptions']} preemptions")

@@ -11,6 +11,9 @@
 #   latency_sync   the same with --no-async-scheduling
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
+#   offline     the same, prefix caching off, with its instruments: wall / host launch / GPU span per
+#               step kind, GPU idle between steps, host stack samples, GC, Triton compiles and the
+#               CUDA allocator during the run (bench_throughput.py --step-stats --host-sample)
 #   http        the same workload offline, then over HTTP (serve + bench_serving), one table with
 #               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:560`)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
@@ -22,8 +25,9 @@
 #   core_host   the same with the GPU engine's step costs emulated: device 14 ms + 9 us/token, and
 #               92 ms of host time holding the GIL per step with prompt tokens (eager), offline and
 #               HTTP with both clients (bench_core_overhead.py; no GPU use)
-# A step may carry its own timeout in seconds: `tests:150`. Default STEP_TIMEOUT (240); spec,
-# core and core_host run two scripts, each under that timeout.
+# A step may carry its own timeout in seconds: `tests:150` (tests/test_gpu_engine.py alone takes
+# over 290 s: give `tests` or `quick` 420 or more). Default STEP_TIMEOUT (240); spec, core and
+# core_host run two scripts, each under that timeout.
 # LATENCY_ARGS: extra flags for the latency step (e.g. "--batch-sizes 1 8").
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -50,6 +54,8 @@ for spec in $steps; do
           --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
+    offline) timeout "$T" python3 scripts/bench_throughput.py --no-enable-prefix-caching --step-stats --host-sample \
+               --json "$OUT/offline.json" > "$log" 2>&1 ;;
     http) timeout "$T" python3 scripts/bench_http_vs_offline.py --out-dir "$OUT/http" > "$log" 2>&1 ;;
     fp8) timeout "$T" python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" > "$log" 2>&1 ;;
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
