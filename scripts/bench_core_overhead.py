@@ -236,7 +236,8 @@ def install_stub(settings: dict) -> None:
         TIMERS.add("launch off-CPU", off_cpu)
         TIMERS.add("launch runqueue", queued)
         if pending is not None:
-            TIMERS.step_log.append((t0, tokens, len(so.num_scheduled_tokens), eager, off_cpu - queued))
+            # blocked = off CPU less run-queue waits; the two clocks differ by a little (>= 0)
+            TIMERS.step_log.append((t0, tokens, len(so.num_scheduled_tokens), eager, max(0.0, off_cpu - queued)))
         if pending is not None:
             # The device runs kernels as they are launched: the step is done device time after it
             # started (once the previous step is done), and not before its last launch.
@@ -429,7 +430,7 @@ def per_step_table(p: dict, wall_s: float) -> str:
         rows.insert(PHASES.index("launch") + 1 if "schedule" in t else 0,
                     f"   of which off CPU {t['launch off-CPU'] * 1e3 / steps:.3f}: waiting for a core "
                     f"{t.get('launch runqueue', 0.0) * 1e3 / steps:.3f}, for the GIL (the rest) "
-                    f"{(t['launch off-CPU'] - t.get('launch runqueue', 0.0)) * 1e3 / steps:.3f}")
+                    f"{max(0.0, t['launch off-CPU'] - t.get('launch runqueue', 0.0)) * 1e3 / steps:.3f}")
     for k in ("sender encode", "sender pickle", "pipe write"):
         if k in t:
             rows.append(f"  {k:<14}{t[k] * 1e3 / steps:>9.3f}   (sender thread, concurrent)")
