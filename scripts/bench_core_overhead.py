@@ -1,38 +1,63 @@
 """The control plane on the CPU: `serve` (front end + engine-core process) against the offline
 LLM, both driving a stub model, so that what is left is scheduling, input/output plumbing and
-HTTP work. Reports requests/s, steps/s and the engine core's time per step split by phase.
+HTTP work. Reports requests/s, steps/s, the engine core's time per step split by phase, where
+its step loop lost time, and how far the front end ran behind it.
 
 The stub: the real tiny model is built (configs/models/tiny-deepseek-v3, token-id prompts), but
 ModelRunner.forward returns zero hidden states and ModelRunner.logits zero logits over its
-512-token vocabulary, so every step samples token 0 (ignore_eos keeps requests going). With
---device-ms / --device-us-per-token the stub stands in for a GPU: each launched step occupies
-an imaginary device for that long (steps queue behind each other), and ModelRunner.finish
-sleeps until its step is done (a sleep releases the GIL, as the wait on a CUDA event does), so
-async scheduling overlaps host work with it as on a GPU. Everything else is the real code:
-Scheduler, ModelRunner input preparation and sampler (on the CPU, over 512 logits), EngineCore,
-the core process's loop, pipes and sender thread, AsyncLLM, the output processor, FastAPI,
-uvicorn, SSE.
+512-token vocabulary, so every step samples token 0 (ignore_eos keeps requests going).
+Everything else is the real code: Scheduler, ModelRunner input preparation and sampler (on the
+CPU, over 512 logits), EngineCore, the core process's loop, pipes and threads, AsyncLLM, the
+output processor, FastAPI, uvicorn, SSE.
 
-What the stub changes: with no device time the host work is the whole step, so every cost here
-is on the critical path and the sender thread contends for the core's GIL all the time; on a GPU
-the step loop waits on the device with the GIL released and async scheduling hides the host
-work that fits in the device time. The figures are per-step costs to compare between the two
-paths, not a prediction of GPU throughput. The client (a minimal asyncio HTTP/1.1 client, one
-connection per request) shares this machine's cores with the server.
+Emulating a GPU step, two costs:
+  device  --device-ms / --device-us-per-token: each launched step occupies an imaginary device
+          for that long. It starts when the launch starts (kernels run as they are launched),
+          once the step before is done, and ends no earlier than the launch; ModelRunner.finish
+          sleeps until then (a sleep releases the GIL, as the wait on a CUDA event does), so
+          async scheduling overlaps host work with it as on a GPU.
+  host    --host-ms / --host-us-per-token / --prefill-host-ms: CPU time added to each launch, as
+          busy pure Python in ~70 us slices, each ended by a tiny torch op (whose dispatch
+          releases the GIL, as every kernel launch does), counted in the thread's own CPU time:
+          while another thread of the core process holds the GIL, or the thread waits for a
+          core, the launch takes longer, as on the GPU host. --prefill-host-ms is for steps
+          with prompt tokens, which run eager on a GPU (no CUDA graph).
+V2-Lite on one H200 (1000 x (1000 in, 100 out)): a mixed step of ~8,200 tokens takes ~100 ms
+of host time to launch against ~85 ms of GPU, a decode step of 256 a few ms of host (graph
+replays) against ~15 ms. `--device-ms 14 --device-us-per-token 9 --prefill-host-ms 92` gives
+433 steps in ~19 s offline, as on the H200 (the stub's real input preparation and sampler add a
+few ms per step on top).
+
+Without device and host costs every cost here is on the critical path; with them, only what
+does not fit in the device time, or takes the step loop's GIL, is. The client (a minimal asyncio
+HTTP/1.1 client, one connection per request, or --client httpx: bench_serving.py's) shares this
+machine's cores with the server: on a 2-core machine the three processes contend for cores,
+which the "waiting for a core" figures show (Linux schedstat); "wall less that" is the wall time
+without the step loop's waits for a core.
 
     python scripts/bench_core_overhead.py                       # both paths, 1000 x (1000 in, 100 out), streamed
+    python scripts/bench_core_overhead.py --device-ms 14 --device-us-per-token 9 --prefill-host-ms 92
+    python scripts/bench_core_overhead.py --mode http --client httpx --device-ms 14 --device-us-per-token 9 --prefill-host-ms 92
     python scripts/bench_core_overhead.py --num-prompts 256 --no-stream
-    python scripts/bench_core_overhead.py --mode http --device-ms 15   # a 15 ms "GPU" step
 
 The engine-core phases (ms per step, exclusive): schedule (Scheduler.schedule), launch (input
-preparation, stub forward, sampler), device wait (the stub's imaginary device), finish (sampled
-ids back to requests), update (Scheduler.update_from_output), step other (the rest of
-EngineCore.step), add_request (EngineCore.add_request), commands (taking commands off the
-receiver thread's queue and applying them, less add_request), report (building and queueing the output message), idle (waiting
-for commands with nothing to run), loop other (the rest of the loop's wall time). The sender
-rows are the core process's sender thread encoding, pickling and writing output messages
+preparation, stub forward, sampler, the host cost; "of which off CPU": waiting for a core, or
+blocked, i.e. for the GIL), device wait (the stub's imaginary device), finish (sampled ids back
+to requests), update (Scheduler.update_from_output), step other (the rest of EngineCore.step),
+add_request (EngineCore.add_request), commands (taking commands off the receiver thread's queue
+and applying them, less add_request), report (building and queueing the output message), idle
+(waiting for commands with nothing to run), loop other (the rest of the loop's wall time). The
+sender rows are the core process's sender thread encoding, pickling and writing output messages
 (concurrent with the loop; it holds the GIL while it encodes and pickles; a pipe write waits
-while the front end is behind, without the GIL). The receiver thread's reads are not timed.
+while the front end is behind, without the GIL). The CPU time of each thread of the core
+process (step loop, receiver, sender) and of the front end (event loop, pipe reader, pipe
+writer) is reported over the run.
+
+HTTP timeline figures: first request sent -> first in the core (EngineCore.add_request), the
+span of the arrivals, when connections were accepted, reached the app and were handed to the
+core (after the client's first send), the core's last step -> the last response read, per
+response the core's report of its last token -> the client's reading its end (minimal client),
+and per output message the core's queueing it -> the front end's reader thread and event loop.
 """
 
 from __future__ import annotations
@@ -41,9 +66,11 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -66,9 +93,14 @@ class Timers:
         self.t = {}
         self.n = {}
         self.steps = self.tokens = 0
+        # per launched step: (launch start, tokens, requests, eager, launch blocked off CPU: GIL)
+        self.step_log: list[tuple] = []
+        self.finished: dict[str, float] = {}  # HTTP request id -> when the core reported its end
         self.start = self.end = None
         self.first_add = self.last_add = None  # when the first and the last request were added
         self.cpu0 = time.process_time()
+        self.threads0 = thread_cpu()
+        self.runqueue0 = runqueue_wait()  # of the thread that resets: the step loop's
 
     def add(self, name: str, dt: float) -> None:
         self.t[name] = self.t.get(name, 0.0) + dt
@@ -78,7 +110,60 @@ class Timers:
         return {"t": dict(self.t), "n": dict(self.n), "steps": self.steps, "tokens": self.tokens,
                 "wall": (self.end or time.perf_counter()) - (self.start or time.perf_counter()),
                 "start": self.start, "end": self.end, "first_add": self.first_add, "last_add": self.last_add,
-                "cpu": time.process_time() - self.cpu0}
+                "cpu": time.process_time() - self.cpu0, "step_log": list(self.step_log), "gc": list(GC_LOG),
+                "runqueue": runqueue_wait() - self.runqueue0,
+                "finished": dict(self.finished),
+                "thread_cpu": {k: v - self.threads0.get(k, 0.0) for k, v in thread_cpu().items()}}
+
+
+THREADS: dict[str, int] = {}  # name -> threading ident of the threads whose CPU time is reported
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds so far of each thread in THREADS (those of this process)."""
+    out = {}
+    for name, ident in list(THREADS.items()):
+        try:
+            out[name] = time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except (OSError, ProcessLookupError):
+            pass  # the thread has ended
+    return out
+
+
+GC_LOG: list[tuple[float, int, float]] = []  # garbage collections: (start, generation, seconds)
+
+
+def _gc_callback(phase: str, info: dict, _start=[0.0]) -> None:
+    if phase == "start":
+        _start[0] = time.perf_counter()
+    else:
+        GC_LOG.append((_start[0], info["generation"], time.perf_counter() - _start[0]))
+
+
+def gc_summary(log: list, t0: float, t1: float) -> str:
+    """Collections in [t0, t1] per generation: count, total and longest pause."""
+    parts = []
+    for g in range(3):
+        xs = [d for t, gen, d in log if gen == g and t0 <= t <= t1]
+        if xs:
+            parts.append(f"gen{g} {len(xs)} x, {sum(xs) * 1e3:.0f} ms (longest {max(xs) * 1e3:.1f})")
+    return "; ".join(parts) or "none"
+
+
+def runqueue_wait() -> float:
+    """Seconds this thread has waited for a core so far (Linux schedstat; 0 where absent)."""
+    try:
+        return int(Path("/proc/thread-self/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _track_thread(name: str, fn):
+    """Wrap a thread's target so that THREADS knows it."""
+    def run(*args, **kwargs):
+        THREADS[name] = threading.get_ident()
+        return fn(*args, **kwargs)
+    return run
 
 
 TIMERS = Timers()
@@ -107,8 +192,16 @@ def install_stub(settings: dict) -> None:
     from scheduler.scheduler import Scheduler
 
     device_s, per_token_s = settings["device_ms"] / 1e3, settings["device_us_per_token"] / 1e6
+    host_s, host_per_token_s = settings.get("host_ms", 0.0) / 1e3, settings.get("host_us_per_token", 0.0) / 1e6
+    prefill_host_s = settings.get("prefill_host_ms", 0.0) / 1e3
     vocab = settings["vocab"]
+    if settings.get("switch_interval_ms"):
+        sys.setswitchinterval(settings["switch_interval_ms"] / 1e3)
+    if settings.get("front_gc_threshold") and "--serve-child" in sys.argv:
+        import gc
+        gc.set_threshold(*settings["front_gc_threshold"])
     busy_until = [0.0]
+    gil_release = torch.zeros(1)
 
     def forward(self, batch):
         return torch.zeros(batch.input_ids.shape[0], 8)
@@ -118,13 +211,38 @@ def install_stub(settings: dict) -> None:
 
     launch, finish = ModelRunner.launch, ModelRunner.finish
 
+    def host_work(seconds: float) -> None:
+        """`seconds` of this thread's CPU time in pure Python, as kernel launches spend it: slices
+        of ~70 us that hold the GIL, each ended by a tiny torch op, whose dispatch releases the
+        GIL as every torch op does. Counted in thread CPU time, so time spent waiting for the
+        GIL (another thread holds it) or for a core stretches the step as on the GPU host."""
+        end = time.thread_time() + seconds
+        while (now := time.thread_time()) < end:
+            stop = min(end, now + 70e-6)
+            while time.thread_time() < stop:
+                pass
+            torch.add(gil_release, 1.0, out=gil_release)
+
     def timed_launch(self, so):
-        t0 = time.perf_counter()
+        t0, c0, q0 = time.perf_counter(), time.thread_time(), runqueue_wait()
         pending = launch(self, so)
+        tokens = so.total_num_scheduled_tokens
+        eager = tokens > len(so.num_scheduled_tokens)  # a prompt chunk: no CUDA graph on a GPU
+        if pending is not None and (host_s or host_per_token_s or prefill_host_s):
+            host_work(host_s + host_per_token_s * tokens + (prefill_host_s if eager else 0.0))
         now = time.perf_counter()
         TIMERS.add("launch", now - t0)
+        off_cpu, queued = now - t0 - (time.thread_time() - c0), runqueue_wait() - q0
+        TIMERS.add("launch off-CPU", off_cpu)
+        TIMERS.add("launch runqueue", queued)
         if pending is not None:
-            busy_until[0] = max(busy_until[0], now) + device_s + per_token_s * so.total_num_scheduled_tokens
+            # blocked = off CPU less run-queue waits; the two clocks differ by a little (>= 0)
+            TIMERS.step_log.append((t0, tokens, len(so.num_scheduled_tokens), eager, max(0.0, off_cpu - queued)))
+        if pending is not None:
+            # The device runs kernels as they are launched: the step is done device time after it
+            # started (once the previous step is done), and not before its last launch.
+            start = max(busy_until[0], t0)
+            busy_until[0] = max(now, start + device_s + per_token_s * tokens)
             pending.ready_at = busy_until[0]
         return pending
 
@@ -210,11 +328,89 @@ def install_stub(settings: dict) -> None:
         return got
 
     cp._take_commands = timed_take
-    cp._report = _timed("report", cp._report)
+    report_ = _timed("report", cp._report)
+
+    def logged_report(core, sender, outs, *args):
+        now = time.perf_counter()
+        for o in outs:
+            if o.finish_reason is not None:  # engine id "cmpl-<hex>-<prompt>#<sample>"
+                TIMERS.finished[o.req_id.rsplit("-", 1)[0]] = now
+        return report_(core, sender, outs, *args)
+
+    cp._report = logged_report
     cp.encode_outputs = _timed("sender encode", cp.encode_outputs)
     dumps, send_bytes = cp.pickle.dumps, connection.Connection.send_bytes
     cp.pickle.dumps = _timed("sender pickle", dumps)  # the front end's pickling is timed too, unread
     connection.Connection.send_bytes = _timed("pipe write", send_bytes)
+    THREADS["main"] = threading.get_ident()  # the step loop (core process), the event loop (server)
+    import gc
+    gc.callbacks.append(_gc_callback)
+    cp._Receiver._run = _track_thread("receiver", cp._Receiver._run)
+    cp._Sender._run = _track_thread("sender", cp._Sender._run)
+    put = cp._Sender.put
+
+    def stamped_put(self, msg):
+        if msg[0] == "outputs":
+            msg[1][1].sent_at = time.perf_counter()  # travels with the stats (pickled __dict__)
+        return put(self, msg)
+
+    cp._Sender.put = stamped_put
+    if out_path and "--serve-child" in sys.argv:  # the server process, not its engine-core child
+        install_front_end_probe(out_path + ".front.json")
+
+
+def install_front_end_probe(path: str) -> None:
+    """In the server process: when each output message was read (reader thread) and processed
+    (event loop), and the CPU time of the front end's threads then; written at exit."""
+    import atexit
+
+    from engine import core_client
+    from engine.async_llm import AsyncLLM
+
+    core_client.CoreClient._read = _track_thread("reader", core_client.CoreClient._read)
+    core_client.CoreClient._write = _track_thread("writer", core_client.CoreClient._write)
+    rows: list[list] = []  # [sent_at, read_at, processed_at, outputs, step, thread CPU at processing]
+    pending: dict[int, list] = {}
+    on_core, on_loop = AsyncLLM._on_core_outputs, AsyncLLM._on_outputs
+
+    def probed_on_core(self, outs, stats):
+        row = [getattr(stats, "sent_at", None), time.perf_counter(), None, len(outs), stats.num_steps, None]
+        rows.append(row)
+        if outs:
+            pending[id(outs)] = row
+        return on_core(self, outs, stats)
+
+    def probed_on_loop(self, outs):
+        row = pending.pop(id(outs), None)
+        try:
+            return on_loop(self, outs)
+        finally:
+            if row is not None:
+                row[2], row[5] = time.perf_counter(), thread_cpu()
+
+    AsyncLLM._on_core_outputs, AsyncLLM._on_outputs = probed_on_core, probed_on_loop
+
+    # when connections were accepted, requests reached the app, and were handed to the core
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    from server.http_limits import BodyLimitMiddleware
+    marks: dict[str, list[float]] = {"accepted": [], "app": [], "submitted": []}
+
+    def marked(name, fn, is_async=False):
+        if is_async:
+            async def wrapper(*args, **kwargs):
+                marks[name].append(time.perf_counter())
+                return await fn(*args, **kwargs)
+        else:
+            def wrapper(*args, **kwargs):
+                marks[name].append(time.perf_counter())
+                return fn(*args, **kwargs)
+        return wrapper
+
+    H11Protocol.connection_made = marked("accepted", H11Protocol.connection_made)
+    BodyLimitMiddleware.__call__ = marked("app", BodyLimitMiddleware.__call__, is_async=True)
+    AsyncLLM._submit = marked("submitted", AsyncLLM._submit)
+    atexit.register(lambda: Path(path).write_text(json.dumps({"rows": rows, "marks": marks, "gc": GC_LOG})))
 
 
 if STUB_ENV in os.environ:  # the server process, and its engine-core child (spawn imports this)
@@ -230,6 +426,11 @@ def per_step_table(p: dict, wall_s: float) -> str:
         t["commands"] -= t.get("idle", 0.0) + t.get("add_request", 0.0)
         t["loop other"] = p["wall"] - sum(t.get(k, 0.0) for k in PHASES if k != "loop other")
     rows = [f"  {k:<14}{t[k] * 1e3 / steps:>9.3f}" for k in PHASES if k in t]
+    if "launch off-CPU" in t:
+        rows.insert(PHASES.index("launch") + 1 if "schedule" in t else 0,
+                    f"   of which off CPU {t['launch off-CPU'] * 1e3 / steps:.3f}: waiting for a core "
+                    f"{t.get('launch runqueue', 0.0) * 1e3 / steps:.3f}, for the GIL (the rest) "
+                    f"{max(0.0, t['launch off-CPU'] - t.get('launch runqueue', 0.0)) * 1e3 / steps:.3f}")
     for k in ("sender encode", "sender pickle", "pipe write"):
         if k in t:
             rows.append(f"  {k:<14}{t[k] * 1e3 / steps:>9.3f}   (sender thread, concurrent)")
@@ -244,8 +445,7 @@ def run_offline(a: argparse.Namespace) -> dict:
     from common.sampling_params import SamplingParams
     from engine import LLM
     from engine.output_processor import OutputProcessor
-    install_stub({"device_ms": a.device_ms, "device_us_per_token": a.device_us_per_token,
-                  "vocab": 512})
+    install_stub(stub_settings(a))
     OutputProcessor.process = _timed("output processing", OutputProcessor.process)
     llm = LLM(**engine_kwargs(a))
     sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
@@ -258,7 +458,13 @@ def run_offline(a: argparse.Namespace) -> dict:
     snap = TIMERS.snapshot()
     snap["wall"] = dt
     assert all(len(o.outputs[0].token_ids) == a.output_len for o in outs)
-    return {"wall": dt, "core": snap}
+    return {"wall": dt, "core": snap, "sent": t0}
+
+
+def stub_settings(a: argparse.Namespace) -> dict:
+    return {"device_ms": a.device_ms, "device_us_per_token": a.device_us_per_token, "host_ms": a.host_ms,
+            "host_us_per_token": a.host_us_per_token, "prefill_host_ms": a.prefill_host_ms, "vocab": 512,
+            "switch_interval_ms": a.switch_interval_ms, "front_gc_threshold": a.front_gc_threshold}
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict:
@@ -280,8 +486,9 @@ def serve_argv(a: argparse.Namespace, port: int) -> list[str]:
 
 # ---- HTTP ----
 
-async def _request(port: int, body: bytes, stream: bool) -> tuple[int, bytes]:
-    """One POST /v1/completions on its own connection; (SSE events seen, the last bytes)."""
+async def _request(port: int, body: bytes, stream: bool) -> tuple[int, bytes, float]:
+    """One POST /v1/completions on its own connection; (SSE events seen, the last bytes, when
+    the response ended)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
                  b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
@@ -293,27 +500,29 @@ async def _request(port: int, body: bytes, stream: bool) -> tuple[int, bytes]:
         events += buf.count(b"data: ")  # the tail is too short to hold a whole marker
         tail = buf[-5:]
         last = (last + data)[-4000:]
+    end = time.perf_counter()
     writer.close()
     if first is None or not first.startswith(b"HTTP/1.1 200"):
         raise RuntimeError(f"request failed: {(first or b'')[:300]!r}")
-    return events, last
+    return events, last, end
 
 
 async def _load_httpx(port: int, a: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list]:
     """The same load through scripts/bench_serving.py's client (httpx, one SSE parse per line),
     as the GPU comparison runs it."""
     import httpx
-    from bench_serving import Target, run_load
+    from bench_serving import ClientShards, Target, run_load, shard_count
 
     limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600, connect=60), trust_env=False) as client:
+    shards = shard_count(len(prompts)) if a.client_shards is None else a.client_shards
+    async with ClientShards(shards, limits, httpx.Timeout(600, connect=60)) as clients:
         t = Target(f"http://127.0.0.1:{port}/v1/completions", {}, None, a.output_len, 0.0, 600)
         t0 = time.perf_counter()
-        results, dt = await run_load(client, t, prompts, float("inf"), None, 0)
+        results, dt = await run_load(clients, t, prompts, float("inf"), None, 0)
     failed = [r.error for r in results if not r.ok or r.output_tokens != a.output_len]
     if failed:
         raise SystemExit(f"{len(failed)} requests failed or came back short, e.g. {failed[0]}")
-    return dt, [(len(r.itl) + 2, f'"completion_tokens":{a.output_len}'.encode()) for r in results], t0
+    return dt, [(len(r.itl) + 2, f'"completion_tokens":{a.output_len}'.encode(), None) for r in results], t0
 
 
 async def _load(port: int, a: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list]:
@@ -349,8 +558,7 @@ def run_http(a: argparse.Namespace) -> dict:
 
     port = free_port()
     out = Path(tempfile.mkdtemp(prefix="bench_core_")) / "core.json"
-    env = {**os.environ, STUB_ENV: json.dumps({"device_ms": a.device_ms, "device_us_per_token": a.device_us_per_token,
-                                               "vocab": 512, "out": str(out)})}
+    env = {**os.environ, STUB_ENV: json.dumps({**stub_settings(a), "out": str(out)})}
     cmd = [sys.executable, str(Path(__file__).resolve()), "--serve-child", *serve_argv(a, port)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env)
     try:
@@ -372,10 +580,55 @@ def run_http(a: argparse.Namespace) -> dict:
         stop_server(proc, 60)
     periods = json.loads(out.read_text())
     c = periods[-1]
-    return {"wall": dt, "core": c, "events": events, "sent": t_send,
+    front = Path(str(out) + ".front.json")
+    fe = front_end_summary(json.loads(front.read_text()), t_send, t_send + dt) if front.exists() else None
+    if fe:
+        probe = json.loads(front.read_text())
+        fe["arrivals"] = {k: [x - t_send for x in v if t_send <= x <= t_send + dt]
+                          for k, v in probe["marks"].items()}
+        fe["gc"] = gc_summary(probe["gc"], t_send, t_send + dt)
+    return {"wall": dt, "core": c, "events": events, "sent": t_send, "front": fe,
+            "finish_lag": finish_lags(results, c.get("finished", {})),
             "to_first_add": c["first_add"] - t_send, "adds_span": c["last_add"] - c["first_add"],
             "after_last_step": t_send + dt - c["end"],
             "front_cpu": cpu1[0] - cpu0[0], "core_cpu": cpu1[1] - cpu0[1], "client_cpu": cpu1[2] - cpu0[2]}
+
+
+def front_end_summary(probe: dict, t0: float, t1: float) -> dict | None:
+    """The front end's pace over the run [t0, t1]: how long output messages took from the core's
+    queueing them to the reader thread and to the event loop's output processing, and the CPU
+    time of the front end's threads between the first and the last message processed."""
+    rows = [r for r in probe["rows"] if r[0] is not None and r[2] is not None and t0 <= r[0] <= t1]
+    if not rows:
+        return None
+
+    def pct(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        return {"p50": xs[len(xs) // 2], "p90": xs[int(len(xs) * 0.9)], "max": xs[-1]}
+
+    first, last = rows[0], rows[-1]
+    return {"messages": len(rows), "read_lag": pct([r[1] - r[0] for r in rows]),
+            "loop_lag": pct([r[2] - r[0] for r in rows]), "last_loop_lag": last[2] - last[0],
+            "span": last[2] - first[2],
+            "thread_cpu": {k: v - first[5].get(k, 0.0) for k, v in last[5].items()}}
+
+
+def finish_lags(results: list[tuple], finished: dict[str, float]) -> dict | None:
+    """Per response (minimal client): seconds from the core's report of its last token to the
+    client's reading the end of the response. How far the front end runs behind the core."""
+    lags = []
+    for _, last, end in results:
+        m = re.search(rb'"id":\s*"([^"]+)"', last)
+        if end is not None and m and m.group(1).decode() in finished:
+            lags.append(end - finished[m.group(1).decode()])
+    if not lags:
+        return None
+    lags.sort()
+    return {"n": len(lags), "p50": lags[len(lags) // 2], "p90": lags[int(len(lags) * 0.9)], "max": lags[-1]}
+
+
+def _threads(cpu: dict, wall: float) -> str:
+    return ", ".join(f"{k} {v:.2f} s ({100 * v / max(wall, 1e-9):.0f}%)" for k, v in sorted(cpu.items()))
 
 
 def report(name: str, r: dict, a: argparse.Namespace) -> str:
@@ -383,12 +636,53 @@ def report(name: str, r: dict, a: argparse.Namespace) -> str:
     lines = [f"{name}: {a.num_prompts / r['wall']:.2f} req/s, {c['steps']} steps in {r['wall']:.2f} s "
              f"({c['steps'] / r['wall']:.1f} steps/s, {r['wall'] / max(c['steps'], 1) * 1e3:.3f} ms per step "
              f"of wall time), {c['tokens'] / max(c['steps'], 1):.0f} tokens per step"]
+    log = c.get("step_log", [])
+    eager = [x for x in log if x[3]]
+    if log:
+        lines.append(f"  steps with prompt tokens (eager on a GPU) {len(eager)}, "
+                     f"{sum(x[1] for x in eager) / max(len(eager), 1):.0f} tokens each; decode-only steps "
+                     f"{len(log) - len(eager)}, {sum(x[2] for x in log if not x[3]) / max(len(log) - len(eager), 1):.0f} "
+                     f"requests each")
+    if log and c["first_add"] is not None and c["last_add"] is not None:
+        during = sum(x[4] for x in log if x[0] <= c["last_add"])
+        lines.append(f"  launches blocked off CPU (for the GIL): {during:.3f} s while requests arrived "
+                     f"(to the last add_request), {sum(x[4] for x in log) - during:.3f} s after; "
+                     f"{sum(x[4] for x in eager):.3f} s of it in steps with prompt tokens (host-bound "
+                     f"with --prefill-host-ms: on the critical path)")
+    if "gc" in c:
+        t0 = r.get("sent", c["start"] or 0.0)
+        lines.append(f"  garbage collections in the stepping process: {gc_summary(c['gc'], t0, t0 + r['wall'])}")
+    if "runqueue" in c:
+        lines.append(f"  the step loop waited {c['runqueue']:.2f} s for a core (a contended CPU); "
+                     f"wall less that: {r['wall'] - c['runqueue']:.2f} s")
     if "events" in r:
         lines.append(f"  core busy period {c['wall']:.2f} s; CPU s over the run: front end {r['front_cpu']:.2f}, "
                      f"engine core {r['core_cpu']:.2f}, client {r['client_cpu']:.2f}; {r['events']} SSE events")
         lines.append(f"  first request sent -> first in the core {r['to_first_add']:.3f} s; first -> last in the "
                      f"core {r['adds_span']:.3f} s; core's last step -> last response read {r['after_last_step']:.3f} s")
+        lines.append(f"  engine-core threads, CPU over the busy period: {_threads(c.get('thread_cpu', {}), c['wall'])}")
+        fl = r.get("finish_lag")
+        if fl:
+            lines.append(f"  core's report of a request's last token -> client has read the response's end, "
+                         f"p50/p90/max over {fl['n']}: {fl['p50'] * 1e3:.1f}/{fl['p90'] * 1e3:.1f}/{fl['max'] * 1e3:.1f} ms")
+        fe = r.get("front")
+        if fe:
+            lines.append(f"  front end, {fe['messages']} output messages: core -> reader thread p50/p90/max "
+                         + "/".join(f"{fe['read_lag'][k] * 1e3:.1f}" for k in ("p50", "p90", "max"))
+                         + " ms, core -> processed on the event loop "
+                         + "/".join(f"{fe['loop_lag'][k] * 1e3:.1f}" for k in ("p50", "p90", "max"))
+                         + f" ms (last message {fe['last_loop_lag'] * 1e3:.1f} ms)")
+            lines.append(f"  front-end threads, CPU over {fe['span']:.2f} s of messages: "
+                         f"{_threads(fe['thread_cpu'], fe['span'])}")
+            if "gc" in fe:
+                lines.append(f"  garbage collections in the front end: {fe['gc']}")
+            arr = {k: v for k, v in fe.get("arrivals", {}).items() if v}
+            if arr:
+                lines.append("  after the first send (s), first/median/last: " + "; ".join(
+                    f"{k} {v[0]:.3f}/{sorted(v)[len(v) // 2]:.3f}/{v[-1]:.3f} ({len(v)})"
+                    for k, v in arr.items()))
     else:
+        lines.append(f"  main thread CPU over the run: {_threads(c.get('thread_cpu', {}), r['wall'])}")
         lines.append(f"  output processing (front end, in-process) "
                      f"{c['t'].get('output processing', 0) * 1e3 / max(c['steps'], 1):.3f} ms per step")
     lines.append("  engine core, ms per step:")
@@ -419,15 +713,30 @@ def main() -> None:
                    help="as serve and LLM run on a GPU (their CPU default is off)")
     p.add_argument("--client", choices=["raw", "httpx"], default="raw",
                    help="raw: a minimal asyncio client that counts SSE events; httpx: bench_serving.py's")
+    p.add_argument("--switch-interval-ms", type=float, default=None,
+                   help="sys.setswitchinterval of the stepping process (the engine core's; offline, "
+                        "this one) and of the server: how long a thread may hold the GIL while "
+                        "another waits (Python's default 5 ms)")
+    p.add_argument("--front-gc-threshold", type=int, nargs=3, default=None, metavar=("G0", "G1", "G2"),
+                   help="gc.set_threshold of the server (front end) process (Python's default 700 10 10)")
+    p.add_argument("--client-shards", type=int, default=None,
+                   help="httpx client: clients the requests are shared among (default: one per 32 "
+                        "requests, as bench_serving.py; 1: one pool for all, its cost grows as N^2)")
     p.add_argument("--tokenizer", action="store_true", help="load the tiny model's tokenizer (detokenize)")
     p.add_argument("--device-ms", type=float, default=0.0, help="imaginary device time per step")
     p.add_argument("--device-us-per-token", type=float, default=0.0, help="and per scheduled token")
+    p.add_argument("--host-ms", type=float, default=0.0,
+                   help="host CPU time (busy Python holding the GIL) added to each step's launch")
+    p.add_argument("--host-us-per-token", type=float, default=0.0, help="and per scheduled token")
+    p.add_argument("--prefill-host-ms", type=float, default=0.0,
+                   help="and per step that schedules prompt tokens (eager on the GPU: no CUDA graph)")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args()
     sys.path.insert(0, str(REPO / "scripts"))
     print(f"{a.num_prompts} x ({a.input_len} in, {a.output_len} out), max_num_seqs {a.max_num_seqs}, "
           f"{'streamed' if a.stream else 'not streamed'}, async scheduling {'on' if a.async_scheduling else 'off'}, "
-          f"device {a.device_ms} ms + {a.device_us_per_token} us/token per step, {a.client} client", flush=True)
+          f"device {a.device_ms} ms + {a.device_us_per_token} us/token per step, host {a.host_ms} ms + "
+          f"{a.host_us_per_token} us/token + {a.prefill_host_ms} ms with prompt tokens, {a.client} client", flush=True)
     res = {}
     if a.mode in ("both", "offline"):
         res["offline"] = run_offline(a)

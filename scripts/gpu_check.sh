@@ -22,9 +22,12 @@
 #               on the V3 config with 4 layers, warm (bench_spec_decode.py step / e2e)
 #   core        the control plane on this host's CPU: serve around a stub model with 44 ms steps,
 #               minimal and httpx clients (bench_core_overhead.py; no GPU use)
+#   core_host   the same with the GPU engine's step costs emulated: device 14 ms + 9 us/token, and
+#               92 ms of host time holding the GIL per step with prompt tokens (eager), offline and
+#               HTTP with both clients (bench_core_overhead.py; no GPU use)
 # A step may carry its own timeout in seconds: `tests:150` (tests/test_gpu_engine.py alone takes
-# over 290 s: give `tests` or `quick` 420 or more). Default STEP_TIMEOUT (240); spec and
-# core run two scripts, each under that timeout.
+# over 290 s: give `tests` or `quick` 420 or more). Default STEP_TIMEOUT (240); spec, core and
+# core_host run two scripts, each under that timeout.
 # LATENCY_ARGS: extra flags for the latency step (e.g. "--batch-sizes 1 8").
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -66,6 +69,10 @@ for spec in $steps; do
     core) { timeout "$T" python3 scripts/bench_core_overhead.py --device-ms 44 --json "$OUT/core_raw.json"
             timeout "$T" python3 scripts/bench_core_overhead.py --device-ms 44 --mode http --client httpx \
               --json "$OUT/core_httpx.json"; } > "$log" 2>&1 ;;
+    core_host) { EMU="--device-ms 14 --device-us-per-token 9 --prefill-host-ms 92"
+            timeout "$T" python3 scripts/bench_core_overhead.py $EMU --json "$OUT/core_host_raw.json"
+            timeout "$T" python3 scripts/bench_core_overhead.py $EMU --mode http --client httpx \
+              --json "$OUT/core_host_httpx.json"; } > "$log" 2>&1 ;;
     *) echo "unknown step $s" > "$log" ;;
   esac
   rc=$?

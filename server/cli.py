@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import json
 import logging
 import signal
@@ -12,6 +13,7 @@ import socket
 import sys
 
 from common.args import DTYPE_ALIASES, KV_CACHE_DTYPES, EngineArgs, human_readable_int
+from common.gc_tuning import freeze_startup_objects, thaw_frozen_objects
 from common.kernel_plan import kernels_help
 from server.limits import ServerLimits
 from server.overrides import load_chat_template, load_generation_defaults
@@ -377,6 +379,27 @@ def uvicorn_config(app, ns: argparse.Namespace):
                           http=header_timeout_protocol(ns.http_header_timeout))
 
 
+# Full collections in the HTTP process: after this many collections of the middle generation
+# (Python's default: 10). See _tune_gc.
+FULL_GC_EVERY = 100
+
+
+def _tune_gc() -> None:
+    """Garbage collection in the HTTP process, whose event loop every stream waits on.
+
+    Its start-up objects (torch, transformers, the tokenizer, FastAPI, the app: over 200k after
+    the imports alone) are frozen out of collection, as the engine core freezes its own; and a
+    full collection, which walks every object the requests in flight hold, runs after
+    FULL_GC_EVERY middle-generation collections instead of 10. With 1000 streams at once
+    (scripts/bench_core_overhead.py, a busy 2-core CPU) the run saw 9 full collections, 5.9 s
+    in all and the longest 0.9 s; with the freeze 8, 2.0 s, the longest 0.58 s; with both none.
+    Cyclic garbage that reaches the oldest generation is still collected, ten times less often."""
+    freeze_startup_objects()
+    g0, g1, _ = gc.get_threshold()
+    gc.set_threshold(g0, g1, FULL_GC_EVERY)
+    logger.info("gc: a full collection after every %d of the middle generation", FULL_GC_EVERY)
+
+
 async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket) -> int:
     from engine.async_llm import AsyncLLM, EngineStartError
     from server.api_server import build_app
@@ -389,11 +412,13 @@ async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.s
         return 1
     try:
         server = _draining_server(uvicorn_config(build_app(engine, ns), ns))
+        _tune_gc()
         logger.info("serving %s on http://%s:%d/v1", engine.model_name, ns.host, ns.port)
         await server.serve(sockets=[sock])
         return 0 if server.started else 1
     finally:
         engine.shutdown()
+        thaw_frozen_objects()
         logger.info("engine stopped")
 
 

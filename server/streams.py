@@ -59,7 +59,13 @@ class EngineStreams:
         self._queue.put_nowait((i, None, None))
 
     async def _next(self) -> tuple[int, RequestOutput | None]:
-        i, out, exc = await self._queue.get()
+        return self._take(await self._queue.get())
+
+    def _next_nowait(self) -> tuple[int, RequestOutput | None]:
+        return self._take(self._queue.get_nowait())
+
+    def _take(self, item: tuple) -> tuple[int, RequestOutput | None]:
+        i, out, exc = item
         if exc is not None:
             raise exc
         if out is None or out.finished:
@@ -82,6 +88,35 @@ class EngineStreams:
             i, out = await self._next()
             if out is not None:
                 yield i, out
+
+    @property
+    def done(self) -> bool:
+        """Every prompt's stream has ended (nothing more will come)."""
+        return not self._open and not self._buffer
+
+    async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
+        """The same outputs, in the same order, as lists: each waits for one output, then takes
+        every output that has already arrived. A consumer that fell behind the engine (several
+        steps queued) handles them in one go, e.g. one socket write for all their SSE events. A
+        failure is raised after the outputs that came before it were yielded."""
+        batch, self._buffer = self._buffer, []
+        while self._open or batch:
+            if not batch:
+                i, out = await self._next()
+                if out is not None:
+                    batch.append((i, out))
+            try:
+                while self._open and not self._queue.empty():
+                    i, out = self._next_nowait()
+                    if out is not None:
+                        batch.append((i, out))
+            except Exception:  # noqa: BLE001 - a failed prompt: after what came before it
+                if batch:
+                    yield batch
+                raise
+            if batch:
+                yield batch
+                batch = []
 
     def close(self) -> None:
         """Cancel unfinished engine requests and abort them (frees their KV blocks).

@@ -133,3 +133,68 @@ def test_http_vs_offline_runs_serve_with_the_offline_engine_settings(extra):
     diff = {f.name: (getattr(offline, f.name), getattr(served, f.name))
             for f in dataclasses.fields(EngineArgs) if getattr(offline, f.name) != getattr(served, f.name)}
     assert diff == {}
+
+
+class _FakeResponse:
+    status_code = 200
+
+    async def aiter_lines(self):
+        for line in ('data: {"choices": [{"text": ""}], "usage": null}', "",
+                     'data: {"choices": [], "usage": {"completion_tokens": 1, "prompt_tokens": 3}}', "",
+                     "data: [DONE]"):
+            yield line
+
+
+class _FakeClient:
+    """httpx.AsyncClient.stream look-alike: records each request's body and how many tasks
+    existed when it reached the 'server'."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def stream(self, method, url, content=None, headers=None, **kw):
+        log = self.log
+
+        class _CM:
+            async def __aenter__(self):
+                import asyncio
+                log.append((content, headers, len(asyncio.all_tasks())))
+                return _FakeResponse()
+
+            async def __aexit__(self, *exc):
+                return False
+        return _CM()
+
+
+def test_run_load_at_rate_inf_sends_each_request_before_making_the_next():
+    import asyncio
+    import json
+    n = 50
+    log = []
+    t = bs.Target("http://127.0.0.1:1/v1/completions", {"Authorization": "Bearer k"}, "m", 1, 0.0, 60)
+    prompts = [[i, i + 1, i + 2] for i in range(n)]
+    results, _ = asyncio.run(bs.run_load(_FakeClient(log), t, prompts, float("inf"), None, 0))
+    assert all(r.ok and r.output_tokens == 1 for r in results)
+    assert len(log) == n
+    # request 0 went out while a few tasks existed (the load's, request 0's and its wait_for's,
+    # request 1's), not after all n had been made
+    assert log[0][2] <= 5
+    body = json.loads(log[0][0])
+    assert body == {"model": "m", "prompt": [0, 1, 2], "max_tokens": 1, "ignore_eos": True,
+                    "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    assert log[0][1] == {"Authorization": "Bearer k", "Content-Type": "application/json"}
+    assert sorted(json.loads(c)["prompt"][0] for c, _, _ in log) == list(range(n))
+
+
+def test_client_shards_share_requests_round_robin():
+    import asyncio
+    import httpx
+
+    async def main():
+        async with bs.ClientShards(3, httpx.Limits(max_connections=4), httpx.Timeout(1.0)) as cs:
+            picked = [cs[i] for i in range(7)]
+            assert len({id(c) for c in picked}) == 3
+            assert picked[0] is picked[3] is picked[6] and picked[1] is picked[4]
+        assert all(c.is_closed for c in picked)
+    asyncio.run(main())
+    assert (bs.shard_count(1), bs.shard_count(32), bs.shard_count(33), bs.shard_count(1000)) == (1, 1, 2, 32)
