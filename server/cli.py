@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import gc
 import json
 import logging
 import signal
@@ -379,25 +378,14 @@ def uvicorn_config(app, ns: argparse.Namespace):
                           http=header_timeout_protocol(ns.http_header_timeout))
 
 
-# Full collections in the HTTP process: after this many collections of the middle generation
-# (Python's default: 10). See _tune_gc.
-FULL_GC_EVERY = 100
-
-
 def _tune_gc() -> None:
-    """Garbage collection in the HTTP process, whose event loop every stream waits on.
-
-    Its start-up objects (torch, transformers, the tokenizer, FastAPI, the app: over 200k after
-    the imports alone) are frozen out of collection, as the engine core freezes its own; and a
-    full collection, which walks every object the requests in flight hold, runs after
-    FULL_GC_EVERY middle-generation collections instead of 10. With 1000 streams at once
-    (scripts/bench_core_overhead.py, a busy 2-core CPU) the run saw 9 full collections, 5.9 s
-    in all and the longest 0.9 s; with the freeze 8, 2.0 s, the longest 0.58 s; with both none.
-    Cyclic garbage that reaches the oldest generation is still collected, ten times less often."""
+    """Garbage collection in the HTTP process, whose event loop every stream waits on: its
+    start-up objects (torch, transformers, the tokenizer, FastAPI, the app: over 200k after the
+    imports alone) frozen out of collection and full collections spaced out, as the engine core
+    does (common/gc_tuning.py). With 1000 streams at once (scripts/bench_core_overhead.py, a busy
+    2-core CPU) the run saw 9 full collections, 5.9 s in all and the longest 0.9 s; with the
+    freeze 8, 2.0 s, the longest 0.58 s; with both none."""
     freeze_startup_objects()
-    g0, g1, _ = gc.get_threshold()
-    gc.set_threshold(g0, g1, FULL_GC_EVERY)
-    logger.info("gc: a full collection after every %d of the middle generation", FULL_GC_EVERY)
 
 
 async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket) -> int:

@@ -10,9 +10,10 @@ def test_freeze_moves_live_objects_out_of_collection_and_thaw_returns_them():
     keep = [[i] for i in range(1000)]  # tracked containers alive across the freeze
     n = freeze_startup_objects()
     assert n == gc.get_freeze_count() and n >= len(keep)
+    assert gc.get_threshold()[2] == 100  # full collections ten times rarer than Python's 10
     assert all(not any(o is x for x in gc.get_objects()) for o in keep[:3])  # not in any generation
     thaw_frozen_objects()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.get_threshold()[2] == 10
     assert any(o is keep[0] for o in gc.get_objects())
 
 

@@ -217,7 +217,8 @@ def test_a_slow_body_still_times_out():
 @pytest.mark.slow
 def test_serve_freezes_the_start_up_objects_of_both_processes(tmp_path_factory, tmp_path, monkeypatch):
     """The HTTP process, like the engine core, moves its start-up objects out of garbage
-    collection before it serves: full collections then walk only what requests allocate."""
+    collection before it serves, and both space full collections out: they then walk only what
+    requests allocate, ten times less often."""
     from tests.server_fixtures import ServeProcess, tiny_model_dir
 
     log = tmp_path / "serve.log"
@@ -232,4 +233,4 @@ def test_serve_freezes_the_start_up_objects_of_both_processes(tmp_path_factory, 
     front = [line for line in frozen if "engine-core" not in line]
     assert front, text[-2000:]
     assert text.index(front[0]) < text.index("serving ")  # before the first request can come
-    assert "gc: a full collection after every 100 of the middle generation" in text
+    assert all("a full collection after every 100 of the middle generation" in line for line in frozen)
