@@ -8,6 +8,7 @@ The acceptance tests run the real `serve` on the tiny model.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -251,3 +252,20 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise KeyError(name)
+
+
+def post(server, path: str, body, **kw) -> httpx.Response:
+    """POST a JSON body (a dict, or bytes / str sent as they are) to an InProcessServer."""
+    content = body if isinstance(body, (bytes, str)) else json.dumps(body)
+    return httpx.post(f"{server.url}{path}", content=content, timeout=30,
+                      headers={"content-type": "application/json"}, **kw)
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    """r is an OpenAI-style error of `status` naming `param` (in its param and its message)."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    if param is not None:
+        assert (err["param"] or "").startswith(param) and param in err["message"], err
+    return err
