@@ -1,0 +1,313 @@
+"""`serve`'s flags (names follow vLLM): the parser, its checks, and the EngineArgs they give."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from common.args import DTYPE_ALIASES, KV_CACHE_DTYPES, EngineArgs, human_readable_int
+from common.kernel_plan import kernels_help
+from server.limits import ServerLimits
+from server.overrides import load_chat_template, load_generation_defaults
+from server.reasoning import check_parser_name
+from server.tool_calls import check_tool_flags
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)
+             if f.default is not dataclasses.MISSING}
+_LIMITS = ServerLimits()
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on stderr (no usage dump), exit code 2.
+
+    As vLLM's parser: `--flag_name` is read as `--flag-name`, and an unknown flag is an error
+    naming it (flags are matched exactly, never by abbreviation)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        given = list(sys.argv[1:] if args is None else args)
+        argv = [_dashed(a) for a in given]
+        spelled = dict(zip(argv, given))  # report a flag as the user wrote it
+        ns, extra = self.parse_known_args(argv, namespace)
+        flags = [spelled.get(a, a).split("=", 1)[0] for a in extra if a.startswith("-")]
+        if flags:
+            self.error(f"unsupported flag{'s' if len(flags) > 1 else ''}: {', '.join(flags)} "
+                       "(serve takes a subset of vLLM's flags)")
+        if extra:
+            self.error(f"unexpected argument{'s' if len(extra) > 1 else ''}: {' '.join(extra)}")
+        return ns
+
+
+def _dashed(arg: str) -> str:
+    """`--max_model_len=8` -> `--max-model-len=8`: vLLM accepts underscores in flag names."""
+    if not arg.startswith("--"):
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
+
+
+def _token_count(value: str) -> int:
+    try:
+        return human_readable_int(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not a token count: {e}") from None
+
+
+def _json_list(value: str) -> list:
+    try:
+        v = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, list):
+        raise argparse.ArgumentTypeError('a JSON list is needed, e.g. \'["GET", "POST"]\'')
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `serve` flags, each with help text; defaults come from EngineArgs."""
+    d = _DEFAULTS
+    p = _OneLineParser(prog="serve", description=(
+        "Serve a DeepSeek MLA model (V2, V2-Lite, V3, R1) over the OpenAI completions and chat "
+        "completions API, e.g. `serve --model DIR -tp 2` then point the openai client or "
+        "`lm_eval --model local-completions` at http://HOST:PORT/v1."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model directory, as `vllm serve MODEL` takes it (same as --model)")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer "
+                        "files). Defaults to the bundled tiny demo model.")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted for vLLM compatibility and ignored: the DeepSeek V2/V3 model "
+                        "code is built in; no code from a model directory is ever run")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory, when it is not the model directory")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="load no tokenizer: prompts must be token ids, completions carry "
+                        "`token_ids` and empty text; /tokenize, /detokenize and /tokenizer_info "
+                        "answer 400")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name(s) clients pass as `model`; with several, any is accepted and "
+                        "the first is the one responses report; defaults to the --model path")
+    g.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default=d["load_format"],
+                   help="weights to load; `dummy` fills random weights from config.json "
+                        "(benchmarks without a checkpoint)")
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32", *DTYPE_ALIASES],
+                   default=d["dtype"],
+                   help="compute dtype (half = float16, bf16 = bfloat16, float = float32); "
+                        "auto: bfloat16 on CUDA, float32 on CPU")
+    g.add_argument("--hf-overrides", default=None, metavar="JSON",
+                   help="JSON object merged into config.json, e.g. "
+                        "'{\"num_hidden_layers\": 2}'")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="Jinja chat template to use instead of the tokenizer's: a file path, or "
+                        "the template itself (a value with {, } or a newline in it)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="defaults of requests that do not set them (temperature, top_p, top_k, "
+                        "min_p, repetition_penalty; max_new_tokens as max_tokens): auto reads the "
+                        "model directory's generation_config.json, vllm uses none (the API's "
+                        "defaults), DIR reads DIR/generation_config.json")
+    g.add_argument("--max-model-len", type=_token_count, default=None,
+                   help="longest prompt + completion in tokens, as a number or vLLM's "
+                        "human-readable form (32k = 32000, 32K = 32768); default: the model's "
+                        "max_position_embeddings")
+    g = p.add_argument_group("parallelism and devices")
+    g.add_argument("-tp", "--tensor-parallel-size", type=int, default=d["tensor_parallel_size"],
+                   help="number of tensor-parallel ranks (one process each; one GPU each on CUDA)")
+    g.add_argument("-dcp", "--decode-context-parallel-size", type=int,
+                   default=d["decode_context_parallel_size"],
+                   help="ranks that share the KV cache by token inside each TP group (must "
+                        "divide -tp); multiplies KV capacity")
+    g.add_argument("--device", choices=["auto", "cuda", "cpu"], default=d["device"],
+                   help="where to run; auto: cuda when available, else cpu")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
+                   default=d["attention_backend"],
+                   help="MLA attention ops (decode, prefill, context gather, KV write): torch "
+                        "reference or Triton; auto: as --kernels says (the plan's attention key)")
+    g.add_argument("--kernels", default=d["kernels"], metavar="BASE[,KEY=VALUE...]", help=kernels_help())
+    g.add_argument("--fp8-gemm", action="store_true",
+                   help="FP8 checkpoints: keep attention and dense MLP projections in FP8 (Triton "
+                        "W8A8 block GEMMs) and routed experts in FP8 instead of dequantizing them "
+                        "at load (experimental: less memory, not yet faster; RESULTS.md)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="never capture CUDA graphs for decode steps")
+    g.add_argument("--rank-check-interval", type=int, default=d["rank_check_interval"], metavar="N",
+                   help="every N sampling steps the tensor-parallel ranks compare a digest of the "
+                        "tokens each sampled (each rank samples for itself) and stop the engine "
+                        "if they differ; 0: never")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, as a JSON object: {"method": "ngram", '
+                        '"num_speculative_tokens": k, "prompt_lookup_min": a, "prompt_lookup_max": b} '
+                        '(drafts looked up in the prompt and output, any model) or {"method": "mtp", '
+                        '"num_speculative_tokens": k} (the checkpoint\'s multi-token-prediction layer, '
+                        'V3/R1); every decode then verifies up to k drafts in one step; turns async '
+                        'scheduling off')
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch step N+1 while the GPU runs step N "
+                        "(default: on with CUDA, off on the CPU)")
+    g = p.add_argument_group("scheduler and KV cache")
+    g.add_argument("--max-num-batched-tokens", type=_token_count, default=d["max_num_batched_tokens"],
+                   help="token budget of one engine step (8k = 8000, 8K = 8192); longer prompts "
+                        "are prefilled in chunks")
+    g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
+                   help="most requests in one engine step")
+    g.add_argument("--block-size", type=int, default=d["block_size"],
+                   help="tokens per KV cache block (a power of two)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"],
+                   help="fraction of GPU memory for weights + activations + KV cache (0, 1]")
+    g.add_argument("--kv-cache-dtype", choices=list(KV_CACHE_DTYPES), default=d["kv_cache_dtype"],
+                   help="latent KV cache storage: auto (the model dtype), bf16, or fp8 (e4m3 with a "
+                        "per-tensor scale: half the bytes of bf16, twice the tokens; its decode is "
+                        "slower than bf16's today, docs/kernel_notes.md); bfloat16 and fp8_e4m3 "
+                        "are vLLM's aliases")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="KV cache blocks to allocate; overrides the memory-based sizing")
+    g.add_argument("--cpu-kv-cache-gb", type=float, default=d["cpu_kv_cache_gb"],
+                   help="KV cache size on CPU when --num-kv-blocks is not given")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=d["enable_prefix_caching"],
+                   help="reuse KV blocks of prompts that share a prefix")
+    g.add_argument("--seed", type=int, default=d["seed"],
+                   help="seed of the engine's random state (requests may carry their own seed)")
+    g = p.add_argument_group("multi-node (ranks split evenly over nodes; node 0 serves HTTP)")
+    g.add_argument("--nnodes", type=int, default=d["nnodes"], help="number of machines")
+    g.add_argument("--node-rank", type=int, default=d["node_rank"],
+                   help="this machine's index; nodes other than 0 run workers only")
+    g.add_argument("--master-addr", default=d["master_addr"],
+                   help="address of node 0, reachable from every node")
+    g.add_argument("--master-port", type=int, default=None,
+                   help="free TCP port on node 0 for torch.distributed (required with --nnodes > 1)")
+    g = p.add_argument_group("HTTP server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 listens on all interfaces")
+    g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    g.add_argument("--api-key", default=None,
+                   help="if set, /v1 routes require the header 'Authorization: Bearer KEY'")
+    g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                   help="logging level of the server and engine (debug also logs each HTTP request)")
+    g.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   default=None, help="logging level of uvicorn alone; default: --log-level")
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
+                   default=d["enable_log_requests"],
+                   help="log each request at info level: its id, prompt length and sampling parameters")
+    g.add_argument("--disable-log-requests", action="store_true",
+                   help="do not log requests (the default; vLLM's older spelling, kept so its "
+                        "launch lines run)")
+    g.add_argument("--allowed-origins", type=_json_list, default=None, metavar="JSON",
+                   help="CORS: allowed origins, a JSON list such as '[\"https://a.example\"]'; "
+                        "given any CORS flag, the others default to [\"*\"] as in vLLM; none "
+                        "given: no CORS headers")
+    g.add_argument("--allowed-methods", type=_json_list, default=None, metavar="JSON",
+                   help="CORS: allowed methods, a JSON list such as '[\"GET\", \"POST\"]'")
+    g.add_argument("--allowed-headers", type=_json_list, default=None, metavar="JSON",
+                   help="CORS: allowed request headers, a JSON list")
+    g.add_argument("--allow-credentials", action="store_true",
+                   help="CORS: allow credentials (cookies, Authorization) on cross-origin requests")
+    g.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="split chat output at </think> into message.reasoning_content (and "
+                        "reasoning) and content: deepseek_r1 (R1: all text before </think> is "
+                        "reasoning), deepseek_v3 (V3.1+: the same when the request sends "
+                        "chat_template_kwargs {\"thinking\": true}); default: no split")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="chat requests with tools (tool_choice \"auto\", the default with "
+                        "tools) get the model's tool calls as message.tool_calls, parsed by "
+                        "--tool-call-parser; without it such requests answer 400")
+    g.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="the model's tool-call markup: deepseek_v3 (V3, R1) or deepseek_v31 "
+                        "(V3.1 and later); tool_choice \"required\" or a named function "
+                        "constrains the output to the tools' schemas with or without it")
+    g.add_argument("--shutdown-timeout", type=float, default=15.0,
+                   help="on SIGTERM or SIGINT, seconds to let running requests finish before "
+                        "the engine and its workers are stopped")
+    g = p.add_argument_group("limits (a shared server must not be held by one client)")
+    lim = _LIMITS
+    g.add_argument("--max-request-body-bytes", type=int, default=lim.max_request_body_bytes,
+                   help="largest HTTP request body; larger ones get 413")
+    g.add_argument("--http-header-timeout", type=float, default=lim.http_header_timeout,
+                   help="seconds a connection may take to send its request line and headers "
+                        "before it is closed")
+    g.add_argument("--http-body-timeout", type=float, default=lim.http_body_timeout,
+                   help="seconds a request may take to send its whole body (408 after)")
+    g.add_argument("--http-keep-alive-timeout", type=float, default=lim.http_keep_alive_timeout,
+                   help="seconds an idle kept-alive connection stays open")
+    g.add_argument("--max-prompts-per-request", type=int, default=lim.max_prompts_per_request,
+                   help="most prompts in one completions request")
+    g.add_argument("--max-seqs-per-request", type=int, default=lim.max_seqs_per_request,
+                   help="most sequences (prompts x n) in one request")
+    g.add_argument("--max-stop-strings", type=int, default=lim.max_stop_strings,
+                   help="most stop strings in one request")
+    g.add_argument("--max-stop-str-len", type=int, default=lim.max_stop_str_len,
+                   help="longest stop string, in characters")
+    g.add_argument("--engine-stall-timeout", type=float, default=lim.engine_stall_timeout,
+                   help="/health answers 503 once the engine holds requests and has finished "
+                        "no step for this many seconds (a wedged worker or collective)")
+    return p
+
+
+def _check_limits(ns: argparse.Namespace) -> None:
+    for flag in ("max_request_body_bytes", "max_prompts_per_request", "max_seqs_per_request",
+                 "max_stop_strings", "max_stop_str_len"):
+        if getattr(ns, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
+    for flag in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout",
+                 "engine_stall_timeout", "shutdown_timeout"):
+        if not getattr(ns, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(ns, flag)}")
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """EngineArgs from parsed flags; raises ValueError naming the flag."""
+    try:
+        overrides = json.loads(ns.hf_overrides) if ns.hf_overrides else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--hf-overrides is not valid JSON: {e}") from None
+    if not isinstance(overrides, dict):
+        raise ValueError("--hf-overrides must be a JSON object")
+    if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
+        raise ValueError(f"the model is named twice: {ns.model_tag} (positional) and --model {ns.model}")
+    model = ns.model_tag or ns.model or _DEFAULTS["model"]
+    args = EngineArgs(
+        model=model, tokenizer=ns.tokenizer, served_model_name=ns.served_model_name,
+        skip_tokenizer_init=ns.skip_tokenizer_init,
+        tensor_parallel_size=ns.tensor_parallel_size,
+        decode_context_parallel_size=ns.decode_context_parallel_size,
+        max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
+        max_model_len=ns.max_model_len, block_size=ns.block_size, dtype=ns.dtype,
+        device=ns.device, load_format=ns.load_format, num_kv_blocks=ns.num_kv_blocks,
+        gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
+        enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
+        enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend,
+        kernels=ns.kernels, fp8_gemm=ns.fp8_gemm, kv_cache_dtype=ns.kv_cache_dtype,
+        hf_overrides=overrides, rank_check_interval=ns.rank_check_interval,
+        speculative_config=ns.speculative_config,
+        enable_log_requests=ns.enable_log_requests and not ns.disable_log_requests, nnodes=ns.nnodes, node_rank=ns.node_rank,
+        master_addr=ns.master_addr, master_port=ns.master_port)
+    if not 1 <= ns.port <= 65535:
+        raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
+    check_parser_name(ns.reasoning_parser)
+    check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
+    load_chat_template(ns.chat_template)
+    load_generation_defaults(ns.generation_config, args.model)
+    _check_limits(ns)
+    _check_devices(args)
+    return args
+
+
+def _check_devices(args: EngineArgs) -> None:
+    if args.device == "cpu":
+        return
+    import torch  # late: `serve --help` stays fast
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "cuda" and n == 0:
+        raise ValueError("--device cuda: no CUDA device is visible")
+    if n and args.device in ("cuda", "auto") and args.tensor_parallel_size > n:
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} needs "
+                         f"{args.tensor_parallel_size} CUDA devices, only {n} visible")
