@@ -159,8 +159,9 @@ class Worker:
     @torch.inference_mode()
     def warm_up(self, max_tokens: int, max_len: int, max_seqs: int) -> list[int]:
         """One prefill step of each size in `warm_up_sizes(max_tokens)` through the model (prompts
-        of at most `max_len` tokens), then decode steps and a mixed step of up to 64 sequences
-        (decodes beside chunks after cached tokens; with speculation, multi-token decodes), before
+        of at most `max_len` tokens), then decode steps, mixed steps of 8 and of up to 64 sequences
+        (decodes beside chunks after cached tokens), with speculation multi-token decodes, and
+        decodes over wide block tables, before
         any request and before CUDA-graph capture; returns the prefill sizes. A failure raises KernelError
         naming the --kernels setting that avoids it.
 
@@ -185,9 +186,9 @@ class Worker:
             # b prompts of 2 tokens, then a decode step (one more token each), then mixed steps of
             # 8 and of b sequences: half decode again, the other half a chunk of `chunk` tokens
             # after their 3 cached ones (a prefill with context: the context gather, the context
-            # attention and the merge),
-            # then, with speculation, a step of decodes of `q` tokens each (multi-token decode),
-            # then two decodes whose block tables are wide (the decode attention splits its keys).
+            # attention and the merge); then, with speculation, a step of decodes of `q` tokens
+            # each (multi-token decode); then two decodes whose block tables are wide (the decode
+            # attention splits its keys).
             # Up to 64 sequences: up to 16 decodes and more take the absorb kernels' two tiles, as
             # serving's eager mixed steps do; a variant first met while serving compiles with every
             # request waiting.
