@@ -29,6 +29,10 @@ from attention.kv_quant import is_fp8
 from common.kernel_plan import interpreting
 
 LOG2E = 1.4426950408889634
+# lazy_rescale: the running max used for p = 2^(s - m) is kept until some row's max grows past it
+# by more than this (log2 domain), so p <= 2^LAZY_TAU = 256: exact in fp16/bf16, and the fp32
+# accumulator and row sums have ample range. Only then are the accumulator and sums rescaled.
+LAZY_TAU = 8.0
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,8 @@ class DecodeConfig:
     warp_specialize: bool = False  # Triton's warp-specialised loop (producer warps for the loads)
     reload_v: bool = False  # FP8 cache: load each tile twice (QK^T and PV), see the kernel
     stage_v: bool = False  # with reload_v on CUDA: PV's tile converted to fp16 before shared memory
+    stage_c: bool = False  # FP8 cache on CUDA: one load, one conversion, the fp16 tile feeds both products
+    lazy_rescale: bool = False  # rescale the accumulator only when a row's max grows by > 2^LAZY_TAU
 
 
 WIDE_ROWS = 64  # query rows (heads x query tokens) per sequence from which 64-row tiles are used
@@ -163,7 +169,8 @@ def _mla_decode_partial_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, DIRECT: tl.constexpr,
     HAS_POS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FP8: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
-    RELOAD_V: tl.constexpr, HW_CVT: tl.constexpr, STAGE_V: tl.constexpr,
+    RELOAD_V: tl.constexpr, HW_CVT: tl.constexpr, STAGE_V: tl.constexpr, STAGE_C: tl.constexpr,
+    LAZY: tl.constexpr, TAU: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
@@ -224,6 +231,12 @@ def _mla_decode_partial_kernel(
         else:
             v = c
         c = _as_product(c, kv_dtype, FP8, HW_CVT)
+        if STAGE_C and HW_CVT:
+            # The same opaque identity as STAGE_V, on the only copy: the tile is converted once,
+            # in the load's layout, and both products read the fp16 tile (ldmatrix, .trans for PV)
+            # from shared memory instead of converting 8-bit operands in their own layouts.
+            c = tl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r", args=[c],
+                                          dtype=tl.float16, is_pure=False, pack=2)
         if QK_T:  # scores as [BLOCK_N, BLOCK_H]: rows (tokens) fill the MMA's M, for wide head tiles
             s_t = tl.dot(c, tl.trans(q_lat), input_precision=PRECISION)
             s_t = tl.dot(k_pe, tl.trans(q_pe), acc=s_t, input_precision=PRECISION)
@@ -247,13 +260,27 @@ def _mla_decode_partial_kernel(
         else:
             s = tl.where(nmask[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no visible key yet keeps m = -inf: shift by 0 instead (p = 0).
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(kv_dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+        if LAZY:
+            # Rescale only when some row's max outgrew the one in use by more than 2^TAU (the
+            # first tile always: m_i = -inf). Rows that saw no key have m_new - m_i = nan: no vote.
+            if tl.max(tl.where(m_new - m_i > TAU, 1, 0), 0) > 0:
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i + tl.sum(p, 1)
+            acc = tl.dot(p.to(kv_dtype), v, acc=acc, input_precision=PRECISION)
+        else:
+            # A row that has seen no visible key yet keeps m = -inf: shift by 0 instead (p = 0).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(kv_dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
 
     empty = l_i == 0.0  # split (or whole sequence) without rows: lse -inf, output 0
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
@@ -364,7 +391,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids, DIRECT=direct,
         HAS_POS=q_pos is not None, WARP_SPECIALIZE=cfg.warp_specialize, FP8=fp8,
-        RELOAD_V=fp8 and cfg.reload_v, HW_CVT=hw_cvt, STAGE_V=fp8 and cfg.reload_v and cfg.stage_v,
+        RELOAD_V=fp8 and cfg.reload_v and not cfg.stage_c, HW_CVT=hw_cvt,
+        STAGE_V=fp8 and cfg.reload_v and cfg.stage_v and not cfg.stage_c, STAGE_C=fp8 and cfg.stage_c,
+        LAZY=cfg.lazy_rescale, TAU=LAZY_TAU,
         PRODUCT_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[compute_dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
