@@ -251,6 +251,11 @@ CPU_CASES = {
     "decode_default_tiles_h64": lambda: check_decode("cpu", f32, 64, 32, 16, 16, [0, 1, 37, 150], num_splits=3,
                                                      cfg=_default_cfg(64)),
     "decode_ops_auto_splits": lambda: check_decode("cpu", f32, 8, 32, 16, 16, [17, 0, 1]),
+    # pages holding whole tiles (one block id per tile), with and without the id prefetch
+    "decode_one_page_tiles_prefetch": lambda: check_decode("cpu", f32, 4, 32, 16, 32, [0, 1, 37, 150, 64],
+                                                           num_splits=3, cfg=_small_cfg(prefetch_ids=True)),
+    "decode_one_page_tiles": lambda: check_decode("cpu", f32, 4, 32, 16, 16, [0, 1, 37, 150, 64], num_splits=2,
+                                                  cfg=_small_cfg()),
     # lazy rescaling: scores whose max grows along the scan, and plain random ones
     "decode_lazy_rescale_ramp_fp16": lambda: check_decode("cpu", f16, 4, 32, 16, 4, [0, 1, 37, 150], num_splits=2,
                                                      cfg=_small_cfg(lazy_rescale=True), ramp=6.0),
