@@ -21,6 +21,9 @@
 #               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:560`)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
+#   r1fp8       the R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1/32/128 and offline
+#               throughput (500 x (1000 in, 100 out)), dequantized bf16 (the default) against
+#               --fp8-gemm; four runs, each under the step's timeout (give it `r1fp8:200`)
 #   spec        speculative decoding: decode step cost at q_len 1..4 (V2-Lite), then MTP end to end
 #               on the V3 config with 4 layers, warm (bench_spec_decode.py step / e2e)
 #   core        the control plane on this host's CPU: serve around a stub model with 44 ms steps,
@@ -69,6 +72,15 @@ for spec in $steps; do
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
           --hf-overrides '{"num_hidden_layers": 4}' --batch-sizes 1 64 --decode-steps 50 \
           --json "$OUT/r1_latency.json" > "$log" 2>&1 ;;
+    r1fp8) { R1="--model configs/models/DeepSeek-R1 --hf-overrides {\"num_hidden_layers\":4}"
+            for g in "" "--fp8-gemm"; do
+              echo "## latency ${g:-default}"
+              timeout "$T" python3 scripts/bench_latency.py $R1 $g --batch-sizes 1 32 128 --decode-steps 50 \
+                --json "$OUT/r1_latency${g:+_fp8gemm}.json"
+              echo "## throughput ${g:-default}"
+              timeout "$T" python3 scripts/bench_throughput.py $R1 $g --num-prompts 500 --no-enable-prefix-caching \
+                --json "$OUT/r1_throughput${g:+_fp8gemm}.json"
+            done; } > "$log" 2>&1 ;;
     spec) { timeout "$T" python3 scripts/bench_spec_decode.py step --batch-sizes 1 4 16 64 --q-lens 1 2 3 4 \
               --json "$OUT/spec_step.json"
             timeout "$T" python3 scripts/bench_spec_decode.py e2e --method mtp --num-speculative-tokens 1 --batch-sizes 1 1 \
