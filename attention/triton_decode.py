@@ -29,6 +29,7 @@ import triton.language as tl
 from attention.decode_config import LAZY_TAU, WIDE_ROWS, DecodeConfig, choose_num_splits, default_decode_config
 from attention.kv_quant import is_fp8
 from common.kernel_plan import interpreting
+from common.pdl import pdl_launch, pdl_prologue
 
 __all__ = ["DecodeConfig", "WIDE_ROWS", "choose_num_splits", "default_decode_config", "mla_decode"]
 
@@ -107,8 +108,9 @@ def _mla_decode_partial_kernel(
     PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, DIRECT: tl.constexpr,
     HAS_POS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FP8: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
     RELOAD_V: tl.constexpr, HW_CVT: tl.constexpr, STAGE_V: tl.constexpr, STAGE_C: tl.constexpr,
-    LAZY: tl.constexpr, TAU: tl.constexpr, FUSED: tl.constexpr,
+    LAZY: tl.constexpr, TAU: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -299,8 +301,9 @@ def _mla_decode_reduce_kernel(
     stride_pob, stride_pos, stride_poh,
     stride_plb, stride_pls, stride_plh,
     stride_ob, stride_oh, stride_lb, stride_lh,
-    LKV: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr,
+    LKV: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_prologue(PDL)
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     offs_s = tl.arange(0, BLOCK_S)
@@ -391,7 +394,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         STAGE_V=fp8 and cfg.reload_v and cfg.stage_v and not cfg.stage_c, STAGE_C=fp8 and cfg.stage_c,
         LAZY=cfg.lazy_rescale, TAU=LAZY_TAU, FUSED=fused,
         PRODUCT_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[compute_dtype],
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
     if not direct and not fused:
@@ -400,6 +403,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
             *po_strides, *plse_strides,
             o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
             LKV=lkv, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4,
+            num_warps=4, **pdl_launch(),
         )
     return o, lse
