@@ -41,9 +41,10 @@ class TritonAttentionOps:
     name = "triton"
 
     def __init__(self, decode_config: DecodeConfig | None = None,
-                 prefill_config: PrefillConfig | None = None, kv_scale: float = 1.0):
+                 prefill_config: PrefillConfig | None = None, kv_scale: float = 1.0, fused_reduce: bool | None = None):
         self.kv_scale = kv_scale
         self.decode_config = decode_config
+        self.fused_reduce = fused_reduce  # overrides the decode config's (the plan's decode_fused_reduce)
         self.prefill_config = prefill_config
         self._num_sms: dict[torch.device, int] = {}
 
@@ -89,6 +90,7 @@ class TritonAttentionOps:
                           seq_lens.contiguous(), scale, kv_lora_rank, q_len=q_len,
                           q_pos=None if q_pos is None else q_pos.contiguous(), dcp_size=dcp_size,
                           dcp_rank=dcp_rank, num_sms=self._sm_count(q.device), cfg=self.decode_config,
+                          fused_reduce=self.fused_reduce,
                           kv_scale=self.kv_scale)
 
     def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):

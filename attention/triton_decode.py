@@ -333,12 +333,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                seq_lens: torch.Tensor, scale: float, kv_lora_rank: int, q_len: int = 1,
                q_pos: torch.Tensor | None = None, dcp_size: int = 1, dcp_rank: int = 0,
                num_splits: int | None = None, num_sms: int | None = None,
-               cfg: DecodeConfig | None = None, kv_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+               cfg: DecodeConfig | None = None, kv_scale: float = 1.0,
+               fused_reduce: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: q [B*q_len, H, Lkv+R] -> (o [B*q_len, H, Lkv] in q.dtype, lse
     [B*q_len, H] fp32); `q_pos` and the DCP layout as in attention/backend.py `decode`.
 
     Inputs are assumed validated (TritonAttentionOps does it); the last dims must be contiguous.
-    `kv_scale` is an FP8 cache's per-tensor scale (ignored for other caches).
+    `kv_scale` is an FP8 cache's per-tensor scale (ignored for other caches); `fused_reduce`, when
+    given, overrides the config's (the last split merges the splits, no reduce kernel).
     """
     T, H, D = q.shape
     B = T // q_len
@@ -374,7 +376,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         po_strides = (po.stride(0), po.stride(1), po.stride(2))
         plse_strides = (plse.stride(0), plse.stride(1), plse.stride(2))
     block_l = triton.next_power_of_2(lkv)
-    fused = cfg.fused_reduce and not direct
+    fused = (cfg.fused_reduce if fused_reduce is None else fused_reduce) and not direct
     cnt = _split_counters(q.device, B * head_tiles) if fused else seq_lens
     _mla_decode_partial_kernel[(head_tiles, num_splits, B)](
         q, kv_cache.view(torch.uint8) if fp8 else kv_cache, block_table, seq_lens,

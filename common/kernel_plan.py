@@ -105,6 +105,8 @@ CHOICES: tuple[Choice, ...] = (
     Choice("fp8_gemm", ("auto", TRITON, "cublas"),
            "W8A8 block GEMM with --fp8-gemm: cuBLAS's block-scaled GEMM where torch, GPU and "
            "shape have it (auto), or one of them", ("models.fp8_gemm",), triton="auto", torch="auto"),
+    Choice("decode_fused_reduce", (bool,), "MLA decode over several splits: the last split of each row "
+           "tile merges them (no reduce kernel)", ("attention.triton_decode",), triton=False, torch=False),
     Choice("pdl", (bool,), "programmatic dependent launch (sm_90+) for the decode path's Triton kernels: "
            "each is launched while its predecessor drains and waits for its writes on the GPU",
            ("common.pdl",), triton=False, torch=False),
@@ -137,6 +139,7 @@ class KernelPlan:
     moe_shared_dense_min_tokens: int = 0
     moe_large: str = "loop"
     fp8_gemm: str = "auto"
+    decode_fused_reduce: bool = False
     pdl: bool = False
     compile: bool = False
     autotune: bool = False

@@ -14,8 +14,9 @@
 #               `decode:360`)
 #   latency     V2-Lite dummy bf16 TPOT at batch 1/8/32/128 (bench_latency.py; async scheduling, the default)
 #   latency_sync   the same with --no-async-scheduling
-#   pdl         TPOT at batch 1/8/32 without and with programmatic dependent launch (--kernels
-#               auto,pdl=1), two runs of bench_latency.py, each under the step's timeout
+#   pdl         TPOT at batch 1/8/32 with --kernels auto, auto,pdl=1, auto,decode_fused_reduce=1 and
+#               both (programmatic dependent launch; no decode reduce kernel): four runs of
+#               bench_latency.py, each under the step's timeout (give it `pdl:150`)
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
 #   offline     the same, prefix caching off, with its instruments: wall / host launch / GPU span per
@@ -68,7 +69,7 @@ for spec in $steps; do
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
     latency_sync) timeout "$T" python3 scripts/bench_latency.py --no-async-scheduling ${LATENCY_ARGS:-} \
           --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;
-    pdl) { for k in auto auto,pdl=1; do echo "## --kernels $k"
+    pdl) { for k in auto auto,pdl=1 auto,decode_fused_reduce=1 auto,pdl=1,decode_fused_reduce=1; do echo "## --kernels $k"
              timeout "$T" python3 scripts/bench_latency.py --kernel-plan "$k" --batch-sizes 1 8 32 \
                --json "$OUT/latency_${k//[,=]/_}.json"; done; } > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;

@@ -417,3 +417,12 @@ def test_split_heuristic_fills_gpu():
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
 def test_gpu(name):
     GPU_CASES[name]()
+
+
+def test_plan_decode_fused_reduce_reaches_the_decode_kernel():
+    """The plan's decode_fused_reduce is the attention backend's fused_reduce, which mla_decode
+    takes over its config's."""
+    from attention.mla import make_attention_ops
+    from common.kernel_plan import KernelPlan
+    assert make_attention_ops(KernelPlan(attention="triton", decode_fused_reduce=True)).fused_reduce is True
+    assert make_attention_ops(KernelPlan(attention="triton")).fused_reduce is False
