@@ -1,0 +1,147 @@
+"""Compile the Gluon MLA decode kernel (attention/gluon_decode.py) for sm_90 without a GPU and
+print what the cubin costs: whether it compiled, shared memory, registers and spills (ptxas -v),
+and counts of the instructions that matter (wgmma, ldmatrix, cp.async, barriers) in PTX and SASS.
+
+Runs on a CPU-only machine: Triton lowers to PTX and runs its bundled ptxas; nothing executes.
+Write against the Triton the GPU machine has (3.6 at the time of writing):
+
+  PYTHONPATH=/work/tr36 .venv/bin/python scripts/compile_sm90.py --page 16 --direct 0
+  PYTHONPATH=/work/tr36 .venv/bin/python scripts/compile_sm90.py --dump /tmp/gluon_mla  # keep IR
+
+Exit status 1 when the kernel does not compile, spills, or needs more than 227 KB of shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+
+from attention import gluon_decode as gd  # noqa: E402
+
+SMEM_LIMIT = 227 * 1024
+
+# runtime arguments of _mla_decode_wgmma_kernel and their Triton types
+SIGNATURE = [
+    ("q_ptr", "*bf16"), ("kv_ptr", "*bf16"), ("block_table_ptr", "*i32"), ("seq_lens_ptr", "*i32"),
+    ("q_pos_ptr", "*i32"), ("o_ptr", None), ("lse_ptr", "*fp32"), ("qk_scale_log2", "fp32"),
+    ("H", "i32"), ("num_splits", "i32"), ("q_len", "i32"), ("dcp_size", "i32"), ("dcp_rank", "i32"),
+    ("stride_qb", "i32"), ("stride_qh", "i32"), ("stride_kvb", "i32"), ("stride_kvs", "i32"),
+    ("stride_btb", "i32"), ("stride_ob", "i32"), ("stride_os", "i32"), ("stride_oh", "i32"),
+    ("stride_lb", "i32"), ("stride_ls", "i32"), ("stride_lh", "i32"),
+]
+# arguments Triton's launcher would mark 16-divisible at the real shapes (pointers from torch's
+# allocator; q/cache strides 576 * k; the o and lse strides of the split partials)
+DIVISIBLE = {"q_ptr", "kv_ptr", "block_table_ptr", "seq_lens_ptr", "q_pos_ptr", "o_ptr", "lse_ptr",
+             "stride_qb", "stride_qh", "stride_kvb", "stride_kvs", "stride_ob", "stride_os",
+             "stride_oh"}
+
+
+def tool(name: str) -> str:
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    return str(path) if path.exists() else name
+
+
+def count(pattern: str, text: str) -> int:
+    return len(re.findall(pattern, text, flags=re.MULTILINE))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--page", type=int, default=16)
+    ap.add_argument("--direct", type=int, default=0, help="1: one split (bf16 output), 0: split partials")
+    ap.add_argument("--has-pos", type=int, default=0)
+    ap.add_argument("--block-n", type=int, default=gd.GluonDecodeConfig.block_n)
+    ap.add_argument("--stages", type=int, default=gd.GluonDecodeConfig.num_stages)
+    ap.add_argument("--xbuf", type=int, default=gd.GluonDecodeConfig.xbuf)
+    ap.add_argument("--worker-regs", type=int, default=gd.GluonDecodeConfig.worker_regs)
+    ap.add_argument("--dump", help="directory to write the ttgir / llir / ptx / sass into")
+    args = ap.parse_args()
+    if gd._GLUON_ERROR is not None:
+        print(f"gluon import failed: {gd._GLUON_ERROR!r}")
+        return 1
+    print(f"triton {triton.__version__} ({triton.__file__})")
+
+    fn = gd._mla_decode_wgmma_kernel
+    sig = {}
+    for name, ty in SIGNATURE:
+        sig[name] = ty or ("*bf16" if args.direct else "*fp32")
+    constexprs = dict(PAGE=args.page, BLOCK_N=args.block_n, STAGES=args.stages, XBUF=args.xbuf,
+                      DIRECT=bool(args.direct), HAS_POS=bool(args.has_pos),
+                      WORKER_REGS=args.worker_regs)
+    for k, v in constexprs.items():
+        sig[k] = "constexpr"
+    names = [n for n, _ in SIGNATURE]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
+    src = gd.gluon._runtime.GluonASTSource(fn, sig, constexprs, attrs)
+    target = GPUTarget("cuda", 90, 32)
+    try:
+        kernel = triton.compile(src, target=target, options={"num_warps": 4})
+    except Exception as exc:  # noqa: BLE001 - the point of the script is to report it
+        print(f"COMPILE FAILED: {type(exc).__name__}: {exc}")
+        return 1
+    asm = kernel.asm
+    ptx = asm["ptx"]
+    smem = kernel.metadata.shared
+    print(f"compiled: yes; shared memory {smem} bytes ({smem / 1024:.1f} KB, limit {SMEM_LIMIT})")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path = os.path.join(tmp, "k.ptx")
+        Path(ptx_path).write_text(ptx)
+        res = subprocess.run([tool("ptxas"), "-arch=sm_90a", "-v", ptx_path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+        info = res.stdout + res.stderr
+        cubin_path = os.path.join(tmp, "c.cubin")
+        Path(cubin_path).write_bytes(asm["cubin"])
+        sass = subprocess.run([tool("cuobjdump"), "-sass", cubin_path], capture_output=True,
+                              text=True).stdout
+    print("ptxas -v:")
+    for line in info.strip().splitlines():
+        print("   ", line.strip())
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    n_spill = sum(int(a) + int(b) for a, b in spills)
+    print(f"registers: {regs.group(1) if regs else '?'} per thread at launch; spill bytes: {n_spill}")
+    if "wgmma" in info and "serializ" in info:
+        print("WARNING: ptxas serialised wgmma (see above)")
+
+    rows = [
+        ("wgmma.mma_async", r"wgmma\.mma_async", r"HGMMA"),
+        ("wgmma.wait_group", r"wgmma\.wait_group", r"WARPGROUP\.DEPBAR|WARPGROUP\.ARRIVE"),
+        ("ldmatrix", r"ldmatrix", r"LDSM"),
+        ("cp.async", r"cp\.async\.(?:ca|cg)", r"LDGSTS"),
+        ("cp.async.commit/wait", r"cp\.async\.(?:commit|wait)_group", r"LDGDEPBAR|DEPBAR"),
+        ("bar.sync / bar.arrive", r"\bbar(?:rier)?\.(?:sync|arrive)", r"\bBAR\."),
+        ("mbarrier", r"mbarrier\.", r"SYNCS"),
+        ("st.shared", r"st\.shared", r"\bSTS\b"),
+        ("ld.shared", r"ld\.shared", r"\bLDS\b"),
+        ("setmaxnreg", r"setmaxnreg", r"USETMAXREG"),
+        ("fence.proxy.async", r"fence\.proxy\.async", r"FENCE\.VIEW\.ASYNC"),
+    ]
+    print(f"{'instruction':<24}{'PTX':>8}{'SASS':>8}")
+    for label, p_re, s_re in rows:
+        print(f"{label:<24}{count(p_re, ptx):>8}{count(s_re, sass):>8}")
+    if args.dump:
+        out = Path(args.dump)
+        out.mkdir(parents=True, exist_ok=True)
+        for key in ("ttgir", "llir", "ptx"):
+            (out / f"kernel.{key}").write_text(asm[key])
+        (out / "kernel.sass").write_text(sass)
+        print(f"IR written to {out}")
+    ok = smem <= SMEM_LIMIT and n_spill == 0 and regs is not None
+    print("RESULT:", "ok" if ok else "NOT OK (spills, shared memory or no ptxas report)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
