@@ -131,13 +131,13 @@ def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError("q, kv_cache and block_table must be contiguous in their last dim")
     if q_pos is not None and q_pos.shape != (T,):
         raise ValueError(f"q_pos must be [{T}], got {tuple(q_pos.shape)}")
+    if cfg.block_n not in (16, 32):
+        raise ValueError(f"GluonDecodeConfig.block_n must be 16 or 32, got {cfg.block_n}")
+    if cfg.num_stages < 3:  # the loop refills tile j-1's stage while tile j+1's must be loaded
+        raise ValueError(f"GluonDecodeConfig.num_stages must be >= 3, got {cfg.num_stages}")
     if cfg.smem_bytes() > SMEM_LIMIT:
         raise ValueError(f"GluonDecodeConfig needs {cfg.smem_bytes()} bytes of shared memory, "
                          f"more than {SMEM_LIMIT}")
-    if cfg.block_n not in (16, 32, 64):
-        raise ValueError(f"GluonDecodeConfig.block_n must be 16, 32 or 64, got {cfg.block_n}")
-    if cfg.num_stages < 3:  # the loop refills tile j-1's stage while tile j+1's must be loaded
-        raise ValueError(f"GluonDecodeConfig.num_stages must be >= 3, got {cfg.num_stages}")
 
 
 def plan_splits(batch: int, rows: int, max_len: int, num_sms: int, cfg: GluonDecodeConfig) -> int:

@@ -56,6 +56,63 @@ def count(pattern: str, text: str) -> int:
     return len(re.findall(pattern, text, flags=re.MULTILINE))
 
 
+def compile_report(page: int = 16, direct: bool = False, has_pos: bool = False,
+                   cfg: gd.GluonDecodeConfig | None = None) -> dict:
+    """Compile the kernel for sm_90 and read its costs. Raises if Gluon is missing; a compile
+    error is returned as report["error"]."""
+    if gd._GLUON_ERROR is not None:
+        raise RuntimeError(f"gluon import failed: {gd._GLUON_ERROR!r}")
+    cfg = cfg or gd.GluonDecodeConfig()
+    fn = gd._mla_decode_wgmma_kernel
+    sig = {name: ty or ("*bf16" if direct else "*fp32") for name, ty in SIGNATURE}
+    constexprs = dict(PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf,
+                      DIRECT=bool(direct), HAS_POS=bool(has_pos), WORKER_REGS=cfg.worker_regs)
+    sig.update({k: "constexpr" for k in constexprs})
+    names = [n for n, _ in SIGNATURE]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
+    src = gd.gluon._runtime.GluonASTSource(fn, sig, constexprs, attrs)
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    except Exception as exc:  # noqa: BLE001 - reported to the caller
+        return dict(error=f"{type(exc).__name__}: {exc}")
+    asm = kernel.asm
+    ptx = asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path = os.path.join(tmp, "k.ptx")
+        Path(ptx_path).write_text(ptx)
+        res = subprocess.run([tool("ptxas"), "-arch=sm_90a", "-v", ptx_path, "-o", os.path.join(tmp, "k.cubin")],
+                             capture_output=True, text=True)
+        info = res.stdout + res.stderr
+        cubin_path = os.path.join(tmp, "c.cubin")
+        Path(cubin_path).write_bytes(asm["cubin"])
+        sass = subprocess.run([tool("cuobjdump"), "-sass", cubin_path], capture_output=True,
+                              text=True).stdout
+    regs = re.search(r"Used (\d+) registers", info)
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    counts = {label: (count(p_re, ptx), count(s_re, sass)) for label, p_re, s_re in COUNTED}
+    return dict(error=None, smem=kernel.metadata.shared, ptxas=info.strip(), sass=sass, asm=asm,
+                regs=int(regs.group(1)) if regs else None,
+                spill_bytes=sum(int(a) + int(b) for a, b in spills),
+                wgmma_serialised="wgmma" in info and "serializ" in info,
+                wgmma_shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
+                counts=counts)
+
+
+COUNTED = [  # (label, PTX regex, SASS regex)
+    ("wgmma.mma_async", r"wgmma\.mma_async", r"HGMMA"),
+    ("wgmma.wait_group", r"wgmma\.wait_group", r"WARPGROUP\.DEPBAR"),
+    ("ldmatrix", r"ldmatrix", r"LDSM"),
+    ("cp.async", r"cp\.async\.(?:ca|cg)", r"LDGSTS"),
+    ("cp.async.commit/wait", r"cp\.async\.(?:commit|wait)_group", r"LDGDEPBAR|DEPBAR\.LE SB0"),
+    ("bar.sync (partition / CTA)", r"\bbar(?:rier)?\.(?:sync|arrive)", r"\bBAR\.SYNC"),
+    ("mbarrier", r"mbarrier\.", r"SYNCS"),
+    ("st.shared", r"st\.shared", r"\bSTS\b"),
+    ("ld.shared", r"ld\.shared", r"\bLDS\b"),
+    ("setmaxnreg", r"setmaxnreg", r"USETMAXREG"),
+    ("fence.proxy.async", r"fence\.proxy\.async", r"FENCE\.VIEW\.ASYNC"),
+]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--page", type=int, default=16)
@@ -67,79 +124,36 @@ def main() -> int:
     ap.add_argument("--worker-regs", type=int, default=gd.GluonDecodeConfig.worker_regs)
     ap.add_argument("--dump", help="directory to write the ttgir / llir / ptx / sass into")
     args = ap.parse_args()
-    if gd._GLUON_ERROR is not None:
-        print(f"gluon import failed: {gd._GLUON_ERROR!r}")
-        return 1
     print(f"triton {triton.__version__} ({triton.__file__})")
-
-    fn = gd._mla_decode_wgmma_kernel
-    sig = {}
-    for name, ty in SIGNATURE:
-        sig[name] = ty or ("*bf16" if args.direct else "*fp32")
-    constexprs = dict(PAGE=args.page, BLOCK_N=args.block_n, STAGES=args.stages, XBUF=args.xbuf,
-                      DIRECT=bool(args.direct), HAS_POS=bool(args.has_pos),
-                      WORKER_REGS=args.worker_regs)
-    for k, v in constexprs.items():
-        sig[k] = "constexpr"
-    names = [n for n, _ in SIGNATURE]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
-    src = gd.gluon._runtime.GluonASTSource(fn, sig, constexprs, attrs)
-    target = GPUTarget("cuda", 90, 32)
-    try:
-        kernel = triton.compile(src, target=target, options={"num_warps": 4})
-    except Exception as exc:  # noqa: BLE001 - the point of the script is to report it
-        print(f"COMPILE FAILED: {type(exc).__name__}: {exc}")
+    cfg = gd.GluonDecodeConfig(block_n=args.block_n, num_stages=args.stages, xbuf=args.xbuf,
+                               worker_regs=args.worker_regs)
+    print(f"config {cfg}, page {args.page}, direct {bool(args.direct)}, q_pos {bool(args.has_pos)}; "
+          f"planned shared memory {cfg.smem_bytes()} bytes")
+    rep = compile_report(args.page, bool(args.direct), bool(args.has_pos), cfg)
+    if rep["error"]:
+        print(f"COMPILE FAILED: {rep['error']}")
         return 1
-    asm = kernel.asm
-    ptx = asm["ptx"]
-    smem = kernel.metadata.shared
+    smem = rep["smem"]
     print(f"compiled: yes; shared memory {smem} bytes ({smem / 1024:.1f} KB, limit {SMEM_LIMIT})")
-
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx_path = os.path.join(tmp, "k.ptx")
-        Path(ptx_path).write_text(ptx)
-        res = subprocess.run([tool("ptxas"), "-arch=sm_90a", "-v", ptx_path, "-o", os.path.join(tmp, "k.cubin")],
-                             capture_output=True, text=True)
-        info = res.stdout + res.stderr
-        cubin_path = os.path.join(tmp, "c.cubin")
-        Path(cubin_path).write_bytes(asm["cubin"])
-        sass = subprocess.run([tool("cuobjdump"), "-sass", cubin_path], capture_output=True,
-                              text=True).stdout
     print("ptxas -v:")
-    for line in info.strip().splitlines():
+    for line in rep["ptxas"].splitlines():
         print("   ", line.strip())
-    regs = re.search(r"Used (\d+) registers", info)
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
-    n_spill = sum(int(a) + int(b) for a, b in spills)
-    print(f"registers: {regs.group(1) if regs else '?'} per thread at launch; spill bytes: {n_spill}")
-    if "wgmma" in info and "serializ" in info:
+    print(f"registers: {rep['regs']} per thread at launch (before setmaxnreg); spill bytes: {rep['spill_bytes']}")
+    print(f"wgmma shapes: {', '.join(rep['wgmma_shapes'])}")
+    if rep["wgmma_serialised"]:
         print("WARNING: ptxas serialised wgmma (see above)")
-
-    rows = [
-        ("wgmma.mma_async", r"wgmma\.mma_async", r"HGMMA"),
-        ("wgmma.wait_group", r"wgmma\.wait_group", r"WARPGROUP\.DEPBAR|WARPGROUP\.ARRIVE"),
-        ("ldmatrix", r"ldmatrix", r"LDSM"),
-        ("cp.async", r"cp\.async\.(?:ca|cg)", r"LDGSTS"),
-        ("cp.async.commit/wait", r"cp\.async\.(?:commit|wait)_group", r"LDGDEPBAR|DEPBAR"),
-        ("bar.sync / bar.arrive", r"\bbar(?:rier)?\.(?:sync|arrive)", r"\bBAR\."),
-        ("mbarrier", r"mbarrier\.", r"SYNCS"),
-        ("st.shared", r"st\.shared", r"\bSTS\b"),
-        ("ld.shared", r"ld\.shared", r"\bLDS\b"),
-        ("setmaxnreg", r"setmaxnreg", r"USETMAXREG"),
-        ("fence.proxy.async", r"fence\.proxy\.async", r"FENCE\.VIEW\.ASYNC"),
-    ]
-    print(f"{'instruction':<24}{'PTX':>8}{'SASS':>8}")
-    for label, p_re, s_re in rows:
-        print(f"{label:<24}{count(p_re, ptx):>8}{count(s_re, sass):>8}")
+    print(f"{'instruction':<28}{'PTX':>8}{'SASS':>8}")
+    for label, (n_ptx, n_sass) in rep["counts"].items():
+        print(f"{label:<28}{n_ptx:>8}{n_sass:>8}")
     if args.dump:
         out = Path(args.dump)
         out.mkdir(parents=True, exist_ok=True)
         for key in ("ttgir", "llir", "ptx"):
-            (out / f"kernel.{key}").write_text(asm[key])
-        (out / "kernel.sass").write_text(sass)
+            (out / f"kernel.{key}").write_text(rep["asm"][key])
+        (out / "kernel.sass").write_text(rep["sass"])
         print(f"IR written to {out}")
-    ok = smem <= SMEM_LIMIT and n_spill == 0 and regs is not None
-    print("RESULT:", "ok" if ok else "NOT OK (spills, shared memory or no ptxas report)")
+    ok = smem <= SMEM_LIMIT and rep["spill_bytes"] == 0 and rep["regs"] is not None and not rep["wgmma_serialised"]
+    print("RESULT:", "ok" if ok else "NOT OK (spills, shared memory, serialised wgmma or no ptxas report)")
     return 0 if ok else 1
 
 
