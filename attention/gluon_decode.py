@@ -30,8 +30,10 @@ and serialises softmax and products. Computing all of QK^T in both warpgroups ne
 but costs 1.53x the FLOPs (at most ~516 TFLOP/s at the H200's 790). Alternating whole tiles
 between the warpgroups (FlashMLA's published scheme) needs a row-max hand-off per tile and P
 shared through shared memory for both column halves; with 64-row tiles its q + 2 KV stages fill
-the 227 KB, leaving no room for a third stage. Here: q 72 KB + 3 stages x 36 KB + 2 x 2 exchange
-slots x 8 KB = 216 KB, so a tile's loads are issued two tiles ahead.
+the 227 KB, leaving no room for a third stage. Here, by default: q's latent part 64 KB (its rope
+slice, 4 KB per warpgroup, stays in registers as QK^T's A operand) + 4 stages x 36 KB + one 8 KB
+exchange slot each way = 224 KB, so a tile's loads are issued two tiles before it is used
+(`GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)`: 212 KB, one tile early).
 """
 
 from __future__ import annotations
@@ -63,15 +65,16 @@ OPTION = "mla_decode_wgmma (bench_mla_decode.py --impl gluon)"
 @dataclass(frozen=True)
 class GluonDecodeConfig:
     block_n: int = 32  # cache rows per tile
-    num_stages: int = 3  # tiles in shared memory (loads issued num_stages - 1 tiles ahead)
-    xbuf: int = 2  # partial-score exchange slots per direction
+    num_stages: int = 4  # tiles in shared memory: a tile's loads are issued num_stages - 2 tiles early
+    xbuf: int = 1  # partial-score exchange slots per direction
     worker_regs: int = 240  # register budget of the second warpgroup (setmaxnreg)
+    q_pe_regs: bool = True  # q's rope slice in registers, not shared memory (8 KB less)
     min_split_tokens: int = 64
     max_splits: int = 128
 
     def smem_bytes(self) -> int:
         """Shared memory per program: q, the KV stages, the exchange slots, the mbarriers."""
-        q = BLOCK_H * (LKV + R) * 2
+        q = BLOCK_H * LKV * 2 + (8 if self.q_pe_regs else BLOCK_H) * R * 2  # rope: 8-row token
         kv = self.num_stages * self.block_n * (LKV + R) * 2
         x = 2 * self.xbuf * BLOCK_H * self.block_n * 4
         return q + kv + x + 4 * self.xbuf * 8
@@ -219,7 +222,7 @@ if _GLUON_ERROR is None:
                       full_own, empty_own, full_other, empty_other,
                       W: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, XBUF: gl.constexpr, DIRECT: gl.constexpr,
-                      HAS_POS: gl.constexpr):
+                      HAS_POS: gl.constexpr, QPE_REGS: gl.constexpr):
         HALF: gl.constexpr = 256
         RH: gl.constexpr = 32
         LKV_: gl.constexpr = 512
@@ -250,10 +253,18 @@ if _GLUON_ERROR is None:
         q_row_c = (b.to(gl.int64) * q_len + rq_c // H) * stride_qb + (rq_c % H) * stride_qh
         cq_c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_c))
         async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_row_c[:, None] + cq_c[None, :])
-        rq_r = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld_r))
-        q_row_r = (b.to(gl.int64) * q_len + rq_r // H) * stride_qb + (rq_r % H) * stride_qh
-        cq_r = LKV_ + W * RH + gl.arange(0, RH, layout=gl.SliceLayout(0, ld_r))
-        async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_row_r[:, None] + cq_r[None, :])
+        if QPE_REGS:  # rope slice of q held in registers as QK^T's A operand (frees 8 KB)
+            qpe_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+            rq_r = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, qpe_l))
+            q_row_r = (b.to(gl.int64) * q_len + rq_r // H) * stride_qb + (rq_r % H) * stride_qh
+            cq_r = LKV_ + W * RH + gl.arange(0, RH, layout=gl.SliceLayout(0, qpe_l))
+            q_pe_a = gl.load(q_ptr + q_row_r[:, None] + cq_r[None, :])
+        else:
+            rq_r = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld_r))
+            q_row_r = (b.to(gl.int64) * q_len + rq_r // H) * stride_qb + (rq_r % H) * stride_qh
+            cq_r = LKV_ + W * RH + gl.arange(0, RH, layout=gl.SliceLayout(0, ld_r))
+            async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_row_r[:, None] + cq_r[None, :])
+            q_pe_a = q_pe_s
         # tiles 0 .. STAGES-2 ahead; one commit group per tile (q joins tile 0's)
         for t in gl.static_range(STAGES - 1):
             _load_tile(kv_ptr, bt_row, c_s.index(t), r_s.index(t), start + t * BLOCK_N, end,
@@ -273,7 +284,7 @@ if _GLUON_ERROR is None:
         _wait_tile(STAGES - 2)
         s0 = gl.zeros([BH, BLOCK_N], gl.float32, layout=s_layout)
         s_tok = warpgroup_mma(q_lat_s, c_s.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
-        s_tok = warpgroup_mma(q_pe_s, r_s.index(0).permute((1, 0)), s_tok, is_async=True)
+        s_tok = warpgroup_mma(q_pe_a, r_s.index(0).permute((1, 0)), s_tok, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         s = _exchange(s, x_own, x_other, full_own, empty_own, full_other, empty_other, 0,
                       XBUF, s_layout)
@@ -293,7 +304,7 @@ if _GLUON_ERROR is None:
             k1 = (j + 1) % STAGES
             s_tok = warpgroup_mma(q_lat_s, c_s.index(k1).permute((1, 0)), s0, use_acc=False,
                                   is_async=True)
-            s_tok = warpgroup_mma(q_pe_s, r_s.index(k1).permute((1, 0)), s_tok, is_async=True)
+            s_tok = warpgroup_mma(q_pe_a, r_s.index(k1).permute((1, 0)), s_tok, is_async=True)
             # an opaque (non-pure) identity pins alpha, and so the rescale, after the issue of
             # QK^T(j+1): otherwise the compiler hoists the 128 multiplies above it, into the
             # tensor cores' idle time
@@ -349,12 +360,13 @@ if _GLUON_ERROR is None:
                                  stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                                  PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                  XBUF: gl.constexpr, DIRECT: gl.constexpr, HAS_POS: gl.constexpr,
-                                 WORKER_REGS: gl.constexpr):
+                                 QPE_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
         BH: gl.constexpr = 64
         HALF: gl.constexpr = 256
         RH: gl.constexpr = 32
         q_lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, HALF], gl.bfloat16)
-        q_pe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, RH], gl.bfloat16)
+        QPE_ROWS: gl.constexpr = 8 if QPE_REGS else BH  # a token buffer when q_pe is in registers
+        q_pe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QPE_ROWS, RH], gl.bfloat16)
         c_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
         r_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, RH], gl.bfloat16)
         # exchange slots: each 8-column group of a row moved by row % 4, so the wgmma
@@ -362,8 +374,8 @@ if _GLUON_ERROR is None:
         x_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
         q_lat0 = gl.allocate_shared_memory(gl.bfloat16, [BH, HALF], q_lat_l)
         q_lat1 = gl.allocate_shared_memory(gl.bfloat16, [BH, HALF], q_lat_l)
-        q_pe0 = gl.allocate_shared_memory(gl.bfloat16, [BH, RH], q_pe_l)
-        q_pe1 = gl.allocate_shared_memory(gl.bfloat16, [BH, RH], q_pe_l)
+        q_pe0 = gl.allocate_shared_memory(gl.bfloat16, [QPE_ROWS, RH], q_pe_l)
+        q_pe1 = gl.allocate_shared_memory(gl.bfloat16, [QPE_ROWS, RH], q_pe_l)
         c0 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HALF], c_l)
         c1 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HALF], c_l)
         r0 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, RH], r_l)
@@ -386,13 +398,13 @@ if _GLUON_ERROR is None:
                              stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
                              stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                              q_lat0, q_pe0, c0, r0, x0, x1, full0, empty0, full1, empty1,
-                             0, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS)),
+                             0, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS)),
             (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
                              qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
                              stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
                              stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                              q_lat1, q_pe1, c1, r1, x1, x0, full1, empty1, full0, empty0,
-                             1, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS)),
+                             1, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS)),
         ], [4], [WORKER_REGS])
 
 
@@ -442,7 +454,7 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         *launch_args(q, kv_cache, block_table, seq_lens, q_pos, po, plse, po_strides, plse_strides,
                      scale, H, num_splits, q_len, dcp_size, dcp_rank),
         PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf, DIRECT=direct,
-        HAS_POS=q_pos is not None, WORKER_REGS=cfg.worker_regs, num_warps=4)
+        HAS_POS=q_pos is not None, QPE_REGS=cfg.q_pe_regs, WORKER_REGS=cfg.worker_regs, num_warps=4)
     if not direct:
         _mla_decode_reduce_kernel[(H, T)](
             po, plse, o, lse, H, num_splits,

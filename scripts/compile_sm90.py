@@ -66,7 +66,8 @@ def compile_report(page: int = 16, direct: bool = False, has_pos: bool = False,
     fn = gd._mla_decode_wgmma_kernel
     sig = {name: ty or ("*bf16" if direct else "*fp32") for name, ty in SIGNATURE}
     constexprs = dict(PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf,
-                      DIRECT=bool(direct), HAS_POS=bool(has_pos), WORKER_REGS=cfg.worker_regs)
+                      DIRECT=bool(direct), HAS_POS=bool(has_pos), QPE_REGS=cfg.q_pe_regs,
+                      WORKER_REGS=cfg.worker_regs)
     sig.update({k: "constexpr" for k in constexprs})
     names = [n for n, _ in SIGNATURE]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
@@ -122,11 +123,12 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=gd.GluonDecodeConfig.num_stages)
     ap.add_argument("--xbuf", type=int, default=gd.GluonDecodeConfig.xbuf)
     ap.add_argument("--worker-regs", type=int, default=gd.GluonDecodeConfig.worker_regs)
+    ap.add_argument("--q-pe-regs", type=int, default=0)
     ap.add_argument("--dump", help="directory to write the ttgir / llir / ptx / sass into")
     args = ap.parse_args()
     print(f"triton {triton.__version__} ({triton.__file__})")
     cfg = gd.GluonDecodeConfig(block_n=args.block_n, num_stages=args.stages, xbuf=args.xbuf,
-                               worker_regs=args.worker_regs)
+                               worker_regs=args.worker_regs, q_pe_regs=bool(args.q_pe_regs))
     print(f"config {cfg}, page {args.page}, direct {bool(args.direct)}, q_pos {bool(args.has_pos)}; "
           f"planned shared memory {cfg.smem_bytes()} bytes")
     rep = compile_report(args.page, bool(args.direct), bool(args.has_pos), cfg)

@@ -44,7 +44,8 @@ BAD_INPUTS = {
     "rope width": (dict(d=LKV + 32), {}, "576"),
     "page not a power of two": (dict(page=24), {}, "power of two"),
     "two stages": ({}, dict(cfg=GluonDecodeConfig(num_stages=2)), "num_stages"),
-    "four stages overflow shared memory": ({}, dict(cfg=GluonDecodeConfig(num_stages=4)), "shared memory"),
+    "q_pe in shared memory with 4 stages overflows": ({}, dict(cfg=GluonDecodeConfig(q_pe_regs=False)),
+                                                      "shared memory"),
     "block_n": ({}, dict(cfg=GluonDecodeConfig(block_n=64)), "block_n"),
     "kv_lora_rank": ({}, dict(kv_lora_rank=448), "kv_lora_rank"),
     "q_len does not divide rows": (dict(B=3, H=64), dict(q_len=2), "q_len"),
@@ -79,12 +80,16 @@ def test_without_cuda_it_raises_naming_the_option():
 
 
 def test_shared_memory_plan():
-    """q (72 KB) + 3 stages of 32 rows (108 KB) + 2 x 2 exchange slots (32 KB) fit Hopper's 227 KB;
-    a fourth stage does not."""
+    """Default: q's latent part (64 KB) + 4 stages of 32 rows (144 KB) + one exchange slot each way
+    (16 KB) fit Hopper's 227 KB, q's rope slice in registers; with it in shared memory 4 stages do
+    not fit, 3 stages with 2 slots each way do."""
     cfg = GluonDecodeConfig()
-    assert cfg.smem_bytes() == 64 * 576 * 2 + 3 * 32 * 576 * 2 + 2 * 2 * 64 * 32 * 4 + 4 * 2 * 8
-    assert cfg.smem_bytes() <= gd.SMEM_LIMIT < GluonDecodeConfig(num_stages=4).smem_bytes()
-    assert GluonDecodeConfig(xbuf=1).smem_bytes() == cfg.smem_bytes() - 2 * 64 * 32 * 4 - 2 * 2 * 8
+    assert cfg.q_pe_regs and cfg.num_stages == 4 and cfg.xbuf == 1
+    assert cfg.smem_bytes() == 64 * 512 * 2 + 8 * 64 * 2 + 4 * 32 * 576 * 2 + 2 * 64 * 32 * 4 + 4 * 8
+    assert cfg.smem_bytes() <= gd.SMEM_LIMIT < GluonDecodeConfig(q_pe_regs=False).smem_bytes()
+    small = GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)
+    assert small.smem_bytes() == 64 * 576 * 2 + 3 * 32 * 576 * 2 + 2 * 2 * 64 * 32 * 4 + 4 * 2 * 8
+    assert small.smem_bytes() <= gd.SMEM_LIMIT
 
 
 def test_split_plan():
@@ -116,9 +121,12 @@ def _triton_36():
 
 
 @pytest.mark.skipif(not _triton_36(), reason="the kernel is written against Triton 3.6's Gluon")
-@pytest.mark.parametrize("page,direct,has_pos", [(16, False, False), (64, True, False), (16, False, True)])
-def test_compiles_for_sm90_without_spills(page, direct, has_pos):
-    rep = _compile_module().compile_report(page, direct, has_pos)
+@pytest.mark.parametrize("page,direct,has_pos,cfg", [
+    (16, False, False, GluonDecodeConfig()), (64, True, False, GluonDecodeConfig()),
+    (16, False, True, GluonDecodeConfig()),
+    (16, False, False, GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False))])
+def test_compiles_for_sm90_without_spills(page, direct, has_pos, cfg):
+    rep = _compile_module().compile_report(page, direct, has_pos, cfg)
     assert rep["error"] is None, rep["error"]
     assert rep["spill_bytes"] == 0 and rep["regs"] is not None, rep["ptxas"]
     assert rep["smem"] <= gd.SMEM_LIMIT
