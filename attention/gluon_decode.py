@@ -73,11 +73,11 @@ class GluonDecodeConfig:
     max_splits: int = 128
 
     def smem_bytes(self) -> int:
-        """Shared memory per program: q, the KV stages, the exchange slots, the mbarriers."""
+        """Shared memory per program: q, the KV stages, the exchange slots, alpha, the mbarriers."""
         q = BLOCK_H * LKV * 2 + (8 if self.q_pe_regs else BLOCK_H) * R * 2  # rope: 8-row token
         kv = self.num_stages * self.block_n * (LKV + R) * 2
         x = 2 * self.xbuf * BLOCK_H * self.block_n * 4
-        return q + kv + x + 4 * self.xbuf * 8
+        return q + kv + x + 2 * BLOCK_H * 4 + 4 * self.xbuf * 8
 
     def split_config(self) -> DecodeConfig:
         """The DecodeConfig that `choose_num_splits` reads (one program per SM)."""
@@ -151,27 +151,36 @@ def plan_splits(batch: int, rows: int, max_len: int, num_sms: int, cfg: GluonDec
 if _GLUON_ERROR is None:
 
     @gluon.jit
-    def _load_tile(kv_ptr, bt_row, c_buf, r_buf, t0, end, stride_kvb, stride_kvs,
-                   W: gl.constexpr, PAGE: gl.constexpr, HALF: gl.constexpr, RH: gl.constexpr,
-                   LKV_: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Issue cp.async for cache rows [t0, t0 + BLOCK_N) (rows >= end zero-filled, their block
-        ids not read): latent columns [W*HALF, +HALF) into c_buf, rope [LKV_ + W*RH, +RH) into r_buf."""
+    def _tile_ids(bt_row, t0, end, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Block ids of cache rows [t0, t0 + BLOCK_N) (0 for rows >= end: the table's entries past
+        the sequence are never read), in the two layouts `_load_tile` copies with."""
         ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         n_c = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_c))
-        m_c = n_c < end
-        blk_c = gl.load(bt_row + n_c // PAGE, mask=m_c, other=0).to(gl.int64)
-        row_c = blk_c * stride_kvb + (n_c % PAGE).to(gl.int64) * stride_kvs
+        blk_c = gl.load(bt_row + n_c // PAGE, mask=n_c < end, other=0)
+        n_r = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
+        blk_r = gl.load(bt_row + n_r // PAGE, mask=n_r < end, other=0)
+        return blk_c, blk_r
+
+    @gluon.jit
+    def _load_tile(kv_ptr, blk_c, blk_r, c_buf, r_buf, t0, end, stride_kvb, stride_kvs,
+                   W: gl.constexpr, PAGE: gl.constexpr, HALF: gl.constexpr, RH: gl.constexpr,
+                   LKV_: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Issue cp.async for cache rows [t0, t0 + BLOCK_N) of blocks `blk_*` (`_tile_ids`; rows
+        >= end zero-filled, nothing read for them): latent columns [W*HALF, +HALF) into c_buf,
+        rope [LKV_ + W*RH, +RH) into r_buf."""
+        ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        n_c = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_c))
+        row_c = blk_c.to(gl.int64) * stride_kvb + (n_c % PAGE).to(gl.int64) * stride_kvs
         cols_c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_c))
         async_copy.async_copy_global_to_shared(
-            c_buf, kv_ptr + row_c[:, None] + cols_c[None, :], mask=m_c[:, None])
+            c_buf, kv_ptr + row_c[:, None] + cols_c[None, :], mask=(n_c < end)[:, None])
         n_r = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
-        m_r = n_r < end
-        blk_r = gl.load(bt_row + n_r // PAGE, mask=m_r, other=0).to(gl.int64)
-        row_r = blk_r * stride_kvb + (n_r % PAGE).to(gl.int64) * stride_kvs
+        row_r = blk_r.to(gl.int64) * stride_kvb + (n_r % PAGE).to(gl.int64) * stride_kvs
         cols_r = LKV_ + W * RH + gl.arange(0, RH, layout=gl.SliceLayout(0, ld_r))
         async_copy.async_copy_global_to_shared(
-            r_buf, kv_ptr + row_r[:, None] + cols_r[None, :], mask=m_r[:, None])
+            r_buf, kv_ptr + row_r[:, None] + cols_r[None, :], mask=(n_r < end)[:, None])
 
     @gluon.jit
     def _wait_tile(OUTSTANDING: gl.constexpr):
@@ -218,7 +227,7 @@ if _GLUON_ERROR is None:
                       qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
                       stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
                       stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
-                      q_lat_s, q_pe_s, c_s, r_s, x_own, x_other,
+                      q_lat_s, q_pe_s, c_s, r_s, x_own, x_other, a_s,
                       full_own, empty_own, full_other, empty_other,
                       W: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, XBUF: gl.constexpr, DIRECT: gl.constexpr,
@@ -267,9 +276,12 @@ if _GLUON_ERROR is None:
             q_pe_a = q_pe_s
         # tiles 0 .. STAGES-2 ahead; one commit group per tile (q joins tile 0's)
         for t in gl.static_range(STAGES - 1):
-            _load_tile(kv_ptr, bt_row, c_s.index(t), r_s.index(t), start + t * BLOCK_N, end,
+            blk_c, blk_r = _tile_ids(bt_row, start + t * BLOCK_N, end, PAGE, BLOCK_N)
+            _load_tile(kv_ptr, blk_c, blk_r, c_s.index(t), r_s.index(t), start + t * BLOCK_N, end,
                        stride_kvb, stride_kvs, W, PAGE, HALF, RH, LKV_, BLOCK_N)
             async_copy.commit_group()
+        # block ids one refill ahead: their load's latency passes under an iteration's work
+        blk_c, blk_r = _tile_ids(bt_row, start + (STAGES - 1) * BLOCK_N, end, PAGE, BLOCK_N)
 
         rows = pid_h * BH + gl.arange(0, BH, layout=row_l)  # (query token, head) pairs of b
         tok = b.to(gl.int64) * q_len + rows // H
@@ -293,6 +305,7 @@ if _GLUON_ERROR is None:
         m_i, l_i, p, alpha = _softmax(s, m_i, l_i, start, end, visible, qk_scale_log2,
                                       HAS_POS, BLOCK_N, s_layout)
         p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        a_s.store(alpha)
         acc = gl.zeros([BH, HALF], gl.float32, layout=o_layout)
 
         # At iteration j: P_j and alpha_j (tile j's softmax) are ready, acc holds tiles < j at
@@ -305,26 +318,26 @@ if _GLUON_ERROR is None:
             s_tok = warpgroup_mma(q_lat_s, c_s.index(k1).permute((1, 0)), s0, use_acc=False,
                                   is_async=True)
             s_tok = warpgroup_mma(q_pe_a, r_s.index(k1).permute((1, 0)), s_tok, is_async=True)
-            # an opaque (non-pure) identity pins alpha, and so the rescale, after the issue of
-            # QK^T(j+1): otherwise the compiler hoists the 128 multiplies above it, into the
-            # tensor cores' idle time
-            alpha_o = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r",
-                                                [gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))],
-                                                dtype=gl.float32, is_pure=False, pack=1)
-            acc = acc * alpha_o[:, None]
-            # refill the stage of tile j-1, whose PV every warp has waited for (the barrier)
+            # alpha_j read back from shared memory after a barrier: ptxas cannot hoist the 128
+            # multiplies of the rescale above the barrier, so they run while QK^T(j+1) does
+            # (from registers it schedules them before the wgmma issue, tensor cores idle).
+            # The barrier also orders the refill below after every warp's wait for PV(j-1).
             gl.thread_barrier()
+            acc = acc * a_s.load(gl.SliceLayout(1, o_layout))[:, None]
+            # refill the stage of tile j-1
             nxt = j + STAGES - 1
-            _load_tile(kv_ptr, bt_row, c_s.index(nxt % STAGES), r_s.index(nxt % STAGES),
+            _load_tile(kv_ptr, blk_c, blk_r, c_s.index(nxt % STAGES), r_s.index(nxt % STAGES),
                        start + nxt * BLOCK_N, end, stride_kvb, stride_kvs,
                        W, PAGE, HALF, RH, LKV_, BLOCK_N)
             async_copy.commit_group()
+            blk_c, blk_r = _tile_ids(bt_row, start + (nxt + 1) * BLOCK_N, end, PAGE, BLOCK_N)
             o_tok = warpgroup_mma(p_op, c_s.index(j % STAGES), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])  # QK^T(j+1) done, PV(j) runs
             s = _exchange(s, x_own, x_other, full_own, empty_own, full_other, empty_other, j + 1,
                           XBUF, s_layout)
             m_i, l_i, p, alpha = _softmax(s, m_i, l_i, start + (j + 1) * BLOCK_N, end, visible,
                                           qk_scale_log2, HAS_POS, BLOCK_N, s_layout)
+            a_s.store(alpha)
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_op])
             p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
 
@@ -382,6 +395,9 @@ if _GLUON_ERROR is None:
         r1 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, RH], r_l)
         x0 = gl.allocate_shared_memory(gl.float32, [XBUF, BH, BLOCK_N], x_l)
         x1 = gl.allocate_shared_memory(gl.float32, [XBUF, BH, BLOCK_N], x_l)
+        a_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        a0 = gl.allocate_shared_memory(gl.float32, [BH], a_l)  # each warpgroup's alpha, see the loop
+        a1 = gl.allocate_shared_memory(gl.float32, [BH], a_l)
         full0 = gl.allocate_shared_memory(gl.int64, [XBUF, 1], mbarrier.MBarrierLayout())
         empty0 = gl.allocate_shared_memory(gl.int64, [XBUF, 1], mbarrier.MBarrierLayout())
         full1 = gl.allocate_shared_memory(gl.int64, [XBUF, 1], mbarrier.MBarrierLayout())
@@ -397,13 +413,13 @@ if _GLUON_ERROR is None:
                              qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
                              stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
                              stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
-                             q_lat0, q_pe0, c0, r0, x0, x1, full0, empty0, full1, empty1,
+                             q_lat0, q_pe0, c0, r0, x0, x1, a0, full0, empty0, full1, empty1,
                              0, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS)),
             (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
                              qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
                              stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
                              stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
-                             q_lat1, q_pe1, c1, r1, x1, x0, full1, empty1, full0, empty0,
+                             q_lat1, q_pe1, c1, r1, x1, x0, a1, full1, empty1, full0, empty0,
                              1, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS)),
         ], [4], [WORKER_REGS])
 

@@ -123,7 +123,7 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=gd.GluonDecodeConfig.num_stages)
     ap.add_argument("--xbuf", type=int, default=gd.GluonDecodeConfig.xbuf)
     ap.add_argument("--worker-regs", type=int, default=gd.GluonDecodeConfig.worker_regs)
-    ap.add_argument("--q-pe-regs", type=int, default=0)
+    ap.add_argument("--q-pe-regs", type=int, default=int(gd.GluonDecodeConfig.q_pe_regs))
     ap.add_argument("--dump", help="directory to write the ttgir / llir / ptx / sass into")
     args = ap.parse_args()
     print(f"triton {triton.__version__} ({triton.__file__})")

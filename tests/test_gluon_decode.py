@@ -85,10 +85,10 @@ def test_shared_memory_plan():
     not fit, 3 stages with 2 slots each way do."""
     cfg = GluonDecodeConfig()
     assert cfg.q_pe_regs and cfg.num_stages == 4 and cfg.xbuf == 1
-    assert cfg.smem_bytes() == 64 * 512 * 2 + 8 * 64 * 2 + 4 * 32 * 576 * 2 + 2 * 64 * 32 * 4 + 4 * 8
+    assert cfg.smem_bytes() == 64 * 512 * 2 + 8 * 64 * 2 + 4 * 32 * 576 * 2 + 2 * 64 * 32 * 4 + 2 * 64 * 4 + 4 * 8
     assert cfg.smem_bytes() <= gd.SMEM_LIMIT < GluonDecodeConfig(q_pe_regs=False).smem_bytes()
     small = GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)
-    assert small.smem_bytes() == 64 * 576 * 2 + 3 * 32 * 576 * 2 + 2 * 2 * 64 * 32 * 4 + 4 * 2 * 8
+    assert small.smem_bytes() == 64 * 576 * 2 + 3 * 32 * 576 * 2 + 2 * 2 * 64 * 32 * 4 + 2 * 64 * 4 + 4 * 2 * 8
     assert small.smem_bytes() <= gd.SMEM_LIMIT
 
 
