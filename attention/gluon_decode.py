@@ -12,27 +12,32 @@ as two warp-specialised partitions of 4 warps each, both running `_wg_partition`
 Warpgroup W owns a fixed slice of the 576 columns: latent columns [256 W, 256 W + 256) and rope
 columns [512 + 32 W, 512 + 32 W + 32). For each tile of BLOCK_N = 32 cache rows it
 - loads its own column slice of the tile (cp.async, per-row addresses from the block table),
-- computes its partial scores q[:, slice] @ tile[:, slice]^T (wgmma m64n32, K = 288 from shared
-  memory), exchanges the 64 x 32 fp32 partial with the other warpgroup through shared memory
-  (mbarriers), and adds: both hold the same scores (fp32 addition is commutative, so bit-equal),
-  run the same online softmax and hold the same P, m and l;
+- computes its partial scores q[:, slice] @ tile[:, slice]^T (wgmma m64n32: K = 256 with q's
+  latent slice from shared memory, K = 32 with its rope slice from registers), exchanges the
+  64 x 32 fp32 partial with the other warpgroup through shared memory (mbarriers) and adds: both
+  then hold the same scores (fp32 addition is commutative, so bit-equal), run the same online
+  softmax and hold the same P, m and l;
 - accumulates O[:, its 256 latent columns] += P @ tile[:, its latent columns] (wgmma m64n256,
   P from registers).
-So each tile is read once per program, from the warpgroup that needs it, and no FLOP is done
-twice; the only cross-warpgroup traffic is 8 KB of partial scores each way per tile, and no
-warpgroup waits for the other's loads. A tile's QK^T is issued before the previous tile's PV and
-waited for while that PV runs, so the exchange and the softmax of tile j + 1 overlap PV(j) on the
-tensor cores.
+So each tile is read once per program, by the warpgroup that needs it, no FLOP is done twice,
+the only cross-warpgroup traffic is 8 KB of partial scores each way per tile, and no warpgroup
+waits for the other's loads. Per iteration j a warpgroup issues QK^T(j+1), rescales O by alpha_j
+and issues the loads of tile j+STAGES-1 while it runs, queues PV(j) behind it, then exchanges and
+softmaxes tile j+1 while PV(j) runs: the tensor cores wait only for the tile's arrival and for
+whatever part of the exchange + softmax is longer than PV. alpha_j goes through shared memory
+(64 floats) so that ptxas cannot hoist the 128 rescale multiplies above the QK^T issue.
 
 Why not the alternatives (kernel_notes.md, "Many heads"): Triton's tl.dot splits N of both
-products across the warpgroups (m64n32 QK^T steps that each re-read q: bound by shared memory)
-and serialises softmax and products. Computing all of QK^T in both warpgroups needs no exchange
-but costs 1.53x the FLOPs (at most ~516 TFLOP/s at the H200's 790). Alternating whole tiles
-between the warpgroups (FlashMLA's published scheme) needs a row-max hand-off per tile and P
-shared through shared memory for both column halves; with 64-row tiles its q + 2 KV stages fill
-the 227 KB, leaving no room for a third stage. Here, by default: q's latent part 64 KB (its rope
-slice, 4 KB per warpgroup, stays in registers as QK^T's A operand) + 4 stages x 36 KB + one 8 KB
-exchange slot each way = 224 KB, so a tile's loads are issued two tiles before it is used
+products across the warpgroups, exchanges row maxima through shared memory inside the softmax,
+and issues every product synchronously. Computing all of QK^T in both warpgroups needs no
+exchange but costs 1.53x the FLOPs (at most ~516 TFLOP/s at the H200's 790). Alternating whole
+64-row tiles between the warpgroups (FlashMLA's published scheme) gives QK^T m64n64 steps, but
+needs a row-max hand-off per tile and both P tiles in shared memory; q + 2 KV stages of 64 rows
+already fill the 227 KB. The cost of this design: QK^T's m64n32 steps read 3 KB of shared memory
+per 32K multiply-adds, 1.5x what the SM's 128 B/clock deliver at the tensor cores' peak, so
+QK^T runs at ~2/3 of peak (the Triton kernel's steps read as much); PV's m64n256 steps read half
+of that rate. Shared memory, by default: q's latent part 64 KB + 4 stages x 36 KB + one 8 KB
+exchange slot each way + alpha = 225 KB, so a tile's loads are issued two tiles before it is used
 (`GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)`: 212 KB, one tile early).
 """
 
