@@ -124,17 +124,18 @@ def _triton_36():
 @pytest.mark.parametrize("page,direct,has_pos,cfg", [
     (16, False, False, GluonDecodeConfig()), (64, True, False, GluonDecodeConfig()),
     (16, False, True, GluonDecodeConfig()),
-    (16, False, False, GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False))])
+    (16, False, False, GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)),
+    (16, False, False, GluonDecodeConfig(block_n=16, num_stages=6))])
 def test_compiles_for_sm90_without_spills(page, direct, has_pos, cfg):
     rep = _compile_module().compile_report(page, direct, has_pos, cfg)
     assert rep["error"] is None, rep["error"]
     assert rep["spill_bytes"] == 0 and rep["regs"] is not None, rep["ptxas"]
     assert rep["smem"] <= gd.SMEM_LIMIT
     assert not rep["wgmma_serialised"], rep["ptxas"]
-    assert rep["wgmma_shapes"] == ["m64n256k16", "m64n32k16"]
-    # per warpgroup: QK^T 18 k-steps (16 latent + 2 rope) for the first tile and the loop, PV 2 k-steps
-    # in the loop and after it: 40, two warpgroups
-    assert rep["counts"]["wgmma.mma_async"][0] == 80
+    assert rep["wgmma_shapes"] == sorted(["m64n256k16", f"m64n{cfg.block_n}k16"])
+    # per warpgroup: QK^T 18 k-steps (16 latent + 2 rope) for the first tile and in the loop, PV
+    # block_n / 16 k-steps in the loop and after it; two warpgroups
+    assert rep["counts"]["wgmma.mma_async"][0] == 2 * (2 * 18 + 2 * cfg.block_n // 16)
     assert rep["counts"]["setmaxnreg"][0] > 0  # the two partitions get their register budgets
 
 
@@ -164,7 +165,8 @@ def _poisoned_cache(lens, page, gen, spare_entries=2, extra_blocks=3):
     return full.to(bf16), bt.to(torch.int32)
 
 
-def check_gluon_decode(lens, H, page, q_len=1, num_splits=None, with_pos=False, dcp=(1, 0), seed=0):
+def check_gluon_decode(lens, H, page, q_len=1, num_splits=None, with_pos=False, dcp=(1, 0), seed=0,
+                       cfg=None):
     """mla_decode_wgmma vs the fp32 torch reference (and vs mla_decode's contract) on one case."""
     from attention.torch_backend import TorchAttentionOps
     from attention.triton_decode import mla_decode
@@ -183,7 +185,7 @@ def check_gluon_decode(lens, H, page, q_len=1, num_splits=None, with_pos=False, 
     sm = (LKV + R) ** -0.5 * 3.0
     kw = dict(q_len=q_len, q_pos=q_pos, dcp_size=dcp[0], dcp_rank=dcp[1])
     with poisoned("cuda"):
-        o, lse = mla_decode_wgmma(q, cache, bt, seq_lens, sm, LKV, num_splits=num_splits, **kw)
+        o, lse = mla_decode_wgmma(q, cache, bt, seq_lens, sm, LKV, num_splits=num_splits, cfg=cfg, **kw)
     torch.cuda.synchronize()
     ref_o, ref_lse = TorchAttentionOps().decode(q.float(), cache, bt, seq_lens, sm, LKV, **kw)
     tri_o, tri_lse = mla_decode(q, cache, bt, seq_lens, sm, LKV, num_splits=num_splits, **kw)
@@ -223,6 +225,15 @@ for _h, _ql in ((32, 2), (64, 2), (128, 2)):
 GPU_CASES["qlen2_H64_dcp2_rank1"] = (
     lambda: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, dcp=(2, 1), num_splits=4))
 GPU_CASES["B1_S4096_H128_p64_splits64"] = lambda: check_gluon_decode([4096], 128, 64, num_splits=64)
+# the other configurations: q's rope slice in shared memory with 3 stages; 16-row tiles
+_ALT = {"s3x2": GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False),
+        "n16s6": GluonDecodeConfig(block_n=16, num_stages=6)}
+for _cname, _cfg in _ALT.items():
+    for _name, _lens in (("B3_0_17_1000", [0, 17, 1000]), ("B1_S4096", [4096])):
+        GPU_CASES[f"cfg_{_cname}_{_name}_H128_p16_splits5"] = (
+            lambda lens=_lens, cfg=_cfg: check_gluon_decode(lens, 128, 16, num_splits=5, cfg=cfg))
+    GPU_CASES[f"cfg_{_cname}_qlen2_H64_pos"] = (
+        lambda cfg=_cfg: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, cfg=cfg))
 
 
 def _sm90():
