@@ -137,6 +137,12 @@ def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"block_table must be int32, got {block_table.dtype}")
     if q.stride(2) != 1 or kv_cache.stride(2) != 1 or block_table.stride(1) != 1:
         raise ValueError("q, kv_cache and block_table must be contiguous in their last dim")
+    # cp.async moves 16 bytes a thread; Triton proves the alignment only from arguments divisible by 16
+    strides = dict(q=q.stride()[:2], kv_cache=kv_cache.stride()[:2])
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
+        if t.data_ptr() % 16 or any(st % 16 for st in strides[name]):
+            raise ValueError(f"{name} must be 16-byte aligned with its first two strides multiples of "
+                             f"16 elements (got strides {t.stride()}, address % 16 = {t.data_ptr() % 16})")
     if q_pos is not None and q_pos.shape != (T,):
         raise ValueError(f"q_pos must be [{T}], got {tuple(q_pos.shape)}")
     if cfg.block_n not in (16, 32):

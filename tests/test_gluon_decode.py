@@ -53,6 +53,18 @@ BAD_INPUTS = {
 }
 
 
+def test_misaligned_views_are_refused():
+    """A q or cache view off 16-byte alignment (or with strides the launcher cannot prove 16-aligned)
+    would not compile (cp.async needs 16-byte vectors): a ValueError naming the tensor instead."""
+    q, cache, bt, lens = _args(H=64)
+    big = torch.zeros(q.shape[0], q.shape[1], LKV + R + 8, dtype=bf16)
+    with pytest.raises(ValueError, match="^q must be 16-byte aligned"):
+        validate_inputs(big[..., :LKV + R], cache, bt, lens, LKV, 1, None, GluonDecodeConfig())
+    flat = torch.zeros(cache.numel() + 1, dtype=bf16)
+    with pytest.raises(ValueError, match="^kv_cache must be 16-byte aligned"):
+        validate_inputs(q, flat[1:].view(cache.shape), bt, lens, LKV, 1, None, GluonDecodeConfig())
+
+
 @pytest.mark.parametrize("name", sorted(BAD_INPUTS))
 def test_bad_inputs_name_the_argument(name):
     shape_kw, call_kw, match = BAD_INPUTS[name]
