@@ -207,6 +207,8 @@ if _GLUON_ERROR is None:
         slot = j % XBUF
         phase = (j // XBUF) & 1
         mbarrier.wait(empty_own.index(slot), phase ^ 1)  # the other has read this slot's last use
+        gl.static_assert(gl.bank_conflicts(s_own.type, x_own.index(slot).type) == 0,
+                         "the exchange slots' layout must store the accumulator without conflicts")
         x_own.index(slot).store(s_own)
         gl.thread_barrier()  # all of this warpgroup's stores before the one arrive
         mbarrier.arrive(full_own.index(slot), count=1)
@@ -464,7 +466,7 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         num_splits = plan_splits(B, q_len * H, block_table.shape[1] * page, num_sms, cfg)
     o = torch.empty(T, H, LKV, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
-    if B == 0:
+    if B == 0 or H == 0:
         return o, lse
     direct = num_splits == 1
     if direct:
