@@ -25,7 +25,10 @@ waits for the other's loads. Per iteration j a warpgroup issues QK^T(j+1), resca
 and issues the loads of tile j+STAGES-1 while it runs, queues PV(j) behind it, then exchanges and
 softmaxes tile j+1 while PV(j) runs: the tensor cores wait only for the tile's arrival and for
 whatever part of the exchange + softmax is longer than PV. alpha_j goes through shared memory
-(64 floats) so that ptxas cannot hoist the 128 rescale multiplies above the QK^T issue.
+(64 floats) so that ptxas cannot hoist the 128 rescale multiplies above the QK^T issue. With
+`lazy_rescale` the running max moves only when a row's tile max passes it by more than 2^8
+(p <= 256 meanwhile), and the multiplies are skipped when no row of the warpgroup moved (one
+cross-warp max per tile decides); off by default until timed.
 
 Why not the alternatives (kernel_notes.md, "Many heads"): Triton's tl.dot splits N of both
 products across the warpgroups, exchanges row maxima through shared memory inside the softmax,
@@ -51,6 +54,10 @@ import torch
 from attention.triton_decode import (LOG2E, DecodeConfig, _mla_decode_reduce_kernel,
                                      choose_num_splits)
 
+# lazy_rescale's threshold (log2 domain): p = 2^(s - m) <= 2^8 with a stale m, far from bf16's
+# and fp32's limits; the same value as the Triton kernel's option
+LAZY_TAU = 8.0
+
 try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its API moves
     import triton
     from triton.experimental import gluon
@@ -74,6 +81,7 @@ class GluonDecodeConfig:
     xbuf: int = 1  # partial-score exchange slots per direction
     worker_regs: int = 240  # register budget of the second warpgroup (setmaxnreg)
     q_pe_regs: bool = True  # q's rope slice in registers, not shared memory (8 KB less)
+    lazy_rescale: bool = False  # rescale O only when some row's max grows by > 2^LAZY_TAU
     min_split_tokens: int = 64
     max_splits: int = 128
 
@@ -160,34 +168,62 @@ def plan_splits(batch: int, rows: int, max_len: int, num_sms: int, cfg: GluonDec
 
 
 if _GLUON_ERROR is None:
+    _TAU = gl.constexpr(LAZY_TAU)
 
     @gluon.jit
     def _tile_ids(bt_row, t0, end, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Block ids of cache rows [t0, t0 + BLOCK_N) (0 for rows >= end: the table's entries past
-        the sequence are never read), in the two layouts `_load_tile` copies with."""
-        ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        n_c = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_c))
-        blk_c = gl.load(bt_row + n_c // PAGE, mask=n_c < end, other=0)
-        n_r = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
-        blk_r = gl.load(bt_row + n_r // PAGE, mask=n_r < end, other=0)
-        return blk_c, blk_r
+        """Block ids of cache rows [t0, t0 + BLOCK_N) for `_load_tile` (t0 is a BLOCK_N multiple);
+        no table entry past the sequence is read (0 instead). A tile within one page: its id, as
+        a scalar, twice; a tile over two pages: both ids, as scalars; else one id per row, in the
+        two layouts `_load_tile` copies with."""
+        if PAGE >= BLOCK_N:
+            blk = gl.load(bt_row + t0 // PAGE, mask=t0 < end, other=0)
+            return blk, blk
+        elif 2 * PAGE == BLOCK_N:
+            id0 = gl.load(bt_row + t0 // PAGE, mask=t0 < end, other=0)
+            id1 = gl.load(bt_row + t0 // PAGE + 1, mask=t0 + PAGE < end, other=0)
+            return id0, id1
+        else:
+            ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+            ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+            n_c = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_c))
+            blk_c = gl.load(bt_row + n_c // PAGE, mask=n_c < end, other=0)
+            n_r = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
+            blk_r = gl.load(bt_row + n_r // PAGE, mask=n_r < end, other=0)
+            return blk_c, blk_r
 
     @gluon.jit
-    def _load_tile(kv_ptr, blk_c, blk_r, c_buf, r_buf, t0, end, stride_kvb, stride_kvs,
+    def _row_ids(ids_a, ids_b, r, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT_B: gl.constexpr):
+        """Block id of each tile row r (0 .. BLOCK_N-1) from `_tile_ids`' pair; LAYOUT_B: the
+        per-row case's second layout (rope) instead of the first."""
+        if PAGE >= BLOCK_N:
+            return ids_a
+        elif 2 * PAGE == BLOCK_N:
+            return gl.where(r < PAGE, ids_a, ids_b)
+        elif LAYOUT_B:
+            return ids_b
+        else:
+            return ids_a
+
+    @gluon.jit
+    def _load_tile(kv_ptr, ids_a, ids_b, c_buf, r_buf, t0, end, stride_kvb, stride_kvs,
                    W: gl.constexpr, PAGE: gl.constexpr, HALF: gl.constexpr, RH: gl.constexpr,
                    LKV_: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Issue cp.async for cache rows [t0, t0 + BLOCK_N) of blocks `blk_*` (`_tile_ids`; rows
+        """Issue cp.async for cache rows [t0, t0 + BLOCK_N) of the blocks `_tile_ids` gave (rows
         >= end zero-filled, nothing read for them): latent columns [W*HALF, +HALF) into c_buf,
         rope [LKV_ + W*RH, +RH) into r_buf."""
         ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
         ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        n_c = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_c))
+        r_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_c))
+        n_c = t0 + r_c
+        blk_c = _row_ids(ids_a, ids_b, r_c, PAGE, BLOCK_N, False)
         row_c = blk_c.to(gl.int64) * stride_kvb + (n_c % PAGE).to(gl.int64) * stride_kvs
         cols_c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_c))
         async_copy.async_copy_global_to_shared(
             c_buf, kv_ptr + row_c[:, None] + cols_c[None, :], mask=(n_c < end)[:, None])
-        n_r = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
+        r_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
+        n_r = t0 + r_r
+        blk_r = _row_ids(ids_a, ids_b, r_r, PAGE, BLOCK_N, True)
         row_r = blk_r.to(gl.int64) * stride_kvb + (n_r % PAGE).to(gl.int64) * stride_kvs
         cols_r = LKV_ + W * RH + gl.arange(0, RH, layout=gl.SliceLayout(0, ld_r))
         async_copy.async_copy_global_to_shared(
@@ -220,20 +256,30 @@ if _GLUON_ERROR is None:
 
     @gluon.jit
     def _softmax(s, m_i, l_i, t0, end, visible, qk_scale_log2,
-                 HAS_POS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-        """Online softmax step over one tile's summed scores (log2 domain): new m, l, p, alpha."""
+                 HAS_POS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                 LAZY: gl.constexpr):
+        """Online softmax step over one tile's summed scores (log2 domain): new m, l, p, alpha,
+        and whether any row's m moved (LAZY: m moves only when the tile's max passes it by more
+        than LAZY_TAU, so p <= 2^LAZY_TAU; else whenever it grows)."""
         offs_n = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         valid = offs_n[None, :] < end
         if HAS_POS:
             valid = valid & (offs_n[None, :] < visible[:, None])
         s = gl.where(valid, s * qk_scale_log2, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_cand = gl.maximum(m_i, gl.max(s, axis=1))
+        if LAZY:  # m_i = -inf: any finite max moves it
+            moved = m_cand > m_i + _TAU
+            m_new = gl.where(moved, m_cand, m_i)
+            any_moved = gl.max(moved.to(gl.int32), axis=0)  # one decision for the warpgroup
+        else:
+            m_new = m_cand
+            any_moved = 1
         # a row that has seen no visible key keeps m = -inf: shift by 0 instead (p = 0)
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = gl.exp2(m_i - m_use)
+        alpha = gl.exp2(m_i - m_use)  # 1 exactly where m did not move (0 where no key yet)
         p = gl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
-        return m_new, l_i, p, alpha
+        return m_new, l_i, p, alpha, any_moved
 
     @gluon.jit
     def _wg_partition(q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
@@ -244,7 +290,7 @@ if _GLUON_ERROR is None:
                       full_own, empty_own, full_other, empty_other,
                       W: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, XBUF: gl.constexpr, DIRECT: gl.constexpr,
-                      HAS_POS: gl.constexpr, QPE_REGS: gl.constexpr):
+                      HAS_POS: gl.constexpr, QPE_REGS: gl.constexpr, LAZY: gl.constexpr):
         HALF: gl.constexpr = 256
         RH: gl.constexpr = 32
         LKV_: gl.constexpr = 512
@@ -289,12 +335,12 @@ if _GLUON_ERROR is None:
             q_pe_a = q_pe_s
         # tiles 0 .. STAGES-2 ahead; one commit group per tile (q joins tile 0's)
         for t in gl.static_range(STAGES - 1):
-            blk_c, blk_r = _tile_ids(bt_row, start + t * BLOCK_N, end, PAGE, BLOCK_N)
-            _load_tile(kv_ptr, blk_c, blk_r, c_s.index(t), r_s.index(t), start + t * BLOCK_N, end,
+            ids_a, ids_b = _tile_ids(bt_row, start + t * BLOCK_N, end, PAGE, BLOCK_N)
+            _load_tile(kv_ptr, ids_a, ids_b, c_s.index(t), r_s.index(t), start + t * BLOCK_N, end,
                        stride_kvb, stride_kvs, W, PAGE, HALF, RH, LKV_, BLOCK_N)
             async_copy.commit_group()
         # block ids one refill ahead: their load's latency passes under an iteration's work
-        blk_c, blk_r = _tile_ids(bt_row, start + (STAGES - 1) * BLOCK_N, end, PAGE, BLOCK_N)
+        ids_a, ids_b = _tile_ids(bt_row, start + (STAGES - 1) * BLOCK_N, end, PAGE, BLOCK_N)
 
         rows = pid_h * BH + gl.arange(0, BH, layout=row_l)  # (query token, head) pairs of b
         tok = b.to(gl.int64) * q_len + rows // H
@@ -315,8 +361,8 @@ if _GLUON_ERROR is None:
                       XBUF, s_layout)
         m_i = gl.full([BH], float("-inf"), gl.float32, layout=row_l)
         l_i = gl.zeros([BH], gl.float32, layout=row_l)
-        m_i, l_i, p, alpha = _softmax(s, m_i, l_i, start, end, visible, qk_scale_log2,
-                                      HAS_POS, BLOCK_N, s_layout)
+        m_i, l_i, p, alpha, moved = _softmax(s, m_i, l_i, start, end, visible, qk_scale_log2,
+                                             HAS_POS, BLOCK_N, s_layout, LAZY)
         p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
         a_s.store(alpha)
         acc = gl.zeros([BH, HALF], gl.float32, layout=o_layout)
@@ -336,25 +382,31 @@ if _GLUON_ERROR is None:
             # (from registers it schedules them before the wgmma issue, tensor cores idle).
             # The barrier also orders the refill below after every warp's wait for PV(j-1).
             gl.thread_barrier()
-            acc = acc * a_s.load(gl.SliceLayout(1, o_layout))[:, None]
+            if LAZY:
+                if moved > 0:  # rows whose m stayed keep alpha = 1 (or 0 with acc 0): skip
+                    acc = acc * a_s.load(gl.SliceLayout(1, o_layout))[:, None]
+            else:
+                acc = acc * a_s.load(gl.SliceLayout(1, o_layout))[:, None]
             # refill the stage of tile j-1
             nxt = j + STAGES - 1
-            _load_tile(kv_ptr, blk_c, blk_r, c_s.index(nxt % STAGES), r_s.index(nxt % STAGES),
+            _load_tile(kv_ptr, ids_a, ids_b, c_s.index(nxt % STAGES), r_s.index(nxt % STAGES),
                        start + nxt * BLOCK_N, end, stride_kvb, stride_kvs,
                        W, PAGE, HALF, RH, LKV_, BLOCK_N)
             async_copy.commit_group()
-            blk_c, blk_r = _tile_ids(bt_row, start + (nxt + 1) * BLOCK_N, end, PAGE, BLOCK_N)
+            ids_a, ids_b = _tile_ids(bt_row, start + (nxt + 1) * BLOCK_N, end, PAGE, BLOCK_N)
             o_tok = warpgroup_mma(p_op, c_s.index(j % STAGES), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])  # QK^T(j+1) done, PV(j) runs
             s = _exchange(s, x_own, x_other, full_own, empty_own, full_other, empty_other, j + 1,
                           XBUF, s_layout)
-            m_i, l_i, p, alpha = _softmax(s, m_i, l_i, start + (j + 1) * BLOCK_N, end, visible,
-                                          qk_scale_log2, HAS_POS, BLOCK_N, s_layout)
+            m_i, l_i, p, alpha, moved = _softmax(s, m_i, l_i, start + (j + 1) * BLOCK_N, end,
+                                                 visible, qk_scale_log2, HAS_POS, BLOCK_N,
+                                                 s_layout, LAZY)
             a_s.store(alpha)
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_op])
             p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
 
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        if moved > 0:
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         last = (n_tiles - 1) % STAGES
         o_tok = warpgroup_mma(p_op, c_s.index(last), acc, is_async=True)
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_op])
@@ -386,7 +438,8 @@ if _GLUON_ERROR is None:
                                  stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                                  PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                  XBUF: gl.constexpr, DIRECT: gl.constexpr, HAS_POS: gl.constexpr,
-                                 QPE_REGS: gl.constexpr, WORKER_REGS: gl.constexpr):
+                                 QPE_REGS: gl.constexpr, LAZY: gl.constexpr,
+                                 WORKER_REGS: gl.constexpr):
         BH: gl.constexpr = 64
         HALF: gl.constexpr = 256
         RH: gl.constexpr = 32
@@ -395,9 +448,12 @@ if _GLUON_ERROR is None:
         q_pe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QPE_ROWS, RH], gl.bfloat16)
         c_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
         r_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, RH], gl.bfloat16)
-        # exchange slots: each 8-column group of a row moved by row % 4, so the wgmma
-        # accumulator layout (8 rows x 2 columns per warp access) stores without bank conflicts
-        x_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=1, max_phase=4, order=[1, 0])
+        # exchange slots: 8-column groups of a row permuted by the row (32-column rows: by row % 4;
+        # 16-column rows: by row // 2 % 2), so the wgmma accumulator layout stores and loads
+        # without bank conflicts (checked in _exchange)
+        XPP: gl.constexpr = 1 if BLOCK_N == 32 else 2
+        XMP: gl.constexpr = 4 if BLOCK_N == 32 else 2
+        x_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=XPP, max_phase=XMP, order=[1, 0])
         q_lat0 = gl.allocate_shared_memory(gl.bfloat16, [BH, HALF], q_lat_l)
         q_lat1 = gl.allocate_shared_memory(gl.bfloat16, [BH, HALF], q_lat_l)
         q_pe0 = gl.allocate_shared_memory(gl.bfloat16, [QPE_ROWS, RH], q_pe_l)
@@ -427,13 +483,13 @@ if _GLUON_ERROR is None:
                              stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
                              stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                              q_lat0, q_pe0, c0, r0, x0, x1, a0, full0, empty0, full1, empty1,
-                             0, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS)),
+                             0, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY)),
             (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
                              qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
                              stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
                              stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                              q_lat1, q_pe1, c1, r1, x1, x0, a1, full1, empty1, full0, empty0,
-                             1, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS)),
+                             1, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY)),
         ], [4], [WORKER_REGS])
 
 
@@ -483,7 +539,8 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         *launch_args(q, kv_cache, block_table, seq_lens, q_pos, po, plse, po_strides, plse_strides,
                      scale, H, num_splits, q_len, dcp_size, dcp_rank),
         PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf, DIRECT=direct,
-        HAS_POS=q_pos is not None, QPE_REGS=cfg.q_pe_regs, WORKER_REGS=cfg.worker_regs, num_warps=4)
+        HAS_POS=q_pos is not None, QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale,
+        WORKER_REGS=cfg.worker_regs, num_warps=4)
     if not direct:
         _mla_decode_reduce_kernel[(H, T)](
             po, plse, o, lse, H, num_splits,

@@ -66,7 +66,7 @@ def compile_report(page: int = 16, direct: bool = False, has_pos: bool = False,
     fn = gd._mla_decode_wgmma_kernel
     sig = {name: ty or ("*bf16" if direct else "*fp32") for name, ty in SIGNATURE}
     constexprs = dict(PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf,
-                      DIRECT=bool(direct), HAS_POS=bool(has_pos), QPE_REGS=cfg.q_pe_regs,
+                      DIRECT=bool(direct), HAS_POS=bool(has_pos), QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale,
                       WORKER_REGS=cfg.worker_regs)
     sig.update({k: "constexpr" for k in constexprs})
     names = [n for n, _ in SIGNATURE]
@@ -91,12 +91,39 @@ def compile_report(page: int = 16, direct: bool = False, has_pos: bool = False,
     regs = re.search(r"Used (\d+) registers", info)
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
     counts = {label: (count(p_re, ptx), count(s_re, sass)) for label, p_re, s_re in COUNTED}
+    loops = tile_loops(sass)
     return dict(error=None, smem=kernel.metadata.shared, ptxas=info.strip(), sass=sass, asm=asm,
                 regs=int(regs.group(1)) if regs else None,
                 spill_bytes=sum(int(a) + int(b) for a, b in spills),
                 wgmma_serialised="wgmma" in info and "serializ" in info,
                 wgmma_shapes=sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))),
-                counts=counts)
+                counts=counts, loops=loops)
+
+
+def tile_loops(sass: str) -> list[dict]:
+    """The KV-tile loops in the SASS (a backward branch over a body that issues wgmma): their
+    instruction count per iteration (per warp) and the most frequent opcodes."""
+    ins = []
+    for line in sass.splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            ins.append((int(m.group(1), 16), m.group(2)))
+    where = {a: i for i, (a, _) in enumerate(ins)}
+    out = []
+    for i, (a, text) in enumerate(ins):
+        m = re.search(r"\bBRA (0x[0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= a or int(m.group(1), 16) not in where:
+            continue
+        body = [t for _, t in ins[where[int(m.group(1), 16)]:i + 1]]
+        ops = [t.split()[1] if t.startswith("@") else t.split()[0] for t in body]
+        n_mma = sum(o.startswith("HGMMA") for o in ops)
+        if n_mma and not any(o.startswith("EXIT") for o in ops) and len(body) < 2000:
+            kinds = {}
+            for o in ops:
+                kinds[o.split(".")[0]] = kinds.get(o.split(".")[0], 0) + 1
+            out.append(dict(instructions=len(body), hgmma=n_mma,
+                            top=sorted(kinds.items(), key=lambda kv: -kv[1])[:8]))
+    return out
 
 
 COUNTED = [  # (label, PTX regex, SASS regex)
@@ -124,11 +151,13 @@ def main() -> int:
     ap.add_argument("--xbuf", type=int, default=gd.GluonDecodeConfig.xbuf)
     ap.add_argument("--worker-regs", type=int, default=gd.GluonDecodeConfig.worker_regs)
     ap.add_argument("--q-pe-regs", type=int, default=int(gd.GluonDecodeConfig.q_pe_regs))
+    ap.add_argument("--lazy", type=int, default=int(gd.GluonDecodeConfig.lazy_rescale))
     ap.add_argument("--dump", help="directory to write the ttgir / llir / ptx / sass into")
     args = ap.parse_args()
     print(f"triton {triton.__version__} ({triton.__file__})")
     cfg = gd.GluonDecodeConfig(block_n=args.block_n, num_stages=args.stages, xbuf=args.xbuf,
-                               worker_regs=args.worker_regs, q_pe_regs=bool(args.q_pe_regs))
+                               worker_regs=args.worker_regs, q_pe_regs=bool(args.q_pe_regs),
+                               lazy_rescale=bool(args.lazy))
     print(f"config {cfg}, page {args.page}, direct {bool(args.direct)}, q_pos {bool(args.has_pos)}; "
           f"planned shared memory {cfg.smem_bytes()} bytes")
     rep = compile_report(args.page, bool(args.direct), bool(args.has_pos), cfg)
@@ -144,6 +173,9 @@ def main() -> int:
     print(f"wgmma shapes: {', '.join(rep['wgmma_shapes'])}")
     if rep["wgmma_serialised"]:
         print("WARNING: ptxas serialised wgmma (see above)")
+    for lp in rep["loops"]:
+        print(f"KV-tile loop: {lp['instructions']} instructions per iteration per warp "
+              f"({lp['hgmma']} HGMMA; " + ", ".join(f"{k} {v}" for k, v in lp["top"]) + ")")
     print(f"{'instruction':<28}{'PTX':>8}{'SASS':>8}")
     for label, (n_ptx, n_sass) in rep["counts"].items():
         print(f"{label:<28}{n_ptx:>8}{n_sass:>8}")

@@ -137,7 +137,8 @@ def _triton_36():
     (16, False, False, GluonDecodeConfig()), (64, True, False, GluonDecodeConfig()),
     (16, False, True, GluonDecodeConfig()),
     (16, False, False, GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)),
-    (16, False, False, GluonDecodeConfig(block_n=16, num_stages=6))])
+    (16, False, False, GluonDecodeConfig(block_n=16, num_stages=6)),
+    (64, False, True, GluonDecodeConfig(lazy_rescale=True))])
 def test_compiles_for_sm90_without_spills(page, direct, has_pos, cfg):
     rep = _compile_module().compile_report(page, direct, has_pos, cfg)
     assert rep["error"] is None, rep["error"]
@@ -239,7 +240,8 @@ GPU_CASES["qlen2_H64_dcp2_rank1"] = (
 GPU_CASES["B1_S4096_H128_p64_splits64"] = lambda: check_gluon_decode([4096], 128, 64, num_splits=64)
 # the other configurations: q's rope slice in shared memory with 3 stages; 16-row tiles
 _ALT = {"s3x2": GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False),
-        "n16s6": GluonDecodeConfig(block_n=16, num_stages=6)}
+        "n16s6": GluonDecodeConfig(block_n=16, num_stages=6),
+        "lazy": GluonDecodeConfig(lazy_rescale=True)}
 for _cname, _cfg in _ALT.items():
     for _name, _lens in (("B3_0_17_1000", [0, 17, 1000]), ("B1_S4096", [4096])):
         GPU_CASES[f"cfg_{_cname}_{_name}_H128_p16_splits5"] = (
