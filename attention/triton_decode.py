@@ -18,75 +18,18 @@ split, stage 1 writes the final output directly and stage 2 is skipped.
 from __future__ import annotations
 
 import functools
-import math
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from attention.decode_config import LAZY_TAU, WIDE_ROWS, DecodeConfig, choose_num_splits, default_decode_config
 from attention.kv_quant import is_fp8
 from common.kernel_plan import interpreting
 
+__all__ = ["DecodeConfig", "WIDE_ROWS", "choose_num_splits", "default_decode_config", "mla_decode"]
+
 LOG2E = 1.4426950408889634
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    block_h: int = 16        # query heads per program (>= 16: tl.dot needs M >= 16)
-    block_n: int = 32        # cache rows per inner step
-    num_warps: int = 4
-    num_stages: int = 2
-    programs_per_sm: int = 1  # resident stage-1 programs per SM, for the split heuristic
-    min_split_tokens: int = 64   # fewer rows per split and the fp32 partials cost more than they save
-    max_splits: int = 128
-    qk_t: bool = False       # compute scores transposed (tokens as MMA rows)
-    maxnreg: int | None = None  # register cap per thread, to fit more programs per SM
-    prefetch_ids: bool = False  # load the next tile's block ids before this tile's math
-    warp_specialize: bool = False  # Triton's warp-specialised loop (producer warps for the loads)
-    reload_v: bool = False  # FP8 cache: load each tile twice (QK^T and PV), see the kernel
-    stage_v: bool = False  # with reload_v on CUDA: PV's tile converted to fp16 before shared memory
-
-
-WIDE_ROWS = 64  # query rows (heads x query tokens) per sequence from which 64-row tiles are used
-
-
-def default_decode_config(num_rows: int, dtype: torch.dtype, smem_bytes: int | None = None,
-                          cache_dtype: torch.dtype | None = None) -> DecodeConfig:
-    """The decode kernel's tiles for `num_rows` = heads x q_len query rows per sequence, products
-    in `dtype` over a cache of `cache_dtype` (default: the same).
-
-    Two regimes (H200 sweeps, docs/kernel_notes.md): below WIDE_ROWS the kernel is bound by the
-    cache's bytes and 16-row tiles (ids prefetched, 3 stages, 2 programs per SM) stream it at
-    ~90% of copy; from WIDE_ROWS on (V3/R1 at -tp 1, DCP's gathered heads, multi-token decode)
-    it is bound by the tensor cores: 64-row tiles, QK^T [64 x 576] x [576 x 64] and PV
-    [64 x 64] x [64 x 512] per step. The 64x64 tile with 2 stages needs ~221 KB of shared memory
-    per block (Hopper has 227 KB); with less (`smem_bytes`, the current CUDA device's opt-in limit
-    when not given), 64-row tiles stay 32 rows deep.
-    """
-    if dtype == torch.float32:  # fp32 tiles are twice the bytes: keep shared memory in bounds
-        return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, min_split_tokens=256)
-    if num_rows >= WIDE_ROWS:
-        if smem_bytes is None:
-            smem_bytes = _device_smem_bytes()
-        deep = smem_bytes is None or smem_bytes >= 224 * 1024
-        return DecodeConfig(block_h=64, block_n=64 if deep else 32, num_warps=8, num_stages=2)
-    if cache_dtype is not None and is_fp8(cache_dtype):
-        # each tile loaded twice (reload_v: the only form Triton pipelines here), PV's converted to
-        # fp16 before shared memory (stage_v), 2 stages: 799 us against 873 with 3 stages and no
-        # staging at B = 128, S = 16k (H200, bench_mla_decode.py --sweep)
-        return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2,
-                            prefetch_ids=True, reload_v=True, stage_v=True)
-    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_smem_bytes() -> int | None:
-    """Opt-in shared memory per block of the current CUDA device (None without CUDA or the field)."""
-    if not torch.cuda.is_available():
-        return None
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return getattr(props, "shared_memory_per_block_optin", None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -96,28 +39,6 @@ def _hw_e4m3_convert(device: torch.device) -> bool:
     if device.type != "cuda" or interpreting():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-@functools.lru_cache(maxsize=1024)  # pure; called once per decode step
-def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
-                      cfg: DecodeConfig) -> int:
-    """Splits per sequence so that batch * head_tiles * splits fills the GPU in whole waves.
-
-    Same idea as FlashAttention-2's split heuristic: the wave efficiency of s splits is
-    n / ceil(n) with n = programs * s / slots; take the fewest splits within 85% of the best.
-    `max_len` is an upper bound (the block table's width), so it costs no host sync.
-    """
-    programs = batch * head_tiles
-    slots = num_sms * cfg.programs_per_sm
-    if programs >= 0.8 * slots or max_len <= cfg.min_split_tokens:
-        return 1
-    limit = max(1, min(cfg.max_splits, max_len // cfg.min_split_tokens))
-    effs = []
-    for s in range(1, limit + 1):
-        waves = programs * s / slots
-        effs.append(waves / math.ceil(waves))
-    best = max(effs)
-    return next(s for s, e in enumerate(effs, start=1) if e >= 0.85 * best)
 
 
 @triton.jit
@@ -163,7 +84,8 @@ def _mla_decode_partial_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, DIRECT: tl.constexpr,
     HAS_POS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FP8: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
-    RELOAD_V: tl.constexpr, HW_CVT: tl.constexpr, STAGE_V: tl.constexpr,
+    RELOAD_V: tl.constexpr, HW_CVT: tl.constexpr, STAGE_V: tl.constexpr, STAGE_C: tl.constexpr,
+    LAZY: tl.constexpr, TAU: tl.constexpr,
 ):
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
@@ -198,19 +120,43 @@ def _mla_decode_partial_kernel(
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
     bt_row = block_table_ptr + b.to(tl.int64) * stride_btb
-    if PREFETCH_IDS:  # block ids one tile ahead, so the row loads never wait on the id load
+    # Block ids. Tiles start on BLOCK_N multiples (the splits too), so a tile holds NP whole pages
+    # (NP = 1 when a page holds whole tiles) when one divides the other: then NP ids per tile, each
+    # page's rows consecutive, loaded a tile ahead (a row address that waits on a load of the same
+    # iteration is not pipelined); the compiled loop is ~40% shorter than with an id per row
+    # (scripts/decode_sass.py). Otherwise an id per row, a tile ahead with PREFETCH_IDS.
+    PAGED_TILES: tl.constexpr = (PAGE % BLOCK_N == 0) or (BLOCK_N % PAGE == 0 and BLOCK_N // PAGE <= 4)
+    NP: tl.constexpr = BLOCK_N // PAGE if BLOCK_N > PAGE else 1
+    if PAGED_TILES:
+        ids_next = tl.load(bt_row + start // PAGE + tl.arange(0, NP), mask=start + tl.arange(0, NP) * PAGE < end,
+                           other=0)
+    elif PREFETCH_IDS:
         offs_first = start + tl.arange(0, BLOCK_N)
         blk_next = tl.load(bt_row + offs_first // PAGE, mask=offs_first < end, other=0)
     for n0 in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        if PREFETCH_IDS:
-            blk = blk_next.to(tl.int64)
-            offs_after = offs_n + BLOCK_N
-            blk_next = tl.load(bt_row + offs_after // PAGE, mask=offs_after < end, other=0)
+        if PAGED_TILES:
+            ids = ids_next
+            ids_next = tl.load(bt_row + (n0 + BLOCK_N) // PAGE + tl.arange(0, NP),
+                               mask=n0 + BLOCK_N + tl.arange(0, NP) * PAGE < end, other=0)
+            if NP == 1:
+                blk = tl.sum(ids, 0).to(tl.int64)  # the one id, as a scalar
+                base = blk * stride_kvb + (n0 % PAGE) * stride_kvs  # the tile's first row (the offset in a page fits i32)
+                row = base + tl.arange(0, BLOCK_N).to(tl.int64) * stride_kvs
+            else:
+                in_tile = tl.arange(0, BLOCK_N)
+                pick = (in_tile // PAGE)[:, None] == tl.arange(0, NP)[None, :]
+                blk = tl.sum(tl.where(pick, ids[None, :], 0), 1).to(tl.int64)
+                row = blk * stride_kvb + (in_tile % PAGE).to(tl.int64) * stride_kvs
         else:
-            blk = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
-        row = blk * stride_kvb + (offs_n % PAGE).to(tl.int64) * stride_kvs  # [BLOCK_N]
+            if PREFETCH_IDS:
+                blk = blk_next.to(tl.int64)
+                offs_after = offs_n + BLOCK_N
+                blk_next = tl.load(bt_row + offs_after // PAGE, mask=offs_after < end, other=0)
+            else:
+                blk = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
+            row = blk * stride_kvb + (offs_n % PAGE).to(tl.int64) * stride_kvs  # [BLOCK_N]
         c_ptrs = kv_ptr + row[:, None] + offs_l[None, :]
         cmask = nmask[:, None] & lmask[None, :]
         c = tl.load(c_ptrs, mask=cmask, other=0)  # [BLOCK_N, BLOCK_L]
@@ -224,6 +170,12 @@ def _mla_decode_partial_kernel(
         else:
             v = c
         c = _as_product(c, kv_dtype, FP8, HW_CVT)
+        if STAGE_C and HW_CVT:
+            # The same opaque identity as STAGE_V, on the only copy: the tile is converted once,
+            # in the load's layout, and both products read the fp16 tile (ldmatrix, .trans for PV)
+            # from shared memory instead of converting 8-bit operands in their own layouts.
+            c = tl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r", args=[c],
+                                          dtype=tl.float16, is_pure=False, pack=2)
         if QK_T:  # scores as [BLOCK_N, BLOCK_H]: rows (tokens) fill the MMA's M, for wide head tiles
             s_t = tl.dot(c, tl.trans(q_lat), input_precision=PRECISION)
             s_t = tl.dot(k_pe, tl.trans(q_pe), acc=s_t, input_precision=PRECISION)
@@ -247,13 +199,27 @@ def _mla_decode_partial_kernel(
         else:
             s = tl.where(nmask[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no visible key yet keeps m = -inf: shift by 0 instead (p = 0).
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(kv_dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+        if LAZY:
+            # Rescale only when some row's max outgrew the one in use by more than 2^TAU (the
+            # first tile always: m_i = -inf). Rows that saw no key have m_new - m_i = nan: no vote.
+            if tl.max(tl.where(m_new - m_i > TAU, 1, 0), 0) > 0:
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(m_i - m_use)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            m_use = tl.where(m_i == float("-inf"), 0.0, m_i)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i + tl.sum(p, 1)
+            acc = tl.dot(p.to(kv_dtype), v, acc=acc, input_precision=PRECISION)
+        else:
+            # A row that has seen no visible key yet keeps m = -inf: shift by 0 instead (p = 0).
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = tl.dot(p.to(kv_dtype), v, acc=acc * alpha[:, None], input_precision=PRECISION)
+            m_i = m_new
 
     empty = l_i == 0.0  # split (or whole sequence) without rows: lse -inf, output 0
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(tl.where(empty, 1.0, l_i))) * 0.6931471805599453)
@@ -364,7 +330,9 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
         PRECISION=precision, QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids, DIRECT=direct,
         HAS_POS=q_pos is not None, WARP_SPECIALIZE=cfg.warp_specialize, FP8=fp8,
-        RELOAD_V=fp8 and cfg.reload_v, HW_CVT=hw_cvt, STAGE_V=fp8 and cfg.reload_v and cfg.stage_v,
+        RELOAD_V=fp8 and cfg.reload_v and not cfg.stage_c, HW_CVT=hw_cvt,
+        STAGE_V=fp8 and cfg.reload_v and cfg.stage_v and not cfg.stage_c, STAGE_C=fp8 and cfg.stage_c,
+        LAZY=cfg.lazy_rescale, TAU=LAZY_TAU,
         PRODUCT_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[compute_dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),

@@ -80,6 +80,9 @@ CHOICES: tuple[Choice, ...] = (
            "which the block kernels do not take", triton=8, torch=0),
     Choice("moe_blocked_max_tokens", (int,), "larger batches up to this many tokens take the "
            "expert-sorted block kernels, experts not in FP8 (0: never)", triton=512, torch=0),
+    Choice("moe_shared_dense_min_tokens", (int,), "batches from this many tokens on (past the fused "
+           "small-batch bound) run the shared experts as their own GEMMs instead of as experts of "
+           "the block kernels or moe_large (0: never)", triton=0, torch=0),
     Choice("moe_large", ("grouped", "dense", "loop"),
            "experts beyond the Triton bounds: grouped (torch._grouped_mm, CUDA bf16), dense "
            "(every expert on every token, no host sync), loop (experts hit, one by one)",
@@ -113,6 +116,7 @@ class KernelPlan:
     moe_fused_max_tokens: int = 0
     moe_fused_max_tokens_fp8: int = 0
     moe_blocked_max_tokens: int = 0
+    moe_shared_dense_min_tokens: int = 0
     moe_large: str = "loop"
     fp8_gemm: str = "auto"
     compile: bool = False

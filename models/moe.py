@@ -29,6 +29,11 @@ TORCH_PLAN = KernelPlan()
 #   beyond, `moe_large`: torch's grouped GEMM between a sort and a weighted un-permute
 #      (`_routed_grouped`, CUDA bf16), every expert on every token (`_routed_dense`, other CUDA
 #      dtypes), or the loop over the experts hit (`_routed`, the reference).
+# The shared experts ride along as experts every token takes (`_with_shared`), except from
+# moe_shared_dense_min_tokens tokens on (opt-in; past the fused bound): there every token's rows
+# of them are a dense GEMM, so `_shared_dense` runs them as one gate-up GEMM, the SwiGLU and one
+# down GEMM per piece, accumulated into the routed output, and the routed paths see k pairs per
+# token instead of k + n_shared (fewer blocks, gathered rows and pair sums).
 
 
 def _capturing(device: torch.device) -> bool:
@@ -222,16 +227,36 @@ class MoE(nn.Module):
             block = self.fp8_block[0] if self.fp8_block else 128
             out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
                                    self.n_shared)
-        elif self.fused_blocked is not None and T <= p.moe_blocked_max_tokens and self.fp8_block is None:
-            # 16-row blocks up to 128 tokens, 32 beyond (bench_fused_moe.py on the H200: at 256
-            # tokens 388 us with 32 rows against 455 with 16)
-            out = self.fused_blocked(x, self.w13, self.w2, *self._with_shared(weights, ids),
-                                     16 if T <= 128 else 32)
         else:
-            out = self.routed_large(x, *self._with_shared(weights, ids))
+            dense = bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
+            pairs = (weights, ids) if dense else self._with_shared(weights, ids)
+            if self.fused_blocked is not None and T <= p.moe_blocked_max_tokens and self.fp8_block is None:
+                # 16-row blocks up to 128 tokens, 32 beyond (bench_fused_moe.py on the H200: at 256
+                # tokens 388 us with 32 rows against 455 with 16)
+                out = self.fused_blocked(x, self.w13, self.w2, *pairs, 16 if T <= 128 else 32)
+            else:
+                out = self.routed_large(x, *pairs)
+            if dense:
+                out = self._shared_dense(x, out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return pd.tp_all_reduce(out)
+
+    def _shared_dense(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out + the shared experts' MLP of x, from their stacked pieces E.. E+n_shared-1 of w13 /
+        w2: one GEMM over all pieces' gate and up rows (a view of w13), the SwiGLU per piece, and
+        per piece a down GEMM that cuBLAS accumulates into `out` (in place; out is the routed
+        paths' fresh output)."""
+        E, S = self.cfg.n_routed_experts, self.n_shared
+        w13, w2 = self._expert_weights(x.dtype)
+        T, D = x.shape
+        Il = w2.shape[-1]
+        gate_up = F.linear(x, w13[E:E + S].reshape(S * 2 * Il, D))  # [T, S * 2Il]: [g0 u0 g1 u1 ..]
+        silu_mul = self.triton_glue[0] if self.triton_glue is not None else self.glue.silu_mul
+        h = silu_mul(gate_up.view(T * S, 2 * Il)).view(T, S, Il)
+        for s in range(S):
+            out.addmm_(h[:, s], w2[E + s].t())
+        return out
 
     def _with_shared(self, weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing with the folded shared experts as k+1.. k+n_shared-th choices of weight 1."""

@@ -3,7 +3,8 @@ expert-sorted blocks of 16/32/64 rows above) vs the grouped-GEMM path (CUDA), ea
 CUDA graph as the engine's decode runs it.
 
 DeepSeek-V2-Lite shapes by default (D 2048, I 1408, 64 experts, top-6, 2 shared experts run as
-two more pairs per token, as the engine does), bf16, random weights.
+two more pairs per token, as the engine does; the `+sd` rows, from 16 tokens, run them as their
+own GEMMs instead, as `--kernels ...,moe_shared_dense_min_tokens=N` does), bf16, random weights.
 Bytes = the distinct chosen experts' weights and the shared ones (read once) + activations. The
 captured calls route to other experts each time, but the shared experts are the same weights in
 every call and may partly stay in L2 (the engine's layers each have their own): slightly optimistic.
@@ -28,7 +29,7 @@ from models.moe import MoE
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="configs/models/DeepSeek-V2-Lite")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256],
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
                    help="<= 8: the pair-parallel kernels; above: the blocked kernels; grouped GEMM at all")
     p.add_argument("--calls", type=int, default=10, help="calls per graph, each on other experts")
     p.add_argument("--json", default=None)
@@ -58,12 +59,17 @@ def main() -> None:
         r = {"T": T, "distinct_experts": distinct, "shared_experts": ns, "MB": nbytes / 1e6}
         line = f"T={T}: {distinct:.1f} experts {r['MB']:.1f} MB"
         variants = [("grouped", lambda x, w, ids: moe._routed_grouped(x, *moe._with_shared(w, ids)))]
+        if T >= 16:  # the shared experts as their own GEMMs (--kernels ...,moe_shared_dense_min_tokens=N)
+            variants.append(("grouped+sd", lambda x, w, ids: moe._shared_dense(x, moe._routed_grouped(x, w, ids))))
         if T <= 8:
             variants.append(("fused", lambda x, w, ids: fused_moe_small(x, moe.w13, moe.w2, w, ids, n_shared=ns)))
         else:
             variants += [(f"blocked{bm}", lambda x, w, ids, bm=bm: fused_moe_blocked(
                 x, moe.w13, moe.w2, *moe._with_shared(w, ids), bm))
                          for bm in (16, 32, 64) if bm <= max(16, T)]
+            if T >= 16:
+                variants += [(f"blocked{bm}+sd", lambda x, w, ids, bm=bm: moe._shared_dense(
+                    x, fused_moe_blocked(x, moe.w13, moe.w2, w, ids, bm))) for bm in (16, 32, 64)]
         for name, fn in variants:
             err = ((fn(x, w, ids).float() - ref).norm() / ref.norm()).item()
             us = graph_us(fn, calls)

@@ -62,13 +62,18 @@ PREFILL_SHAPES = [  # (name, [(Lq, Lk), ...], H, causal)
 _H16 = dict(block_h=16, num_warps=4, programs_per_sm=2, prefetch_ids=True)
 _H64 = dict(block_h=64, num_warps=8)
 DECODE_SWEEP = {
-    (16, "bf16"): [dict(_H16, block_n=32, num_stages=2)],
-    (16, "fp8"): [dict(_H16, block_n=32, num_stages=2, reload_v=True, stage_v=True),
+    (16, "bf16"): [dict(_H16, block_n=32, num_stages=2), dict(_H16, block_n=32, num_stages=3, lazy_rescale=True)],
+    (16, "fp8"): [dict(_H16, block_n=32, num_stages=2, stage_c=True), dict(_H16, block_n=32, num_stages=3, stage_c=True),
+                  dict(_H16, block_n=32, num_stages=2, stage_c=True, lazy_rescale=True),
+                  dict(_H16, block_n=32, num_stages=3, stage_c=True, lazy_rescale=True, programs_per_sm=1),
+                  dict(_H16, block_n=32, num_stages=2, reload_v=True, stage_v=True, lazy_rescale=True),
+                  dict(_H16, block_n=32, num_stages=2, reload_v=True, stage_v=True),
                   dict(_H16, block_n=32, num_stages=3, reload_v=True, stage_v=True, programs_per_sm=1),
                   dict(_H16, block_n=32, num_stages=3), dict(_H16, block_n=32, num_stages=2, reload_v=True),
                   dict(_H16, block_n=64, num_stages=3, reload_v=True, programs_per_sm=1, num_warps=8),
                   dict(_H16, block_n=64, num_stages=3)],
-    (128, "bf16"): [dict(_H64, block_n=64, num_stages=2, warp_specialize=True)],
+    (128, "bf16"): [dict(_H64, block_n=64, num_stages=2, warp_specialize=True),
+                    dict(_H64, block_n=64, num_stages=2, lazy_rescale=True)],
     (128, "fp8"): [dict(_H64, block_n=64, num_stages=3), dict(_H64, block_n=32, num_stages=3)],
 }
 CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
@@ -211,8 +216,9 @@ def _time_configs(rows, log, deadline, num_sms, sweep, B, S, H, cname, q, cache,
 
 
 def _short(cfg: dict) -> str:
-    """Compact tile description: h16n32w4s2[r168][T]; the Gluon kernel's as gluon-n32s4x1R[L] (R: q's
-    rope slice in registers, L: lazy rescale)."""
+    """Compact tile description: h16n32w4s2p2[r168][T][P][W][V][S][C][L] (the flags: qk_t,
+    prefetch_ids, warp_specialize, reload_v, stage_v, stage_c, lazy_rescale); the Gluon kernel's as
+    gluon-n32s4x1[R][L] (R: q's rope slice in registers, L: lazy rescale)."""
     if cfg.get("impl") == "gluon":
         return (f"gluon-n{cfg['block_n']}s{cfg['num_stages']}x{cfg['xbuf']}" + ("R" if cfg.get("q_pe_regs") else "")
                 + ("L" if cfg.get("lazy_rescale") else ""))
@@ -220,7 +226,8 @@ def _short(cfg: dict) -> str:
     out += f"r{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
     return (out + ("T" if cfg.get("qk_t") else "") + ("P" if cfg.get("prefetch_ids") else "")
             + ("W" if cfg.get("warp_specialize") else "") + ("V" if cfg.get("reload_v") else "")
-            + ("S" if cfg.get("stage_v") else ""))
+            + ("S" if cfg.get("stage_v") else "") + ("C" if cfg.get("stage_c") else "")
+            + ("L" if cfg.get("lazy_rescale") else ""))
 
 
 def prefill_flops(lens, H, causal):

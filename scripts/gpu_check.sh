@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|latency|latency_sync|profile|throughput|http|fp8|r1]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|latency|latency_sync|profile|throughput|http|fp8|r1]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape)
 #   moe         fused small-batch MoE vs grouped GEMM at V2-Lite shapes (bench_fused_moe.py)
 #   mla         Triton MLA kernels: real-shape checks, decode grid, prefill (bench_mla_decode.py)
+#   decode      the MLA decode kernel alone: its GPU tests (bf16 and FP8 caches, every DecodeConfig
+#               variant), then its tiles swept at B=128, S=4k/16k, 16 and 128 heads, bf16 and FP8
+#               (bench_mla_decode.py --decode-only --sweep; give it `decode:300`)
 #   latency     V2-Lite dummy bf16 TPOT at batch 1/8/32/128 (bench_latency.py; async scheduling, the default)
 #   latency_sync   the same with --no-async-scheduling
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
@@ -18,6 +21,9 @@
 #               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:560`)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
+#   r1fp8       the R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1/32/128 and offline
+#               throughput (500 x (1000 in, 100 out)), dequantized bf16 (the default) against
+#               --fp8-gemm; four runs, each under the step's timeout (give it `r1fp8:200`)
 #   spec        speculative decoding: decode step cost at q_len 1..4 (V2-Lite), then MTP end to end
 #               on the V3 config with 4 layers, warm (bench_spec_decode.py step / e2e)
 #   core        the control plane on this host's CPU: serve around a stub model with 44 ms steps,
@@ -49,6 +55,11 @@ for spec in $steps; do
     moe) timeout "$T" python3 scripts/bench_fused_moe.py --json "$OUT/fused_moe.json" > "$log" 2>&1 ;;
     mla) timeout "$T" python3 scripts/bench_mla_decode.py --check --sweep --budget-s $((T - 40)) \
            --out "$OUT/bench_mla_decode.json" > "$log" 2>&1 ;;
+    decode) { timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_ops.py \
+                tests/test_kv_cache_fp8.py -k decode
+              timeout "$T" python3 scripts/bench_mla_decode.py --decode-only --sweep --budget-s $((T - 60)) \
+                --decode-shapes 128x4096,128x16384 --heads 16,128 --cache-dtypes bf16,fp8 \
+                --out "$OUT/bench_mla_decode.json"; } > "$log" 2>&1 ;;
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
     latency_sync) timeout "$T" python3 scripts/bench_latency.py --no-async-scheduling ${LATENCY_ARGS:-} \
           --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;
@@ -61,6 +72,15 @@ for spec in $steps; do
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
           --hf-overrides '{"num_hidden_layers": 4}' --batch-sizes 1 64 --decode-steps 50 \
           --json "$OUT/r1_latency.json" > "$log" 2>&1 ;;
+    r1fp8) { R1="--model configs/models/DeepSeek-R1 --hf-overrides {\"num_hidden_layers\":4}"
+            for g in "" "--fp8-gemm"; do
+              echo "## latency ${g:-default}"
+              timeout "$T" python3 scripts/bench_latency.py $R1 $g --batch-sizes 1 32 128 --decode-steps 50 \
+                --json "$OUT/r1_latency${g:+_fp8gemm}.json"
+              echo "## throughput ${g:-default}"
+              timeout "$T" python3 scripts/bench_throughput.py $R1 $g --num-prompts 500 --no-enable-prefix-caching \
+                --json "$OUT/r1_throughput${g:+_fp8gemm}.json"
+            done; } > "$log" 2>&1 ;;
     spec) { timeout "$T" python3 scripts/bench_spec_decode.py step --batch-sizes 1 4 16 64 --q-lens 1 2 3 4 \
               --json "$OUT/spec_step.json"
             timeout "$T" python3 scripts/bench_spec_decode.py e2e --method mtp --num-speculative-tokens 1 --batch-sizes 1 1 \

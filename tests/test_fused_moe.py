@@ -55,6 +55,25 @@ def check_blocked(cfg_overrides, T, dtype, device, tol, block_m):
     return err
 
 
+def check_shared_dense(cfg_overrides, T, dtype, device, tol, **plan):
+    """MoE.forward with the shared experts as their own GEMMs (moe_shared_dense_min_tokens) equals
+    MoE.forward with them folded into the routed path, on the same weights and tokens."""
+    from common.kernel_plan import KernelPlan
+    moe, x, _, _ = random_moe(cfg_overrides, T, dtype, device)
+    dense = MoE(moe.cfg, dtype, KernelPlan(**plan, moe_shared_dense_min_tokens=T)).to(device)
+    folded = MoE(moe.cfg, dtype, KernelPlan(**plan)).to(device)
+    for m in (dense, folded):
+        m.load_state_dict(moe.state_dict())
+    with torch.device(device):
+        got, ref = dense(x).double(), folded(x).double()
+        above = MoE(moe.cfg, dtype, KernelPlan(**plan, moe_shared_dense_min_tokens=T + 1)).to(device)
+        above.load_state_dict(moe.state_dict())
+        assert torch.equal(above(x), folded(x)), "below moe_shared_dense_min_tokens the shared experts stay folded"
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < tol, (cfg_overrides, T, dtype, plan, err)
+    return err
+
+
 def check_glue(T, kt, E, block_m, device, seed=0):
     # the blocked path's one-kernel alignment equals the torch reference element for element;
     # the grouped path's SwiGLU and weighted un-permute equal their torch forms
@@ -125,6 +144,21 @@ def test_fused_moe_fp32_exact():
 def test_fused_moe_fp8_real_shapes(T):
     """V3/R1 expert shapes (D 7168, I 2048/tp 8 = 256), bf16 activations, FP8 weights."""
     check_fp8(T, torch.bfloat16, "cuda", 2e-2, D=7168, I=256, E=32, k=8)
+
+
+@pytest.mark.parametrize("T", [1, 5, 40])
+def test_shared_experts_dense_equals_folded(T):
+    """The torch plan (the experts loop), fp32, V2-Lite's layer narrowed: 2 shared experts."""
+    check_shared_dense({"hidden_size": 96, "moe_intermediate_size": 32, "n_routed_experts": 8,
+                        "num_experts_per_tok": 3}, T, torch.float32, "cpu", 1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [64, 256, 1024])
+def test_shared_experts_dense_real_shapes(T):
+    """The Triton plan's block kernels (64, 256 tokens) and grouped GEMM (1024) at V2-Lite shapes."""
+    plan = dict(moe="triton", moe_blocked_max_tokens=512, moe_large="grouped")
+    check_shared_dense({}, T, torch.bfloat16, "cuda", 2e-2, **plan)
 
 
 def test_sort_pairs_into_blocks_layout():

@@ -175,6 +175,8 @@ CPU_CASES = {
                                                    cfg=_cfg(64)),
     "decode_qlen3_pos_dcp": lambda: check_decode_cache("cpu", f32, F8, 4, 32, 16, 4, [0, 9, 30], q_len=3,
                                                        with_pos=True, dcp=(2, 1), num_splits=2, cfg=_cfg(16)),
+    "decode_fp16_q_stage_c_lazy": lambda: check_decode_cache("cpu", f16, F8, 4, 32, 16, 4, [0, 1, 70, 33],
+                                                             num_splits=2, cfg=_cfg(16, stage_c=True, lazy_rescale=True)),
     "decode_fp16_q_reload_v": lambda: check_decode_cache("cpu", f16, F8, 4, 32, 16, 4, [0, 1, 70, 33], num_splits=2,
                                                          cfg=_cfg(16, reload_v=True)),
     # the model-dtype caches with the same NaN poisoning (no unused slot may be read)
@@ -202,6 +204,12 @@ for _h in (16, 128):
         lambda h=_h: check_decode_cache("cuda", bf16, F8, h, 512, 64, 64, _LENS, num_splits=5, cfg=DecodeConfig(
             block_h=16 if h == 16 else 64, block_n=32, num_warps=4 if h == 16 else 8, num_stages=2,
             reload_v=True, stage_v=True)))
+    for _lazy in (False, True):
+        GPU_CASES[f"decode_fp8_H{_h}_stage_c{'_lazy' if _lazy else ''}"] = (
+            lambda h=_h, lazy=_lazy: check_decode_cache("cuda", bf16, F8, h, 512, 64, 16, _LENS, num_splits=5,
+                                                        cfg=DecodeConfig(block_h=16 if h == 16 else 64, block_n=32,
+                                                                         num_warps=4 if h == 16 else 8, num_stages=2,
+                                                                         stage_c=True, lazy_rescale=lazy)))
     GPU_CASES[f"decode_bf16_H{_h}_poisoned"] = (
         lambda h=_h: check_decode_cache("cuda", bf16, bf16, h, 512, 64, 64, _LENS))
 

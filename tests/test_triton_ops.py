@@ -75,18 +75,27 @@ def paged_cache(lens, page, d, dtype, device, gen, extra_blocks=3):
     return cache, ids.view(len(lens), per_seq).to(torch.int32).to(device)
 
 
-def check_decode(device, dtype, H, lkv, r, page, lens, num_splits=None, seed=0, ops=None, cfg=None):
-    """Triton decode vs reference on random data; returns (o rel err, splits used)."""
+def check_decode(device, dtype, H, lkv, r, page, lens, num_splits=None, seed=0, ops=None, cfg=None, ramp=0.0):
+    """Triton decode vs reference on random data; returns (o rel err, splits used). `ramp` > 0
+    scales each sequence's cache rows by 1 + ramp * position / length, so that the scores' max
+    keeps growing along the scan (the running max is raised many times, by large steps)."""
     from attention.triton_backend import TritonAttentionOps
     from attention.triton_decode import mla_decode
     gen = torch.Generator().manual_seed(seed)
     B = len(lens)
-    cache, bt = paged_cache(lens, page, lkv + r, dtype, device, gen)
+    cache, bt = paged_cache(lens, page, lkv + r, dtype, "cpu", gen)
+    if ramp:
+        grow = torch.ones(cache.shape[:2])
+        for b, n in enumerate(lens):
+            pos = torch.arange(n)
+            grow[bt[b, pos // page].long(), pos % page] = 1 + ramp * pos / max(n, 1)
+        cache = (cache.float() * grow[..., None]).to(dtype)
+    cache, bt = cache.to(device), bt.to(device)
     q = torch.randn(B, H, lkv + r, generator=gen).to(dtype).to(device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
     scale = (lkv + r) ** -0.5 * 3.0  # sharper than 1/sqrt(d): exercises the max tracking
     with poisoned(device):
-        if num_splits is None:
+        if num_splits is None and cfg is None:
             o, lse = (ops or TritonAttentionOps()).decode(q, cache, bt, seq_lens, scale, lkv)
         else:
             o, lse = mla_decode(q, cache, bt, seq_lens, scale, lkv, num_splits=num_splits, cfg=cfg)
@@ -242,6 +251,18 @@ CPU_CASES = {
     "decode_default_tiles_h64": lambda: check_decode("cpu", f32, 64, 32, 16, 16, [0, 1, 37, 150], num_splits=3,
                                                      cfg=_default_cfg(64)),
     "decode_ops_auto_splits": lambda: check_decode("cpu", f32, 8, 32, 16, 16, [17, 0, 1]),
+    # pages holding whole tiles (one block id per tile), with and without the id prefetch
+    "decode_one_page_tiles_prefetch": lambda: check_decode("cpu", f32, 4, 32, 16, 32, [0, 1, 37, 150, 64],
+                                                           num_splits=3, cfg=_small_cfg(prefetch_ids=True)),
+    "decode_one_page_tiles": lambda: check_decode("cpu", f32, 4, 32, 16, 16, [0, 1, 37, 150, 64], num_splits=2,
+                                                  cfg=_small_cfg()),
+    # lazy rescaling: scores whose max grows along the scan, and plain random ones
+    "decode_lazy_rescale_ramp_fp16": lambda: check_decode("cpu", f16, 4, 32, 16, 4, [0, 1, 37, 150], num_splits=2,
+                                                     cfg=_small_cfg(lazy_rescale=True), ramp=6.0),
+    "decode_lazy_rescale_one_split": lambda: check_decode("cpu", f32, 4, 32, 16, 4, [0, 1, 37, 150], num_splits=1,
+                                                          cfg=_small_cfg(lazy_rescale=True), seed=3),
+    "decode_eager_rescale_ramp_fp16": lambda: check_decode("cpu", f16, 4, 32, 16, 4, [0, 1, 37, 150], num_splits=2,
+                                                      cfg=_small_cfg(), ramp=6.0),
     "prefill_causal": lambda: check_prefill("cpu", f32, 2, 48, 32, [(3, 3), (0, 4), (5, 9), (1, 1), (7, 4)],
                                             True, cfg=_small_prefill()),
     "prefill_noncausal_empty_keys": lambda: check_prefill("cpu", f32, 2, 48, 32, [(3, 0), (6, 20), (2, 5)],
@@ -274,6 +295,11 @@ CPU_CASES = {
     "gather_page4": lambda: check_gather("cpu", f32, 4, 48, [5, 0, 9, 1], [0, 3, 6, 0]),
     "gather_page16": lambda: check_gather("cpu", f32, 16, 48, [17, 40], [15, 0]),
 }
+
+
+def _small_cfg(**kw):
+    from attention.triton_decode import DecodeConfig
+    return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, **kw)
 
 
 def _prefetch_cfg(block_h):
@@ -312,6 +338,13 @@ for _h in (16, 128):
     GPU_CASES[f"decode_bf16_H{_h}_prefetch_ids"] = (
         lambda h=_h: check_decode("cuda", bf16, h, 512, 64, 16, [1, 0, 777, 4096, 16384, 3000], num_splits=5,
                                   cfg=_prefetch_cfg(16 if h == 16 else 64)))
+for _h in (16, 128):
+    GPU_CASES[f"decode_bf16_H{_h}_lazy_rescale"] = (
+        lambda h=_h: check_decode("cuda", bf16, h, 512, 64, 16, [1, 0, 777, 4096, 16384, 3000], num_splits=5,
+                                  cfg=dataclasses.replace(_default_cfg(h), lazy_rescale=True)))
+    GPU_CASES[f"decode_bf16_H{_h}_lazy_rescale_ramp"] = (
+        lambda h=_h: check_decode("cuda", bf16, h, 512, 64, 64, [1, 0, 777, 4096, 16384, 3000],
+                                  cfg=dataclasses.replace(_default_cfg(h), lazy_rescale=True), ramp=4.0))
 _PREFILL_LENS = [(1, 1), (0, 5), (5, 0), (300, 1000), (1024, 1024), (1500, 2100), (77, 50)]
 for _dt in (bf16, f16, f32):
     for _causal in (True, False):

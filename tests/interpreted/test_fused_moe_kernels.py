@@ -4,7 +4,7 @@ against the torch experts loop: the checks of tests/test_fused_moe.py."""
 from __future__ import annotations
 
 import torch
-from test_fused_moe import check, check_blocked, check_fp8, check_glue
+from test_fused_moe import check, check_blocked, check_fp8, check_glue, check_shared_dense
 
 
 def test_fused_moe_interpreter():
@@ -18,3 +18,11 @@ def test_fused_moe_interpreter():
         check_blocked(small, T, torch.float32, "cpu", 1e-5, bm)
     for T, kt, E, bm in ((1, 1, 2, 16), (3, 2, 4, 4), (37, 3, 8, 16), (64, 8, 66, 32), (5, 4, 300, 16)):
         check_glue(T, kt, E, bm, "cpu", seed=T)
+
+
+def test_shared_experts_dense_with_the_block_kernels():
+    """The block kernels with k pairs per token plus the shared experts' own GEMMs equal the block
+    kernels with the shared experts folded in (k + 2 pairs per token)."""
+    small = {"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8, "num_experts_per_tok": 3}
+    for T in (9, 40):
+        check_shared_dense(small, T, torch.float32, "cpu", 1e-5, moe="triton", moe_blocked_max_tokens=512)

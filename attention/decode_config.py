@@ -1,0 +1,101 @@
+"""The MLA decode kernel's tiles (`DecodeConfig`), their defaults per regime, and the split count
+per sequence (attention/triton_decode.py runs them; the measurements behind the defaults are in
+docs/kernel_notes.md). No Triton here: the choices are plain host-side functions.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from attention.kv_quant import is_fp8
+
+# lazy_rescale: the running max used for p = 2^(s - m) is kept until some row's max grows past it
+# by more than this (log2 domain), so p <= 2^LAZY_TAU = 256: far below fp16's overflow, and the fp32
+# accumulator and row sums have ample range. Only then are the accumulator and sums rescaled.
+LAZY_TAU = 8.0
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_h: int = 16        # query heads per program (>= 16: tl.dot needs M >= 16)
+    block_n: int = 32        # cache rows per inner step
+    num_warps: int = 4
+    num_stages: int = 2
+    programs_per_sm: int = 1  # resident stage-1 programs per SM, for the split heuristic
+    min_split_tokens: int = 64   # fewer rows per split and the fp32 partials cost more than they save
+    max_splits: int = 128
+    qk_t: bool = False       # compute scores transposed (tokens as MMA rows)
+    maxnreg: int | None = None  # register cap per thread, to fit more programs per SM
+    prefetch_ids: bool = False  # load the next tile's block ids before this tile's math
+    warp_specialize: bool = False  # Triton's warp-specialised loop (producer warps for the loads)
+    reload_v: bool = False  # FP8 cache: load each tile twice (QK^T and PV), see the kernel
+    stage_v: bool = False  # with reload_v on CUDA: PV's tile converted to fp16 before shared memory
+    stage_c: bool = False  # FP8 cache on CUDA: one load, one conversion, the fp16 tile feeds both products
+    lazy_rescale: bool = False  # rescale the accumulator only when a row's max grows by > 2^LAZY_TAU
+
+
+WIDE_ROWS = 64  # query rows (heads x query tokens) per sequence from which 64-row tiles are used
+
+
+def default_decode_config(num_rows: int, dtype: torch.dtype, smem_bytes: int | None = None,
+                          cache_dtype: torch.dtype | None = None) -> DecodeConfig:
+    """The decode kernel's tiles for `num_rows` = heads x q_len query rows per sequence, products
+    in `dtype` over a cache of `cache_dtype` (default: the same).
+
+    Two regimes (H200 sweeps, docs/kernel_notes.md): below WIDE_ROWS the kernel is bound by the
+    cache's bytes and 16-row tiles (ids prefetched, 3 stages, 2 programs per SM) stream it at
+    ~90% of copy; from WIDE_ROWS on (V3/R1 at -tp 1, DCP's gathered heads, multi-token decode)
+    it is bound by the tensor cores: 64-row tiles, QK^T [64 x 576] x [576 x 64] and PV
+    [64 x 64] x [64 x 512] per step. The 64x64 tile with 2 stages needs ~221 KB of shared memory
+    per block (Hopper has 227 KB); with less (`smem_bytes`, the current CUDA device's opt-in limit
+    when not given), 64-row tiles stay 32 rows deep.
+    """
+    if dtype == torch.float32:  # fp32 tiles are twice the bytes: keep shared memory in bounds
+        return DecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=2, min_split_tokens=256)
+    if num_rows >= WIDE_ROWS:
+        if smem_bytes is None:
+            smem_bytes = _device_smem_bytes()
+        deep = smem_bytes is None or smem_bytes >= 224 * 1024
+        return DecodeConfig(block_h=64, block_n=64 if deep else 32, num_warps=8, num_stages=2)
+    if cache_dtype is not None and is_fp8(cache_dtype):
+        # each tile loaded twice (reload_v: the only form Triton pipelines here), PV's converted to
+        # fp16 before shared memory (stage_v), 2 stages: 799 us against 873 with 3 stages and no
+        # staging at B = 128, S = 16k (H200, bench_mla_decode.py --sweep)
+        return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2,
+                            prefetch_ids=True, reload_v=True, stage_v=True)
+    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_smem_bytes() -> int | None:
+    """Opt-in shared memory per block of the current CUDA device (None without CUDA or the field)."""
+    if not torch.cuda.is_available():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return getattr(props, "shared_memory_per_block_optin", None)
+
+
+@functools.lru_cache(maxsize=1024)  # pure; called once per decode step
+def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
+                      cfg: DecodeConfig) -> int:
+    """Splits per sequence so that batch * head_tiles * splits fills the GPU in whole waves.
+
+    Same idea as FlashAttention-2's split heuristic: the wave efficiency of s splits is
+    n / ceil(n) with n = programs * s / slots; take the fewest splits within 85% of the best.
+    `max_len` is an upper bound (the block table's width), so it costs no host sync.
+    """
+    programs = batch * head_tiles
+    slots = num_sms * cfg.programs_per_sm
+    if programs >= 0.8 * slots or max_len <= cfg.min_split_tokens:
+        return 1
+    limit = max(1, min(cfg.max_splits, max_len // cfg.min_split_tokens))
+    effs = []
+    for s in range(1, limit + 1):
+        waves = programs * s / slots
+        effs.append(waves / math.ceil(waves))
+    best = max(effs)
+    return next(s for s, e in enumerate(effs, start=1) if e >= 0.85 * best)
