@@ -51,12 +51,8 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.triton_decode import (LOG2E, DecodeConfig, _mla_decode_reduce_kernel,
-                                     choose_num_splits)
-
-# lazy_rescale's threshold (log2 domain): p = 2^(s - m) <= 2^8 with a stale m, far from bf16's
-# and fp32's limits; the same value as the Triton kernel's option
-LAZY_TAU = 8.0
+from attention.decode_config import LAZY_TAU, DecodeConfig, choose_num_splits
+from attention.triton_decode import LOG2E, _mla_decode_reduce_kernel
 
 try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its API moves
     import triton
@@ -81,7 +77,7 @@ class GluonDecodeConfig:
     xbuf: int = 1  # partial-score exchange slots per direction
     worker_regs: int = 240  # register budget of the second warpgroup (setmaxnreg)
     q_pe_regs: bool = True  # q's rope slice in registers, not shared memory (8 KB less)
-    lazy_rescale: bool = False  # rescale O only when some row's max grows by > 2^LAZY_TAU
+    lazy_rescale: bool = False  # rescale O only when some row's max grows by > 2^LAZY_TAU (decode_config)
     min_split_tokens: int = 64
     max_splits: int = 128
 

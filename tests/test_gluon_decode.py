@@ -20,7 +20,7 @@ from test_triton_ops import check_lse, poisoned, rel_err
 
 from attention import gluon_decode as gd
 from attention.gluon_decode import GluonDecodeConfig, mla_decode_wgmma, plan_splits, validate_inputs
-from attention.triton_decode import DecodeConfig, choose_num_splits
+from attention.decode_config import DecodeConfig, choose_num_splits
 
 REPO = Path(__file__).resolve().parents[1]
 bf16 = torch.bfloat16
