@@ -204,9 +204,13 @@ def check_gluon_decode(lens, H, page, q_len=1, num_splits=None, with_pos=False, 
     tri_o, tri_lse = mla_decode(q, cache, bt, seq_lens, sm, LKV, num_splits=num_splits, **kw)
     assert o.shape == tri_o.shape == (B * q_len, H, LKV) and o.dtype == tri_o.dtype == bf16
     assert lse.shape == tri_lse.shape and lse.dtype == torch.float32
-    check_lse(lse, ref_lse, "gluon decode")
+    # where it went wrong, to localise a failure: each warpgroup's column half, NaN, the lse
+    halves = [rel_err(o[..., :LKV // 2], ref_o[..., :LKV // 2]), rel_err(o[..., LKV // 2:], ref_o[..., LKV // 2:])]
+    where = (f"lens {lens[:4]}..., H={H}, page={page}, q_len={q_len}, splits={num_splits}: rel err per "
+             f"column half {halves}, NaN in o {o.isnan().any().item()}, lse NaN {lse.isnan().any().item()}")
+    check_lse(lse, ref_lse, "gluon decode " + where)
     err = rel_err(o, ref_o)
-    assert err <= TOL, f"gluon decode rel err {err} > {TOL} (lens {lens[:4]}..., H={H}, page={page})"
+    assert err <= TOL, f"gluon decode rel err {err} > {TOL} ({where})"
     # rows without a visible key: exactly 0 (as mla_decode)
     empty = torch.isinf(ref_lse)
     if empty.any():
