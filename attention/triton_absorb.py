@@ -17,12 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
+from common.pdl import pdl_launch, pdl_prologue
+
 
 @triton.jit(do_not_specialize=["T"])
 def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t,
                      H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
                      BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
-                     IEEE: tl.constexpr, ROPE: tl.constexpr):
+                     IEEE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     h = tl.program_id(0)
     lb = tl.program_id(1)
     t0 = tl.program_id(2) * BT
@@ -64,7 +67,9 @@ def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_
 @triton.jit(do_not_specialize=["T"])
 def _absorb_o_kernel(o_ptr, w_ptr, out_ptr, T, s_o_t, s_o_h, s_w_h, s_w_v,
                      H: tl.constexpr, L: tl.constexpr, V: tl.constexpr,
-                     BL: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr):
+                     BL: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_prologue(PDL)
     h = tl.program_id(0)
     vb = tl.program_id(1)
     t0 = tl.program_id(2) * BT
@@ -153,7 +158,7 @@ def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
         q_nope, q_pe, w_uk, q, q if cos_sin is None else cos_sin, T, q_nope.stride(0), q_nope.stride(1),
         q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1), 0 if cos_sin is None else cos_sin.stride(0),
         H=H, P=P, L=L, R=R, BP=max(16, triton.next_power_of_2(P)), BL=BL, BR=max(2, triton.next_power_of_2(R)),
-        BT=BT, IEEE=q_nope.dtype == torch.float32, ROPE=cos_sin is not None, num_warps=4)
+        BT=BT, IEEE=q_nope.dtype == torch.float32, ROPE=cos_sin is not None, num_warps=4, **pdl_launch())
     return q
 
 
@@ -173,5 +178,5 @@ def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     _absorb_o_kernel[(H, triton.cdiv(V, BV), triton.cdiv(T, BT))](
         o_lat, w_uv, out, T, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), H=H, L=L, V=V,
         BL=max(16, min(128, triton.next_power_of_2(L))), BV=BV, BT=BT, IEEE=o_lat.dtype == torch.float32,
-        num_warps=4, num_stages=3)
+        num_warps=4, num_stages=3, **pdl_launch())
     return out

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from attention.kv_quant import is_fp8
+from common.pdl import pdl_launch, pdl_prologue
 
 BLOCK_T = 16
 # Sequences one gather program compares its rows against per loop step. Fixed, as are the block
@@ -141,7 +142,8 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, starts: to
 def _kv_finish_kernel(kv_ptr, w_ptr, cs_ptr, out_ptr, cache_ptr, slot_ptr, eps, inv_scale,
                       stride_kvt, stride_cst, stride_cb, stride_cs,
                       PAGE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, IS_FP8: tl.constexpr):
+                      BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, IS_FP8: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     src = kv_ptr + t * stride_kvt
     dt = out_ptr.dtype.element_ty
@@ -196,5 +198,6 @@ def kv_finish(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos_sin: 
                                 1.0 / kv_scale,
                                 kv.stride(0), cos_sin.stride(0), kv_cache.stride(0), kv_cache.stride(1),
                                 PAGE=kv_cache.shape[1], L=L, R=R, BLOCK_L=triton.next_power_of_2(L),
-                                BLOCK_H=triton.next_power_of_2(R // 2), IS_FP8=is_fp8(kv_cache), num_warps=4)
+                                BLOCK_H=triton.next_power_of_2(R // 2), IS_FP8=is_fp8(kv_cache), num_warps=4,
+                                **pdl_launch())
     return out

@@ -46,6 +46,21 @@ def use_autotune(on: bool) -> None:
     _autotune = on
 
 
+_pdl = False
+
+
+def pdl() -> bool:
+    """Whether the decode path's Triton kernels launch with programmatic dependent launch
+    (common/pdl.py): a process setting, the plan's `pdl`, set by `use_pdl` when a worker builds
+    its model (off by default, as for kernels called directly); never under the interpreter."""
+    return _pdl and not interpreting()
+
+
+def use_pdl(on: bool) -> None:
+    global _pdl
+    _pdl = on
+
+
 @dataclass(frozen=True)
 class Choice:
     key: str
@@ -90,6 +105,9 @@ CHOICES: tuple[Choice, ...] = (
     Choice("fp8_gemm", ("auto", TRITON, "cublas"),
            "W8A8 block GEMM with --fp8-gemm: cuBLAS's block-scaled GEMM where torch, GPU and "
            "shape have it (auto), or one of them", ("models.fp8_gemm",), triton="auto", torch="auto"),
+    Choice("pdl", (bool,), "programmatic dependent launch (sm_90+) for the decode path's Triton kernels: "
+           "each is launched while its predecessor drains and waits for its writes on the GPU",
+           ("common.pdl",), triton=False, torch=False),
     Choice("compile", (bool,), "torch.compile the elementwise glue (norms, RoPE, SwiGLU) on CUDA",
            ("torch._dynamo", "torch._inductor"), triton=True, torch=False),
     Choice("autotune", (bool,), "autotune Triton tiles per token bucket (off: one fixed tile per "
@@ -119,6 +137,7 @@ class KernelPlan:
     moe_shared_dense_min_tokens: int = 0
     moe_large: str = "loop"
     fp8_gemm: str = "auto"
+    pdl: bool = False
     compile: bool = False
     autotune: bool = False
     warmup: bool = False

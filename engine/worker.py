@@ -11,7 +11,7 @@ import torch
 from attention.kv_quant import resolve_kv_cache_dtype
 from common import distributed as pd
 from common.args import EngineArgs
-from common.kernel_plan import KernelPlan, resolve_plan, use_autotune
+from common.kernel_plan import KernelPlan, resolve_plan, use_autotune, use_pdl
 from engine.model_runner import ModelRunner
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
@@ -85,6 +85,10 @@ class Worker:
         if pd.tp().rank == 0:
             log.info("%s", self.plan.describe())
         use_autotune(self.plan.autotune)
+        if self.plan.pdl and (self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (9, 0)):
+            raise ValueError(f"--kernels ...,pdl=1: programmatic dependent launch needs an sm_90+ GPU (Hopper or "
+                             f"newer), not {self.device}; leave pdl at 0")
+        use_pdl(self.plan.pdl)
         fp8_gemm = args.fp8_gemm and cfg.fp8_block is not None
         if fp8_gemm and not self.plan.any_triton:
             raise ValueError("--fp8-gemm runs W8A8 GEMM kernels (Triton or cuBLAS): not with the pure-torch "

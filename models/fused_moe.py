@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from common.kernel_plan import autotuning, interpreting
+from common.pdl import pdl_launch, pdl_prologue
 
 
 @triton.jit
@@ -64,10 +65,11 @@ def _pair(pair, ids_ptr, E_R, K_TOP: tl.constexpr, NS: tl.constexpr):
 @triton.jit
 def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BUCKET, S_ROWS, S_COLS,
                         K_TOP: tl.constexpr, NS: tl.constexpr, QB: tl.constexpr, SCALED: tl.constexpr,
-                        IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """The gate/up GEMV as tensor-core products: the token's row padded to 16 (rows 1-15 zero).
     The padding costs compute nobody waits for; what it buys is the compiler's software
     pipeline for loads that feed a dot (num_stages tiles in flight per program)."""
+    pdl_prologue(PDL)
     pair = tl.program_id(0)
     nb = tl.program_id(1)
     tok, _, e = _pair(pair, ids_ptr, E_R, K_TOP, NS)
@@ -100,7 +102,8 @@ def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BU
 @triton.jit
 def _down_dot_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E_R, T_BUCKET, S_ROWS, S_COLS,
                      K_TOP: tl.constexpr, NS: tl.constexpr, QB: tl.constexpr, SCALED: tl.constexpr,
-                     IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     pair = tl.program_id(0)
     db = tl.program_id(1)
     offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,9 +126,10 @@ def _down_dot_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E_
 
 
 @triton.jit
-def _sum_pairs_kernel(part_ptr, out_ptr, D, KT: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_pairs_kernel(part_ptr, out_ptr, D, KT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum of token t's KT partial rows (fp32), in the output dtype: one launch where
     torch took a strided reduction and a cast (~5 µs at batch 1 on the H200)."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < D
@@ -199,7 +203,7 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     up_args = (x, ids, w13, s13, h, D, I, e_r, bucket, r13, c13)
     down_args = (h, ids, weights, w2, s2, part, D, I, e_r, bucket, r2, c2)
     # fp32 models (the tiny test models on CUDA): exact products, not TF32
-    const = dict(K_TOP=k, NS=n_shared, QB=block, SCALED=scaled, IEEE=x.dtype == torch.float32)
+    const = dict(K_TOP=k, NS=n_shared, QB=block, SCALED=scaled, IEEE=x.dtype == torch.float32, **pdl_launch())
     if not autotuning():
         t = _INTERPRET_TILES if interpreting() else _FIXED_TILES_FP8 if scaled else _FIXED_TILES
         _gate_up_dot_kernel[(T * kt, triton.cdiv(I, t["BLOCK_N"]))](*up_args, **const, **t)
@@ -207,7 +211,7 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     else:
         _gate_up_dot_tuned[lambda m: (T * kt, triton.cdiv(I, m["BLOCK_N"]))](*up_args, **const)
         _down_dot_tuned[lambda m: (T * kt, triton.cdiv(D, m["BLOCK_N"]))](*down_args, **const)
-    _sum_pairs_kernel[(T, triton.cdiv(D, 1024))](part, out, D, KT=kt, BLOCK=1024, num_warps=4)
+    _sum_pairs_kernel[(T, triton.cdiv(D, 1024))](part, out, D, KT=kt, BLOCK=1024, num_warps=4, **pdl_launch())
     return out
 
 
@@ -225,7 +229,8 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
 @triton.jit
 def _blocked_gate_up_kernel(x_ptr, rows_ptr, bexp_ptr, w13_ptr, h_ptr, D, I, E, KT, T_BUCKET,
                             IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     blk = tl.program_id(0)
     nb = tl.program_id(1)
     e = tl.load(bexp_ptr + blk).to(tl.int64)
@@ -255,7 +260,8 @@ def _blocked_gate_up_kernel(x_ptr, rows_ptr, bexp_ptr, w13_ptr, h_ptr, D, I, E, 
 @triton.jit
 def _blocked_down_kernel(h_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, part_ptr, D, I, E, T_BUCKET,
                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     blk = tl.program_id(0)
     db = tl.program_id(1)
     e = tl.load(bexp_ptr + blk).to(tl.int64)
@@ -311,10 +317,11 @@ def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) ->
 
 @triton.jit(do_not_specialize=["P", "NB"])
 def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BINS: tl.constexpr):
+                  BINS: tl.constexpr, PDL: tl.constexpr):
     """Program e < E writes expert e's run of `rows` and its blocks' `bexp`; program E the unused
     tail. Every program histograms all P pair ids (they are few, and read from L2) to find
     where its run starts: the padded counts of the experts before it."""
+    pdl_prologue(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK_P)
     in_p = offs < P
@@ -351,7 +358,8 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     bexp = torch.empty(nb, dtype=torch.int64, device=ids.device)
     _align_kernel[(num_experts + 1,)](flat, rows, bexp, P, num_experts, nb, BLOCK_M=block_m,
                                       BLOCK_P=max(16, triton.next_power_of_2(P)),
-                                      BINS=max(16, triton.next_power_of_2(num_experts + 1)), num_warps=4)
+                                      BINS=max(16, triton.next_power_of_2(num_experts + 1)), num_warps=4,
+                                      **pdl_launch())
     return rows, bexp
 
 
@@ -373,18 +381,19 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     nb = bexp.numel()
     ieee = x.dtype == torch.float32
     bucket = triton.next_power_of_2(T)
+    const = dict(IEEE=ieee, BLOCK_M=block_m, **pdl_launch())
     if not autotuning():
         t = dict(BLOCK_N=32, BLOCK_K=64) if interpreting() else dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
         _blocked_gate_up_kernel[(nb, triton.cdiv(I, t["BLOCK_N"]))](x, rows, bexp, w13, h, D, I, E, kt, bucket,
-                                                                    IEEE=ieee, BLOCK_M=block_m, **t)
+                                                                    **const, **t)
         _blocked_down_kernel[(nb, triton.cdiv(D, t["BLOCK_N"]))](h, rows, bexp, pw, w2, part, D, I, E, bucket,
-                                                                 IEEE=ieee, BLOCK_M=block_m, **t)
+                                                                 **const, **t)
     else:
         _blocked_gate_up_tuned[lambda m: (nb, triton.cdiv(I, m["BLOCK_N"]))](x, rows, bexp, w13, h, D, I, E, kt,
-                                                                             bucket, IEEE=ieee, BLOCK_M=block_m)
+                                                                             bucket, **const)
         _blocked_down_tuned[lambda m: (nb, triton.cdiv(D, m["BLOCK_N"]))](h, rows, bexp, pw, w2, part, D, I, E,
-                                                                          bucket, IEEE=ieee, BLOCK_M=block_m)
-    _sum_pairs_kernel[(T, triton.cdiv(D, 1024))](part, out, D, KT=kt, BLOCK=1024, num_warps=4)
+                                                                          bucket, **const)
+    _sum_pairs_kernel[(T, triton.cdiv(D, 1024))](part, out, D, KT=kt, BLOCK=1024, num_warps=4, **pdl_launch())
     return out
 
 

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.pdl import pdl_launch, pdl_prologue
+
 
 LOGITS_MAX_TOKENS = 16
 # Each program reads its expert's row for its own token (the T programs of a row run side by
@@ -39,8 +41,10 @@ _LOGITS_MAX_ELEMS = 16 * 64 * 2048
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, E: tl.constexpr, BLOCK_K: tl.constexpr):
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, E: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr):
     """logits[t, e] = x[t] . w[e] in fp32; program (t, e)."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1).to(tl.int64)
     acc = tl.zeros([BLOCK_K], dtype=tl.float32)
@@ -70,7 +74,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tens
     out = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T:
         _router_logits_kernel[(T, E)](x, weight, out, D, x.stride(0), E=E,
-                                      BLOCK_K=min(triton.next_power_of_2(D), 2048), num_warps=4)
+                                      BLOCK_K=min(triton.next_power_of_2(D), 2048), num_warps=4, **pdl_launch())
     return out
 
 
@@ -78,7 +82,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tens
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
                   E: tl.constexpr, G: tl.constexpr, EPG: tl.constexpr, GP: tl.constexpr, EP: tl.constexpr,
                   TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr,
-                  GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+                  GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GP)[:, None]
     j = tl.arange(0, EP)[None, :]
@@ -148,5 +153,6 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                             E=E, G=G, EPG=E // G, GP=triton.next_power_of_2(G),
                             EP=triton.next_power_of_2(E // G), TOPK_GROUP=topk_group if grouped else 1,
                             K=top_k, KP=triton.next_power_of_2(top_k), SIGMOID=sigmoid, GROUPED=grouped,
-                            HAS_BIAS=bias is not None, NORM=bool(norm and top_k > 1), num_warps=1 if E <= 64 else 2)
+                            HAS_BIAS=bias is not None, NORM=bool(norm and top_k > 1), num_warps=1 if E <= 64 else 2,
+                            **pdl_launch())
     return weights, ids

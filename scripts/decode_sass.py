@@ -40,6 +40,7 @@ VARIANTS = [  # (name, fp8, DecodeConfig fields)
     ("fp8 plain", True, f"{_H16},block_n=32,num_stages=3"),
     ("fp8 stage_c", True, f"{_H16},block_n=32,num_stages=2,stage_c=True"),
     ("fp8 stage_c lazy", True, f"{_H16},block_n=32,num_stages=2,stage_c=True,lazy_rescale=True"),
+    ("bf16 fused_reduce", False, f"{_H16},block_n=32,num_stages=3,fused_reduce=True"),
     ("h64 bf16 default", False, "block_h=64,block_n=64,num_warps=8,num_stages=2"),
     ("h64 bf16 lazy", False, "block_h=64,block_n=64,num_warps=8,num_stages=2,lazy_rescale=True"),
 ]
@@ -54,7 +55,7 @@ def parse_cfg(text: str) -> td.DecodeConfig:
     return dataclasses.replace(td.DecodeConfig(), **kw)
 
 
-def compile_partial(cfg: td.DecodeConfig, fp8: bool, page: int = 16, direct: bool = False):
+def compile_partial(cfg: td.DecodeConfig, fp8: bool, page: int = 16, direct: bool = False, pdl: bool = False):
     """The partial kernel for V2/V3 shapes (Lkv 512, R 64), bf16 q (fp16 products over FP8), as
     `mla_decode` launches it; pointers and the strides that the launch specializes are marked
     16-divisible, as the JIT does for the engine's tensors."""
@@ -65,10 +66,10 @@ def compile_partial(cfg: td.DecodeConfig, fp8: bool, page: int = 16, direct: boo
                  PRODUCT_DTYPE=tl.float16 if fp8 else tl.bfloat16, HW_CVT=fp8,
                  RELOAD_V=fp8 and cfg.reload_v and not cfg.stage_c,
                  STAGE_V=fp8 and cfg.reload_v and cfg.stage_v and not cfg.stage_c, STAGE_C=fp8 and cfg.stage_c,
-                 LAZY=cfg.lazy_rescale, TAU=td.LAZY_TAU)
+                 LAZY=cfg.lazy_rescale, TAU=td.LAZY_TAU, FUSED=cfg.fused_reduce and not direct, PDL=pdl)
     ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "block_table_ptr": "*i32",
             "seq_lens_ptr": "*i32", "q_pos_ptr": "*i32", "o_ptr": "*bf16" if direct else "*fp32",
-            "lse_ptr": "*fp32"}
+            "lse_ptr": "*fp32", "fo_ptr": "*bf16", "flse_ptr": "*fp32", "cnt_ptr": "*i32"}
     unspecialized = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -83,7 +84,7 @@ def compile_partial(cfg: td.DecodeConfig, fp8: bool, page: int = 16, direct: boo
             if name.startswith("stride") and name not in unspecialized:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages, "launch_pdl": pdl})
 
 
 def sass_of(ptx: str) -> tuple[str, str]:
@@ -130,14 +131,17 @@ def main() -> None:
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--dump", help="with --cfg: write PREFIX.ptx and PREFIX.sass")
     p.add_argument("--all-ops", action="store_true", help="also print every opcode of the loop")
+    p.add_argument("--pdl", action="store_true", help="compile with programmatic dependent launch (common/pdl.py)")
     a = p.parse_args()
     variants = [("cfg", a.fp8, a.cfg)] if a.cfg else VARIANTS
     print(f"triton {triton.__version__}, sm_90a, page {a.page}; loop = instructions per KV tile per warp\n")
     print("| variant | smem KB | registers, spills | loop | " + " | ".join(CLASSES) + " |")
     print("|---|---|---|---|" + "---|" * len(CLASSES))
     for name, fp8, text in variants:
-        k = compile_partial(parse_cfg(text), fp8, a.page)
+        k = compile_partial(parse_cfg(text), fp8, a.page, pdl=a.pdl)
         regs, sass = sass_of(k.asm["ptx"])
+        if a.pdl:
+            print(f"  griddepcontrol in PTX: {k.asm['ptx'].count('griddepcontrol')}, launch_pdl {k.metadata.launch_pdl}")
         if a.dump and a.cfg:
             Path(a.dump + ".ptx").write_text(k.asm["ptx"])
             Path(a.dump + ".sass").write_text(sass)

@@ -8,10 +8,14 @@
 #   moe         fused small-batch MoE vs grouped GEMM at V2-Lite shapes (bench_fused_moe.py)
 #   mla         Triton MLA kernels: real-shape checks, decode grid, prefill (bench_mla_decode.py)
 #   decode      the MLA decode kernel alone: its GPU tests (bf16 and FP8 caches, every DecodeConfig
-#               variant), then its tiles swept at B=128, S=4k/16k, 16 and 128 heads, bf16 and FP8
-#               (bench_mla_decode.py --decode-only --sweep; give it `decode:300`)
+#               variant), split counts with and without the reduce kernel at 1k contexts
+#               (bench_decode_splits.py --fused-reduce), then its tiles swept at B=128, S=4k/16k,
+#               16 and 128 heads, bf16 and FP8 (bench_mla_decode.py --decode-only --sweep; give it
+#               `decode:360`)
 #   latency     V2-Lite dummy bf16 TPOT at batch 1/8/32/128 (bench_latency.py; async scheduling, the default)
 #   latency_sync   the same with --no-async-scheduling
+#   pdl         TPOT at batch 1/8/32 without and with programmatic dependent launch (--kernels
+#               auto,pdl=1), two runs of bench_latency.py, each under the step's timeout
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
 #   offline     the same, prefix caching off, with its instruments: wall / host launch / GPU span per
@@ -57,12 +61,16 @@ for spec in $steps; do
            --out "$OUT/bench_mla_decode.json" > "$log" 2>&1 ;;
     decode) { timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_ops.py \
                 tests/test_kv_cache_fp8.py -k decode
-              timeout "$T" python3 scripts/bench_mla_decode.py --decode-only --sweep --budget-s $((T - 60)) \
+              timeout "$T" python3 scripts/bench_decode_splits.py --fused-reduce --splits 2 4 8 16 32 64
+              timeout "$T" python3 scripts/bench_mla_decode.py --decode-only --sweep --budget-s $((T - 100)) \
                 --decode-shapes 128x4096,128x16384 --heads 16,128 --cache-dtypes bf16,fp8 \
                 --out "$OUT/bench_mla_decode.json"; } > "$log" 2>&1 ;;
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
     latency_sync) timeout "$T" python3 scripts/bench_latency.py --no-async-scheduling ${LATENCY_ARGS:-} \
           --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;
+    pdl) { for k in auto auto,pdl=1; do echo "## --kernels $k"
+             timeout "$T" python3 scripts/bench_latency.py --kernel-plan "$k" --batch-sizes 1 8 32 \
+               --json "$OUT/latency_${k//[,=]/_}.json"; done; } > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
     offline) timeout "$T" python3 scripts/bench_throughput.py --no-enable-prefix-caching --step-stats --host-sample \

@@ -52,6 +52,23 @@ def test_cuda_graphs_equal_eager(model, request):
     assert _run(path, kernels="auto") == _run(path, kernels="auto", enforce_eager=True)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launch needs sm_90+")
+def test_pdl_equals_no_pdl(gpu_v2):
+    """The decode path's kernels launched with programmatic dependent launch (`pdl=1`), in CUDA
+    graphs and eagerly: the same greedy tokens as without it, over 64 prompts (the fused, block
+    and grouped MoE paths, decode splits, mixed steps)."""
+    from common.kernel_plan import use_pdl
+    path, _ = gpu_v2
+    prompts = _prompts64()
+    ref = _run(path, prompts)
+    try:
+        assert _run(path, prompts, kernels="auto,warmup=0,pdl=1") == ref
+        assert _run(path, prompts, kernels="auto,warmup=0,pdl=1", enforce_eager=True) == ref
+    finally:
+        use_pdl(False)  # a process setting: kernels called directly by later tests launch without it
+
+
 @pytest.mark.parametrize("budget", [16, 2048])
 def test_async_scheduling_equals_sync(gpu_v3, budget):
     """Step N+1 launched before step N's tokens reach the host (inputs on the device,

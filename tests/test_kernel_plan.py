@@ -96,3 +96,12 @@ def test_describe_is_one_line_with_every_key():
     line = _resolve("auto").describe()
     assert "\n" not in line and all(f" {c.key}=" in line for c in CHOICES)
     assert "moe_fused_max_tokens=4" in line and "compile=1" in line
+
+
+def test_pdl_without_a_hopper_gpu_is_refused_with_the_flag(tiny_v2):
+    """pdl=1 asks for a launch attribute only sm_90+ has: on the CPU the engine refuses to start
+    (nothing is silently left off), naming the setting."""
+    from engine import LLM
+    assert _resolve("auto,pdl=1").pdl and not _resolve("auto").pdl
+    with pytest.raises(ValueError, match=r"pdl=1: programmatic dependent launch needs an sm_90\+ GPU"):
+        LLM(tiny_v2[0], device="cpu", dtype="float32", kernels="torch,pdl=1")
