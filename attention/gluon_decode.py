@@ -53,6 +53,7 @@ import torch
 
 from attention.decode_config import LAZY_TAU, DecodeConfig, choose_num_splits
 from attention.triton_decode import LOG2E, _mla_decode_reduce_kernel
+from common.pdl import pdl_launch
 
 try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its API moves
     import triton
@@ -542,7 +543,8 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
             po, plse, o, lse, H, num_splits,
             *po_strides, *plse_strides,
             o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
-            LKV=LKV, BLOCK_L=LKV, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+            LKV=LKV, BLOCK_L=LKV, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            **pdl_launch())  # the Triton reduce's PDL flag, as mla_decode launches it
     return o, lse
 
 
