@@ -1,14 +1,17 @@
 """Compile the Gluon MLA decode kernel (attention/gluon_decode.py) for sm_90 without a GPU and
 print what the cubin costs: whether it compiled, shared memory, registers and spills (ptxas -v),
-and counts of the instructions that matter (wgmma, ldmatrix, cp.async, barriers) in PTX and SASS.
+counts of the instructions that matter (wgmma, ldmatrix, cp.async, barriers) in PTX and SASS,
+and the size of the KV-tile loop per warp.
 
 Runs on a CPU-only machine: Triton lowers to PTX and runs its bundled ptxas; nothing executes.
-Write against the Triton the GPU machine has (3.6 at the time of writing):
+The kernel is written against Triton 3.6's Gluon (the GPU machine's Triton); with another
+installed, point PYTHONPATH at a 3.6 install:
 
-  PYTHONPATH=/work/tr36 .venv/bin/python scripts/compile_sm90.py --page 16 --direct 0
-  PYTHONPATH=/work/tr36 .venv/bin/python scripts/compile_sm90.py --dump /tmp/gluon_mla  # keep IR
+  PYTHONPATH=<triton 3.6> python scripts/compile_sm90.py --page 16 --direct 0
+  PYTHONPATH=<triton 3.6> python scripts/compile_sm90.py --lazy 1 --dump /tmp/gluon_mla  # keep IR
 
-Exit status 1 when the kernel does not compile, spills, or needs more than 227 KB of shared memory.
+Exit status 1 when the kernel does not compile, spills, needs more than 227 KB of shared memory,
+or ptxas serialises its wgmma.
 """
 
 from __future__ import annotations
