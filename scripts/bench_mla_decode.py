@@ -13,6 +13,7 @@ medians (it flushes L2 before every run). Prints a table and writes JSON to --ou
 $OUT/bench_mla_decode.json).
 
   python3 scripts/bench_mla_decode.py --check --sweep
+  python3 scripts/bench_mla_decode.py --decode-only --decode-shapes 128x4096 --heads 128 --cache-dtypes bf16 --impl gluon
   python3 scripts/bench_mla_decode.py --decode-only --decode-shapes 128x4096,128x16384 --heads 16,128 \
       --cache-dtypes bf16,fp8 --sweep
 """
@@ -36,6 +37,8 @@ sys.path.insert(0, str(REPO))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
+from attention.gluon_decode import (GluonDecodeConfig, check_gluon_available,  # noqa: E402
+                                    mla_decode_wgmma, plan_splits)
 from attention.kv_quant import FP8_DTYPE, store_as  # noqa: E402
 from attention.triton_cache import gather_context, write_kv  # noqa: E402
 from attention.triton_decode import (DecodeConfig, choose_num_splits, default_decode_config,  # noqa: E402
@@ -133,7 +136,8 @@ def decode_inputs(B, S, H, page=64, cache_dtype=torch.bfloat16):
     return q, cache, bts, lens
 
 
-def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float, shapes, heads, cache_names):
+def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float, shapes, heads, cache_names,
+               impl: str = "triton"):
     for B, S in shapes:
         for H in heads:
             for cname in cache_names:
@@ -145,6 +149,15 @@ def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float, shapes, he
                 cfgs = [default_decode_config(H, torch.bfloat16, cache_dtype=cdt)]
                 if sweep:
                     cfgs += [DecodeConfig(**c) for c in DECODE_SWEEP.get((H, cname), [])]
+                if impl == "gluon":  # attention/gluon_decode.py, timed after the Triton default
+                    if H % 64 == 0 and cname == "bf16":
+                        cfgs.append(GluonDecodeConfig())
+                        if sweep:
+                            cfgs += [GluonDecodeConfig(lazy_rescale=True),
+                                     GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)]
+                    else:
+                        log.append(f"decode B={B} S={S} H={H} {cname}: --impl gluon needs H % 64 == 0 "
+                                   "and a bf16 cache; Triton only")
                 _time_configs(rows, log, deadline, num_sms, sweep, B, S, H, cname, q, cache, bts, lens, nbytes,
                               flops, cfgs)
                 del q, cache, bts, lens
@@ -154,14 +167,22 @@ def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float, shapes, he
 def _time_configs(rows, log, deadline, num_sms, sweep, B, S, H, cname, q, cache, bts, lens, nbytes, flops, cfgs):
     tried, ref = [], None
     for cfg in dict.fromkeys(cfgs):
-        bh = max(16, min(cfg.block_h, H))
-        auto = choose_num_splits(B, triton.cdiv(H, bh), bts[0].shape[1] * 64, num_sms, cfg)
+        gluon = isinstance(cfg, GluonDecodeConfig)
+        if gluon:
+            auto = plan_splits(B, H, bts[0].shape[1] * 64, num_sms, cfg)
+        else:
+            bh = max(16, min(cfg.block_h, H))
+            auto = choose_num_splits(B, triton.cdiv(H, bh), bts[0].shape[1] * 64, num_sms, cfg)
         split_opts = [auto]
-        if sweep and cfg == cfgs[0] and B == 1:  # is the heuristic's choice the best split count?
+        if sweep and (cfg == cfgs[0] or gluon) and B == 1:  # is the heuristic's choice the best split count?
             split_opts += [s for s in dict.fromkeys((16, 32, 66, 132, 264)) if s != auto]
         for ns in split_opts:
-            calls = [lambda bt=bt: mla_decode(q, cache, bt, lens, 0.1, LKV, num_splits=ns,
-                                              num_sms=num_sms, cfg=cfg) for bt in bts]
+            if gluon:
+                calls = [lambda bt=bt: mla_decode_wgmma(q, cache, bt, lens, 0.1, LKV, num_splits=ns,
+                                                        num_sms=num_sms, cfg=cfg) for bt in bts]
+            else:
+                calls = [lambda bt=bt: mla_decode(q, cache, bt, lens, 0.1, LKV, num_splits=ns,
+                                                  num_sms=num_sms, cfg=cfg) for bt in bts]
             calls = (calls * 4)[:max(4, len(calls))]
             if tried and time.time() > deadline:
                 break
@@ -178,13 +199,15 @@ def _time_configs(rows, log, deadline, num_sms, sweep, B, S, H, cname, q, cache,
             if agree > 1e-2:
                 log.append(f"decode B={B} S={S} H={H} {cname} {_short(vars(cfg))}/{ns} DISAGREES {agree:.3g}")
             tried.append(dict(agree=agree, cfg={k: v for k, v in vars(cfg).items() if k not in ("min_split_tokens",
-                                                                                   "max_splits")},
+                                                                                   "max_splits")}
+                              | ({"impl": "gluon"} if gluon else {}),
                               splits=ns, auto=ns == auto, ms=ms, default=cfg == cfgs[0]))
     if not tried:
         return
     dflt = [t for t in tried if t["default"] and t["auto"]]
     best = min(tried, key=lambda t: t["ms"])
-    for tag, t in (("default", dflt[0] if dflt else None), ("best", best)):
+    glu = [t for t in tried if t["cfg"].get("impl") == "gluon" and t["auto"]]  # --impl gluon's own row
+    for tag, t in (("default", dflt[0] if dflt else None), ("best", best), ("gluon", glu[0] if glu else None)):
         if t is not None:
             rows.append(dict(kind="decode", B=B, S=S, H=H, cache=cname, which=tag, cfg=t["cfg"], splits=t["splits"],
                              us=t["ms"] * 1e3, GBps=nbytes / t["ms"] / 1e6, TFLOPs=flops / t["ms"] / 1e9))
@@ -195,7 +218,11 @@ def _time_configs(rows, log, deadline, num_sms, sweep, B, S, H, cname, q, cache,
 
 def _short(cfg: dict) -> str:
     """Compact tile description: h16n32w4s2p2[r168][T][P][W][V][S][C][L][F] (the flags: qk_t,
-    prefetch_ids, warp_specialize, reload_v, stage_v, stage_c, lazy_rescale, fused_reduce)."""
+    prefetch_ids, warp_specialize, reload_v, stage_v, stage_c, lazy_rescale, fused_reduce); the
+    Gluon kernel's as gluon-n32s4x1[R][L] (R: q's rope slice in registers, L: lazy rescale)."""
+    if cfg.get("impl") == "gluon":
+        return (f"gluon-n{cfg['block_n']}s{cfg['num_stages']}x{cfg['xbuf']}" + ("R" if cfg.get("q_pe_regs") else "")
+                + ("L" if cfg.get("lazy_rescale") else ""))
     out = f"h{cfg['block_h']}n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}p{cfg['programs_per_sm']}"
     out += f"r{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
     return (out + ("T" if cfg.get("qk_t") else "") + ("P" if cfg.get("prefetch_ids") else "")
@@ -315,10 +342,15 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill and cache-op timings")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="after 70%% (decode) / 90%% (prefill) of this many seconds, time default configs only")
+    ap.add_argument("--impl", choices=("triton", "gluon"), default="triton",
+                    help="gluon: also time attention/gluon_decode.py (H %% 64 == 0, bf16 cache, sm_90) "
+                         "next to the Triton default")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_mla_decode.json or ./)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_mla_decode.py needs a CUDA GPU")
+    if args.impl == "gluon":
+        check_gluon_available(torch.device("cuda"))  # raises naming --impl gluon's kernel
     t0 = time.time()
     props = torch.cuda.get_device_properties(0)
     info = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -340,7 +372,7 @@ def main():
         shapes = [tuple(int(v) for v in x.split("x")) for x in args.decode_shapes.split(",")] if args.decode_shapes \
             else DECODE_SHAPES
         run_decode(rows, args.sweep, props.multi_processor_count, log, t0 + args.budget_s * 0.7, shapes,
-                   [int(h) for h in args.heads.split(",")], args.cache_dtypes.split(","))
+                   [int(h) for h in args.heads.split(",")], args.cache_dtypes.split(","), args.impl)
         save()
         print(f"decode done in {time.time() - t0:.0f} s", flush=True)
         if not args.decode_only:

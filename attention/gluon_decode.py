@@ -1,0 +1,553 @@
+"""Paged split-KV MLA decode for many query rows on Hopper's tensor cores, in Gluon (opt-in).
+
+Same contract as `attention.triton_decode.mla_decode` (notation in its docstring, DESIGN.md §4):
+q `[B*q_len, H, 576]` = `[q_lat (512) ‖ q_pe (64)]`, paged cache `[NB, page, 576]` = `[c ‖ k_pe]`,
+o = softmax(q·[c ‖ k_pe] * scale) @ c in q's dtype `[T, H, 512]`, lse (natural log) fp32 `[T, H]`;
+splits merged by `triton_decode._mla_decode_reduce_kernel`. Scope: bf16 q and cache, q_len * H a
+multiple of 64, the DeepSeek widths 512 + 64, sm_90 only. Nothing here is used unless asked for
+(`mla_decode_wgmma`, `bench_mla_decode.py --impl gluon`).
+
+Design. One program = 64 query rows (a wgmma's M) x one split of one sequence, two warpgroups
+as two warp-specialised partitions of 4 warps each, both running `_wg_partition` with W = 0 or 1.
+Warpgroup W owns a fixed slice of the 576 columns: latent columns [256 W, 256 W + 256) and rope
+columns [512 + 32 W, 512 + 32 W + 32). For each tile of BLOCK_N = 32 cache rows it
+- loads its own column slice of the tile (cp.async, per-row addresses from the block table),
+- computes its partial scores q[:, slice] @ tile[:, slice]^T (wgmma m64n32: K = 256 with q's
+  latent slice from shared memory, K = 32 with its rope slice from registers), exchanges the
+  64 x 32 fp32 partial with the other warpgroup through shared memory (mbarriers) and adds: both
+  then hold the same scores (fp32 addition is commutative, so bit-equal), run the same online
+  softmax and hold the same P, m and l;
+- accumulates O[:, its 256 latent columns] += P @ tile[:, its latent columns] (wgmma m64n256,
+  P from registers).
+So each tile is read once per program, by the warpgroup that needs it, no FLOP is done twice,
+the only cross-warpgroup traffic is 8 KB of partial scores each way per tile, and no warpgroup
+waits for the other's loads. Per iteration j a warpgroup issues QK^T(j+1), rescales O by alpha_j
+and issues the loads of tile j+STAGES-1 while it runs, queues PV(j) behind it, then exchanges and
+softmaxes tile j+1 while PV(j) runs: the tensor cores wait only for the tile's arrival and for
+whatever part of the exchange + softmax is longer than PV. alpha_j goes through shared memory
+(64 floats) so that ptxas cannot hoist the 128 rescale multiplies above the QK^T issue. With
+`lazy_rescale` the running max moves only when a row's tile max passes it by more than 2^8
+(p <= 256 meanwhile), and the multiplies are skipped when no row of the warpgroup moved (one
+cross-warp max per tile decides); off by default until timed.
+
+Why not the alternatives (kernel_notes.md, "Many heads"): Triton's tl.dot splits N of both
+products across the warpgroups, exchanges row maxima through shared memory inside the softmax,
+and issues every product synchronously. Computing all of QK^T in both warpgroups needs no
+exchange but costs 1.53x the FLOPs (at most ~516 TFLOP/s at the H200's 790). Alternating whole
+64-row tiles between the warpgroups (FlashMLA's published scheme) gives QK^T m64n64 steps, but
+needs a row-max hand-off per tile and both P tiles in shared memory; q + 2 KV stages of 64 rows
+already fill the 227 KB. The cost of this design: QK^T's m64n32 steps read 3 KB of shared memory
+per 32K multiply-adds, 1.5x what the SM's 128 B/clock deliver at the tensor cores' peak, so
+QK^T runs at ~2/3 of peak (the Triton kernel's steps read as much); PV's m64n256 steps read half
+of that rate. Shared memory, by default: q's latent part 64 KB + 4 stages x 36 KB + one 8 KB
+exchange slot each way + alpha = 225 KB, so a tile's loads are issued two tiles before it is used
+(`GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)`: 212 KB, one tile early).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from attention.decode_config import LAZY_TAU, DecodeConfig, choose_num_splits
+from attention.triton_decode import LOG2E, _mla_decode_reduce_kernel
+from common.pdl import pdl_launch
+
+try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its API moves
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared,
+                                                                  mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+    _GLUON_ERROR: Exception | None = None
+except Exception as exc:  # noqa: BLE001 - reported by check_gluon_available when the path is used
+    _GLUON_ERROR = exc
+
+LKV, R = 512, 64  # the widths the kernel is written for (every DeepSeek MLA model)
+BLOCK_H = 64  # query rows per program: wgmma's M
+OPTION = "mla_decode_wgmma (bench_mla_decode.py --impl gluon)"
+
+
+@dataclass(frozen=True)
+class GluonDecodeConfig:
+    block_n: int = 32  # cache rows per tile
+    num_stages: int = 4  # tiles in shared memory: a tile's loads are issued num_stages - 2 tiles early
+    xbuf: int = 1  # partial-score exchange slots per direction
+    worker_regs: int = 240  # register budget of the second warpgroup (setmaxnreg)
+    q_pe_regs: bool = True  # q's rope slice in registers, not shared memory (8 KB less)
+    lazy_rescale: bool = False  # rescale O only when some row's max grows by > 2^LAZY_TAU (decode_config)
+    min_split_tokens: int = 64
+    max_splits: int = 128
+
+    def smem_bytes(self) -> int:
+        """Shared memory per program: q, the KV stages, the exchange slots, alpha, the mbarriers."""
+        q = BLOCK_H * LKV * 2 + (8 if self.q_pe_regs else BLOCK_H) * R * 2  # rope: 8-row token
+        kv = self.num_stages * self.block_n * (LKV + R) * 2
+        x = 2 * self.xbuf * BLOCK_H * self.block_n * 4
+        return q + kv + x + 2 * BLOCK_H * 4 + 4 * self.xbuf * 8
+
+    def split_config(self) -> DecodeConfig:
+        """The DecodeConfig that `choose_num_splits` reads (one program per SM)."""
+        return DecodeConfig(block_h=BLOCK_H, block_n=self.block_n, num_warps=8,
+                            num_stages=self.num_stages, programs_per_sm=1,
+                            min_split_tokens=self.min_split_tokens, max_splits=self.max_splits)
+
+
+SMEM_LIMIT = 227 * 1024  # Hopper's opt-in shared memory per block
+
+
+def check_gluon_available(device: torch.device) -> None:
+    """Raise naming the option when this path cannot run: no Gluon, no CUDA, not sm_90."""
+    if _GLUON_ERROR is not None:
+        raise RuntimeError(f"{OPTION} needs Triton's Gluon dialect, whose import failed: "
+                           f"{_GLUON_ERROR!r}; use the Triton decode (the default) instead")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(f"{OPTION} runs on CUDA sm_90 only (got device {device}); "
+                           "use the Triton decode (the default) instead")
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        raise RuntimeError(f"{OPTION} needs an sm_90 GPU (Hopper wgmma), got sm_{cap[0]}{cap[1]}; "
+                           "use the Triton decode (the default) instead")
+
+
+def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, kv_lora_rank: int, q_len: int,
+                    q_pos: torch.Tensor | None, cfg: GluonDecodeConfig) -> None:
+    """The kernel's limits, each failure a ValueError naming the argument and the limit."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B*q_len, H, {LKV + R}], got shape {tuple(q.shape)}")
+    T, H, D = q.shape
+    if kv_lora_rank != LKV or D != LKV + R:
+        raise ValueError(f"kv_lora_rank must be {LKV} and q's last dim {LKV + R} "
+                         f"(got {kv_lora_rank}, {D})")
+    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
+        raise ValueError(f"q and kv_cache must be bfloat16 (got {q.dtype}, {kv_cache.dtype})")
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != LKV + R:
+        raise ValueError(f"kv_cache must be [num_blocks, page, {LKV + R}], got {tuple(kv_cache.shape)}")
+    page = kv_cache.shape[1]
+    if page < 1 or page & (page - 1):
+        raise ValueError(f"the cache page size must be a power of two, got {page}")
+    if q_len < 1 or T % q_len:
+        raise ValueError(f"q_len must be >= 1 and divide q's {T} rows, got {q_len}")
+    if (q_len * H) % BLOCK_H:
+        raise ValueError(f"q_len * heads must be a multiple of {BLOCK_H}, got {q_len} * {H}")
+    B = T // q_len
+    if seq_lens.shape != (B,) or block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"seq_lens must be [{B}] and block_table [{B}, width], got "
+                         f"{tuple(seq_lens.shape)} and {tuple(block_table.shape)}")
+    if block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
+    if q.stride(2) != 1 or kv_cache.stride(2) != 1 or block_table.stride(1) != 1:
+        raise ValueError("q, kv_cache and block_table must be contiguous in their last dim")
+    # cp.async moves 16 bytes a thread; Triton proves the alignment only from arguments divisible by 16
+    strides = dict(q=q.stride()[:2], kv_cache=kv_cache.stride()[:2])
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
+        if t.data_ptr() % 16 or any(st % 16 for st in strides[name]):
+            raise ValueError(f"{name} must be 16-byte aligned with its first two strides multiples of "
+                             f"16 elements (got strides {t.stride()}, address % 16 = {t.data_ptr() % 16})")
+    if q_pos is not None and q_pos.shape != (T,):
+        raise ValueError(f"q_pos must be [{T}], got {tuple(q_pos.shape)}")
+    if cfg.block_n not in (16, 32):
+        raise ValueError(f"GluonDecodeConfig.block_n must be 16 or 32, got {cfg.block_n}")
+    if cfg.num_stages < 3:  # the loop refills tile j-1's stage while tile j+1's must be loaded
+        raise ValueError(f"GluonDecodeConfig.num_stages must be >= 3, got {cfg.num_stages}")
+    if cfg.smem_bytes() > SMEM_LIMIT:
+        raise ValueError(f"GluonDecodeConfig needs {cfg.smem_bytes()} bytes of shared memory, "
+                         f"more than {SMEM_LIMIT}")
+
+
+def plan_splits(batch: int, rows: int, max_len: int, num_sms: int, cfg: GluonDecodeConfig) -> int:
+    """Splits per sequence, by triton_decode's wave heuristic over 64-row programs."""
+    return choose_num_splits(batch, rows // BLOCK_H, max_len, num_sms, cfg.split_config())
+
+
+if _GLUON_ERROR is None:
+    _TAU = gl.constexpr(LAZY_TAU)
+
+    @gluon.jit
+    def _tile_ids(bt_row, t0, end, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Block ids of cache rows [t0, t0 + BLOCK_N) for `_load_tile` (t0 is a BLOCK_N multiple);
+        no table entry past the sequence is read (0 instead). A tile within one page: its id, as
+        a scalar, twice; a tile over two pages: both ids, as scalars; else one id per row, in the
+        two layouts `_load_tile` copies with."""
+        if PAGE >= BLOCK_N:
+            blk = gl.load(bt_row + t0 // PAGE, mask=t0 < end, other=0)
+            return blk, blk
+        elif 2 * PAGE == BLOCK_N:
+            id0 = gl.load(bt_row + t0 // PAGE, mask=t0 < end, other=0)
+            id1 = gl.load(bt_row + t0 // PAGE + 1, mask=t0 + PAGE < end, other=0)
+            return id0, id1
+        else:
+            ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+            ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+            n_c = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_c))
+            blk_c = gl.load(bt_row + n_c // PAGE, mask=n_c < end, other=0)
+            n_r = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
+            blk_r = gl.load(bt_row + n_r // PAGE, mask=n_r < end, other=0)
+            return blk_c, blk_r
+
+    @gluon.jit
+    def _row_ids(ids_a, ids_b, r, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT_B: gl.constexpr):
+        """Block id of each tile row r (0 .. BLOCK_N-1) from `_tile_ids`' pair; LAYOUT_B: the
+        per-row case's second layout (rope) instead of the first."""
+        if PAGE >= BLOCK_N:
+            return ids_a
+        elif 2 * PAGE == BLOCK_N:
+            return gl.where(r < PAGE, ids_a, ids_b)
+        elif LAYOUT_B:
+            return ids_b
+        else:
+            return ids_a
+
+    @gluon.jit
+    def _load_tile(kv_ptr, ids_a, ids_b, c_buf, r_buf, t0, end, stride_kvb, stride_kvs,
+                   W: gl.constexpr, PAGE: gl.constexpr, HALF: gl.constexpr, RH: gl.constexpr,
+                   LKV_: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Issue cp.async for cache rows [t0, t0 + BLOCK_N) of the blocks `_tile_ids` gave (rows
+        >= end zero-filled, nothing read for them): latent columns [W*HALF, +HALF) into c_buf,
+        rope [LKV_ + W*RH, +RH) into r_buf."""
+        ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        r_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_c))
+        n_c = t0 + r_c
+        blk_c = _row_ids(ids_a, ids_b, r_c, PAGE, BLOCK_N, False)
+        row_c = blk_c.to(gl.int64) * stride_kvb + (n_c % PAGE).to(gl.int64) * stride_kvs
+        cols_c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_c))
+        async_copy.async_copy_global_to_shared(
+            c_buf, kv_ptr + row_c[:, None] + cols_c[None, :], mask=(n_c < end)[:, None])
+        r_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
+        n_r = t0 + r_r
+        blk_r = _row_ids(ids_a, ids_b, r_r, PAGE, BLOCK_N, True)
+        row_r = blk_r.to(gl.int64) * stride_kvb + (n_r % PAGE).to(gl.int64) * stride_kvs
+        cols_r = LKV_ + W * RH + gl.arange(0, RH, layout=gl.SliceLayout(0, ld_r))
+        async_copy.async_copy_global_to_shared(
+            r_buf, kv_ptr + row_r[:, None] + cols_r[None, :], mask=(n_r < end)[:, None])
+
+    @gluon.jit
+    def _wait_tile(OUTSTANDING: gl.constexpr):
+        """This warpgroup's copies up to the given group are in shared memory and visible to wgmma."""
+        async_copy.wait_group(OUTSTANDING)
+        fence_async_shared()  # cp.async writes (generic proxy) before wgmma reads (async proxy)
+        gl.thread_barrier()  # every thread's copies, before any warp's wgmma
+
+    @gluon.jit
+    def _exchange(s_own, x_own, x_other, full_own, empty_own, full_other, empty_other, j,
+                  XBUF: gl.constexpr, s_layout: gl.constexpr):
+        """Publish this warpgroup's partial scores of tile j and add the other's."""
+        slot = j % XBUF
+        phase = (j // XBUF) & 1
+        mbarrier.wait(empty_own.index(slot), phase ^ 1)  # the other has read this slot's last use
+        gl.static_assert(gl.bank_conflicts(s_own.type, x_own.index(slot).type) == 0,
+                         "the exchange slots' layout must store the accumulator without conflicts")
+        x_own.index(slot).store(s_own)
+        gl.thread_barrier()  # all of this warpgroup's stores before the one arrive
+        mbarrier.arrive(full_own.index(slot), count=1)
+        mbarrier.wait(full_other.index(slot), phase)
+        s_other = x_other.index(slot).load(s_layout)
+        gl.thread_barrier()  # all of this warpgroup's loads before the slot is handed back
+        mbarrier.arrive(empty_other.index(slot), count=1)
+        return s_own + s_other
+
+    @gluon.jit
+    def _softmax(s, m_i, l_i, t0, end, visible, qk_scale_log2,
+                 HAS_POS: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+                 LAZY: gl.constexpr):
+        """Online softmax step over one tile's summed scores (log2 domain): new m, l, p, alpha,
+        and whether any row's m moved (LAZY: m moves only when the tile's max passes it by more
+        than LAZY_TAU, so p <= 2^LAZY_TAU; else whenever it grows)."""
+        offs_n = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        valid = offs_n[None, :] < end
+        if HAS_POS:
+            valid = valid & (offs_n[None, :] < visible[:, None])
+        s = gl.where(valid, s * qk_scale_log2, float("-inf"))
+        m_cand = gl.maximum(m_i, gl.max(s, axis=1))
+        if LAZY:  # m_i = -inf: any finite max moves it
+            moved = m_cand > m_i + _TAU
+            m_new = gl.where(moved, m_cand, m_i)
+            any_moved = gl.max(moved.to(gl.int32), axis=0)  # one decision for the warpgroup
+        else:
+            m_new = m_cand
+            any_moved = 1
+        # a row that has seen no visible key keeps m = -inf: shift by 0 instead (p = 0)
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = gl.exp2(m_i - m_use)  # 1 exactly where m did not move (0 where no key yet)
+        p = gl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return m_new, l_i, p, alpha, any_moved
+
+    @gluon.jit
+    def _wg_partition(q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
+                      qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
+                      stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
+                      stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                      q_lat_s, q_pe_s, c_s, r_s, x_own, x_other, a_s,
+                      full_own, empty_own, full_other, empty_other,
+                      W: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
+                      STAGES: gl.constexpr, XBUF: gl.constexpr, DIRECT: gl.constexpr,
+                      HAS_POS: gl.constexpr, QPE_REGS: gl.constexpr, LAZY: gl.constexpr):
+        HALF: gl.constexpr = 256
+        RH: gl.constexpr = 32
+        LKV_: gl.constexpr = 512
+        BH: gl.constexpr = 64
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, HALF, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
+        ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        row_l: gl.constexpr = gl.SliceLayout(1, s_layout)
+
+        pid_h = gl.program_id(0)
+        split = gl.program_id(1)
+        b = gl.program_id(2)
+        seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
+        # split boundaries on BLOCK_N multiples: only a sequence's last tile is partial
+        per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = gl.minimum(start + per_split, seq_len)
+        # an empty split still runs one all-masked tile (no memory read): lse -inf, o 0
+        n_tiles = gl.maximum(gl.cdiv(gl.maximum(end - start, 0), BLOCK_N), 1)
+        bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
+
+        # this warpgroup's slice of q: latent [W*HALF, +HALF), rope [LKV + W*RH, +RH)
+        rq_c = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld_c))
+        q_row_c = (b.to(gl.int64) * q_len + rq_c // H) * stride_qb + (rq_c % H) * stride_qh
+        cq_c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_c))
+        async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_row_c[:, None] + cq_c[None, :])
+        if QPE_REGS:  # rope slice of q held in registers as QK^T's A operand (frees 8 KB)
+            qpe_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+            rq_r = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, qpe_l))
+            q_row_r = (b.to(gl.int64) * q_len + rq_r // H) * stride_qb + (rq_r % H) * stride_qh
+            cq_r = LKV_ + W * RH + gl.arange(0, RH, layout=gl.SliceLayout(0, qpe_l))
+            q_pe_a = gl.load(q_ptr + q_row_r[:, None] + cq_r[None, :])
+        else:
+            rq_r = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld_r))
+            q_row_r = (b.to(gl.int64) * q_len + rq_r // H) * stride_qb + (rq_r % H) * stride_qh
+            cq_r = LKV_ + W * RH + gl.arange(0, RH, layout=gl.SliceLayout(0, ld_r))
+            async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_row_r[:, None] + cq_r[None, :])
+            q_pe_a = q_pe_s
+        # tiles 0 .. STAGES-2 ahead; one commit group per tile (q joins tile 0's)
+        for t in gl.static_range(STAGES - 1):
+            ids_a, ids_b = _tile_ids(bt_row, start + t * BLOCK_N, end, PAGE, BLOCK_N)
+            _load_tile(kv_ptr, ids_a, ids_b, c_s.index(t), r_s.index(t), start + t * BLOCK_N, end,
+                       stride_kvb, stride_kvs, W, PAGE, HALF, RH, LKV_, BLOCK_N)
+            async_copy.commit_group()
+        # block ids one refill ahead: their load's latency passes under an iteration's work
+        ids_a, ids_b = _tile_ids(bt_row, start + (STAGES - 1) * BLOCK_N, end, PAGE, BLOCK_N)
+
+        rows = pid_h * BH + gl.arange(0, BH, layout=row_l)  # (query token, head) pairs of b
+        tok = b.to(gl.int64) * q_len + rows // H
+        heads = rows % H
+        if HAS_POS:  # keys visible to each row: local_len(p + 1) of its token's position p
+            p1 = gl.load(q_pos_ptr + tok).to(gl.int32) + 1
+            visible = gl.minimum(p1 // dcp_size + (dcp_rank < p1 % dcp_size).to(gl.int32), seq_len)
+        else:
+            visible = rows  # unused
+
+        # tile 0: scores, exchange, softmax (alpha_0 = 0 scales the empty acc)
+        _wait_tile(STAGES - 2)
+        s0 = gl.zeros([BH, BLOCK_N], gl.float32, layout=s_layout)
+        s_tok = warpgroup_mma(q_lat_s, c_s.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(q_pe_a, r_s.index(0).permute((1, 0)), s_tok, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+        s = _exchange(s, x_own, x_other, full_own, empty_own, full_other, empty_other, 0,
+                      XBUF, s_layout)
+        m_i = gl.full([BH], float("-inf"), gl.float32, layout=row_l)
+        l_i = gl.zeros([BH], gl.float32, layout=row_l)
+        m_i, l_i, p, alpha, moved = _softmax(s, m_i, l_i, start, end, visible, qk_scale_log2,
+                                             HAS_POS, BLOCK_N, s_layout, LAZY)
+        p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        a_s.store(alpha)
+        acc = gl.zeros([BH, HALF], gl.float32, layout=o_layout)
+
+        # At iteration j: P_j and alpha_j (tile j's softmax) are ready, acc holds tiles < j at
+        # tile j-1's max. QK^T(j+1) is issued first; the rescale by alpha_j and the loads of tile
+        # j+STAGES-1 run under it; PV(j) queues behind it; the exchange and softmax of tile j+1
+        # run under PV(j).
+        for j in range(0, n_tiles - 1):
+            _wait_tile(STAGES - 3)  # tile j + 1 is in
+            k1 = (j + 1) % STAGES
+            s_tok = warpgroup_mma(q_lat_s, c_s.index(k1).permute((1, 0)), s0, use_acc=False,
+                                  is_async=True)
+            s_tok = warpgroup_mma(q_pe_a, r_s.index(k1).permute((1, 0)), s_tok, is_async=True)
+            # alpha_j read back from shared memory after a barrier: ptxas cannot hoist the 128
+            # multiplies of the rescale above the barrier, so they run while QK^T(j+1) does
+            # (from registers it schedules them before the wgmma issue, tensor cores idle).
+            # The barrier also orders the refill below after every warp's wait for PV(j-1).
+            gl.thread_barrier()
+            if LAZY:
+                if moved > 0:  # rows whose m stayed keep alpha = 1 (or 0 with acc 0): skip
+                    acc = acc * a_s.load(gl.SliceLayout(1, o_layout))[:, None]
+            else:
+                acc = acc * a_s.load(gl.SliceLayout(1, o_layout))[:, None]
+            # refill the stage of tile j-1
+            nxt = j + STAGES - 1
+            _load_tile(kv_ptr, ids_a, ids_b, c_s.index(nxt % STAGES), r_s.index(nxt % STAGES),
+                       start + nxt * BLOCK_N, end, stride_kvb, stride_kvs,
+                       W, PAGE, HALF, RH, LKV_, BLOCK_N)
+            async_copy.commit_group()
+            ids_a, ids_b = _tile_ids(bt_row, start + (nxt + 1) * BLOCK_N, end, PAGE, BLOCK_N)
+            o_tok = warpgroup_mma(p_op, c_s.index(j % STAGES), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])  # QK^T(j+1) done, PV(j) runs
+            s = _exchange(s, x_own, x_other, full_own, empty_own, full_other, empty_other, j + 1,
+                          XBUF, s_layout)
+            m_i, l_i, p, alpha, moved = _softmax(s, m_i, l_i, start + (j + 1) * BLOCK_N, end,
+                                                 visible, qk_scale_log2, HAS_POS, BLOCK_N,
+                                                 s_layout, LAZY)
+            a_s.store(alpha)
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_op])
+            p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+
+        if moved > 0:
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        last = (n_tiles - 1) % STAGES
+        o_tok = warpgroup_mma(p_op, c_s.index(last), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_op])
+        async_copy.wait_group(0)  # no copy may land after the program ends
+
+        empty = l_i == 0.0  # a split (or sequence) without visible keys: lse -inf, o 0
+        lse = gl.where(empty, float("-inf"),
+                       (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))
+        o = acc * inv_l[:, None]
+        rows_o = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, o_layout))
+        tok_o = b.to(gl.int64) * q_len + rows_o // H
+        cols_o = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (o_ptr + tok_o[:, None] * stride_ob + split * stride_os
+                  + (rows_o % H)[:, None] * stride_oh + cols_o[None, :])
+        # a split past the sequence's end stores only its lse (-inf): the reduce skips its rows
+        if DIRECT:
+            gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty))
+        else:
+            if start < seq_len:
+                gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty))
+        if W == 0:
+            gl.store(lse_ptr + tok * stride_lb + split * stride_ls + heads * stride_lh, lse)
+
+    @gluon.jit(do_not_specialize=["num_splits", "stride_btb"])
+    def _mla_decode_wgmma_kernel(q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr,
+                                 lse_ptr, qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
+                                 stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
+                                 stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                                 PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                 XBUF: gl.constexpr, DIRECT: gl.constexpr, HAS_POS: gl.constexpr,
+                                 QPE_REGS: gl.constexpr, LAZY: gl.constexpr,
+                                 WORKER_REGS: gl.constexpr):
+        BH: gl.constexpr = 64
+        HALF: gl.constexpr = 256
+        RH: gl.constexpr = 32
+        q_lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, HALF], gl.bfloat16)
+        QPE_ROWS: gl.constexpr = 8 if QPE_REGS else BH  # a token buffer when q_pe is in registers
+        q_pe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QPE_ROWS, RH], gl.bfloat16)
+        c_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
+        r_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, RH], gl.bfloat16)
+        # exchange slots: 8-column groups of a row permuted by the row (32-column rows: by row % 4;
+        # 16-column rows: by row // 2 % 2), so the wgmma accumulator layout stores and loads
+        # without bank conflicts (checked in _exchange)
+        XPP: gl.constexpr = 1 if BLOCK_N == 32 else 2
+        XMP: gl.constexpr = 4 if BLOCK_N == 32 else 2
+        x_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=XPP, max_phase=XMP, order=[1, 0])
+        q_lat0 = gl.allocate_shared_memory(gl.bfloat16, [BH, HALF], q_lat_l)
+        q_lat1 = gl.allocate_shared_memory(gl.bfloat16, [BH, HALF], q_lat_l)
+        q_pe0 = gl.allocate_shared_memory(gl.bfloat16, [QPE_ROWS, RH], q_pe_l)
+        q_pe1 = gl.allocate_shared_memory(gl.bfloat16, [QPE_ROWS, RH], q_pe_l)
+        c0 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HALF], c_l)
+        c1 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HALF], c_l)
+        r0 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, RH], r_l)
+        r1 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, RH], r_l)
+        x0 = gl.allocate_shared_memory(gl.float32, [XBUF, BH, BLOCK_N], x_l)
+        x1 = gl.allocate_shared_memory(gl.float32, [XBUF, BH, BLOCK_N], x_l)
+        a_l: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        a0 = gl.allocate_shared_memory(gl.float32, [BH], a_l)  # each warpgroup's alpha, see the loop
+        a1 = gl.allocate_shared_memory(gl.float32, [BH], a_l)
+        full0 = gl.allocate_shared_memory(gl.int64, [XBUF, 1], mbarrier.MBarrierLayout())
+        empty0 = gl.allocate_shared_memory(gl.int64, [XBUF, 1], mbarrier.MBarrierLayout())
+        full1 = gl.allocate_shared_memory(gl.int64, [XBUF, 1], mbarrier.MBarrierLayout())
+        empty1 = gl.allocate_shared_memory(gl.int64, [XBUF, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(XBUF):
+            mbarrier.init(full0.index(i), count=1)
+            mbarrier.init(empty0.index(i), count=1)
+            mbarrier.init(full1.index(i), count=1)
+            mbarrier.init(empty1.index(i), count=1)
+
+        gl.warp_specialize([
+            (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
+                             qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
+                             stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
+                             stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                             q_lat0, q_pe0, c0, r0, x0, x1, a0, full0, empty0, full1, empty1,
+                             0, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY)),
+            (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
+                             qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
+                             stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
+                             stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                             q_lat1, q_pe1, c1, r1, x1, x0, a1, full1, empty1, full0, empty0,
+                             1, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY)),
+        ], [4], [WORKER_REGS])
+
+
+def launch_args(q, kv_cache, block_table, seq_lens, q_pos, o, lse, po_strides, plse_strides,
+                scale, H, num_splits, q_len, dcp_size, dcp_rank):
+    """The kernel's runtime arguments, in order (also used by scripts/compile_sm90.py)."""
+    return (q, kv_cache, block_table, seq_lens, seq_lens if q_pos is None else q_pos, o, lse,
+            scale * LOG2E, H, num_splits, q_len, dcp_size, dcp_rank,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            *po_strides, *plse_strides)
+
+
+def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, kv_lora_rank: int, q_len: int = 1,
+                     q_pos: torch.Tensor | None = None, dcp_size: int = 1, dcp_rank: int = 0,
+                     num_splits: int | None = None, num_sms: int | None = None,
+                     cfg: GluonDecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`triton_decode.mla_decode`'s contract on the Gluon kernel: q [B*q_len, H, 576] ->
+    (o [B*q_len, H, 512] in q.dtype, lse [B*q_len, H] fp32). Raises (never falls back) where the
+    kernel cannot run; see the module docstring for the scope."""
+    cfg = cfg or GluonDecodeConfig()
+    validate_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, q_len, q_pos, cfg)
+    check_gluon_available(q.device)
+    T, H, _ = q.shape
+    B = T // q_len
+    page = kv_cache.shape[1]
+    if num_splits is None:
+        if num_sms is None:
+            num_sms = _num_sms(q.device)
+        num_splits = plan_splits(B, q_len * H, block_table.shape[1] * page, num_sms, cfg)
+    o = torch.empty(T, H, LKV, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if B == 0 or H == 0:
+        return o, lse
+    direct = num_splits == 1
+    if direct:
+        po, plse = o, lse
+        po_strides = (o.stride(0), 0, o.stride(1))
+        plse_strides = (lse.stride(0), 0, lse.stride(1))
+    else:
+        po = torch.empty(T, num_splits, H, LKV, dtype=torch.float32, device=q.device)
+        plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
+        po_strides = (po.stride(0), po.stride(1), po.stride(2))
+        plse_strides = (plse.stride(0), plse.stride(1), plse.stride(2))
+    grid = ((q_len * H) // BLOCK_H, num_splits, B)
+    _mla_decode_wgmma_kernel[grid](
+        *launch_args(q, kv_cache, block_table, seq_lens, q_pos, po, plse, po_strides, plse_strides,
+                     scale, H, num_splits, q_len, dcp_size, dcp_rank),
+        PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf, DIRECT=direct,
+        HAS_POS=q_pos is not None, QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale,
+        WORKER_REGS=cfg.worker_regs, num_warps=4)
+    if not direct:
+        _mla_decode_reduce_kernel[(H, T)](
+            po, plse, o, lse, H, num_splits,
+            *po_strides, *plse_strides,
+            o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+            LKV=LKV, BLOCK_L=LKV, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
+            **pdl_launch())  # the Triton reduce's PDL flag, as mla_decode launches it
+    return o, lse
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
