@@ -30,16 +30,8 @@ whatever part of the exchange + softmax is longer than PV. alpha_j goes through 
 (p <= 256 meanwhile), and the multiplies are skipped when no row of the warpgroup moved (one
 cross-warp max per tile decides); off by default until timed.
 
-Why not the alternatives (kernel_notes.md, "Many heads"): Triton's tl.dot splits N of both
-products across the warpgroups, exchanges row maxima through shared memory inside the softmax,
-and issues every product synchronously. Computing all of QK^T in both warpgroups needs no
-exchange but costs 1.53x the FLOPs (at most ~516 TFLOP/s at the H200's 790). Alternating whole
-64-row tiles between the warpgroups (FlashMLA's published scheme) gives QK^T m64n64 steps, but
-needs a row-max hand-off per tile and both P tiles in shared memory; q + 2 KV stages of 64 rows
-already fill the 227 KB. The cost of this design: QK^T's m64n32 steps read 3 KB of shared memory
-per 32K multiply-adds, 1.5x what the SM's 128 B/clock deliver at the tensor cores' peak, so
-QK^T runs at ~2/3 of peak (the Triton kernel's steps read as much); PV's m64n256 steps read half
-of that rate. Shared memory, by default: q's latent part 64 KB + 4 stages x 36 KB + one 8 KB
+Why this split and not the alternatives: docs/kernel_notes.md, "Gluon kernel for many heads".
+Shared memory, by default: q's latent part 64 KB + 4 stages x 36 KB + one 8 KB
 exchange slot each way + alpha = 225 KB, so a tile's loads are issued two tiles before it is used
 (`GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)`: 212 KB, one tile early).
 """
@@ -47,11 +39,14 @@ exchange slot each way + alpha = 225 KB, so a tile's loads are issued two tiles 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-
 import torch
 
-from attention.decode_config import LAZY_TAU, DecodeConfig, choose_num_splits
+from attention.decode_config import LAZY_TAU
+from attention.gluon_decode_plan import (BLOCK_H, LKV, OPTION, SMEM_LIMIT, GluonDecodeConfig, plan_splits,
+                                         validate_inputs)
+
+__all__ = ["GluonDecodeConfig", "SMEM_LIMIT", "check_gluon_available", "mla_decode_wgmma", "plan_splits",
+           "validate_inputs"]
 from attention.triton_decode import LOG2E, _mla_decode_reduce_kernel
 from common.pdl import pdl_launch
 
@@ -66,39 +61,6 @@ try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its AP
 except Exception as exc:  # noqa: BLE001 - reported by check_gluon_available when the path is used
     _GLUON_ERROR = exc
 
-LKV, R = 512, 64  # the widths the kernel is written for (every DeepSeek MLA model)
-BLOCK_H = 64  # query rows per program: wgmma's M
-OPTION = "mla_decode_wgmma (bench_mla_decode.py --impl gluon)"
-
-
-@dataclass(frozen=True)
-class GluonDecodeConfig:
-    block_n: int = 32  # cache rows per tile
-    num_stages: int = 4  # tiles in shared memory: a tile's loads are issued num_stages - 2 tiles early
-    xbuf: int = 1  # partial-score exchange slots per direction
-    worker_regs: int = 240  # register budget of the second warpgroup (setmaxnreg)
-    q_pe_regs: bool = True  # q's rope slice in registers, not shared memory (8 KB less)
-    lazy_rescale: bool = False  # rescale O only when some row's max grows by > 2^LAZY_TAU (decode_config)
-    min_split_tokens: int = 64
-    max_splits: int = 128
-
-    def smem_bytes(self) -> int:
-        """Shared memory per program: q, the KV stages, the exchange slots, alpha, the mbarriers."""
-        q = BLOCK_H * LKV * 2 + (8 if self.q_pe_regs else BLOCK_H) * R * 2  # rope: 8-row token
-        kv = self.num_stages * self.block_n * (LKV + R) * 2
-        x = 2 * self.xbuf * BLOCK_H * self.block_n * 4
-        return q + kv + x + 2 * BLOCK_H * 4 + 4 * self.xbuf * 8
-
-    def split_config(self) -> DecodeConfig:
-        """The DecodeConfig that `choose_num_splits` reads (one program per SM)."""
-        return DecodeConfig(block_h=BLOCK_H, block_n=self.block_n, num_warps=8,
-                            num_stages=self.num_stages, programs_per_sm=1,
-                            min_split_tokens=self.min_split_tokens, max_splits=self.max_splits)
-
-
-SMEM_LIMIT = 227 * 1024  # Hopper's opt-in shared memory per block
-
-
 def check_gluon_available(device: torch.device) -> None:
     """Raise naming the option when this path cannot run: no Gluon, no CUDA, not sm_90."""
     if _GLUON_ERROR is not None:
@@ -111,57 +73,6 @@ def check_gluon_available(device: torch.device) -> None:
     if cap != (9, 0):
         raise RuntimeError(f"{OPTION} needs an sm_90 GPU (Hopper wgmma), got sm_{cap[0]}{cap[1]}; "
                            "use the Triton decode (the default) instead")
-
-
-def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, kv_lora_rank: int, q_len: int,
-                    q_pos: torch.Tensor | None, cfg: GluonDecodeConfig) -> None:
-    """The kernel's limits, each failure a ValueError naming the argument and the limit."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B*q_len, H, {LKV + R}], got shape {tuple(q.shape)}")
-    T, H, D = q.shape
-    if kv_lora_rank != LKV or D != LKV + R:
-        raise ValueError(f"kv_lora_rank must be {LKV} and q's last dim {LKV + R} "
-                         f"(got {kv_lora_rank}, {D})")
-    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
-        raise ValueError(f"q and kv_cache must be bfloat16 (got {q.dtype}, {kv_cache.dtype})")
-    if kv_cache.dim() != 3 or kv_cache.shape[2] != LKV + R:
-        raise ValueError(f"kv_cache must be [num_blocks, page, {LKV + R}], got {tuple(kv_cache.shape)}")
-    page = kv_cache.shape[1]
-    if page < 1 or page & (page - 1):
-        raise ValueError(f"the cache page size must be a power of two, got {page}")
-    if q_len < 1 or T % q_len:
-        raise ValueError(f"q_len must be >= 1 and divide q's {T} rows, got {q_len}")
-    if (q_len * H) % BLOCK_H:
-        raise ValueError(f"q_len * heads must be a multiple of {BLOCK_H}, got {q_len} * {H}")
-    B = T // q_len
-    if seq_lens.shape != (B,) or block_table.dim() != 2 or block_table.shape[0] != B:
-        raise ValueError(f"seq_lens must be [{B}] and block_table [{B}, width], got "
-                         f"{tuple(seq_lens.shape)} and {tuple(block_table.shape)}")
-    if block_table.dtype != torch.int32:
-        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
-    if q.stride(2) != 1 or kv_cache.stride(2) != 1 or block_table.stride(1) != 1:
-        raise ValueError("q, kv_cache and block_table must be contiguous in their last dim")
-    # cp.async moves 16 bytes a thread; Triton proves the alignment only from arguments divisible by 16
-    strides = dict(q=q.stride()[:2], kv_cache=kv_cache.stride()[:2])
-    for name, t in (("q", q), ("kv_cache", kv_cache)):
-        if t.data_ptr() % 16 or any(st % 16 for st in strides[name]):
-            raise ValueError(f"{name} must be 16-byte aligned with its first two strides multiples of "
-                             f"16 elements (got strides {t.stride()}, address % 16 = {t.data_ptr() % 16})")
-    if q_pos is not None and q_pos.shape != (T,):
-        raise ValueError(f"q_pos must be [{T}], got {tuple(q_pos.shape)}")
-    if cfg.block_n not in (16, 32):
-        raise ValueError(f"GluonDecodeConfig.block_n must be 16 or 32, got {cfg.block_n}")
-    if cfg.num_stages < 3:  # the loop refills tile j-1's stage while tile j+1's must be loaded
-        raise ValueError(f"GluonDecodeConfig.num_stages must be >= 3, got {cfg.num_stages}")
-    if cfg.smem_bytes() > SMEM_LIMIT:
-        raise ValueError(f"GluonDecodeConfig needs {cfg.smem_bytes()} bytes of shared memory, "
-                         f"more than {SMEM_LIMIT}")
-
-
-def plan_splits(batch: int, rows: int, max_len: int, num_sms: int, cfg: GluonDecodeConfig) -> int:
-    """Splits per sequence, by triton_decode's wave heuristic over 64-row programs."""
-    return choose_num_splits(batch, rows // BLOCK_H, max_len, num_sms, cfg.split_config())
 
 
 if _GLUON_ERROR is None:
