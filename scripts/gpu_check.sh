@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|latency|latency_sync|profile|throughput|http|fp8|r1]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|throughput|http|fp8|r1]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape)
 #   moe         fused small-batch MoE vs grouped GEMM at V2-Lite shapes (bench_fused_moe.py)
 #   mla         Triton MLA kernels: real-shape checks, decode grid, prefill (bench_mla_decode.py)
+#   gluon       the Gluon many-heads decode (attention/gluon_decode.py): its sm_90 compile report, a
+#               3-case smoke test (a hang shows here), all its GPU tests, then its time at B=128,
+#               S=4096, 128 heads next to the Triton kernel (give it `gluon:420`)
 #   decode      the MLA decode kernel alone: its GPU tests (bf16 and FP8 caches, every DecodeConfig
 #               variant), split counts with and without the reduce kernel at 1k contexts
 #               (bench_decode_splits.py --fused-reduce), then its tiles swept at B=128, S=4k/16k,
@@ -66,6 +69,12 @@ for spec in $steps; do
               timeout "$T" python3 scripts/bench_mla_decode.py --decode-only --sweep --budget-s $((T - 100)) \
                 --decode-shapes 128x4096,128x16384 --heads 16,128 --cache-dtypes bf16,fp8 \
                 --out "$OUT/bench_mla_decode.json"; } > "$log" 2>&1 ;;
+    gluon) { timeout 60 python3 scripts/compile_sm90.py
+             timeout 300 python3 -m pytest tests/test_gluon_decode.py -m gpu -x -q -p no:cacheprovider \
+               -k "S17_H64_p16_splits1 or B3_0_17_1000_H128_p16_splits5 or cfg_s3x2_B3_0_17_1000" && \
+             timeout "$T" python3 -m pytest tests/test_gluon_decode.py -m gpu -q -p no:cacheprovider -rfE
+             timeout 180 python3 scripts/bench_mla_decode.py --decode-only --decode-shapes 128x4096 --heads 128 \
+               --cache-dtypes bf16 --impl gluon --out "$OUT/gluon_decode.json"; } > "$log" 2>&1 ;;
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
     latency_sync) timeout "$T" python3 scripts/bench_latency.py --no-async-scheduling ${LATENCY_ARGS:-} \
           --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;
