@@ -47,7 +47,7 @@ from attention.gluon_decode_plan import (BLOCK_H, LKV, OPTION, SMEM_LIMIT, Gluon
 
 __all__ = ["GluonDecodeConfig", "SMEM_LIMIT", "check_gluon_available", "mla_decode_wgmma", "plan_splits",
            "validate_inputs"]
-from attention.triton_decode import LOG2E, _mla_decode_reduce_kernel
+from attention.triton_decode import LOG2E, _mla_decode_reduce_kernel, split_outputs
 from common.pdl import pdl_launch
 
 try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its API moves
@@ -433,15 +433,7 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if B == 0 or H == 0:
         return o, lse
     direct = num_splits == 1
-    if direct:
-        po, plse = o, lse
-        po_strides = (o.stride(0), 0, o.stride(1))
-        plse_strides = (lse.stride(0), 0, lse.stride(1))
-    else:
-        po = torch.empty(T, num_splits, H, LKV, dtype=torch.float32, device=q.device)
-        plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
-        po_strides = (po.stride(0), po.stride(1), po.stride(2))
-        plse_strides = (plse.stride(0), plse.stride(1), plse.stride(2))
+    po, plse, po_strides, plse_strides = split_outputs(o, lse, num_splits)
     grid = ((q_len * H) // BLOCK_H, num_splits, B)
     _mla_decode_wgmma_kernel[grid](
         *launch_args(q, kv_cache, block_table, seq_lens, q_pos, po, plse, po_strides, plse_strides,

@@ -329,6 +329,18 @@ def _mla_decode_reduce_kernel(
     tl.store(lse_ptr + b * stride_lb + h * stride_lh, lse)
 
 
+def split_outputs(o: torch.Tensor, lse: torch.Tensor, num_splits: int) -> tuple:
+    """(po, plse, po strides, plse strides) for stage 1: with one split the final o `[T, H, L]` and
+    lse `[T, H]` themselves (split stride 0), else fp32 partials `[T, splits, H, L]` and
+    `[T, splits, H]` for the merge."""
+    if num_splits == 1:
+        return o, lse, (o.stride(0), 0, o.stride(1)), (lse.stride(0), 0, lse.stride(1))
+    T, H, L = o.shape
+    po = torch.empty(T, num_splits, H, L, dtype=torch.float32, device=o.device)
+    plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=o.device)
+    return po, plse, (po.stride(0), po.stride(1), po.stride(2)), (plse.stride(0), plse.stride(1), plse.stride(2))
+
+
 def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, scale: float, kv_lora_rank: int, q_len: int = 1,
                q_pos: torch.Tensor | None = None, dcp_size: int = 1, dcp_rank: int = 0,
@@ -366,15 +378,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         return o, lse
     precision = "ieee" if compute_dtype == torch.float32 else "tf32"
     direct = num_splits == 1
-    if direct:
-        po, plse = o, lse
-        po_strides = (o.stride(0), 0, o.stride(1))
-        plse_strides = (lse.stride(0), 0, lse.stride(1))
-    else:
-        po = torch.empty(T, num_splits, H, lkv, dtype=torch.float32, device=q.device)
-        plse = torch.empty(T, num_splits, H, dtype=torch.float32, device=q.device)
-        po_strides = (po.stride(0), po.stride(1), po.stride(2))
-        plse_strides = (plse.stride(0), plse.stride(1), plse.stride(2))
+    po, plse, po_strides, plse_strides = split_outputs(o, lse, num_splits)
     block_l = triton.next_power_of_2(lkv)
     fused = (cfg.fused_reduce if fused_reduce is None else fused_reduce) and not direct
     cnt = _split_counters(q.device, B * head_tiles) if fused else seq_lens
