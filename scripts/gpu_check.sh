@@ -9,17 +9,18 @@
 #   mla         Triton MLA kernels: real-shape checks, decode grid, prefill (bench_mla_decode.py)
 #   gluon       the Gluon many-heads decode (attention/gluon_decode.py): its sm_90 compile report, a
 #               3-case smoke test (a hang shows here), all its GPU tests, then its time at B=128,
-#               S=4096, 128 heads next to the Triton kernel (give it `gluon:420`)
+#               S=4096, 128 heads next to the Triton kernel; the step's timeout is shared out
+#               (give it `gluon:540`)
 #   decode      the MLA decode kernel alone: its GPU tests (bf16 and FP8 caches, every DecodeConfig
 #               variant), split counts with and without the reduce kernel at 1k contexts
 #               (bench_decode_splits.py --fused-reduce), then its tiles swept at B=128, S=4k/16k,
-#               16 and 128 heads, bf16 and FP8 (bench_mla_decode.py --decode-only --sweep; give it
-#               `decode:360`)
+#               16 and 128 heads, bf16 and FP8 (bench_mla_decode.py --decode-only --sweep); the step's
+#               timeout is shared out: 1/2 tests, 1/6 splits, 1/3 sweep (give it `decode:540`)
 #   latency     V2-Lite dummy bf16 TPOT at batch 1/8/32/128 (bench_latency.py; async scheduling, the default)
 #   latency_sync   the same with --no-async-scheduling
 #   pdl         TPOT at batch 1/8/32 with --kernels auto, auto,pdl=1, auto,decode_fused_reduce=1 and
 #               both (programmatic dependent launch; no decode reduce kernel): four runs of
-#               bench_latency.py, each under the step's timeout (give it `pdl:150`)
+#               bench_latency.py, each under a quarter of the step's timeout (give it `pdl:480`)
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
 #   offline     the same, prefix caching off, with its instruments: wall / host launch / GPU span per
@@ -31,7 +32,7 @@
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
 #   r1fp8       the R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1/32/128 and offline
 #               throughput (500 x (1000 in, 100 out)), dequantized bf16 (the default) against
-#               --fp8-gemm; four runs, each under the step's timeout (give it `r1fp8:200`)
+#               --fp8-gemm; four runs, each under a quarter of the step's timeout (give it `r1fp8:480`)
 #   spec        speculative decoding: decode step cost at q_len 1..4 (V2-Lite), then MTP end to end
 #               on the V3 config with 4 layers, warm (bench_spec_decode.py step / e2e)
 #   core        the control plane on this host's CPU: serve around a stub model with 44 ms steps,
@@ -63,23 +64,23 @@ for spec in $steps; do
     moe) timeout "$T" python3 scripts/bench_fused_moe.py --json "$OUT/fused_moe.json" > "$log" 2>&1 ;;
     mla) timeout "$T" python3 scripts/bench_mla_decode.py --check --sweep --budget-s $((T - 40)) \
            --out "$OUT/bench_mla_decode.json" > "$log" 2>&1 ;;
-    decode) { timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_ops.py \
+    decode) { timeout $((T / 2)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_ops.py \
                 tests/test_kv_cache_fp8.py -k decode
-              timeout "$T" python3 scripts/bench_decode_splits.py --fused-reduce --splits 2 4 8 16 32 64
-              timeout "$T" python3 scripts/bench_mla_decode.py --decode-only --sweep --budget-s $((T - 100)) \
+              timeout $((T / 6)) python3 scripts/bench_decode_splits.py --fused-reduce --splits 2 4 8 16 32 64
+              timeout $((T / 3)) python3 scripts/bench_mla_decode.py --decode-only --sweep --budget-s $((T / 3 - 30)) \
                 --decode-shapes 128x4096,128x16384 --heads 16,128 --cache-dtypes bf16,fp8 \
                 --out "$OUT/bench_mla_decode.json"; } > "$log" 2>&1 ;;
-    gluon) { timeout 60 python3 scripts/compile_sm90.py
-             timeout 300 python3 -m pytest tests/test_gluon_decode.py -m gpu -x -q -p no:cacheprovider \
+    gluon) { timeout $((T / 10)) python3 scripts/compile_sm90.py
+             timeout $((T / 5)) python3 -m pytest tests/test_gluon_decode.py -m gpu -x -q -p no:cacheprovider \
                -k "S17_H64_p16_splits1 or B3_0_17_1000_H128_p16_splits5 or cfg_s3x2_B3_0_17_1000" && \
-             timeout "$T" python3 -m pytest tests/test_gluon_decode.py -m gpu -q -p no:cacheprovider -rfE
-             timeout 180 python3 scripts/bench_mla_decode.py --decode-only --decode-shapes 128x4096 --heads 128 \
+             timeout $((T / 2)) python3 -m pytest tests/test_gluon_decode.py -m gpu -q -p no:cacheprovider -rfE
+             timeout $((T / 5)) python3 scripts/bench_mla_decode.py --decode-only --decode-shapes 128x4096 --heads 128 \
                --cache-dtypes bf16 --impl gluon --out "$OUT/gluon_decode.json"; } > "$log" 2>&1 ;;
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
     latency_sync) timeout "$T" python3 scripts/bench_latency.py --no-async-scheduling ${LATENCY_ARGS:-} \
           --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;
     pdl) { for k in auto auto,pdl=1 auto,decode_fused_reduce=1 auto,pdl=1,decode_fused_reduce=1; do echo "## --kernels $k"
-             timeout "$T" python3 scripts/bench_latency.py --kernel-plan "$k" --batch-sizes 1 8 32 \
+             timeout $((T / 4)) python3 scripts/bench_latency.py --kernel-plan "$k" --batch-sizes 1 8 32 \
                --json "$OUT/latency_${k//[,=]/_}.json"; done; } > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
@@ -93,10 +94,10 @@ for spec in $steps; do
     r1fp8) { R1="--model configs/models/DeepSeek-R1 --hf-overrides {\"num_hidden_layers\":4}"
             for g in "" "--fp8-gemm"; do
               echo "## latency ${g:-default}"
-              timeout "$T" python3 scripts/bench_latency.py $R1 $g --batch-sizes 1 32 128 --decode-steps 50 \
+              timeout $((T / 4)) python3 scripts/bench_latency.py $R1 $g --batch-sizes 1 32 128 --decode-steps 50 \
                 --json "$OUT/r1_latency${g:+_fp8gemm}.json"
               echo "## throughput ${g:-default}"
-              timeout "$T" python3 scripts/bench_throughput.py $R1 $g --num-prompts 500 --no-enable-prefix-caching \
+              timeout $((T / 4)) python3 scripts/bench_throughput.py $R1 $g --num-prompts 500 --no-enable-prefix-caching \
                 --json "$OUT/r1_throughput${g:+_fp8gemm}.json"
             done; } > "$log" 2>&1 ;;
     spec) { timeout "$T" python3 scripts/bench_spec_decode.py step --batch-sizes 1 4 16 64 --q-lens 1 2 3 4 \
