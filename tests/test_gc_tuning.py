@@ -9,7 +9,9 @@ def test_freeze_moves_live_objects_out_of_collection_and_thaw_returns_them():
     gc.unfreeze()
     keep = [[i] for i in range(1000)]  # tracked containers alive across the freeze
     n = freeze_startup_objects()
-    assert n == gc.get_freeze_count() and n >= len(keep)
+    # frozen objects are still freed by reference counting (another thread's temporaries, say):
+    # the count may fall after the return, never rise
+    assert n >= len(keep) and len(keep) <= gc.get_freeze_count() <= n
     assert gc.get_threshold()[2] == 100  # full collections ten times rarer than Python's 10
     assert all(not any(o is x for x in gc.get_objects()) for o in keep[:3])  # not in any generation
     thaw_frozen_objects()
