@@ -52,13 +52,14 @@ _pdl = False
 def pdl() -> bool:
     """Whether the decode path's Triton kernels launch with programmatic dependent launch
     (common/pdl.py): a process setting, the plan's `pdl`, set by `use_pdl` when a worker builds
-    its model (off by default, as for kernels called directly); never under the interpreter."""
-    return _pdl and not interpreting()
+    its model (off by default, as for kernels called directly); never under the interpreter.
+    Read at every launch of those kernels: the setting is resolved once, in `use_pdl`."""
+    return _pdl
 
 
 def use_pdl(on: bool) -> None:
     global _pdl
-    _pdl = on
+    _pdl = on and not interpreting()
 
 
 @dataclass(frozen=True)

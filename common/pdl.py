@@ -28,7 +28,10 @@ def pdl_prologue(PDL: tl.constexpr):
         gdc_wait()
 
 
+_ON, _OFF = {"PDL": True, "launch_pdl": True}, {"PDL": False}  # unpacked at each launch, never changed
+
+
 def pdl_launch() -> dict:
     """Keyword arguments for launching a PDL-aware kernel: its PDL flag and, when on, the launch
-    attribute."""
-    return {"PDL": True, "launch_pdl": True} if pdl() else {"PDL": False}
+    attribute (one of two constant dicts: no work per launch beyond the lookup)."""
+    return _ON if pdl() else _OFF
