@@ -45,7 +45,7 @@
 # core_host run two scripts, each under that timeout.
 # LATENCY_ARGS: extra flags for the latency step (e.g. "--batch-sizes 1 8").
 set -uo pipefail
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 steps=${*:-tests latency throughput}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
