@@ -36,7 +36,6 @@ class DecodeConfig:
     stage_v: bool = False  # with reload_v on CUDA: PV's tile converted to fp16 before shared memory
     stage_c: bool = False  # FP8 cache on CUDA: one load, one conversion, the fp16 tile feeds both products
     lazy_rescale: bool = False  # rescale the accumulator only when a row's max grows by > 2^LAZY_TAU
-    fused_reduce: bool = False  # with splits: the last split of a row tile merges them (no reduce kernel)
 
 
 WIDE_ROWS = 64  # query rows (heads x query tokens) per sequence from which 64-row tiles are used
