@@ -27,6 +27,10 @@
 #               CUDA allocator during the run (bench_throughput.py --step-stats --host-sample)
 #   http        the same workload offline, then over HTTP (serve + bench_serving), one table with
 #               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:560`)
+#   peer        the issues' side-by-side method: a random-weight V2-Lite checkpoint
+#               (.bench/make_random_ckpt.py into /tmp/v2l, ~45 s), then .bench/peer_bench.py --engine
+#               ours on it (TPOT at batch 1/8/32/128, offline 1000 x (1000 in, 100 out)); needs
+#               ../shared/bench copied into .bench and `carry: [".bench"]` (give it `peer:560`)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
 #   r1fp8       the R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1/32/128 and offline
@@ -88,6 +92,10 @@ for spec in $steps; do
     offline) timeout "$T" python3 scripts/bench_throughput.py --no-enable-prefix-caching --step-stats --host-sample \
                --json "$OUT/offline.json" > "$log" 2>&1 ;;
     http) timeout "$T" python3 scripts/bench_http_vs_offline.py --out-dir "$OUT/http" > "$log" 2>&1 ;;
+    peer) { [ -f .bench/peer_bench.py ] || echo "no .bench/peer_bench.py: copy ../shared/bench to .bench and carry it"
+            [ -f /tmp/v2l/config.json ] || timeout $((T / 4)) python3 .bench/make_random_ckpt.py configs/models/DeepSeek-V2-Lite /tmp/v2l
+            timeout $((T * 3 / 4)) python3 .bench/peer_bench.py --engine ours --model /tmp/v2l --load-format auto \
+              --out "$OUT/peer_bench.json"; } > "$log" 2>&1 ;;
     fp8) timeout "$T" python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" > "$log" 2>&1 ;;
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
           --hf-overrides '{"num_hidden_layers": 4}' --batch-sizes 1 64 --decode-steps 50 \
