@@ -17,6 +17,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
 
 import bench_serving as bs  # noqa: E402
+import serving_report as sr  # noqa: E402
 
 
 def test_percentile_matches_numpy_linear():
@@ -24,15 +25,15 @@ def test_percentile_matches_numpy_linear():
     for n in (1, 2, 3, 10, 101):
         xs = [rng.expovariate(3.0) for _ in range(n)]
         for q in (0, 1, 37.5, 50, 99, 100):
-            assert bs.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
+            assert sr.percentile(xs, q) == pytest.approx(float(np.percentile(xs, q)), rel=1e-12)
 
 
 def test_percentile_hand_values_and_limits():
-    assert bs.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5  # unsorted input, between ranks
-    assert bs.percentile([0.0, 10.0], 99) == pytest.approx(9.9)
-    assert bs.percentile([], 50) is None
+    assert sr.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5  # unsorted input, between ranks
+    assert sr.percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+    assert sr.percentile([], 50) is None
     with pytest.raises(ValueError, match="q must be in"):
-        bs.percentile([1.0], 101)
+        sr.percentile([1.0], 101)
 
 
 def _req(ttft, gaps, tokens, prompt=8):
@@ -45,7 +46,7 @@ def test_summary_on_synthetic_timings():
     a = _req(0.100, [0.010] * 4, 5)
     b = _req(0.300, [0.020, 0.020, 0.040, 0.040], 5)
     failed = bs.RequestResult(error="HTTP 500: boom")
-    s = bs.summarize([a, b, failed], duration_s=2.0, output_len=5)
+    s = sr.summarize([a, b, failed], duration_s=2.0, output_len=5)
     assert (s["completed"], s["failed"], s["wrong_output_len"]) == (2, 1, 0)
     assert s["request_throughput"] == pytest.approx(1.0)
     assert s["output_throughput"] == pytest.approx(5.0)
@@ -63,14 +64,14 @@ def test_summary_on_synthetic_timings():
 def test_summary_edge_cases():
     one_token = _req(0.05, [], 1)  # no TPOT or ITL for a single token
     short = _req(0.05, [0.01, 0.01], 3)
-    s = bs.summarize([one_token, short], duration_s=1.0, output_len=3)
+    s = sr.summarize([one_token, short], duration_s=1.0, output_len=3)
     assert s["wrong_output_len"] == 1
     assert s["tpot"]["mean_ms"] == pytest.approx(10.0)  # only `short` has a TPOT
-    none = bs.summarize([bs.RequestResult(error="x")], duration_s=1.0, output_len=3)
+    none = sr.summarize([bs.RequestResult(error="x")], duration_s=1.0, output_len=3)
     assert none["completed"] == 0 and none["ttft"]["p50_ms"] is None
-    assert "-" in bs.table([{"load": "rate inf", "summary": none}])
+    assert "-" in sr.table([{"load": "rate inf", "summary": none}])
     with pytest.raises(ValueError, match="duration_s"):
-        bs.summarize([], duration_s=0.0, output_len=3)
+        sr.summarize([], duration_s=0.0, output_len=3)
 
 
 @pytest.mark.parametrize("argv, match", [
