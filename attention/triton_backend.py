@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from attention import gluon_decode  # Gluon, Triton's Hopper dialect: importable without it or a GPU
 from attention.backend import check_prefill_out
 from attention.kv_quant import FP8_DTYPE
 from attention.triton_cache import gather_context, write_kv
@@ -38,9 +39,8 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
 def _wgmma_decode(min_heads: int, *args, **kw):
     """The Gluon wgmma decode; its refusals (cache dtype, widths, heads, GPU) name the plan
     setting that sent the call there and the one that avoids it."""
-    from attention.gluon_decode import mla_decode_wgmma  # Gluon: Triton's Hopper dialect
     try:
-        return mla_decode_wgmma(*args, **kw)
+        return gluon_decode.mla_decode_wgmma(*args, **kw)
     except (ValueError, RuntimeError) as e:
         raise type(e)(f"{e} (--kernels ...,decode_wgmma_min_heads={min_heads} sent this decode of "
                       f"{args[0].shape[1]} heads there; decode_wgmma_min_heads=0 avoids it)") from e
