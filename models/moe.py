@@ -221,7 +221,8 @@ class MoE(nn.Module):
         if self.fp8_block is None:
             return self.w13[e], self.w2[e]
         q = self.fp8_block
-        return (dequantize(self.w13[e], self.w13_scale[e], q, dtype), dequantize(self.w2[e], self.w2_scale[e], q, dtype))
+        return (dequantize(self.w13[e], self.w13_scale[e], q, dtype),
+                dequantize(self.w2[e], self.w2_scale[e], q, dtype))
 
     def _expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts' w13, w2 in the compute dtype, for the grouped GEMM. FP8 experts are

@@ -277,3 +277,21 @@ def test_sort_pairs_into_blocks_layout():
     assert rows.view(-1, 4).tolist() == [[1, 4, -1, -1], [3, -1, -1, -1], [0, 2, 5, -1],
                                          [-1] * 4, [-1] * 4, [-1] * 4]
     assert experts.tolist() == [0, 1, 2, 4, 4, 4]
+
+
+def test_fused_moe_blocked_fp8_refusals():
+    """The block kernels' host checks, before any launch: FP8 weights need both scale tensors on
+    the weights' block grid, and a block that the kernels' k tiles divide."""
+    from models.fused_moe import fused_moe_blocked
+    E, D, I, T, k = 4, 256, 256, 3, 2
+    q13, s13, q2, s2 = fp8_experts(E, D, I)
+    x, w, ids = torch.randn(T, D), torch.rand(T, k), torch.zeros(T, k, dtype=torch.long)
+    with pytest.raises(ValueError, match="expected torch.float32 weights"):
+        fused_moe_blocked(x, q13, q2, w, ids)
+    with pytest.raises(ValueError, match="need both w13_scale and w2_scale"):
+        fused_moe_blocked(x, q13, q2, w, ids, w13_scale=s13)
+    with pytest.raises(ValueError, match=r"expected \(4, 4, 2\) / \(4, 2, 2\)"):
+        fused_moe_blocked(x, q13, q2, w, ids, w13_scale=s13[:, :3], w2_scale=s2)
+    s13_64, s2_64 = (s.repeat_interleave(2, 1).repeat_interleave(2, 2) for s in (s13, s2))  # 64x64 blocks
+    with pytest.raises(ValueError, match=r"k tiles \[64, 128\] must divide the block"):
+        fused_moe_blocked(x, q13, q2, w, ids, w13_scale=s13_64, w2_scale=s2_64, block=64)
