@@ -13,11 +13,12 @@ every call and may partly stay in L2 (the engine's layers each have their own): 
 
 `--fp8`: experts kept in FP8 with 128x128 block scales (as --fp8-gemm keeps DeepSeek-V3/R1's),
 DeepSeek-R1 shapes by default (D 7168, I 2048, 256 experts, top-8; the shared expert is an MLP of
-its own there, not timed), 16-4096 tokens: the FP8 block kernels (`fp8_blocked16/32/64`; the
-pair-parallel `fp8_fused` at <= 8 tokens) next to the bf16 block kernels on the same weights
-dequantized (`blocked16/32/64`). Floors per row: the distinct chosen experts' bytes over 4.3 TB/s
-(FP8 bytes + scales for the FP8 rows, bf16 bytes for the others) and the products' FLOPs over
-790 TFLOP/s; the reference is a torch loop over the experts hit on the dequantized weights.
+its own there, not timed), 16-4096 tokens: the FP8 block kernels (`fp8_blocked16/32/64`, and 128
+from 512 tokens; the pair-parallel `fp8_fused` at <= 8 tokens) next to the bf16 block kernels on
+the same weights dequantized (`blocked16/...`). Floors per row: the distinct chosen experts'
+bytes over 4.3 TB/s (FP8 bytes + scales for the FP8 rows, bf16 bytes for the others) and the
+products' FLOPs over 790 TFLOP/s; the reference is a torch loop over the experts hit on the
+dequantized weights.
 
     python scripts/bench_fused_moe.py --fp8 [--model configs/models/DeepSeek-R1] [--tokens 16 ... 4096]
 """
@@ -92,8 +93,8 @@ def fp8_rows(a) -> tuple[list, list]:
         if T <= 8:
             variants.append(("fp8_fused", b8, lambda x, w, ids: fused_moe_small(
                 x, moe.w13, moe.w2, w, ids, moe.w13_scale, moe.w2_scale, 128)))
-        for bm in (16, 32, 64):
-            if bm <= max(16, T):
+        for bm in (16, 32, 64, 128):  # 128-row blocks (not the MoE's choice) from 512 tokens, to compare
+            if bm <= max(16, T) and (bm < 128 or T >= 512):
                 variants.append((f"fp8_blocked{bm}", b8, lambda x, w, ids, bm=bm: fused_moe_blocked(
                     x, moe.w13, moe.w2, w, ids, bm, **s8)))
                 variants.append((f"blocked{bm}", b16, lambda x, w, ids, bm=bm: fused_moe_blocked(
