@@ -36,7 +36,6 @@ class DecodeConfig:
     stage_v: bool = False  # with reload_v on CUDA: PV's tile converted to fp16 before shared memory
     stage_c: bool = False  # FP8 cache on CUDA: one load, one conversion, the fp16 tile feeds both products
     lazy_rescale: bool = False  # rescale the accumulator only when a row's max grows by > 2^LAZY_TAU
-    fused_reduce: bool = False  # with splits: the last split of a row tile merges them (no reduce kernel)
 
 
 WIDE_ROWS = 64  # query rows (heads x query tokens) per sequence from which 64-row tiles are used
@@ -63,11 +62,12 @@ def default_decode_config(num_rows: int, dtype: torch.dtype, smem_bytes: int | N
         deep = smem_bytes is None or smem_bytes >= 224 * 1024
         return DecodeConfig(block_h=64, block_n=64 if deep else 32, num_warps=8, num_stages=2)
     if cache_dtype is not None and is_fp8(cache_dtype):
-        # each tile loaded twice (reload_v: the only form Triton pipelines here), PV's converted to
-        # fp16 before shared memory (stage_v), 2 stages: 799 us against 873 with 3 stages and no
-        # staging at B = 128, S = 16k (H200, bench_mla_decode.py --sweep)
+        # each tile loaded twice (reload_v: the only form Triton pipelines here), 2 stages: at
+        # B = 128 on the H200 (bench_mla_decode.py --sweep) 721.9 us at S = 16k and 194.2 at 4k,
+        # against 749.7 / 196.5 with PV's tile converted before shared memory (stage_v), 806-812 /
+        # 210-213 with one load and one conversion (stage_c), 911.6 / 238.4 loaded once
         return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2,
-                            prefetch_ids=True, reload_v=True, stage_v=True)
+                            prefetch_ids=True, reload_v=True)
     return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True)
 
 

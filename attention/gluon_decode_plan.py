@@ -93,3 +93,22 @@ def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 def plan_splits(batch: int, rows: int, max_len: int, num_sms: int, cfg: GluonDecodeConfig) -> int:
     """Splits per sequence, by triton_decode's wave heuristic over 64-row programs."""
     return choose_num_splits(batch, rows // BLOCK_H, max_len, num_sms, cfg.split_config())
+
+
+def check_engine_fit(min_heads: int, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
+                     kv_lora_rank: int, rope_dim: int) -> None:
+    """Start-up check of `--kernels ...,decode_wgmma_min_heads=N`: the model, dtypes and GPU the
+    Gluon decode needs, each refusal a ValueError naming the setting (its per-call limits, heads
+    a multiple of 64 among them, are checked by `validate_inputs` in the warm-up)."""
+    flag = f"--kernels ...,decode_wgmma_min_heads={min_heads}"
+    if kv_lora_rank != LKV or rope_dim != R:
+        raise ValueError(f"{flag}: the Gluon decode is written for kv_lora_rank {LKV} and qk_rope_head_dim {R}, "
+                         f"this model has {kv_lora_rank} and {rope_dim}; leave decode_wgmma_min_heads at 0")
+    if dtype != torch.bfloat16 or cache_dtype != torch.bfloat16:
+        raise ValueError(f"{flag}: the Gluon decode needs a bf16 model and KV cache, got {dtype} and "
+                         f"{cache_dtype} (--dtype / --kv-cache-dtype); leave decode_wgmma_min_heads at 0")
+    from attention.gluon_decode import check_gluon_available
+    try:
+        check_gluon_available(device)
+    except RuntimeError as e:
+        raise ValueError(f"{flag}: {e}; leave decode_wgmma_min_heads at 0") from e

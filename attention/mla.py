@@ -29,7 +29,7 @@ def make_attention_ops(plan: KernelPlan) -> AttentionOps:
     """The plan's AttentionOps backend (decode, prefill, context gather, KV write)."""
     if plan.attention == TRITON:
         from attention.triton_backend import TritonAttentionOps  # triton: CUDA installs only
-        return TritonAttentionOps(fused_reduce=plan.decode_fused_reduce)
+        return TritonAttentionOps(wgmma_min_heads=plan.decode_wgmma_min_heads)
     return TorchAttentionOps()
 
 

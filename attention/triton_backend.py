@@ -35,16 +35,29 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _wgmma_decode(min_heads: int, *args, **kw):
+    """The Gluon wgmma decode; its refusals (cache dtype, widths, heads, GPU) name the plan
+    setting that sent the call there and the one that avoids it."""
+    from attention.gluon_decode import mla_decode_wgmma  # Gluon: Triton's Hopper dialect
+    try:
+        return mla_decode_wgmma(*args, **kw)
+    except (ValueError, RuntimeError) as e:
+        raise type(e)(f"{e} (--kernels ...,decode_wgmma_min_heads={min_heads} sent this decode of "
+                      f"{args[0].shape[1]} heads there; decode_wgmma_min_heads=0 avoids it)") from e
+
+
 class TritonAttentionOps:
-    """`kv_scale`: the per-tensor scale of an FP8 cache (attention/kv_quant.py); unused otherwise."""
+    """`kv_scale`: the per-tensor scale of an FP8 cache (attention/kv_quant.py); unused otherwise.
+    `wgmma_min_heads` (the plan's decode_wgmma_min_heads): decodes of at least this many query
+    heads run on the Gluon wgmma kernel (attention/gluon_decode.py); 0: never."""
 
     name = "triton"
 
     def __init__(self, decode_config: DecodeConfig | None = None,
-                 prefill_config: PrefillConfig | None = None, kv_scale: float = 1.0, fused_reduce: bool | None = None):
+                 prefill_config: PrefillConfig | None = None, kv_scale: float = 1.0, wgmma_min_heads: int = 0):
         self.kv_scale = kv_scale
         self.decode_config = decode_config
-        self.fused_reduce = fused_reduce  # overrides the decode config's (the plan's decode_fused_reduce)
+        self.wgmma_min_heads = wgmma_min_heads
         self.prefill_config = prefill_config
         self._num_sms: dict[torch.device, int] = {}
 
@@ -86,12 +99,13 @@ class TritonAttentionOps:
         _check(q.dtype in _FLOAT_DTYPES and kv_cache.dtype in _CACHE_DTYPES,
                f"q must be fp16/bf16/fp32 and kv_cache that or fp8_e4m3, got {q.dtype}, {kv_cache.dtype}")
         _check_cache(kv_cache)
-        return mla_decode(_last_contiguous(q), kv_cache, _last_contiguous(block_table),
-                          seq_lens.contiguous(), scale, kv_lora_rank, q_len=q_len,
-                          q_pos=None if q_pos is None else q_pos.contiguous(), dcp_size=dcp_size,
-                          dcp_rank=dcp_rank, num_sms=self._sm_count(q.device), cfg=self.decode_config,
-                          fused_reduce=self.fused_reduce,
-                          kv_scale=self.kv_scale)
+        args = (_last_contiguous(q), kv_cache, _last_contiguous(block_table), seq_lens.contiguous(), scale,
+                kv_lora_rank)
+        kw = dict(q_len=q_len, q_pos=None if q_pos is None else q_pos.contiguous(), dcp_size=dcp_size,
+                  dcp_rank=dcp_rank, num_sms=self._sm_count(q.device))
+        if self.wgmma_min_heads and q.shape[1] >= self.wgmma_min_heads:
+            return _wgmma_decode(self.wgmma_min_heads, *args, **kw)
+        return mla_decode(*args, **kw, cfg=self.decode_config, kv_scale=self.kv_scale)
 
     def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
         _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,

@@ -12,10 +12,7 @@ share the latent head, so a row tile re-reads nothing), and keeps an online soft
 positions (`q_pos`) each row sees only the keys up to its token's position: under DCP the local key
 j of rank r is global position j*D + r, so a token at position p sees the first
 `local_len(p + 1)` local keys, a per-row prefix of the scan. Stage 2 (`_mla_decode_reduce_kernel`) merges the splits by LSE. With one
-split, stage 1 writes the final output directly and stage 2 is skipped. With `fused_reduce` the
-last split of each row tile to finish merges them itself (a counter per row tile in a buffer per
-device: launches on one device must not overlap, as the engine's single stream guarantees), and
-stage 2 is skipped too.
+split, stage 1 writes the final output directly and stage 2 is skipped.
 """
 
 from __future__ import annotations
@@ -43,23 +40,6 @@ def _hw_e4m3_convert(device: torch.device) -> bool:
     if device.type != "cuda" or interpreting():
         return False
     return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
-# fused_reduce's split counters, per device: zeros that each launch leaves as it found them (the
-# last split of a row tile resets its counter), so one buffer serves every launch, CUDA graphs
-# included. Sized for the largest grid the engine can launch (B * head tiles).
-SPLIT_COUNTERS = 1 << 16
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device, n: int) -> torch.Tensor:
-    if n > SPLIT_COUNTERS:
-        raise ValueError(f"mla_decode fused_reduce: {n} row tiles (batch x head tiles) exceed the "
-                         f"{SPLIT_COUNTERS} split counters; use a DecodeConfig without fused_reduce")
-    got = _COUNTERS.get(device)
-    if got is None:
-        got = _COUNTERS[device] = torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
-    return got
 
 
 @triton.jit
@@ -91,7 +71,6 @@ def _as_product(x, dtype: tl.constexpr, FP8: tl.constexpr, HW_CVT: tl.constexpr)
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"])  # the table width varies by step
 def _mla_decode_partial_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
-    fo_ptr, flse_ptr, cnt_ptr,  # FUSED: the final output and lse, and a counter per row tile
     qk_scale_log2,  # softmax scale * kv scale * log2(e): scores live in the log2 domain
     o_scale,  # kv scale (FP8 cache), else 1
     H, num_splits,  # runtime, so a new split count never recompiles
@@ -101,14 +80,13 @@ def _mla_decode_partial_kernel(
     stride_btb,
     stride_ob, stride_os, stride_oh,
     stride_lb, stride_ls, stride_lh,
-    stride_fob, stride_foh, stride_flb, stride_flh,
     PAGE: tl.constexpr, LKV: tl.constexpr, R: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, DIRECT: tl.constexpr,
     HAS_POS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FP8: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
     RELOAD_V: tl.constexpr, HW_CVT: tl.constexpr, STAGE_V: tl.constexpr, STAGE_C: tl.constexpr,
-    LAZY: tl.constexpr, TAU: tl.constexpr, FUSED: tl.constexpr, PDL: tl.constexpr,
+    LAZY: tl.constexpr, TAU: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     pid_h = tl.program_id(0)
@@ -261,37 +239,6 @@ def _mla_decode_partial_kernel(
         omask = omask & ((tl.zeros([BLOCK_H], tl.int32) + start) < seq_len)[:, None]
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=omask)
     tl.store(lse_ptrs, lse, mask=hmask)
-    if FUSED and not DIRECT:
-        # The last of the row tile's splits to finish merges them all (no reduce kernel): each
-        # split counts itself in after its stores (the barrier orders every thread's stores
-        # before the one atomic; acq_rel at GPU scope publishes them and, for the last split,
-        # makes the others' visible), and the last resets the counter for the next launch.
-        tl.debug_barrier()
-        cnt = cnt_ptr + b * tl.num_programs(0) + pid_h
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            part_lse = lse_ptr + tok * stride_lb + heads * stride_lh
-            m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-            for s_i in range(num_splits):
-                m = tl.maximum(m, tl.load(part_lse + s_i * stride_ls, mask=hmask, other=float("-inf"),
-                                          cache_modifier=".cg"))
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            total = tl.zeros([BLOCK_H], tl.float32)
-            merged = tl.zeros([BLOCK_H, BLOCK_L], tl.float32)
-            part_o = o_ptr + tok[:, None] * stride_ob + heads[:, None] * stride_oh + offs_l[None, :]
-            for s_i in range(num_splits):
-                lse_s = tl.load(part_lse + s_i * stride_ls, mask=hmask, other=float("-inf"), cache_modifier=".cg")
-                w = tl.exp(lse_s - m_safe)  # 0 for an empty split, whose rows were never stored
-                o_s = tl.load(part_o + s_i * stride_os, mask=(hmask & (lse_s > float("-inf")))[:, None] & lmask[None, :],
-                              other=0.0, cache_modifier=".cg")
-                merged += w[:, None] * o_s
-                total += w
-            some = total > 0.0
-            merged = merged / tl.where(some, total, 1.0)[:, None]
-            lse_f = tl.where(some, m_safe + tl.log(tl.where(some, total, 1.0)), float("-inf"))
-            tl.store(fo_ptr + tok[:, None] * stride_fob + heads[:, None] * stride_foh + offs_l[None, :],
-                     merged.to(fo_ptr.dtype.element_ty), mask=hmask[:, None] & lmask[None, :])
-            tl.store(flse_ptr + tok * stride_flb + heads * stride_flh, lse_f, mask=hmask)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -345,14 +292,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                seq_lens: torch.Tensor, scale: float, kv_lora_rank: int, q_len: int = 1,
                q_pos: torch.Tensor | None = None, dcp_size: int = 1, dcp_rank: int = 0,
                num_splits: int | None = None, num_sms: int | None = None,
-               cfg: DecodeConfig | None = None, kv_scale: float = 1.0,
-               fused_reduce: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               cfg: DecodeConfig | None = None, kv_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: q [B*q_len, H, Lkv+R] -> (o [B*q_len, H, Lkv] in q.dtype, lse
     [B*q_len, H] fp32); `q_pos` and the DCP layout as in attention/backend.py `decode`.
 
     Inputs are assumed validated (TritonAttentionOps does it); the last dims must be contiguous.
-    `kv_scale` is an FP8 cache's per-tensor scale (ignored for other caches); `fused_reduce`, when
-    given, overrides the config's (the last split merges the splits, no reduce kernel).
+    `kv_scale` is an FP8 cache's per-tensor scale (ignored for other caches).
     """
     T, H, D = q.shape
     B = T // q_len
@@ -380,17 +325,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     direct = num_splits == 1
     po, plse, po_strides, plse_strides = split_outputs(o, lse, num_splits)
     block_l = triton.next_power_of_2(lkv)
-    fused = (cfg.fused_reduce if fused_reduce is None else fused_reduce) and not direct
-    cnt = _split_counters(q.device, B * head_tiles) if fused else seq_lens
     _mla_decode_partial_kernel[(head_tiles, num_splits, B)](
         q, kv_cache.view(torch.uint8) if fp8 else kv_cache, block_table, seq_lens,
-        seq_lens if q_pos is None else q_pos, po, plse, o, lse, cnt,
+        seq_lens if q_pos is None else q_pos, po, plse,
         scale * kv_scale * LOG2E, kv_scale, H, num_splits, q_len, dcp_size, dcp_rank,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
         *po_strides, *plse_strides,
-        o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
         PAGE=page, LKV=lkv, R=r,
         BLOCK_L=block_l, BLOCK_R=triton.next_power_of_2(r),
         BLOCK_H=block_h, BLOCK_N=cfg.block_n,
@@ -398,12 +340,12 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         HAS_POS=q_pos is not None, WARP_SPECIALIZE=cfg.warp_specialize, FP8=fp8,
         RELOAD_V=fp8 and cfg.reload_v and not cfg.stage_c, HW_CVT=hw_cvt,
         STAGE_V=fp8 and cfg.reload_v and cfg.stage_v and not cfg.stage_c, STAGE_C=fp8 and cfg.stage_c,
-        LAZY=cfg.lazy_rescale, TAU=LAZY_TAU, FUSED=fused,
+        LAZY=cfg.lazy_rescale, TAU=LAZY_TAU,
         PRODUCT_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[compute_dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
-    if not direct and not fused:
+    if not direct:
         _mla_decode_reduce_kernel[(H, T)](
             po, plse, o, lse, H, num_splits,
             *po_strides, *plse_strides,

@@ -106,8 +106,10 @@ CHOICES: tuple[Choice, ...] = (
     Choice("fp8_gemm", ("auto", TRITON, "cublas"),
            "W8A8 block GEMM with --fp8-gemm: cuBLAS's block-scaled GEMM where torch, GPU and "
            "shape have it (auto), or one of them", ("models.fp8_gemm",), triton="auto", torch="auto"),
-    Choice("decode_fused_reduce", (bool,), "MLA decode over several splits: the last split of each row "
-           "tile merges them (no reduce kernel)", ("attention.triton_decode",), triton=False, torch=False),
+    Choice("decode_wgmma_min_heads", (int,), "query heads per rank from which the MLA decode runs on the "
+           "Gluon wgmma kernel (attention/gluon_decode.py: sm_90, bf16 cache, kv_lora_rank 512, rope 64, "
+           "heads a multiple of 64) instead of the Triton kernel (0: never)",
+           ("attention.gluon_decode", "attention.gluon_decode_plan"), triton=0, torch=0),
     Choice("pdl", (bool,), "programmatic dependent launch (sm_90+) for the decode path's Triton kernels: "
            "each is launched while its predecessor drains and waits for its writes on the GPU",
            ("common.pdl",), triton=False, torch=False),
@@ -140,7 +142,7 @@ class KernelPlan:
     moe_shared_dense_min_tokens: int = 0
     moe_large: str = "loop"
     fp8_gemm: str = "auto"
-    decode_fused_reduce: bool = False
+    decode_wgmma_min_heads: int = 0
     pdl: bool = False
     compile: bool = False
     autotune: bool = False

@@ -11,7 +11,7 @@ import torch
 from attention.kv_quant import resolve_kv_cache_dtype
 from common import distributed as pd
 from common.args import EngineArgs
-from common.kernel_plan import KernelPlan, resolve_plan, use_autotune, use_pdl
+from common.kernel_plan import TRITON, KernelPlan, resolve_plan, use_autotune, use_pdl
 from engine.model_runner import ModelRunner
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
@@ -89,6 +89,10 @@ class Worker:
             raise ValueError(f"--kernels ...,pdl=1: programmatic dependent launch needs an sm_90+ GPU (Hopper or "
                              f"newer), not {self.device}; leave pdl at 0")
         use_pdl(self.plan.pdl)
+        if self.plan.decode_wgmma_min_heads and self.plan.attention == TRITON:
+            from attention.gluon_decode_plan import check_engine_fit
+            check_engine_fit(self.plan.decode_wgmma_min_heads, self.device, self.dtype, self.cache_dtype,
+                             cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         fp8_gemm = args.fp8_gemm and cfg.fp8_block is not None
         if fp8_gemm and not self.plan.any_triton:
             raise ValueError("--fp8-gemm runs W8A8 GEMM kernels (Triton or cuBLAS): not with the pure-torch "

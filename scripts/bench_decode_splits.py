@@ -2,7 +2,6 @@
 
     python scripts/bench_decode_splits.py                       # B = 1, 8, 32, 128
     python scripts/bench_decode_splits.py --batches 32 --splits 4 8 16 32
-    python scripts/bench_decode_splits.py --fused-reduce       # and each count without the reduce kernel
 
 Each figure is device µs per call inside one CUDA graph over several caches (as a step's 27
 layers stream theirs from HBM; one layer's cache at batch 32 fits in L2), partial + reduce
@@ -12,13 +11,12 @@ kernels, against the KV bytes' floor at 4.3 TB/s. "auto" is `choose_num_splits`'
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import torch
 from bench_common import graph_us
 
 from attention.triton_backend import TritonAttentionOps
-from attention.triton_decode import default_decode_config, mla_decode
+from attention.triton_decode import mla_decode
 
 
 def main() -> None:
@@ -29,10 +27,7 @@ def main() -> None:
     p.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--page", type=int, default=16)
     p.add_argument("--copies", type=int, default=4, help="caches cycled through, to defeat L2")
-    p.add_argument("--fused-reduce", action="store_true",
-                   help="also time each split count with DecodeConfig.fused_reduce (the last split merges)")
     a = p.parse_args()
-    fused = dataclasses.replace(default_decode_config(a.heads, torch.bfloat16), fused_reduce=True)
     dev, L, R = "cuda", 512, 64
     ops = TritonAttentionOps()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -52,11 +47,6 @@ def main() -> None:
                 (lambda q, c, bt, n, s=s: mla_decode(q, c, bt, n, 0.1, L, num_splits=s, num_sms=sms))
             us = graph_us(fn, calls)
             print(f"| {B} | {'auto' if s is None else s} | {us:.1f} | {floor:.1f} | {us / floor:.2f} |", flush=True)
-            if a.fused_reduce and s != 1:
-                fn = lambda q, c, bt, n, s=s: mla_decode(q, c, bt, n, 0.1, L, num_splits=s, num_sms=sms, cfg=fused)
-                us = graph_us(fn, calls)
-                print(f"| {B} | {'auto' if s is None else s} fused | {us:.1f} | {floor:.1f} | {us / floor:.2f} |",
-                      flush=True)
 
 
 if __name__ == "__main__":

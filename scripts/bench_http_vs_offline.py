@@ -157,6 +157,8 @@ def table(off: dict, http: dict, a: argparse.Namespace) -> str:
              f"{'HTTP':<10}{http['request_throughput']:>10.2f}{http['output_throughput']:>12.0f}"
              f"   ({http['completed']} ok, {http['failed']} failed)",
              f"HTTP / offline: {http['request_throughput'] / off['requests_per_s']:.3f}",
+             f"engine steps with tokens: offline {off.get('num_steps', '-')} ({off.get('step_tokens', '-')} tokens), "
+             f"HTTP {http.get('engine_steps', '-')} ({http.get('engine_step_tokens', '-')} tokens)",
              f"{'HTTP ms':<10}{'mean':>10}{'p50':>10}{'p99':>10}"]
     for k in ("ttft", "tpot", "itl", "e2e"):
         lines.append(f"{k.upper():<10}{ms(k, 'mean'):>10}{ms(k, 'p50'):>10}{ms(k, 'p99'):>10}")

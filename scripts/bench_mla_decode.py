@@ -62,8 +62,7 @@ PREFILL_SHAPES = [  # (name, [(Lq, Lk), ...], H, causal)
 _H16 = dict(block_h=16, num_warps=4, programs_per_sm=2, prefetch_ids=True)
 _H64 = dict(block_h=64, num_warps=8)
 DECODE_SWEEP = {
-    (16, "bf16"): [dict(_H16, block_n=32, num_stages=2), dict(_H16, block_n=32, num_stages=3, lazy_rescale=True),
-                   dict(_H16, block_n=32, num_stages=3, fused_reduce=True)],
+    (16, "bf16"): [dict(_H16, block_n=32, num_stages=2), dict(_H16, block_n=32, num_stages=3, lazy_rescale=True)],
     (16, "fp8"): [dict(_H16, block_n=32, num_stages=2, stage_c=True), dict(_H16, block_n=32, num_stages=3, stage_c=True),
                   dict(_H16, block_n=32, num_stages=2, stage_c=True, lazy_rescale=True),
                   dict(_H16, block_n=32, num_stages=3, stage_c=True, lazy_rescale=True, programs_per_sm=1),
@@ -217,8 +216,8 @@ def _time_configs(rows, log, deadline, num_sms, sweep, B, S, H, cname, q, cache,
 
 
 def _short(cfg: dict) -> str:
-    """Compact tile description: h16n32w4s2p2[r168][T][P][W][V][S][C][L][F] (the flags: qk_t,
-    prefetch_ids, warp_specialize, reload_v, stage_v, stage_c, lazy_rescale, fused_reduce); the
+    """Compact tile description: h16n32w4s2p2[r168][T][P][W][V][S][C][L] (the flags: qk_t,
+    prefetch_ids, warp_specialize, reload_v, stage_v, stage_c, lazy_rescale); the
     Gluon kernel's as gluon-n32s4x1[R][L] (R: q's rope slice in registers, L: lazy rescale)."""
     if cfg.get("impl") == "gluon":
         return (f"gluon-n{cfg['block_n']}s{cfg['num_stages']}x{cfg['xbuf']}" + ("R" if cfg.get("q_pe_regs") else "")
@@ -228,7 +227,7 @@ def _short(cfg: dict) -> str:
     return (out + ("T" if cfg.get("qk_t") else "") + ("P" if cfg.get("prefetch_ids") else "")
             + ("W" if cfg.get("warp_specialize") else "") + ("V" if cfg.get("reload_v") else "")
             + ("S" if cfg.get("stage_v") else "") + ("C" if cfg.get("stage_c") else "")
-            + ("L" if cfg.get("lazy_rescale") else "") + ("F" if cfg.get("fused_reduce") else ""))
+            + ("L" if cfg.get("lazy_rescale") else ""))
 
 
 def prefill_flops(lens, H, causal):

@@ -340,6 +340,21 @@ def plot(rows: list[dict], xlabel: str, path: str) -> bool:
     return True
 
 
+async def engine_steps(client, root: str, headers: dict) -> tuple[int, int] | None:
+    """(steps, tokens) so far from the server's `vllm:iteration_tokens_total` histogram (the engine
+    steps that scheduled tokens; vLLM exports it too), or None where /metrics lacks it."""
+    try:
+        text = (await client.get(f"{root}/metrics", headers=headers)).text
+    except httpx.HTTPError:
+        return None
+    got = {}
+    for line in text.splitlines():
+        for key in ("count", "sum"):
+            if line.startswith(f"vllm:iteration_tokens_total_{key}{{"):
+                got[key] = int(float(line.rsplit(" ", 1)[1]))
+    return (got["count"], got["sum"]) if len(got) == 2 else None
+
+
 async def bench(a: argparse.Namespace) -> dict:
     """Warm up, then run every load level; returns the JSON payload."""
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
@@ -367,8 +382,14 @@ async def bench(a: argparse.Namespace) -> dict:
         rows = []
         for k, (rate, conc) in enumerate(levels):
             prompts = random_prompts(a.num_prompts, a.input_len, vocab, seed=a.seed + k)
+            root = a.base_url.rstrip("/").removesuffix("/v1")
+            before = await engine_steps(client, root, headers)
             results, dt = await run_load(clients, t, prompts, rate, conc, seed=a.seed + k)
             s = summarize(results, dt, a.output_len)
+            after = await engine_steps(client, root, headers)
+            # the engine's steps during this level's run (its warm-up's excluded)
+            s["engine_steps"], s["engine_step_tokens"] = ((after[0] - before[0], after[1] - before[1])
+                                                          if before and after else (None, None))
             if s["failed"]:
                 logger.warning("%d of %d requests failed, e.g. %s", s["failed"], len(results),
                                s["errors"][0])

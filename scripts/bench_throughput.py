@@ -16,6 +16,22 @@ from bench_common import add_engine_flags, engine_kwargs, environment, random_pr
 from engine import LLM, SamplingParams
 
 
+def count_steps(core) -> list:
+    """[steps, tokens]: the engine steps from now on that schedule tokens, and their tokens (what
+    the server's `vllm:iteration_tokens_total` histogram counts, for bench_http_vs_offline.py)."""
+    counts, schedule = [0, 0], core.scheduler.schedule
+
+    def scheduling():
+        so = schedule()
+        if so.total_num_scheduled_tokens:
+            counts[0] += 1
+            counts[1] += so.total_num_scheduled_tokens
+        return so
+
+    core.scheduler.schedule = scheduling
+    return counts
+
+
 def watch_steps(core) -> list:
     """Record every engine step from now on: its scheduled tokens and decode rows, the wall time
     of the step() call that scheduled it, and (CUDA) the host time of its launch (input
@@ -321,8 +337,11 @@ def main() -> None:
     llm = LLM(**engine_kwargs(a))
     prompts = random_prompts(a.num_prompts, a.input_len, llm.engine.cfg.vocab_size)
     sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
-    llm.generate(prompts[:8], sp)  # warm-up (Triton compiles, allocator)
+    # warm-up (Triton compiles, allocator) on other prompts than the timed ones, as bench_serving.py
+    # warms the server: with prefix caching on, the timed run must not find any of its prompts cached
+    llm.generate(random_prompts(8, a.input_len, llm.engine.cfg.vocab_size, seed=-1), sp)
     steps = watch_steps(llm.engine) if a.step_stats else None
+    counts = count_steps(llm.engine)
     if a.gpu_window:
         w_start, w_count = map(int, a.gpu_window.split(":"))
         window = gpu_window(llm.engine, w_start, w_count)
@@ -349,10 +368,12 @@ def main() -> None:
     out_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     res = {"requests_per_s": a.num_prompts / dt, "output_tokens_per_s": out_tokens / dt,
            "total_tokens_per_s": (out_tokens + a.num_prompts * a.input_len) / dt, "elapsed_s": dt,
-           "num_preemptions": llm.scheduler.stats.num_preemptions, "gpu_window": gpu, "step_stats": stats, "host": host, "allocator": mem}
+           "num_preemptions": llm.scheduler.stats.num_preemptions, "num_steps": counts[0],
+           "step_tokens": counts[1], "gpu_window": gpu, "step_stats": stats, "host": host, "allocator": mem}
     print(f"{a.num_prompts} requests x ({a.input_len} in, {a.output_len} out) in {dt:.2f} s: "
           f"{res['requests_per_s']:.2f} req/s, {res['output_tokens_per_s']:.0f} output tok/s, "
-          f"{res['total_tokens_per_s']:.0f} total tok/s, {res['num_preemptions']} preemptions")
+          f"{res['total_tokens_per_s']:.0f} total tok/s, {res['num_preemptions']} preemptions, "
+          f"{counts[0]} steps")
     write_json(a.json, {"bench": "throughput", "env": environment(), "args": vars(a), "results": res})
 
 

@@ -40,7 +40,6 @@ VARIANTS = [  # (name, fp8, DecodeConfig fields)
     ("fp8 plain", True, f"{_H16},block_n=32,num_stages=3"),
     ("fp8 stage_c", True, f"{_H16},block_n=32,num_stages=2,stage_c=True"),
     ("fp8 stage_c lazy", True, f"{_H16},block_n=32,num_stages=2,stage_c=True,lazy_rescale=True"),
-    ("bf16 fused_reduce", False, f"{_H16},block_n=32,num_stages=3,fused_reduce=True"),
     ("h64 bf16 default", False, "block_h=64,block_n=64,num_warps=8,num_stages=2"),
     ("h64 bf16 lazy", False, "block_h=64,block_n=64,num_warps=8,num_stages=2,lazy_rescale=True"),
 ]
@@ -66,10 +65,10 @@ def compile_partial(cfg: td.DecodeConfig, fp8: bool, page: int = 16, direct: boo
                  PRODUCT_DTYPE=tl.float16 if fp8 else tl.bfloat16, HW_CVT=fp8,
                  RELOAD_V=fp8 and cfg.reload_v and not cfg.stage_c,
                  STAGE_V=fp8 and cfg.reload_v and cfg.stage_v and not cfg.stage_c, STAGE_C=fp8 and cfg.stage_c,
-                 LAZY=cfg.lazy_rescale, TAU=td.LAZY_TAU, FUSED=cfg.fused_reduce and not direct, PDL=pdl)
+                 LAZY=cfg.lazy_rescale, TAU=td.LAZY_TAU, PDL=pdl)
     ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "block_table_ptr": "*i32",
             "seq_lens_ptr": "*i32", "q_pos_ptr": "*i32", "o_ptr": "*bf16" if direct else "*fp32",
-            "lse_ptr": "*fp32", "fo_ptr": "*bf16", "flse_ptr": "*fp32", "cnt_ptr": "*i32"}
+            "lse_ptr": "*fp32"}
     unspecialized = {fn.arg_names[i] if isinstance(i, int) else i for i in fn.do_not_specialize}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

@@ -8,19 +8,18 @@
 #   moe         fused small-batch MoE vs grouped GEMM at V2-Lite shapes (bench_fused_moe.py)
 #   mla         Triton MLA kernels: real-shape checks, decode grid, prefill (bench_mla_decode.py)
 #   gluon       the Gluon many-heads decode (attention/gluon_decode.py): its sm_90 compile report, a
-#               3-case smoke test (a hang shows here), all its GPU tests, then its time at B=128,
-#               S=4096, 128 heads next to the Triton kernel; the step's timeout is shared out
-#               (give it `gluon:540`)
+#               3-case smoke test (a hang shows here), all its GPU tests and its engine test
+#               (decode_wgmma_min_heads=64), then its time next to the Triton kernel's at 64 and
+#               128 heads over B 1..128, S 1k..16k; the step's timeout is shared out (give it `gluon:540`)
 #   decode      the MLA decode kernel alone: its GPU tests (bf16 and FP8 caches, every DecodeConfig
-#               variant), split counts with and without the reduce kernel at 1k contexts
-#               (bench_decode_splits.py --fused-reduce), then its tiles swept at B=128, S=4k/16k,
+#               variant), split counts at 1k contexts (bench_decode_splits.py), then its tiles swept at B=128, S=4k/16k,
 #               16 and 128 heads, bf16 and FP8 (bench_mla_decode.py --decode-only --sweep); the step's
 #               timeout is shared out: 1/2 tests, 1/6 splits, 1/3 sweep (give it `decode:540`)
 #   latency     V2-Lite dummy bf16 TPOT at batch 1/8/32/128 (bench_latency.py; async scheduling, the default)
 #   latency_sync   the same with --no-async-scheduling
-#   pdl         TPOT at batch 1/8/32 with --kernels auto, auto,pdl=1, auto,decode_fused_reduce=1 and
-#               both (programmatic dependent launch; no decode reduce kernel): four runs of
-#               bench_latency.py, each under a quarter of the step's timeout (give it `pdl:480`)
+#   pdl         TPOT at batch 1/8/32/128 with --kernels auto and auto,pdl=1 (programmatic dependent
+#               launch), twice each, alternating: four runs of bench_latency.py, each under a quarter
+#               of the step's timeout (give it `pdl:480`)
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
 #   offline     the same, prefix caching off, with its instruments: wall / host launch / GPU span per
@@ -28,6 +27,10 @@
 #               CUDA allocator during the run (bench_throughput.py --step-stats --host-sample)
 #   http        the same workload offline, then over HTTP (serve + bench_serving), one table with
 #               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:560`)
+#   peer        the issues' side-by-side method: a random-weight V2-Lite checkpoint
+#               (.bench/make_random_ckpt.py into /tmp/v2l, ~45 s), then .bench/peer_bench.py --engine
+#               ours on it (TPOT at batch 1/8/32/128, offline 1000 x (1000 in, 100 out)); needs
+#               ../shared/bench copied into .bench and `carry: [".bench"]` (give it `peer:560`)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
 #   r1fp8       the R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1/32/128 and offline
@@ -66,27 +69,33 @@ for spec in $steps; do
            --out "$OUT/bench_mla_decode.json" > "$log" 2>&1 ;;
     decode) { timeout $((T / 2)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_ops.py \
                 tests/test_kv_cache_fp8.py -k decode
-              timeout $((T / 6)) python3 scripts/bench_decode_splits.py --fused-reduce --splits 2 4 8 16 32 64
+              timeout $((T / 6)) python3 scripts/bench_decode_splits.py --splits 2 4 8 16 32 64
               timeout $((T / 3)) python3 scripts/bench_mla_decode.py --decode-only --sweep --budget-s $((T / 3 - 30)) \
                 --decode-shapes 128x4096,128x16384 --heads 16,128 --cache-dtypes bf16,fp8 \
                 --out "$OUT/bench_mla_decode.json"; } > "$log" 2>&1 ;;
     gluon) { timeout $((T / 10)) python3 scripts/compile_sm90.py
              timeout $((T / 5)) python3 -m pytest tests/test_gluon_decode.py -m gpu -x -q -p no:cacheprovider \
                -k "S17_H64_p16_splits1 or B3_0_17_1000_H128_p16_splits5 or cfg_s3x2_B3_0_17_1000" && \
-             timeout $((T / 2)) python3 -m pytest tests/test_gluon_decode.py -m gpu -q -p no:cacheprovider -rfE
-             timeout $((T / 5)) python3 scripts/bench_mla_decode.py --decode-only --decode-shapes 128x4096 --heads 128 \
-               --cache-dtypes bf16 --impl gluon --out "$OUT/gluon_decode.json"; } > "$log" 2>&1 ;;
+             timeout $((T / 2)) python3 -m pytest tests/test_gluon_decode.py tests/test_gpu_engine.py -m gpu -q -s \
+               -p no:cacheprovider -rfE -k "not test_gpu_engine or gluon"
+             timeout $((T / 5)) python3 scripts/bench_mla_decode.py --decode-only --impl gluon --heads 64,128 \
+               --decode-shapes 1x4096,8x4096,32x1024,32x4096,128x1024,128x4096,128x16384 --cache-dtypes bf16 \
+               --out "$OUT/gluon_decode.json"; } > "$log" 2>&1 ;;
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
     latency_sync) timeout "$T" python3 scripts/bench_latency.py --no-async-scheduling ${LATENCY_ARGS:-} \
           --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;
-    pdl) { for k in auto auto,pdl=1 auto,decode_fused_reduce=1 auto,pdl=1,decode_fused_reduce=1; do echo "## --kernels $k"
-             timeout $((T / 4)) python3 scripts/bench_latency.py --kernel-plan "$k" --batch-sizes 1 8 32 \
-               --json "$OUT/latency_${k//[,=]/_}.json"; done; } > "$log" 2>&1 ;;
+    pdl) { for k in auto auto,pdl=1 auto auto,pdl=1; do echo "## --kernels $k"
+             timeout $((T / 4)) python3 scripts/bench_latency.py --kernel-plan "$k" --batch-sizes 1 8 32 128 \
+               --json "$OUT/latency_${k//[,=]/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
     offline) timeout "$T" python3 scripts/bench_throughput.py --no-enable-prefix-caching --step-stats --host-sample \
                --json "$OUT/offline.json" > "$log" 2>&1 ;;
     http) timeout "$T" python3 scripts/bench_http_vs_offline.py --out-dir "$OUT/http" > "$log" 2>&1 ;;
+    peer) { [ -f .bench/peer_bench.py ] || echo "no .bench/peer_bench.py: copy ../shared/bench to .bench and carry it"
+            [ -f /tmp/v2l/config.json ] || timeout $((T / 4)) python3 .bench/make_random_ckpt.py configs/models/DeepSeek-V2-Lite /tmp/v2l
+            timeout $((T * 3 / 4)) python3 .bench/peer_bench.py --engine ours --model /tmp/v2l --load-format auto \
+              --out "$OUT/peer_bench.json"; } > "$log" 2>&1 ;;
     fp8) timeout "$T" python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" > "$log" 2>&1 ;;
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
           --hf-overrides '{"num_hidden_layers": 4}' --batch-sizes 1 64 --decode-steps 50 \

@@ -91,6 +91,60 @@ def test_without_cuda_it_raises_naming_the_option():
         mla_decode_wgmma(q, cache, bt, lens, 0.1, LKV)
 
 
+def _record(calls, name):
+    def f(q, *args, **kw):
+        calls.append(name)
+        return torch.zeros(q.shape[0], q.shape[1], LKV), torch.zeros(q.shape[0], q.shape[1])
+    return f
+
+
+def test_plan_setting_routes_many_heads_to_the_gluon_decode(monkeypatch):
+    """`--kernels ...,decode_wgmma_min_heads=N` reaches the attention backend, which sends decodes
+    of N heads or more to mla_decode_wgmma and fewer to the Triton mla_decode (both recorded here:
+    neither runs on the CPU)."""
+    from attention import triton_backend as tb
+    from attention.mla import make_attention_ops
+    from common.kernel_plan import KernelPlan
+    assert make_attention_ops(KernelPlan(attention="triton")).wgmma_min_heads == 0
+    ops = make_attention_ops(KernelPlan(attention="triton", decode_wgmma_min_heads=64))
+    calls = []
+    monkeypatch.setattr(gd, "mla_decode_wgmma", _record(calls, "gluon"))
+    monkeypatch.setattr(tb, "mla_decode", _record(calls, "triton"))
+    for H in (16, 64, 128):
+        q, cache, bt, lens = _args(H=H)
+        ops.decode(q, cache, bt, lens, 0.1, LKV)
+    make_attention_ops(KernelPlan(attention="triton")).decode(*_args(H=128), 0.1, LKV)
+    assert calls == ["triton", "gluon", "gluon", "triton"]
+
+
+def test_gluon_decode_refusal_names_the_plan_setting():
+    """A decode the plan sends to the Gluon kernel and that it cannot run (here: an FP8 cache, then
+    the CPU) raises naming decode_wgmma_min_heads and the value that avoids it."""
+    from attention.triton_backend import TritonAttentionOps
+    ops = TritonAttentionOps(wgmma_min_heads=64)
+    q, cache, bt, lens = _args(H=64)
+    with pytest.raises(ValueError, match=r"bfloat16.*decode_wgmma_min_heads=64 sent this decode of 64 heads"
+                                         r" there; decode_wgmma_min_heads=0 avoids it"):
+        ops.decode(q, cache.to(torch.float8_e4m3fn), bt, lens, 0.1, LKV)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match=r"sm_90 only.*decode_wgmma_min_heads=0 avoids it"):
+            ops.decode(q, cache, bt, lens, 0.1, LKV)
+
+
+def test_engine_start_up_check_names_the_setting():
+    """The worker's start-up check: model widths, dtypes, then the GPU, each refusal naming
+    `decode_wgmma_min_heads` and telling to leave it at 0."""
+    from attention.gluon_decode_plan import check_engine_fit
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match=r"decode_wgmma_min_heads=64: .*kv_lora_rank 512 and qk_rope_head_dim 64, "
+                                         r"this model has 128 and 16"):
+        check_engine_fit(64, cpu, bf16, bf16, 128, 16)
+    with pytest.raises(ValueError, match=r"decode_wgmma_min_heads=64: .*bf16 model and KV cache.*float8_e4m3fn"):
+        check_engine_fit(64, cpu, bf16, torch.float8_e4m3fn, LKV, R)
+    with pytest.raises(ValueError, match=r"decode_wgmma_min_heads=64: .*(sm_90|Gluon).*leave decode_wgmma_min_heads at 0"):
+        check_engine_fit(64, cpu, bf16, bf16, LKV, R)
+
+
 def test_shared_memory_plan():
     """Default: q's latent part (64 KB) + 4 stages of 32 rows (144 KB) + one exchange slot each way
     (16 KB) fit Hopper's 227 KB, q's rope slice in registers; with it in shared memory 4 stages do

@@ -69,6 +69,49 @@ def test_pdl_equals_no_pdl(gpu_v2):
         use_pdl(False)  # a process setting: kernels called directly by later tests launch without it
 
 
+def _decode_logprobs(path, prompts, dtype="float32", **kw):
+    """Greedy continuations with the log-probability of each generated token (decode steps)."""
+    kw.setdefault("num_kv_blocks", 1024)
+    kw.setdefault("kernels", "auto,warmup=0")
+    kw["kernels"] += "" if autotuning() else ",autotune=0"  # pytest --no-autotune
+    llm = LLM(path, device="cuda", dtype=dtype, **kw)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0))
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def _decode_error(run, ref) -> float:
+    """Mean |logprob - reference| over the generated tokens where both continuations still agree
+    (the same context behind each compared step)."""
+    errs = []
+    for (toks, lps), (rtoks, rlps) in zip(run, ref):
+        for t, lp, rt, rlp in zip(toks, lps, rtoks, rlps):
+            if t != rt:
+                break
+            errs.append(abs(lp - rlp))
+    return sum(errs) / len(errs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon wgmma decode needs sm_90")
+def test_gluon_decode_in_the_engine(tmp_path):
+    """`--kernels auto,decode_wgmma_min_heads=64` on a tiny V3 with the Gluon kernel's widths (64
+    heads, kv_lora_rank 512, rope 64), bf16: CUDA graphs == eager with every decode on the Gluon
+    kernel, and the generated tokens' log-probabilities as close to the fp32 reference as the
+    Triton decode's in bf16 (mean error at most 1.25x; prompt log-probabilities would test the
+    prefill, not the decode)."""
+    from tiny_models import make_model
+    make_model(tmp_path, "v3", num_attention_heads=64, kv_lora_rank=512, qk_rope_head_dim=64)
+    path, prompts = str(tmp_path), _prompts64()
+    gluon = "auto,warmup=0,decode_wgmma_min_heads=64"
+    fast = _decode_logprobs(path, prompts, "bfloat16", kernels=gluon)
+    assert [t for t, _ in _decode_logprobs(path, prompts, "bfloat16", kernels=gluon, enforce_eager=True)] == \
+        [t for t, _ in fast]
+    ref = _decode_logprobs(path, prompts, attention_backend="torch", enforce_eager=True)
+    e_fast, e_triton = _decode_error(fast, ref), _decode_error(_decode_logprobs(path, prompts, "bfloat16"), ref)
+    print(f"mean |decode logprob - fp32|: gluon bf16 {e_fast:.2e}, triton bf16 {e_triton:.2e}")
+    assert 0 < e_fast <= 1.25 * e_triton, (e_fast, e_triton)
+
+
 @pytest.mark.parametrize("budget", [16, 2048])
 def test_async_scheduling_equals_sync(gpu_v3, budget):
     """Step N+1 launched before step N's tokens reach the host (inputs on the device,

@@ -103,6 +103,5 @@ def test_pdl_without_a_hopper_gpu_is_refused_with_the_flag(tiny_v2):
     (nothing is silently left off), naming the setting."""
     from engine import LLM
     assert _resolve("auto,pdl=1").pdl and not _resolve("auto").pdl
-    assert _resolve("auto,decode_fused_reduce=1").decode_fused_reduce and not _resolve("auto").decode_fused_reduce
     with pytest.raises(ValueError, match=r"pdl=1: programmatic dependent launch needs an sm_90\+ GPU"):
         LLM(tiny_v2[0], device="cpu", dtype="float32", kernels="torch,pdl=1")

@@ -251,10 +251,6 @@ CPU_CASES = {
     "decode_default_tiles_h64": lambda: check_decode("cpu", f32, 64, 32, 16, 16, [0, 1, 37, 150], num_splits=3,
                                                      cfg=_default_cfg(64)),
     "decode_ops_auto_splits": lambda: check_decode("cpu", f32, 8, 32, 16, 16, [17, 0, 1]),
-    # the last split merges (no reduce kernel); run twice, so the second finds its counters reset
-    "decode_fused_reduce_twice": lambda: [check_decode("cpu", f32, 4, 32, 16, 4, lens, num_splits=n, seed=n,
-                                                       cfg=_small_cfg(fused_reduce=True))
-                                          for lens, n in (([0, 1, 37, 70], 3), ([150, 0, 5], 17), ([9], 1))],
     # pages holding whole tiles (one block id per tile), with and without the id prefetch
     "decode_one_page_tiles_prefetch": lambda: check_decode("cpu", f32, 4, 32, 16, 32, [0, 1, 37, 150, 64],
                                                            num_splits=3, cfg=_small_cfg(prefetch_ids=True)),
@@ -342,12 +338,6 @@ for _h in (16, 128):
     GPU_CASES[f"decode_bf16_H{_h}_prefetch_ids"] = (
         lambda h=_h: check_decode("cuda", bf16, h, 512, 64, 16, [1, 0, 777, 4096, 16384, 3000], num_splits=5,
                                   cfg=_prefetch_cfg(16 if h == 16 else 64)))
-for _h in (16, 128):
-    GPU_CASES[f"decode_bf16_H{_h}_fused_reduce"] = (
-        lambda h=_h: [check_decode("cuda", bf16, h, 512, 64, 16, lens, num_splits=n, seed=n,
-                                   cfg=dataclasses.replace(_default_cfg(h), fused_reduce=True))
-                      for lens, n in (([1, 0, 777, 4096, 16384, 3000], 5), ([(37 * i) % 4000 for i in range(64)], 3),
-                                      ([1000], 64))])
     GPU_CASES[f"decode_bf16_H{_h}_lazy_rescale"] = (
         lambda h=_h: check_decode("cuda", bf16, h, 512, 64, 16, [1, 0, 777, 4096, 16384, 3000], num_splits=5,
                                   cfg=dataclasses.replace(_default_cfg(h), lazy_rescale=True)))
@@ -417,12 +407,3 @@ def test_split_heuristic_fills_gpu():
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
 def test_gpu(name):
     GPU_CASES[name]()
-
-
-def test_plan_decode_fused_reduce_reaches_the_decode_kernel():
-    """The plan's decode_fused_reduce is the attention backend's fused_reduce, which mla_decode
-    takes over its config's."""
-    from attention.mla import make_attention_ops
-    from common.kernel_plan import KernelPlan
-    assert make_attention_ops(KernelPlan(attention="triton", decode_fused_reduce=True)).fused_reduce is True
-    assert make_attention_ops(KernelPlan(attention="triton")).fused_reduce is False
