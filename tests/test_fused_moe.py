@@ -295,3 +295,19 @@ def test_fused_moe_blocked_fp8_refusals():
     s13_64, s2_64 = (s.repeat_interleave(2, 1).repeat_interleave(2, 2) for s in (s13, s2))  # 64x64 blocks
     with pytest.raises(ValueError, match=r"k tiles \[64, 128\] must divide the block"):
         fused_moe_blocked(x, q13, q2, w, ids, w13_scale=s13_64, w2_scale=s2_64, block=64)
+
+
+def test_fp8_experts_torch_paths():
+    """The torch plan's FP8 experts, dequantized per call expert by expert: the loop (experts hit
+    only) and the dense path equal the reference on the whole layer dequantized at once, and the
+    grouped GEMM's stacked copy equals that dequantization."""
+    from models.fp8 import dequantize
+    torch_moe, _, x = fp8_moe_pair(7, torch.float32, "cpu", SMALL_FP8_MOE)
+    w, ids = torch_moe.gate(x)
+    d13 = dequantize(torch_moe.w13, torch_moe.w13_scale, (128, 128))
+    d2 = dequantize(torch_moe.w2, torch_moe.w2_scale, (128, 128))
+    ref = routed_reference(x, d13, d2, w, ids)
+    for got in (torch_moe._routed(x, w, ids), torch_moe._routed_dense(x, w, ids)):
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-6
+    s13, s2 = torch_moe._expert_weights(torch.float32)
+    assert torch.equal(s13, d13) and torch.equal(s2, d2)
