@@ -93,9 +93,9 @@ CHOICES: tuple[Choice, ...] = (
     Choice("moe_fused_max_tokens", (int,), "batches up to this many tokens take the fused "
            "small-batch MoE kernel (0: never)", triton=4, torch=0),
     Choice("moe_fused_max_tokens_fp8", (int,), "the same bound for experts kept in FP8 (--fp8-gemm), "
-           "which the block kernels do not take", triton=8, torch=0),
+           "which take the block kernels at every larger size", triton=8, torch=0),
     Choice("moe_blocked_max_tokens", (int,), "larger batches up to this many tokens take the "
-           "expert-sorted block kernels, experts not in FP8 (0: never)", triton=512, torch=0),
+           "expert-sorted block kernels (0: never); FP8 experts take them at any size", triton=512, torch=0),
     Choice("moe_shared_dense_min_tokens", (int,), "batches from this many tokens on (past the fused "
            "small-batch bound) run the shared experts as their own GEMMs instead of as experts of "
            "the block kernels or moe_large (0: never)", triton=0, torch=0),

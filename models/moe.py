@@ -16,19 +16,20 @@ from models.layers import Linear, PackedLinear, Shard, packed_param, shard_param
 TORCH_PLAN = KernelPlan()
 
 # Which expert path serves a batch of T tokens (the plan's fields; docs/architecture.md):
-#   T <= moe_fused_max_tokens (4; moe_fused_max_tokens_fp8, 8, for FP8 experts, which the block
-#      kernels do not take): the pair-parallel fused MoE (models/fused_moe.py `fused_moe_small`);
+#   T <= moe_fused_max_tokens (4; moe_fused_max_tokens_fp8, 8, for FP8 experts): the
+#      pair-parallel fused MoE (models/fused_moe.py `fused_moe_small`);
 #      at batch 1 a V2-Lite layer's routed + shared experts take 39 us instead of 111 us through
 #      the grouped GEMM (H200, CUDA graphs, scripts/bench_fused_moe.py). It reads an expert once
 #      per (token, expert) pair, so once pairs share experts the block kernels win: a V2-Lite
 #      decode step took 3.01 / 4.13 / 6.07 ms of GPU time at batch 2 / 4 / 8 with it and 3.32 /
 #      4.18 / 5.57 ms with them.
-#   T <= moe_blocked_max_tokens (512), experts not in FP8: the expert-sorted block kernels
-#      (`fused_moe_blocked`), which read each touched expert once per block of 16/32 pairs; at
-#      32 and 128 tokens their two product kernels run at the copy bandwidth (RESULTS.md).
-#   beyond, `moe_large`: torch's grouped GEMM between a sort and a weighted un-permute
-#      (`_routed_grouped`, CUDA bf16), every expert on every token (`_routed_dense`, other CUDA
-#      dtypes), or the loop over the experts hit (`_routed`, the reference).
+#   T <= moe_blocked_max_tokens (512), and FP8 experts at any T: the expert-sorted block kernels
+#      (`fused_moe_blocked`), which read each touched expert once per block of 16/32 pairs (FP8:
+#      16/32/64, scaled per tile product); at 32 and 128 tokens their two product kernels run at
+#      the copy bandwidth (RESULTS.md).
+#   beyond (experts not in FP8), `moe_large`: torch's grouped GEMM between a sort and a weighted
+#      un-permute (`_routed_grouped`, CUDA bf16), every expert on every token (`_routed_dense`,
+#      other CUDA dtypes), or the loop over the experts hit (`_routed`, the reference).
 # The shared experts ride along as experts every token takes (`_with_shared`), except from
 # moe_shared_dense_min_tokens tokens on (opt-in; past the fused bound): there every token's rows
 # of them are a dense GEMM, so `_shared_dense` runs them as one gate-up GEMM, the SwiGLU and one
@@ -139,9 +140,9 @@ class MoE(nn.Module):
 
     FP8 checkpoints (I/tp whole 128-row blocks) load as FP8 with their block scales stacked too:
     `w13_scale [E, 2I/tp/128, D/128]` (gate blocks, then up blocks) and `w2_scale [E, D/128,
-    I/tp/128]`. After loading they stay FP8 with `keep_fp8` (the fused small-batch kernel reads
-    them as they are, the other paths dequantize on the fly), else they are dequantized to the
-    compute dtype once.
+    I/tp/128]`. After loading they stay FP8 with `keep_fp8` (the Triton kernels read them as they
+    are; the torch paths dequantize the experts they use, per call), else they are dequantized to
+    the compute dtype once.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan = TORCH_PLAN,
@@ -201,6 +202,9 @@ class MoE(nn.Module):
         if q is None:
             return
         if self.keep_fp8:
+            if self.fused_small is not None and q[0] != q[1]:  # the kernels take one block size
+                raise ValueError(f"the Triton MoE kernels take square FP8 blocks, not {q[0]}x{q[1]}: "
+                                 f"drop --fp8-gemm or run --kernels ...,moe=torch")
             self.fp8_block = q
             return
         w13 = torch.empty(self.w13.shape, dtype=self.dtype, device=self.w13.device)
@@ -211,13 +215,27 @@ class MoE(nn.Module):
         self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
         self.w13_scale = self.w2_scale = None
 
+    def _expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's w13 `[2I, D]`, w2 `[D, I]` in the compute dtype; FP8 experts dequantized
+        here, per call (fp32 temporaries of this one expert)."""
+        if self.fp8_block is None:
+            return self.w13[e], self.w2[e]
+        q = self.fp8_block
+        return (dequantize(self.w13[e], self.w13_scale[e], q, dtype),
+                dequantize(self.w2[e], self.w2_scale[e], q, dtype))
+
     def _expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """w13, w2 in the compute dtype for the unfused paths. FP8 experts are dequantized here,
-        per call (a scratch copy of the layer's experts); a grouped FP8 GEMM would avoid it."""
+        """All experts' w13, w2 in the compute dtype, for the grouped GEMM. FP8 experts are
+        dequantized per call into one scratch copy of the layer, expert by expert (fp32
+        temporaries of one expert at a time): the torch plan's path only, the Triton plan's block
+        kernels read FP8 as it is."""
         if self.fp8_block is None:
             return self.w13, self.w2
-        return (dequantize(self.w13, self.w13_scale, self.fp8_block, dtype),
-                dequantize(self.w2, self.w2_scale, self.fp8_block, dtype))
+        w13 = torch.empty(self.w13.shape, dtype=dtype, device=self.w13.device)
+        w2 = torch.empty(self.w2.shape, dtype=dtype, device=self.w2.device)
+        for e in range(w13.shape[0]):
+            w13[e], w2[e] = self._expert(e, dtype)
+        return w13, w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -230,7 +248,12 @@ class MoE(nn.Module):
         else:
             dense = bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
             pairs = (weights, ids) if dense else self._with_shared(weights, ids)
-            if self.fused_blocked is not None and T <= p.moe_blocked_max_tokens and self.fp8_block is None:
+            if self.fused_blocked is not None and self.fp8_block is not None:
+                # FP8 experts at any size: 16-row blocks up to 128 tokens, 32 up to 512, 64 beyond
+                bm = 16 if T <= 128 else 32 if T <= 512 else 64
+                out = self.fused_blocked(x, self.w13, self.w2, *pairs, bm, self.w13_scale, self.w2_scale,
+                                         self.fp8_block[0])
+            elif self.fused_blocked is not None and T <= p.moe_blocked_max_tokens:
                 # 16-row blocks up to 128 tokens, 32 beyond (bench_fused_moe.py on the H200: at 256
                 # tokens 388 us with 32 rows against 455 with 16)
                 out = self.fused_blocked(x, self.w13, self.w2, *pairs, 16 if T <= 128 else 32)
@@ -307,35 +330,36 @@ class MoE(nn.Module):
     def _routed_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """CUDA path without host syncs for dtypes the grouped GEMM lacks (fp32 tiny models):
         every expert on every token, weighted by its routing weight (0 where not chosen)."""
-        w13, w2 = self._expert_weights(x.dtype)
-        E, I = w2.shape[0], w2.shape[-1]
+        E, I = self.w2.shape[0], self.w2.shape[-1]
         dense_w = torch.zeros(x.shape[0], E, dtype=weights.dtype, device=x.device)
         dense_w.scatter_(1, ids, weights)  # [T, E]
         out = torch.zeros_like(x)
         for e in range(E):
-            gate_up = F.linear(x, w13[e])
-            y = F.linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], w2[e])
+            w13, w2 = self._expert(e, x.dtype)
+            gate_up = F.linear(x, w13)
+            y = F.linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], w2)
             out += y * dense_w[:, e:e + 1].to(y.dtype)
         return out
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Plain path: tokens grouped by expert with one sort, a loop over the experts hit."""
+        """Plain path: tokens grouped by expert with one sort, a loop over the experts hit (FP8
+        experts dequantized one by one, only those hit)."""
         T, k = ids.shape
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
         token_of = order // k  # token index of each sorted (token, slot) pair
-        w13, w2 = self._expert_weights(x.dtype)
         out = torch.zeros_like(x)
         start = 0
-        I = w2.shape[-1]
+        I = self.w2.shape[-1]
         for e, n in enumerate(counts):
             if n == 0:
                 continue
+            w13, w2 = self._expert(e, x.dtype)
             rows = token_of[start:start + n]
-            gate_up = F.linear(x[rows], w13[e])  # [n, 2I]
+            gate_up = F.linear(x[rows], w13)  # [n, 2I]
             h = F.silu(gate_up[:, :I]) * gate_up[:, I:]
-            y = F.linear(h, w2[e])  # [n, D]
+            y = F.linear(h, w2)  # [n, D]
             w = weights.flatten()[order[start:start + n]].unsqueeze(-1)
             out.index_add_(0, rows, (y * w).to(x.dtype))
             start += n

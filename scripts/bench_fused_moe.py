@@ -10,6 +10,17 @@ captured calls route to other experts each time, but the shared experts are the 
 every call and may partly stay in L2 (the engine's layers each have their own): slightly optimistic.
 
     python scripts/bench_fused_moe.py [--model configs/models/DeepSeek-V2-Lite] [--json PATH]
+
+`--fp8`: experts kept in FP8 with 128x128 block scales (as --fp8-gemm keeps DeepSeek-V3/R1's),
+DeepSeek-R1 shapes by default (D 7168, I 2048, 256 experts, top-8; the shared expert is an MLP of
+its own there, not timed), 16-4096 tokens: the FP8 block kernels (`fp8_blocked16/32/64`, and 128
+from 512 tokens; the pair-parallel `fp8_fused` at <= 8 tokens) next to the bf16 block kernels on
+the same weights dequantized (`blocked16/...`). Floors per row: the distinct chosen experts'
+bytes over 4.3 TB/s (FP8 bytes + scales for the FP8 rows, bf16 bytes for the others) and the
+products' FLOPs over 790 TFLOP/s; the reference is a torch loop over the experts hit on the
+dequantized weights.
+
+    python scripts/bench_fused_moe.py --fp8 [--model configs/models/DeepSeek-R1] [--tokens 16 ... 4096]
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.nn.functional as F
 from bench_common import environment, graph_us, write_json
 
 from models.config import ModelConfig
@@ -26,14 +38,104 @@ from common.kernel_plan import KernelPlan
 from models.moe import MoE
 
 
+HBM_BPS, PEAK_FLOPS = 4.3e12, 790e12  # the H200's copy bandwidth and bf16 dense peak (DESIGN.md §10)
+
+
+def loop_reference(x, w, ids, w13, w2):
+    """Routed output (fp32) from a loop over the experts hit, on compute-dtype weights."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    I = w2.shape[-1]
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = x[tok] @ w13[e].T
+        y = (F.silu(gu[:, :I]) * gu[:, I:]) @ w2[e].T
+        out.index_add_(0, tok, y.float() * w[tok, slot, None].float())
+    return out
+
+
+def fp8_rows(a) -> tuple[list, list]:
+    """The --fp8 table: FP8 experts through the block kernels, against the bf16 block kernels."""
+    cfg = ModelConfig.from_pretrained(a.model)
+    if cfg.fp8_block != (128, 128):
+        raise SystemExit(f"--fp8 needs a config with 128x128 FP8 blocks, {a.model} has {cfg.fp8_block}")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        moe = MoE(cfg, torch.bfloat16, KernelPlan(moe="triton"), keep_fp8=True)
+        init_dummy_weights(moe)
+        moe.process_weights_after_loading()
+    d13, d2 = moe._expert_weights(torch.bfloat16)  # the same experts dequantized, for the bf16 rows
+    D, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    fp8_expert = 3 * D * I + 3 * (D // 128) * (I // 128) * 4  # FP8 bytes + fp32 block scales
+    bf16_expert = 3 * D * I * 2
+    rows, bad = [], []
+    for T in a.tokens:
+        calls = []
+        perm = torch.randperm(E)
+        for c in range(a.calls):
+            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+            w, ids = moe.gate(x)
+            if T * k <= E // 2:  # few pairs: distinct experts, none in common with the previous call
+                ids = perm.roll(-c * T * k)[:T * k].view(T, k).to("cuda")
+            calls.append((x, w, ids))
+        distinct = sum(ids.unique().numel() for _, _, ids in calls) / len(calls)
+        act = 2 * T * D * 2
+        b8, b16 = distinct * fp8_expert + act, distinct * bf16_expert + act
+        flops = 2 * T * k * 3 * D * I
+        x, w, ids = calls[0]
+        ref = loop_reference(x, w, ids, d13, d2)
+        r = {"T": T, "distinct_experts": distinct, "fp8_MB": b8 / 1e6, "bf16_MB": b16 / 1e6, "GFLOP": flops / 1e9,
+             "fp8_bytes_floor_us": b8 / HBM_BPS * 1e6, "bf16_bytes_floor_us": b16 / HBM_BPS * 1e6,
+             "flops_floor_us": flops / PEAK_FLOPS * 1e6}
+        line = (f"T={T}: {distinct:.1f} experts, floors fp8 {r['fp8_bytes_floor_us']:.0f} us bf16 "
+                f"{r['bf16_bytes_floor_us']:.0f} us flops {r['flops_floor_us']:.0f} us")
+        s8 = dict(w13_scale=moe.w13_scale, w2_scale=moe.w2_scale, block=128)
+        variants = []
+        if T <= 8:
+            variants.append(("fp8_fused", b8, lambda x, w, ids: fused_moe_small(
+                x, moe.w13, moe.w2, w, ids, moe.w13_scale, moe.w2_scale, 128)))
+        for bm in (16, 32, 64, 128):  # 128-row blocks (not the MoE's choice) from 512 tokens, to compare
+            if bm <= max(16, T) and (bm < 128 or T >= 512):
+                variants.append((f"fp8_blocked{bm}", b8, lambda x, w, ids, bm=bm: fused_moe_blocked(
+                    x, moe.w13, moe.w2, w, ids, bm, **s8)))
+                variants.append((f"blocked{bm}", b16, lambda x, w, ids, bm=bm: fused_moe_blocked(
+                    x, d13, d2, w, ids, bm)))
+        for name, nbytes, fn in variants:
+            err = ((fn(x, w, ids).float() - ref).norm() / ref.norm()).item()
+            us = graph_us(fn, calls)
+            r.update({f"{name}_us": us, f"{name}_GBps": nbytes / us / 1e3, f"{name}_TFLOPs": flops / us / 1e6,
+                      f"{name}_rel_err": err})
+            line += f" | {name} {us:8.1f} us {nbytes / us / 1e3:5.0f} GB/s {flops / us / 1e6:4.0f} TF/s err {err:.1e}"
+            if err > 2e-2:
+                bad.append((T, name, err))
+        rows.append(r)
+        print(line, flush=True)
+    return rows, bad
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--model", default="configs/models/DeepSeek-V2-Lite")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512],
-                   help="<= 8: the pair-parallel kernels; above: the blocked kernels; grouped GEMM at all")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="default: configs/models/DeepSeek-V2-Lite, with --fp8 "
+                   "configs/models/DeepSeek-R1")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="<= 8: the pair-parallel kernels; above: the blocked kernels; grouped GEMM at all "
+                   "(default 1-512; with --fp8 16-4096)")
+    p.add_argument("--fp8", action="store_true", help="FP8 experts (128x128 block scales) through the block "
+                   "kernels, next to the bf16 block kernels")
     p.add_argument("--calls", type=int, default=10, help="calls per graph, each on other experts")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    if a.fp8:
+        a.model = a.model or "configs/models/DeepSeek-R1"
+        a.tokens = a.tokens or [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+        rows, bad = fp8_rows(a)
+        print("tuned:", tuned_configs())
+        write_json(a.json, {"bench": "fused_moe_fp8", "env": environment(), "results": rows,
+                            "tuned": tuned_configs()})
+        if bad:
+            raise SystemExit(f"relative error above 2e-2 vs the torch loop: {bad}")
+        return
+    a.model = a.model or "configs/models/DeepSeek-V2-Lite"
+    a.tokens = a.tokens or [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
     cfg = ModelConfig.from_pretrained(a.model)
     torch.manual_seed(0)
     with torch.device("cuda"):

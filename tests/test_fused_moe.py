@@ -93,17 +93,37 @@ def check_glue(T, kt, E, block_m, device, seed=0):
     assert torch.allclose(unpermute_sum(y, order, w), ref, atol=1e-5, rtol=1e-5)
 
 
+def fp8_experts(E, D, I):
+    """Random experts quantized to FP8 with 128x128 block scales (scales uneven across blocks):
+    (q13, s13, q2, s2), on the current device."""
+    from models.fp8 import quantize
+    w13 = torch.randn(E, 2 * I, D) * 0.05 * torch.rand(E, 2 * I, 1) * 4  # uneven blocks
+    w2 = torch.randn(E, D, I) * 0.05 * torch.rand(E, 1, I) * 4
+    q13, s13 = zip(*(quantize(w) for w in w13))
+    q2, s2 = zip(*(quantize(w) for w in w2))
+    return tuple(map(torch.stack, (q13, s13, q2, s2)))
+
+
+def routed_reference(x, w13, w2, w, ids):
+    """Routed output of x `[T, D]` in fp32 with the experts w13 `[E, 2I, D]`, w2 `[E, D, I]`:
+    a loop over the experts hit, each pair's rows gathered."""
+    x, I = x.float(), w2.shape[-1]
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        gu = x[tok] @ w13[e].float().T
+        y = (F.silu(gu[:, :I]) * gu[:, I:]) @ w2[e].float().T
+        out.index_add_(0, tok, y * w[tok, slot, None].float())
+    return out
+
+
 def check_fp8(T, dtype, device, tol, D=256, I=256, E=8, k=3):
     # FP8 experts with 128x128 block scales: the kernel dequantizing tile by tile equals the
     # same kernel on the dequantized weights.
-    from models.fp8 import dequantize, quantize
+    from models.fp8 import dequantize
     torch.manual_seed(100 + T)
     with torch.device(device):
-        w13 = torch.randn(E, 2 * I, D) * 0.05 * torch.rand(E, 2 * I, 1) * 4  # uneven blocks
-        w2 = torch.randn(E, D, I) * 0.05
-        q13, s13 = zip(*(quantize(w) for w in w13))
-        q2, s2 = zip(*(quantize(w) for w in w2))
-        q13, s13, q2, s2 = map(torch.stack, (q13, s13, q2, s2))
+        q13, s13, q2, s2 = fp8_experts(E, D, I)
         x = torch.randn(T, D, dtype=dtype)
         ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
         w = torch.rand(T, k)
@@ -113,6 +133,94 @@ def check_fp8(T, dtype, device, tol, D=256, I=256, E=8, k=3):
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < tol, (T, dtype, err)
     return err
+
+
+def check_fp8_blocked(T, dtype, device, tol, block_m, D=256, I=256, E=8, k=3, unhit=2):
+    """FP8 experts through the expert-sorted block kernels (each tile's product scaled per output
+    column) against the torch loop on the dequantized weights; the last `unhit` experts are
+    chosen by no token."""
+    from models.fp8 import dequantize
+    from models.fused_moe import fused_moe_blocked
+    torch.manual_seed(200 + T + block_m)
+    with torch.device(device):
+        q13, s13, q2, s2 = fp8_experts(E, D, I)
+        x = torch.randn(T, D, dtype=dtype)
+        ids = torch.stack([torch.randperm(E - unhit)[:k] for _ in range(T)])
+        w = torch.rand(T, k)
+        ref = routed_reference(x, dequantize(q13, s13, (128, 128)), dequantize(q2, s2, (128, 128)), w, ids)
+        got = fused_moe_blocked(x, q13, q2, w, ids, block_m, w13_scale=s13, w2_scale=s2, block=128)
+    assert got.dtype == dtype and got.shape == (T, D)
+    err = ((got.float() - ref).norm() / ref.norm()).item()
+    assert err < tol, (T, dtype, block_m, D, I, err)
+    return err
+
+
+def fp8_moe_pair(T, dtype, device, overrides=None, **plan):
+    """Two MoE layers of the R1 config narrowed by `overrides`, with the same FP8 experts kept in
+    FP8 (keep_fp8): one on the torch plan, one on the Triton plan `plan`; and T tokens."""
+    from common.kernel_plan import KernelPlan
+    cfg = ModelConfig.from_pretrained("configs/models/DeepSeek-R1", overrides)
+    torch.manual_seed(300 + T)
+    with torch.device(device):
+        torch_moe = MoE(cfg, dtype, keep_fp8=True)
+        triton_moe = MoE(cfg, dtype, KernelPlan(moe="triton", **plan), keep_fp8=True)
+        q13, s13, q2, s2 = fp8_experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        gate_w, bias = torch.randn(cfg.n_routed_experts, cfg.hidden_size), torch.randn(cfg.n_routed_experts) * 0.1
+        for m in (torch_moe, triton_moe):
+            assert m.w13.dtype == torch.float8_e4m3fn and m.shared_experts is None
+            for prm, v in ((m.w13, q13), (m.w13_scale, s13), (m.w2, q2), (m.w2_scale, s2),
+                           (m.gate.weight, gate_w), (m.gate.e_score_correction_bias, bias)):
+                prm.data.copy_(v)
+            m.process_weights_after_loading()
+            assert m.fp8_block == (128, 128)
+        x = torch.randn(T, cfg.hidden_size, dtype=dtype)
+    return torch_moe, triton_moe, x
+
+
+def check_fp8_moe(T, dtype, device, tol, overrides=None, **plan):
+    """MoE.forward with FP8 experts past the fused bound: the Triton plan (the block kernels,
+    whatever moe_blocked_max_tokens says) equals the torch plan (the loop, dequantizing the experts
+    hit), and dequantizes nothing."""
+    import models.moe as moe_mod
+    torch_moe, triton_moe, x = fp8_moe_pair(T, dtype, device, overrides, **plan)
+
+    def refuse(*a, **kw):
+        raise AssertionError("the Triton plan dequantized FP8 experts")
+
+    with torch.device(device):
+        ref = torch_moe(x).float()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(moe_mod, "dequantize", refuse)
+            got = triton_moe(x).float()
+    err = ((got - ref).norm() / ref.norm()).item()
+    assert err < tol, (T, dtype, plan, err)
+    return err
+
+
+SMALL_FP8_MOE = {"hidden_size": 256, "moe_intermediate_size": 256, "n_routed_experts": 8,
+                 "num_experts_per_tok": 3, "n_group": 1, "topk_group": 1, "n_shared_experts": 0}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("I", [2048, 256])
+@pytest.mark.parametrize("T", [16, 300, 2048])
+def test_fused_moe_blocked_fp8_real_shapes(T, I):
+    """R1 expert shapes (D 7168; I 2048, and 256 as I/tp at tp 8), bf16 activations, FP8 weights
+    through the block kernels at the block_m the MoE picks for T, and at 16; 2048 tokens x 8 pairs
+    sort on the torch path (past ALIGN_KERNEL_MAX_PAIRS)."""
+    bm = 16 if T <= 128 else 32 if T <= 512 else 64
+    for block_m in sorted({16, bm}):
+        check_fp8_blocked(T, torch.bfloat16, "cuda", 2e-2, block_m, D=7168, I=I, E=32, k=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [16, 300, 2048])
+def test_moe_fp8_triton_equals_torch_real_shapes(T):
+    """MoE.forward at R1 shapes (32 experts), bf16, FP8 experts kept: the Triton plan's block
+    kernels against the torch plan's loop."""
+    over = {"n_routed_experts": 32, "n_shared_experts": 0}
+    check_fp8_moe(T, torch.bfloat16, "cuda", 2e-2, over, moe_fused_max_tokens_fp8=8,
+                  moe_blocked_max_tokens=512)
 
 
 @pytest.mark.gpu
@@ -169,3 +277,37 @@ def test_sort_pairs_into_blocks_layout():
     assert rows.view(-1, 4).tolist() == [[1, 4, -1, -1], [3, -1, -1, -1], [0, 2, 5, -1],
                                          [-1] * 4, [-1] * 4, [-1] * 4]
     assert experts.tolist() == [0, 1, 2, 4, 4, 4]
+
+
+def test_fused_moe_blocked_fp8_refusals():
+    """The block kernels' host checks, before any launch: FP8 weights need both scale tensors on
+    the weights' block grid, and a block that the kernels' k tiles divide."""
+    from models.fused_moe import fused_moe_blocked
+    E, D, I, T, k = 4, 256, 256, 3, 2
+    q13, s13, q2, s2 = fp8_experts(E, D, I)
+    x, w, ids = torch.randn(T, D), torch.rand(T, k), torch.zeros(T, k, dtype=torch.long)
+    with pytest.raises(ValueError, match="expected torch.float32 weights"):
+        fused_moe_blocked(x, q13, q2, w, ids)
+    with pytest.raises(ValueError, match="need both w13_scale and w2_scale"):
+        fused_moe_blocked(x, q13, q2, w, ids, w13_scale=s13)
+    with pytest.raises(ValueError, match=r"expected \(4, 4, 2\) / \(4, 2, 2\)"):
+        fused_moe_blocked(x, q13, q2, w, ids, w13_scale=s13[:, :3], w2_scale=s2)
+    s13_64, s2_64 = (s.repeat_interleave(2, 1).repeat_interleave(2, 2) for s in (s13, s2))  # 64x64 blocks
+    with pytest.raises(ValueError, match=r"k tiles \[64, 128\] must divide the block"):
+        fused_moe_blocked(x, q13, q2, w, ids, w13_scale=s13_64, w2_scale=s2_64, block=64)
+
+
+def test_fp8_experts_torch_paths():
+    """The torch plan's FP8 experts, dequantized per call expert by expert: the loop (experts hit
+    only) and the dense path equal the reference on the whole layer dequantized at once, and the
+    grouped GEMM's stacked copy equals that dequantization."""
+    from models.fp8 import dequantize
+    torch_moe, _, x = fp8_moe_pair(7, torch.float32, "cpu", SMALL_FP8_MOE)
+    w, ids = torch_moe.gate(x)
+    d13 = dequantize(torch_moe.w13, torch_moe.w13_scale, (128, 128))
+    d2 = dequantize(torch_moe.w2, torch_moe.w2_scale, (128, 128))
+    ref = routed_reference(x, d13, d2, w, ids)
+    for got in (torch_moe._routed(x, w, ids), torch_moe._routed_dense(x, w, ids)):
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-6
+    s13, s2 = torch_moe._expert_weights(torch.float32)
+    assert torch.equal(s13, d13) and torch.equal(s2, d2)

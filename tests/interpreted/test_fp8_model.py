@@ -30,7 +30,7 @@ def emulated(x, wq, sw):
 
 def test_fp8_gemm_path_runs_the_model(fp8_model, monkeypatch):
     """--fp8-gemm keeps attention/MLP projections in FP8 and runs them through the Triton W8A8
-    kernels, and keeps the routed experts in FP8 (dequantized on the fly on the CPU path). Every
+    kernels, and keeps the routed experts in FP8 (read as FP8 by the Triton MoE kernels). Every
     W8A8 call the model makes equals `emulated` on the same input. Whole-model logprobs are not
     compared: with FP8 activations a one-ulp difference upstream flips an element's FP8 rounding
     downstream, so two correct implementations drift apart by ~1e-3 on a random tiny model."""

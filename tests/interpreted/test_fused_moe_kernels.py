@@ -4,7 +4,8 @@ against the torch experts loop: the checks of tests/test_fused_moe.py."""
 from __future__ import annotations
 
 import torch
-from test_fused_moe import check, check_blocked, check_fp8, check_glue, check_shared_dense
+from test_fused_moe import (SMALL_FP8_MOE, check, check_blocked, check_fp8, check_fp8_blocked, check_fp8_moe,
+                            check_glue, check_shared_dense)
 
 
 def test_fused_moe_interpreter():
@@ -25,3 +26,18 @@ def test_shared_experts_dense_with_the_block_kernels():
     kernels with the shared experts folded in (k + 2 pairs per token)."""
     small = {"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8, "num_experts_per_tok": 3}
     check_shared_dense(small, 40, torch.float32, "cpu", 1e-5, moe="triton", moe_blocked_max_tokens=512)
+
+
+def test_fp8_blocked_kernels():
+    """FP8 experts (D = I = 256: two 128-blocks each way) through the block kernels at 16, 32 and
+    64-row blocks against the torch loop on the dequantized weights, two of 8 experts unhit."""
+    for T, bm in ((1, 16), (9, 16), (40, 32), (40, 64)):
+        check_fp8_blocked(T, torch.float32, "cpu", 1e-5, bm)
+
+
+def test_fp8_moe_triton_plan_equals_torch_plan():
+    """MoE.forward with FP8 experts kept, past the fused bound (8) and past moe_blocked_max_tokens
+    (16): the Triton plan's block kernels equal the torch plan's loop, with no dequantization."""
+    for T in (9, 40):
+        check_fp8_moe(T, torch.float32, "cpu", 1e-5, SMALL_FP8_MOE, moe_fused_max_tokens_fp8=8,
+                      moe_blocked_max_tokens=16)
