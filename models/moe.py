@@ -15,6 +15,13 @@ from models.layers import Linear, PackedLinear, Shard, packed_param, shard_param
 
 TORCH_PLAN = KernelPlan()
 
+
+def block_rows(T: int) -> int:
+    """Pairs per expert block of the block kernels for a batch of T tokens. bench_fused_moe.py on
+    the H200 (V2-Lite, bf16, CUDA graphs), µs per layer with 16 / 32 / 64-row blocks: 291.7 /
+    290.5 / 300.8 at 128 tokens, 381.5 / 307.2 / 313.7 at 256, 574.5 / 483.0 / 345.1 at 512."""
+    return 16 if T <= 128 else 32 if T <= 256 else 64
+
 # Which expert path serves a batch of T tokens (the plan's fields; docs/architecture.md):
 #   T <= moe_fused_max_tokens (4; moe_fused_max_tokens_fp8, 8, for FP8 experts): the
 #      pair-parallel fused MoE (models/fused_moe.py `fused_moe_small`);
@@ -24,8 +31,8 @@ TORCH_PLAN = KernelPlan()
 #      decode step took 3.01 / 4.13 / 6.07 ms of GPU time at batch 2 / 4 / 8 with it and 3.32 /
 #      4.18 / 5.57 ms with them.
 #   T <= moe_blocked_max_tokens (512), and FP8 experts at any T: the expert-sorted block kernels
-#      (`fused_moe_blocked`), which read each touched expert once per block of 16/32 pairs (FP8:
-#      16/32/64, scaled per tile product); at 32 and 128 tokens their two product kernels run at
+#      (`fused_moe_blocked`), which read each touched expert once per block of 16/32/64 pairs
+#      (`block_rows`; FP8 scaled per tile product); at 32 and 128 tokens their two product kernels run at
 #      the copy bandwidth (RESULTS.md).
 #   beyond (experts not in FP8), `moe_large`: torch's grouped GEMM between a sort and a weighted
 #      un-permute (`_routed_grouped`, CUDA bf16), every expert on every token (`_routed_dense`,
@@ -248,15 +255,11 @@ class MoE(nn.Module):
         else:
             dense = bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
             pairs = (weights, ids) if dense else self._with_shared(weights, ids)
-            if self.fused_blocked is not None and self.fp8_block is not None:
-                # FP8 experts at any size: 16-row blocks up to 128 tokens, 32 up to 512, 64 beyond
-                bm = 16 if T <= 128 else 32 if T <= 512 else 64
-                out = self.fused_blocked(x, self.w13, self.w2, *pairs, bm, self.w13_scale, self.w2_scale,
-                                         self.fp8_block[0])
+            if self.fused_blocked is not None and self.fp8_block is not None:  # FP8 experts: any size
+                out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T), self.w13_scale,
+                                         self.w2_scale, self.fp8_block[0])
             elif self.fused_blocked is not None and T <= p.moe_blocked_max_tokens:
-                # 16-row blocks up to 128 tokens, 32 beyond (bench_fused_moe.py on the H200: at 256
-                # tokens 388 us with 32 rows against 455 with 16)
-                out = self.fused_blocked(x, self.w13, self.w2, *pairs, 16 if T <= 128 else 32)
+                out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T))
             else:
                 out = self.routed_large(x, *pairs)
             if dense:

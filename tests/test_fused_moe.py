@@ -208,7 +208,8 @@ def test_fused_moe_blocked_fp8_real_shapes(T, I):
     """R1 expert shapes (D 7168; I 2048, and 256 as I/tp at tp 8), bf16 activations, FP8 weights
     through the block kernels at the block_m the MoE picks for T, and at 16; 2048 tokens x 8 pairs
     sort on the torch path (past ALIGN_KERNEL_MAX_PAIRS)."""
-    bm = 16 if T <= 128 else 32 if T <= 512 else 64
+    from models.moe import block_rows
+    bm = block_rows(T)
     for block_m in sorted({16, bm}):
         check_fp8_blocked(T, torch.bfloat16, "cuda", 2e-2, block_m, D=7168, I=I, E=32, k=8)
 
