@@ -168,7 +168,7 @@ def main() -> None:
         else:
             variants += [(f"blocked{bm}", lambda x, w, ids, bm=bm: fused_moe_blocked(
                 x, moe.w13, moe.w2, *moe._with_shared(w, ids), bm))
-                         for bm in (16, 32, 64) if bm <= max(16, T)]
+                         for bm in (16, 32, 64, 128) if bm <= max(16, T) and (bm < 128 or T >= 1024)]
             if T >= 16:
                 variants += [(f"blocked{bm}+sd", lambda x, w, ids, bm=bm: moe._shared_dense(
                     x, fused_moe_blocked(x, moe.w13, moe.w2, w, ids, bm))) for bm in (16, 32, 64)]

@@ -5,7 +5,10 @@
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape)
-#   moe         fused small-batch MoE vs grouped GEMM at V2-Lite shapes (bench_fused_moe.py)
+#   moe         the MoE paths at V2-Lite shapes, bf16, 1-8192 tokens: fused, block kernels (16-128-row
+#               blocks), grouped GEMM, each with the shared experts folded in or dense (+sd); then FP8
+#               experts through the block kernels at R1 shapes, 16-4096 tokens (bench_fused_moe.py
+#               [--fp8]); the step's timeout is halved between the two (give it `moe:360`)
 #   mla         Triton MLA kernels: real-shape checks, decode grid, prefill (bench_mla_decode.py)
 #   gluon       the Gluon many-heads decode (attention/gluon_decode.py): its sm_90 compile report, a
 #               3-case smoke test (a hang shows here), all its GPU tests and its engine test
@@ -64,7 +67,9 @@ for spec in $steps; do
     quick) timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu --no-autotune -rfE --durations=5 tests/test_triton_route.py tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
              tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_fp8_gemm.py \
              -k "not trained and not bf16_as_close and not w8a8_real" > "$log" 2>&1 ;;
-    moe) timeout "$T" python3 scripts/bench_fused_moe.py --json "$OUT/fused_moe.json" > "$log" 2>&1 ;;
+    moe) { timeout $((T / 2)) python3 scripts/bench_fused_moe.py --tokens 1 4 8 16 32 128 256 512 1024 2048 8192 \
+             --json "$OUT/fused_moe.json"
+           timeout $((T / 2)) python3 scripts/bench_fused_moe.py --fp8 --json "$OUT/fused_moe_fp8.json"; } > "$log" 2>&1 ;;
     mla) timeout "$T" python3 scripts/bench_mla_decode.py --check --sweep --budget-s $((T - 40)) \
            --out "$OUT/bench_mla_decode.json" > "$log" 2>&1 ;;
     decode) { timeout $((T / 2)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_ops.py \
