@@ -89,7 +89,7 @@ CHOICES: tuple[Choice, ...] = (
     Choice("moe", (TRITON, TORCH),
            "routed experts: Triton kernels by token count (moe_fused_max_tokens, "
            "moe_blocked_max_tokens), then moe_large; torch: a loop over the experts hit",
-           ("models.fused_moe",)),
+           ("models.fused_moe", "models.blocked_moe")),
     Choice("moe_fused_max_tokens", (int,), "batches up to this many tokens take the fused "
            "small-batch MoE kernel (0: never)", triton=4, torch=0),
     Choice("moe_fused_max_tokens_fp8", (int,), "the same bound for experts kept in FP8 (--fp8-gemm), "

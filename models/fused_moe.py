@@ -19,6 +19,9 @@ bandwidth if enough bytes are in flight. At batch 1 there are only k pairs, so t
 decide how many programs cover the SMs; on CUDA they are autotuned per (D, I, k, batch bucket)
 on first use (outside CUDA-graph capture: the graph warm-up runs each bucket eagerly first). The
 interpreter (CPU tests) uses one fixed tile set.
+
+Medium batches take the expert-sorted block kernels of models/blocked_moe.py; the grouped-GEMM
+path's elementwise glue for large batches is at the end of this file.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import triton.language as tl
 
 from common.kernel_plan import autotuning, interpreting
 from common.pdl import pdl_launch, pdl_prologue
-from models.fp8 import FP8
 
 
 @triton.jit
@@ -40,14 +42,6 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
     else:
         acc = tl.dot(a, b, acc)
     return acc
-
-
-@triton.jit
-def _block_pairs(rows_ptr, blk, BLOCK_M: tl.constexpr):
-    """A block's pair indices (int64, padding rows as 0) and which rows are real (not -1)."""
-    pair = tl.load(rows_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = pair >= 0
-    return tl.where(valid, pair, 0).to(tl.int64), valid
 
 
 @triton.jit
@@ -223,259 +217,13 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     return out
 
 
-# --- Medium batches (9-512 tokens; FP8 experts at any size): pairs sorted by expert into blocks ---
-#
-# From ~16 tokens on, pairs share experts and the pair-parallel kernels above would read an
-# expert's weights once per pair. Here the (token, expert) pairs are sorted by expert and padded
-# into blocks of BLOCK_M rows of one expert; a program multiplies a block's rows by one tile of
-# its expert's weights, so each expert's weights are read once per block (once, at these sizes).
-# The sort and padding are one kernel (`_align_kernel`, no host sync: CUDA-graph safe); the
-# products and the pair sum are the three kernels below, the same math as the small-batch path.
-# At 32-128 tokens on the H200 the two product kernels move the touched experts' bytes at
-# 95-97% of the copy bandwidth (RESULTS.md). FP8 experts (DeepSeek-V3/R1 kept in FP8) take these
-# kernels at every size past the small-batch bound, prefill included: the weights are read as
-# FP8 and scaled per tile product, so no dequantized copy of a layer's experts is ever made.
-
-@triton.jit
-def _blocked_gate_up_kernel(x_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E, KT, T_BUCKET,
-                            S_ROWS, S_COLS, QB: tl.constexpr, SCALED: tl.constexpr,
-                            IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """h = silu(x W_gate^T) * (x W_up^T) for one block of an expert's pairs and one tile of I.
-    SCALED (FP8 weights, QB x QB block scales, BLOCK_K dividing QB): a k tile lies in one scale
-    column and each weight row in one scale row, so the tile's product of x with the FP8 tile
-    (converted to x's dtype, unscaled) is scaled per output column by a [BLOCK_N] vector."""
-    pdl_prologue(PDL)
-    blk = tl.program_id(0)
-    nb = tl.program_id(1)
-    e = tl.load(bexp_ptr + blk).to(tl.int64)
-    if e < E:
-        safe, valid = _block_pairs(rows_ptr, blk, BLOCK_M)
-        tok = safe // KT
-        offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < I
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        w_base = w13_ptr + e * (2 * I) * D
-        s_g = s13_ptr + e * S_ROWS * S_COLS + (offs_n // QB) * S_COLS  # [BLOCK_N] gate rows' scale rows
-        s_u = s13_ptr + e * S_ROWS * S_COLS + ((I + offs_n) // QB) * S_COLS
-        for k0 in range(0, D, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < D
-            xv = tl.load(x_ptr + tok[:, None].to(tl.int64) * D + offs_k[None, :],
-                         mask=valid[:, None] & mask_k[None, :], other=0.0)
-            m = mask_n[:, None] & mask_k[None, :]
-            wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0)
-            wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0)
-            if SCALED:
-                zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                pg = _mma(xv, tl.trans(wg.to(xv.dtype)), zero, IEEE)
-                pu = _mma(xv, tl.trans(wu.to(xv.dtype)), zero, IEEE)
-                acc_g += pg * tl.load(s_g + k0 // QB, mask=mask_n, other=0.0)[None, :]
-                acc_u += pu * tl.load(s_u + k0 // QB, mask=mask_n, other=0.0)[None, :]
-            else:
-                acc_g = _mma(xv, tl.trans(wg), acc_g, IEEE)
-                acc_u = _mma(xv, tl.trans(wu), acc_u, IEEE)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(h_ptr + safe[:, None] * I + offs_n[None, :],
-                 h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
-
-
-@triton.jit
-def _blocked_down_kernel(h_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E, T_BUCKET,
-                         S_ROWS, S_COLS, QB: tl.constexpr, SCALED: tl.constexpr,
-                         IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """part = w * (h W2^T) (fp32) for one block of an expert's pairs and one tile of D; SCALED
-    as in the gate/up kernel."""
-    pdl_prologue(PDL)
-    blk = tl.program_id(0)
-    db = tl.program_id(1)
-    e = tl.load(bexp_ptr + blk).to(tl.int64)
-    if e < E:
-        safe, valid = _block_pairs(rows_ptr, blk, BLOCK_M)
-        wt = tl.load(pw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
-        offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < D
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        s_n = s2_ptr + e * S_ROWS * S_COLS + (offs_n // QB) * S_COLS  # [BLOCK_N]
-        for k0 in range(0, I, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < I
-            hv = tl.load(h_ptr + safe[:, None] * I + offs_k[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :],
-                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            if SCALED:
-                p = _mma(hv, tl.trans(w.to(hv.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
-                acc += p * tl.load(s_n + k0 // QB, mask=mask_n, other=0.0)[None, :]
-            else:
-                acc = _mma(hv, tl.trans(w), acc, IEEE)
-        tl.store(part_ptr + safe[:, None] * D + offs_n[None, :], acc * wt[:, None],
-                 mask=valid[:, None] & mask_n[None, :])
-
-
-_BLOCKED_TILES = [(64, 64, 4, 4), (64, 128, 4, 3), (128, 64, 8, 3), (32, 128, 4, 4), (128, 128, 8, 3)]
-_BLOCKED_KEY = ["D", "I", "T_BUCKET", "IEEE", "BLOCK_M"]
-# The non-autotuned tiles (autotune=0 on CUDA; the interpreter).
-_BLOCKED_FIXED = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
-_BLOCKED_INTERPRET = dict(BLOCK_N=32, BLOCK_K=64)
-# FP8 experts (SCALED) need BLOCK_K to divide the 128-wide quantization block (one scale column
-# per k tile); fused_moe_blocked checks the block it is given against these tiles. Shared memory
-# per program on the H200 (227 KB), the gate/up kernel at BLOCK_M 64 (the largest): num_stages x
-# (x tile 2*BLOCK_M*BLOCK_K + two FP8 weight tiles 2*BLOCK_N*BLOCK_K bytes) + the two weight tiles
-# converted to bf16 for the tensor cores (4*BLOCK_N*BLOCK_K bytes, one buffer): 80, 128, 104, 112
-# and 208 KB for the five tiles, 80 KB for the fixed one; the down kernel stages one weight tile,
-# less. (bf16 weights at BLOCK_M 64 and (128, 128, 8, 3) would need 240 KB: the autotuner skips a
-# tile that does not fit.)
-_BLOCKED_TILES_FP8 = [t for t in _BLOCKED_TILES if 128 % t[1] == 0]
-_BLOCKED_K_FP8 = sorted({t[1] for t in _BLOCKED_TILES_FP8} | {_BLOCKED_FIXED["BLOCK_K"], _BLOCKED_INTERPRET["BLOCK_K"]})
-
-
-def _blocked_configs(tiles):
-    return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in tiles]
-
-
-_blocked_gate_up_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES), key=_BLOCKED_KEY)(
-    _blocked_gate_up_kernel)
-_blocked_down_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES), key=_BLOCKED_KEY)(
-    _blocked_down_kernel)
-_blocked_gate_up_fp8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES_FP8), key=_BLOCKED_KEY)(
-    _blocked_gate_up_kernel)
-_blocked_down_fp8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES_FP8), key=_BLOCKED_KEY)(
-    _blocked_down_kernel)
-BLOCKED_MAX_TOKENS = 512
-
-
-def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, block_expert) for ids `[T, kt]`: `rows [NB * block_m]` holds pair indices t*kt+j
-    grouped by expert (ascending within an expert), each expert's run padded to a multiple of
-    block_m with -1; `block_expert [NB]` the expert of each block, `num_experts` for unused
-    blocks. NB is a bound known without a host sync: ceil(T*kt / block_m) + num_experts.
-    Torch ops; `align_pairs` is the one-kernel version the blocked MoE runs."""
-    flat = ids.flatten()
-    P = flat.numel()
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts.index_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = padded.cumsum(0)
-    sorted_e = flat[order]
-    rank = torch.arange(P, device=ids.device) - (counts.cumsum(0) - counts)[sorted_e]
-    nb = -(-P // block_m) + num_experts
-    rows = torch.full((nb * block_m,), -1, dtype=torch.int64, device=ids.device)
-    rows[(pad_end - padded)[sorted_e] + rank] = order
-    starts = torch.arange(nb, device=ids.device) * block_m
-    block_expert = torch.searchsorted(pad_end, starts, right=True)  # == num_experts past the last run
-    return rows, block_expert
-
-
-@triton.jit(do_not_specialize=["P", "NB"])
-def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BINS: tl.constexpr, PDL: tl.constexpr):
-    """Program e < E writes expert e's run of `rows` and its blocks' `bexp`; program E the unused
-    tail. Every program histograms all P pair ids (they are few, and read from L2) to find
-    where its run starts: the padded counts of the experts before it."""
-    pdl_prologue(PDL)
-    e = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_P)
-    in_p = offs < P
-    flat = tl.load(ids_ptr + offs, mask=in_p, other=E).to(tl.int32)  # padding lands in bin E
-    bins = tl.arange(0, BINS)
-    counts = tl.where(bins < E, tl.histogram(flat, BINS), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pad_start = tl.cumsum(padded, 0) - padded
-    if e < E:
-        start = tl.sum(tl.where(bins == e, pad_start, 0))
-        count = tl.sum(tl.where(bins == e, counts, 0))
-        mine = flat == e
-        rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # ascending pair index within the expert
-        tl.store(rows_ptr + start + rank, offs.to(tl.int64), mask=mine)
-        n_pad = tl.sum(tl.where(bins == e, padded, 0))
-        tail = tl.arange(0, BLOCK_M)
-        tl.store(rows_ptr + start + count + tail, tl.full([BLOCK_M], -1, tl.int64), mask=count + tail < n_pad)
-        for b in range(start // BLOCK_M, (start + n_pad) // BLOCK_M):
-            tl.store(bexp_ptr + b, e.to(tl.int64))
-    else:
-        used = tl.sum(padded) // BLOCK_M
-        lane = tl.arange(0, BLOCK_M)
-        for b in range(used, NB):
-            tl.store(bexp_ptr + b, E.to(tl.int64))
-            tl.store(rows_ptr + b * BLOCK_M + lane, tl.full([BLOCK_M], -1, tl.int64))
-
-
-# Up to this many pairs align_pairs is one kernel, each of whose E + 1 programs holds all pair ids
-# in registers (tests/test_fused_moe.py checks it on CUDA up to 4608 pairs); past it (prefill with
-# FP8 experts) the torch sort: a few launches, against expert GEMMs of milliseconds at such sizes.
-ALIGN_KERNEL_MAX_PAIRS = 8192
-
-
-def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sort_pairs_into_blocks` in one Triton launch (the same outputs, element for element), up to
-    ALIGN_KERNEL_MAX_PAIRS pairs; `sort_pairs_into_blocks` itself beyond."""
-    flat = ids.contiguous().flatten()
-    P = flat.numel()
-    if P > ALIGN_KERNEL_MAX_PAIRS:
-        return sort_pairs_into_blocks(ids, num_experts, block_m)
-    nb = -(-P // block_m) + num_experts
-    rows = torch.empty(nb * block_m, dtype=torch.int64, device=ids.device)
-    bexp = torch.empty(nb, dtype=torch.int64, device=ids.device)
-    _align_kernel[(num_experts + 1,)](flat, rows, bexp, P, num_experts, nb, BLOCK_M=block_m,
-                                      BLOCK_P=max(16, triton.next_power_of_2(P)),
-                                      BINS=max(16, triton.next_power_of_2(num_experts + 1)), num_warps=4,
-                                      **pdl_launch())
-    return rows, bexp
-
-
-def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                      ids: torch.Tensor, block_m: int = 16, w13_scale: torch.Tensor | None = None,
-                      w2_scale: torch.Tensor | None = None, block: int = 128) -> torch.Tensor:
-    """Routed-expert output `[T, D]`: pairs sorted by expert into blocks of block_m rows, so each
-    expert's weights are read once per block. ids / weights `[T, kt]` are every pair a token
-    takes, folded shared experts included (`MoE._with_shared`).
-    Experts in x's dtype, or FP8 (float8 e4m3) with `w13_scale` / `w2_scale` as in
-    `fused_moe_small`: the kernels scale each tile's product as they go (weight-only: x stays in
-    its dtype, no dequantized copy of the weights)."""
-    T, D = x.shape
-    kt, I, E = ids.shape[1], w2.shape[-1], w13.shape[0]
-    scaled, s13, s2 = _expert_scales(x, w13, w2, w13_scale, w2_scale, block)
-    wdt = FP8 if scaled else x.dtype
-    if w13.shape[-2:] != (2 * I, D) or w2.shape[-2:] != (D, I) or w13.dtype != wdt or w2.dtype != wdt:
-        raise ValueError(f"expert weights {tuple(w13.shape)} {w13.dtype} / {tuple(w2.shape)} {w2.dtype} do not "
-                         f"match x {tuple(x.shape)} {x.dtype} (expected {wdt} weights)")
-    if scaled and any(block % bk for bk in _BLOCKED_K_FP8):
-        raise ValueError(f"FP8 experts with {block}x{block} blocks: the block kernels' k tiles {_BLOCKED_K_FP8} "
-                         f"must divide the block")
-    rows, bexp = align_pairs(ids, E, block_m)
-    x, pw = x.contiguous(), weights.contiguous().flatten()
-    h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
-    part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
-    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
-    nb = bexp.numel()
-    r13, c13 = (s13.shape[1], s13.shape[2]) if scaled else (1, 1)
-    r2, c2 = (s2.shape[1], s2.shape[2]) if scaled else (1, 1)
-    up_args = (x, rows, bexp, w13, s13, h, D, I, E, kt, triton.next_power_of_2(T), r13, c13)
-    down_args = (h, rows, bexp, pw, w2, s2, part, D, I, E, triton.next_power_of_2(T), r2, c2)
-    const = dict(QB=block, SCALED=scaled, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, **pdl_launch())
-    if not autotuning():
-        t = _BLOCKED_INTERPRET if interpreting() else _BLOCKED_FIXED
-        _blocked_gate_up_kernel[(nb, triton.cdiv(I, t["BLOCK_N"]))](*up_args, **const, **t)
-        _blocked_down_kernel[(nb, triton.cdiv(D, t["BLOCK_N"]))](*down_args, **const, **t)
-    else:
-        up, down = ((_blocked_gate_up_fp8_tuned, _blocked_down_fp8_tuned) if scaled else
-                    (_blocked_gate_up_tuned, _blocked_down_tuned))
-        up[lambda m: (nb, triton.cdiv(I, m["BLOCK_N"]))](*up_args, **const)
-        down[lambda m: (nb, triton.cdiv(D, m["BLOCK_N"]))](*down_args, **const)
-    _sum_pairs_kernel[(T, triton.cdiv(D, 1024))](part, out, D, KT=kt, BLOCK=1024, num_warps=4, **pdl_launch())
-    return out
-
-
 def tuned_configs() -> dict[str, str]:
-    """What autotuning picked so far, per kernel and key (for benchmark logs)."""
+    """What autotuning picked so far, per kernel and key (for benchmark logs), the block kernels'
+    (models/blocked_moe.py) included."""
+    from models import blocked_moe
     return {name: {str(key): str(cfg) for key, cfg in kern.cache.items()}
             for name, kern in (("gate_up", _gate_up_dot_tuned), ("down", _down_dot_tuned),
-                               ("blocked_gate_up", _blocked_gate_up_tuned), ("blocked_down", _blocked_down_tuned),
-                               ("blocked_gate_up_fp8", _blocked_gate_up_fp8_tuned),
-                               ("blocked_down_fp8", _blocked_down_fp8_tuned))}
+                               *blocked_moe.TUNED.items())}
 
 
 # --- Large batches (prefill): the grouped-GEMM path's elementwise glue ---------------------------

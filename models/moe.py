@@ -194,8 +194,8 @@ class MoE(nn.Module):
             self.w2_scale = packed_param((n, db, cb), torch.float32, s2)
         self.fused_small = self.fused_blocked = self.triton_glue = None
         if plan.moe == TRITON:
-            from models import fused_moe  # triton: CUDA installs only
-            self.fused_small, self.fused_blocked = fused_moe.fused_moe_small, fused_moe.fused_moe_blocked
+            from models import blocked_moe, fused_moe  # triton: CUDA installs only
+            self.fused_small, self.fused_blocked = fused_moe.fused_moe_small, blocked_moe.fused_moe_blocked
             self.triton_glue = fused_moe.silu_mul, fused_moe.unpermute_sum
         self._shared_cache: dict = {}  # _shared_choice's tensors by (device, dtypes)
         self._expert_ends: dict = {}  # _routed_grouped's expert end keys by device

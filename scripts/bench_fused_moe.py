@@ -33,7 +33,8 @@ from bench_common import environment, graph_us, write_json
 
 from models.config import ModelConfig
 from models.loader import init_dummy_weights
-from models.fused_moe import fused_moe_blocked, fused_moe_small, tuned_configs
+from models.blocked_moe import fused_moe_blocked
+from models.fused_moe import fused_moe_small, tuned_configs
 from common.kernel_plan import KernelPlan
 from models.moe import MoE
 

@@ -46,7 +46,7 @@ def check(cfg_overrides, T, dtype, device, tol):
 
 def check_blocked(cfg_overrides, T, dtype, device, tol, block_m):
     # medium batches: pairs sorted by expert into blocks; against the plain path with shared experts
-    from models.fused_moe import fused_moe_blocked
+    from models.blocked_moe import fused_moe_blocked
     moe, x, w, ids = random_moe(cfg_overrides, T, dtype, device)
     ref = moe._routed(x, *moe._with_shared(w, ids)).double()
     got = fused_moe_blocked(x, moe.w13, moe.w2, *moe._with_shared(w, ids), block_m=block_m).double()
@@ -77,7 +77,8 @@ def check_shared_dense(cfg_overrides, T, dtype, device, tol, **plan):
 def check_glue(T, kt, E, block_m, device, seed=0):
     # the blocked path's one-kernel alignment equals the torch reference element for element;
     # the grouped path's SwiGLU and weighted un-permute equal their torch forms
-    from models.fused_moe import align_pairs, silu_mul, sort_pairs_into_blocks, unpermute_sum
+    from models.blocked_moe import align_pairs, sort_pairs_into_blocks
+    from models.fused_moe import silu_mul, unpermute_sum
     from common.fused import silu_mul as silu_ref
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(E, generator=g)[:kt] for _ in range(T)]).to(device)
@@ -140,7 +141,7 @@ def check_fp8_blocked(T, dtype, device, tol, block_m, D=256, I=256, E=8, k=3, un
     column) against the torch loop on the dequantized weights; the last `unhit` experts are
     chosen by no token."""
     from models.fp8 import dequantize
-    from models.fused_moe import fused_moe_blocked
+    from models.blocked_moe import fused_moe_blocked
     torch.manual_seed(200 + T + block_m)
     with torch.device(device):
         q13, s13, q2, s2 = fp8_experts(E, D, I)
@@ -273,7 +274,7 @@ def test_shared_experts_dense_real_shapes(T):
 def test_sort_pairs_into_blocks_layout():
     """Pairs t*kt+j grouped by expert, each run padded to the block with -1; unused blocks get
     expert id E (the kernels skip them)."""
-    from models.fused_moe import sort_pairs_into_blocks
+    from models.blocked_moe import sort_pairs_into_blocks
     rows, experts = sort_pairs_into_blocks(torch.tensor([[2, 0], [2, 1], [0, 2]]), 4, 4)
     assert rows.view(-1, 4).tolist() == [[1, 4, -1, -1], [3, -1, -1, -1], [0, 2, 5, -1],
                                          [-1] * 4, [-1] * 4, [-1] * 4]
@@ -283,7 +284,7 @@ def test_sort_pairs_into_blocks_layout():
 def test_fused_moe_blocked_fp8_refusals():
     """The block kernels' host checks, before any launch: FP8 weights need both scale tensors on
     the weights' block grid, and a block that the kernels' k tiles divide."""
-    from models.fused_moe import fused_moe_blocked
+    from models.blocked_moe import fused_moe_blocked
     E, D, I, T, k = 4, 256, 256, 3, 2
     q13, s13, q2, s2 = fp8_experts(E, D, I)
     x, w, ids = torch.randn(T, D), torch.rand(T, k), torch.zeros(T, k, dtype=torch.long)
