@@ -12,6 +12,7 @@ from tiny_models import make_model
 import attention.triton_absorb as triton_absorb
 import attention.triton_backend as triton_backend
 import attention.triton_cache as triton_cache
+import models.blocked_moe as blocked_moe
 import models.fused_moe as fused_moe
 import models.triton_route as triton_route
 from common.kernel_plan import KernelError
@@ -21,7 +22,7 @@ SP = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 # (module, function): what each key of the Triton plan calls
 KERNELS = {"finish_kv": (triton_cache, "kv_finish"), "absorb_q": (triton_absorb, "absorb_q"),
            "absorb_o": (triton_absorb, "absorb_o"), "router": (triton_route, "route_triton"),
-           "moe_fused": (fused_moe, "fused_moe_small"), "moe_blocked": (fused_moe, "fused_moe_blocked"),
+           "moe_fused": (fused_moe, "fused_moe_small"), "moe_blocked": (blocked_moe, "fused_moe_blocked"),
            "decode": (triton_backend, "mla_decode"), "prefill": (triton_backend, "prefill_attention_parts"),
            "prefill_joined": (triton_backend, "prefill_attention")}  # widths the parts kernel cannot split
 
