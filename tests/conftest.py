@@ -33,7 +33,15 @@ def pytest_configure(config):
         use_autotune(False)
 
 
+def pytest_unconfigure(config):
+    import test_interpreted
+    test_interpreted.stop(config)
+
+
 def pytest_collection_modifyitems(config, items):
+    if any(item.nodeid.split("::")[0].endswith("test_interpreted.py") for item in items):
+        import test_interpreted
+        test_interpreted.start(config)  # the interpreter's run, in the background from now on
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA")
         for item in items:
