@@ -42,6 +42,22 @@ from models.moe import MoE
 HBM_BPS, PEAK_FLOPS = 4.3e12, 790e12  # the H200's copy bandwidth and bf16 dense peak (DESIGN.md §10)
 
 
+def routed_calls(moe, T: int, n: int) -> list:
+    """n calls' (x, routing weights, expert ids) for T tokens, routed by the layer's router; with
+    few pairs, distinct routed experts, none in common with the previous call (so the timing
+    streams weights from HBM, not L2)."""
+    D, E, k = moe.cfg.hidden_size, moe.cfg.n_routed_experts, moe.cfg.num_experts_per_tok
+    perm = torch.randperm(E)
+    calls = []
+    for c in range(n):
+        x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        w, ids = moe.gate(x)
+        if T * k <= E // 2:
+            ids = perm.roll(-c * T * k)[:T * k].view(T, k).to("cuda")
+        calls.append((x, w, ids))
+    return calls
+
+
 def loop_reference(x, w, ids, w13, w2):
     """Routed output (fp32) from a loop over the experts hit, on compute-dtype weights."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -65,19 +81,12 @@ def fp8_rows(a) -> tuple[list, list]:
         init_dummy_weights(moe)
         moe.process_weights_after_loading()
     d13, d2 = moe._expert_weights(torch.bfloat16)  # the same experts dequantized, for the bf16 rows
-    D, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    D, I, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     fp8_expert = 3 * D * I + 3 * (D // 128) * (I // 128) * 4  # FP8 bytes + fp32 block scales
     bf16_expert = 3 * D * I * 2
     rows, bad = [], []
     for T in a.tokens:
-        calls = []
-        perm = torch.randperm(E)
-        for c in range(a.calls):
-            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-            w, ids = moe.gate(x)
-            if T * k <= E // 2:  # few pairs: distinct experts, none in common with the previous call
-                ids = perm.roll(-c * T * k)[:T * k].view(T, k).to("cuda")
-            calls.append((x, w, ids))
+        calls = routed_calls(moe, T, a.calls)
         distinct = sum(ids.unique().numel() for _, _, ids in calls) / len(calls)
         act = 2 * T * D * 2
         b8, b16 = distinct * fp8_expert + act, distinct * bf16_expert + act
@@ -142,19 +151,12 @@ def main() -> None:
     with torch.device("cuda"):
         moe = MoE(cfg, torch.bfloat16, KernelPlan(moe="triton", moe_large="grouped"))
         init_dummy_weights(moe)
-    D, I, E, k = cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.num_experts_per_tok
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
     per_expert = 3 * D * I * 2
     ns = moe.n_shared  # shared experts stacked after the routed ones in w13 / w2
     rows, bad = [], []
     for T in a.tokens:
-        calls = []
-        perm = torch.randperm(E)
-        for c in range(a.calls):
-            x = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
-            w, ids = moe.gate(x)
-            if T * k <= E // 2:  # few pairs: distinct routed experts, none in common with the previous call
-                ids = perm.roll(-c * T * k)[:T * k].view(T, k).to("cuda")
-            calls.append((x, w, ids))
+        calls = routed_calls(moe, T, a.calls)
         distinct = sum(ids.unique().numel() for _, _, ids in calls) / len(calls) + ns
         nbytes = distinct * per_expert + 2 * T * D * 2
         x, w, ids = calls[0]
