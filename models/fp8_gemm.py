@@ -375,5 +375,5 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, backend: str
 
 def tuned_configs() -> dict[str, dict[str, str]]:
     """What autotuning picked so far, per M range and key (for benchmark logs)."""
-    kerns = dict(_TUNED, tma=_TMA_TUNED)
+    kerns = dict(_TUNED, tma=_TMA_TUNED, splitk=_SPLITK_TUNED)
     return {name: {str(key): str(cfg) for key, cfg in kern.cache.items()} for name, kern in kerns.items()}

@@ -187,8 +187,8 @@ def test_splitk_dispatch_and_limits(monkeypatch):
 
 
 # R1's W8A8 projections at decode (-tp 1), (N, K): q_a + kv_a as one GEMM, q_b, o_proj, the dense
-# layers' gate_up and down, the shared expert's gate_up and down (they run as their own GEMMs
-# only with moe_shared_dense_min_tokens), kv_a alone
+# layers' gate_up and down, the shared expert's gate_up and down (with FP8 kept, an MLP of its
+# own), and kv_a alone (a narrow shape; the engine packs it with q_a)
 R1_DECODE_SHAPES = [(2112, 7168), (24576, 1536), (7168, 16384), (36864, 7168), (7168, 18432),
                     (4096, 7168), (7168, 2048), (576, 7168)]
 
