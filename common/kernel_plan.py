@@ -23,7 +23,7 @@ from dataclasses import dataclass
 TRITON, TORCH = "triton", "torch"
 # decode_wgmma_min_heads under base triton where the Gluon decode fits: one 64-row wgmma tile.
 # On the H200 it beat the Triton decode at every 64- and 128-head shape timed (B 1..128, S 1k..16k:
-# 1.13-1.40x; RESULTS.md)
+# 1.15-1.41x; RESULTS.md)
 WGMMA_MIN_HEADS = 64
 
 
