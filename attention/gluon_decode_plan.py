@@ -95,20 +95,36 @@ def plan_splits(batch: int, rows: int, max_len: int, num_sms: int, cfg: GluonDec
     return choose_num_splits(batch, rows // BLOCK_H, max_len, num_sms, cfg.split_config())
 
 
-def check_engine_fit(min_heads: int, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
-                     kv_lora_rank: int, rope_dim: int) -> None:
-    """Start-up check of `--kernels ...,decode_wgmma_min_heads=N`: the model, dtypes and GPU the
-    Gluon decode needs, each refusal a ValueError naming the setting (its per-call limits, heads
-    a multiple of 64 among them, are checked by `validate_inputs` in the warm-up)."""
-    flag = f"--kernels ...,decode_wgmma_min_heads={min_heads}"
+def engine_fit_problem(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
+                       kv_lora_rank: int, rope_dim: int) -> str | None:
+    """Why the Gluon decode cannot run in this engine (the model's widths, its dtypes, the GPU and
+    Triton's Gluon dialect), or None where it can. Its per-call limits, heads a multiple of 64
+    among them, are `validate_inputs`'."""
     if kv_lora_rank != LKV or rope_dim != R:
-        raise ValueError(f"{flag}: the Gluon decode is written for kv_lora_rank {LKV} and qk_rope_head_dim {R}, "
-                         f"this model has {kv_lora_rank} and {rope_dim}; leave decode_wgmma_min_heads at 0")
+        return (f"the Gluon decode is written for kv_lora_rank {LKV} and qk_rope_head_dim {R}, "
+                f"this model has {kv_lora_rank} and {rope_dim}")
     if dtype != torch.bfloat16 or cache_dtype != torch.bfloat16:
-        raise ValueError(f"{flag}: the Gluon decode needs a bf16 model and KV cache, got {dtype} and "
-                         f"{cache_dtype} (--dtype / --kv-cache-dtype); leave decode_wgmma_min_heads at 0")
+        return (f"the Gluon decode needs a bf16 model and KV cache, got {dtype} and {cache_dtype} "
+                f"(--dtype / --kv-cache-dtype)")
     from attention.gluon_decode import check_gluon_available
     try:
         check_gluon_available(device)
     except RuntimeError as e:
-        raise ValueError(f"{flag}: {e}; leave decode_wgmma_min_heads at 0") from e
+        return str(e)
+    return None
+
+
+def decode_heads_fit(decode_heads: int) -> bool:
+    """Whether decodes of `decode_heads` query heads per rank (the model's heads / TP, times the
+    DCP size, whose ranks gather the group's heads) fill whole 64-row wgmma tiles."""
+    return decode_heads >= BLOCK_H and decode_heads % BLOCK_H == 0
+
+
+def check_engine_fit(min_heads: int, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
+                     kv_lora_rank: int, rope_dim: int) -> None:
+    """Start-up check of `--kernels ...,decode_wgmma_min_heads=N`: `engine_fit_problem` as a
+    ValueError naming the setting."""
+    problem = engine_fit_problem(device, dtype, cache_dtype, kv_lora_rank, rope_dim)
+    if problem is not None:
+        raise ValueError(f"--kernels ...,decode_wgmma_min_heads={min_heads}: {problem}; "
+                         f"leave decode_wgmma_min_heads at 0")

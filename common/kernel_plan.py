@@ -21,6 +21,10 @@ import os
 from dataclasses import dataclass
 
 TRITON, TORCH = "triton", "torch"
+# decode_wgmma_min_heads under base triton where the Gluon decode fits: one 64-row wgmma tile.
+# On the H200 it beat the Triton decode at every 64- and 128-head shape timed (B 1..128, S 1k..16k:
+# 1.15-1.41x; RESULTS.md)
+WGMMA_MIN_HEADS = 64
 
 
 def interpreting() -> bool:
@@ -98,7 +102,8 @@ CHOICES: tuple[Choice, ...] = (
            "expert-sorted block kernels (0: never); FP8 experts take them at any size", triton=512, torch=0),
     Choice("moe_shared_dense_min_tokens", (int,), "batches from this many tokens on (past the fused "
            "small-batch bound) run the shared experts as their own GEMMs instead of as experts of "
-           "the block kernels or moe_large (0: never)", triton=0, torch=0),
+           "the block kernels or moe_large (0: never; experts kept in FP8 keep them as experts)",
+           triton=1024, torch=0),
     Choice("moe_large", ("grouped", "dense", "loop"),
            "experts beyond the Triton bounds: grouped (torch._grouped_mm, CUDA bf16), dense "
            "(every expert on every token, no host sync), loop (experts hit, one by one)",
@@ -107,8 +112,9 @@ CHOICES: tuple[Choice, ...] = (
            "W8A8 block GEMM with --fp8-gemm: cuBLAS's block-scaled GEMM where torch, GPU and "
            "shape have it (auto), or one of them", ("models.fp8_gemm",), triton="auto", torch="auto"),
     Choice("decode_wgmma_min_heads", (int,), "query heads per rank from which the MLA decode runs on the "
-           "Gluon wgmma kernel (attention/gluon_decode.py: sm_90, bf16 cache, kv_lora_rank 512, rope 64, "
-           "heads a multiple of 64) instead of the Triton kernel (0: never)",
+           "Gluon wgmma kernel (attention/gluon_decode.py: sm_90, bf16 model and cache, kv_lora_rank 512, "
+           "rope 64, heads a multiple of 64) instead of the Triton kernel (0: never); under triton it is 64 "
+           "where all of that holds, else 0",
            ("attention.gluon_decode", "attention.gluon_decode_plan"), triton=0, torch=0),
     Choice("pdl", (bool,), "programmatic dependent launch (sm_90+) for the decode path's Triton kernels: "
            "each is launched while its predecessor drains and waits for its writes on the GPU",
@@ -226,14 +232,17 @@ def _value(c: Choice, s: str):
 
 
 def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name: str,
-                 grouped_mm: bool, mla_dims_ok: bool) -> tuple[KernelPlan, list[str]]:
+                 grouped_mm: bool, mla_dims_ok: bool, wgmma_fit: bool = False) -> tuple[KernelPlan, list[str]]:
     """The plan for `--kernels spec` on this device; returns (plan, notes for the log).
 
     auto is triton on CUDA, torch elsewhere. With base triton: torch's grouped GEMM only where it
     runs (CUDA, bf16, `grouped_mm`), else the dense CUDA path; no compile or tuning under the
     interpreter; the Triton MLA kernels need kv_lora_rank and qk_rope_head_dim >= 16
-    (`mla_dims_ok`), else attention, finish_kv and absorb stay torch under auto.
-    `--attention-backend` sets the attention key (finish_kv and absorb follow it unless set).
+    (`mla_dims_ok`), else attention, finish_kv and absorb stay torch under auto; decodes of 64 or
+    more heads on the Gluon wgmma kernel where this model, its dtypes and the GPU fit it
+    (`wgmma_fit`: attention/gluon_decode_plan.py's engine_fit_problem finds nothing) and attention
+    is triton. `--attention-backend` sets the attention key (finish_kv and absorb follow it unless
+    set).
     """
     base, over = parse_kernels(spec)
     notes = []
@@ -256,6 +265,8 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
             notes.append("Triton MLA kernels need kv_lora_rank and qk_rope_head_dim >= 16: "
                          "attention, finish_kv and absorb use torch, without CUDA graphs")
     values.update(over)
+    if base == TRITON and wgmma_fit and values["attention"] == TRITON and "decode_wgmma_min_heads" not in over:
+        values["decode_wgmma_min_heads"] = WGMMA_MIN_HEADS
     for key in ("finish_kv", "absorb"):
         if key not in over and values["attention"] == TORCH:
             values[key] = TORCH

@@ -39,14 +39,31 @@ def resolve_dtype(args: EngineArgs, cfg: ModelConfig, device: torch.device) -> t
 
 
 def make_kernel_plan(args: EngineArgs, cfg: ModelConfig, device: torch.device,
-                     dtype: torch.dtype) -> KernelPlan:
-    """The kernel plan for this rank: `--kernels` and `--attention-backend` on this device and dtype."""
+                     dtype: torch.dtype, cache_dtype: torch.dtype) -> KernelPlan:
+    """The kernel plan for this rank: `--kernels` and `--attention-backend` on this device, dtype
+    and KV-cache dtype."""
     plan, notes = resolve_plan(args.kernels, args.attention_backend, device.type, str(dtype).removeprefix("torch."),
                                hasattr(torch, "_grouped_mm"),
-                               cfg.kv_lora_rank >= 16 and cfg.qk_rope_head_dim >= 16)
+                               cfg.kv_lora_rank >= 16 and cfg.qk_rope_head_dim >= 16,
+                               wgmma_fit(cfg, device, dtype, cache_dtype))
     for note in notes:
         log.warning(note)
     return plan
+
+
+def wgmma_fit(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+    """Whether this rank's decodes fit the Gluon wgmma decode (the kernel plan's default
+    decode_wgmma_min_heads): a CUDA device and attention/gluon_decode_plan.py's checks."""
+    if device.type != "cuda":
+        return False
+    from attention.gluon_decode_plan import decode_heads_fit, engine_fit_problem
+    heads = cfg.num_attention_heads // pd.tp().size * pd.dcp().size
+    if not decode_heads_fit(heads):
+        return False
+    problem = engine_fit_problem(device, dtype, cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim)
+    if problem is not None and pd.tp().rank == 0:
+        log.info("the Gluon wgmma decode does not fit decodes of %d heads here: %s", heads, problem)
+    return problem is None
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
@@ -81,7 +98,7 @@ class Worker:
         self.dtype = resolve_dtype(args, cfg, self.device)
         self.cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, self.dtype)
         torch.manual_seed(args.seed)  # identical on every rank: unseeded sampling stays in lockstep
-        self.plan = make_kernel_plan(args, cfg, self.device, self.dtype)
+        self.plan = make_kernel_plan(args, cfg, self.device, self.dtype, self.cache_dtype)
         if pd.tp().rank == 0:
             log.info("%s", self.plan.describe())
         use_autotune(self.plan.autotune)

@@ -210,7 +210,7 @@ def test_fused_moe_blocked_fp8_real_shapes(T, I):
     through the block kernels at the block_m the MoE picks for T, and at 16; 2048 tokens x 8 pairs
     sort on the torch path (past ALIGN_KERNEL_MAX_PAIRS)."""
     from models.moe import block_rows
-    bm = block_rows(T)
+    bm = block_rows(T, fp8=True)
     for block_m in sorted({16, bm}):
         check_fp8_blocked(T, torch.bfloat16, "cuda", 2e-2, block_m, D=7168, I=I, E=32, k=8)
 

@@ -317,3 +317,33 @@ def _sm90():
 @pytest.mark.parametrize("name", sorted(GPU_CASES))
 def test_gpu(name):
     GPU_CASES[name]()
+
+
+def test_the_worker_defaults_to_the_gluon_decode_where_heads_and_checks_fit(monkeypatch):
+    """The worker's `wgmma_fit` (the plan's default decode_wgmma_min_heads=64): a CUDA device,
+    heads per rank (heads / TP, times DCP) a multiple of 64, and engine_fit_problem's checks; the
+    device check is patched here (no sm_90 on the CPU)."""
+    from types import SimpleNamespace
+
+    import attention.gluon_decode_plan as gp
+    from attention.gluon_decode_plan import decode_heads_fit
+    from common import distributed as pd
+    from engine.worker import wgmma_fit
+    assert [h for h in (16, 32, 64, 96, 128, 192, 256) if decode_heads_fit(h)] == [64, 128, 192, 256]
+    monkeypatch.setattr(gd, "check_gluon_available", lambda device: None)
+    cuda = torch.device("cuda")
+
+    def fit(heads, tp=1, dcp=1, cache=bf16, lkv=LKV):
+        monkeypatch.setattr(pd, "_state", pd._State(pd.GroupInfo(size=tp), pd.GroupInfo(size=dcp), None))
+        cfg = SimpleNamespace(num_attention_heads=heads, kv_lora_rank=lkv, qk_rope_head_dim=R)
+        return wgmma_fit(cfg, cuda, bf16, cache)
+    assert fit(128) and fit(128, tp=2) and not fit(128, tp=4) and fit(128, tp=4, dcp=2)
+    assert not fit(16) and not fit(96)
+    assert not fit(128, cache=torch.float8_e4m3fn) and not fit(128, lkv=256)
+    assert not wgmma_fit(SimpleNamespace(num_attention_heads=128, kv_lora_rank=LKV, qk_rope_head_dim=R),
+                         torch.device("cpu"), bf16, bf16)
+
+    def unavailable(device):
+        raise RuntimeError("no Gluon")
+    monkeypatch.setattr(gd, "check_gluon_available", unavailable)
+    assert gp.engine_fit_problem(cuda, bf16, bf16, LKV, R) == "no Gluon" and not fit(128)

@@ -8,8 +8,9 @@ import pytest
 from common.kernel_plan import CHOICES, KernelPlan, charged_key, parse_kernels, resolve_plan
 
 
-def _resolve(spec, device="cuda", dtype="bfloat16", attention="auto", grouped_mm=True, dims_ok=True):
-    return resolve_plan(spec, attention, device, dtype, grouped_mm, dims_ok)[0]
+def _resolve(spec, device="cuda", dtype="bfloat16", attention="auto", grouped_mm=True, dims_ok=True,
+             wgmma_fit=False):
+    return resolve_plan(spec, attention, device, dtype, grouped_mm, dims_ok, wgmma_fit)[0]
 
 
 def test_every_choice_is_a_plan_field_and_the_default_plan_is_pure_torch():
@@ -23,7 +24,7 @@ def test_auto_on_cuda_is_the_triton_plan():
     assert plan == _resolve("triton")
     assert (plan.attention, plan.finish_kv, plan.absorb, plan.router, plan.moe) == ("triton",) * 5
     assert (plan.moe_fused_max_tokens, plan.moe_fused_max_tokens_fp8, plan.moe_blocked_max_tokens,
-            plan.moe_large) == (4, 8, 512, "grouped")
+            plan.moe_shared_dense_min_tokens, plan.moe_large) == (4, 8, 512, 1024, "grouped")
     assert plan.compile and plan.autotune and plan.warmup
     assert _resolve("auto", dtype="float32").moe_large == "dense"  # no grouped GEMM in fp32
     assert _resolve("auto", grouped_mm=False).moe_large == "dense"
@@ -40,6 +41,18 @@ def test_overrides_and_attention_backend():
     # MLA dims the Triton kernels do not take: attention stays torch under auto, not when asked for
     assert _resolve("auto", dims_ok=False).attention == "torch"
     assert _resolve("auto,attention=triton", dims_ok=False).attention == "triton"
+
+
+def test_the_gluon_decode_is_the_default_where_it_fits():
+    """decode_wgmma_min_heads is 64 under triton where the model, dtypes and GPU fit the Gluon
+    decode, and 0 where they do not, under torch attention or base, or when set."""
+    assert _resolve("auto").decode_wgmma_min_heads == 0
+    assert _resolve("auto", wgmma_fit=True).decode_wgmma_min_heads == 64
+    assert _resolve("triton", wgmma_fit=True).decode_wgmma_min_heads == 64
+    assert _resolve("auto,decode_wgmma_min_heads=0", wgmma_fit=True).decode_wgmma_min_heads == 0
+    assert _resolve("auto,decode_wgmma_min_heads=128", wgmma_fit=True).decode_wgmma_min_heads == 128
+    assert _resolve("auto", attention="torch", wgmma_fit=True).decode_wgmma_min_heads == 0
+    assert _resolve("torch", wgmma_fit=True).decode_wgmma_min_heads == 0
 
 
 @pytest.mark.parametrize("spec,match", [
