@@ -128,6 +128,12 @@ def test_act_quant_triton_equals_torch(M, K):
                              f"{(q.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs().max().item()}")
 
 
+# R1's W8A8 projections at decode (-tp 1), (N, K): q_a + kv_a as one GEMM, q_b, o_proj, the dense
+# layers' gate_up and down, the shared expert's gate_up and down (with FP8 kept, an MLP of its
+# own), and kv_a alone (a narrow shape; the engine packs it with q_a)
+R1_DECODE_SHAPES = [(2112, 7168), (24576, 1536), (7168, 16384), (36864, 7168), (7168, 18432),
+                    (4096, 7168), (7168, 2048), (576, 7168)]
+
 
 def test_choose_k_splits_fills_the_gpu_twice():
     """The split rule: no split where the tiles alone fill the SMs, above 16 rows or without an SM
@@ -184,13 +190,6 @@ def test_splitk_dispatch_and_limits(monkeypatch):
             g.w8a8_block_gemm(xq, sx, wq, sw, splits=bad)
     with pytest.raises(ValueError, match="split-K"):
         _triton_gemm(xq, sx, wq, sw, torch.empty(2, 256), tma=True, splits=2)
-
-
-# R1's W8A8 projections at decode (-tp 1), (N, K): q_a + kv_a as one GEMM, q_b, o_proj, the dense
-# layers' gate_up and down, the shared expert's gate_up and down (with FP8 kept, an MLP of its
-# own), and kv_a alone (a narrow shape; the engine packs it with q_a)
-R1_DECODE_SHAPES = [(2112, 7168), (24576, 1536), (7168, 16384), (36864, 7168), (7168, 18432),
-                    (4096, 7168), (7168, 2048), (576, 7168)]
 
 
 @pytest.mark.gpu
