@@ -117,6 +117,16 @@ class Worker:
         spec = args.speculative_config
         self.num_mtp_layers = 1 if spec is not None and spec.method == "mtp" else 0  # drafts chain on it
         t0 = time.perf_counter()
+        try:
+            self._build_model(fp8_gemm)
+        except torch.cuda.OutOfMemoryError as e:
+            raise MemoryError(self._weights_oom_message(fp8_gemm)) from e
+        log.info("model loaded in %.1f s: %s, dtype %s, KV cache %s, device %s",
+                 time.perf_counter() - t0, cfg.model_type, self.dtype, self.cache_dtype, self.device)
+
+    def _build_model(self, fp8_gemm: bool) -> None:
+        """The model on this rank's device with its weights (a checkpoint's or dummy ones)."""
+        args, cfg = self.args, self.cfg
         with torch.device(self.device):
             try:
                 self.model = DeepseekForCausalLM(cfg, self.dtype, self.plan, keep_fp8=fp8_gemm,
@@ -132,8 +142,23 @@ class Worker:
             load_weights(self.model, args.model, cfg)
         self.model.process_weights_after_loading()
         self.model.eval()
-        log.info("model loaded in %.1f s: %s, dtype %s, KV cache %s, device %s",
-                 time.perf_counter() - t0, cfg.model_type, self.dtype, self.cache_dtype, self.device)
+
+    def _weights_oom_message(self, fp8_gemm: bool) -> str:
+        """What to do when the weights alone do not fit this rank's GPU: keep an FP8 checkpoint in
+        FP8 (half the bytes of the bf16 copy it is dequantized to by default), or split the
+        weights over more ranks."""
+        where = str(self.device)
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            where += (f" ({total / 2**30:.1f} GiB, {torch.cuda.memory_allocated(self.device) / 2**30:.1f} GiB "
+                      f"allocated when it failed)")
+        tp = self.args.tensor_parallel_size
+        more_tp = f"a larger --tensor-parallel-size than {tp} splits them over more GPUs"
+        if self.cfg.fp8_block is not None and not fp8_gemm:
+            return (f"out of GPU memory loading the model's weights on {where}: this FP8 checkpoint is "
+                    f"dequantized to {self.dtype} by default; --fp8-gemm keeps its weights in FP8 (about half "
+                    f"the bytes), or {more_tp}")
+        return f"out of GPU memory loading the model's weights on {where}: {more_tp}"
 
     def determine_num_blocks(self, max_num_batched_tokens: int) -> int:
         """KV blocks this rank can hold: --num-kv-blocks, else GPU memory left after a profile

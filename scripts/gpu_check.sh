@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|throughput|http|fp8|r1]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|throughput|http|fp8|r1|v3gluon|r1fp8]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape)
@@ -36,6 +36,10 @@
 #               ../shared/bench copied into .bench and `carry: [".bench"]` (give it `peer:560`)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
+#   v3gluon     the DeepSeek-V3 config, 4 layers, bf16 dummy weights (128 heads: the Gluon decode by
+#               default on sm_90): TPOT at batch 1/32/128 with --kernels auto and with
+#               auto,decode_wgmma_min_heads=0 (the Triton decode), alternating twice; four runs,
+#               each under a quarter of the step's timeout (give it `v3gluon:480`)
 #   r1fp8       the R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1/32/128 and offline
 #               throughput (500 x (1000 in, 100 out)), dequantized bf16 (the default) against
 #               --fp8-gemm; four runs, each under a quarter of the step's timeout (give it `r1fp8:480`)
@@ -105,6 +109,11 @@ for spec in $steps; do
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
           --hf-overrides '{"num_hidden_layers": 4}' --batch-sizes 1 64 --decode-steps 50 \
           --json "$OUT/r1_latency.json" > "$log" 2>&1 ;;
+    v3gluon) { for k in auto auto,decode_wgmma_min_heads=0 auto auto,decode_wgmma_min_heads=0; do
+             echo "## --kernels $k"
+             timeout $((T / 4)) python3 scripts/bench_latency.py --model configs/models/DeepSeek-V3 --dtype bfloat16 \
+               --hf-overrides '{"num_hidden_layers": 4}' --kernel-plan "$k" --batch-sizes 1 32 128 --decode-steps 50 \
+               --json "$OUT/v3_latency_${k//[,=]/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
     r1fp8) { R1="--model configs/models/DeepSeek-R1 --hf-overrides {\"num_hidden_layers\":4}"
             for g in "" "--fp8-gemm"; do
               echo "## latency ${g:-default}"

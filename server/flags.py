@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp8-gemm", action="store_true",
                    help="FP8 checkpoints: keep attention and dense MLP projections in FP8 (Triton "
                         "W8A8 block GEMMs) and routed experts in FP8 instead of dequantizing them "
-                        "at load (experimental: less memory, not yet faster; RESULTS.md)")
+                        "at load (half the weight memory; on the H200 faster decodes from batch 32, "
+                        "slower at batch 1: RESULTS.md)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps")
     g.add_argument("--rank-check-interval", type=int, default=d["rank_check_interval"], metavar="N",

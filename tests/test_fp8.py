@@ -81,3 +81,29 @@ def test_fp8_partial_blocks_match_transformers_dequantized(tmp_path_factory):
 def test_tp_split_of_a_block_is_refused(fp8_model):
     with pytest.raises(ValueError, match="tensor-parallel-size 4 would split a 128x128 FP8 block"):
         LLM(fp8_model[0], device="cpu", dtype="float32", num_kv_blocks=64, tensor_parallel_size=4)
+
+
+def test_weights_out_of_memory_names_fp8_gemm(fp8_model, monkeypatch):
+    """Weights that do not fit a rank's GPU stop start-up with a MemoryError that says what to do:
+    for an FP8 checkpoint dequantized by default, --fp8-gemm (or more -tp); with --fp8-gemm set
+    or a bf16 checkpoint, more -tp only. (The out-of-memory error is raised by a stand-in for the
+    model build: this machine has no GPU.)"""
+    from engine.worker import Worker
+
+    def oom(self, fp8_gemm):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB")
+    monkeypatch.setattr(Worker, "_build_model", oom)
+    with pytest.raises(MemoryError, match=r"loading the model's weights on cpu: this FP8 checkpoint is dequantized "
+                                          r"to torch.float32 by default; --fp8-gemm keeps its weights in FP8 .*"
+                                          r"a larger --tensor-parallel-size than 1"):
+        LLM(fp8_model[0], device="cpu", dtype="float32", num_kv_blocks=64)
+    # with --fp8-gemm (or a checkpoint that is not FP8) only more ranks help
+    from types import SimpleNamespace
+    w = Worker.__new__(Worker)
+    w.device, w.dtype = torch.device("cpu"), torch.bfloat16
+    w.args = SimpleNamespace(tensor_parallel_size=2)
+    w.cfg = SimpleNamespace(fp8_block=(128, 128))
+    msg = w._weights_oom_message(fp8_gemm=True)
+    assert msg.endswith("on cpu: a larger --tensor-parallel-size than 2 splits them over more GPUs"), msg
+    w.cfg = SimpleNamespace(fp8_block=None)
+    assert w._weights_oom_message(fp8_gemm=False) == msg
