@@ -12,9 +12,11 @@ Two implementations (w8a8_block_gemm picks; the kernel plan's fp8_gemm=triton|cu
 - cuBLAS's block-scaled FP8 GEMM through torch._scaled_mm (the default where this torch and an
   sm_90 GPU have it, from 4 rows): 1.48-1.60x of bf16 cuBLAS at M = 4096, V3 shapes (H200).
 - Triton, everywhere else (fewer rows, other GPUs, older torch): a persistent TMA kernel above 256
-  rows (1.13-1.19x of bf16 at M = 4096), an autotuned pointer kernel below. Its ceiling here: each
-  K block's product must be scaled before the next accumulates, so Triton waits for every
-  wgmma (wait 0) instead of keeping one in flight; an unscaled Triton fp8 GEMM reaches 1.2-1.7x.
+  rows (1.13-1.19x of bf16 at M = 4096), an autotuned pointer kernel below, which at <= 16
+  rows splits K where its tiles alone would leave SMs idle (models/fp8_gemm_splitk.py). Its
+  ceiling here: each K block's product must be scaled before the next accumulates, so Triton
+  waits for every wgmma (wait 0) instead of keeping one in flight; an unscaled Triton fp8 GEMM
+  reaches 1.2-1.7x.
 Measurements and the variants tried: RESULTS.md.
 The engine uses this only with `--fp8-gemm` (else FP8 checkpoints are dequantized to bf16 at load).
 """
@@ -29,6 +31,7 @@ import triton
 import triton.language as tl
 
 from models.fp8 import FP8, FP8_MAX
+from models.fp8_gemm_splitk import _w8a8_splitk_kernel, choose_k_splits, splitk_reduce
 from common.kernel_plan import autotuning, interpreting
 
 GROUP = 128
@@ -175,6 +178,10 @@ _TILES = {
 }
 _TUNED = {name: triton.autotune(configs=_cfgs(tiles), key=["M_BUCKET", "N", "K"])(_w8a8_kernel)
           for name, tiles in _TILES.items()}
+# The split-K kernel (models/fp8_gemm_splitk.py) takes the small range's tiles, tuned per split count
+_SPLITK_TUNED = triton.autotune(
+    configs=[triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in _TILES["small"]],
+    key=["M_BUCKET", "N", "K", "SPLITS"])(_w8a8_splitk_kernel)
 # The persistent TMA kernel at M > 256 (H200: 761-860 TFLOP/s at M 4096 against
 # 560-710 for the pointer kernel); FLAT merges the tile and K loops into one software pipeline
 # (faster at K <= 2048, slower at K >= 7168)
@@ -194,6 +201,12 @@ def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _num_sms(t: torch.Tensor) -> int | None:
+    """SMs of t's GPU, for the split-K choice; None off CUDA and under the interpreter (no split
+    unless asked for)."""
+    return _sm_count(t.device.index) if t.is_cuda and not interpreting() else None
+
+
 def _tma_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
     """TMA descriptors: Triton >= 3.4 (host TensorDescriptor), Hopper or newer, 16-byte strides."""
     return (TensorDescriptor is not None and xq.is_cuda and not interpreting()
@@ -201,14 +214,24 @@ def _tma_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
             and (N * out_dtype.itemsize) % 16 == 0)
 
 
-def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None):
+def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None):
     """y <- the Triton GEMM: the persistent TMA kernel at M > 256 where TMA works (tma=True
-    forces it, at K % 128 == 0), else the pointer kernel (autotuned, or `tile`)."""
+    forces it, at K % 128 == 0), else the pointer kernel (autotuned, or `tile`); at M <= 16 on
+    CUDA its split-K form where choose_k_splits splits K (`splits` forces a count, 1 the
+    unsplit kernel)."""
     M, K = xq.shape
     N = wq.shape[0]
     nkb = triton.cdiv(K, GROUP)
     m_bucket = min(triton.next_power_of_2(M), 8192)
     scale_strides = (sx.stride(0), sx.stride(1))
+    if splits is None:
+        splits = 1 if tile is not None or tma else choose_k_splits(M, N, nkb, _num_sms(xq))
+    if not 1 <= splits <= nkb or (splits > 1 and tma):
+        raise ValueError(f"W8A8 split-K: {splits} splits of {nkb} K blocks (K {K}), tma {tma}; expected "
+                         f"1 to {nkb} splits, and no TMA kernel with more than one")
+    if splits > 1:
+        _splitk_gemm(xq, sx, wq, sw, y, splits, tile, nkb, m_bucket, scale_strides)
+        return
     if tma is None:
         tma = tile is None and M > 256 and K % GROUP == 0 and _tma_ok(xq, N, K, y.dtype)
     if tma:
@@ -234,6 +257,25 @@ def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None):
         return
     kern = _TUNED["small" if M <= 16 else "medium" if M <= 256 else "large"]
     kern[lambda c: (triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]),)](*args, BK=GROUP, EVEN_K=even_k)
+
+
+def _splitk_gemm(xq, sx, wq, sw, y, splits, tile, nkb, m_bucket, scale_strides):
+    """y <- the split-K kernel's fp32 partials [splits, M, N], summed in split order by one reduce."""
+    M, K = xq.shape
+    N = wq.shape[0]
+    partials = torch.empty(splits, M, N, dtype=torch.float32, device=xq.device)
+    args = (xq, sx, wq, sw, partials, M, N, K, nkb, splits, m_bucket, *scale_strides)
+    even_k = K % GROUP == 0
+    if tile is not None or not autotuning():  # else the small range's candidates
+        bm, bn = tile or (16, 64)
+        if GROUP % bn:
+            raise ValueError(f"W8A8 tile width {bn} must divide the {GROUP}-wide weight-scale block")
+        grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), splits)
+        _w8a8_splitk_kernel[grid](*args, BM=bm, BN=bn, BK=GROUP, EVEN_K=even_k)
+    else:
+        _SPLITK_TUNED[lambda c: (triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]), splits)](
+            *args, BK=GROUP, EVEN_K=even_k)
+    splitk_reduce(partials, y)
 
 
 # cuBLAS's block-scaled FP8 GEMM (cuBLASLt 12.9+, Hopper; through torch._scaled_mm, whose scale
@@ -287,20 +329,21 @@ def _cublas_gemm(xq, sx, wq, sw, out_dtype):
 
 def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
                     out_dtype: torch.dtype = torch.bfloat16, tile: tuple[int, int] | None = None,
-                    backend: str = "auto") -> torch.Tensor:
+                    backend: str = "auto", splits: int | None = None) -> torch.Tensor:
     """y `[M, N]` from fp8 xq `[M, K]` + sx `[M, K/128]` (any strides) and fp8 wq `[N, K]` +
     sw `[N/128, K/128]`.
 
     backend: "auto" (cuBLAS's block-scaled GEMM where this torch, GPU and shape have it, else
     Triton), "triton" or "cublas" (the plan's fp8_gemm). Triton tiles are autotuned on CUDA per
     (M bucket, N, K) on first use; fixed under the interpreter and with autotune=0. `tile`
-    = (BM, BN) forces one (tests, benchmarks; BN must divide 128).
+    = (BM, BN) forces one (tests, benchmarks; BN must divide 128), and `splits` the Triton
+    kernel's K split count (1: unsplit; default: choose_k_splits on CUDA, 1 elsewhere).
     """
     M, K = xq.shape
     N = wq.shape[0]
     if backend not in ("auto", "triton", "cublas"):
         raise ValueError(f"W8A8 GEMM backend {backend!r}: expected auto, triton or cublas")
-    if tile is None and backend != "triton" and _cublas_ok(xq, N, K, out_dtype):
+    if tile is None and splits is None and backend != "triton" and _cublas_ok(xq, N, K, out_dtype):
         try:
             return _cublas_gemm(xq, sx, wq, sw, out_dtype)
         except torch.cuda.OutOfMemoryError:
@@ -319,7 +362,7 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
         raise ValueError(f"cuBLAS block-scaled FP8 GEMM unavailable for M {M}, N {N}, K {K}, {out_dtype} "
                          f"on this torch / device")
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
-    _triton_gemm(xq, sx, wq.contiguous(), sw.contiguous(), y, tile)
+    _triton_gemm(xq, sx, wq.contiguous(), sw.contiguous(), y, tile, splits=splits)
     return y
 
 
@@ -332,5 +375,5 @@ def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, backend: str
 
 def tuned_configs() -> dict[str, dict[str, str]]:
     """What autotuning picked so far, per M range and key (for benchmark logs)."""
-    kerns = dict(_TUNED, tma=_TMA_TUNED)
+    kerns = dict(_TUNED, tma=_TMA_TUNED, splitk=_SPLITK_TUNED)
     return {name: {str(key): str(cfg) for key, cfg in kern.cache.items()} for name, kern in kerns.items()}

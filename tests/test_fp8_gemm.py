@@ -9,7 +9,8 @@ from models.fp8 import dequantize, quantize
 from models.fp8_gemm import _triton_gemm, act_quant, fp8_linear, w8a8_block_gemm
 
 
-def check(M, N, K, device, tol, tile=None, backend="triton", out=torch.float32, tma=None, m_major=False):
+def check(M, N, K, device, tol, tile=None, backend="triton", out=torch.float32, tma=None, m_major=False,
+          splits=None):
     torch.manual_seed(M * 7 + N)
     # rows of different magnitudes: a kernel that mixes up rows' scales is off by far more than 1e-3
     x = torch.randn(M, K, device=device) * (0.1 + 10 * torch.rand(M, 1, device=device))
@@ -24,7 +25,7 @@ def check(M, N, K, device, tol, tile=None, backend="triton", out=torch.float32, 
         got = torch.full((M, N), float("nan"), device=device)
         _triton_gemm(xq, sx, wq, sw, got, tma=tma)
     else:
-        got = w8a8_block_gemm(xq, sx, wq, sw, out, tile=tile, backend=backend).float()
+        got = w8a8_block_gemm(xq, sx, wq, sw, out, tile=tile, backend=backend, splits=splits).float()
     e1 = ((got - ref_q).norm() / ref_q.norm()).item()
     # End to end against the unquantized product. e4m3 rounding alone costs ~2.5% per operand on
     # Gaussian data (measured: activation-only 2.54%, weight-only 2.64%), so 2e-2 is out of reach
@@ -126,3 +127,105 @@ def test_act_quant_triton_equals_torch(M, K):
                              f"triton {q.float()[i].item()} vs torch {q_ref.float()[i].item()}; max code diff "
                              f"{(q.view(torch.uint8).int() - q_ref.view(torch.uint8).int()).abs().max().item()}")
 
+
+# R1's W8A8 projections at decode (-tp 1), (N, K): q_a + kv_a as one GEMM, q_b, o_proj, the dense
+# layers' gate_up and down, the shared expert's gate_up and down (with FP8 kept, an MLP of its
+# own), and kv_a alone (a narrow shape; the engine packs it with q_a)
+R1_DECODE_SHAPES = [(2112, 7168), (24576, 1536), (7168, 16384), (36864, 7168), (7168, 18432),
+                    (4096, 7168), (7168, 2048), (576, 7168)]
+
+
+def test_choose_k_splits_fills_the_gpu_twice():
+    """The split rule: no split where the tiles alone fill the SMs, above 16 rows or without an SM
+    count; else the fewest splits whose grid reaches PROGRAMS_PER_SM programs per SM, capped so
+    that every split keeps MIN_SPLIT_BLOCKS K blocks."""
+    from models.fp8_gemm_splitk import MIN_SPLIT_BLOCKS, PROGRAMS_PER_SM, SPLIT_TILE_N, choose_k_splits
+    for sms in (132, 78, 8):
+        for m in (1, 2, 3, 8, 16):
+            for n, k in R1_DECODE_SHAPES + [(256, 1024), (64, 128), (7168, 256)]:
+                nkb = -(-k // 128)
+                tiles = -(-m // 16) * -(-n // SPLIT_TILE_N)
+                s = choose_k_splits(m, n, nkb, sms)
+                assert 1 <= s <= max(1, nkb // MIN_SPLIT_BLOCKS), (m, n, k, sms, s)
+                if tiles >= sms:
+                    assert s == 1, (m, n, k, sms, s)
+                elif s < nkb // MIN_SPLIT_BLOCKS:  # not capped: the fewest splits reaching the target
+                    assert tiles * s >= PROGRAMS_PER_SM * sms > tiles * (s - 1), (m, n, k, sms, s)
+                else:
+                    assert s == nkb // MIN_SPLIT_BLOCKS or nkb < MIN_SPLIT_BLOCKS
+    # R1's decode projections on a 132-SM H200 at one row (N tiles of 64: o_proj 112, q_a + kv_a 33,
+    # kv_a alone 9; q_b's 384 and the dense gate_up's 576 fill the GPU already)
+    assert [choose_k_splits(1, n, -(-k // 128), 132) for n, k in R1_DECODE_SHAPES] == [8, 1, 3, 1, 3, 5, 3, 28]
+    assert choose_k_splits(17, 7168, 128, 132) == 1 and choose_k_splits(1, 7168, 128, None) == 1
+    assert choose_k_splits(1, 64, 1, 132) == 1  # one K block: nothing to split
+
+
+def test_splitk_dispatch_and_limits(monkeypatch):
+    """w8a8_block_gemm takes the split-K form exactly where choose_k_splits splits (here on the CPU
+    with a stand-in SM count), the unsplit kernel at 17 rows and with a forced tile, and refuses
+    split counts it cannot run. The kernels themselves are the interpreter tests' concern: the
+    launches are recorded, not run."""
+    import models.fp8_gemm as g
+    from models.fp8_gemm_splitk import choose_k_splits
+    wq, sw = quantize(torch.randn(256, 1024) * 0.05)
+    launched = []
+    monkeypatch.setattr(g, "_num_sms", lambda t: 8)
+    monkeypatch.setattr(g, "_splitk_gemm", lambda *a: launched.append(("split", a[0].shape[0], a[5])))
+
+    class Unsplit:  # stands in for the plain kernel
+        def __getitem__(self, grid):
+            return lambda *a, **k: launched.append(("plain", a[0].shape[0], 1))
+
+    monkeypatch.setattr(g, "_w8a8_kernel", Unsplit())
+    monkeypatch.setattr(g, "autotuning", lambda: False)  # the plain kernel, not its autotuned forms
+    for M, kw in ((1, {}), (16, {}), (17, {}), (1, {"tile": (16, 64)}), (3, {"splits": 1}), (3, {"splits": 5})):
+        launched.clear()
+        g.w8a8_block_gemm(*act_quant(torch.randn(M, 1024)), wq, sw, torch.float32, **kw)
+        want = kw.get("splits") or (1 if "tile" in kw else choose_k_splits(M, 256, 8, 8))
+        assert launched == [("split" if want > 1 else "plain", M, want)], (M, kw, launched)
+    assert choose_k_splits(1, 256, 8, 8) == 4 and choose_k_splits(17, 256, 8, 8) == 1
+    xq, sx = act_quant(torch.randn(2, 1024))
+    for bad in (0, 9):
+        with pytest.raises(ValueError, match="split-K"):
+            g.w8a8_block_gemm(xq, sx, wq, sw, splits=bad)
+    with pytest.raises(ValueError, match="split-K"):
+        _triton_gemm(xq, sx, wq, sw, torch.empty(2, 256), tma=True, splits=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 3, 16])
+@pytest.mark.parametrize("N,K", R1_DECODE_SHAPES)
+def test_w8a8_splitk_r1_shapes(M, N, K):
+    """The small-M Triton GEMM at R1's decode shapes: as dispatched (split-K where this GPU's SM
+    count calls for it), forced unsplit and forced to a split count that does not divide the K
+    blocks, each against the dequantized product; the split result within fp32 rounding of the
+    unsplit one, the same bits on every run and when replayed from a CUDA graph."""
+    from models.fp8_gemm_splitk import choose_k_splits
+    nkb = K // 128
+    odd = next(s for s in (3, 5, 7, 9) if nkb % s)
+    for splits in (None, 1, odd):
+        check(M, N, K, "cuda", 8e-2, splits=splits)
+    torch.manual_seed(0)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    wq, sw = quantize(torch.randn(N, K, device="cuda") * 0.02)
+    xq, sx = act_quant(x)
+    s = max(choose_k_splits(M, N, nkb, torch.cuda.get_device_properties(0).multi_processor_count), 2)
+    one = w8a8_block_gemm(xq, sx, wq, sw, torch.float32, backend="triton", splits=1)
+    split = w8a8_block_gemm(xq, sx, wq, sw, torch.float32, backend="triton", splits=s)
+    assert ((split - one).norm() / one.norm()).item() < 1e-5, s
+    # the engine's call (bf16 out, act_quant in front): eager twice and a graph replay, same bits
+    def run():
+        return fp8_linear(x, wq, sw, backend="triton")
+    eager = [run() for _ in range(2)]
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # warmed up (tuned) before capture
+        with torch.cuda.graph(g, stream=stream):
+            graphed = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eager[0], eager[1]) and torch.equal(graphed, eager[0])

@@ -1,0 +1,98 @@
+"""Split-K form of the small-M W8A8 block-FP8 GEMM (models/fp8_gemm.py dispatches to it).
+
+At decode sizes (M <= 16 rows) the GEMM is a weight-bound GEMV: one program per 16 x 64 output
+tile, each walking every K block in turn, gives R1's narrow projections (o_proj and the dense
+down_proj: N 7168, K 16384-18432; q_a + kv_a: N 2112, K 7168) 33-112 programs on a 132-SM H200,
+too few to keep the weight read at the copy bandwidth. Here program (tile, s) takes split s's
+contiguous range of K blocks,
+
+    kb in [s * NKB // S, (s + 1) * NKB // S)        (S ranges, together every block exactly once)
+
+and stores its fp32 partial tile in `[S, M, N]`; one reduce kernel sums the S partials in split
+order and casts to the output dtype. No atomics: the result is the same bits on every run, so CUDA
+graphs equal eager. The splits cut on K-block boundaries: each 128-wide K block has one weight
+scale per 128 rows, so a program's scaling is what the unsplit kernel does on its blocks.
+
+`choose_k_splits` is the host-side rule for S (pure, from the shape and the SM count).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+import triton.language as tl
+
+SPLIT_MAX_M = 16  # split only in the "small" range: from 17 rows the grid has more row tiles
+PROGRAMS_PER_SM = 2  # target grid: this many programs per SM
+MIN_SPLIT_BLOCKS = 2  # K blocks per split at least: fewer and the partials cost more than they add
+SPLIT_TILE_N = 64  # tile width the split count is computed for (the small range's first candidate)
+
+
+@functools.lru_cache(maxsize=4096)  # pure; called once per GEMM launch
+def choose_k_splits(m: int, n: int, nkb: int, num_sms: int | None) -> int:
+    """Splits of the `nkb` K blocks for an `m x n` output so that tiles x splits fills the GPU
+    about PROGRAMS_PER_SM times; 1 (no split) when the tiles alone fill the SMs, above
+    SPLIT_MAX_M rows, or with no SM count (not CUDA)."""
+    if num_sms is None or m > SPLIT_MAX_M:
+        return 1
+    tiles = triton.cdiv(m, 16) * triton.cdiv(n, SPLIT_TILE_N)
+    if tiles >= num_sms:
+        return 1
+    want = triton.cdiv(PROGRAMS_PER_SM * num_sms, tiles)
+    return max(1, min(want, nkb // MIN_SPLIT_BLOCKS))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _w8a8_splitk_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, p_ptr, M, N, K, NKB, SPLITS, M_BUCKET,
+                        stride_sam, stride_sak, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        EVEN_K: tl.constexpr):
+    # program (t, s): output tile t (N tiles fastest), split s; p_ptr is fp32 [SPLITS, M, N]
+    num_n = tl.cdiv(N, BN)
+    pid_m = tl.program_id(0) // num_n
+    pid_n = tl.program_id(0) % num_n
+    split = tl.program_id(1)
+    kb0 = split * NKB // SPLITS
+    kb1 = (split + 1) * NKB // SPLITS
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    mm, mn = offs_m < M, offs_n < N
+    # one weight scale per tile and K block (BN divides the 128-row scale block)
+    sb_row = sb_ptr + ((pid_n * BN) // BK) * NKB
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kb in range(kb0, kb1):
+        offs_k = kb * BK + tl.arange(0, BK)
+        a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * K + offs_k[None, :]
+        b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None]
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=mm[:, None], other=0.0)
+            b = tl.load(b_ptrs, mask=mn[None, :], other=0.0)
+        else:  # the last K block is partial
+            mk = offs_k < K
+            a = tl.load(a_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mn[None, :] & mk[:, None], other=0.0)
+        sa = tl.load(sa_ptr + offs_m * stride_sam + kb * stride_sak, mask=mm, other=0.0)
+        acc += tl.dot(a, b) * (sa * tl.load(sb_row + kb))[:, None]
+    p_ptrs = p_ptr + split.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(p_ptrs, acc, mask=mm[:, None] & mn[None, :])
+
+
+@triton.jit
+def _splitk_reduce_kernel(p_ptr, y_ptr, MN, SPLITS, BLOCK: tl.constexpr):
+    # y[i] = sum over s = 0, 1, ..., SPLITS - 1 of p[s, i], in that order, cast to y's dtype
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < MN
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for s in range(0, SPLITS):
+        acc += tl.load(p_ptr + s * MN + offs, mask=m, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=m)
+
+
+REDUCE_BLOCK = 512
+
+
+def splitk_reduce(partials, y) -> None:
+    """y `[M, N]` (contiguous) <- partials `[S, M, N]` fp32 summed over S in split order."""
+    mn = y.numel()
+    _splitk_reduce_kernel[(triton.cdiv(mn, REDUCE_BLOCK),)](partials, y, mn, partials.shape[0],
+                                                             BLOCK=REDUCE_BLOCK)
