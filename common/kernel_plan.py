@@ -111,6 +111,9 @@ CHOICES: tuple[Choice, ...] = (
     Choice("fp8_gemm", ("auto", TRITON, "cublas"),
            "W8A8 block GEMM with --fp8-gemm: cuBLAS's block-scaled GEMM where torch, GPU and "
            "shape have it (auto), or one of them", ("models.fp8_gemm",), triton="auto", torch="auto"),
+    Choice("fp8_gemm_splitk", (bool,), "with --fp8-gemm, the Triton W8A8 GEMM at <= 16 rows splits K over "
+           "more programs where its tiles alone would leave SMs idle (models/fp8_gemm_splitk.py; opt-in "
+           "until timed)", ("models.fp8_gemm_splitk",), triton=False, torch=False),
     Choice("decode_wgmma_min_heads", (int,), "query heads per rank from which the MLA decode runs on the "
            "Gluon wgmma kernel (attention/gluon_decode.py: sm_90, bf16 model and cache, kv_lora_rank 512, "
            "rope 64, heads a multiple of 64) instead of the Triton kernel (0: never); under triton it is 64 "
@@ -148,6 +151,7 @@ class KernelPlan:
     moe_shared_dense_min_tokens: int = 0
     moe_large: str = "loop"
     fp8_gemm: str = "auto"
+    fp8_gemm_splitk: bool = False
     decode_wgmma_min_heads: int = 0
     pdl: bool = False
     compile: bool = False
@@ -188,9 +192,12 @@ def _show(v) -> str:
 
 
 def charged_key(exc: BaseException) -> str | None:
-    """The plan key whose module raised `exc`: the outermost frame in a Choice's modules (the
-    Triton attention backend calls kernels of attention/triton_cache.py too: a failure there is
-    the backend's)."""
+    """The plan key whose module raised `exc`: the key a dispatcher set on it as `plan_key` (a
+    path of one key reached through another key's module), else the outermost frame in a
+    Choice's modules (the Triton attention backend calls kernels of attention/triton_cache.py
+    too: a failure there is the backend's)."""
+    if getattr(exc, "plan_key", None) in _BY_KEY:
+        return exc.plan_key
     tb = exc.__traceback__
     while tb is not None:
         mod = tb.tb_frame.f_globals.get("__name__", "")

@@ -154,7 +154,7 @@ class DeepseekForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         for name, m in self.named_modules():
             if isinstance(m, Linear):
-                m.fp8_gemm = self.plan.fp8_gemm
+                m.fp8_gemm, m.fp8_splitk = self.plan.fp8_gemm, self.plan.fp8_gemm_splitk
                 if not self.keep_fp8 or name.endswith("kv_b_proj"):
                     m.dequantize_weights()
         for layer in [*self.model.layers, *(m.block for m in self.mtp)]:

@@ -214,23 +214,27 @@ def _tma_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
             and (N * out_dtype.itemsize) % 16 == 0)
 
 
-def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None):
+def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None, split_k=True):
     """y <- the Triton GEMM: the persistent TMA kernel at M > 256 where TMA works (tma=True
     forces it, at K % 128 == 0), else the pointer kernel (autotuned, or `tile`); at M <= 16 on
-    CUDA its split-K form where choose_k_splits splits K (`splits` forces a count, 1 the
-    unsplit kernel)."""
+    CUDA, with `split_k`, its split-K form where choose_k_splits splits K (`splits` forces a
+    count, 1 the unsplit kernel)."""
     M, K = xq.shape
     N = wq.shape[0]
     nkb = triton.cdiv(K, GROUP)
     m_bucket = min(triton.next_power_of_2(M), 8192)
     scale_strides = (sx.stride(0), sx.stride(1))
     if splits is None:
-        splits = 1 if tile is not None or tma else choose_k_splits(M, N, nkb, _num_sms(xq))
+        splits = 1 if tile is not None or tma or not split_k else choose_k_splits(M, N, nkb, _num_sms(xq))
     if not 1 <= splits <= nkb or (splits > 1 and tma):
         raise ValueError(f"W8A8 split-K: {splits} splits of {nkb} K blocks (K {K}), tma {tma}; expected "
                          f"1 to {nkb} splits, and no TMA kernel with more than one")
     if splits > 1:
-        _splitk_gemm(xq, sx, wq, sw, y, splits, tile, nkb, m_bucket, scale_strides)
+        try:
+            _splitk_gemm(xq, sx, wq, sw, y, splits, tile, nkb, m_bucket, scale_strides)
+        except Exception as e:
+            e.plan_key = "fp8_gemm_splitk"  # the kernel plan names fp8_gemm_splitk=0 as the way out
+            raise
         return
     if tma is None:
         tma = tile is None and M > 256 and K % GROUP == 0 and _tma_ok(xq, N, K, y.dtype)
@@ -329,7 +333,7 @@ def _cublas_gemm(xq, sx, wq, sw, out_dtype):
 
 def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
                     out_dtype: torch.dtype = torch.bfloat16, tile: tuple[int, int] | None = None,
-                    backend: str = "auto", splits: int | None = None) -> torch.Tensor:
+                    backend: str = "auto", splits: int | None = None, split_k: bool = True) -> torch.Tensor:
     """y `[M, N]` from fp8 xq `[M, K]` + sx `[M, K/128]` (any strides) and fp8 wq `[N, K]` +
     sw `[N/128, K/128]`.
 
@@ -337,7 +341,8 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
     Triton), "triton" or "cublas" (the plan's fp8_gemm). Triton tiles are autotuned on CUDA per
     (M bucket, N, K) on first use; fixed under the interpreter and with autotune=0. `tile`
     = (BM, BN) forces one (tests, benchmarks; BN must divide 128), and `splits` the Triton
-    kernel's K split count (1: unsplit; default: choose_k_splits on CUDA, 1 elsewhere).
+    kernel's K split count (1: unsplit; default: choose_k_splits on CUDA where `split_k`, the
+    plan's fp8_gemm_splitk in the engine, else 1).
     """
     M, K = xq.shape
     N = wq.shape[0]
@@ -362,15 +367,16 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
         raise ValueError(f"cuBLAS block-scaled FP8 GEMM unavailable for M {M}, N {N}, K {K}, {out_dtype} "
                          f"on this torch / device")
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
-    _triton_gemm(xq, sx, wq.contiguous(), sw.contiguous(), y, tile, splits=splits)
+    _triton_gemm(xq, sx, wq.contiguous(), sw.contiguous(), y, tile, splits=splits, split_k=split_k)
     return y
 
 
-def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, backend: str = "auto",
+               split_k: bool = True) -> torch.Tensor:
     """x `[..., K]` @ dequant(wq, sw)ᵀ with activations quantized on the fly."""
     shape = x.shape
     xq, sx = act_quant(x.reshape(-1, shape[-1]))
-    return w8a8_block_gemm(xq, sx, wq, sw, x.dtype, backend=backend).view(*shape[:-1], wq.shape[0])
+    return w8a8_block_gemm(xq, sx, wq, sw, x.dtype, backend=backend, split_k=split_k).view(*shape[:-1], wq.shape[0])
 
 
 def tuned_configs() -> dict[str, dict[str, str]]:

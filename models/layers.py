@@ -81,6 +81,7 @@ class Linear(nn.Module):
         self.dtype, self.fp8_block = dtype, fp8_block
         self.reduce = reduce and tp_dim == 1
         self.fp8_gemm = "auto"  # the plan's W8A8 GEMM backend, for weights kept in FP8
+        self.fp8_splitk = False  # the plan's fp8_gemm_splitk
         if fp8_block is None:
             self.weight = shard_param((out_features, in_features), tp_dim, dtype)
             return
@@ -107,7 +108,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_block is not None:  # kept in FP8 for the W8A8 block GEMM (--fp8-gemm)
             from models.fp8_gemm import fp8_linear  # triton: CUDA installs only
-            y = fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_gemm)
+            y = fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_gemm, self.fp8_splitk)
         else:
             y = F.linear(x, self.weight)
         return pd.tp_all_reduce(y) if self.reduce else y
@@ -124,7 +125,7 @@ class PackedLinear(Linear):
                  fp8_block: tuple[int, int] | None = None, keep_fp8: bool = False):
         nn.Module.__init__(self)
         self.dtype, self.fp8_block, self.reduce = dtype, fp8_block, False
-        self.fp8_gemm = "auto"
+        self.fp8_gemm, self.fp8_splitk = "auto", False
         tp = pd.tp().size
         self.sizes = [out // tp if tp_dim == 0 else out for _, out, tp_dim in parts]
         for (name, out, tp_dim), n in zip(parts, self.sizes):

@@ -184,12 +184,25 @@ def test_splitk_dispatch_and_limits(monkeypatch):
         want = kw.get("splits") or (1 if "tile" in kw else choose_k_splits(M, 256, 8, 8))
         assert launched == [("split" if want > 1 else "plain", M, want)], (M, kw, launched)
     assert choose_k_splits(1, 256, 8, 8) == 4 and choose_k_splits(17, 256, 8, 8) == 1
+    launched.clear()  # split_k=False (the plan's fp8_gemm_splitk=0): the unsplit kernel
+    g.fp8_linear(torch.randn(1, 1024), wq, sw, split_k=False)
+    assert launched == [("plain", 1, 1)]
     xq, sx = act_quant(torch.randn(2, 1024))
     for bad in (0, 9):
         with pytest.raises(ValueError, match="split-K"):
             g.w8a8_block_gemm(xq, sx, wq, sw, splits=bad)
     with pytest.raises(ValueError, match="split-K"):
         _triton_gemm(xq, sx, wq, sw, torch.empty(2, 256), tma=True, splits=2)
+    # a failure of the split-K kernel is charged to fp8_gemm_splitk, whose =0 avoids it
+    from common.kernel_plan import KernelPlan, charged_key
+
+    def failing(*a):
+        raise RuntimeError("out of resources")
+    monkeypatch.setattr(g, "_splitk_gemm", failing)
+    with pytest.raises(RuntimeError) as info:
+        g.w8a8_block_gemm(xq, sx, wq, sw)
+    assert charged_key(info.value) == "fp8_gemm_splitk"
+    assert "--kernels auto,fp8_gemm_splitk=0 (or --kernels torch) avoids it" in str(KernelPlan().error("warming up", info.value))
 
 
 @pytest.mark.gpu

@@ -39,12 +39,13 @@ def test_fp8_gemm_path_runs_the_model(fp8_model, monkeypatch):
     attn, moe = model.layers[0].self_attn, model.layers[1].mlp
     assert attn.qkv_a_proj.weight.dtype == torch.float8_e4m3fn and attn.kv_b_proj.weight.dtype == torch.float32
     assert moe.w13.dtype == torch.float8_e4m3fn and moe.w13_scale.shape[1:] == (2, 2)  # experts stay FP8
-    errs, shapes, kernel = [], set(), g.fp8_linear
+    errs, shapes, splitk, kernel = [], set(), set(), g.fp8_linear
 
-    def checked(x, wq, sw, backend):
-        y, want = kernel(x, wq, sw, backend), emulated(x, wq, sw)
+    def checked(x, wq, sw, backend, split_k):
+        y, want = kernel(x, wq, sw, backend, split_k), emulated(x, wq, sw)
         errs.append(((y - want).norm() / want.norm()).item())
         shapes.add(tuple(wq.shape))
+        splitk.add(split_k)
         return y
 
     monkeypatch.setattr(g, "fp8_linear", checked)
@@ -53,3 +54,9 @@ def test_fp8_gemm_path_runs_the_model(fp8_model, monkeypatch):
     assert len(out.token_ids) == 4 and all(math.isfinite(lp.logprob) for lp in out.logprobs)
     assert len(shapes) >= 4, shapes  # q_a + kv_a, q_b, o_proj and the MLPs all went through it
     assert errs and max(errs) < 1e-5, max(errs)
+    assert splitk == {False}  # the plan's fp8_gemm_splitk, off by default
+    from models.layers import Linear
+    llm = LLM(fp8_model, device="cpu", dtype="float32", num_kv_blocks=64, fp8_gemm=True,
+              kernels="triton,fp8_gemm_splitk=1")
+    kept = [m for m in llm.engine.executor.worker.model.modules() if isinstance(m, Linear) and m.fp8_block]
+    assert kept and all(m.fp8_splitk for m in kept)
