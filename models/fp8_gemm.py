@@ -13,7 +13,8 @@ Two implementations (w8a8_block_gemm picks; the kernel plan's fp8_gemm=triton|cu
   sm_90 GPU have it, from 4 rows): 1.48-1.60x of bf16 cuBLAS at M = 4096, V3 shapes (H200).
 - Triton, everywhere else (fewer rows, other GPUs, older torch): a persistent TMA kernel above 256
   rows (1.13-1.19x of bf16 at M = 4096), an autotuned pointer kernel below, which at <= 16
-  rows splits K where its tiles alone would leave SMs idle (models/fp8_gemm_splitk.py). Its
+  rows splits K where its tiles alone would leave SMs idle (models/fp8_gemm_splitk.py; in the
+  engine only with the kernel plan's fp8_gemm_splitk). Its
   ceiling here: each K block's product must be scaled before the next accumulates, so Triton
   waits for every wgmma (wait 0) instead of keeping one in flight; an unscaled Triton fp8 GEMM
   reaches 1.2-1.7x.
