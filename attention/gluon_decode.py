@@ -1,11 +1,13 @@
-"""Paged split-KV MLA decode for many query rows on Hopper's tensor cores, in Gluon (opt-in).
+"""Paged split-KV MLA decode for many query rows on Hopper's tensor cores, in Gluon.
 
 Same contract as `attention.triton_decode.mla_decode` (notation in its docstring, DESIGN.md §4):
 q `[B*q_len, H, 576]` = `[q_lat (512) ‖ q_pe (64)]`, paged cache `[NB, page, 576]` = `[c ‖ k_pe]`,
 o = softmax(q·[c ‖ k_pe] * scale) @ c in q's dtype `[T, H, 512]`, lse (natural log) fp32 `[T, H]`;
 splits merged by `triton_decode._mla_decode_reduce_kernel`. Scope: bf16 q and cache, q_len * H a
-multiple of 64, the DeepSeek widths 512 + 64, sm_90 only. Nothing here is used unless asked for
-(`mla_decode_wgmma`, `bench_mla_decode.py --impl gluon`).
+multiple of 64, the DeepSeek widths 512 + 64, sm_90 only, written against Triton 3.6's Gluon.
+The engine's decodes of 64+ heads per rank run here by default where all of that fits (the kernel
+plan's decode_wgmma_min_heads; attention/gluon_decode_plan.py `engine_fit_problem`);
+`bench_mla_decode.py --impl gluon` times it.
 
 Design. One program = 64 query rows (a wgmma's M) x one split of one sequence, two warpgroups
 as two warp-specialised partitions of 4 warps each, both running `_wg_partition` with W = 0 or 1.
@@ -28,7 +30,7 @@ whatever part of the exchange + softmax is longer than PV. alpha_j goes through 
 (64 floats) so that ptxas cannot hoist the 128 rescale multiplies above the QK^T issue. With
 `lazy_rescale` the running max moves only when a row's tile max passes it by more than 2^8
 (p <= 256 meanwhile), and the multiplies are skipped when no row of the warpgroup moved (one
-cross-warp max per tile decides); off by default until timed.
+cross-warp max per tile decides); off by default (GluonDecodeConfig.lazy_rescale).
 
 Why this split and not the alternatives: docs/kernel_notes.md, "Gluon kernel for many heads".
 Shared memory, by default: q's latent part 64 KB + 4 stages x 36 KB + one 8 KB

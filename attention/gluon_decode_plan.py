@@ -13,6 +13,7 @@ from attention.decode_config import DecodeConfig, choose_num_splits
 
 LKV, R = 512, 64  # the widths the kernel is written for (every DeepSeek MLA model)
 BLOCK_H = 64  # query rows per program: wgmma's M
+GLUON_TRITON = "3.6"  # the Triton release whose Gluon API the kernel is written against (and compiled on)
 OPTION = "mla_decode_wgmma (bench_mla_decode.py --impl gluon)"
 
 
@@ -106,6 +107,10 @@ def engine_fit_problem(device: torch.device, dtype: torch.dtype, cache_dtype: to
     if dtype != torch.bfloat16 or cache_dtype != torch.bfloat16:
         return (f"the Gluon decode needs a bf16 model and KV cache, got {dtype} and {cache_dtype} "
                 f"(--dtype / --kv-cache-dtype)")
+    import triton
+    if not triton.__version__.startswith(GLUON_TRITON):
+        return (f"the Gluon decode is written against Triton {GLUON_TRITON}'s Gluon dialect, which changes "
+                f"between releases; this is Triton {triton.__version__}")
     from attention.gluon_decode import check_gluon_available
     try:
         check_gluon_available(device)

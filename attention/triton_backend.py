@@ -38,12 +38,18 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 def _wgmma_decode(min_heads: int, *args, **kw):
     """The Gluon wgmma decode; its refusals (cache dtype, widths, heads, GPU) name the plan
-    setting that sent the call there and the one that avoids it."""
+    setting that sent the call there and the one that avoids it, and any failure (a compile
+    error among them) is charged to that setting in the kernel plan's message."""
     try:
         return gluon_decode.mla_decode_wgmma(*args, **kw)
     except (ValueError, RuntimeError) as e:
-        raise type(e)(f"{e} (--kernels ...,decode_wgmma_min_heads={min_heads} sent this decode of "
-                      f"{args[0].shape[1]} heads there; decode_wgmma_min_heads=0 avoids it)") from e
+        err = type(e)(f"{e} (--kernels ...,decode_wgmma_min_heads={min_heads} sent this decode of "
+                      f"{args[0].shape[1]} heads there; decode_wgmma_min_heads=0 avoids it)")
+        err.plan_key = "decode_wgmma_min_heads"
+        raise err from e
+    except Exception as e:
+        e.plan_key = "decode_wgmma_min_heads"
+        raise
 
 
 class TritonAttentionOps:

@@ -74,6 +74,7 @@ class Choice:
     modules: tuple[str, ...] = ()  # a failure raised inside one of these is charged to this key
     triton: object = TRITON  # the value under base `triton`
     torch: object = TORCH  # the value under base `torch`
+    triton_help: str | None = None  # the help's "triton:" entry where resolve_plan adjusts the value
 
 
 # Every kernel choice, in log order. `triton` / `torch` give each key's value under that base;
@@ -102,7 +103,8 @@ CHOICES: tuple[Choice, ...] = (
            "expert-sorted block kernels (0: never); FP8 experts take them at any size", triton=512, torch=0),
     Choice("moe_shared_dense_min_tokens", (int,), "batches from this many tokens on (past the fused "
            "small-batch bound) run the shared experts as their own GEMMs instead of as experts of "
-           "the block kernels or moe_large (0: never; experts kept in FP8 keep them as experts)",
+           "the block kernels or moe_large (0: never; with --fp8-gemm the shared experts are a W8A8 MLP "
+           "of their own and this does not apply)",
            triton=1024, torch=0),
     Choice("moe_large", ("grouped", "dense", "loop"),
            "experts beyond the Triton bounds: grouped (torch._grouped_mm, CUDA bf16), dense "
@@ -112,13 +114,13 @@ CHOICES: tuple[Choice, ...] = (
            "W8A8 block GEMM with --fp8-gemm: cuBLAS's block-scaled GEMM where torch, GPU and "
            "shape have it (auto), or one of them", ("models.fp8_gemm",), triton="auto", torch="auto"),
     Choice("fp8_gemm_splitk", (bool,), "with --fp8-gemm, the Triton W8A8 GEMM at <= 16 rows splits K over "
-           "more programs where its tiles alone would leave SMs idle (models/fp8_gemm_splitk.py; opt-in "
-           "until timed)", ("models.fp8_gemm_splitk",), triton=False, torch=False),
+           "more programs where its tiles alone would leave SMs idle (models/fp8_gemm_splitk.py; opt-in: "
+           "untimed in the engine)", ("models.fp8_gemm_splitk",), triton=False, torch=False),
     Choice("decode_wgmma_min_heads", (int,), "query heads per rank from which the MLA decode runs on the "
            "Gluon wgmma kernel (attention/gluon_decode.py: sm_90, bf16 model and cache, kv_lora_rank 512, "
-           "rope 64, heads a multiple of 64) instead of the Triton kernel (0: never); under triton it is 64 "
-           "where all of that holds, else 0",
-           ("attention.gluon_decode", "attention.gluon_decode_plan"), triton=0, torch=0),
+           "rope 64, heads a multiple of 64, Triton 3.6) instead of the Triton kernel (0: never)",
+           ("attention.gluon_decode", "attention.gluon_decode_plan"), triton=0, torch=0,
+           triton_help="64 where all of that holds, else 0"),
     Choice("pdl", (bool,), "programmatic dependent launch (sm_90+) for the decode path's Triton kernels: "
            "each is launched while its predecessor drains and waits for its writes on the GPU",
            ("common.pdl",), triton=False, torch=False),
@@ -287,7 +289,7 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
 def kernels_help() -> str:
     """The --kernels help text, from CHOICES."""
     keys = "; ".join(f"{c.key}=" + ("N" if c.values[0] is int else "0|1" if c.values[0] is bool
-                                    else "|".join(c.values)) + f" ({c.help}; triton: {_show(c.triton)})"
+                                    else "|".join(c.values)) + f" ({c.help}; triton: {c.triton_help or _show(c.triton)})"
                      for c in CHOICES)
     return ("kernel plan (logged at start-up): auto (triton on CUDA, torch elsewhere), triton, or "
             "torch (pure torch on any device: the reference), then optional comma-separated "

@@ -156,8 +156,8 @@ class Worker:
         more_tp = f"a larger --tensor-parallel-size than {tp} splits them over more GPUs"
         if self.cfg.fp8_block is not None and not fp8_gemm:
             return (f"out of GPU memory loading the model's weights on {where}: this FP8 checkpoint is "
-                    f"dequantized to {self.dtype} by default; --fp8-gemm keeps its weights in FP8 (about half "
-                    f"the bytes), or {more_tp}")
+                    f"dequantized to {self.dtype} by default; --fp8-gemm keeps its weights in FP8 (1 byte a "
+                    f"weight instead of {self.dtype.itemsize}), or {more_tp}")
         return f"out of GPU memory loading the model's weights on {where}: {more_tp}"
 
     def determine_num_blocks(self, max_num_batched_tokens: int) -> int:

@@ -14,10 +14,9 @@ Two implementations (w8a8_block_gemm picks; the kernel plan's fp8_gemm=triton|cu
 - Triton, everywhere else (fewer rows, other GPUs, older torch): a persistent TMA kernel above 256
   rows (1.13-1.19x of bf16 at M = 4096), an autotuned pointer kernel below, which at <= 16
   rows splits K where its tiles alone would leave SMs idle (models/fp8_gemm_splitk.py; in the
-  engine only with the kernel plan's fp8_gemm_splitk). Its
-  ceiling here: each K block's product must be scaled before the next accumulates, so Triton
-  waits for every wgmma (wait 0) instead of keeping one in flight; an unscaled Triton fp8 GEMM
-  reaches 1.2-1.7x.
+  engine only with the kernel plan's fp8_gemm_splitk). Its ceiling here: each K block's product
+  must be scaled before the next accumulates, so Triton waits for every wgmma (wait 0) instead
+  of keeping one in flight; an unscaled Triton fp8 GEMM reaches 1.2-1.7x.
 Measurements and the variants tried: RESULTS.md.
 The engine uses this only with `--fp8-gemm` (else FP8 checkpoints are dequantized to bf16 at load).
 """
@@ -215,7 +214,7 @@ def _tma_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
             and (N * out_dtype.itemsize) % 16 == 0)
 
 
-def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None, split_k=True):
+def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None, split_k=False):
     """y <- the Triton GEMM: the persistent TMA kernel at M > 256 where TMA works (tma=True
     forces it, at K % 128 == 0), else the pointer kernel (autotuned, or `tile`); at M <= 16 on
     CUDA, with `split_k`, its split-K form where choose_k_splits splits K (`splits` forces a
@@ -334,7 +333,7 @@ def _cublas_gemm(xq, sx, wq, sw, out_dtype):
 
 def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
                     out_dtype: torch.dtype = torch.bfloat16, tile: tuple[int, int] | None = None,
-                    backend: str = "auto", splits: int | None = None, split_k: bool = True) -> torch.Tensor:
+                    backend: str = "auto", splits: int | None = None, split_k: bool = False) -> torch.Tensor:
     """y `[M, N]` from fp8 xq `[M, K]` + sx `[M, K/128]` (any strides) and fp8 wq `[N, K]` +
     sw `[N/128, K/128]`.
 
@@ -342,13 +341,15 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
     Triton), "triton" or "cublas" (the plan's fp8_gemm). Triton tiles are autotuned on CUDA per
     (M bucket, N, K) on first use; fixed under the interpreter and with autotune=0. `tile`
     = (BM, BN) forces one (tests, benchmarks; BN must divide 128), and `splits` the Triton
-    kernel's K split count (1: unsplit; default: choose_k_splits on CUDA where `split_k`, the
-    plan's fp8_gemm_splitk in the engine, else 1).
+    kernel's K split count (1: unsplit; default: choose_k_splits on CUDA with `split_k`, the
+    plan's fp8_gemm_splitk in the engine, else 1). `splits` forces the Triton kernel.
     """
     M, K = xq.shape
     N = wq.shape[0]
     if backend not in ("auto", "triton", "cublas"):
         raise ValueError(f"W8A8 GEMM backend {backend!r}: expected auto, triton or cublas")
+    if splits is not None and backend == "cublas":
+        raise ValueError("W8A8 GEMM: splits forces the Triton kernel, not with backend='cublas'")
     if tile is None and splits is None and backend != "triton" and _cublas_ok(xq, N, K, out_dtype):
         try:
             return _cublas_gemm(xq, sx, wq, sw, out_dtype)
@@ -373,7 +374,7 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, backend: str = "auto",
-               split_k: bool = True) -> torch.Tensor:
+               split_k: bool = False) -> torch.Tensor:
     """x `[..., K]` @ dequant(wq, sw)ᵀ with activations quantized on the fly."""
     shape = x.shape
     xq, sx = act_quant(x.reshape(-1, shape[-1]))

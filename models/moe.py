@@ -20,7 +20,7 @@ def block_rows(T: int, fp8: bool = False) -> int:
     """Pairs per expert block of the block kernels for a batch of T tokens, from bench_fused_moe.py
     on the H200 (CUDA graphs; RESULTS.md). bf16 (V2-Lite, µs per layer with 16 / 32 / 64-row
     blocks): 291.7 / 290.5 / 300.8 at 128 tokens, 381.5 / 307.2 / 313.7 at 256, 574.5 / 483.0 /
-    345.1 at 512. FP8 experts (R1, µs for all layers with 16 / 32 / 64): 4018 / 5042 / 6445 at 256
+    345.1 at 512. FP8 experts (R1, µs per layer with 16 / 32 / 64): 4018 / 5042 / 6445 at 256
     tokens, 5491 / 5343 / 6488 at 512 (128-row blocks 13432); past 512 untimed, left at 32."""
     if fp8:
         return 16 if T <= 256 else 32
@@ -42,7 +42,7 @@ def block_rows(T: int, fp8: bool = False) -> int:
 #      un-permute (`_routed_grouped`, CUDA bf16), every expert on every token (`_routed_dense`,
 #      other CUDA dtypes), or the loop over the experts hit (`_routed`, the reference).
 # The shared experts ride along as experts every token takes (`_with_shared`), except from
-# moe_shared_dense_min_tokens tokens on (1024; past the fused bound; experts not in FP8): there
+# moe_shared_dense_min_tokens tokens on (1024; past the fused bound): there
 # every token's rows of them are a dense GEMM, so `_shared_dense` runs them as one gate-up GEMM,
 # the SwiGLU and one down GEMM per piece, accumulated into the routed output, and the routed paths
 # see k pairs per token instead of k + n_shared (fewer blocks, gathered rows and pair sums). On the
@@ -259,7 +259,7 @@ class MoE(nn.Module):
             out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
                                    self.n_shared)
         else:
-            dense = bool(self.n_shared) and self.fp8_block is None and 0 < p.moe_shared_dense_min_tokens <= T
+            dense = bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
             pairs = (weights, ids) if dense else self._with_shared(weights, ids)
             if self.fused_blocked is not None and self.fp8_block is not None:  # FP8 experts: any size
                 out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T, fp8=True), self.w13_scale,

@@ -10,7 +10,7 @@ from models.fp8_gemm import _triton_gemm, act_quant, fp8_linear, w8a8_block_gemm
 
 
 def check(M, N, K, device, tol, tile=None, backend="triton", out=torch.float32, tma=None, m_major=False,
-          splits=None):
+          splits=None, split_k=False):
     torch.manual_seed(M * 7 + N)
     # rows of different magnitudes: a kernel that mixes up rows' scales is off by far more than 1e-3
     x = torch.randn(M, K, device=device) * (0.1 + 10 * torch.rand(M, 1, device=device))
@@ -25,7 +25,8 @@ def check(M, N, K, device, tol, tile=None, backend="triton", out=torch.float32, 
         got = torch.full((M, N), float("nan"), device=device)
         _triton_gemm(xq, sx, wq, sw, got, tma=tma)
     else:
-        got = w8a8_block_gemm(xq, sx, wq, sw, out, tile=tile, backend=backend, splits=splits).float()
+        got = w8a8_block_gemm(xq, sx, wq, sw, out, tile=tile, backend=backend, splits=splits,
+                              split_k=split_k).float()
     e1 = ((got - ref_q).norm() / ref_q.norm()).item()
     # End to end against the unquantized product. e4m3 rounding alone costs ~2.5% per operand on
     # Gaussian data (measured: activation-only 2.54%, weight-only 2.64%), so 2e-2 is out of reach
@@ -180,13 +181,16 @@ def test_splitk_dispatch_and_limits(monkeypatch):
     monkeypatch.setattr(g, "autotuning", lambda: False)  # the plain kernel, not its autotuned forms
     for M, kw in ((1, {}), (16, {}), (17, {}), (1, {"tile": (16, 64)}), (3, {"splits": 1}), (3, {"splits": 5})):
         launched.clear()
-        g.w8a8_block_gemm(*act_quant(torch.randn(M, 1024)), wq, sw, torch.float32, **kw)
+        g.w8a8_block_gemm(*act_quant(torch.randn(M, 1024)), wq, sw, torch.float32, split_k=True, **kw)
         want = kw.get("splits") or (1 if "tile" in kw else choose_k_splits(M, 256, 8, 8))
         assert launched == [("split" if want > 1 else "plain", M, want)], (M, kw, launched)
     assert choose_k_splits(1, 256, 8, 8) == 4 and choose_k_splits(17, 256, 8, 8) == 1
-    launched.clear()  # split_k=False (the plan's fp8_gemm_splitk=0): the unsplit kernel
-    g.fp8_linear(torch.randn(1, 1024), wq, sw, split_k=False)
-    assert launched == [("plain", 1, 1)]
+    launched.clear()  # without split_k (the plan's fp8_gemm_splitk=0, the default): the unsplit kernel
+    g.fp8_linear(torch.randn(1, 1024), wq, sw)
+    g.fp8_linear(torch.randn(1, 1024), wq, sw, split_k=True)
+    assert launched == [("plain", 1, 1), ("split", 1, 4)]
+    with pytest.raises(ValueError, match="splits forces the Triton kernel"):
+        g.w8a8_block_gemm(*act_quant(torch.randn(1, 1024)), wq, sw, splits=2, backend="cublas")
     xq, sx = act_quant(torch.randn(2, 1024))
     for bad in (0, 9):
         with pytest.raises(ValueError, match="split-K"):
@@ -200,7 +204,7 @@ def test_splitk_dispatch_and_limits(monkeypatch):
         raise RuntimeError("out of resources")
     monkeypatch.setattr(g, "_splitk_gemm", failing)
     with pytest.raises(RuntimeError) as info:
-        g.w8a8_block_gemm(xq, sx, wq, sw)
+        g.w8a8_block_gemm(xq, sx, wq, sw, split_k=True)
     assert charged_key(info.value) == "fp8_gemm_splitk"
     assert "--kernels auto,fp8_gemm_splitk=0 (or --kernels torch) avoids it" in str(KernelPlan().error("warming up", info.value))
 
@@ -209,15 +213,15 @@ def test_splitk_dispatch_and_limits(monkeypatch):
 @pytest.mark.parametrize("M", [1, 3, 16])
 @pytest.mark.parametrize("N,K", R1_DECODE_SHAPES)
 def test_w8a8_splitk_r1_shapes(M, N, K):
-    """The small-M Triton GEMM at R1's decode shapes: as dispatched (split-K where this GPU's SM
-    count calls for it), forced unsplit and forced to a split count that does not divide the K
+    """The small-M Triton GEMM at R1's decode shapes: as dispatched with split_k (split-K where this
+    GPU's SM count calls for it), forced unsplit and forced to a split count that does not divide the K
     blocks, each against the dequantized product; the split result within fp32 rounding of the
     unsplit one, the same bits on every run and when replayed from a CUDA graph."""
     from models.fp8_gemm_splitk import choose_k_splits
     nkb = K // 128
     odd = next(s for s in (3, 5, 7, 9) if nkb % s)
     for splits in (None, 1, odd):
-        check(M, N, K, "cuda", 8e-2, splits=splits)
+        check(M, N, K, "cuda", 8e-2, splits=splits, split_k=True)
     torch.manual_seed(0)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     wq, sw = quantize(torch.randn(N, K, device="cuda") * 0.02)
@@ -226,9 +230,10 @@ def test_w8a8_splitk_r1_shapes(M, N, K):
     one = w8a8_block_gemm(xq, sx, wq, sw, torch.float32, backend="triton", splits=1)
     split = w8a8_block_gemm(xq, sx, wq, sw, torch.float32, backend="triton", splits=s)
     assert ((split - one).norm() / one.norm()).item() < 1e-5, s
-    # the engine's call (bf16 out, act_quant in front): eager twice and a graph replay, same bits
+    # the engine's call with fp8_gemm_splitk=1 (bf16 out, act_quant in front): eager twice and a
+    # graph replay, same bits
     def run():
-        return fp8_linear(x, wq, sw, backend="triton")
+        return fp8_linear(x, wq, sw, backend="triton", split_k=True)
     eager = [run() for _ in range(2)]
     g = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()

@@ -117,7 +117,7 @@ def test_plan_setting_routes_many_heads_to_the_gluon_decode(monkeypatch):
     assert calls == ["triton", "gluon", "gluon", "triton"]
 
 
-def test_gluon_decode_refusal_names_the_plan_setting():
+def test_gluon_decode_refusal_names_the_plan_setting(monkeypatch):
     """A decode the plan sends to the Gluon kernel and that it cannot run (here: an FP8 cache, then
     the CPU) raises naming decode_wgmma_min_heads and the value that avoids it."""
     from attention.triton_backend import TritonAttentionOps
@@ -129,6 +129,22 @@ def test_gluon_decode_refusal_names_the_plan_setting():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match=r"sm_90 only.*decode_wgmma_min_heads=0 avoids it"):
             ops.decode(q, cache, bt, lens, 0.1, LKV)
+    # any other failure (a Gluon compile error) is charged to the setting in the plan's message
+    from common.kernel_plan import KernelPlan, charged_key
+
+    class CompileError(Exception):
+        pass
+
+    def failing_with(exc):
+        def decode(*a, **k):
+            raise exc
+        return decode
+    for exc in (CompileError("at warp_specialize"), ValueError("no")):
+        monkeypatch.setattr(gd, "mla_decode_wgmma", failing_with(exc))
+        with pytest.raises(type(exc)) as info:
+            ops.decode(q, cache, bt, lens, 0.1, LKV)
+        assert charged_key(info.value) == "decode_wgmma_min_heads"
+        assert "--kernels auto,decode_wgmma_min_heads=0" in str(KernelPlan().error("warming up", info.value))
 
 
 def test_engine_start_up_check_names_the_setting():
@@ -330,7 +346,9 @@ def test_the_worker_defaults_to_the_gluon_decode_where_heads_and_checks_fit(monk
     from common import distributed as pd
     from engine.worker import wgmma_fit
     assert [h for h in (16, 32, 64, 96, 128, 192, 256) if decode_heads_fit(h)] == [64, 128, 192, 256]
+    import triton
     monkeypatch.setattr(gd, "check_gluon_available", lambda device: None)
+    monkeypatch.setattr(triton, "__version__", "3.6.0")
     cuda = torch.device("cuda")
 
     def fit(heads, tp=1, dcp=1, cache=bf16, lkv=LKV):
@@ -342,6 +360,10 @@ def test_the_worker_defaults_to_the_gluon_decode_where_heads_and_checks_fit(monk
     assert not fit(128, cache=torch.float8_e4m3fn) and not fit(128, lkv=256)
     assert not wgmma_fit(SimpleNamespace(num_attention_heads=128, kv_lora_rank=LKV, qk_rope_head_dim=R),
                          torch.device("cpu"), bf16, bf16)
+
+    monkeypatch.setattr(triton, "__version__", "3.9.0")  # another release's Gluon API
+    assert "written against Triton 3.6" in gp.engine_fit_problem(cuda, bf16, bf16, LKV, R) and not fit(128)
+    monkeypatch.setattr(triton, "__version__", "3.6.1")
 
     def unavailable(device):
         raise RuntimeError("no Gluon")

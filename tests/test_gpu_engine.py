@@ -114,6 +114,44 @@ def test_gluon_decode_in_the_engine(tmp_path):
     assert 0 < e_fast <= 1.25 * e_triton, (e_fast, e_triton)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon wgmma decode needs sm_90")
+def test_gluon_decode_with_mtp_speculation(tmp_path):
+    """MTP on the 64-head tiny V3 in bf16, where the default plan sends decodes to the Gluon
+    kernel: verification rows of q_len 2 and 3 with per-token positions, CUDA graphs == eager,
+    and some drafts accepted."""
+    from tiny_models import add_mtp_layer, make_model
+    make_model(tmp_path, "v3", num_attention_heads=64, kv_lora_rank=512, qk_rope_head_dim=64)
+    add_mtp_layer(tmp_path, copies=False)
+    path, spec = str(tmp_path), {"method": "mtp", "num_speculative_tokens": 2}
+    kernels = "auto,warmup=0" + ("" if autotuning() else ",autotune=0")
+    llm = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=1024, speculative_config=spec, kernels=kernels)
+    assert llm.engine.executor.worker.plan.decode_wgmma_min_heads == 64
+    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
+    assert llm.scheduler.stats.spec.num_accepted_tokens > 0
+    assert got == _run(path, dtype="bfloat16", speculative_config=spec, enforce_eager=True)
+
+
+def test_fp8_gemm_splitk_in_the_engine(tmp_path):
+    """`--fp8-gemm --kernels auto,fp8_gemm_splitk=1` on a tiny FP8 V3 whose hidden size (1024: 8 K
+    blocks) makes the small-M W8A8 GEMMs reading it split K: CUDA graphs == eager, and the
+    generated tokens' log-probabilities as close to the fp32 dequantized model's as without the
+    split (mean error at most 1.25x; both quantize the same activations)."""
+    from tiny_models import make_fp8_model
+    dst = tmp_path / "fp8"
+    make_fp8_model(tmp_path / "src", dst, hidden_size=1024)
+    path, prompts = str(dst), _prompts64()[:16]
+    kernels = "auto,warmup=0,fp8_gemm_splitk=1"
+    split = _decode_logprobs(path, prompts, "bfloat16", kernels=kernels, fp8_gemm=True)
+    assert [t for t, _ in _decode_logprobs(path, prompts, "bfloat16", kernels=kernels, fp8_gemm=True,
+                                           enforce_eager=True)] == [t for t, _ in split]
+    ref = _decode_logprobs(path, prompts, attention_backend="torch", enforce_eager=True)
+    plain = _decode_logprobs(path, prompts, "bfloat16", fp8_gemm=True)
+    e_split, e_plain = _decode_error(split, ref), _decode_error(plain, ref)
+    print(f"mean |decode logprob - fp32|: split-K {e_split:.2e}, unsplit {e_plain:.2e}")
+    assert 0 < e_split <= 1.25 * e_plain, (e_split, e_plain)
+
+
 @pytest.mark.parametrize("budget", [16, 2048])
 def test_async_scheduling_equals_sync(gpu_v3, budget):
     """Step N+1 launched before step N's tokens reach the host (inputs on the device,
