@@ -49,7 +49,11 @@ def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr,
     (converted to x's dtype, unscaled) is scaled per output column by a [BLOCK_N] vector.
     A8 (with SCALED; W8A8): x is FP8 too, quantized per token in QB-wide groups with scales
     sx[t, k // QB] (strides SX_M, SX_K); the tile's product is an FP8 tensor-core product,
-    scaled per row by its tokens' scales and per column as above."""
+    scaled per row by its tokens' scales and per column as above. It is computed transposed,
+    (W x^T) [BLOCK_N, BLOCK_M], so that the weight tile is the tensor-core operand with many rows:
+    on sm_90 Triton gives FP8 operands native wgmma (QGMMA) only with >= 64 rows in the first
+    operand, and with 16 or 32 (the blocks the MoE picks) it takes mma.sync, converting both FP8
+    tiles to fp16 in registers. The accumulators are transposed back once, after the k loop."""
     pdl_prologue(PDL)
     blk = tl.program_id(0)
     nb = tl.program_id(1)
@@ -59,8 +63,12 @@ def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr,
         tok = safe // KT
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < I
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if A8:  # transposed, [BLOCK_N, BLOCK_M]: see _A8_SWAP
+            acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         w_base = w13_ptr + e * (2 * I) * D
         s_g = s13_ptr + e * S_ROWS * S_COLS + (offs_n // QB) * S_COLS  # [BLOCK_N] gate rows' scale rows
         s_u = s13_ptr + e * S_ROWS * S_COLS + ((I + offs_n) // QB) * S_COLS
@@ -73,11 +81,11 @@ def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr,
             wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0)
             wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0)
             if A8:
-                sxv = tl.load(sx_ptr + tok * SX_M + (k0 // QB) * SX_K, mask=valid, other=0.0)[:, None]
-                pg = tl.dot(xv, tl.trans(wg))
-                pu = tl.dot(xv, tl.trans(wu))
-                acc_g += pg * sxv * tl.load(s_g + k0 // QB, mask=mask_n, other=0.0)[None, :]
-                acc_u += pu * sxv * tl.load(s_u + k0 // QB, mask=mask_n, other=0.0)[None, :]
+                sxv = tl.load(sx_ptr + tok * SX_M + (k0 // QB) * SX_K, mask=valid, other=0.0)[None, :]
+                pg = tl.dot(wg, tl.trans(xv))  # [BLOCK_N, BLOCK_M]
+                pu = tl.dot(wu, tl.trans(xv))
+                acc_g += pg * sxv * tl.load(s_g + k0 // QB, mask=mask_n, other=0.0)[:, None]
+                acc_u += pu * sxv * tl.load(s_u + k0 // QB, mask=mask_n, other=0.0)[:, None]
             elif SCALED:
                 zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 pg = _mma(xv, tl.trans(wg.to(xv.dtype)), zero, IEEE)
@@ -88,6 +96,8 @@ def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr,
                 acc_g = _mma(xv, tl.trans(wg), acc_g, IEEE)
                 acc_u = _mma(xv, tl.trans(wu), acc_u, IEEE)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if A8:
+            h = tl.trans(h)
         tl.store(h_ptr + safe[:, None] * I + offs_n[None, :],
                  h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
@@ -108,7 +118,10 @@ def _blocked_down_kernel(h_ptr, sh_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_p
         wt = tl.load(pw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
         offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < D
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if A8:  # transposed, as in the gate/up kernel
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         s_n = s2_ptr + e * S_ROWS * S_COLS + (offs_n // QB) * S_COLS  # [BLOCK_N]
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -118,13 +131,15 @@ def _blocked_down_kernel(h_ptr, sh_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_p
                         mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             if A8:
                 shv = tl.load(sh_ptr + safe * SH_M + (k0 // QB) * SH_K, mask=valid, other=0.0)
-                p = tl.dot(hv, tl.trans(w))
-                acc += p * shv[:, None] * tl.load(s_n + k0 // QB, mask=mask_n, other=0.0)[None, :]
+                p = tl.dot(w, tl.trans(hv))  # [BLOCK_N, BLOCK_M]
+                acc += p * shv[None, :] * tl.load(s_n + k0 // QB, mask=mask_n, other=0.0)[:, None]
             elif SCALED:
                 p = _mma(hv, tl.trans(w.to(hv.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
                 acc += p * tl.load(s_n + k0 // QB, mask=mask_n, other=0.0)[None, :]
             else:
                 acc = _mma(hv, tl.trans(w), acc, IEEE)
+        if A8:
+            acc = tl.trans(acc)
         tl.store(part_ptr + safe[:, None] * D + offs_n[None, :], acc * wt[:, None],
                  mask=valid[:, None] & mask_n[None, :])
 
@@ -158,11 +173,15 @@ _blocked_gate_up_fp8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_T
     _blocked_gate_up_kernel)
 _blocked_down_fp8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES_FP8), key=_BLOCKED_KEY)(
     _blocked_down_kernel)
-# W8A8 (A8): their own autotuners, so that the two FP8 modes' tuned tiles never mix; the same
-# tiles, which fit with room to spare (no converted bf16 copies of the weight tiles, FP8 x tiles).
-_blocked_gate_up_w8a8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES_FP8), key=_BLOCKED_KEY)(
+# W8A8 (A8): their own autotuners, so that the two FP8 modes' tuned tiles never mix. The FP8
+# tiles with BLOCK_N >= 64: the transposed product's first operand is the BLOCK_N-row weight
+# tile, and with 32 rows Triton 3.6 compiles it for sm_90 to mma.sync, both tiles converted to
+# fp16 (ptxas on a CPU machine: every other tile, and the fixed one, at 16/32/64-row blocks gets
+# QGMMA (FP8 wgmma) with no conversion, no spills, at most 120 KB of shared memory).
+_BLOCKED_TILES_W8A8 = [t for t in _BLOCKED_TILES_FP8 if t[0] >= 64]
+_blocked_gate_up_w8a8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES_W8A8), key=_BLOCKED_KEY)(
     _blocked_gate_up_kernel)
-_blocked_down_w8a8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES_FP8), key=_BLOCKED_KEY)(
+_blocked_down_w8a8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES_W8A8), key=_BLOCKED_KEY)(
     _blocked_down_kernel)
 
 
