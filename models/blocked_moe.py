@@ -63,7 +63,7 @@ def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr,
         tok = safe // KT
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < I
-        if A8:  # transposed, [BLOCK_N, BLOCK_M]: see _A8_SWAP
+        if A8:  # transposed, [BLOCK_N, BLOCK_M] (see the docstring)
             acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
