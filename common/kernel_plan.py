@@ -106,6 +106,9 @@ CHOICES: tuple[Choice, ...] = (
            "the block kernels or moe_large (0: never; with --fp8-gemm the shared experts are a W8A8 MLP "
            "of their own and this does not apply)",
            triton=1024, torch=0),
+    Choice("moe_fp8_w8a8", (bool,), "with --fp8-gemm, the FP8 block MoE kernels quantize activations per "
+           "token per 128 group and multiply in FP8 (W8A8, as the dense W8A8 GEMMs) instead of converting "
+           "the weights to bf16 (opt-in: untimed)", triton=False, torch=False),
     Choice("moe_large", ("grouped", "dense", "loop"),
            "experts beyond the Triton bounds: grouped (torch._grouped_mm, CUDA bf16), dense "
            "(every expert on every token, no host sync), loop (experts hit, one by one)",
@@ -151,6 +154,7 @@ class KernelPlan:
     moe_fused_max_tokens_fp8: int = 0
     moe_blocked_max_tokens: int = 0
     moe_shared_dense_min_tokens: int = 0
+    moe_fp8_w8a8: bool = False
     moe_large: str = "loop"
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False

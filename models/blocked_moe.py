@@ -13,6 +13,7 @@ import triton.language as tl
 from common.kernel_plan import autotuning, interpreting
 from common.pdl import pdl_launch, pdl_prologue
 from models.fp8 import FP8
+from models.fp8_gemm import GROUP as ACT_GROUP, act_quant
 from models.fused_moe import _expert_scales, _mma, _sum_pairs_kernel
 
 # From ~16 tokens on, pairs share experts and the pair-parallel kernels (models/fused_moe.py) would read an
@@ -25,6 +26,9 @@ from models.fused_moe import _expert_scales, _mma, _sum_pairs_kernel
 # 95-97% of the copy bandwidth (RESULTS.md). FP8 experts (DeepSeek-V3/R1 kept in FP8) take these
 # kernels at every size past the small-batch bound, prefill included: the weights are read as
 # FP8 and scaled per tile product, so no dequantized copy of a layer's experts is ever made.
+# By default that is weight-only (each FP8 tile converted to x's dtype in registers); with
+# `a8` (the kernel plan's moe_fp8_w8a8) W8A8: the activations are quantized per token per 128
+# group, as the dense W8A8 GEMMs do, and the tiles multiply in FP8 on the tensor cores.
 
 @triton.jit
 def _block_pairs(rows_ptr, blk, BLOCK_M: tl.constexpr):
@@ -35,14 +39,21 @@ def _block_pairs(rows_ptr, blk, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _blocked_gate_up_kernel(x_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E, KT, T_BUCKET,
-                            S_ROWS, S_COLS, QB: tl.constexpr, SCALED: tl.constexpr,
-                            IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E, KT, T_BUCKET,
+                            S_ROWS, S_COLS, SX_M, SX_K, QB: tl.constexpr, SCALED: tl.constexpr,
+                            A8: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """h = silu(x W_gate^T) * (x W_up^T) for one block of an expert's pairs and one tile of I.
     SCALED (FP8 weights, QB x QB block scales, BLOCK_K dividing QB): a k tile lies in one scale
     column and each weight row in one scale row, so the tile's product of x with the FP8 tile
-    (converted to x's dtype, unscaled) is scaled per output column by a [BLOCK_N] vector."""
+    (converted to x's dtype, unscaled) is scaled per output column by a [BLOCK_N] vector.
+    A8 (with SCALED; W8A8): x is FP8 too, quantized per token in QB-wide groups with scales
+    sx[t, k // QB] (strides SX_M, SX_K); the tile's product is an FP8 tensor-core product,
+    scaled per row by its tokens' scales and per column as above. It is computed transposed,
+    (W x^T) [BLOCK_N, BLOCK_M], so that the weight tile is the tensor-core operand with many rows:
+    on sm_90 Triton gives FP8 operands native wgmma (QGMMA) only with >= 64 rows in the first
+    operand, and with 16 or 32 (the blocks the MoE picks) it takes mma.sync, converting both FP8
+    tiles to fp16 in registers. The accumulators are transposed back once, after the k loop."""
     pdl_prologue(PDL)
     blk = tl.program_id(0)
     nb = tl.program_id(1)
@@ -52,8 +63,12 @@ def _blocked_gate_up_kernel(x_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr, h_ptr, 
         tok = safe // KT
         offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < I
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if A8:  # transposed, [BLOCK_N, BLOCK_M] (see the docstring)
+            acc_g = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         w_base = w13_ptr + e * (2 * I) * D
         s_g = s13_ptr + e * S_ROWS * S_COLS + (offs_n // QB) * S_COLS  # [BLOCK_N] gate rows' scale rows
         s_u = s13_ptr + e * S_ROWS * S_COLS + ((I + offs_n) // QB) * S_COLS
@@ -65,7 +80,13 @@ def _blocked_gate_up_kernel(x_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr, h_ptr, 
             m = mask_n[:, None] & mask_k[None, :]
             wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0)
             wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0)
-            if SCALED:
+            if A8:
+                sxv = tl.load(sx_ptr + tok * SX_M + (k0 // QB) * SX_K, mask=valid, other=0.0)[None, :]
+                pg = tl.dot(wg, tl.trans(xv))  # [BLOCK_N, BLOCK_M]
+                pu = tl.dot(wu, tl.trans(xv))
+                acc_g += pg * sxv * tl.load(s_g + k0 // QB, mask=mask_n, other=0.0)[:, None]
+                acc_u += pu * sxv * tl.load(s_u + k0 // QB, mask=mask_n, other=0.0)[:, None]
+            elif SCALED:
                 zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 pg = _mma(xv, tl.trans(wg.to(xv.dtype)), zero, IEEE)
                 pu = _mma(xv, tl.trans(wu.to(xv.dtype)), zero, IEEE)
@@ -75,17 +96,19 @@ def _blocked_gate_up_kernel(x_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr, h_ptr, 
                 acc_g = _mma(xv, tl.trans(wg), acc_g, IEEE)
                 acc_u = _mma(xv, tl.trans(wu), acc_u, IEEE)
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        if A8:
+            h = tl.trans(h)
         tl.store(h_ptr + safe[:, None] * I + offs_n[None, :],
                  h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _blocked_down_kernel(h_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E, T_BUCKET,
-                         S_ROWS, S_COLS, QB: tl.constexpr, SCALED: tl.constexpr,
-                         IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _blocked_down_kernel(h_ptr, sh_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E, T_BUCKET,
+                         S_ROWS, S_COLS, SH_M, SH_K, QB: tl.constexpr, SCALED: tl.constexpr,
+                         A8: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """part = w * (h W2^T) (fp32) for one block of an expert's pairs and one tile of D; SCALED
-    as in the gate/up kernel."""
+    and A8 as in the gate/up kernel (A8: h FP8 per pair row, scales sh[pair, k // QB])."""
     pdl_prologue(PDL)
     blk = tl.program_id(0)
     db = tl.program_id(1)
@@ -95,7 +118,10 @@ def _blocked_down_kernel(h_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_ptr, part
         wt = tl.load(pw_ptr + safe, mask=valid, other=0.0).to(tl.float32)
         offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < D
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if A8:  # transposed, as in the gate/up kernel
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         s_n = s2_ptr + e * S_ROWS * S_COLS + (offs_n // QB) * S_COLS  # [BLOCK_N]
         for k0 in range(0, I, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -103,11 +129,17 @@ def _blocked_down_kernel(h_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_ptr, part
             hv = tl.load(h_ptr + safe[:, None] * I + offs_k[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :],
                         mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            if SCALED:
+            if A8:
+                shv = tl.load(sh_ptr + safe * SH_M + (k0 // QB) * SH_K, mask=valid, other=0.0)
+                p = tl.dot(w, tl.trans(hv))  # [BLOCK_N, BLOCK_M]
+                acc += p * shv[None, :] * tl.load(s_n + k0 // QB, mask=mask_n, other=0.0)[:, None]
+            elif SCALED:
                 p = _mma(hv, tl.trans(w.to(hv.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
                 acc += p * tl.load(s_n + k0 // QB, mask=mask_n, other=0.0)[None, :]
             else:
                 acc = _mma(hv, tl.trans(w), acc, IEEE)
+        if A8:
+            acc = tl.trans(acc)
         tl.store(part_ptr + safe[:, None] * D + offs_n[None, :], acc * wt[:, None],
                  mask=valid[:, None] & mask_n[None, :])
 
@@ -140,6 +172,16 @@ _blocked_down_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES), 
 _blocked_gate_up_fp8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES_FP8), key=_BLOCKED_KEY)(
     _blocked_gate_up_kernel)
 _blocked_down_fp8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES_FP8), key=_BLOCKED_KEY)(
+    _blocked_down_kernel)
+# W8A8 (A8): their own autotuners, so that the two FP8 modes' tuned tiles never mix. The FP8
+# tiles with BLOCK_N >= 64: the transposed product's first operand is the BLOCK_N-row weight
+# tile, and with 32 rows Triton 3.6 compiles it for sm_90 to mma.sync, both tiles converted to
+# fp16 (ptxas on a CPU machine: every other tile, and the fixed one, at 16/32/64-row blocks gets
+# QGMMA (FP8 wgmma) with no conversion, no spills, at most 120 KB of shared memory).
+_BLOCKED_TILES_W8A8 = [t for t in _BLOCKED_TILES_FP8 if t[0] >= 64]
+_blocked_gate_up_w8a8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES_W8A8), key=_BLOCKED_KEY)(
+    _blocked_gate_up_kernel)
+_blocked_down_w8a8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TILES_W8A8), key=_BLOCKED_KEY)(
     _blocked_down_kernel)
 
 
@@ -225,13 +267,17 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 
 def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, block_m: int = 16, w13_scale: torch.Tensor | None = None,
-                      w2_scale: torch.Tensor | None = None, block: int = 128) -> torch.Tensor:
+                      w2_scale: torch.Tensor | None = None, block: int = 128, a8: bool = False) -> torch.Tensor:
     """Routed-expert output `[T, D]`: pairs sorted by expert into blocks of block_m rows, so each
     expert's weights are read once per block. ids / weights `[T, kt]` are every pair a token
     takes, folded shared experts included (`MoE._with_shared`).
     Experts in x's dtype, or FP8 (float8 e4m3) with `w13_scale` / `w2_scale` as in
     `fused_moe_small`: the kernels scale each tile's product as they go (weight-only: x stays in
-    its dtype, no dequantized copy of the weights)."""
+    its dtype, no dequantized copy of the weights).
+    `a8` (FP8 experts with 128x128 blocks only): W8A8, as the dense W8A8 GEMMs (models/fp8_gemm.py):
+    x, and the gate/up output h in a pass of its own, are quantized per token (per pair for h) in
+    128-wide groups by `act_quant`, and the kernels multiply FP8 by FP8 on the tensor cores, each
+    tile's product scaled per row by the activation scales and per column by the weight scales."""
     T, D = x.shape
     kt, I, E = ids.shape[1], w2.shape[-1], w13.shape[0]
     scaled, s13, s2 = _expert_scales(x, w13, w2, w13_scale, w2_scale, block)
@@ -239,6 +285,12 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     if w13.shape[-2:] != (2 * I, D) or w2.shape[-2:] != (D, I) or w13.dtype != wdt or w2.dtype != wdt:
         raise ValueError(f"expert weights {tuple(w13.shape)} {w13.dtype} / {tuple(w2.shape)} {w2.dtype} do not "
                          f"match x {tuple(x.shape)} {x.dtype} (expected {wdt} weights)")
+    if a8 and not scaled:
+        raise ValueError("fused_moe_blocked(a8=True) needs FP8 experts (w13_scale / w2_scale); "
+                         "experts in x's dtype take a8=False")
+    if a8 and block != ACT_GROUP:
+        raise ValueError(f"fused_moe_blocked(a8=True): the activations are quantized in {ACT_GROUP}-wide "
+                         f"groups, so the weights' blocks must be {ACT_GROUP}x{ACT_GROUP}, not {block}x{block}")
     if scaled and any(block % bk for bk in _BLOCKED_K_FP8):
         raise ValueError(f"FP8 experts with {block}x{block} blocks: the block kernels' k tiles {_BLOCKED_K_FP8} "
                          f"must divide the block")
@@ -250,22 +302,31 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     nb = bexp.numel()
     r13, c13 = (s13.shape[1], s13.shape[2]) if scaled else (1, 1)
     r2, c2 = (s2.shape[1], s2.shape[2]) if scaled else (1, 1)
-    up_args = (x, rows, bexp, w13, s13, h, D, I, E, kt, triton.next_power_of_2(T), r13, c13)
-    down_args = (h, rows, bexp, pw, w2, s2, part, D, I, E, triton.next_power_of_2(T), r2, c2)
-    const = dict(QB=block, SCALED=scaled, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, **pdl_launch())
+    xq, sx = act_quant(x) if a8 else (x, x)  # sx [T, D/128], any strides (M-major from the CUDA kernel)
+    sx_strides = (sx.stride(0), sx.stride(1)) if a8 else (0, 0)
+    up_args = (xq, sx, rows, bexp, w13, s13, h, D, I, E, kt, triton.next_power_of_2(T), r13, c13, *sx_strides)
+    const = dict(QB=block, SCALED=scaled, A8=a8, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, **pdl_launch())
     if not autotuning():
         t = _BLOCKED_INTERPRET if interpreting() else _BLOCKED_FIXED
-        _blocked_gate_up_kernel[(nb, triton.cdiv(I, t["BLOCK_N"]))](*up_args, **const, **t)
-        _blocked_down_kernel[(nb, triton.cdiv(D, t["BLOCK_N"]))](*down_args, **const, **t)
+        up = _blocked_gate_up_kernel[(nb, triton.cdiv(I, t["BLOCK_N"]))]
+        down = _blocked_down_kernel[(nb, triton.cdiv(D, t["BLOCK_N"]))]
     else:
-        up, down = ((_blocked_gate_up_fp8_tuned, _blocked_down_fp8_tuned) if scaled else
-                    (_blocked_gate_up_tuned, _blocked_down_tuned))
-        up[lambda m: (nb, triton.cdiv(I, m["BLOCK_N"]))](*up_args, **const)
-        down[lambda m: (nb, triton.cdiv(D, m["BLOCK_N"]))](*down_args, **const)
+        t = {}
+        tuned_up, tuned_down = ((_blocked_gate_up_w8a8_tuned, _blocked_down_w8a8_tuned) if a8 else
+                                (_blocked_gate_up_fp8_tuned, _blocked_down_fp8_tuned) if scaled else
+                                (_blocked_gate_up_tuned, _blocked_down_tuned))
+        up = tuned_up[lambda m: (nb, triton.cdiv(I, m["BLOCK_N"]))]
+        down = tuned_down[lambda m: (nb, triton.cdiv(D, m["BLOCK_N"]))]
+    up(*up_args, **const, **t)
+    hq, sh = act_quant(h) if a8 else (h, h)  # per pair row (the gate/up kernel wrote every pair's row)
+    sh_strides = (sh.stride(0), sh.stride(1)) if a8 else (0, 0)
+    down_args = (hq, sh, rows, bexp, pw, w2, s2, part, D, I, E, triton.next_power_of_2(T), r2, c2, *sh_strides)
+    down(*down_args, **const, **t)
     _sum_pairs_kernel[(T, triton.cdiv(D, 1024))](part, out, D, KT=kt, BLOCK=1024, num_warps=4, **pdl_launch())
     return out
 
 
 # the autotuned kernels, by name, for fused_moe.tuned_configs
 TUNED = {"blocked_gate_up": _blocked_gate_up_tuned, "blocked_down": _blocked_down_tuned,
-         "blocked_gate_up_fp8": _blocked_gate_up_fp8_tuned, "blocked_down_fp8": _blocked_down_fp8_tuned}
+         "blocked_gate_up_fp8": _blocked_gate_up_fp8_tuned, "blocked_down_fp8": _blocked_down_fp8_tuned,
+         "blocked_gate_up_w8a8": _blocked_gate_up_w8a8_tuned, "blocked_down_w8a8": _blocked_down_w8a8_tuned}

@@ -263,7 +263,7 @@ class MoE(nn.Module):
             pairs = (weights, ids) if dense else self._with_shared(weights, ids)
             if self.fused_blocked is not None and self.fp8_block is not None:  # FP8 experts: any size
                 out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T, fp8=True), self.w13_scale,
-                                         self.w2_scale, self.fp8_block[0])
+                                         self.w2_scale, self.fp8_block[0], a8=p.moe_fp8_w8a8)
             elif self.fused_blocked is not None and T <= p.moe_blocked_max_tokens:
                 out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T))
             else:

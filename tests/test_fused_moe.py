@@ -156,6 +156,50 @@ def check_fp8_blocked(T, dtype, device, tol, block_m, D=256, I=256, E=8, k=3, un
     return err
 
 
+def w8a8_reference(x, q13, s13, q2, s2, w, ids):
+    """Routed output (fp32) of the W8A8 block MoE: x quantized per token by act_quant, each pair's
+    h = silu(x W_gate^T) * (x W_up^T) on the dequantized operands rounded to x's dtype (as the
+    kernel stores it) and quantized per pair by act_quant, times the dequantized W2."""
+    from models.fp8 import dequantize
+    from models.fp8_gemm import act_quant
+    T, kt, I = ids.shape[0], ids.shape[1], q2.shape[-1]
+    xd = dequantize(*act_quant(x), (1, 128))
+    d13, d2 = dequantize(q13, s13, (128, 128)), dequantize(q2, s2, (128, 128))
+    pair_e, pair_t = ids.flatten(), torch.arange(T * kt, device=x.device) // kt
+    h = torch.empty(T * kt, I, device=x.device)
+    for e in pair_e.unique().tolist():
+        p = (pair_e == e).nonzero(as_tuple=True)[0]
+        gu = xd[pair_t[p]] @ d13[e].T
+        h[p] = (F.silu(gu[:, :I]) * gu[:, I:]).to(x.dtype).float()
+    hd = dequantize(*act_quant(h.to(x.dtype)), (1, 128))
+    out = torch.zeros(T, x.shape[1], device=x.device)
+    for e in pair_e.unique().tolist():
+        p = (pair_e == e).nonzero(as_tuple=True)[0]
+        out.index_add_(0, pair_t[p], (hd[p] @ d2[e].T) * w.flatten()[p, None].float())
+    return out
+
+
+def check_fp8_blocked_a8(T, dtype, device, tol, block_m, D=256, I=256, E=8, k=3, unhit=2):
+    """The W8A8 block kernels (fused_moe_blocked(a8=True)) against w8a8_reference. Tokens of
+    very different magnitudes, so a kernel that took another token's (or pair's) activation scale,
+    or none, is off by far more than tol; the last `unhit` experts are chosen by no token.
+    Returns (error vs the W8A8 reference, distance from the weight-only kernels' output)."""
+    from models.blocked_moe import fused_moe_blocked
+    torch.manual_seed(400 + T + block_m)
+    with torch.device(device):
+        q13, s13, q2, s2 = fp8_experts(E, D, I)
+        x = (torch.randn(T, D) * (0.1 + 4 * torch.rand(T, 1))).to(dtype)
+        ids = torch.stack([torch.randperm(E - unhit)[:k] for _ in range(T)])
+        w = torch.rand(T, k)
+        ref = w8a8_reference(x, q13, s13, q2, s2, w, ids)
+        got = fused_moe_blocked(x, q13, q2, w, ids, block_m, w13_scale=s13, w2_scale=s2, block=128, a8=True)
+        w_only = fused_moe_blocked(x, q13, q2, w, ids, block_m, w13_scale=s13, w2_scale=s2, block=128)
+    assert got.dtype == dtype and got.shape == (T, D)
+    err = ((got.float() - ref).norm() / ref.norm()).item()
+    assert err < tol, (T, dtype, block_m, D, I, err)
+    return err, ((got.float() - w_only.float()).norm() / w_only.float().norm()).item()
+
+
 def fp8_moe_pair(T, dtype, device, overrides=None, **plan):
     """Two MoE layers of the R1 config narrowed by `overrides`, with the same FP8 experts kept in
     FP8 (keep_fp8): one on the torch plan, one on the Triton plan `plan`; and T tokens."""
@@ -213,6 +257,21 @@ def test_fused_moe_blocked_fp8_real_shapes(T, I):
     bm = block_rows(T, fp8=True)
     for block_m in sorted({16, bm}):
         check_fp8_blocked(T, torch.bfloat16, "cuda", 2e-2, block_m, D=7168, I=I, E=32, k=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("I", [2048, 256])
+@pytest.mark.parametrize("T", [16, 300, 2048])
+def test_fused_moe_blocked_w8a8_real_shapes(T, I):
+    """The W8A8 block kernels (a8=True) at R1 expert shapes, bf16 activations quantized by the CUDA
+    act_quant, at the block_m the MoE picks for T and at 16, against the W8A8 reference (bf16
+    output rounding and fp8 tensor-core sums: 1e-2); and about the activation rounding away from
+    the weight-only kernels."""
+    from models.moe import block_rows
+    bm = block_rows(T, fp8=True)
+    for block_m in sorted({16, bm}):
+        err, dist = check_fp8_blocked_a8(T, torch.bfloat16, "cuda", 1e-2, block_m, D=7168, I=I, E=32, k=8)
+        assert 5e-3 < dist < 1e-1, (T, I, block_m, err, dist)
 
 
 @pytest.mark.gpu
@@ -297,6 +356,19 @@ def test_fused_moe_blocked_fp8_refusals():
     s13_64, s2_64 = (s.repeat_interleave(2, 1).repeat_interleave(2, 2) for s in (s13, s2))  # 64x64 blocks
     with pytest.raises(ValueError, match=r"k tiles \[64, 128\] must divide the block"):
         fused_moe_blocked(x, q13, q2, w, ids, w13_scale=s13_64, w2_scale=s2_64, block=64)
+
+
+def test_fused_moe_blocked_w8a8_refusals():
+    """a8=True needs FP8 experts, and 128x128 weight blocks (the activations' group width)."""
+    from models.blocked_moe import fused_moe_blocked
+    E, D, I, T, k = 4, 256, 256, 3, 2
+    x, w, ids = torch.randn(T, D), torch.rand(T, k), torch.zeros(T, k, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"a8=True\) needs FP8 experts"):
+        fused_moe_blocked(x, torch.randn(E, 2 * I, D), torch.randn(E, D, I), w, ids, a8=True)
+    q13, s13, q2, s2 = fp8_experts(E, D, I)
+    s13_64, s2_64 = (s.repeat_interleave(2, 1).repeat_interleave(2, 2) for s in (s13, s2))
+    with pytest.raises(ValueError, match="must be 128x128, not 64x64"):
+        fused_moe_blocked(x, q13, q2, w, ids, w13_scale=s13_64, w2_scale=s2_64, block=64, a8=True)
 
 
 def test_fp8_experts_torch_paths():

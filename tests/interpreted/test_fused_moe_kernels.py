@@ -4,8 +4,8 @@ against the torch experts loop: the checks of tests/test_fused_moe.py."""
 from __future__ import annotations
 
 import torch
-from test_fused_moe import (SMALL_FP8_MOE, check, check_blocked, check_fp8, check_fp8_blocked, check_fp8_moe,
-                            check_glue, check_shared_dense)
+from test_fused_moe import (SMALL_FP8_MOE, check, check_blocked, check_fp8, check_fp8_blocked, check_fp8_blocked_a8,
+                            check_fp8_moe, check_glue, check_shared_dense, fp8_moe_pair, w8a8_reference)
 
 
 def test_fused_moe_interpreter():
@@ -41,3 +41,26 @@ def test_fp8_moe_triton_plan_equals_torch_plan():
     for T in (9, 40):
         check_fp8_moe(T, torch.float32, "cpu", 1e-5, SMALL_FP8_MOE, moe_fused_max_tokens_fp8=8,
                       moe_blocked_max_tokens=16)
+
+
+def test_fp8_w8a8_blocked_kernels():
+    """The W8A8 block kernels (a8=True: x and h quantized by act_quant, FP8 x FP8 products) at 16-
+    and 32-row blocks against the torch W8A8 reference: exact to fp32 sums (1e-5), so a dropped or
+    misplaced activation scale fails by far; and about the activation rounding (a few %) away from
+    the weight-only kernels, not equal to them."""
+    for T, bm in ((1, 16), (9, 16), (40, 16), (33, 32), (40, 32)):
+        _, dist = check_fp8_blocked_a8(T, torch.float32, "cpu", 1e-5, bm)
+        assert 5e-3 < dist < 1e-1, (T, bm, dist)
+
+
+def test_moe_fp8_w8a8_plan():
+    """MoE.forward with the kernel plan's moe_fp8_w8a8 (FP8 experts past the fused bound) is the
+    W8A8 block MoE on the layer's own routing; without it, the weight-only kernels (not W8A8)."""
+    T = 24
+    _, moe, x = fp8_moe_pair(T, torch.float32, "cpu", SMALL_FP8_MOE, moe_fused_max_tokens_fp8=8, moe_fp8_w8a8=True)
+    _, w_only, _ = fp8_moe_pair(T, torch.float32, "cpu", SMALL_FP8_MOE, moe_fused_max_tokens_fp8=8)
+    w, ids = moe.gate(x)
+    ref = w8a8_reference(x, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, w, ids)
+    got, other = moe(x).float(), w_only(x).float()
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    assert ((other - ref).norm() / ref.norm()).item() > 5e-3
