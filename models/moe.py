@@ -262,8 +262,13 @@ class MoE(nn.Module):
             dense = bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
             pairs = (weights, ids) if dense else self._with_shared(weights, ids)
             if self.fused_blocked is not None and self.fp8_block is not None:  # FP8 experts: any size
-                out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T, fp8=True), self.w13_scale,
-                                         self.w2_scale, self.fp8_block[0], a8=p.moe_fp8_w8a8)
+                try:
+                    out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T, fp8=True), self.w13_scale,
+                                             self.w2_scale, self.fp8_block[0], a8=p.moe_fp8_w8a8)
+                except Exception as e:
+                    if p.moe_fp8_w8a8:  # its kernels and act_quant: the plan names moe_fp8_w8a8=0
+                        e.plan_key = "moe_fp8_w8a8"
+                    raise
             elif self.fused_blocked is not None and T <= p.moe_blocked_max_tokens:
                 out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T))
             else:

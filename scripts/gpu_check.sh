@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|ops|throughput|http|fp8|r1|v3gluon|r1fp8|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|ops|throughput|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape)
@@ -45,10 +45,12 @@
 #               each under a quarter of the step's timeout (give it `v3gluon:480`)
 #   r1fp8       the R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1/32/128 and offline
 #               throughput (500 x (1000 in, 100 out)), dequantized bf16 (the default) against
-#               --fp8-gemm, then --fp8-gemm's TPOT with fp8_gemm_splitk=1; five runs, each under a
-#               fifth of the step's timeout (give it `r1fp8:480`)
-#   fp8dec      the small-M W8A8 GEMM at R1's decode shapes: its split-K GPU tests (kernel and
-#               engine), then M 1-16
+#               --fp8-gemm; four runs, each under a quarter of the step's timeout (give it `r1fp8:400`)
+#   r1fp8x      the same R1 config with --fp8-gemm and the opt-in FP8 kernels: TPOT at batch
+#               1/32/128 with fp8_gemm_splitk=1, moe_fp8_w8a8=1, and both; three runs, each under a
+#               third of the step's timeout (give it `r1fp8x:300`)
+#   fp8dec      the W8A8 GPU tests at real shapes (split-K GEMM, in the engine too; the dense
+#               W8A8 GEMM; the W8A8 block MoE), then the small-M W8A8 GEMM at R1's decode shapes, M 1-16
 #               split-K (chosen and swept) against unsplit, cuBLAS, bf16 and the FP8 byte floor in
 #               CUDA graphs (bench_fp8_gemm.py --decode); half the step's timeout each (`fp8dec:420`)
 #   spec        speculative decoding: decode step cost at q_len 1..4 (V2-Lite), then MTP end to end
@@ -126,17 +128,20 @@ for spec in $steps; do
     r1fp8) { R1="--model configs/models/DeepSeek-R1 --hf-overrides {\"num_hidden_layers\":4}"
             for g in "" "--fp8-gemm"; do
               echo "## latency ${g:-default}"
-              timeout $((T / 5)) python3 scripts/bench_latency.py $R1 $g --batch-sizes 1 32 128 --decode-steps 50 \
+              timeout $((T / 4)) python3 scripts/bench_latency.py $R1 $g --batch-sizes 1 32 128 --decode-steps 50 \
                 --json "$OUT/r1_latency${g:+_fp8gemm}.json"
               echo "## throughput ${g:-default}"
-              timeout $((T / 5)) python3 scripts/bench_throughput.py $R1 $g --num-prompts 500 --no-enable-prefix-caching \
+              timeout $((T / 4)) python3 scripts/bench_throughput.py $R1 $g --num-prompts 500 --no-enable-prefix-caching \
                 --json "$OUT/r1_throughput${g:+_fp8gemm}.json"
-            done
-            echo "## latency --fp8-gemm --kernel-plan auto,fp8_gemm_splitk=1"
-            timeout $((T / 5)) python3 scripts/bench_latency.py $R1 --fp8-gemm --kernel-plan auto,fp8_gemm_splitk=1 \
-              --batch-sizes 1 32 128 --decode-steps 50 --json "$OUT/r1_latency_fp8gemm_splitk.json"; } > "$log" 2>&1 ;;
+            done; } > "$log" 2>&1 ;;
+    r1fp8x) { R1="--model configs/models/DeepSeek-R1 --hf-overrides {\"num_hidden_layers\":4}"
+            for k in auto,fp8_gemm_splitk=1 auto,moe_fp8_w8a8=1 auto,fp8_gemm_splitk=1,moe_fp8_w8a8=1; do
+              echo "## latency --fp8-gemm --kernel-plan $k"
+              timeout $((T / 3)) python3 scripts/bench_latency.py $R1 --fp8-gemm --kernel-plan "$k" \
+                --batch-sizes 1 32 128 --decode-steps 50 --json "$OUT/r1_latency_${k//[,=]/_}.json"
+            done; } > "$log" 2>&1 ;;
     fp8dec) { timeout $((T / 2)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_fp8_gemm.py \
-                tests/test_gpu_engine.py -k "splitk or w8a8_real"
+                tests/test_gpu_engine.py tests/test_fused_moe.py -k "splitk or w8a8_real"
               timeout $((T / 2)) python3 scripts/bench_fp8_gemm.py --decode --splits 2 4 8 16 32 \
                 --json "$OUT/fp8_decode.json"; } > "$log" 2>&1 ;;
     spec) { timeout "$T" python3 scripts/bench_spec_decode.py step --batch-sizes 1 4 16 64 --q-lens 1 2 3 4 \

@@ -3,6 +3,7 @@ against the torch experts loop: the checks of tests/test_fused_moe.py."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from test_fused_moe import (SMALL_FP8_MOE, check, check_blocked, check_fp8, check_fp8_blocked, check_fp8_blocked_a8,
                             check_fp8_moe, check_glue, check_shared_dense, fp8_moe_pair, w8a8_reference)
@@ -64,3 +65,12 @@ def test_moe_fp8_w8a8_plan():
     got, other = moe(x).float(), w_only(x).float()
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
     assert ((other - ref).norm() / ref.norm()).item() > 5e-3
+    # a failure there is charged to moe_fp8_w8a8, whose =0 avoids it
+    from common.kernel_plan import charged_key
+
+    def failing(*a, **k):
+        raise RuntimeError("out of resources")
+    moe.fused_blocked = failing
+    with pytest.raises(RuntimeError) as info:
+        moe(x)
+    assert charged_key(info.value) == "moe_fp8_w8a8"
