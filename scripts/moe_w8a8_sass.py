@@ -20,12 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
 
 from decode_sass import main_loop_ops  # noqa: E402
 from models import blocked_moe as bm  # noqa: E402
-from w8a8_sass import sass_of  # noqa: E402
+from w8a8_sass import compile_kernel as compile_w8a8, sass_of  # noqa: E402
 
 DIVISIBLE = {"D", "I"}  # 16-divisible at the real shapes (pointers too, from torch's allocator)
 
@@ -41,18 +39,8 @@ def pointers(a8: bool) -> tuple[dict, dict]:
 
 
 def compile_kernel(fn, ptrs: dict, const: dict, num_warps: int, num_stages: int):
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in ptrs:
-            sig[name], attrs[(i,)] = ptrs[name], [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-            if name in DIVISIBLE:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    return triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": num_stages})
+    """fn for sm_90a (w8a8_sass.compile_kernel with these kernels' pointers and divisible ints)."""
+    return compile_w8a8(fn, const, num_warps, num_stages, ptrs=ptrs, divisible=DIVISIBLE, one=set())
 
 
 def main() -> int:

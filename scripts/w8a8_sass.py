@@ -41,19 +41,21 @@ DIVISIBLE = {"N", "K", "MN"}
 ONE = {"stride_sam"}
 
 
-def compile_kernel(fn, const: dict, num_warps: int, num_stages: int):
-    """fn for sm_90a with `const` as constexprs and the JIT's specializations above (pointers
-    16-divisible, as torch's allocations are)."""
-    const = dict(const, **{n: 1 for n in ONE if n in fn.arg_names})
+def compile_kernel(fn, const: dict, num_warps: int, num_stages: int, ptrs: dict = POINTERS,
+                   divisible: set = DIVISIBLE, one: set = ONE):
+    """fn for sm_90a with `const` as constexprs and the JIT's specializations (pointers of `ptrs`'
+    types, 16-divisible as torch's allocations are; the ints in `divisible` 16-divisible, those
+    in `one` equal to 1); the defaults are this script's W8A8 GEMM kernels'."""
+    const = dict(const, **{n: 1 for n in one if n in fn.arg_names})
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
             sig[name] = "constexpr"
-        elif name in POINTERS:
-            sig[name], attrs[(i,)] = POINTERS[name], [["tt.divisibility", 16]]
+        elif name in ptrs:
+            sig[name], attrs[(i,)] = ptrs[name], [["tt.divisibility", 16]]
         else:
             sig[name] = "i32"
-            if name in DIVISIBLE:
+            if name in divisible:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "num_stages": num_stages})
