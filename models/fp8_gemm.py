@@ -10,7 +10,7 @@ with an fp8 tensor-core product per K block and the two scales applied to its fp
 
 Two implementations (w8a8_block_gemm picks; the kernel plan's fp8_gemm=triton|cublas forces one):
 - cuBLAS's block-scaled FP8 GEMM through torch._scaled_mm (the default where this torch and an
-  sm_90 GPU have it, from 4 rows): 1.48-1.60x of bf16 cuBLAS at M = 4096, V3 shapes (H200).
+  sm_90 GPU have it, from 4 rows, K a multiple of 512): 1.48-1.60x of bf16 cuBLAS at M = 4096, V3 shapes (H200).
 - Triton, everywhere else (fewer rows, other GPUs, older torch): a persistent TMA kernel above 256
   rows (1.13-1.19x of bf16 at M = 4096), an autotuned pointer kernel below, which at <= 16
   rows splits K where its tiles alone would leave SMs idle (models/fp8_gemm_splitk.py; in the
@@ -289,7 +289,13 @@ def _splitk_gemm(xq, sx, wq, sw, y, splits, tile, nkb, m_bucket, scale_strides):
 # (CUBLAS_STATUS_NOT_SUPPORTED) is remembered and goes to Triton; any other error from this path
 # (a torch that does not know the block-wise recipe) raises: the warm-up names the kernel plan's
 # fp8_gemm=triton, which avoids it.
+# K must be a multiple of 4 x 128: with 1 or 2 K blocks (K 128, 256) the GEMM ran without an error
+# and returned wrong products on the H200 (relative error 0.7-0.9 against the emulated W8A8 at 4-200
+# rows, torch 2.11 / CUDA 13; right at 8 blocks and at R1's 12-144). The weight scales' rows are
+# then 4 or 8 bytes long where the 1x128 activation scales need 16-byte strides (the rows-of-4 rule
+# above); shapes with a partial 16-byte scale row go to Triton.
 _CUBLAS_MIN_ROWS = 4
+_CUBLAS_K_BLOCKS = 4  # K / 128 must be a multiple of this
 _CUBLAS_REFUSED: set[tuple] = set()  # (rows, N, K, out dtype)
 
 
@@ -308,7 +314,7 @@ def _cublas_key(M: int, N: int, K: int, out_dtype: torch.dtype) -> tuple:
 def _cublas_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
     M = xq.shape[0]
     return (out_dtype in (torch.bfloat16, torch.float16) and N % GROUP == 0
-            and K % GROUP == 0 and M >= _CUBLAS_MIN_ROWS
+            and K % (GROUP * _CUBLAS_K_BLOCKS) == 0 and M >= _CUBLAS_MIN_ROWS
             and _cublas_key(M, N, K, out_dtype) not in _CUBLAS_REFUSED and _cublas_device_ok(xq))
 
 
@@ -367,7 +373,8 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
                      M, N, K, msg)
     elif backend == "cublas":
         raise ValueError(f"cuBLAS block-scaled FP8 GEMM unavailable for M {M}, N {N}, K {K}, {out_dtype} "
-                         f"on this torch / device")
+                         f"on this torch / device (it takes M >= {_CUBLAS_MIN_ROWS}, N a multiple of {GROUP}, "
+                         f"K of {GROUP * _CUBLAS_K_BLOCKS}, bf16 or fp16 out, sm_90)")
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     _triton_gemm(xq, sx, wq.contiguous(), sw.contiguous(), y, tile, splits=splits, split_k=split_k)
     return y

@@ -41,8 +41,9 @@ def check(M, N, K, device, tol, tile=None, backend="triton", out=torch.float32, 
 def test_cublas_dispatch_pads_rows_and_keeps_m_major_scales(monkeypatch):
     """The cuBLAS block-scaled path, on the CPU against a stand-in for torch._scaled_mm that
     enforces what cuBLAS did on the H200 (rows a multiple of 4, M-major 1x128 scales, 128x128
-    weight scales): row counts >= 4 are padded and cut back, fewer go to Triton, a refusal is
-    remembered, a forced backend that cannot run says so, and any other error propagates."""
+    weight scales): row counts >= 4 are padded and cut back, fewer go to Triton, as does a K that
+    is not a multiple of 512, a refusal is remembered, a forced backend that cannot run says so,
+    and any other error propagates."""
     import models.fp8_gemm as g
     from models.fp8 import dequantize, quantize
     calls = []
@@ -57,9 +58,9 @@ def test_cublas_dispatch_pads_rows_and_keeps_m_major_scales(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm, raising=False)
     monkeypatch.setattr(g, "_cublas_device_ok", lambda t: True)
     monkeypatch.setattr(g, "_CUBLAS_REFUSED", set())
-    wq, sw = quantize(torch.randn(256, 384) * 0.05)
+    wq, sw = quantize(torch.randn(256, 512) * 0.05)
     for M, padded in ((4, 4), (5, 8), (17, 20), (3, None)):
-        xq, sx = g.act_quant(torch.randn(M, 384) * (1 + 5 * torch.rand(M, 1)))
+        xq, sx = g.act_quant(torch.randn(M, 512) * (1 + 5 * torch.rand(M, 1)))
         ref = dequantize(xq, sx, (1, 128)) @ dequantize(wq, sw, (128, 128)).T
         calls.clear()
         y = g.w8a8_block_gemm(xq, sx, wq, sw) if padded else None
@@ -79,17 +80,24 @@ def test_cublas_dispatch_pads_rows_and_keeps_m_major_scales(monkeypatch):
     monkeypatch.setattr(torch, "_scaled_mm", refusing)
     ran = []
     monkeypatch.setattr(g, "_triton_gemm", lambda *a, **k: ran.append(a[0].shape[0]))
-    xq, sx = g.act_quant(torch.randn(7, 384))
+    xq, sx = g.act_quant(torch.randn(7, 512))
     g.w8a8_block_gemm(xq, sx, wq, sw)
     g.w8a8_block_gemm(xq, sx, wq, sw)
-    assert refusals == [8] and ran == [7, 7] and g._CUBLAS_REFUSED == {(8, 256, 384, torch.bfloat16)}
+    assert refusals == [8] and ran == [7, 7] and g._CUBLAS_REFUSED == {(8, 256, 512, torch.bfloat16)}
     with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):  # forced: the error, not a silent Triton
-        g.w8a8_block_gemm(*g.act_quant(torch.randn(12, 384)), wq, sw, backend="cublas")
+        g.w8a8_block_gemm(*g.act_quant(torch.randn(12, 512)), wq, sw, backend="cublas")
+    # K of 1-3 blocks (here 3): Triton without asking cuBLAS (it returned wrong products at 1 and 2
+    # K blocks on the H200), and a forced cuBLAS says why it cannot run
+    wq3, sw3 = quantize(torch.randn(256, 384) * 0.05)
+    g.w8a8_block_gemm(*g.act_quant(torch.randn(8, 384)), wq3, sw3)
+    assert refusals == [8, 12] and ran == [7, 7, 8]  # 12: the forced call above
+    with pytest.raises(ValueError, match="K of 512"):
+        g.w8a8_block_gemm(*g.act_quant(torch.randn(8, 384)), wq3, sw3, backend="cublas")
     # any other error (a torch without the block-wise recipe) reaches the caller: no silent Triton
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("Invalid scaling configuration")))
     with pytest.raises(RuntimeError, match="Invalid scaling"):
-        g.w8a8_block_gemm(*g.act_quant(torch.randn(16, 384)), wq, sw)
-    assert ran == [7, 7]
+        g.w8a8_block_gemm(*g.act_quant(torch.randn(16, 512)), wq, sw)
+    assert ran == [7, 7, 8]
 
 
 @pytest.mark.gpu
@@ -106,6 +114,16 @@ def test_w8a8_real_shapes(M, N, K):
         if M >= 16 and torch.cuda.get_device_capability() == (9, 0):
             raise
         print("cuBLAS refused", M, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [4, 16, 200])
+@pytest.mark.parametrize("N,K", [(1024, 128), (1024, 256), (256, 128), (256, 384), (1024, 512), (256, 1024)])
+def test_w8a8_auto_backend_small_k(M, N, K):
+    """The default backend where a tiny model's projections fall (K of 1-8 blocks): cuBLAS at 4 and
+    8 blocks, Triton below; equal to the dequantized product either way (cuBLAS's block-scaled GEMM
+    returned wrong products at 1 and 2 blocks on the H200)."""
+    check(M, N, K, "cuda", 8e-2, backend="auto", out=torch.bfloat16, m_major=True)
 
 
 @pytest.mark.gpu
