@@ -69,21 +69,27 @@ def test_pdl_equals_no_pdl(gpu_v2):
         use_pdl(False)  # a process setting: kernels called directly by later tests launch without it
 
 
+def _greedy_top(llm, prompts):
+    """Greedy continuations, per prompt: (token ids, each generated token's log-probability, each
+    step's two most likely tokens {token: logprob})."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2))
+    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs],
+             [dict(lp.top) for lp in o.outputs[0].logprobs]) for o in outs]
+
+
 def _decode_logprobs(path, prompts, dtype="float32", **kw):
-    """Greedy continuations with the log-probability of each generated token (decode steps)."""
+    """`_greedy_top` of a new engine on the model at `path`."""
     kw.setdefault("num_kv_blocks", 1024)
     kw.setdefault("kernels", "auto,warmup=0")
     kw["kernels"] += "" if autotuning() else ",autotune=0"  # pytest --no-autotune
-    llm = LLM(path, device="cuda", dtype=dtype, **kw)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0))
-    return [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+    return _greedy_top(LLM(path, device="cuda", dtype=dtype, **kw), prompts)
 
 
 def _decode_error(run, ref) -> float:
     """Mean |logprob - reference| over the generated tokens where both continuations still agree
     (the same context behind each compared step)."""
     errs = []
-    for (toks, lps), (rtoks, rlps) in zip(run, ref):
+    for (toks, lps, _), (rtoks, rlps, _) in zip(run, ref):
         for t, lp, rt, rlp in zip(toks, lps, rtoks, rlps):
             if t != rt:
                 break
@@ -91,12 +97,31 @@ def _decode_error(run, ref) -> float:
     return sum(errs) / len(errs)
 
 
+NEAR_TIE = 0.1  # nats; bf16 logits of magnitude 8-16 are 0.0625 apart
+
+
+def _assert_same_greedy(run, ref, near_tie=NEAR_TIE) -> None:
+    """Two bf16 runs that compute the same function in another order (CUDA graphs against eager,
+    whose padded batch may take other split counts or another GEMM kernel): their greedy tokens
+    agree, except that a continuation may part at a near tie, a step where the reference's two
+    most likely tokens are within `near_tie` of each other. Parting at a clear margin fails, as
+    does a token outside the reference's top two."""
+    for i, ((toks, _, _), (rtoks, _, rtops)) in enumerate(zip(run, ref, strict=True)):
+        k = next((j for j, (t, r) in enumerate(zip(toks, rtoks)) if t != r), None)
+        if k is None:
+            assert len(toks) == len(rtoks), i
+            continue
+        top = rtops[k]
+        gap = top.get(rtoks[k], float("nan")) - top.get(toks[k], float("nan"))
+        assert gap <= near_tie, f"prompt {i} parts at step {k}: {toks[k]} against {rtoks[k]}, reference top {top}"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon wgmma decode needs sm_90")
 def test_gluon_decode_in_the_engine(tmp_path):
     """`--kernels auto,decode_wgmma_min_heads=64` (the default here) on a tiny V3 with the Gluon
-    kernel's widths (64 heads, kv_lora_rank 512, rope 64), bf16: CUDA graphs == eager with every
-    decode on the Gluon kernel, and the generated tokens' log-probabilities as close to the fp32
+    kernel's widths (64 heads, kv_lora_rank 512, rope 64), bf16: CUDA graphs agree with eager
+    (`_assert_same_greedy`) with every decode on the Gluon kernel, and the generated tokens' log-probabilities as close to the fp32
     reference as the Triton decode's in bf16 (decode_wgmma_min_heads=0; mean error at most 1.25x;
     prompt log-probabilities would test the prefill, not the decode)."""
     from tiny_models import make_model
@@ -104,8 +129,7 @@ def test_gluon_decode_in_the_engine(tmp_path):
     path, prompts = str(tmp_path), _prompts64()
     gluon = "auto,warmup=0,decode_wgmma_min_heads=64"
     fast = _decode_logprobs(path, prompts, "bfloat16", kernels=gluon)
-    assert [t for t, _ in _decode_logprobs(path, prompts, "bfloat16", kernels=gluon, enforce_eager=True)] == \
-        [t for t, _ in fast]
+    _assert_same_greedy(fast, _decode_logprobs(path, prompts, "bfloat16", kernels=gluon, enforce_eager=True))
     ref = _decode_logprobs(path, prompts, attention_backend="torch", enforce_eager=True)
     triton = _decode_logprobs(path, prompts, "bfloat16", kernels="auto,warmup=0,decode_wgmma_min_heads=0")
     assert _decode_logprobs(path, prompts, "bfloat16") == fast  # the default plan: the Gluon decode
@@ -118,8 +142,8 @@ def test_gluon_decode_in_the_engine(tmp_path):
                     reason="the Gluon wgmma decode needs sm_90")
 def test_gluon_decode_with_mtp_speculation(tmp_path):
     """MTP on the 64-head tiny V3 in bf16, where the default plan sends decodes to the Gluon
-    kernel: verification rows of q_len 2 and 3 with per-token positions, CUDA graphs == eager,
-    and some drafts accepted."""
+    kernel: verification rows of q_len 2 and 3 with per-token positions, CUDA graphs agree with
+    eager (`_assert_same_greedy`), and some drafts accepted."""
     from tiny_models import add_mtp_layer, make_model
     make_model(tmp_path, "v3", num_attention_heads=64, kv_lora_rank=512, qk_rope_head_dim=64)
     add_mtp_layer(tmp_path, copies=False)
@@ -127,29 +151,36 @@ def test_gluon_decode_with_mtp_speculation(tmp_path):
     kernels = "auto,warmup=0" + ("" if autotuning() else ",autotune=0")
     llm = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=1024, speculative_config=spec, kernels=kernels)
     assert llm.engine.executor.worker.plan.decode_wgmma_min_heads == 64
-    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
+    got = _greedy_top(llm, _prompts())
     assert llm.scheduler.stats.spec.num_accepted_tokens > 0
-    assert got == _run(path, dtype="bfloat16", speculative_config=spec, enforce_eager=True)
+    _assert_same_greedy(got, _decode_logprobs(path, _prompts(), "bfloat16", speculative_config=spec,
+                                              enforce_eager=True))
 
 
 def test_fp8_gemm_splitk_in_the_engine(tmp_path):
     """`--fp8-gemm --kernels auto,fp8_gemm_splitk=1` on a tiny FP8 V3 whose hidden size (1024: 8 K
-    blocks) makes the small-M W8A8 GEMMs reading it split K: CUDA graphs == eager, and the
-    generated tokens' log-probabilities as close to the fp32 dequantized model's as without the
-    split (mean error at most 1.25x; both quantize the same activations)."""
+    blocks) makes the small-M W8A8 GEMMs reading it split K. The split changes only the order of
+    fp32 sums: eager, the same tokens as unsplit and log-probabilities within 0.01 on average
+    (2e-4 measured on the H200). CUDA graphs against eager: the same first token (the prefill
+    never runs in a graph) and log-probabilities within 0.05 on average while both continuations
+    agree (1.7e-2 measured). Token equality throughout is not asked: with FP8 activations a
+    rounding difference upstream (the padded graph batch's GEMM kernels) flips FP8 roundings
+    downstream, and on this random model two correct W8A8 GEMMs (cuBLAS and Triton) part by
+    0.6 nats within 2-20 steps; a wrong GEMM parts at the first token."""
     from tiny_models import make_fp8_model
     dst = tmp_path / "fp8"
     make_fp8_model(tmp_path / "src", dst, hidden_size=1024)
     path, prompts = str(dst), _prompts64()[:16]
     kernels = "auto,warmup=0,fp8_gemm_splitk=1"
-    split = _decode_logprobs(path, prompts, "bfloat16", kernels=kernels, fp8_gemm=True)
-    assert [t for t, _ in _decode_logprobs(path, prompts, "bfloat16", kernels=kernels, fp8_gemm=True,
-                                           enforce_eager=True)] == [t for t, _ in split]
-    ref = _decode_logprobs(path, prompts, attention_backend="torch", enforce_eager=True)
-    plain = _decode_logprobs(path, prompts, "bfloat16", fp8_gemm=True)
-    e_split, e_plain = _decode_error(split, ref), _decode_error(plain, ref)
-    print(f"mean |decode logprob - fp32|: split-K {e_split:.2e}, unsplit {e_plain:.2e}")
-    assert 0 < e_split <= 1.25 * e_plain, (e_split, e_plain)
+    graphs = _decode_logprobs(path, prompts, "bfloat16", kernels=kernels, fp8_gemm=True)
+    eager = _decode_logprobs(path, prompts, "bfloat16", kernels=kernels, fp8_gemm=True, enforce_eager=True)
+    plain = _decode_logprobs(path, prompts, "bfloat16", fp8_gemm=True, enforce_eager=True)
+    _assert_same_greedy(eager, plain)
+    e_split, e_graphs = _decode_error(eager, plain), _decode_error(graphs, eager)
+    print(f"mean |decode logprob| differences: split-K - unsplit {e_split:.2e}, graphs - eager {e_graphs:.2e}")
+    assert e_split < 0.01, e_split
+    assert [t[0] for t, _, _ in graphs] == [t[0] for t, _, _ in eager]
+    assert e_graphs < 0.05, e_graphs
 
 
 @pytest.mark.parametrize("budget", [16, 2048])
