@@ -48,7 +48,8 @@
 #               --fp8-gemm; four runs, each under a quarter of the step's timeout (give it `r1fp8:400`)
 #   r1fp8x      the same R1 config with --fp8-gemm and the opt-in FP8 kernels: TPOT at batch
 #               1/32/128 with fp8_gemm_splitk=1, moe_fp8_w8a8=1, and both; three runs, each under a
-#               third of the step's timeout (give it `r1fp8x:300`)
+#               third of the step's timeout (give it `r1fp8x:480`: at 300 the first two runs, compiling and
+#               tuning the FP8 kernels for the first time, were cut at 100 s)
 #   fp8dec      the W8A8 GPU tests at real shapes (split-K GEMM, in the engine too; the dense
 #               W8A8 GEMM; the W8A8 block MoE), then the small-M W8A8 GEMM at R1's decode shapes, M 1-16
 #               split-K (chosen and swept) against unsplit, cuBLAS, bf16 and the FP8 byte floor in
