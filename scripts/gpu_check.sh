@@ -4,7 +4,11 @@
 # Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|ops|throughput|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
-#               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape)
+#               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
+#               as QUICK_SHARDS (default 3) pytest runs side by side on the one GPU (pytest --shard I/N;
+#               the tests' engines have fixed KV caches, so they share its memory): one run took 431 s,
+#               mostly single-threaded Triton compiles and tiny models' launches; the log ends with
+#               each shard's failures and counts (QUICK_SHARDS=1: one run, as before)
 #   moe         the MoE paths at V2-Lite shapes, bf16, 1-8192 tokens: fused, block kernels (16-128-row
 #               blocks), grouped GEMM, each with the shared experts folded in or dense (+sd); then FP8
 #               experts through the block kernels at R1 shapes, 16-4096 tokens (bench_fused_moe.py
@@ -79,9 +83,17 @@ for spec in $steps; do
              tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_engine.py tests/test_triton_route.py \
              tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
              > "$log" 2>&1 ;;
-    quick) timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu --no-autotune -rfE --durations=5 tests/test_triton_route.py tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
-             tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_fp8_gemm.py \
-             -k "not trained and not bf16_as_close and not w8a8_real and not splitk_r1" > "$log" 2>&1 ;;
+    quick) N=${QUICK_SHARDS:-3}; pids=()
+           for i in $(seq 0 $((N - 1))); do
+             timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu --no-autotune -rfE --durations=5 \
+               --shard "$i/$N" tests/test_triton_route.py tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
+               tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_fp8_gemm.py \
+               -k "not trained and not bf16_as_close and not w8a8_real and not splitk_r1" > "$OUT/quick_$i.txt" 2>&1 &
+             pids+=($!)
+           done
+           qrc=0; for p in "${pids[@]}"; do wait "$p" || qrc=1; done
+           for i in $(seq 0 $((N - 1))); do echo "## shard $i/$N"; cat "$OUT/quick_$i.txt"; done > "$log"
+           grep -h -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT"/quick_*.txt >> "$log"; (exit $qrc) ;;
     moe) { timeout $((T / 2)) python3 scripts/bench_fused_moe.py --tokens 1 4 8 16 32 128 256 512 1024 2048 8192 \
              --json "$OUT/fused_moe.json"
            timeout $((T / 2)) python3 scripts/bench_fused_moe.py --fp8 --json "$OUT/fused_moe_fp8.json"; } > "$log" 2>&1 ;;

@@ -25,6 +25,9 @@ def pytest_addoption(parser):
     parser.addoption("--no-autotune", action="store_true",
                      help="GPU tests: one fixed tile per Triton kernel instead of tuning every test "
                           "shape (engines built by the tests then get --kernels ...,autotune=0)")
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only the selected tests whose index is I modulo N (0 <= I < N): N runs "
+                          "side by side, one per I, cover the selection once (scripts/gpu_check.sh quick)")
 
 
 def pytest_configure(config):
@@ -38,7 +41,23 @@ def pytest_unconfigure(config):
     test_interpreted.stop(config)
 
 
+def shard(items: list, spec: str) -> tuple[list, list]:
+    """(kept, dropped) for `--shard I/N`: every N-th item from the I-th, in collection order (round
+    robin, so the slow tests of one file spread over the shards)."""
+    try:
+        i, n = (int(x) for x in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"--shard {spec!r}: expected I/N, two integers") from None
+    if not 0 <= i < n:
+        raise pytest.UsageError(f"--shard {spec!r}: expected 0 <= I < N")
+    return items[i::n], [it for j, it in enumerate(items) if j % n != i]
+
+
+@pytest.hookimpl(trylast=True)  # after -k / -m deselection: the shards split what is selected
 def pytest_collection_modifyitems(config, items):
+    if config.getoption("--shard"):
+        items[:], dropped = shard(items, config.getoption("--shard"))
+        config.hook.pytest_deselected(items=dropped)
     if any(item.nodeid.split("::")[0].endswith("test_interpreted.py") for item in items):
         import test_interpreted
         test_interpreted.start(config)  # the interpreter's run, in the background from now on
