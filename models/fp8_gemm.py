@@ -291,7 +291,8 @@ def _splitk_gemm(xq, sx, wq, sw, y, splits, tile, nkb, m_bucket, scale_strides):
 # fp8_gemm=triton, which avoids it.
 # K must be a multiple of 4 x 128: with 1 or 2 K blocks (K 128, 256) the GEMM ran without an error
 # and returned wrong products on the H200 (relative error 0.7-0.9 against the emulated W8A8 at 4-200
-# rows, torch 2.11 / CUDA 13; right at 8 blocks and at R1's 12-144). The weight scales' rows are
+# rows, torch 2.11 / CUDA 13; right at 8 blocks and at R1's 12-144; 4 blocks, K 512, is checked by
+# tests/test_fp8_gemm.py's small-K GPU test). The weight scales' rows are
 # then 4 or 8 bytes long where the 1x128 activation scales need 16-byte strides (the rows-of-4 rule
 # above); shapes with a partial 16-byte scale row go to Triton.
 _CUBLAS_MIN_ROWS = 4
@@ -374,7 +375,8 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
     elif backend == "cublas":
         raise ValueError(f"cuBLAS block-scaled FP8 GEMM unavailable for M {M}, N {N}, K {K}, {out_dtype} "
                          f"on this torch / device (it takes M >= {_CUBLAS_MIN_ROWS}, N a multiple of {GROUP}, "
-                         f"K of {GROUP * _CUBLAS_K_BLOCKS}, bf16 or fp16 out, sm_90)")
+                         f"K a multiple of {GROUP * _CUBLAS_K_BLOCKS}, bf16 or fp16 out, sm_90; or it refused "
+                         f"this shape before)")
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     _triton_gemm(xq, sx, wq.contiguous(), sw.contiguous(), y, tile, splits=splits, split_k=split_k)
     return y

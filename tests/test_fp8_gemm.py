@@ -91,7 +91,7 @@ def test_cublas_dispatch_pads_rows_and_keeps_m_major_scales(monkeypatch):
     wq3, sw3 = quantize(torch.randn(256, 384) * 0.05)
     g.w8a8_block_gemm(*g.act_quant(torch.randn(8, 384)), wq3, sw3)
     assert refusals == [8, 12] and ran == [7, 7, 8]  # 12: the forced call above
-    with pytest.raises(ValueError, match="K of 512"):
+    with pytest.raises(ValueError, match="K a multiple of 512"):
         g.w8a8_block_gemm(*g.act_quant(torch.randn(8, 384)), wq3, sw3, backend="cublas")
     # any other error (a torch without the block-wise recipe) reaches the caller: no silent Triton
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("Invalid scaling configuration")))
@@ -118,12 +118,19 @@ def test_w8a8_real_shapes(M, N, K):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [4, 16, 200])
-@pytest.mark.parametrize("N,K", [(1024, 128), (1024, 256), (256, 128), (256, 384), (1024, 512), (256, 1024)])
-def test_w8a8_auto_backend_small_k(M, N, K):
+@pytest.mark.parametrize("N,K", [(1024, 128), (1024, 256), (256, 128), (256, 384), (1024, 512),
+                                 (256, 1024)])
+def test_w8a8_auto_backend_small_k(M, N, K, monkeypatch):
     """The default backend where a tiny model's projections fall (K of 1-8 blocks): cuBLAS at 4 and
-    8 blocks, Triton below; equal to the dequantized product either way (cuBLAS's block-scaled GEMM
-    returned wrong products at 1 and 2 blocks on the H200)."""
+    8 blocks (where this torch has its block-scaled GEMM), Triton below; equal to the dequantized
+    product either way (cuBLAS's block-scaled GEMM returned wrong products at 1 and 2 blocks on the
+    H200)."""
+    import models.fp8_gemm as g
+    ran, cublas = [], g._cublas_gemm
+    monkeypatch.setattr(g, "_cublas_gemm", lambda *a: ran.append(a[0].shape) or cublas(*a))
     check(M, N, K, "cuda", 8e-2, backend="auto", out=torch.bfloat16, m_major=True)
+    has_cublas = g._cublas_device_ok(torch.empty(1, device="cuda"))
+    assert bool(ran) == (has_cublas and K % 512 == 0), (ran, has_cublas)
 
 
 @pytest.mark.gpu

@@ -85,16 +85,35 @@ def _decode_logprobs(path, prompts, dtype="float32", **kw):
     return _greedy_top(LLM(path, device="cuda", dtype=dtype, **kw), prompts)
 
 
-def _decode_error(run, ref) -> float:
-    """Mean |logprob - reference| over the generated tokens where both continuations still agree
-    (the same context behind each compared step)."""
+def _agreed_decode_steps(run, ref) -> list[float]:
+    """|logprob - reference| at each decode step (generated token 2 on: the first comes from the
+    prefill) while both continuations still agree (the same context behind each compared step)."""
     errs = []
-    for (toks, lps, _), (rtoks, rlps, _) in zip(run, ref):
-        for t, lp, rt, rlp in zip(toks, lps, rtoks, rlps):
-            if t != rt:
-                break
-            errs.append(abs(lp - rlp))
+    for (toks, lps, _), (rtoks, rlps, _) in zip(run, ref, strict=True):
+        k = next((j for j, (t, r) in enumerate(zip(toks, rtoks)) if t != r), min(len(toks), len(rtoks)))
+        errs += [abs(lp - rlp) for lp, rlp in zip(lps[1:k], rlps[1:k])]
+    return errs
+
+
+def _decode_error(run, ref) -> float:
+    """Mean of `_agreed_decode_steps`; an error if no decode step agreed."""
+    errs = _agreed_decode_steps(run, ref)
+    assert errs, "no decode step of any prompt agreed with the reference"
     return sum(errs) / len(errs)
+
+
+def _assert_close_decode(run, ref, max_err: float, min_agreed: float) -> float:
+    """W8A8 runs that compute the same function in another order: the same first token for every
+    prompt (the prefill), at least `min_agreed` of all decode steps before the continuations
+    part, and a mean |logprob difference| over those steps of at most `max_err` (returned). A
+    wrong decode parts at once or moves log-probabilities by far more."""
+    assert [t[0] for t, _, _ in run] == [t[0] for t, _, _ in ref]
+    errs = _agreed_decode_steps(run, ref)
+    steps = sum(len(t) - 1 for t, _, _ in ref)
+    assert len(errs) >= min_agreed * steps, (len(errs), steps)
+    err = sum(errs) / len(errs)
+    assert err <= max_err, err
+    return err
 
 
 NEAR_TIE = 0.1  # nats; bf16 logits of magnitude 8-16 are 0.0625 apart
@@ -157,30 +176,31 @@ def test_gluon_decode_with_mtp_speculation(tmp_path):
                                               enforce_eager=True))
 
 
-def test_fp8_gemm_splitk_in_the_engine(tmp_path):
-    """`--fp8-gemm --kernels auto,fp8_gemm_splitk=1` on a tiny FP8 V3 whose hidden size (1024: 8 K
-    blocks) makes the small-M W8A8 GEMMs reading it split K. The split changes only the order of
-    fp32 sums: eager, the same tokens as unsplit and log-probabilities within 0.01 on average
-    (2e-4 measured on the H200). CUDA graphs against eager: the same first token (the prefill
-    never runs in a graph) and log-probabilities within 0.05 on average while both continuations
-    agree (1.7e-2 measured). Token equality throughout is not asked: with FP8 activations a
-    rounding difference upstream (the padded graph batch's GEMM kernels) flips FP8 roundings
-    downstream, and on this random model two correct W8A8 GEMMs (cuBLAS and Triton) part by
-    0.6 nats within 2-20 steps; a wrong GEMM parts at the first token."""
+def test_fp8_gemm_splitk_in_the_engine(tmp_path, monkeypatch):
+    """`--fp8-gemm --kernels ...,fp8_gemm=triton,fp8_gemm_splitk=1` on a tiny FP8 V3 whose hidden
+    size (1024: 8 K blocks) makes the decode's 16-row W8A8 GEMMs over it split K (Triton forced:
+    `auto` gives those rows to cuBLAS). Split against unsplit, both eager, and split in CUDA graphs
+    against eager, by `_assert_close_decode`: token equality throughout is not asked, because with
+    FP8 activations a changed order of fp32 sums upstream flips FP8 roundings downstream. On this
+    random model two correct W8A8 GEMMs (cuBLAS and Triton) part by up to 0.6 nats within 2-20
+    steps; measured on the H200 under `auto`: graphs against eager agreed on 70% of the decode
+    steps with a mean difference of 1.7e-2 (the bounds: a third, 0.05)."""
+    import models.fp8_gemm as g
     from tiny_models import make_fp8_model
     dst = tmp_path / "fp8"
     make_fp8_model(tmp_path / "src", dst, hidden_size=1024)
     path, prompts = str(dst), _prompts64()[:16]
-    kernels = "auto,warmup=0,fp8_gemm_splitk=1"
+    kernels = "auto,warmup=0,fp8_gemm=triton,fp8_gemm_splitk=1"
     graphs = _decode_logprobs(path, prompts, "bfloat16", kernels=kernels, fp8_gemm=True)
+    splits, splitk_gemm = [], g._splitk_gemm
+    monkeypatch.setattr(g, "_splitk_gemm", lambda *a: splits.append(a[5]) or splitk_gemm(*a))
     eager = _decode_logprobs(path, prompts, "bfloat16", kernels=kernels, fp8_gemm=True, enforce_eager=True)
-    plain = _decode_logprobs(path, prompts, "bfloat16", fp8_gemm=True, enforce_eager=True)
-    _assert_same_greedy(eager, plain)
-    e_split, e_graphs = _decode_error(eager, plain), _decode_error(graphs, eager)
+    assert splits and max(splits) > 1, splits  # the split kernel ran, with splits
+    plain = _decode_logprobs(path, prompts, "bfloat16", kernels="auto,warmup=0,fp8_gemm=triton", fp8_gemm=True,
+                             enforce_eager=True)
+    e_split = _assert_close_decode(eager, plain, max_err=0.05, min_agreed=1 / 3)
+    e_graphs = _assert_close_decode(graphs, eager, max_err=0.05, min_agreed=1 / 3)
     print(f"mean |decode logprob| differences: split-K - unsplit {e_split:.2e}, graphs - eager {e_graphs:.2e}")
-    assert e_split < 0.01, e_split
-    assert [t[0] for t, _, _ in graphs] == [t[0] for t, _, _ in eager]
-    assert e_graphs < 0.05, e_graphs
 
 
 @pytest.mark.parametrize("budget", [16, 2048])
