@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|ops|throughput|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|ops|throughput|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -54,6 +54,8 @@
 #               1/32/128 with fp8_gemm_splitk=1, moe_fp8_w8a8=1, and both; three runs, each under a
 #               third of the step's timeout (give it `r1fp8x:480`: at 300 the first two runs, compiling and
 #               tuning the FP8 kernels for the first time, were cut at 100 s)
+#   fp8ops      every FP8 GEMM and MoE call of a tiny FP8 V3's engine against the fp32 emulation of its
+#               arithmetic, each run twice (scripts/check_fp8_ops.py; `auto` and fp8_gemm=triton)
 #   fp8dec      the W8A8 GPU tests at real shapes (split-K GEMM, in the engine too; the dense
 #               W8A8 GEMM; the W8A8 block MoE), then the small-M W8A8 GEMM at R1's decode shapes, M 1-16
 #               split-K (chosen and swept) against unsplit, cuBLAS, bf16 and the FP8 byte floor in
@@ -84,6 +86,8 @@ for spec in $steps; do
              tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
              > "$log" 2>&1 ;;
     quick) N=${QUICK_SHARDS:-3}; pids=()
+           if ! [ "$N" -ge 1 ] 2>/dev/null; then echo "QUICK_SHARDS=$N: expected 1 or more" > "$log"; false
+           else
            for i in $(seq 0 $((N - 1))); do
              timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu --no-autotune -rfE --durations=5 \
                --shard "$i/$N" tests/test_triton_route.py tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
@@ -91,9 +95,13 @@ for spec in $steps; do
                -k "not trained and not bf16_as_close and not w8a8_real and not splitk_r1" > "$OUT/quick_$i.txt" 2>&1 &
              pids+=($!)
            done
-           qrc=0; for p in "${pids[@]}"; do wait "$p" || qrc=1; done
+           qrc=0; for p in "${pids[@]}"; do wait "$p"; r=$?; [ "$qrc" -eq 0 ] && qrc=$r; done  # the first failure's code
            for i in $(seq 0 $((N - 1))); do echo "## shard $i/$N"; cat "$OUT/quick_$i.txt"; done > "$log"
-           grep -h -E "^(FAILED|ERROR) |[0-9]+ (passed|failed)" "$OUT"/quick_*.txt >> "$log"; (exit $qrc) ;;
+           for i in $(seq 0 $((N - 1))); do  # each shard's failures and its last line (the counts)
+             grep -E "^(FAILED|ERROR) " "$OUT/quick_$i.txt" | sed "s|^|shard $i: |"
+             echo "shard $i: $(grep -v '^\s*$' "$OUT/quick_$i.txt" | tail -1)"
+           done >> "$log"; (exit "$qrc")
+           fi ;;
     moe) { timeout $((T / 2)) python3 scripts/bench_fused_moe.py --tokens 1 4 8 16 32 128 256 512 1024 2048 8192 \
              --json "$OUT/fused_moe.json"
            timeout $((T / 2)) python3 scripts/bench_fused_moe.py --fp8 --json "$OUT/fused_moe_fp8.json"; } > "$log" 2>&1 ;;
@@ -153,6 +161,7 @@ for spec in $steps; do
               timeout $((T / 3)) python3 scripts/bench_latency.py $R1 --fp8-gemm --kernel-plan "$k" \
                 --batch-sizes 1 32 128 --decode-steps 50 --json "$OUT/r1_latency_${k//[,=]/_}.json"
             done; } > "$log" 2>&1 ;;
+    fp8ops) timeout "$T" python3 scripts/check_fp8_ops.py > "$log" 2>&1 ;;
     fp8dec) { timeout $((T / 2)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_fp8_gemm.py \
                 tests/test_gpu_engine.py tests/test_fused_moe.py -k "splitk or w8a8_real"
               timeout $((T / 2)) python3 scripts/bench_fp8_gemm.py --decode --splits 2 4 8 16 32 \

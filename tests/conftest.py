@@ -27,7 +27,8 @@ def pytest_addoption(parser):
                           "shape (engines built by the tests then get --kernels ...,autotune=0)")
     parser.addoption("--shard", default=None, metavar="I/N",
                      help="run only the selected tests whose index is I modulo N (0 <= I < N): N runs "
-                          "side by side, one per I, cover the selection once (scripts/gpu_check.sh quick)")
+                          "side by side, one per I, cover the selection once (scripts/gpu_check.sh quick; "
+                          "on the CPU suite each shard holding an interpreter test starts that whole run)")
 
 
 def pytest_configure(config):
