@@ -18,6 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from sharding import shard  # noqa: E402
 from tiny_models import make_model  # noqa: E402
 
 
@@ -40,18 +41,6 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     import test_interpreted
     test_interpreted.stop(config)
-
-
-def shard(items: list, spec: str) -> tuple[list, list]:
-    """(kept, dropped) for `--shard I/N`: every N-th item from the I-th, in collection order (round
-    robin, so the slow tests of one file spread over the shards)."""
-    try:
-        i, n = (int(x) for x in spec.split("/"))
-    except ValueError:
-        raise pytest.UsageError(f"--shard {spec!r}: expected I/N, two integers") from None
-    if not 0 <= i < n:
-        raise pytest.UsageError(f"--shard {spec!r}: expected 0 <= I < N")
-    return items[i::n], [it for j, it in enumerate(items) if j % n != i]
 
 
 @pytest.hookimpl(trylast=True)  # after -k / -m deselection: the shards split what is selected

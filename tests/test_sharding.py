@@ -1,4 +1,5 @@
-"""`pytest --shard I/N` (tests/conftest.py), which gpu_check.sh's quick step runs N of side by side."""
+"""`pytest --shard I/N` (tests/conftest.py, tests/sharding.py), which gpu_check.sh's quick step
+runs N of side by side."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import shard
+from sharding import shard
 
 
 def test_shards_cover_the_selection_once():
