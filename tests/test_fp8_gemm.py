@@ -210,7 +210,7 @@ def test_splitk_dispatch_and_limits(monkeypatch):
         want = kw.get("splits") or (1 if "tile" in kw else choose_k_splits(M, 256, 8, 8))
         assert launched == [("split" if want > 1 else "plain", M, want)], (M, kw, launched)
     assert choose_k_splits(1, 256, 8, 8) == 4 and choose_k_splits(17, 256, 8, 8) == 1
-    launched.clear()  # without split_k (the plan's fp8_gemm_splitk=0, the default): the unsplit kernel
+    launched.clear()  # without split_k (the plan's fp8_gemm_splitk=0; fp8_linear's default): the unsplit kernel
     g.fp8_linear(torch.randn(1, 1024), wq, sw)
     g.fp8_linear(torch.randn(1, 1024), wq, sw, split_k=True)
     assert launched == [("plain", 1, 1), ("split", 1, 4)]
