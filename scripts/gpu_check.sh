@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|ops|throughput|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|ops|throughput|offline|offlineab|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
 #               as QUICK_SHARDS (default 3) pytest runs side by side on the one GPU (pytest --shard I/N;
-#               the tests' engines have fixed KV caches, so they share its memory): one run took 431 s,
-#               mostly single-threaded Triton compiles and tiny models' launches; the log ends with
+#               the tests' engines have fixed KV caches, so they share its memory): at 91e325c 3 shards
+#               took 177 s for 93 tests, where one run took 431 s for 75 at 35c148b (mostly
+#               single-threaded Triton compiles and tiny models' launches); the log ends with
 #               each shard's failures and counts (QUICK_SHARDS=1: one run, as before)
 #   moe         the MoE paths at V2-Lite shapes, bf16, 1-8192 tokens: fused, block kernels (16-128-row
 #               blocks), grouped GEMM, each with the shared experts folded in or dense (+sd); then FP8
@@ -35,6 +36,10 @@
 #   offline     the same, prefix caching off, with its instruments: wall / host launch / GPU span per
 #               step kind, GPU idle between steps, host stack samples, GC, Triton compiles and the
 #               CUDA allocator during the run (bench_throughput.py --step-stats --host-sample)
+#   offlineab   the offline step's run (prefix caching off, step stats) with --kernels auto and with
+#               auto,moe_shared_dense_min_tokens=0 (the shared experts folded into the grouped MoE, the
+#               default before 279cbef), alternating twice: four runs, each under a quarter of the
+#               step's timeout (give it `offlineab:400`)
 #   http        the same workload offline, then over HTTP (serve + bench_serving), one table with
 #               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:560`)
 #   peer        the issues' side-by-side method: a random-weight V2-Lite checkpoint
@@ -56,10 +61,11 @@
 #               tuning the FP8 kernels for the first time, were cut at 100 s)
 #   fp8ops      every FP8 GEMM and MoE call of a tiny FP8 V3's engine against the fp32 emulation of its
 #               arithmetic, each run twice (scripts/check_fp8_ops.py; `auto` and fp8_gemm=triton)
-#   fp8dec      the W8A8 GPU tests at real shapes (split-K GEMM, in the engine too; the dense
-#               W8A8 GEMM; the W8A8 block MoE), then the small-M W8A8 GEMM at R1's decode shapes, M 1-16
+#   fp8dec      the W8A8 GPU tests at real shapes (the W8A8 block MoE first; split-K GEMM, in the engine
+#               too; the dense W8A8 GEMM), then the small-M W8A8 GEMM at R1's decode shapes, M 1-16
 #               split-K (chosen and swept) against unsplit, cuBLAS, bf16 and the FP8 byte floor in
-#               CUDA graphs (bench_fp8_gemm.py --decode); half the step's timeout each (`fp8dec:420`)
+#               CUDA graphs (bench_fp8_gemm.py --decode); 3/5 and 2/5 of the step's timeout
+#               (`fp8dec:420`: at 91e325c the tests, given 210 s, ran 39 of 43; the bench took 156 s)
 #   spec        speculative decoding: decode step cost at q_len 1..4 (V2-Lite), then MTP end to end
 #               on the V3 config with 4 layers, warm (bench_spec_decode.py step / e2e)
 #   core        the control plane on this host's CPU: serve around a stub model with 44 ms steps,
@@ -132,6 +138,10 @@ for spec in $steps; do
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
     offline) timeout "$T" python3 scripts/bench_throughput.py --no-enable-prefix-caching --step-stats --host-sample \
                --json "$OUT/offline.json" > "$log" 2>&1 ;;
+    offlineab) { for k in auto auto,moe_shared_dense_min_tokens=0 auto auto,moe_shared_dense_min_tokens=0; do
+             echo "## --kernels $k"
+             timeout $((T / 4)) python3 scripts/bench_throughput.py --no-enable-prefix-caching --kernel-plan "$k" \
+               --step-stats --json "$OUT/offline_${k//[,=]/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
     http) timeout "$T" python3 scripts/bench_http_vs_offline.py --out-dir "$OUT/http" > "$log" 2>&1 ;;
     peer) { [ -f .bench/peer_bench.py ] || echo "no .bench/peer_bench.py: copy ../shared/bench to .bench and carry it"
             [ -f /tmp/v2l/config.json ] || timeout $((T / 4)) python3 .bench/make_random_ckpt.py configs/models/DeepSeek-V2-Lite /tmp/v2l
@@ -162,9 +172,9 @@ for spec in $steps; do
                 --batch-sizes 1 32 128 --decode-steps 50 --json "$OUT/r1_latency_${k//[,=]/_}.json"
             done; } > "$log" 2>&1 ;;
     fp8ops) timeout "$T" python3 scripts/check_fp8_ops.py > "$log" 2>&1 ;;
-    fp8dec) { timeout $((T / 2)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_fp8_gemm.py \
-                tests/test_gpu_engine.py tests/test_fused_moe.py -k "splitk or w8a8_real"
-              timeout $((T / 2)) python3 scripts/bench_fp8_gemm.py --decode --splits 2 4 8 16 32 \
+    fp8dec) { timeout $((T * 3 / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=8 \
+                tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_fp8_gemm.py -k "splitk or w8a8_real"
+              timeout $((T * 2 / 5)) python3 scripts/bench_fp8_gemm.py --decode --splits 2 4 8 16 32 \
                 --json "$OUT/fp8_decode.json"; } > "$log" 2>&1 ;;
     spec) { timeout "$T" python3 scripts/bench_spec_decode.py step --batch-sizes 1 4 16 64 --q-lens 1 2 3 4 \
               --json "$OUT/spec_step.json"
