@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from models.fp8 import FP8, FP8_MAX
-from models.fp8_gemm_splitk import _w8a8_splitk_kernel, choose_k_splits, splitk_reduce
+from models.fp8_gemm_splitk import SPLIT_MAX_M, _w8a8_splitk_kernel, choose_k_splits, splitk_reduce
 from common.kernel_plan import autotuning, interpreting
 
 GROUP = 128
@@ -345,7 +345,7 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
     sw `[N/128, K/128]`.
 
     backend: "auto" (cuBLAS's block-scaled GEMM where this torch, GPU and shape have it, else
-    Triton), "triton" or "cublas" (the plan's fp8_gemm). Triton tiles are autotuned on CUDA per
+    Triton; with `split_k`, Triton up to SPLIT_MAX_M rows), "triton" or "cublas" (the plan's fp8_gemm). Triton tiles are autotuned on CUDA per
     (M bucket, N, K) on first use; fixed under the interpreter and with autotune=0. `tile`
     = (BM, BN) forces one (tests, benchmarks; BN must divide 128), and `splits` the Triton
     kernel's K split count (1: unsplit; default: choose_k_splits on CUDA with `split_k`, the
@@ -357,7 +357,11 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
         raise ValueError(f"W8A8 GEMM backend {backend!r}: expected auto, triton or cublas")
     if splits is not None and backend == "cublas":
         raise ValueError("W8A8 GEMM: splits forces the Triton kernel, not with backend='cublas'")
-    if tile is None and splits is None and backend != "triton" and _cublas_ok(xq, N, K, out_dtype):
+    # auto with split_k: the Triton kernel through SPLIT_MAX_M rows, split or not (bench_fp8_gemm.py
+    # --decode at R1's decode shapes, M 4-16, CUDA graphs on the H200: up to 1.3x faster than cuBLAS,
+    # and at most 1% slower, at two points: dense down_proj at M 4, shared down at M 16; RESULTS.md)
+    small = split_k and backend == "auto" and M <= SPLIT_MAX_M
+    if tile is None and splits is None and backend != "triton" and not small and _cublas_ok(xq, N, K, out_dtype):
         try:
             return _cublas_gemm(xq, sx, wq, sw, out_dtype)
         except torch.cuda.OutOfMemoryError:

@@ -98,6 +98,16 @@ def test_cublas_dispatch_pads_rows_and_keeps_m_major_scales(monkeypatch):
     with pytest.raises(RuntimeError, match="Invalid scaling"):
         g.w8a8_block_gemm(*g.act_quant(torch.randn(16, 512)), wq, sw)
     assert ran == [7, 7, 8]
+    # with split_k (the plan's fp8_gemm_splitk), auto takes Triton through 16 rows and asks cuBLAS
+    # from 17 (here refused, so Triton too); a forced cuBLAS is still asked at 8
+    monkeypatch.setattr(torch, "_scaled_mm", refusing)
+    ran.clear(), refusals.clear(), g._CUBLAS_REFUSED.clear()
+    for M in (4, 16, 17):
+        g.w8a8_block_gemm(*g.act_quant(torch.randn(M, 512)), wq, sw, split_k=True)
+    assert ran == [4, 16, 17] and refusals == [20], (ran, refusals)
+    with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):
+        g.w8a8_block_gemm(*g.act_quant(torch.randn(8, 512)), wq, sw, split_k=True, backend="cublas")
+    assert refusals == [20, 8]
 
 
 @pytest.mark.gpu
