@@ -46,7 +46,9 @@ class EngineArgs:
     kernels: str = "auto"
     # every N sampling steps the TP ranks compare digests of their sampled ids; 0: never
     rank_check_interval: int = 256
-    fp8_gemm: bool = False  # FP8 checkpoints: W8A8 block GEMM instead of dequantized weights
+    # FP8 checkpoints: W8A8 block GEMMs on the FP8 weights (True) or dequantized weights (False);
+    # None: FP8 kept only where the dequantized weights would not fit (engine/weight_memory.py)
+    fp8_gemm: bool | None = None
     # latent cache storage: auto (the model dtype) | bf16 | fp8 (e4m3, per-tensor scale); vLLM's
     # aliases bfloat16 and fp8_e4m3 are accepted (attention/kv_quant.py)
     kv_cache_dtype: str = "auto"

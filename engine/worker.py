@@ -13,6 +13,7 @@ from common import distributed as pd
 from common.args import EngineArgs
 from common.kernel_plan import TRITON, KernelPlan, resolve_plan, use_autotune, use_pdl
 from engine.model_runner import ModelRunner
+from engine.weight_memory import resolve_fp8_gemm
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
 from models.loader import init_dummy_weights, load_weights
@@ -110,12 +111,14 @@ class Worker:
             from attention.gluon_decode_plan import check_engine_fit
             check_engine_fit(self.plan.decode_wgmma_min_heads, self.device, self.dtype, self.cache_dtype,
                              cfg.kv_lora_rank, cfg.qk_rope_head_dim)
-        fp8_gemm = args.fp8_gemm and cfg.fp8_block is not None
+        spec = args.speculative_config
+        self.num_mtp_layers = 1 if spec is not None and spec.method == "mtp" else 0  # drafts chain on it
+        # unset: FP8 kept where the dequantized weights would not fit (engine/weight_memory.py)
+        fp8_gemm = resolve_fp8_gemm(args.fp8_gemm, cfg, self.dtype, self.device, self.plan.any_triton,
+                                    args.gpu_memory_utilization, self.num_mtp_layers)
         if fp8_gemm and not self.plan.any_triton:
             raise ValueError("--fp8-gemm runs W8A8 GEMM kernels (Triton or cuBLAS): not with the pure-torch "
                              "kernel plan (--kernels torch, or auto off CUDA), which dequantizes FP8 weights")
-        spec = args.speculative_config
-        self.num_mtp_layers = 1 if spec is not None and spec.method == "mtp" else 0  # drafts chain on it
         t0 = time.perf_counter()
         try:
             self._build_model(fp8_gemm)

@@ -34,7 +34,8 @@ def add_engine_flags(p) -> None:
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
     p.add_argument("--hf-overrides", default=None)
-    p.add_argument("--fp8-gemm", action="store_true", help="keep FP8 checkpoints' projections in FP8 (W8A8 GEMM)")
+    p.add_argument("--fp8-gemm", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep FP8 checkpoints' projections in FP8 (W8A8 GEMM); unset: the engine's choice")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="prefix caching (default: the engine's, on)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
@@ -51,8 +52,8 @@ def engine_kwargs(a) -> dict:
               decode_context_parallel_size=a.decode_context_parallel_size)
     if a.hf_overrides:
         kw["hf_overrides"] = a.hf_overrides
-    if a.fp8_gemm:
-        kw["fp8_gemm"] = True
+    if a.fp8_gemm is not None:
+        kw["fp8_gemm"] = a.fp8_gemm
     if getattr(a, "enable_prefix_caching", None) is not None:
         kw["enable_prefix_caching"] = a.enable_prefix_caching
     if getattr(a, "skip_tokenizer_init", False):

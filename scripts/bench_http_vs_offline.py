@@ -69,8 +69,8 @@ def engine_argv(a: argparse.Namespace, serve: bool = False) -> list[str]:
         out.append("--enforce-eager")
     if a.async_scheduling is not None:
         out.append("--async-scheduling" if a.async_scheduling else "--no-async-scheduling")
-    if a.fp8_gemm:
-        out.append("--fp8-gemm")
+    if a.fp8_gemm is not None:
+        out.append("--fp8-gemm" if a.fp8_gemm else "--no-fp8-gemm")
     out += ["--kernels" if serve else "--kernel-plan", a.kernel_plan]
     if a.enable_prefix_caching is not None:
         out.append("--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching")

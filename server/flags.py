@@ -132,11 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MLA attention ops (decode, prefill, context gather, KV write): torch "
                         "reference or Triton; auto: as --kernels says (the plan's attention key)")
     g.add_argument("--kernels", default=d["kernels"], metavar="BASE[,KEY=VALUE...]", help=kernels_help())
-    g.add_argument("--fp8-gemm", action="store_true",
+    g.add_argument("--fp8-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="FP8 checkpoints: keep attention and dense MLP projections in FP8 (Triton "
                         "W8A8 block GEMMs) and routed experts in FP8 instead of dequantizing them "
                         "at load (half the weight memory; on the H200 faster decodes from batch 32, "
-                        "slower at batch 1: RESULTS.md)")
+                        "slower at batch 1: RESULTS.md). Unset: kept in FP8 only where the "
+                        "dequantized weights would take more than 90%% of the rank's memory budget "
+                        "(DeepSeek-V3/R1 at -tp 8 on H200s), else dequantized")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs for decode steps")
     g.add_argument("--rank-check-interval", type=int, default=d["rank_check_interval"], metavar="N",

@@ -107,3 +107,48 @@ def test_weights_out_of_memory_names_fp8_gemm(fp8_model, monkeypatch):
     assert msg.endswith("on cpu: a larger --tensor-parallel-size than 2 splits them over more GPUs"), msg
     w.cfg = SimpleNamespace(fp8_block=None)
     assert w._weights_oom_message(fp8_gemm=False) == msg
+
+
+def test_fp8_gemm_unset_keeps_fp8_only_where_dequantized_weights_would_not_fit(fp8_model, monkeypatch, caplog):
+    """--fp8-gemm unset (engine/weight_memory.py): the dequantized size is counted on a meta-device
+    model, and equals the bytes the dequantized model really holds; FP8 is kept exactly when that
+    exceeds 90% of the rank's budget and the W8A8 kernels can run; set either way, the flag wins;
+    a checkpoint that is not FP8 is never kept in FP8."""
+    import logging
+
+    import engine.weight_memory as wm
+    from models.config import ModelConfig
+    llm = LLM(fp8_model[0], device="cpu", dtype="float32", num_kv_blocks=64)  # unset, on the CPU: dequantized
+    model = llm.engine.executor.worker.model
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert not any(t.dtype == torch.float8_e4m3fn for t in model.parameters())
+    cfg = ModelConfig.from_pretrained(fp8_model[0])
+    need = wm.dequantized_weight_bytes(cfg, torch.float32)
+    assert need == held, (need, held)
+    assert wm.dequantized_weight_bytes(cfg, torch.bfloat16) < need  # 2 bytes a dequantized weight, not 4
+    for requested, fp8_ckpt, can, budget, want in (
+            (None, True, True, need / 0.9 - 1, True), (None, True, True, need / 0.9 + 1, False),
+            (None, True, False, need / 2, False), (False, True, True, need / 2, False),
+            (True, True, True, need * 10, True), (True, False, True, need / 2, False), (None, False, True, 0, False)):
+        assert wm.keep_fp8(requested, fp8_ckpt, can, need, budget) is want, (requested, fp8_ckpt, can, budget)
+    # on a "GPU" of 80 GB with 1 GB held elsewhere: budget 0.9 * 80 - 1 = 71 GB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (79e9, 80e9))
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(wm, "dequantized_weight_bytes", lambda *a: 64e9 + 1)
+    with caplog.at_level(logging.INFO, logger="engine.weight_memory"):
+        assert wm.resolve_fp8_gemm(None, cfg, torch.bfloat16, cuda, True, 0.9) is True
+    assert "would take 59.6 GiB of this rank's 66.1 GiB budget" in caplog.text and "--no-fp8-gemm" in caplog.text
+    monkeypatch.setattr(wm, "dequantized_weight_bytes", lambda *a: 60e9)
+    assert wm.resolve_fp8_gemm(None, cfg, torch.bfloat16, cuda, True, 0.9) is False
+    assert wm.resolve_fp8_gemm(True, cfg, torch.bfloat16, cuda, True, 0.9) is True
+    monkeypatch.setattr(wm, "dequantized_weight_bytes", lambda *a: 1e12)  # 1 TB: FP8, unless the plan is torch
+    assert wm.resolve_fp8_gemm(None, cfg, torch.bfloat16, cuda, False, 0.9) is False
+    assert wm.resolve_fp8_gemm(None, cfg, torch.bfloat16, torch.device("cpu"), True, 0.9) is False
+
+
+def test_fp8_gemm_flag_is_tri_state():
+    """serve's --fp8-gemm / --no-fp8-gemm / unset map to True / False / None (auto)."""
+    from server.flags import build_parser, engine_args_from
+    for argv, want in (([], None), (["--fp8-gemm"], True), (["--no-fp8-gemm"], False)):
+        ns = build_parser().parse_args(["--load-format", "dummy", *argv])
+        assert engine_args_from(ns).fp8_gemm is want, argv
