@@ -13,7 +13,9 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.distributed as dist
 
+from common import distributed as pd
 from models.fp8 import FP8
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,8 @@ def keep_fp8(requested: bool | None, fp8_checkpoint: bool, can_w8a8: bool, dequa
 
 def resolve_fp8_gemm(requested: bool | None, cfg, dtype: torch.dtype, device: torch.device, any_triton: bool,
                      gpu_memory_utilization: float, num_mtp_layers: int = 0) -> bool:
-    """keep_fp8 for this rank, with the dequantized size and the budget measured; logs the choice
-    made for an unset flag."""
+    """keep_fp8 for this rank, with the dequantized size and the budget measured (the smallest over
+    the ranks, so that all choose alike); logs the choice made for an unset flag."""
     if cfg.fp8_block is None or requested is not None:
         return keep_fp8(requested, cfg.fp8_block is not None, True, 0, 0.0)
     if device.type != "cuda":  # no GPU memory to run out of: dequantized, as ever
@@ -61,6 +63,10 @@ def resolve_fp8_gemm(requested: bool | None, cfg, dtype: torch.dtype, device: to
     need = dequantized_weight_bytes(cfg, dtype, num_mtp_layers)
     free, total = torch.cuda.mem_get_info(device)
     budget = total * gpu_memory_utilization - (total - free)  # what others (and our context) hold counts
+    if pd.cpu_group() is not None:  # one choice for all ranks: the tightest rank's budget decides
+        t = torch.tensor([budget], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=pd.cpu_group())
+        budget = t.item()
     keep = keep_fp8(None, True, any_triton, need, budget)
     gib = 2 ** 30
     if keep:
