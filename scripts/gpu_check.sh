@@ -31,7 +31,10 @@
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   ops         GPU time per op and per module against each op's floor: decode steps at batch 32
 #               and 128, prefill steps of 8 x 1024 and 1 x 8192 tokens (profile_ops.py; issue 19's
-#               table, and the 8192-token step's share of the bf16 peak)
+#               table, and the 8192-token step's share of the bf16 peak), and the offline run's
+#               typical mixed step, 211 decodes + 8 new 1000-token prompts: its kernels' sum against
+#               its unprofiled wall time (the offline run's steps with prefill spanned 101.8 ms of GPU
+#               time at 91e325c)
 #   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
 #   offline     the same, prefix caching off, with its instruments: wall / host launch / GPU span per
 #               step kind, GPU idle between steps, host stack samples, GC, Triton compiles and the
@@ -134,7 +137,7 @@ for spec in $steps; do
              timeout $((T / 4)) python3 scripts/bench_latency.py --kernel-plan "$k" --batch-sizes 1 8 32 128 \
                --json "$OUT/latency_${k//[,=]/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;
-    ops) timeout "$T" python3 scripts/profile_ops.py --decode 32 128 --prefill 8x1024 1x8192 > "$log" 2>&1 ;;
+    ops) timeout "$T" python3 scripts/profile_ops.py --decode 32 128 --prefill 8x1024 1x8192 --mixed 211x8 > "$log" 2>&1 ;;
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
     offline) timeout "$T" python3 scripts/bench_throughput.py --no-enable-prefix-caching --step-stats --host-sample \
                --json "$OUT/offline.json" > "$log" 2>&1 ;;
