@@ -36,6 +36,7 @@ class DecodeConfig:
     stage_v: bool = False  # with reload_v on CUDA: PV's tile converted to fp16 before shared memory
     stage_c: bool = False  # FP8 cache on CUDA: one load, one conversion, the fp16 tile feeds both products
     lazy_rescale: bool = False  # rescale the accumulator only when a row's max grows by > 2^LAZY_TAU
+    qk_fp8: bool = False  # FP8 cache: QK^T on e4m3 tensor cores, q rounded to e4m3 per row (kernel_notes)
 
 
 WIDE_ROWS = 64  # query rows (heads x query tokens) per sequence from which 64-row tiles are used

@@ -48,6 +48,16 @@ def store_as(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.T
     return (x.float() * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def e4m3_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] as e4m3 with one scale per row (amax / 448; 1 for a row of zeros): (x8 [..., D],
+    scale [..., 1] fp32), x ~ x8 * scale. The decode's QK^T on e4m3 operands (DecodeConfig.qk_fp8)
+    quantises q so, in the kernel, with the same arithmetic."""
+    x = x.float()
+    amax = x.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, 1.0)
+    return (x * (1.0 / scale)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
 def load_as(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
     """Cached values in the compute dtype: FP8 dequantised in fp32 (q * scale), else a cast."""
     if x.dtype != FP8_DTYPE:

@@ -4,7 +4,9 @@ Notation (DESIGN.md §4): q `[B*q_len, H, Lkv+R]` = `[q_lat ‖ q_pe]`, cache `[
 `[c ‖ k_pe]`. score = q_lat·c + q_pe·k_pe, o = softmax(score) @ c.
 The products run in q's dtype: a cache of another dtype (FP8, attention/kv_quant.py, or bf16 under
 fp32 compute) is converted on load; an FP8 cache's per-tensor scale folds out of both products,
-into the softmax scale and into the output.
+into the softmax scale and into the output. With `DecodeConfig.qk_fp8` (FP8 cache, opt-in) QK^T
+instead runs on e4m3 operands: each query row is rounded to e4m3 with its own scale
+(kv_quant.e4m3_rows) and multiplied with the cache's bytes as they are; PV is unchanged.
 
 Stage 1 (`_mla_decode_partial_kernel`): program (row tile, split, b) streams the split's cache rows
 once for BLOCK_H query rows, a row being one (query token, head) pair of sequence b (all of them
@@ -25,6 +27,7 @@ import triton.language as tl
 
 from attention.decode_config import LAZY_TAU, WIDE_ROWS, DecodeConfig, choose_num_splits, default_decode_config
 from attention.kv_quant import is_fp8
+from attention.triton_cache import fp8_store_value
 from common.kernel_plan import interpreting
 from common.pdl import pdl_launch, pdl_prologue
 
@@ -68,11 +71,25 @@ def _as_product(x, dtype: tl.constexpr, FP8: tl.constexpr, HW_CVT: tl.constexpr)
     return x.to(dtype)
 
 
+@triton.jit
+def _e4m3_rows(x_lat, x_pe):
+    """Query rows [BLOCK_H, BLOCK_L] ‖ [BLOCK_H, BLOCK_R] as e4m3 with one scale per row over
+    both parts (amax / 448, kv_quant.FP8_MAX; 1 for a zero row), as kv_quant.e4m3_rows: (lat, pe,
+    scale [BLOCK_H]). The divisions are IEEE (div_rn; Triton's `/` is approximate on CUDA), so the
+    bytes equal the torch reference's."""
+    x_lat = x_lat.to(tl.float32)
+    x_pe = x_pe.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x_lat), 1), tl.max(tl.abs(x_pe), 1))
+    sq = tl.where(amax > 0.0, tl.math.div_rn(amax, 448.0), 1.0)
+    inv = tl.math.div_rn(tl.full(sq.shape, 1.0, tl.float32), sq)[:, None]
+    return fp8_store_value(x_lat, inv), fp8_store_value(x_pe, inv), sq
+
+
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"])  # the table width varies by step
 def _mla_decode_partial_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
     qk_scale_log2,  # softmax scale * kv scale * log2(e): scores live in the log2 domain
-    o_scale,  # kv scale (FP8 cache), else 1
+    o_scale,  # kv scale (FP8 cache), else 1; either scale carries 2^8 where its product reads bit-moved values
     H, num_splits,  # runtime, so a new split count never recompiles
     q_len, dcp_size, dcp_rank,
     stride_qb, stride_qh,
@@ -86,7 +103,7 @@ def _mla_decode_partial_kernel(
     PRECISION: tl.constexpr, QK_T: tl.constexpr, PREFETCH_IDS: tl.constexpr, DIRECT: tl.constexpr,
     HAS_POS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FP8: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
     RELOAD_V: tl.constexpr, HW_CVT: tl.constexpr, STAGE_V: tl.constexpr, STAGE_C: tl.constexpr,
-    LAZY: tl.constexpr, TAU: tl.constexpr, PDL: tl.constexpr,
+    QK_FP8: tl.constexpr, LAZY: tl.constexpr, TAU: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_prologue(PDL)
     pid_h = tl.program_id(0)
@@ -110,13 +127,25 @@ def _mla_decode_partial_kernel(
     lmask = offs_l < LKV
     rmask = offs_r < R
     # the products' input dtype (PRODUCT_DTYPE): q's, or fp16 over an FP8 cache (kv_ptr is then
-    # the cache's bytes, read as fp16 values * 2^-8; the host folds the 2^8 into both scales)
+    # the cache's bytes, read as fp16 values * 2^-8 without HW_CVT; the host folds the 2^8 into
+    # the scales of the products that read them)
     kv_dtype = PRODUCT_DTYPE
     q_row = q_ptr + tok[:, None] * stride_qb + heads[:, None] * stride_qh
     q_lat = tl.load(q_row + offs_l[None, :], mask=hmask[:, None] & lmask[None, :], other=0.0)
     q_pe = tl.load(q_row + LKV + offs_r[None, :], mask=hmask[:, None] & rmask[None, :], other=0.0)
-    q_lat = q_lat.to(kv_dtype)  # [BLOCK_H, BLOCK_L]
-    q_pe = q_pe.to(kv_dtype)    # [BLOCK_H, BLOCK_R]
+    if QK_FP8:
+        # q as e4m3 with a scale per row, sq: QK^T = sq * (q8 · ĉ) over the cache's own e4m3 values
+        # (true values: a bitcast, no 2^-8; the host leaves 2^8 out of qk_scale_log2), in fp32.
+        # The interpreter's fp8 x fp8 dot widens both operands exactly (fp16, then an fp32
+        # matmul), so it needs no fp32 fallback. Triton 3.6 emits e4m3 MMAs on sm_89 (mma.sync
+        # m16n8k32) and on sm_90 only as wgmma (QK_T over BLOCK_N = 64 rows); a 16-row sm_90 dot
+        # gets its fp8 operands converted to fp16 (docs/kernel_notes.md).
+        q_lat, q_pe, sq = _e4m3_rows(q_lat, q_pe)  # [BLOCK_H, BLOCK_L], [BLOCK_H, BLOCK_R], [BLOCK_H]
+        qk_scale = (sq * qk_scale_log2)[:, None]  # [BLOCK_H, 1]
+    else:
+        q_lat = q_lat.to(kv_dtype)  # [BLOCK_H, BLOCK_L]
+        q_pe = q_pe.to(kv_dtype)    # [BLOCK_H, BLOCK_R]
+        qk_scale = qk_scale_log2
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -162,8 +191,8 @@ def _mla_decode_partial_kernel(
         c_ptrs = kv_ptr + row[:, None] + offs_l[None, :]
         cmask = nmask[:, None] & lmask[None, :]
         c = tl.load(c_ptrs, mask=cmask, other=0)  # [BLOCK_N, BLOCK_L]
-        k_pe = _as_product(tl.load(kv_ptr + row[:, None] + LKV + offs_r[None, :],
-                                   mask=nmask[:, None] & rmask[None, :], other=0), kv_dtype, FP8, HW_CVT)  # [BLOCK_N, BLOCK_R]
+        k_pe = tl.load(kv_ptr + row[:, None] + LKV + offs_r[None, :],
+                       mask=nmask[:, None] & rmask[None, :], other=0)  # [BLOCK_N, BLOCK_R]
         if RELOAD_V:
             # An FP8 tile converted in registers for both products is loaded synchronously by
             # Triton's pipeliner (sm_90, 16-row tiles); a second load of the same rows for PV
@@ -171,13 +200,18 @@ def _mla_decode_partial_kernel(
             v = tl.load(c_ptrs, mask=cmask, other=0, cache_modifier=".ca")  # a distinct op: not CSEd with c
         else:
             v = c
-        c = _as_product(c, kv_dtype, FP8, HW_CVT)
-        if STAGE_C and HW_CVT:
-            # The same opaque identity as STAGE_V, on the only copy: the tile is converted once,
-            # in the load's layout, and both products read the fp16 tile (ldmatrix, .trans for PV)
-            # from shared memory instead of converting 8-bit operands in their own layouts.
-            c = tl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r", args=[c],
-                                          dtype=tl.float16, is_pure=False, pack=2)
+        if QK_FP8:  # the bytes as e4m3 operands; v (the reload, or these bytes) is converted below
+            c = c.to(tl.float8e4nv, bitcast=True)
+            k_pe = k_pe.to(tl.float8e4nv, bitcast=True)
+        else:
+            k_pe = _as_product(k_pe, kv_dtype, FP8, HW_CVT)
+            c = _as_product(c, kv_dtype, FP8, HW_CVT)
+            if STAGE_C and HW_CVT:
+                # The same opaque identity as STAGE_V, on the only copy: the tile is converted once,
+                # in the load's layout, and both products read the fp16 tile (ldmatrix, .trans for PV)
+                # from shared memory instead of converting 8-bit operands in their own layouts.
+                c = tl.inline_asm_elementwise(asm="mov.b32 $0, $1;", constraints="=r,r", args=[c],
+                                              dtype=tl.float16, is_pure=False, pack=2)
         if QK_T:  # scores as [BLOCK_N, BLOCK_H]: rows (tokens) fill the MMA's M, for wide head tiles
             s_t = tl.dot(c, tl.trans(q_lat), input_precision=PRECISION)
             s_t = tl.dot(k_pe, tl.trans(q_pe), acc=s_t, input_precision=PRECISION)
@@ -185,7 +219,7 @@ def _mla_decode_partial_kernel(
         else:
             s = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
             s = tl.dot(q_pe, tl.trans(k_pe), acc=s, input_precision=PRECISION)
-        if RELOAD_V:
+        if RELOAD_V or QK_FP8:
             v = _as_product(v, kv_dtype, FP8, HW_CVT)
             if STAGE_V and HW_CVT:
                 # An opaque identity (not pure: Triton can neither move nor drop it) keeps the
@@ -197,9 +231,9 @@ def _mla_decode_partial_kernel(
         else:
             v = c
         if HAS_POS:
-            s = tl.where(offs_n[None, :] < visible[:, None], s * qk_scale_log2, float("-inf"))
+            s = tl.where(offs_n[None, :] < visible[:, None], s * qk_scale, float("-inf"))
         else:
-            s = tl.where(nmask[None, :], s * qk_scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            s = tl.where(nmask[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if LAZY:
             # Rescale only when some row's max outgrew the one in use by more than 2^TAU (the
@@ -306,12 +340,15 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     fp8 = is_fp8(kv_cache)
     # the products' inputs: q's dtype; over an FP8 cache fp16 (e4m3 -> fp16 is exact), or fp32
     compute_dtype = torch.float16 if fp8 and q.dtype != torch.float32 else q.dtype
-    # e4m3 -> fp16 by the hardware's convert on CUDA (sm_89+), else by moving bits, which reads
-    # values * 2^-8 (_e4m3_as_f16): then 2^8 goes into both scales
-    hw_cvt = fp8 and _hw_e4m3_convert(q.device)
-    kv_scale = (kv_scale * (1.0 if hw_cvt else 256.0)) if fp8 else 1.0
     rows = q_len * H  # query rows per sequence
     cfg = cfg or default_decode_config(rows, compute_dtype, cache_dtype=kv_cache.dtype)
+    qk_fp8 = fp8 and cfg.qk_fp8
+    # e4m3 -> fp16 by the hardware's convert on CUDA (sm_89+), else by moving bits, which reads
+    # values * 2^-8 (_e4m3_as_f16): then 2^8 goes into the scale of each product whose operand
+    # was converted: PV always, QK^T unless it runs on the bytes as e4m3 (qk_fp8: true values)
+    hw_cvt = fp8 and _hw_e4m3_convert(q.device)
+    o_scale = (kv_scale * (1.0 if hw_cvt else 256.0)) if fp8 else 1.0
+    qk_kv_scale = (kv_scale * (1.0 if hw_cvt or qk_fp8 else 256.0)) if fp8 else 1.0
     block_h = max(16, min(cfg.block_h, triton.next_power_of_2(rows)))
     head_tiles = triton.cdiv(rows, block_h)
     if num_splits is None:
@@ -328,7 +365,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     _mla_decode_partial_kernel[(head_tiles, num_splits, B)](
         q, kv_cache.view(torch.uint8) if fp8 else kv_cache, block_table, seq_lens,
         seq_lens if q_pos is None else q_pos, po, plse,
-        scale * kv_scale * LOG2E, kv_scale, H, num_splits, q_len, dcp_size, dcp_rank,
+        scale * qk_kv_scale * LOG2E, o_scale, H, num_splits, q_len, dcp_size, dcp_rank,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1),
         block_table.stride(0),
@@ -340,7 +377,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         HAS_POS=q_pos is not None, WARP_SPECIALIZE=cfg.warp_specialize, FP8=fp8,
         RELOAD_V=fp8 and cfg.reload_v and not cfg.stage_c, HW_CVT=hw_cvt,
         STAGE_V=fp8 and cfg.reload_v and cfg.stage_v and not cfg.stage_c, STAGE_C=fp8 and cfg.stage_c,
-        LAZY=cfg.lazy_rescale, TAU=LAZY_TAU,
+        QK_FP8=qk_fp8, LAZY=cfg.lazy_rescale, TAU=LAZY_TAU,
         PRODUCT_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[compute_dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),

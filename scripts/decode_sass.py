@@ -36,14 +36,19 @@ _H16 = "block_h=16,num_warps=4,prefetch_ids=True,programs_per_sm=2"
 VARIANTS = [  # (name, fp8, DecodeConfig fields)
     ("bf16 default", False, f"{_H16},block_n=32,num_stages=3"),
     ("bf16 lazy", False, f"{_H16},block_n=32,num_stages=3,lazy_rescale=True"),
+    ("fp8 reload (default)", True, f"{_H16},block_n=32,num_stages=2,reload_v=True"),
     ("fp8 reload+stage_v", True, f"{_H16},block_n=32,num_stages=2,reload_v=True,stage_v=True"),
     ("fp8 plain", True, f"{_H16},block_n=32,num_stages=3"),
     ("fp8 stage_c", True, f"{_H16},block_n=32,num_stages=2,stage_c=True"),
     ("fp8 stage_c lazy", True, f"{_H16},block_n=32,num_stages=2,stage_c=True,lazy_rescale=True"),
+    ("fp8 qk_fp8 reload", True, f"{_H16},block_n=32,num_stages=2,reload_v=True,qk_fp8=True"),
+    ("fp8 qk_fp8 reload+stage_v", True, f"{_H16},block_n=32,num_stages=2,reload_v=True,stage_v=True,qk_fp8=True"),
+    ("fp8 qk_fp8 qk_t n64 w8", True, "block_h=16,num_warps=8,prefetch_ids=True,programs_per_sm=1,block_n=64,"
+                                     "num_stages=2,reload_v=True,stage_v=True,qk_t=True,qk_fp8=True"),
     ("h64 bf16 default", False, "block_h=64,block_n=64,num_warps=8,num_stages=2"),
     ("h64 bf16 lazy", False, "block_h=64,block_n=64,num_warps=8,num_stages=2,lazy_rescale=True"),
 ]
-CLASSES = ["HMMA", "HGMMA", "F2FP", "LDS", "LDSM", "STS", "LDGSTS", "LDG", "FMUL", "IMAD.MOV", "BAR"]
+CLASSES = ["HMMA", "HGMMA", "QGMMA", "F2FP", "LDS", "LDSM", "STS", "LDGSTS", "LDG", "FMUL", "IMAD.MOV", "BAR"]
 
 
 def parse_cfg(text: str) -> td.DecodeConfig:
@@ -65,7 +70,7 @@ def compile_partial(cfg: td.DecodeConfig, fp8: bool, page: int = 16, direct: boo
                  PRODUCT_DTYPE=tl.float16 if fp8 else tl.bfloat16, HW_CVT=fp8,
                  RELOAD_V=fp8 and cfg.reload_v and not cfg.stage_c,
                  STAGE_V=fp8 and cfg.reload_v and cfg.stage_v and not cfg.stage_c, STAGE_C=fp8 and cfg.stage_c,
-                 LAZY=cfg.lazy_rescale, TAU=td.LAZY_TAU, PDL=pdl)
+                 QK_FP8=fp8 and cfg.qk_fp8, LAZY=cfg.lazy_rescale, TAU=td.LAZY_TAU, PDL=pdl)
     ptrs = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "block_table_ptr": "*i32",
             "seq_lens_ptr": "*i32", "q_pos_ptr": "*i32", "o_ptr": "*bf16" if direct else "*fp32",
             "lse_ptr": "*fp32"}

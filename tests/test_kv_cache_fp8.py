@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_triton_ops import check_lse, poisoned, rel_err
 
-from attention.kv_quant import FP8_DTYPE, FP8_MAX, load_as, resolve_kv_cache_dtype, store_as
+from attention.kv_quant import FP8_DTYPE, FP8_MAX, e4m3_rows, load_as, resolve_kv_cache_dtype, store_as
 from attention.torch_backend import TorchAttentionOps
 from attention.triton_decode import DecodeConfig
 
@@ -27,6 +27,9 @@ f32, f16, bf16 = torch.float32, torch.float16, torch.bfloat16
 # o's relative error vs the reference on the same quantised cache: the kernels only differ from it
 # in the order of the fp32 sums (fp32 compute) or by rounding q and p to bf16 (bf16 compute)
 TOL = {f32: 1e-3, f16: 5e-3, bf16: 1.5e-2}
+# DecodeConfig.qk_fp8 under fp32 compute: the same products as the q-rounding reference, exactly
+# (e4m3 x e4m3 is exact in fp32), and fp32 sums: only their order differs
+QK_FP8_TOL_F32 = 1e-5
 
 
 def poisoned_cache(lens, page, d, cache_dtype, scale, device, gen, extra_blocks=3):
@@ -47,7 +50,11 @@ def poisoned_cache(lens, page, d, cache_dtype, scale, device, gen, extra_blocks=
 
 def check_decode_cache(device, dtype, cache_dtype, H, lkv, r, page, lens, q_len=1, with_pos=False,
                        dcp=(1, 0), scale=1.0, num_splits=None, cfg=None):
-    """Triton decode over a (poisoned, quantised) cache vs the torch reference over the same bytes."""
+    """Triton decode over a (poisoned, quantised) cache vs the torch reference over the same bytes.
+
+    With `cfg.qk_fp8` the reference's q is rounded to e4m3 per row first (kv_quant.e4m3_rows), as
+    the kernel's QK^T operand; the kernel must then be far nearer that reference than the plain
+    one (a kernel that ignored qk_fp8 would sit at the plain one)."""
     from attention.triton_backend import TritonAttentionOps
     from attention.triton_decode import mla_decode
     gen = torch.Generator().manual_seed(len(lens) * 31 + H + page)
@@ -67,11 +74,21 @@ def check_decode_cache(device, dtype, cache_dtype, H, lkv, r, page, lens, q_len=
             o, lse = TritonAttentionOps(kv_scale=scale).decode(q, cache, bt, seq_lens, sm, lkv, **kw)
         else:
             o, lse = mla_decode(q, cache, bt, seq_lens, sm, lkv, num_splits=num_splits, cfg=cfg, kv_scale=scale, **kw)
-    ref_o, ref_lse = TorchAttentionOps(kv_scale=scale).decode(q.float(), cache, bt, seq_lens, sm, lkv, **kw)
+    qk_fp8 = cfg is not None and cfg.qk_fp8 and cache_dtype == FP8_DTYPE
+    ref = TorchAttentionOps(kv_scale=scale)
+    ref_q = q.float()
+    if qk_fp8:
+        q8, sq = e4m3_rows(ref_q)
+        ref_q = q8.float() * sq
+    ref_o, ref_lse = ref.decode(ref_q, cache, bt, seq_lens, sm, lkv, **kw)
     assert o.shape == (B * q_len, H, lkv) and o.dtype == dtype
     check_lse(lse, ref_lse, "decode")
     err = rel_err(o, ref_o)
-    assert err <= TOL[dtype], f"decode rel err {err} > {TOL[dtype]} ({cache_dtype}, H={H}, page={page})"
+    tol = QK_FP8_TOL_F32 if qk_fp8 and dtype == f32 else TOL[dtype]
+    assert err <= tol, f"decode rel err {err} > {tol} ({cache_dtype}, H={H}, page={page}, qk_fp8={qk_fp8})"
+    if qk_fp8:  # q's rounding shows: ~5e-2 on these inputs
+        far = rel_err(o, ref.decode(q.float(), cache, bt, seq_lens, sm, lkv, **kw)[0])
+        assert far > max(1e-4, 4 * err), f"qk_fp8: {far} from the unrounded-q reference, {err} from the rounded"
     return err
 
 
@@ -179,6 +196,22 @@ CPU_CASES = {
                                                              num_splits=2, cfg=_cfg(16, stage_c=True, lazy_rescale=True)),
     "decode_fp16_q_reload_v": lambda: check_decode_cache("cpu", f16, F8, 4, 32, 16, 4, [0, 1, 70, 33], num_splits=2,
                                                          cfg=_cfg(16, reload_v=True)),
+    # QK^T on e4m3 operands (q rounded per row): 16 heads, partial last tiles, splits; q_len 2
+    # with positions under DCP and one load per tile; transposed scores over 64 cache rows (the
+    # form sm_90 runs on e4m3 wgmma) and over 64-head tiles
+    "decode_qk_fp8_h16_splits3": lambda: check_decode_cache("cpu", f32, F8, 16, 32, 16, 4, [0, 1, 70, 33],
+                                                            num_splits=3, cfg=_cfg(16, qk_fp8=True, reload_v=True),
+                                                            scale=0.5),
+    "decode_qk_fp8_h16_qlen2_pos_dcp": lambda: check_decode_cache("cpu", f32, F8, 16, 32, 16, 16, [0, 9, 30],
+                                                                  q_len=2, with_pos=True, dcp=(2, 1), num_splits=2,
+                                                                  cfg=_cfg(16, qk_fp8=True, lazy_rescale=True)),
+    "decode_qk_fp8_h16_qk_t_n64": lambda: check_decode_cache("cpu", f32, F8, 16, 32, 16, 16, [37, 0, 150],
+                                                             num_splits=2, cfg=_cfg(16, 64, qk_fp8=True, qk_t=True,
+                                                                                    reload_v=True), scale=2.0),
+    "decode_qk_fp8_h64_qk_t": lambda: check_decode_cache("cpu", f32, F8, 64, 32, 16, 16, [37, 0, 50], num_splits=1,
+                                                         cfg=_cfg(64, qk_fp8=True, qk_t=True), scale=2.0),
+    "decode_qk_fp8_fp16_q": lambda: check_decode_cache("cpu", f16, F8, 16, 32, 16, 4, [0, 1, 70, 33], num_splits=2,
+                                                       cfg=_cfg(16, qk_fp8=True, reload_v=True)),
     # the model-dtype caches with the same NaN poisoning (no unused slot may be read)
     "decode_fp32_cache_poisoned": lambda: check_decode_cache("cpu", f32, f32, 8, 32, 16, 4, [3, 0, 41], num_splits=2,
                                                              cfg=_cfg(16)),
@@ -212,6 +245,27 @@ for _h in (16, 128):
                                                                          stage_c=True, lazy_rescale=lazy)))
     GPU_CASES[f"decode_bf16_H{_h}_poisoned"] = (
         lambda h=_h: check_decode_cache("cuda", bf16, bf16, h, 512, 64, 64, _LENS))
+# DecodeConfig.qk_fp8 at 16 heads: the FP8 default's tiles, PV staged, 64-row steps, one load per
+# tile, transposed scores over 64 rows (e4m3 wgmma on sm_90); B = 6 (lengths up to 16k, 5 splits),
+# for two of them 128 (up to 4k, page 16, kv scale 0.5); q_len 2 under DCP
+_QK8 = dict(block_h=16, num_warps=4, programs_per_sm=2, prefetch_ids=True, qk_fp8=True)
+for _name, _kw in (("", dict(block_n=32, num_stages=2, reload_v=True)),
+                   ("_stage_v", dict(block_n=32, num_stages=2, reload_v=True, stage_v=True)),
+                   ("_n64", dict(block_n=64, num_stages=3, reload_v=True, programs_per_sm=1, num_warps=8)),
+                   ("_one_load", dict(block_n=32, num_stages=2)),
+                   ("_qk_t_n64", dict(block_n=64, num_stages=2, reload_v=True, stage_v=True, qk_t=True,
+                                      programs_per_sm=1, num_warps=8))):
+    _c = DecodeConfig(**(_QK8 | _kw))
+    GPU_CASES[f"decode_fp8_H16_qk_fp8{_name}"] = (
+        lambda c=_c: check_decode_cache("cuda", bf16, F8, 16, 512, 64, 64, _LENS, num_splits=5, cfg=c))
+    if _name in ("", "_qk_t_n64"):
+        GPU_CASES[f"decode_fp8_H16_qk_fp8{_name}_batch128"] = (
+            lambda c=_c: check_decode_cache("cuda", bf16, F8, 16, 512, 64, 16, [(37 * i) % 4097 for i in range(128)],
+                                            num_splits=3, cfg=c, scale=0.5))
+_c = DecodeConfig(**(_QK8 | dict(block_n=32, num_stages=2, reload_v=True)))
+GPU_CASES["decode_fp8_H16_qk_fp8_qlen2_dcp"] = (
+    lambda c=_c: check_decode_cache("cuda", bf16, F8, 16, 512, 64, 64, _LENS, q_len=2, with_pos=True, dcp=(2, 0),
+                                    num_splits=5, cfg=c))
 
 
 @pytest.mark.gpu
@@ -234,6 +288,22 @@ def test_quantisation_error_bound_and_saturation():
         assert ((q - x).abs()[normal] <= x.abs()[normal] * 2 ** -4 * (1 + 1e-6)).all()
         assert ((q - x).abs()[~normal & ~big] <= 2 ** -10 * scale * (1 + 1e-6)).all()
         assert ((q - x).abs()[normal] > 0).any()  # it does round
+
+
+def test_e4m3_rows_one_scale_per_row():
+    """q's rounding for DecodeConfig.qk_fp8: each row's largest |value| maps to ±448, a row of
+    zeros keeps scale 1, and every value is within e4m3's rounding step of x."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 576) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 1e3])[:, None]
+    x8, s = e4m3_rows(x)
+    assert x8.dtype == FP8_DTYPE and s.shape == (5, 1) and s.dtype == f32
+    assert s[3].item() == 1.0 and (x8[3].float() == 0).all()
+    peak = x8.float().abs().gather(1, x.abs().argmax(1, keepdim=True))
+    assert (peak[[0, 1, 2, 4]] == FP8_MAX).all()
+    err, normal = (x8.float() * s - x).abs(), x.abs() >= 2 ** -6 * s
+    assert (err[normal] <= x.abs()[normal] * 2 ** -4 * (1 + 1e-6)).all()
+    assert (err <= (2 ** -10 * s).expand_as(x) * (1 + 1e-6))[~normal].all()
+    assert (err > 0).any()
 
 
 def test_kv_cache_dtype_flag_values():
