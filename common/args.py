@@ -110,6 +110,8 @@ class EngineArgs:
         need(self.nnodes == 1 or self.master_port is not None, "--master-port is required with --nnodes > 1")
         need(self.async_scheduling is None or isinstance(self.async_scheduling, bool),
              f"async_scheduling must be a bool or None (auto), got {self.async_scheduling!r}")
+        need(self.fp8_gemm is None or isinstance(self.fp8_gemm, bool),
+             f"fp8_gemm must be a bool or None (auto), got {self.fp8_gemm!r}")
         need(not (self.speculative_config is not None and self.async_scheduling),
              "--async-scheduling cannot be combined with --speculative-config: the next step's "
              "inputs depend on how many drafts this step accepts; leave --async-scheduling unset")

@@ -116,7 +116,7 @@ CHOICES: tuple[Choice, ...] = (
            triton="grouped", torch="loop"),
     Choice("fp8_gemm", ("auto", TRITON, "cublas"),
            "W8A8 block GEMM with --fp8-gemm: cuBLAS's block-scaled GEMM where torch, GPU and "
-           "shape have it (auto), or one of them", ("models.fp8_gemm",), triton="auto", torch="auto"),
+           "shape have it, Triton elsewhere and, with fp8_gemm_splitk, through 16 rows (auto), or one of them", ("models.fp8_gemm",), triton="auto", torch="auto"),
     Choice("fp8_gemm_splitk", (bool,), "with --fp8-gemm, the Triton W8A8 GEMM at <= 16 rows splits K over "
            "more programs where its tiles alone would leave SMs idle (models/fp8_gemm_splitk.py; R1 with 4 "
            "layers on the H200: batch-1 TPOT 3.27 -> 3.05 ms)", ("models.fp8_gemm_splitk",), triton=True, torch=False),

@@ -1,7 +1,7 @@
 """Whether an FP8 checkpoint's weights stay in FP8 when `--fp8-gemm` is not given.
 
 Dequantized (the default where they fit), DeepSeek-V3/R1's weights take 2 bytes a weight: about
-1,250 GiB, 156 GiB a rank at `-tp 8`, more than an H200's 140 GiB. Kept in FP8 (`--fp8-gemm`) they
+1,250 GiB, 158 GiB a rank at `-tp 8`, more than an H200's 140 GiB. Kept in FP8 (`--fp8-gemm`) they
 take half that. Unset, the flag keeps FP8 exactly when the dequantized weights would not leave a
 working server: more than FP8_AUTO_SHARE of the rank's memory budget (`--gpu-memory-utilization`
 of the GPU, less what other processes hold), where the rest would barely hold activations and a
@@ -58,7 +58,7 @@ def resolve_fp8_gemm(requested: bool | None, cfg, dtype: torch.dtype, device: to
     the ranks, so that all choose alike); logs the choice made for an unset flag."""
     if cfg.fp8_block is None or requested is not None:
         return keep_fp8(requested, cfg.fp8_block is not None, True, 0, 0.0)
-    if device.type != "cuda":  # no GPU memory to run out of: dequantized, as ever
+    if device.type != "cuda":  # no GPU memory to run out of: dequantized
         return False
     need = dequantized_weight_bytes(cfg, dtype, num_mtp_layers)
     free, total = torch.cuda.mem_get_info(device)
@@ -69,6 +69,8 @@ def resolve_fp8_gemm(requested: bool | None, cfg, dtype: torch.dtype, device: to
         budget = t.item()
     keep = keep_fp8(None, True, any_triton, need, budget)
     gib = 2 ** 30
+    if pd.tp().rank != 0:  # every rank made the same choice: one log line
+        return keep
     if keep:
         log.info("FP8 checkpoint: dequantized to %s its weights would take %.1f GiB of this rank's %.1f GiB "
                  "budget (--gpu-memory-utilization %.2f): kept in FP8 (W8A8 GEMMs, as --fp8-gemm; "

@@ -158,8 +158,9 @@ class Worker:
         tp = self.args.tensor_parallel_size
         more_tp = f"a larger --tensor-parallel-size than {tp} splits them over more GPUs"
         if self.cfg.fp8_block is not None and not fp8_gemm:
+            why = "with --no-fp8-gemm" if self.args.fp8_gemm is False else "by default where it seemed to fit"
             return (f"out of GPU memory loading the model's weights on {where}: this FP8 checkpoint is "
-                    f"dequantized to {self.dtype} by default; --fp8-gemm keeps its weights in FP8 (1 byte a "
+                    f"dequantized to {self.dtype} {why}; --fp8-gemm keeps its weights in FP8 (1 byte a "
                     f"weight instead of {self.dtype.itemsize}), or {more_tp}")
         return f"out of GPU memory loading the model's weights on {where}: {more_tp}"
 

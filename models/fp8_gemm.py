@@ -10,15 +10,17 @@ with an fp8 tensor-core product per K block and the two scales applied to its fp
 
 Two implementations (w8a8_block_gemm picks; the kernel plan's fp8_gemm=triton|cublas forces one):
 - cuBLAS's block-scaled FP8 GEMM through torch._scaled_mm (the default where this torch and an
-  sm_90 GPU have it, from 4 rows, K a multiple of 512): 1.48-1.60x of bf16 cuBLAS at M = 4096, V3 shapes (H200).
+  sm_90 GPU have it, from 4 rows, K a multiple of 512; from 17 rows with split_k, the plan's
+  fp8_gemm_splitk, on by default): 1.48-1.60x of bf16 cuBLAS at M = 4096, V3 shapes (H200).
 - Triton, everywhere else (fewer rows, other GPUs, older torch): a persistent TMA kernel above 256
   rows (1.13-1.19x of bf16 at M = 4096), an autotuned pointer kernel below, which at <= 16
-  rows splits K where its tiles alone would leave SMs idle (models/fp8_gemm_splitk.py; in the
-  engine only with the kernel plan's fp8_gemm_splitk). Its ceiling here: each K block's product
-  must be scaled before the next accumulates, so Triton waits for every wgmma (wait 0) instead
-  of keeping one in flight; an unscaled Triton fp8 GEMM reaches 1.2-1.7x.
+  rows with split_k splits K where its tiles alone would leave SMs idle
+  (models/fp8_gemm_splitk.py). Its ceiling here: each K block's product must be scaled before
+  the next accumulates, so Triton waits for every wgmma (wait 0) instead of keeping one in
+  flight; an unscaled Triton fp8 GEMM reaches 1.2-1.7x.
 Measurements and the variants tried: RESULTS.md.
-The engine uses this only with `--fp8-gemm` (else FP8 checkpoints are dequantized to bf16 at load).
+The engine uses this where an FP8 checkpoint's weights are kept in FP8 (`--fp8-gemm`, or unset
+where the dequantized weights would not fit: engine/weight_memory.py).
 """
 
 from __future__ import annotations
@@ -358,10 +360,11 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
     if splits is not None and backend == "cublas":
         raise ValueError("W8A8 GEMM: splits forces the Triton kernel, not with backend='cublas'")
     # auto with split_k: the Triton kernel through SPLIT_MAX_M rows, split or not (bench_fp8_gemm.py
-    # --decode at R1's decode shapes, M 4-16, CUDA graphs on the H200: up to 1.3x faster than cuBLAS,
-    # and at most 1% slower, at two points: dense down_proj at M 4, shared down at M 16; RESULTS.md)
+    # --decode at R1's decode shapes, M 4-16, CUDA graphs on the H200: 1.15-1.31x faster than cuBLAS
+    # on q_b and the gate/up projections, 1.03-1.08x on o_proj, level on the down projections)
     small = split_k and backend == "auto" and M <= SPLIT_MAX_M
-    if tile is None and splits is None and backend != "triton" and not small and _cublas_ok(xq, N, K, out_dtype):
+    use_cublas = tile is None and splits is None and backend != "triton" and not small
+    if use_cublas and _cublas_ok(xq, N, K, out_dtype):
         try:
             return _cublas_gemm(xq, sx, wq, sw, out_dtype)
         except torch.cuda.OutOfMemoryError:

@@ -143,7 +143,7 @@ class PackedLinear(Linear):
         bn, bk = fp8_block
         if keep_fp8 and any(n % bn for n in self.sizes[:-1]):
             raise ValueError(f"--fp8-gemm: {', '.join(p[0] for p in parts)} ({self.sizes} rows) do not "
-                             f"pack on {bn}-row FP8 blocks; drop --fp8-gemm")
+                             f"pack on {bn}-row FP8 blocks; --no-fp8-gemm dequantizes them")
         self.block_rows = [-(-n // bn) for n in self.sizes]  # each part's scale rows
         b0 = [sum(self.block_rows[:i]) for i in range(len(parts))]
         self.weight_scale_inv = packed_param((sum(self.block_rows), -(-in_features // bk)), torch.float32, [

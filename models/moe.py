@@ -217,7 +217,7 @@ class MoE(nn.Module):
         if self.keep_fp8:
             if self.fused_small is not None and q[0] != q[1]:  # the kernels take one block size
                 raise ValueError(f"the Triton MoE kernels take square FP8 blocks, not {q[0]}x{q[1]}: "
-                                 f"drop --fp8-gemm or run --kernels ...,moe=torch")
+                                 f"--no-fp8-gemm or --kernels ...,moe=torch")
             self.fp8_block = q
             return
         w13 = torch.empty(self.w13.shape, dtype=self.dtype, device=self.w13.device)

@@ -6,9 +6,9 @@
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
 #               as QUICK_SHARDS (default 3) pytest runs side by side on the one GPU (pytest --shard I/N;
-#               the tests' engines have fixed KV caches, so they share its memory): at 91e325c 3 shards
-#               took 177 s for 93 tests, where one run took 431 s for 75 at 35c148b (mostly
-#               single-threaded Triton compiles and tiny models' launches); the log ends with
+#               the tests' engines have fixed KV caches, so they share its memory): one run is mostly
+#               single-threaded Triton compiles and tiny models' launches, and 3 shards take about
+#               2/5 of its time (RESULTS.md); the log ends with
 #               each shard's failures and counts (QUICK_SHARDS=1: one run, as before)
 #   moe         the MoE paths at V2-Lite shapes, bf16, 1-8192 tokens: fused, block kernels (16-128-row
 #               blocks), grouped GEMM, each with the shared experts folded in or dense (+sd); then FP8
@@ -33,16 +33,15 @@
 #               and 128, prefill steps of 8 x 1024 and 1 x 8192 tokens (profile_ops.py; issue 19's
 #               table, and the 8192-token step's share of the bf16 peak), and the offline run's
 #               typical mixed step, 211 decodes + 8 new 1000-token prompts: its kernels' sum against
-#               its unprofiled wall time (the offline run's steps with prefill spanned 101.8 ms of GPU
-#               time at 91e325c)
+#               its unprofiled wall time (to set beside the offline step's GPU span per step)
 #   throughput  V2-Lite 1000 x (1000 in, 100 out) (bench_throughput.py)
 #   offline     the same, prefix caching off, with its instruments: wall / host launch / GPU span per
 #               step kind, GPU idle between steps, host stack samples, GC, Triton compiles and the
 #               CUDA allocator during the run (bench_throughput.py --step-stats --host-sample)
 #   offlineab   the offline step's run (prefix caching off, step stats) with --kernels auto and with
-#               auto,moe_shared_dense_min_tokens=0 (the shared experts folded into the grouped MoE, the
-#               default before 279cbef), alternating twice: four runs, each under a quarter of the
-#               step's timeout (give it `offlineab:400`)
+#               auto,moe_shared_dense_min_tokens=0 (the shared experts folded into the grouped MoE
+#               instead of their own GEMMs from 1024 tokens), alternating twice: four runs, each under
+#               a quarter of the step's timeout (give it `offlineab:400`)
 #   http        the same workload offline, then over HTTP (serve + bench_serving), one table with
 #               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:560`)
 #   peer        the issues' side-by-side method: a random-weight V2-Lite checkpoint
@@ -58,17 +57,18 @@
 #   r1fp8       the R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1/32/128 and offline
 #               throughput (500 x (1000 in, 100 out)), dequantized bf16 (the default) against
 #               --fp8-gemm; four runs, each under a quarter of the step's timeout (give it `r1fp8:400`)
-#   r1fp8x      the same R1 config with --fp8-gemm and the opt-in FP8 kernels: TPOT at batch
-#               1/32/128 with fp8_gemm_splitk=1, moe_fp8_w8a8=1, and both; three runs, each under a
-#               third of the step's timeout (give it `r1fp8x:480`: at 300 the first two runs, compiling and
-#               tuning the FP8 kernels for the first time, were cut at 100 s)
+#   r1fp8x      the same R1 config with --fp8-gemm, its FP8 kernels one at a time: TPOT at batch
+#               1/32/128 with --kernels auto (split-K on, weight-only FP8 MoE), with
+#               fp8_gemm_splitk=0,moe_fp8_w8a8=1, and with moe_fp8_w8a8=1 (both); three runs, each
+#               under a third of the step's timeout (give it `r1fp8x:480`: each run compiles and
+#               tunes the FP8 kernels, ~100 s for the first)
 #   fp8ops      every FP8 GEMM and MoE call of a tiny FP8 V3's engine against the fp32 emulation of its
 #               arithmetic, each run twice (scripts/check_fp8_ops.py; `auto` and fp8_gemm=triton)
 #   fp8dec      the W8A8 GPU tests at real shapes (the W8A8 block MoE first; split-K GEMM, in the engine
 #               too; the dense W8A8 GEMM), then the small-M W8A8 GEMM at R1's decode shapes, M 1-16
 #               split-K (chosen and swept) against unsplit, cuBLAS, bf16 and the FP8 byte floor in
 #               CUDA graphs (bench_fp8_gemm.py --decode); 3/5 and 2/5 of the step's timeout
-#               (`fp8dec:420`: at 91e325c the tests, given 210 s, ran 39 of 43; the bench took 156 s)
+#               (`fp8dec:420`: the tests need over 210 s, the bench ~160 s)
 #   spec        speculative decoding: decode step cost at q_len 1..4 (V2-Lite), then MTP end to end
 #               on the V3 config with 4 layers, warm (bench_spec_decode.py step / e2e)
 #   core        the control plane on this host's CPU: serve around a stub model with 44 ms steps,
@@ -169,7 +169,7 @@ for spec in $steps; do
                 --json "$OUT/r1_throughput${g:+_fp8gemm}.json"
             done; } > "$log" 2>&1 ;;
     r1fp8x) { R1="--model configs/models/DeepSeek-R1 --hf-overrides {\"num_hidden_layers\":4}"
-            for k in auto,fp8_gemm_splitk=1 auto,moe_fp8_w8a8=1 auto,fp8_gemm_splitk=1,moe_fp8_w8a8=1; do
+            for k in auto auto,fp8_gemm_splitk=0,moe_fp8_w8a8=1 auto,moe_fp8_w8a8=1; do
               echo "## latency --fp8-gemm --kernel-plan $k"
               timeout $((T / 3)) python3 scripts/bench_latency.py $R1 --fp8-gemm --kernel-plan "$k" \
                 --batch-sizes 1 32 128 --decode-steps 50 --json "$OUT/r1_latency_${k//[,=]/_}.json"

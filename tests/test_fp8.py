@@ -94,9 +94,11 @@ def test_weights_out_of_memory_names_fp8_gemm(fp8_model, monkeypatch):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB")
     monkeypatch.setattr(Worker, "_build_model", oom)
     with pytest.raises(MemoryError, match=r"loading the model's weights on cpu: this FP8 checkpoint is dequantized "
-                                          r"to torch.float32 by default; --fp8-gemm keeps its weights in FP8 .*"
-                                          r"a larger --tensor-parallel-size than 1"):
+                                          r"to torch.float32 by default where it seemed to fit; --fp8-gemm keeps "
+                                          r"its weights in FP8 .*a larger --tensor-parallel-size than 1"):
         LLM(fp8_model[0], device="cpu", dtype="float32", num_kv_blocks=64)
+    with pytest.raises(MemoryError, match=r"dequantized to torch.float32 with --no-fp8-gemm; --fp8-gemm keeps"):
+        LLM(fp8_model[0], device="cpu", dtype="float32", num_kv_blocks=64, fp8_gemm=False)
     # with --fp8-gemm (or a checkpoint that is not FP8) only more ranks help
     from types import SimpleNamespace
     w = Worker.__new__(Worker)
@@ -144,11 +146,25 @@ def test_fp8_gemm_unset_keeps_fp8_only_where_dequantized_weights_would_not_fit(f
     monkeypatch.setattr(wm, "dequantized_weight_bytes", lambda *a: 1e12)  # 1 TB: FP8, unless the plan is torch
     assert wm.resolve_fp8_gemm(None, cfg, torch.bfloat16, cuda, False, 0.9) is False
     assert wm.resolve_fp8_gemm(None, cfg, torch.bfloat16, torch.device("cpu"), True, 0.9) is False
+    # under TP the smallest budget over the ranks decides (an all-reduce MIN on the CPU group)
+    reduced = []
+
+    def all_reduce(t, op, group):
+        reduced.append((t.item(), op, group))
+        t.fill_(50e9)  # another rank's budget: 50 GB
+    monkeypatch.setattr(wm.pd, "cpu_group", lambda: "cpu-group")
+    monkeypatch.setattr(wm.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(wm, "dequantized_weight_bytes", lambda *a: 60e9)  # fits this rank's 71 GB, not 50
+    assert wm.resolve_fp8_gemm(None, cfg, torch.bfloat16, cuda, True, 0.9) is True
+    assert reduced == [(71e9, wm.dist.ReduceOp.MIN, "cpu-group")]
 
 
 def test_fp8_gemm_flag_is_tri_state():
     """serve's --fp8-gemm / --no-fp8-gemm / unset map to True / False / None (auto)."""
+    from common.args import EngineArgs
     from server.flags import build_parser, engine_args_from
     for argv, want in (([], None), (["--fp8-gemm"], True), (["--no-fp8-gemm"], False)):
         ns = build_parser().parse_args(["--load-format", "dummy", *argv])
         assert engine_args_from(ns).fp8_gemm is want, argv
+    with pytest.raises(ValueError, match="fp8_gemm must be a bool or None"):
+        EngineArgs(load_format="dummy", fp8_gemm="false")
