@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from attention.backend import check_prefill_out
-from attention.kv_quant import load_as, store_as
+from attention.kv_quant import e4m3_rows, is_fp8, load_as, store_as
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -21,12 +21,15 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 
 class TorchAttentionOps:
-    """`kv_scale`: the per-tensor scale of an FP8 cache (attention/kv_quant.py); unused otherwise."""
+    """`kv_scale`: the per-tensor scale of an FP8 cache (attention/kv_quant.py); unused otherwise.
+    `qk_fp8` (the plan's decode_qk_fp8): over an FP8 cache the decode rounds each query row to
+    e4m3 with its own scale (kv_quant.e4m3_rows) before QK^T, as the Triton kernel's e4m3 QK^T does."""
 
     name = "torch"
 
-    def __init__(self, kv_scale: float = 1.0):
+    def __init__(self, kv_scale: float = 1.0, qk_fp8: bool = False):
         self.kv_scale = kv_scale
+        self.qk_fp8 = qk_fp8
 
     def write_kv(self, kv_cache, kv, slot_mapping):
         flat = kv_cache.view(-1, kv_cache.shape[-1])
@@ -45,6 +48,10 @@ class TorchAttentionOps:
         T, H, _ = q.shape
         o = torch.zeros(T, H, kv_lora_rank, dtype=q.dtype, device=q.device)
         lse = torch.full((T, H), float("-inf"), dtype=torch.float32, device=q.device)
+        qk = q
+        if self.qk_fp8 and is_fp8(kv_cache):  # q as QK^T's e4m3 operand sees it (fp32: exact)
+            q8, sq = e4m3_rows(q)
+            qk = q8.float() * sq
         for b, n in enumerate(seq_lens.tolist()):
             if n == 0:
                 continue
@@ -54,7 +61,7 @@ class TorchAttentionOps:
             if q_pos is not None:  # [q_len, n]: key j holds global position j*D + r
                 key_pos = torch.arange(n, device=q.device) * dcp_size + dcp_rank
                 mask = key_pos.unsqueeze(0) <= q_pos[rows].to(q.device).long().unsqueeze(1)
-            ob, lb = _attend(q[rows].transpose(0, 1), kv.unsqueeze(0), kv[:, :kv_lora_rank].unsqueeze(0),
+            ob, lb = _attend(qk[rows].transpose(0, 1), kv.unsqueeze(0), kv[:, :kv_lora_rank].unsqueeze(0),
                              scale, mask)  # [H, q_len, Lkv], [H, q_len]
             o[rows] = ob.transpose(0, 1).to(q.dtype)
             lse[rows] = lb.transpose(0, 1)

@@ -55,13 +55,16 @@ def _wgmma_decode(min_heads: int, *args, **kw):
 class TritonAttentionOps:
     """`kv_scale`: the per-tensor scale of an FP8 cache (attention/kv_quant.py); unused otherwise.
     `wgmma_min_heads` (the plan's decode_wgmma_min_heads): decodes of at least this many query
-    heads run on the Gluon wgmma kernel (attention/gluon_decode.py); 0: never."""
+    heads run on the Gluon wgmma kernel (attention/gluon_decode.py); 0: never. `qk_fp8` (the plan's
+    decode_qk_fp8): over an FP8 cache the decode's QK^T runs on e4m3 operands (DecodeConfig.qk_fp8)."""
 
     name = "triton"
 
     def __init__(self, decode_config: DecodeConfig | None = None,
-                 prefill_config: PrefillConfig | None = None, kv_scale: float = 1.0, wgmma_min_heads: int = 0):
+                 prefill_config: PrefillConfig | None = None, kv_scale: float = 1.0, wgmma_min_heads: int = 0,
+                 qk_fp8: bool = False):
         self.kv_scale = kv_scale
+        self.qk_fp8 = qk_fp8
         self.decode_config = decode_config
         self.wgmma_min_heads = wgmma_min_heads
         self.prefill_config = prefill_config
@@ -111,7 +114,7 @@ class TritonAttentionOps:
                   dcp_rank=dcp_rank, num_sms=self._sm_count(q.device))
         if self.wgmma_min_heads and q.shape[1] >= self.wgmma_min_heads:
             return _wgmma_decode(self.wgmma_min_heads, *args, **kw)
-        return mla_decode(*args, **kw, cfg=self.decode_config, kv_scale=self.kv_scale)
+        return mla_decode(*args, **kw, cfg=self.decode_config, kv_scale=self.kv_scale, qk_fp8=self.qk_fp8)
 
     def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
         _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,

@@ -19,6 +19,7 @@ split, stage 1 writes the final output directly and stage 2 is skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -326,12 +327,14 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                seq_lens: torch.Tensor, scale: float, kv_lora_rank: int, q_len: int = 1,
                q_pos: torch.Tensor | None = None, dcp_size: int = 1, dcp_rank: int = 0,
                num_splits: int | None = None, num_sms: int | None = None,
-               cfg: DecodeConfig | None = None, kv_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+               cfg: DecodeConfig | None = None, kv_scale: float = 1.0,
+               qk_fp8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: q [B*q_len, H, Lkv+R] -> (o [B*q_len, H, Lkv] in q.dtype, lse
     [B*q_len, H] fp32); `q_pos` and the DCP layout as in attention/backend.py `decode`.
 
     Inputs are assumed validated (TritonAttentionOps does it); the last dims must be contiguous.
-    `kv_scale` is an FP8 cache's per-tensor scale (ignored for other caches).
+    `kv_scale` is an FP8 cache's per-tensor scale (ignored for other caches); `qk_fp8` sets
+    DecodeConfig.qk_fp8 on the tiles chosen (or given).
     """
     T, H, D = q.shape
     B = T // q_len
@@ -342,6 +345,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     compute_dtype = torch.float16 if fp8 and q.dtype != torch.float32 else q.dtype
     rows = q_len * H  # query rows per sequence
     cfg = cfg or default_decode_config(rows, compute_dtype, cache_dtype=kv_cache.dtype)
+    if qk_fp8 and not cfg.qk_fp8:
+        cfg = dataclasses.replace(cfg, qk_fp8=True)
     qk_fp8 = fp8 and cfg.qk_fp8
     # e4m3 -> fp16 by the hardware's convert on CUDA (sm_89+), else by moving bits, which reads
     # values * 2^-8 (_e4m3_as_f16): then 2^8 goes into the scale of each product whose operand

@@ -125,6 +125,9 @@ CHOICES: tuple[Choice, ...] = (
            "rope 64, heads a multiple of 64, Triton 3.6) instead of the Triton kernel (0: never)",
            ("attention.gluon_decode", "attention.gluon_decode_plan"), triton=0, torch=0,
            triton_help="64 where all of that holds, else 0"),
+    Choice("decode_qk_fp8", (bool,), "with --kv-cache-dtype fp8, the MLA decode's QK^T on e4m3 operands: each "
+           "query row rounded to e4m3 with its own scale, the cache's bytes as they are (Triton: "
+           "DecodeConfig.qk_fp8; torch: the same rounding); opt-in, untimed", triton=False, torch=False),
     Choice("pdl", (bool,), "programmatic dependent launch (sm_90+) for the decode path's Triton kernels: "
            "each is launched while its predecessor drains and waits for its writes on the GPU",
            ("common.pdl",), triton=False, torch=False),
@@ -160,6 +163,7 @@ class KernelPlan:
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False
     decode_wgmma_min_heads: int = 0
+    decode_qk_fp8: bool = False
     pdl: bool = False
     compile: bool = False
     autotune: bool = False

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from attention.kv_quant import resolve_kv_cache_dtype
+from attention.kv_quant import is_fp8, resolve_kv_cache_dtype
 from common import distributed as pd
 from common.args import EngineArgs
 from common.kernel_plan import TRITON, KernelPlan, resolve_plan, use_autotune, use_pdl
@@ -107,6 +107,9 @@ class Worker:
             raise ValueError(f"--kernels ...,pdl=1: programmatic dependent launch needs an sm_90+ GPU (Hopper or "
                              f"newer), not {self.device}; leave pdl at 0")
         use_pdl(self.plan.pdl)
+        if self.plan.decode_qk_fp8 and not is_fp8(self.cache_dtype):
+            raise ValueError(f"--kernels ...,decode_qk_fp8=1 rounds q for QK^T over an FP8 latent cache; this one is "
+                             f"{self.cache_dtype} (--kv-cache-dtype fp8, or leave decode_qk_fp8 at 0)")
         if self.plan.decode_wgmma_min_heads and self.plan.attention == TRITON:
             from attention.gluon_decode_plan import check_engine_fit
             check_engine_fit(self.plan.decode_wgmma_min_heads, self.device, self.dtype, self.cache_dtype,

@@ -420,3 +420,26 @@ def test_fp8_cache_under_dcp_equals_one_rank(tiny_v3, budget):
     got, _, cap2 = outputs(tiny_v3[0], prompts, 2, 2, max_num_batched_tokens=budget, num_kv_blocks=128,
                            kv_cache_dtype="fp8")
     assert got == ref and cap1 == cap2
+
+
+def test_decode_qk_fp8_plan_key(tmp_path):
+    """The plan's decode_qk_fp8 reaches the decode (torch plan: q rounded to e4m3 per row over the
+    FP8 cache, so decode log-probabilities move, prefill's do not) and is refused without an FP8
+    cache, naming the flag."""
+    from tiny_models import make_model
+
+    from engine import LLM, SamplingParams
+    make_model(tmp_path, "v3", qk_rope_head_dim=16)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+    prompt = [list(range(5, 30))]
+    runs = {}
+    for k in ("torch", "torch,decode_qk_fp8=1"):
+        llm = LLM(str(tmp_path), device="cpu", dtype="float32", kernels=k, kv_cache_dtype="fp8", num_kv_blocks=64)
+        out = llm.generate(prompt, sp)[0]
+        runs[k] = ([e.logprob for e in out.prompt_logprobs[1:]],
+                   [next(iter(d.values())).logprob if isinstance(d, dict) else d.logprob for d in out.outputs[0].logprobs])
+    (p0, d0), (p1, d1) = runs.values()
+    assert p0 == p1  # prefill attends to the new rows themselves: no decode, no rounding of q
+    assert max(abs(a - b) for a, b in zip(d0, d1)) > 1e-6, (d0, d1)
+    with pytest.raises(ValueError, match=r"decode_qk_fp8=1 rounds q .*--kv-cache-dtype fp8"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", kernels="torch,decode_qk_fp8=1", num_kv_blocks=64)
