@@ -21,14 +21,16 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CACHE_DTYPES = _FLOAT_DTYPES + (FP8_DTYPE,)
 
 
-def _check(cond: bool, msg: str) -> None:
+def _check(cond: bool, msg) -> None:
+    """Raise ValueError(msg()) unless cond: the message is a callable, formatted only on failure
+    (these checks run on every launch; an f-string of shapes costs ~1-2 us of host time each)."""
     if not cond:
-        raise ValueError(msg)
+        raise ValueError(msg())
 
 
 def _check_cache(kv_cache: torch.Tensor) -> None:
     # A copy of the cache would be slow (decode) or silently drop the write (write_kv): refuse.
-    _check(kv_cache.stride(-1) == 1, f"kv_cache must have a unit last stride, got {kv_cache.stride()}")
+    _check(kv_cache.stride(-1) == 1, lambda: f"kv_cache must have a unit last stride, got {kv_cache.stride()}")
 
 
 def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -78,35 +80,35 @@ class TritonAttentionOps:
         return self._num_sms[device]
 
     def write_kv(self, kv_cache, kv, slot_mapping):
-        _check(kv_cache.dim() == 3, f"kv_cache must be [num_blocks, block_size, D], got {tuple(kv_cache.shape)}")
+        _check(kv_cache.dim() == 3, lambda: f"kv_cache must be [num_blocks, block_size, D], got {tuple(kv_cache.shape)}")
         _check(kv.dim() == 2 and kv.shape[1] == kv_cache.shape[2],
-               f"kv must be [T, {kv_cache.shape[2]}], got {tuple(kv.shape)}")
+               lambda: f"kv must be [T, {kv_cache.shape[2]}], got {tuple(kv.shape)}")
         _check(slot_mapping.shape == (kv.shape[0],),
-               f"slot_mapping must be [{kv.shape[0]}], got {tuple(slot_mapping.shape)}")
-        _check(kv_cache.dtype in _CACHE_DTYPES, f"kv_cache must be fp16/bf16/fp32/fp8_e4m3, got {kv_cache.dtype}")
+               lambda: f"slot_mapping must be [{kv.shape[0]}], got {tuple(slot_mapping.shape)}")
+        _check(kv_cache.dtype in _CACHE_DTYPES, lambda: f"kv_cache must be fp16/bf16/fp32/fp8_e4m3, got {kv_cache.dtype}")
         _check_cache(kv_cache)
         write_kv(kv_cache, _last_contiguous(kv), slot_mapping.contiguous(), self.kv_scale)
 
     def decode(self, q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, q_len=1, q_pos=None,
                dcp_size=1, dcp_rank=0):
-        _check(q.dim() == 3, f"q must be [B*q_len, H, Lkv+R], got {tuple(q.shape)}")
+        _check(q.dim() == 3, lambda: f"q must be [B*q_len, H, Lkv+R], got {tuple(q.shape)}")
         _check(kv_cache.dim() == 3 and kv_cache.shape[2] == q.shape[2],
-               f"kv_cache must be [num_blocks, block_size, {q.shape[2]}], got {tuple(kv_cache.shape)}")
+               lambda: f"kv_cache must be [num_blocks, block_size, {q.shape[2]}], got {tuple(kv_cache.shape)}")
         _check(0 < kv_lora_rank < q.shape[2],
-               f"kv_lora_rank must be in (0, {q.shape[2]}), got {kv_lora_rank}")
+               lambda: f"kv_lora_rank must be in (0, {q.shape[2]}), got {kv_lora_rank}")
         _check(q.shape[2] - kv_lora_rank >= 16 and kv_lora_rank >= 16,
-               f"kv_lora_rank {kv_lora_rank} and rope width {q.shape[2] - kv_lora_rank} must be >= 16")
+               lambda: f"kv_lora_rank {kv_lora_rank} and rope width {q.shape[2] - kv_lora_rank} must be >= 16")
         _check(q_len >= 1 and q.shape[0] % q_len == 0,
-               f"q_len must be >= 1 and divide q's {q.shape[0]} rows, got {q_len}")
-        _check(0 <= dcp_rank < dcp_size, f"dcp_rank must be in [0, {dcp_size}), got {dcp_rank}")
+               lambda: f"q_len must be >= 1 and divide q's {q.shape[0]} rows, got {q_len}")
+        _check(0 <= dcp_rank < dcp_size, lambda: f"dcp_rank must be in [0, {dcp_size}), got {dcp_rank}")
         B = q.shape[0] // q_len
         _check(block_table.dim() == 2 and block_table.shape[0] == B,
-               f"block_table must be [{B}, max_blocks], got {tuple(block_table.shape)}")
-        _check(seq_lens.shape == (B,), f"seq_lens must be [{B}], got {tuple(seq_lens.shape)}")
+               lambda: f"block_table must be [{B}, max_blocks], got {tuple(block_table.shape)}")
+        _check(seq_lens.shape == (B,), lambda: f"seq_lens must be [{B}], got {tuple(seq_lens.shape)}")
         _check(q_pos is None or q_pos.shape == (q.shape[0],),
-               f"q_pos must be [{q.shape[0]}], got {None if q_pos is None else tuple(q_pos.shape)}")
+               lambda: f"q_pos must be [{q.shape[0]}], got {None if q_pos is None else tuple(q_pos.shape)}")
         _check(q.dtype in _FLOAT_DTYPES and kv_cache.dtype in _CACHE_DTYPES,
-               f"q must be fp16/bf16/fp32 and kv_cache that or fp8_e4m3, got {q.dtype}, {kv_cache.dtype}")
+               lambda: f"q must be fp16/bf16/fp32 and kv_cache that or fp8_e4m3, got {q.dtype}, {kv_cache.dtype}")
         _check_cache(kv_cache)
         args = (_last_contiguous(q), kv_cache, _last_contiguous(block_table), seq_lens.contiguous(), scale,
                 kv_lora_rank)
@@ -118,17 +120,17 @@ class TritonAttentionOps:
 
     def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
         _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,
-               f"q, k, v must be [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-        _check(k.shape[1:] == q.shape[1:], f"k must be [Tk, {q.shape[1]}, {q.shape[2]}], got {tuple(k.shape)}")
-        _check(v.shape[:2] == k.shape[:2], f"v must be [{k.shape[0]}, {k.shape[1]}, V], got {tuple(v.shape)}")
+               lambda: f"q, k, v must be [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        _check(k.shape[1:] == q.shape[1:], lambda: f"k must be [Tk, {q.shape[1]}, {q.shape[2]}], got {tuple(k.shape)}")
+        _check(v.shape[:2] == k.shape[:2], lambda: f"v must be [{k.shape[0]}, {k.shape[1]}, V], got {tuple(v.shape)}")
         _check(q.shape[2] >= 16 and v.shape[2] >= 16,
-               f"head widths must be >= 16, got qk {q.shape[2]}, v {v.shape[2]}")
+               lambda: f"head widths must be >= 16, got qk {q.shape[2]}, v {v.shape[2]}")
         _check(q.dtype in _FLOAT_DTYPES and k.dtype == q.dtype and v.dtype == q.dtype,
-               f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
+               lambda: f"q, k, v must share one of fp16/bf16/fp32, got {q.dtype}, {k.dtype}, {v.dtype}")
         _check(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape == cu_seqlens_k.shape,
-               f"cu_seqlens_q and cu_seqlens_k must be [B+1], got {tuple(cu_seqlens_q.shape)}, "
+               lambda: f"cu_seqlens_q and cu_seqlens_k must be [B+1], got {tuple(cu_seqlens_q.shape)}, "
                f"{tuple(cu_seqlens_k.shape)}")
-        _check(max_seqlen_q >= 0, f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
+        _check(max_seqlen_q >= 0, lambda: f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
         return prefill_attention(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v),
                                  cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(),
                                  max_seqlen_q, scale, causal, cfg=self.prefill_config)
@@ -139,7 +141,7 @@ class TritonAttentionOps:
         H = q_nope.shape[1]
         _check(k_nope.shape[1:] == q_nope.shape[1:] and k_pe.dim() == 2 and k_pe.shape[1] == R
                and q_pe.shape[:2] == q_nope.shape[:2] and k_pe.shape[0] == k_nope.shape[0],
-               f"MLA prefill parts do not fit: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, "
+               lambda: f"MLA prefill parts do not fit: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, "
                f"k_nope {tuple(k_nope.shape)}, k_pe {tuple(k_pe.shape)}")
         if split_width(P + R) != (P, triton.next_power_of_2(R)):
             # the kernel's two QK parts are not (P, R) for this width: join the operands
@@ -151,12 +153,12 @@ class TritonAttentionOps:
             check_prefill_out(out, o.shape, o.dtype)
             return out.copy_(o), lse
         _check(q_nope.dtype in _FLOAT_DTYPES and all(t.dtype == q_nope.dtype for t in (q_pe, k_nope, k_pe, v)),
-               f"MLA prefill operands must share one of fp16/bf16/fp32, got {q_nope.dtype}, {q_pe.dtype}, "
+               lambda: f"MLA prefill operands must share one of fp16/bf16/fp32, got {q_nope.dtype}, {q_pe.dtype}, "
                f"{k_nope.dtype}, {k_pe.dtype}, {v.dtype}")
         _check(v.shape[:2] == k_nope.shape[:2] and v.shape[2] >= 16,
-               f"v must be [{k_nope.shape[0]}, {H}, V >= 16], got {tuple(v.shape)}")
+               lambda: f"v must be [{k_nope.shape[0]}, {H}, V >= 16], got {tuple(v.shape)}")
         _check(cu_seqlens_q.dim() == 1 and cu_seqlens_q.shape == cu_seqlens_k.shape,
-               f"cu_seqlens_q and cu_seqlens_k must be [B+1], got {tuple(cu_seqlens_q.shape)}, "
+               lambda: f"cu_seqlens_q and cu_seqlens_k must be [B+1], got {tuple(cu_seqlens_q.shape)}, "
                f"{tuple(cu_seqlens_k.shape)}")
         kb = _last_contiguous(k_pe).unsqueeze(1).expand(-1, H, -1)  # head stride 0: one row for all heads
         return prefill_attention_parts(_last_contiguous(q_nope), _last_contiguous(q_pe), _last_contiguous(k_nope),
@@ -168,13 +170,13 @@ class TritonAttentionOps:
         merge_attn_states_(o, lse, o_b, lse_b)
 
     def gather_context(self, kv_cache, block_table, starts, cu_lens, num_tokens, dtype=None):
-        _check(kv_cache.dim() == 3, f"kv_cache must be [num_blocks, block_size, D], got {tuple(kv_cache.shape)}")
+        _check(kv_cache.dim() == 3, lambda: f"kv_cache must be [num_blocks, block_size, D], got {tuple(kv_cache.shape)}")
         B = starts.shape[0]
         _check(block_table.dim() == 2 and block_table.shape[0] >= B,
-               f"block_table must have >= {B} rows, got {tuple(block_table.shape)}")
-        _check(cu_lens.shape == (B + 1,), f"cu_lens must be [{B + 1}], got {tuple(cu_lens.shape)}")
-        _check(num_tokens >= 0, f"num_tokens must be >= 0, got {num_tokens}")
+               lambda: f"block_table must have >= {B} rows, got {tuple(block_table.shape)}")
+        _check(cu_lens.shape == (B + 1,), lambda: f"cu_lens must be [{B + 1}], got {tuple(cu_lens.shape)}")
+        _check(num_tokens >= 0, lambda: f"num_tokens must be >= 0, got {num_tokens}")
         _check_cache(kv_cache)
-        _check(kv_cache.dtype in _CACHE_DTYPES, f"kv_cache must be fp16/bf16/fp32/fp8_e4m3, got {kv_cache.dtype}")
+        _check(kv_cache.dtype in _CACHE_DTYPES, lambda: f"kv_cache must be fp16/bf16/fp32/fp8_e4m3, got {kv_cache.dtype}")
         return gather_context(kv_cache, _last_contiguous(block_table),
                               starts.contiguous(), cu_lens.contiguous(), num_tokens, dtype, self.kv_scale)
