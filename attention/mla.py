@@ -62,7 +62,7 @@ class MLAAttention:
                  ops: AttentionOps):
         self.H, self.P, self.R = num_heads, qk_nope_head_dim, qk_rope_head_dim
         self.V, self.Lkv, self.scale, self.ops = v_head_dim, kv_lora_rank, scale, ops
-        self.glue = glue_for(plan.compile)
+        self.glue = glue_for(plan)
         # the plan's fused decode-path kernels (None: the torch ops below)
         self.kv_finish = self.rope_kernel = self.absorb_q_kernel = self.absorb_o_kernel = None
         if plan.finish_kv == TRITON:

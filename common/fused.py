@@ -8,6 +8,7 @@ written (`EAGER`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,5 +88,17 @@ EAGER = Glue(rms_norm, add_rms_norm, rope, silu_mul)
 COMPILED = Glue(Compiled(rms_norm), Compiled(add_rms_norm), Compiled(rope), Compiled(silu_mul))
 
 
-def glue_for(compile: bool) -> Glue:
-    return COMPILED if compile else EAGER
+_TRITON_NORMS: dict[Glue, Glue] = {}
+
+
+def glue_for(plan) -> Glue:
+    """The glue of a kernel plan: compiled or eager (`compile`), with the norms as Triton kernels
+    where the plan's `norm` is triton (common/triton_norm.py: cheaper for the host to launch)."""
+    glue = COMPILED if plan.compile else EAGER
+    if plan.norm != "triton":
+        return glue
+    if glue not in _TRITON_NORMS:
+        from common import triton_norm  # triton: CUDA installs only
+        _TRITON_NORMS[glue] = dataclasses.replace(glue, rms_norm=triton_norm.rms_norm,
+                                                  add_rms_norm=triton_norm.add_rms_norm)
+    return _TRITON_NORMS[glue]

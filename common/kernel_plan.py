@@ -91,6 +91,11 @@ CHOICES: tuple[Choice, ...] = (
            ("attention.triton_absorb",)),
     Choice("router", (TRITON, TORCH), "expert choice after the router GEMM as one kernel per token",
            ("models.triton_route",)),
+    Choice("norm", (TRITON, TORCH),
+           "RMSNorm and the residual add + RMSNorm as one Triton kernel each (common/triton_norm.py); "
+           "torch: the elementwise glue, compiled or not as `compile` says. Eager steps with prefill are "
+           "paced by the host's launches, and a Triton launch costs it less than a compiled call",
+           ("common.triton_norm",)),
     Choice("moe", (TRITON, TORCH),
            "routed experts: Triton kernels by token count (moe_fused_max_tokens, "
            "moe_blocked_max_tokens), then moe_large; torch: a loop over the experts hit",
@@ -153,6 +158,7 @@ class KernelPlan:
     finish_kv: str = TORCH
     absorb: str = TORCH
     router: str = TORCH
+    norm: str = TORCH
     moe: str = TORCH
     moe_fused_max_tokens: int = 0
     moe_fused_max_tokens_fp8: int = 0
@@ -175,7 +181,7 @@ class KernelPlan:
 
     @property
     def any_triton(self) -> bool:
-        return TRITON in (self.attention, self.finish_kv, self.absorb, self.router, self.moe)
+        return TRITON in (self.attention, self.finish_kv, self.absorb, self.router, self.norm, self.moe)
 
     def avoid(self, key: str | None) -> str:
         """The --kernels setting that avoids a failure charged to `key` (None: unknown)."""
@@ -278,6 +284,9 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
             values["moe_large"] = "dense" if device_type == "cuda" else "loop"
         if device_type != "cuda" or interpreting():
             values["compile"] = values["autotune"] = values["warmup"] = False
+            # the interpreter runs a norm's rows one program at a time: the engine tests there keep
+            # the torch glue, and tests/interpreted checks the kernel itself
+            values["norm"] = TORCH
         if not mla_dims_ok and "attention" not in over:
             values["attention"] = TORCH
             notes.append("Triton MLA kernels need kv_lora_rank and qk_rope_head_dim >= 16: "

@@ -40,7 +40,7 @@ class DeepseekAttention(nn.Module):
                                        fp8_block=q8, keep_fp8=keep_fp8)
         self.q_lora = cfg.q_lora_rank is not None  # V2, V3: q_a_proj's output is a latent, up-projected
         if self.q_lora:
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, glue_for(plan.compile))
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, glue_for(plan))
             self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, dtype, tp_dim=0, fp8_block=q8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, dtype)
         self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype,
@@ -69,7 +69,7 @@ class DeepseekDecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, plan: KernelPlan,
                  ops: AttentionOps, keep_fp8: bool = False):
         super().__init__()
-        self.glue = glue_for(plan.compile)
+        self.glue = glue_for(plan)
         self.self_attn = DeepseekAttention(cfg, dtype, plan, ops, keep_fp8)
         self.mlp = MoE(cfg, dtype, plan, keep_fp8) if cfg.is_moe_layer(layer_idx) else \
             MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block=cfg.fp8_block, glue=self.glue,
@@ -96,7 +96,7 @@ class DeepseekModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan, ops: AttentionOps,
                  keep_fp8: bool = False):
         super().__init__()
-        self.glue = glue_for(plan.compile)
+        self.glue = glue_for(plan)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, dtype, plan, ops, keep_fp8)
                                     for i in range(cfg.num_hidden_layers))

@@ -162,7 +162,7 @@ class MoE(nn.Module):
                  keep_fp8: bool = False):
         super().__init__()
         self.cfg, self.plan, self.dtype, self.keep_fp8 = cfg, plan, dtype, keep_fp8
-        self.glue = glue_for(plan.compile)
+        self.glue = glue_for(plan)
         E, S, D, I = cfg.n_routed_experts, cfg.n_shared_experts, cfg.hidden_size, cfg.moe_intermediate_size
         tp = pd.tp().size
         if I % tp:
