@@ -264,16 +264,14 @@ def _unpermute_sum_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, D, KT: tl.constexpr, B
     tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def unpermute_sum(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Routed output `[T, D]` from the expert-sorted pair outputs `y [T*kt, D]` (pair `order[i]`
-    in row i) and the routing weights `[T, kt]`: each token's kt rows weighted and summed,
-    with no atomics (deterministic) and no extra pass for the weights."""
+def unpermute_sum(y: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Routed output `[T, D]` from the expert-sorted pair outputs `y [T*kt, D]` (pair p in row
+    `pos[p]`, pairs numbered token-major) and the routing weights `[T, kt]`: each token's kt rows
+    weighted and summed, with no atomics (deterministic) and no extra pass for the weights."""
     T, kt = weights.shape
     D = y.shape[1]
-    pos = torch.empty_like(order)
-    pos[order] = torch.arange(order.numel(), device=order.device, dtype=order.dtype)
     out = torch.empty(T, D, dtype=y.dtype, device=y.device)
     if T:
-        _unpermute_sum_kernel[(T, triton.cdiv(D, 1024))](y.contiguous(), pos, weights.contiguous(), out, D,
+        _unpermute_sum_kernel[(T, triton.cdiv(D, 1024))](y.contiguous(), pos.contiguous(), weights.contiguous(), out, D,
                                                          KT=kt, BLOCK=1024, num_warps=4)
     return out

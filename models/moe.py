@@ -198,11 +198,12 @@ class MoE(nn.Module):
                   for sh in w2]
             self.w13_scale = packed_param((n, 2 * cb, db), torch.float32, s13)
             self.w2_scale = packed_param((n, db, cb), torch.float32, s2)
-        self.fused_small = self.fused_blocked = self.triton_glue = None
+        self.fused_small = self.fused_blocked = self.triton_glue = self.sort_by_expert = None
         if plan.moe == TRITON:
-            from models import blocked_moe, fused_moe  # triton: CUDA installs only
+            from models import blocked_moe, expert_sort, fused_moe  # triton: CUDA installs only
             self.fused_small, self.fused_blocked = fused_moe.fused_moe_small, blocked_moe.fused_moe_blocked
             self.triton_glue = fused_moe.silu_mul, fused_moe.unpermute_sum
+            self.sort_by_expert = expert_sort.sort_by_expert
         self._shared_cache: dict = {}  # _shared_choice's tensors by (device, dtypes)
         self._expert_ends: dict = {}  # _routed_grouped's expert end keys by device
         self.routed_large = {"grouped": self._routed_grouped, "dense": self._routed_dense,
@@ -318,7 +319,16 @@ class MoE(nn.Module):
 
     def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """CUDA path with no host sync (CUDA-graph safe): (token, expert) pairs sorted by expert,
-        two grouped GEMMs over the expert segments, weighted scatter-add back to tokens."""
+        two grouped GEMMs over the expert segments, weighted scatter-add back to tokens. With the
+        Triton plan the sort, the SwiGLU and the weighted sum are Triton kernels (the sort a
+        counting sort in three launches, models/expert_sort.py); else torch ops."""
+        w13, w2 = self._expert_weights(x.dtype)
+        if self.triton_glue is not None:
+            silu_mul, unpermute_sum = self.triton_glue
+            token_of, pos, offs = self.sort_by_expert(ids, self.w13.shape[0])
+            gate_up = torch._grouped_mm(x[token_of], w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
+            y = torch._grouped_mm(silu_mul(gate_up), w2.transpose(-2, -1), offs=offs)  # [T*k, D]
+            return unpermute_sum(y, pos, weights)  # weights and the sum over k in one pass
         T, k = ids.shape
         flat = ids.flatten().to(torch.int32)  # int32 keys: half the radix-sort passes of int64
         order = flat.argsort(stable=True)
@@ -331,12 +341,7 @@ class MoE(nn.Module):
         offs = torch.searchsorted(flat[order], ends, out_int32=True)
         token_of = order // k
         xs = x[token_of]  # [T*k, D], grouped by expert
-        w13, w2 = self._expert_weights(x.dtype)
         gate_up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
-        if self.triton_glue is not None:
-            silu_mul, unpermute_sum = self.triton_glue
-            y = torch._grouped_mm(silu_mul(gate_up), w2.transpose(-2, -1), offs=offs)  # [T*k, D]
-            return unpermute_sum(y, order, weights)  # weights and the sum over k in one pass
         y = torch._grouped_mm(self.glue.silu_mul(gate_up), w2.transpose(-2, -1), offs=offs)
         y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
         return torch.zeros_like(x).index_add_(0, token_of, y)

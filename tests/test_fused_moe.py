@@ -89,9 +89,37 @@ def check_glue(T, kt, E, block_m, device, seed=0):
     gu = torch.randn(T * kt, 2 * 40, generator=g).to(device)
     assert torch.allclose(silu_mul(gu), silu_ref(gu), atol=1e-6, rtol=1e-5)
     order = ids.flatten().argsort(stable=True)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=order.device)
     y, w = torch.randn(T * kt, D, generator=g).to(device), torch.rand(T, kt, generator=g).to(device)
     ref = torch.zeros(T, D, device=device).index_add_(0, order // kt, y * w.flatten()[order].unsqueeze(-1))
-    assert torch.allclose(unpermute_sum(y, order, w), ref, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(unpermute_sum(y, pos, w), ref, atol=1e-5, rtol=1e-5)
+    check_expert_sort(ids, E)
+
+
+def check_expert_sort(ids, E, block=512):
+    """The grouped path's counting sort equals the stable torch sort, element for element."""
+    from models.expert_sort import sort_by_expert
+    kt = ids.shape[1]
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    pos = torch.empty_like(order)
+    pos[order] = torch.arange(order.numel(), device=order.device)
+    ends = torch.arange(1, E + 1, dtype=torch.int32, device=ids.device)
+    offs = torch.searchsorted(flat[order].to(torch.int32), ends, out_int32=True)
+    got = sort_by_expert(ids, E, block)
+    want = (order // kt, pos, offs)
+    for a, b, name in zip(got, want, ("token_of", "pos", "offs")):
+        assert a.dtype == b.dtype and torch.equal(a, b), (name, ids.shape, E, block, a, b)
+
+
+def expert_sort_ids(T, kt, E, skewed, device, seed=0):
+    """Routing ids `[T, kt]`, distinct per token: random, or every token on experts 0..kt-1 (one
+    run per expert spanning every block, the other experts empty)."""
+    if skewed:
+        return torch.arange(kt).repeat(T, 1).to(device)
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=g)[:kt] for _ in range(T)]).to(device)
 
 
 def fp8_experts(E, D, I):
@@ -300,6 +328,15 @@ def test_fused_moe_blocked_real_shapes(T, block_m):
     check_glue(T, 9, 257, block_m, "cuda", seed=T)
     check_blocked({}, T, torch.bfloat16, "cuda", 2e-2, block_m)
     check_blocked({}, T, torch.float32, "cuda", 1e-5, block_m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,kt,E", [(1, 8, 66), (1000, 8, 66), (8192, 6, 64), (8192, 8, 66), (8192, 9, 257)])
+@pytest.mark.parametrize("skewed", [False, True])
+def test_expert_sort_real_shapes(T, kt, E, skewed):
+    """The grouped path's counting sort at V2-Lite's and V3's prefill sizes (with and without the
+    shared experts folded) equals the stable torch sort."""
+    check_expert_sort(expert_sort_ids(T, kt, E, skewed, "cuda", seed=T), E)
 
 
 @pytest.mark.gpu

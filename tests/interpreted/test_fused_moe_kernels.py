@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_moe import (SMALL_FP8_MOE, check, check_blocked, check_fp8, check_fp8_blocked, check_fp8_blocked_a8,
-                            check_fp8_moe, check_glue, check_shared_dense, fp8_moe_pair, w8a8_reference)
+from test_fused_moe import (SMALL_FP8_MOE, check, check_blocked, check_expert_sort, check_fp8, check_fp8_blocked,
+                            check_fp8_blocked_a8, check_fp8_moe, check_glue, check_shared_dense, expert_sort_ids,
+                            fp8_moe_pair, w8a8_reference)
 
 
 def test_fused_moe_interpreter():
@@ -20,6 +21,14 @@ def test_fused_moe_interpreter():
         check_blocked(small, T, torch.float32, "cpu", 1e-5, bm)
     for T, kt, E, bm in ((1, 1, 2, 16), (3, 2, 4, 4), (37, 3, 8, 16), (64, 8, 66, 32), (5, 4, 300, 16)):
         check_glue(T, kt, E, bm, "cpu", seed=T)
+
+
+@pytest.mark.parametrize("T,kt,E,block", [(37, 3, 8, 16), (300, 8, 257, 16), (50, 6, 66, 32), (7, 2, 3, 16)])
+@pytest.mark.parametrize("skewed", [False, True])
+def test_expert_sort_over_many_blocks(T, kt, E, block, skewed):
+    """The counting sort with small blocks: many blocks, and (257 experts, 150 blocks) more blocks
+    than its scan takes in one chunk."""
+    check_expert_sort(expert_sort_ids(T, kt, E, skewed, "cpu", seed=T), E, block)
 
 
 def test_shared_experts_dense_with_the_block_kernels():
