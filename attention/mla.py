@@ -109,8 +109,8 @@ class MLAAttention:
         if meta.decode is None and nd == 0:
             return self._prefill(q_nope, q_pe, c, k_pe, kv_cache, meta)
         out = q_nope.new_empty(q_nope.shape[0], self.H, self.V)
-        if meta.decode is not None:
-            out[:nd] = self._decode(q_nope[:nd], q_pe[:nd], kv_cache, meta)
+        if meta.decode is not None:  # written in place too (absorb_o's out)
+            self._decode(q_nope[:nd], q_pe[:nd], kv_cache, meta, out=out[:nd])
         if meta.prefill is not None:  # written in place: no copy of the prefill rows
             self._prefill(q_nope[nd:], q_pe[nd:], c[nd:], k_pe[nd:], kv_cache, meta, out=out[nd:])
         return out
@@ -131,14 +131,17 @@ class MLAAttention:
             q_pe = apply_rope(cos_sin, q_pe, self.glue.rope)
         return torch.cat([torch.einsum("thp,hpl->thl", q_nope, self.w_uk), q_pe], dim=-1)
 
-    def _absorb_o(self, o_lat):
-        """o_lat @ W_UVᵀ as `[Nd, Hl, V]`, contiguous with absorb=triton (o_proj reads it flat)."""
+    def _absorb_o(self, o_lat, out=None):
+        """o_lat @ W_UVᵀ as `[Nd, Hl, V]`, contiguous with absorb=triton (o_proj reads it flat);
+        into `out` (contiguous) when given."""
         if self.absorb_o_kernel is not None:
-            return self.absorb_o_kernel(o_lat, self.w_uv)
-        return torch.einsum("thl,hvl->thv", o_lat, self.w_uv)
+            return self.absorb_o_kernel(o_lat, self.w_uv, out=out)
+        o = torch.einsum("thl,hvl->thv", o_lat, self.w_uv)
+        return o if out is None else out.copy_(o)
 
-    def _decode(self, q_nope, q_pe, kv_cache, meta, cos_sin=None):
-        """Decode rows; q_pe rotated already, or rotated here when `cos_sin` is given."""
+    def _decode(self, q_nope, q_pe, kv_cache, meta, cos_sin=None, out=None):
+        """Decode rows; q_pe rotated already, or rotated here when `cos_sin` is given; written into
+        `out` (contiguous `[Nd, Hl, V]`) when given."""
         q = self._absorb_q(q_nope, q_pe, cos_sin)  # [Nd, Hl, Lkv+R]
         dcp = pd.dcp()
         if dcp.size > 1:
@@ -160,7 +163,7 @@ class MLAAttention:
             lse_g = torch.logsumexp(lse_all, dim=0)
             w = torch.exp(lse - lse_g).nan_to_num_(0.0).unsqueeze(-1)
             o_lat = pd.dcp_reduce_scatter(o_lat.float() * w, dim=1).to(q_nope.dtype)  # [Nd, Hl, Lkv]
-        return self._absorb_o(o_lat)
+        return self._absorb_o(o_lat, out)
 
     def _up_project(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k_nope `[N, Hl, P]`, v `[N, Hl, V]`: views of one kv_b_proj GEMM's output. The GEMM

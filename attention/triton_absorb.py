@@ -162,15 +162,21 @@ def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
     return q
 
 
-def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-    """o_lat [T, H, L], w_uv [H, V, L] (last dims contiguous) -> o [T, H, V], contiguous."""
+def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """o_lat [T, H, L], w_uv [H, V, L] (last dims contiguous) -> o [T, H, V], contiguous: `out`
+    when given (a contiguous [T, H, V] of o_lat's dtype, e.g. the decode rows of a mixed step's
+    joint output), else a new tensor."""
     T, H, L = o_lat.shape
     V = w_uv.shape[1]
     if (w_uv.shape[0] != H or w_uv.shape[2] != L or o_lat.dtype != w_uv.dtype
             or o_lat.stride(-1) != 1 or w_uv.stride(-1) != 1):
         raise ValueError(f"absorb_o: o_lat {tuple(o_lat.shape)} {o_lat.dtype}, w_uv {tuple(w_uv.shape)} {w_uv.dtype} "
                          "(one dtype, last dims contiguous)")
-    out = torch.empty(T, H, V, dtype=o_lat.dtype, device=o_lat.device)
+    if out is None:
+        out = torch.empty(T, H, V, dtype=o_lat.dtype, device=o_lat.device)
+    elif out.shape != (T, H, V) or out.dtype != o_lat.dtype or not out.is_contiguous():
+        raise ValueError(f"absorb_o: out must be a contiguous {(T, H, V)} {o_lat.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype} with strides {out.stride()}")
     if T == 0:
         return out
     BV, BT = min(32, triton.next_power_of_2(V)), _bt(T)

@@ -38,6 +38,10 @@ def check(T, H, P, R, L, V, dtype, device, tol):
     ref_o = torch.einsum("thl,hvl->thv", o_lat.double(), w_uv.double())
     got_o = absorb_o(o_lat, w_uv)
     assert got_o.shape == (T, H, V) and got_o.is_contiguous()
+    # into the first T rows of a larger joint output (a mixed step's decode rows), the rest untouched
+    joint = torch.full((T + 3, H, V), float("nan"), device=device, dtype=dtype)
+    assert absorb_o(o_lat, w_uv, out=joint[:T]).data_ptr() == joint.data_ptr()
+    assert torch.equal(joint[:T], got_o) and joint[T:].isnan().all()
     for got, ref in ((got_q, ref_q), (got_o, ref_o)):
         err = ((got.double() - ref).norm() / ref.norm()).item()
         assert err < tol, (T, H, P, R, L, V, dtype, err)
@@ -47,6 +51,8 @@ def test_absorb_rejects_non_contiguous_rows():
     from attention.triton_absorb import absorb_o
     with pytest.raises(ValueError, match="absorb_o"):
         absorb_o(torch.randn(2, 4, 32)[..., ::2], torch.randn(4, 16, 16))
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        absorb_o(torch.randn(2, 4, 16), torch.randn(4, 8, 16), out=torch.empty(2, 8, 4).transpose(1, 2))
 
 
 @pytest.mark.gpu
