@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|ops|throughput|offline|offlineab|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|ops|host|throughput|offline|offline2|offlineab|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -38,6 +38,11 @@
 #   offline     the same, prefix caching off, with its instruments: wall / host launch / GPU span per
 #               step kind, GPU idle between steps, host stack samples, GC, Triton compiles and the
 #               CUDA allocator during the run (bench_throughput.py --step-stats --host-sample)
+#   host        the host side of the offline run's mixed step (211 decodes + 8 new 1000-token prompts):
+#               forward enqueue with the GPU idle and held busy, host ms per layer, cProfile
+#               (profile_host.py)
+#   offline2    the offline step's run (prefix caching off, step stats) with --kernels auto and with
+#               auto,moe_shared_dense_min_tokens=0, once each, each under half the step's timeout
 #   offlineab   the offline step's run (prefix caching off, step stats) with --kernels auto and with
 #               auto,moe_shared_dense_min_tokens=0 (the shared experts folded into the grouped MoE
 #               instead of their own GEMMs from 1024 tokens), alternating twice: four runs, each under
@@ -92,7 +97,7 @@ for spec in $steps; do
   case $s in
     tests) timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=8 \
              tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_engine.py tests/test_triton_route.py \
-             tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
+             tests/test_triton_absorb.py tests/test_triton_kv_finish.py tests/test_triton_norm.py \
              > "$log" 2>&1 ;;
     quick) N=${QUICK_SHARDS:-3}; pids=()
            if ! [ "$N" -ge 1 ] 2>/dev/null; then echo "QUICK_SHARDS=$N: expected 1 or more" > "$log"; false
@@ -100,6 +105,7 @@ for spec in $steps; do
            for i in $(seq 0 $((N - 1))); do
              timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu --no-autotune -rfE --durations=5 \
                --shard "$i/$N" tests/test_triton_route.py tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
+               tests/test_triton_norm.py \
                tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_fp8_gemm.py \
                -k "not trained and not bf16_as_close and not w8a8_real and not splitk_r1" > "$OUT/quick_$i.txt" 2>&1 &
              pids+=($!)
@@ -141,6 +147,11 @@ for spec in $steps; do
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
     offline) timeout "$T" python3 scripts/bench_throughput.py --no-enable-prefix-caching --step-stats --host-sample \
                --json "$OUT/offline.json" > "$log" 2>&1 ;;
+    host) timeout "$T" python3 scripts/profile_host.py --reps 3 > "$log" 2>&1 ;;
+    offline2) { for k in auto auto,moe_shared_dense_min_tokens=0; do
+             echo "## --kernels $k"
+             timeout $((T / 2)) python3 scripts/bench_throughput.py --no-enable-prefix-caching --kernel-plan "$k" \
+               --step-stats --json "$OUT/offline_${k//[,=]/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
     offlineab) { for k in auto auto,moe_shared_dense_min_tokens=0 auto auto,moe_shared_dense_min_tokens=0; do
              echo "## --kernels $k"
              timeout $((T / 4)) python3 scripts/bench_throughput.py --no-enable-prefix-caching --kernel-plan "$k" \
