@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from common.kernel_plan import TRITON
+
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
@@ -95,7 +97,7 @@ def glue_for(plan) -> Glue:
     """The glue of a kernel plan: compiled or eager (`compile`), with the norms as Triton kernels
     where the plan's `norm` is triton (common/triton_norm.py: cheaper for the host to launch)."""
     glue = COMPILED if plan.compile else EAGER
-    if plan.norm != "triton":
+    if plan.norm != TRITON:
         return glue
     if glue not in _TRITON_NORMS:
         from common import triton_norm  # triton: CUDA installs only
