@@ -1,11 +1,11 @@
-"""RMSNorm and the residual add + RMSNorm as one Triton kernel each, for steps outside CUDA graphs.
+"""RMSNorm and the residual add + RMSNorm as one Triton kernel each (the plan's `norm=triton`).
 
 A step with prefill runs eagerly, and there the host, not the GPU, sets its pace: on the H200 a
-V2-Lite step of 211 decodes and 8 new 1000-token prompts took 2.1-4.5 ms of host time per layer
-to launch (`scripts/profile_host.py`) against ~2.9 ms of GPU time. The torch.compile'd glue costs
-its guards and wrappers on every call (under cProfile its 56 calls of that step took 19 ms of the
-forward's 112); a Triton launch of one kernel costs a fraction of that. Inside CUDA graphs the
-host cost is paid once at capture, so the glue keeps the compiled kernels there (`fused.Hybrid`).
+V2-Lite step of 211 decodes and 8 new 1000-token prompts took 2.5-4.0 ms of host time per layer
+to launch (`scripts/profile_host.py`, median per rep) against ~2.85 ms of GPU time. The
+torch.compile'd glue costs its guards and wrappers on every call (under cProfile its 56 calls of
+that step took 19 ms of the forward's 112); one Triton launch costs the host less. The same
+kernels run inside the decode CUDA graphs, where the host cost is paid once at capture: one path.
 
 Arithmetic as `common.fused.rms_norm` / `add_rms_norm`: s = x + h rounded to x's dtype, then in
 fp32 s * rsqrt(mean(s^2) + eps), rounded to x's dtype, times the weight (fp32 product of the two
