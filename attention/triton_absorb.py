@@ -17,9 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_launch import fast_launch
+
 from common.pdl import pdl_launch, pdl_prologue
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T"])
 def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t,
                      H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
@@ -64,6 +67,7 @@ def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_
             tl.store(q_ptr + row + L + offs_r[None, :], pe.to(q_ptr.dtype.element_ty), mask=mr)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T"])
 def _absorb_o_kernel(o_ptr, w_ptr, out_ptr, T, s_o_t, s_o_h, s_w_h, s_w_v,
                      H: tl.constexpr, L: tl.constexpr, V: tl.constexpr,
@@ -93,6 +97,7 @@ def _absorb_o_kernel(o_ptr, w_ptr, out_ptr, T, s_o_t, s_o_h, s_w_h, s_w_v,
              mask=mt[:, None] & mv[None, :])
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T"])
 def _rope_kernel(x_ptr, cs_ptr, out_ptr, T, H, s_x_t, s_x_h, s_cs_t,
                  R: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr, BR: tl.constexpr):

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_launch import fast_launch
+
 from attention.kv_quant import is_fp8
 from common.pdl import pdl_launch, pdl_prologue
 
@@ -60,6 +62,7 @@ def _col_block(d: int) -> int:
     return min(128, triton.next_power_of_2(d))
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["T"])
 def _write_kv_kernel(kv_ptr, cache_ptr, slot_ptr, T, inv_scale,
                      stride_kvt, stride_cb, stride_cs,
@@ -79,6 +82,7 @@ def _write_kv_kernel(kv_ptr, cache_ptr, slot_ptr, T, inv_scale,
                  mask=m)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_tokens", "B", "stride_btb"])
 def _gather_kernel(cache_ptr, out_ptr, block_table_ptr, starts_ptr, cu_ptr, num_tokens, B, kv_scale,
                    stride_cb, stride_cs, stride_btb, stride_ot,
@@ -138,6 +142,7 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, starts: to
     return out
 
 
+@fast_launch
 @triton.jit
 def _kv_finish_kernel(kv_ptr, w_ptr, cs_ptr, out_ptr, cache_ptr, slot_ptr, eps, inv_scale,
                       stride_kvt, stride_cst, stride_cb, stride_cs,

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_launch import fast_launch
+
 from attention.decode_config import LAZY_TAU, WIDE_ROWS, DecodeConfig, choose_num_splits, default_decode_config
 from attention.kv_quant import is_fp8
 from attention.triton_cache import fp8_store_value
@@ -86,6 +88,7 @@ def _e4m3_rows(x_lat, x_pe):
     return fp8_store_value(x_lat, inv), fp8_store_value(x_pe, inv), sq
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"])  # the table width varies by step
 def _mla_decode_partial_kernel(
     q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
@@ -276,6 +279,7 @@ def _mla_decode_partial_kernel(
     tl.store(lse_ptrs, lse, mask=hmask)
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["num_splits"])
 def _mla_decode_reduce_kernel(
     po_ptr, plse_ptr, o_ptr, lse_ptr,

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_launch import fast_launch
+
 from attention.backend import check_prefill_out
 
 LOG2E = 1.4426950408889634
@@ -84,6 +86,7 @@ def _attend_range(acc, l_i, m_i, qa, qb, k_base, kb_base, v_base, stride_kt, str
     return acc, l_i, m_i
 
 
+@fast_launch
 @triton.jit
 def _prefill_kernel(
     q_ptr, qb_ptr, k_ptr, kb_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr,
@@ -197,6 +200,7 @@ def prefill_attention_parts(qa: torch.Tensor, qb: torch.Tensor, ka: torch.Tensor
     return o, lse
 
 
+@fast_launch
 @triton.jit
 def _merge_kernel(o_ptr, lse_ptr, ob_ptr, lseb_ptr, H, s_o_t, s_o_h, s_ob_t, s_ob_h, s_l_t, s_lb_t,
                   DV: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr):

@@ -136,6 +136,10 @@ CHOICES: tuple[Choice, ...] = (
     Choice("pdl", (bool,), "programmatic dependent launch (sm_90+) for the decode path's Triton kernels: "
            "each is launched while its predecessor drains and waits for its writes on the GPU",
            ("common.pdl",), triton=False, torch=False),
+    Choice("launch", ("fast", TRITON), "how the host launches the Triton kernels of eager steps: fast "
+           "(common/triton_launch.py: each kernel's compiled form kept per argument specialization and "
+           "launched directly, without Triton's per-call binding) or triton (`kernel[grid](...)`, as Triton "
+           "does; launch hooks such as proton's need it)", ("common.triton_launch",), triton="fast", torch=TRITON),
     Choice("compile", (bool,), "torch.compile the elementwise glue (norms, RoPE, SwiGLU) on CUDA",
            ("torch._dynamo", "torch._inductor"), triton=True, torch=False),
     Choice("autotune", (bool,), "autotune Triton tiles per token bucket (off: one fixed tile per "
@@ -171,6 +175,7 @@ class KernelPlan:
     decode_wgmma_min_heads: int = 0
     decode_qk_fp8: bool = False
     pdl: bool = False
+    launch: str = TRITON
     compile: bool = False
     autotune: bool = False
     warmup: bool = False
@@ -284,6 +289,7 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
             values["moe_large"] = "dense" if device_type == "cuda" else "loop"
         if device_type != "cuda" or interpreting():
             values["compile"] = values["autotune"] = values["warmup"] = False
+            values["launch"] = TRITON  # nothing compiled to launch under the interpreter
             # the interpreter runs a norm's rows one program at a time: the engine tests there keep
             # the torch glue, and tests/interpreted checks the kernel itself
             values["norm"] = TORCH

@@ -18,7 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_launch import fast_launch
 
+
+@fast_launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, D, eps,
                      stride_x, stride_h, stride_s, stride_y,

@@ -12,6 +12,7 @@ from attention.kv_quant import is_fp8, resolve_kv_cache_dtype
 from common import distributed as pd
 from common.args import EngineArgs
 from common.kernel_plan import TRITON, KernelPlan, resolve_plan, use_autotune, use_pdl
+from common.triton_launch import use_fast_launch
 from engine.model_runner import ModelRunner
 from engine.weight_memory import resolve_fp8_gemm
 from models.config import ModelConfig
@@ -107,6 +108,7 @@ class Worker:
             raise ValueError(f"--kernels ...,pdl=1: programmatic dependent launch needs an sm_90+ GPU (Hopper or "
                              f"newer), not {self.device}; leave pdl at 0")
         use_pdl(self.plan.pdl)
+        use_fast_launch(self.plan.launch == "fast")
         if self.plan.decode_qk_fp8 and not is_fp8(self.cache_dtype):
             raise ValueError(f"--kernels ...,decode_qk_fp8=1 rounds q for QK^T over an FP8 latent cache; this one is "
                              f"{self.cache_dtype} (--kv-cache-dtype fp8, or leave decode_qk_fp8 at 0)")

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_launch import fast_launch
+
 from common.kernel_plan import autotuning, interpreting
 from common.pdl import pdl_launch, pdl_prologue
 from models.fp8 import FP8
@@ -208,6 +210,7 @@ def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) ->
     return rows, block_expert
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["P", "NB"])
 def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
                   BINS: tl.constexpr, PDL: tl.constexpr):

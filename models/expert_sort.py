@@ -20,7 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_launch import fast_launch
 
+
+@fast_launch
 @triton.jit
 def _count_kernel(ids_ptr, counts_ptr, P, PAD_ID, BINS: tl.constexpr, BLOCK: tl.constexpr):
     """counts[b, e]: pairs of block b choosing expert e (padding lanes land in bin PAD_ID)."""
@@ -30,6 +33,7 @@ def _count_kernel(ids_ptr, counts_ptr, P, PAD_ID, BINS: tl.constexpr, BLOCK: tl.
     tl.store(counts_ptr + b * BINS + tl.arange(0, BINS), tl.histogram(ids, BINS))
 
 
+@fast_launch
 @triton.jit
 def _scan_kernel(counts_ptr, dest_ptr, offs_ptr, NB, E, BINS: tl.constexpr, CH: tl.constexpr):
     """One program. With total[e] the pairs of expert e and start[e] their first sorted position
@@ -60,6 +64,7 @@ def _scan_kernel(counts_ptr, dest_ptr, offs_ptr, NB, E, BINS: tl.constexpr, CH: 
         before += tl.sum(c, 0)
 
 
+@fast_launch
 @triton.jit
 def _scatter_kernel(ids_ptr, dest_ptr, token_ptr, pos_ptr, P, KT, PAD_ID,
                     BINS: tl.constexpr, BLOCK: tl.constexpr):

@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_launch import fast_launch
+
 from models.fp8 import FP8, FP8_MAX
 from models.fp8_gemm_splitk import SPLIT_MAX_M, _w8a8_splitk_kernel, choose_k_splits, splitk_reduce
 from common.kernel_plan import autotuning, interpreting
@@ -71,6 +73,7 @@ def act_quant_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), s
 
 
+@fast_launch
 @triton.jit(do_not_specialize=["M"])
 def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, NG, FMAX: tl.constexpr, GROUP_SIZE: tl.constexpr,
                       GROUPS: tl.constexpr):

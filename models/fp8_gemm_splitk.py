@@ -23,6 +23,8 @@ import functools
 import triton
 import triton.language as tl
 
+from common.triton_launch import fast_launch
+
 SPLIT_MAX_M = 16  # split only in the "small" range: from 17 rows the grid has more row tiles
 PROGRAMS_PER_SM = 2  # target grid: this many programs per SM
 MIN_SPLIT_BLOCKS = 2  # K blocks per split at least: fewer and the partials cost more than they add
@@ -77,6 +79,7 @@ def _w8a8_splitk_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, p_ptr, M, N, K, NKB, SPLIT
     tl.store(p_ptrs, acc, mask=mm[:, None] & mn[None, :])
 
 
+@fast_launch
 @triton.jit
 def _splitk_reduce_kernel(p_ptr, y_ptr, MN, SPLITS, BLOCK: tl.constexpr):
     # y[i] = sum over s = 0, 1, ..., SPLITS - 1 of p[s, i], in that order, cast to y's dtype

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_launch import fast_launch
+
 from common.kernel_plan import autotuning, interpreting
 from common.pdl import pdl_launch, pdl_prologue
 
@@ -120,6 +122,7 @@ def _down_dot_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E_
     tl.store(part_ptr + pair * D + offs_n, wt * tl.sum(acc, axis=0), mask=mask_n)
 
 
+@fast_launch
 @triton.jit
 def _sum_pairs_kernel(part_ptr, out_ptr, D, KT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum of token t's KT partial rows (fp32), in the output dtype: one launch where
@@ -229,6 +232,7 @@ def tuned_configs() -> dict[str, str]:
 # --- Large batches (prefill): the grouped-GEMM path's elementwise glue ---------------------------
 
 
+@fast_launch
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, I, BLOCK: tl.constexpr):
     """out[r] = silu(x[r, :I]) * x[r, I:] for x `[R, 2I]`, one (row, tile) per program."""
@@ -250,6 +254,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@fast_launch
 @triton.jit
 def _unpermute_sum_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, D, KT: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = sum_j w[t, j] * y[pos[t, j]] in fp32, stored in the output dtype."""

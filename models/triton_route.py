@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from common.triton_launch import fast_launch
+
 from common.pdl import pdl_launch, pdl_prologue
 
 
@@ -40,6 +42,7 @@ LOGITS_MAX_TOKENS = 16
 _LOGITS_MAX_ELEMS = 16 * 64 * 2048
 
 
+@fast_launch
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, E: tl.constexpr, BLOCK_K: tl.constexpr,
                           PDL: tl.constexpr):
@@ -78,6 +81,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tens
     return out
 
 
+@fast_launch
 @triton.jit
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
                   E: tl.constexpr, G: tl.constexpr, EPG: tl.constexpr, GP: tl.constexpr, EP: tl.constexpr,

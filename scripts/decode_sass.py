@@ -63,7 +63,7 @@ def compile_partial(cfg: td.DecodeConfig, fp8: bool, page: int = 16, direct: boo
     """The partial kernel for V2/V3 shapes (Lkv 512, R 64), bf16 q (fp16 products over FP8), as
     `mla_decode` launches it; pointers and the strides that the launch specializes are marked
     16-divisible, as the JIT does for the engine's tensors."""
-    fn = td._mla_decode_partial_kernel
+    fn = td._mla_decode_partial_kernel.kernel  # the JITFunction under common/triton_launch's wrapper
     const = dict(PAGE=page, LKV=512, R=64, BLOCK_L=512, BLOCK_R=64, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
                  PRECISION="tf32", QK_T=cfg.qk_t, PREFETCH_IDS=cfg.prefetch_ids, DIRECT=direct, HAS_POS=False,
                  WARP_SPECIALIZE=cfg.warp_specialize, FP8=fp8,

@@ -40,13 +40,13 @@
 #               CUDA allocator during the run (bench_throughput.py --step-stats --host-sample)
 #   host        the host side of the offline run's mixed step (211 decodes + 8 new 1000-token prompts):
 #               forward enqueue with the GPU idle and held busy, host ms per layer, cProfile
-#               (profile_host.py)
+#               (profile_host.py), once per --kernels plan of AB_PLANS (default "auto"), sharing the timeout
 #   offline2    the offline step's run (prefix caching off, step stats) with --kernels auto and with
 #               auto,moe_shared_dense_min_tokens=0, once each, each under half the step's timeout
-#   offlineab   the offline step's run (prefix caching off, step stats) with --kernels auto and with
-#               auto,moe_shared_dense_min_tokens=0 (the shared experts folded into the grouped MoE
-#               instead of their own GEMMs from 1024 tokens), alternating twice: four runs, each under
-#               a quarter of the step's timeout (give it `offlineab:400`)
+#   offlineab   the offline step's run (prefix caching off, step stats) with each --kernels plan of
+#               AB_PLANS (default "auto auto,moe_shared_dense_min_tokens=0": the shared experts folded
+#               into the grouped MoE instead of their own GEMMs from 1024 tokens), alternating twice:
+#               with two plans four runs, each under a quarter of the step's timeout (`offlineab:400`)
 #   http        the same workload offline, then over HTTP (serve + bench_serving), one table with
 #               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:560`)
 #   peer        the issues' side-by-side method: a random-weight V2-Lite checkpoint
@@ -98,14 +98,14 @@ for spec in $steps; do
     tests) timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=8 \
              tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_engine.py tests/test_triton_route.py \
              tests/test_triton_absorb.py tests/test_triton_kv_finish.py tests/test_triton_norm.py \
-             > "$log" 2>&1 ;;
+             tests/test_triton_launch.py > "$log" 2>&1 ;;
     quick) N=${QUICK_SHARDS:-3}; pids=()
            if ! [ "$N" -ge 1 ] 2>/dev/null; then echo "QUICK_SHARDS=$N: expected 1 or more" > "$log"; false
            else
            for i in $(seq 0 $((N - 1))); do
              timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu --no-autotune -rfE --durations=5 \
                --shard "$i/$N" tests/test_triton_route.py tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
-               tests/test_triton_norm.py \
+               tests/test_triton_norm.py tests/test_triton_launch.py \
                tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_fp8_gemm.py \
                -k "not trained and not bf16_as_close and not w8a8_real and not splitk_r1" > "$OUT/quick_$i.txt" 2>&1 &
              pids+=($!)
@@ -147,12 +147,13 @@ for spec in $steps; do
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
     offline) timeout "$T" python3 scripts/bench_throughput.py --no-enable-prefix-caching --step-stats --host-sample \
                --json "$OUT/offline.json" > "$log" 2>&1 ;;
-    host) timeout "$T" python3 scripts/profile_host.py --reps 3 > "$log" 2>&1 ;;
+    host) { P=${AB_PLANS:-auto}; n=$(echo $P | wc -w); for k in $P; do echo "## --kernels $k"
+            timeout $((T / n)) python3 scripts/profile_host.py --reps 3 --kernel-plan "$k"; done; } > "$log" 2>&1 ;;
     offline2) { for k in auto auto,moe_shared_dense_min_tokens=0; do
              echo "## --kernels $k"
              timeout $((T / 2)) python3 scripts/bench_throughput.py --no-enable-prefix-caching --kernel-plan "$k" \
                --step-stats --json "$OUT/offline_${k//[,=]/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
-    offlineab) { for k in auto auto,moe_shared_dense_min_tokens=0 auto auto,moe_shared_dense_min_tokens=0; do
+    offlineab) { P=${AB_PLANS:-auto auto,moe_shared_dense_min_tokens=0}; for k in $P $P; do
              echo "## --kernels $k"
              timeout $((T / 4)) python3 scripts/bench_throughput.py --no-enable-prefix-caching --kernel-plan "$k" \
                --step-stats --json "$OUT/offline_${k//[,=]/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
