@@ -25,6 +25,7 @@ import datetime
 import importlib.util
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -146,7 +147,7 @@ def decode_inputs(B, S, H, page=64, cache_dtype=torch.bfloat16):
 
 
 def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float, shapes, heads, cache_names,
-               impl: str = "triton"):
+               impl: str = "triton", sweep_match: str | None = None):
     for B, S in shapes:
         for H in heads:
             for cname in cache_names:
@@ -157,7 +158,8 @@ def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float, shapes, he
                 flops = 2 * B * S * H * (LKV + R + LKV)
                 cfgs = [default_decode_config(H, torch.bfloat16, cache_dtype=cdt)]
                 if sweep:
-                    cfgs += [DecodeConfig(**c) for c in DECODE_SWEEP.get((H, cname), [])]
+                    cfgs += [DecodeConfig(**c) for c in DECODE_SWEEP.get((H, cname), [])
+                             if sweep_match is None or re.search(sweep_match, _short(c))]
                 if impl == "gluon":  # attention/gluon_decode.py, timed after the Triton default
                     if H % 64 == 0 and cname == "bf16":
                         cfgs.append(GluonDecodeConfig())
@@ -352,6 +354,8 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill and cache-op timings")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="after 70%% (decode) / 90%% (prefill) of this many seconds, time default configs only")
+    ap.add_argument("--sweep-match", default=None, metavar="REGEX",
+                    help="--sweep times only the candidates whose tile tag matches (e.g. 'Q$': the qk_fp8 ones)")
     ap.add_argument("--impl", choices=("triton", "gluon"), default="triton",
                     help="gluon: also time attention/gluon_decode.py (H %% 64 == 0, bf16 cache, sm_90) "
                          "next to the Triton default")
@@ -382,7 +386,8 @@ def main():
         shapes = [tuple(int(v) for v in x.split("x")) for x in args.decode_shapes.split(",")] if args.decode_shapes \
             else DECODE_SHAPES
         run_decode(rows, args.sweep, props.multi_processor_count, log, t0 + args.budget_s * 0.7, shapes,
-                   [int(h) for h in args.heads.split(",")], args.cache_dtypes.split(","), args.impl)
+                   [int(h) for h in args.heads.split(",")], args.cache_dtypes.split(","), args.impl,
+                   args.sweep_match)
         save()
         print(f"decode done in {time.time() - t0:.0f} s", flush=True)
         if not args.decode_only:
