@@ -207,8 +207,9 @@ def _time_configs(rows, log, deadline, num_sms, sweep, B, S, H, cname, q, cache,
             except Exception as e:  # a config that does not compile is reported, not fatal
                 log.append(f"decode B={B} S={S} H={H} {cname} {cfg} splits={ns}: {type(e).__name__} {e}"[:300])
                 continue
-            # qk_fp8 rounds q to e4m3: ~5e-2 from the default on these random inputs (sharp softmax)
-            if agree > (0.1 if getattr(cfg, "qk_fp8", False) else 1e-2):
+            # qk_fp8 rounds q to e4m3: o ~5e-2 and lse up to ~0.25 from the default on these random
+            # inputs (sharp softmax; the GPU tests check it against a reference that rounds q too)
+            if agree > (0.4 if getattr(cfg, "qk_fp8", False) else 1e-2):
                 log.append(f"decode B={B} S={S} H={H} {cname} {_short(vars(cfg))}/{ns} DISAGREES {agree:.3g}")
             tried.append(dict(agree=agree, cfg={k: v for k, v in vars(cfg).items() if k not in ("min_split_tokens",
                                                                                    "max_splits")}
