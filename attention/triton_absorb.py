@@ -17,9 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from common.triton_launch import fast_launch
-
 from common.pdl import pdl_launch, pdl_prologue
+from common.triton_launch import fast_launch
 
 
 @fast_launch
@@ -142,8 +141,17 @@ def _bt(T: int) -> int:
     return 16 if T <= 16 else 64
 
 
+def _absorb_q_tiles(T: int) -> dict:
+    """absorb_q's tiles for T rows. Each program does one [BT, P] x [P, BL] product, so the
+    program count, not the bytes, sets its time: 16-row tiles at every T, and narrow latent tiles
+    while T is small. H200, 16 heads, P 128, L 512, µs in a CUDA graph (`scripts/bench_absorb.py`;
+    against the former BL 128, BT 16 / 64, 4 warps): T 1 3.50 -> 3.24, T 8 4.29 -> 3.83, T 32
+    8.36 -> 5.00 (BL 32, 2 warps), T 128 12.68 -> 9.05, T 256 21.19 -> 13.73 (BL 128, 4 warps)."""
+    return dict(BL=32, BT=16, num_warps=2) if T <= 32 else dict(BL=128, BT=16, num_warps=4)
+
+
 def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
-             cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+             cos_sin: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
     """q_nope [T, H, P], q_pe [T, H, R], w_uk [H, P, L] (last dims contiguous) -> q [T, H, L+R].
     With `cos_sin` (`[T, R]` [cos | sin] rows, `YarnRotaryEmbedding.at`; the math in fp32) q_pe
     is rotated on the way (one launch fewer than a separate RoPE); without, it is copied as is."""
@@ -158,16 +166,18 @@ def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
     q = torch.empty(T, H, L + R, dtype=q_nope.dtype, device=q_nope.device)
     if T == 0:
         return q
-    BL, BT = max(16, min(128, triton.next_power_of_2(L))), _bt(T)
-    _absorb_q_kernel[(H, triton.cdiv(L, BL), triton.cdiv(T, BT))](
+    t = _absorb_q_tiles(T) | (tiles or {})
+    t["BL"] = max(16, min(t["BL"], triton.next_power_of_2(L)))  # a latent narrower than the tile (tiny models)
+    _absorb_q_kernel[(H, triton.cdiv(L, t["BL"]), triton.cdiv(T, t["BT"]))](
         q_nope, q_pe, w_uk, q, q if cos_sin is None else cos_sin, T, q_nope.stride(0), q_nope.stride(1),
         q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1), 0 if cos_sin is None else cos_sin.stride(0),
-        H=H, P=P, L=L, R=R, BP=max(16, triton.next_power_of_2(P)), BL=BL, BR=max(2, triton.next_power_of_2(R)),
-        BT=BT, IEEE=q_nope.dtype == torch.float32, ROPE=cos_sin is not None, num_warps=4, **pdl_launch())
+        H=H, P=P, L=L, R=R, BP=max(16, triton.next_power_of_2(P)), BR=max(2, triton.next_power_of_2(R)),
+        IEEE=q_nope.dtype == torch.float32, ROPE=cos_sin is not None, **t, **pdl_launch())
     return q
 
 
-def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None = None,
+             tiles: dict | None = None) -> torch.Tensor:
     """o_lat [T, H, L], w_uv [H, V, L] (last dims contiguous) -> o [T, H, V], contiguous: `out`
     when given (a contiguous [T, H, V] of o_lat's dtype, e.g. the decode rows of a mixed step's
     joint output), else a new tensor."""
@@ -184,10 +194,9 @@ def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None =
                          f"{tuple(out.shape)} {out.dtype} with strides {out.stride()}")
     if T == 0:
         return out
-    BV, BT = min(32, triton.next_power_of_2(V)), _bt(T)
-    BV = max(BV, 16)
-    _absorb_o_kernel[(H, triton.cdiv(V, BV), triton.cdiv(T, BT))](
+    t = dict(BL=max(16, min(128, triton.next_power_of_2(L))), BV=max(16, min(32, triton.next_power_of_2(V))),
+             BT=_bt(T), num_warps=4, num_stages=3) | (tiles or {})
+    _absorb_o_kernel[(H, triton.cdiv(V, t["BV"]), triton.cdiv(T, t["BT"]))](
         o_lat, w_uv, out, T, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), H=H, L=L, V=V,
-        BL=max(16, min(128, triton.next_power_of_2(L))), BV=BV, BT=BT, IEEE=o_lat.dtype == torch.float32,
-        num_warps=4, num_stages=3, **pdl_launch())
+        IEEE=o_lat.dtype == torch.float32, **t, **pdl_launch())
     return out

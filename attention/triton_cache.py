@@ -12,10 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from common.triton_launch import fast_launch
-
 from attention.kv_quant import is_fp8
 from common.pdl import pdl_launch, pdl_prologue
+from common.triton_launch import fast_launch
 
 BLOCK_T = 16
 # Sequences one gather program compares its rows against per loop step. Fixed, as are the block

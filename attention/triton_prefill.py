@@ -14,9 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from common.triton_launch import fast_launch
-
 from attention.backend import check_prefill_out
+from common.triton_launch import fast_launch
 
 LOG2E = 1.4426950408889634
 

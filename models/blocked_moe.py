@@ -10,10 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from common.triton_launch import fast_launch
-
 from common.kernel_plan import autotuning, interpreting
 from common.pdl import pdl_launch, pdl_prologue
+from common.triton_launch import fast_launch
 from models.fp8 import FP8
 from models.fp8_gemm import GROUP as ACT_GROUP, act_quant
 from models.fused_moe import _expert_scales, _mma, _sum_pairs_kernel

@@ -30,10 +30,9 @@ import torch
 import triton
 import triton.language as tl
 
-from common.triton_launch import fast_launch
-
 from common.kernel_plan import autotuning, interpreting
 from common.pdl import pdl_launch, pdl_prologue
+from common.triton_launch import fast_launch
 
 
 @triton.jit

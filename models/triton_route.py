@@ -29,9 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from common.triton_launch import fast_launch
-
 from common.pdl import pdl_launch, pdl_prologue
+from common.triton_launch import fast_launch
 
 
 LOGITS_MAX_TOKENS = 16
