@@ -243,13 +243,13 @@ class Worker:
                            for k in dummy_prompt_lens(n, max_len)]
                 runner.forward(self._dummy_batch(runner, prompts, num_blocks))
             # b prompts of 2 tokens, then a decode step (one more token each), then mixed steps of
-            # 8 and of b sequences: half decode again, the other half a chunk of `chunk` tokens
+            # 8 and of b sequences: some decode again (half, or all but one), the rest a chunk of `chunk` tokens
             # after their 3 cached ones (a prefill with context: the context gather, the context
             # attention and the merge); then, with speculation, a step of decodes of `q` tokens
             # each (multi-token decode); then two decodes whose block tables are wide (the decode
             # attention splits its keys).
-            # Up to 64 sequences: up to 16 decodes and more take the absorb kernels' two tiles, as
-            # serving's eager mixed steps do; a variant first met while serving compiles with every
+            # Up to 64 sequences: each of the absorb kernels' tile sets (by decode rows), as serving's
+            # eager mixed steps take them; a variant first met while serving compiles with every
             # request waiting.
             q = runner.decode_threshold
             chunk = q + 1  # the shortest chunk that is a prefill, not a decode
@@ -262,8 +262,10 @@ class Worker:
                 prompts = [[rng.randrange(v) for _ in range(2)] for _ in range(b)]
                 runner.forward(runner.prepare(prompts, [0] * b, tables))
                 runner.forward(runner.prepare([[p[0]] for p in prompts], [2] * b, tables))
-                for n in sorted({min(8, b), b}):  # up to 16 decodes and beyond: both absorb tiles
-                    mixed = [[rng.randrange(v)] if i < n // 2 else [rng.randrange(v) for _ in range(chunk)]
+                # decodes beside chunks: 4, b // 2 (up to 32) and b - 1 (up to 63): the absorb kernels'
+                # tiles change at 16 decode rows (absorb_o) and at 32 (absorb_q)
+                for n, d in sorted({(min(8, b), min(8, b) // 2), (b, b // 2), (b, b - 1)}):
+                    mixed = [[rng.randrange(v)] if i < d else [rng.randrange(v) for _ in range(chunk)]
                              for i in range(n)]
                     runner.forward(runner.prepare(mixed, [3] * n, tables[:n]))
                 if q > 1:

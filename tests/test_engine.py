@@ -148,7 +148,7 @@ def test_warm_up_meets_every_token_bucket_and_leaves_serving_unchanged(tiny_v3, 
     smaller than its largest step (block ids wrap, never out of range), with steps past the
     model's context (256 positions) split into several prompts, then 64 prompts of 2 tokens, their
     decode step, mixed steps of 8 and 64 sequences (half decodes, half chunks after cached tokens:
-    the context attention runs) and 2 decodes over wide block tables; greedy outputs after it still equal
+    the context attention runs), one of 63 decodes beside a chunk, and 2 decodes over wide block tables; greedy outputs after it still equal
     transformers'."""
     prompts, refs = prompts_and_refs
     llm = make_llm(tiny_v3[0], num_kv_blocks=40, block_size=4, max_num_batched_tokens=600)
@@ -161,10 +161,11 @@ def test_warm_up_meets_every_token_bucket_and_leaves_serving_unchanged(tiny_v3, 
         assert worker.warm_up(600, 256, 256) == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600]  # 600 tokens: 150 blocks > 40
     finally:
         del worker.model.forward
-    assert [n for n, _, _ in seen] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600, 128, 64, 12, 96, 2]
+    assert [n for n, _, _ in seen] == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 600, 128, 64, 12, 96, 65, 2]
     assert max(p for _, p, _ in seen) == 255  # no position past the model's 256
-    mixed, wide = seen[-2][2], seen[-1][2]
+    mixed, most, wide = seen[-3][2], seen[-2][2], seen[-1][2]
     assert (mixed.num_decodes, mixed.num_prefills, mixed.prefill.num_context_prefills) == (32, 32, 32)
+    assert (most.num_decodes, most.num_prefills) == (63, 1)  # absorb_q's tiles past 32 decode rows
     assert (wide.num_decodes, wide.prefill) == (2, None)
     assert wide.decode.block_table.shape == (2, 256 // 4)  # the longest sequence, in 4-token blocks
     worker._profile_run(600)  # the CUDA start-up's memory probe: the same split (no IndexError)
@@ -175,7 +176,8 @@ def test_warm_up_meets_every_token_bucket_and_leaves_serving_unchanged(tiny_v3, 
 def test_warm_up_with_speculation_runs_a_multi_token_decode(tiny_v3):
     """With k = 2 draft tokens a decode carries 3 query tokens: the warm-up's mixed step uses
     chunks of 4 (the shortest prefill), and a step decodes 3 tokens for each of its 16 sequences
-    (a budget of 64 tokens: 16 chunks of 4), after mixed steps of 8 and 16 sequences."""
+    (a budget of 64 tokens: 16 chunks of 4), after mixed steps of 8 and 16 sequences (and 15 decodes
+    beside one chunk)."""
     llm = make_llm(tiny_v3[0], num_kv_blocks=40, block_size=4, max_num_batched_tokens=64,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     worker = llm.engine.executor.worker
@@ -186,7 +188,8 @@ def test_warm_up_with_speculation_runs_a_multi_token_decode(tiny_v3):
         worker.warm_up(64, 256, 256)
     finally:
         del worker.model.forward
-    small, mixed, multi = seen[-4:-1]
+    small, mixed, most, multi = seen[-5:-1]
+    assert (most.num_decodes, most.num_prefills) == (15, 1)
     assert (small.num_decodes, small.num_prefills, small.num_prefill_tokens) == (4, 4, 16)
     assert (mixed.num_decodes, mixed.num_prefills, mixed.prefill.num_context_prefills) == (8, 8, 8)
     assert mixed.num_decode_tokens == 8 and mixed.num_prefill_tokens == 32
