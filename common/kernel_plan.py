@@ -132,7 +132,8 @@ CHOICES: tuple[Choice, ...] = (
            triton_help="64 where all of that holds, else 0"),
     Choice("decode_qk_fp8", (bool,), "with --kv-cache-dtype fp8, the MLA decode's QK^T on e4m3 operands: each "
            "query row rounded to e4m3 with its own scale, the cache's bytes as they are (Triton: "
-           "DecodeConfig.qk_fp8; torch: the same rounding); opt-in, untimed", triton=False, torch=False),
+           "DecodeConfig.qk_fp8; torch: the same rounding); opt-in: on the H200 at B 128, S 16k, 16 heads 713.8 us "
+           "against the FP8 default's 743.0 and bf16's 560.1", triton=False, torch=False),
     Choice("pdl", (bool,), "programmatic dependent launch (sm_90+) for the decode path's Triton kernels: "
            "each is launched while its predecessor drains and waits for its writes on the GPU",
            ("common.pdl",), triton=False, torch=False),
