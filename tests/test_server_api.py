@@ -127,7 +127,10 @@ def test_stream_equals_non_stream(client, server, echo):
         assert texts[c.index] == c.text and finish[c.index] == c.finish_reason
         assert tokens[c.index] == c.logprobs.tokens
         assert offsets[c.index] == c.logprobs.text_offset
-        assert values[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-5)
+        # the streamed request meets the first one's prompts in the prefix cache (context attention
+        # instead of a whole prefill) and other batch neighbours: fp32 sums in another order, which
+        # moved a log-probability by 1.08e-5 in one run (tokens and text above are exact)
+        assert values[c.index] == pytest.approx(c.logprobs.token_logprobs, abs=1e-4)
 
 
 def test_echo_logprobs_as_lm_eval_sends_them(client, server):
