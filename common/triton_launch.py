@@ -135,8 +135,12 @@ class FastKernel:
         full = args + tuple([kwargs[n] if given else self._defaults[n] for n, given in entry.tail])
         n = len(grid)
         device = key[0]
-        entry.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), entry.function,
-                  entry.metadata, None, None, None, *full)
+        try:
+            entry.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _stream(device), entry.function,
+                      entry.metadata, None, None, None, *full)
+        except Exception as e:  # the direct launch itself failed: the plan's message names launch=triton
+            e.plan_key = "launch"
+            raise
         return entry.compiled
 
 

@@ -129,6 +129,20 @@ def test_off_or_callable_grid_is_tritons_launch(fast, monkeypatch):
     assert k.compiles == 4 and all(e[0] == "triton" for e in k.log)
 
 
+def test_a_failed_direct_launch_is_charged_to_the_launch_key(fast):
+    """A failure of the direct launch names launch=triton, not the calling module's key."""
+    from common.kernel_plan import charged_key
+    k = _StandIn()
+    fk = FastKernel(k)
+    x = torch.zeros(32)
+    fk[(1,)](x, 17, 1e-6)
+    entry = next(iter(fk._entries.values()))
+    entry.run = lambda *a: (_ for _ in ()).throw(RuntimeError("CUDA error: invalid argument"))
+    with pytest.raises(RuntimeError) as info:
+        fk[(1,)](x, 17, 1e-6)
+    assert charged_key(info.value) == "launch"
+
+
 def test_missing_argument_is_named(fast):
     fk = FastKernel(_StandIn())
     with pytest.raises(TypeError, match="missing argument 'eps'"):
