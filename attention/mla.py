@@ -97,18 +97,20 @@ class MLAAttention:
         return row
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_row: torch.Tensor,
-                kv_cache: torch.Tensor, meta: MLAMetadata, cos_sin: torch.Tensor) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: MLAMetadata, cos_sin: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         """q_nope [T,Hl,P], q_pe [T,Hl,R] (not yet rotated), kv_row [T, Lkv+R] = [c ‖ k_pe] of the
         new tokens, already in the cache (`finish_kv`); cos_sin [T, R] the tokens' RoPE rows
-        (`rope.at`) -> [T, Hl, V]."""
+        (`rope.at`) -> [T, Hl, V], written into `out` (contiguous `[T, Hl, V]`) when given."""
         c, k_pe = kv_row.split([self.Lkv, self.R], dim=-1)
         nd = meta.num_decode_tokens
         if meta.prefill is None and nd == q_nope.shape[0]:  # pure decode: no copy into a joint output
-            return self._decode(q_nope, q_pe, kv_cache, meta, cos_sin)
+            return self._decode(q_nope, q_pe, kv_cache, meta, cos_sin, out=out)
         q_pe = self._rope(q_pe, cos_sin)
         if meta.decode is None and nd == 0:
-            return self._prefill(q_nope, q_pe, c, k_pe, kv_cache, meta)
-        out = q_nope.new_empty(q_nope.shape[0], self.H, self.V)
+            return self._prefill(q_nope, q_pe, c, k_pe, kv_cache, meta, out=out)
+        if out is None:
+            out = q_nope.new_empty(q_nope.shape[0], self.H, self.V)
         if meta.decode is not None:  # written in place too (absorb_o's out)
             self._decode(q_nope[:nd], q_pe[:nd], kv_cache, meta, out=out[:nd])
         if meta.prefill is not None:  # written in place: no copy of the prefill rows

@@ -18,6 +18,34 @@ KV_CACHE_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "f
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "configs" / "models" / "tiny-deepseek-v3")
 
 
+def default_piecewise_sizes(max_tokens: int) -> list[int]:
+    """128, 256, then multiples of 512 up to `max_tokens` (and `max_tokens` itself): a step of T
+    tokens replays the smallest size >= T, so from 512 tokens on it pads fewer than 512 rows, and
+    a step that fills the token budget (the steady state of a prefill-heavy load) none."""
+    sizes = [s for s in (128, 256) if s < max_tokens] + list(range(512, max_tokens + 1, 512))
+    return sizes if sizes and sizes[-1] == max_tokens else sizes + [max_tokens]
+
+
+def piecewise_graph_sizes(spec: str, max_tokens: int) -> list[int]:
+    """`--piecewise-graph-sizes`: "auto" (`default_piecewise_sizes`), "none", or comma-separated token
+    counts, each 1..max_num_batched_tokens."""
+    s = spec.strip().lower()
+    if s == "auto":
+        return default_piecewise_sizes(max_tokens)
+    if s in ("none", "0", ""):
+        return []
+    try:
+        sizes = sorted({int(x) for x in s.split(",")})
+    except ValueError:
+        raise ValueError(f"--piecewise-graph-sizes {spec!r}: expected auto, none or comma-separated token "
+                         f"counts") from None
+    bad = [n for n in sizes if not 1 <= n <= max_tokens]
+    if bad:
+        raise ValueError(f"--piecewise-graph-sizes: {bad} outside 1..{max_tokens} (--max-num-batched-tokens: a "
+                         f"step never holds more tokens)")
+    return sizes
+
+
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL
@@ -39,6 +67,9 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     seed: int = 0
     enforce_eager: bool = False
+    # steps that are not captured pure-decode batches: CUDA graphs of the work between attention
+    # cores per token count (engine/piecewise_graph.py): "auto", "none" or "N,N,..."
+    piecewise_graph_sizes: str = "auto"
     # schedule and launch step N+1 while step N runs; None: on when the model runs on CUDA
     async_scheduling: bool | None = None
     attention_backend: str = "auto"  # auto | torch | triton: the kernel plan's attention key
@@ -97,6 +128,7 @@ class EngineArgs:
         need(self.attention_backend in ("auto", "torch", "triton"),
              f"--attention-backend: unknown backend {self.attention_backend!r}")
         parse_kernels(self.kernels)  # ValueError naming --kernels
+        piecewise_graph_sizes(self.piecewise_graph_sizes, self.max_num_batched_tokens)  # ValueError naming the flag
         need(self.kv_cache_dtype in KV_CACHE_DTYPES,
              f"--kv-cache-dtype: unknown value {self.kv_cache_dtype!r}; expected one of "
              f"{', '.join(KV_CACHE_DTYPES)}")

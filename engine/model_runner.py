@@ -77,6 +77,7 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.graphs = None  # engine.cuda_graph.DecodeGraphs, set by the worker on CUDA
         self.mtp_graphs = None  # the MTP drafter's DecodeGraphs, with {"method": "mtp"} on CUDA
+        self.piecewise = None  # engine.piecewise_graph.PiecewiseGraphs: the other steps, on CUDA
         self._last: PendingStep | None = None  # the latest launched step, until finished
         self.agreement = RankAgreement(rank_check_interval)  # ranks sample alike (rank_agreement.py)
 
@@ -111,6 +112,8 @@ class ModelRunner:
         if (self.graphs is not None and m.prefill is None and m.decode is not None
                 and m.decode.row_index is None and self.graphs.bucket_for(m.num_decodes, m.decode.q_len)):
             return self.graphs.run(batch.input_ids, batch.positions, m)
+        if self.piecewise is not None and self.piecewise.size_for(batch.input_ids.shape[0]):
+            return self.piecewise.run(batch.input_ids, batch.positions, m)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, m)
 
     @torch.inference_mode()

@@ -10,7 +10,7 @@ import torch
 
 from attention.kv_quant import is_fp8, resolve_kv_cache_dtype
 from common import distributed as pd
-from common.args import EngineArgs
+from common.args import EngineArgs, piecewise_graph_sizes
 from common.kernel_plan import TRITON, KernelPlan, resolve_plan, use_autotune, use_pdl
 from common.triton_launch import use_fast_launch
 from engine.model_runner import ModelRunner
@@ -319,6 +319,17 @@ class Worker:
                 raise
             except Exception as e:  # noqa: BLE001
                 raise self.plan.error("capturing decode CUDA graphs (--enforce-eager avoids them)", e) from e
+            sizes = piecewise_graph_sizes(a.piecewise_graph_sizes, a.max_num_batched_tokens)
+            if sizes and self.plan.moe_large != "loop":  # the loop reads expert counts on the host
+                from engine.piecewise_graph import PiecewiseGraphs
+                self.runner.piecewise = PiecewiseGraphs(self.model, self.kv_caches, sizes, self.device, self.dtype)
+                try:
+                    self.runner.piecewise.capture()
+                except torch.cuda.OutOfMemoryError:
+                    raise
+                except Exception as e:  # noqa: BLE001
+                    raise self.plan.error("capturing piecewise CUDA graphs (--piecewise-graph-sizes none or "
+                                          "--enforce-eager avoids them)", e) from e
 
     def _mtp_graphs(self, blocks_per_seq: int, cache: torch.Tensor):
         """CUDA graphs of the MTP drafter's layer for 1 .. 1 + k rows per request (engine/mtp_drafter.py)."""

@@ -52,17 +52,27 @@ class DeepseekAttention(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.mla.set_kv_b_weight(self.kv_b_proj.weight)
 
-    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
-                meta: MLAMetadata) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The projections that read the normed hidden rows: q `[T, Hl, P+R]`, kv `[T, Lkv+R]`
+        (shapes fixed by T: part of a piecewise CUDA graph)."""
         q, kv = self.qkv_a_proj(x).split(self.qkv_a_proj.sizes, dim=-1)
         if self.q_lora:
             q = self.q_b_proj(self.q_a_layernorm(q))
-        q = q.reshape(-1, self.Hl, self.P + self.R)
+        return q.reshape(-1, self.Hl, self.P + self.R), kv
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+               meta: MLAMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention core `[T, Hl, V]`, into `out` when given: the new rows into the cache,
+        then MLA over the step's metadata (always eager: its work depends on the metadata)."""
         q_nope, q_pe = q.split([self.P, self.R], dim=-1)
         n = self.kv_a_layernorm
         kv_row = self.mla.finish_kv(kv, n.weight, n.eps, cos_sin, kv_cache, meta)  # in the cache now
-        o = self.mla.forward(q_nope, q_pe, kv_row, kv_cache, meta, cos_sin)  # [T, Hl, V]; rotates q_pe
-        return self.o_proj(o.flatten(1))
+        return self.mla.forward(q_nope, q_pe, kv_row, kv_cache, meta, cos_sin, out=out)  # rotates q_pe
+
+    def forward(self, x: torch.Tensor, cos_sin: torch.Tensor, kv_cache: torch.Tensor,
+                meta: MLAMetadata) -> torch.Tensor:
+        q, kv = self.project(x)
+        return self.o_proj(self.attend(q, kv, cos_sin, kv_cache, meta).flatten(1))
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -77,19 +87,31 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, self.glue)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
-    def forward(self, x, residual, cos_sin, kv_cache, meta):
-        """(x, residual) -> (mlp output, residual): the residual stream's add is left to the next
-        layer's input norm (one fused add + RMSNorm instead of an add and a norm); residual None
-        on the first layer, where x is the embedding."""
+    def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None):
+        """(residual, q, kv): the residual stream's add and the input norm (x alone, the embedding,
+        on the first layer: residual None), then the attention's projections."""
         n = self.input_layernorm
         if residual is None:
             residual, h = x, n(x)
         else:
             residual, h = self.glue.add_rms_norm(residual, x, n.weight, n.eps)
-        h = self.self_attn(h, cos_sin, kv_cache, meta)
+        return (residual, *self.self_attn.project(h))
+
+    def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mlp output, residual) from the attention core's output o `[T, Hl, V]`: o_proj, the
+        add + post-attention norm, the MLP or MoE. The residual stream's add is left to the next
+        layer's input norm (one fused add + RMSNorm instead of an add and a norm)."""
+        h = self.self_attn.o_proj(o.flatten(1))
         n = self.post_attention_layernorm
         residual, h = self.glue.add_rms_norm(residual, h, n.weight, n.eps)
         return self.mlp(h), residual
+
+    def forward(self, x, residual, cos_sin, kv_cache, meta):
+        """(x, residual) -> (mlp output, residual); residual None on the first layer, where x is the
+        embedding."""
+        residual, q, kv = self.pre_attention(x, residual)
+        o = self.self_attn.attend(q, kv, cos_sin, kv_cache, meta)
+        return self.post_attention(o, residual)
 
 
 class DeepseekModel(nn.Module):
@@ -103,15 +125,31 @@ class DeepseekModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, self.glue)
         self.rotary_emb = YarnRotaryEmbedding(cfg.qk_rope_head_dim, cfg.max_position_embeddings, cfg.rope)
 
+    # A step is pieces between the layers' attention cores (`first`, `after`), whose shapes depend
+    # only on the token count (engine/piecewise_graph.py captures them as CUDA graphs), and the
+    # cores themselves (`DeepseekAttention.attend`), whose work depends on the step's metadata.
+
+    def first(self, input_ids: torch.Tensor):
+        """Piece 0: the embedding, then layer 0's input norm and projections: (residual, q, kv)."""
+        return self.layers[0].pre_attention(self.embed_tokens(input_ids), None)
+
+    def after(self, i: int, o: torch.Tensor, residual: torch.Tensor):
+        """Piece i + 1: layer i's work after its attention core (o_proj, norm, MLP), then layer
+        i + 1's before it: (residual, q, kv); after the last layer the final norm's hidden rows."""
+        x, residual = self.layers[i].post_attention(o, residual)
+        if i + 1 == len(self.layers):
+            return self.glue.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)[1]
+        return self.layers[i + 1].pre_attention(x, residual)
+
     def forward(self, input_ids, positions, kv_caches, meta):
-        x = self.embed_tokens(input_ids)
+        if not self.layers:
+            return self.norm(self.embed_tokens(input_ids))
         cos_sin = self.rotary_emb.at(positions)  # one gather per step, shared by the layers
-        residual = None
-        for layer, cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, cos_sin, cache, meta)
-        if residual is None:  # no layers
-            return self.norm(x)
-        return self.glue.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)[1]
+        out = self.first(input_ids)
+        for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
+            residual, q, kv = out
+            out = self.after(i, layer.self_attn.attend(q, kv, cos_sin, cache, meta), residual)
+        return out
 
 
 class DeepseekForCausalLM(nn.Module):

@@ -26,6 +26,8 @@ def add_engine_flags(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--piecewise-graph-sizes", default=None,
+                   help="the engine's --piecewise-graph-sizes (auto | none | N,N,..; default: the engine's)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs (default: on with CUDA)")
     p.add_argument("--attention-backend", default="auto")
@@ -52,6 +54,8 @@ def engine_kwargs(a) -> dict:
               decode_context_parallel_size=a.decode_context_parallel_size)
     if a.hf_overrides:
         kw["hf_overrides"] = a.hf_overrides
+    if getattr(a, "piecewise_graph_sizes", None) is not None:
+        kw["piecewise_graph_sizes"] = a.piecewise_graph_sizes
     if a.fp8_gemm is not None:
         kw["fp8_gemm"] = a.fp8_gemm
     if getattr(a, "enable_prefix_caching", None) is not None:

@@ -47,6 +47,9 @@
 #               AB_PLANS (default "auto auto,moe_shared_dense_min_tokens=0": the shared experts folded
 #               into the grouped MoE instead of their own GEMMs from 1024 tokens), alternating twice:
 #               with two plans four runs, each under a quarter of the step's timeout (`offlineab:400`)
+#   offlinepw   the offline step's run (prefix caching off, step stats) with each --piecewise-graph-sizes
+#               of PW_SIZES (default "auto none": piecewise CUDA graphs of the steps with prefill, or
+#               eager), alternating twice, each run under its share of the step's timeout
 #   http        the same workload offline, then over HTTP (serve + bench_serving), one table with
 #               the HTTP / offline ratio (bench_http_vs_offline.py; give it time: `http:560`)
 #   peer        the issues' side-by-side method: a random-weight V2-Lite checkpoint
@@ -98,14 +101,14 @@ for spec in $steps; do
     tests) timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=8 \
              tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_engine.py tests/test_triton_route.py \
              tests/test_triton_absorb.py tests/test_triton_kv_finish.py tests/test_triton_norm.py \
-             tests/test_triton_launch.py > "$log" 2>&1 ;;
+             tests/test_triton_launch.py tests/test_piecewise_graph.py > "$log" 2>&1 ;;
     quick) N=${QUICK_SHARDS:-3}; pids=()
            if ! [ "$N" -ge 1 ] 2>/dev/null; then echo "QUICK_SHARDS=$N: expected 1 or more" > "$log"; false
            else
            for i in $(seq 0 $((N - 1))); do
              timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu --no-autotune -rfE --durations=5 \
                --shard "$i/$N" tests/test_triton_route.py tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
-               tests/test_triton_norm.py tests/test_triton_launch.py \
+               tests/test_triton_norm.py tests/test_triton_launch.py tests/test_piecewise_graph.py \
                tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_fp8_gemm.py \
                -k "not trained and not bf16_as_close and not w8a8_real and not splitk_r1" > "$OUT/quick_$i.txt" 2>&1 &
              pids+=($!)
@@ -157,6 +160,10 @@ for spec in $steps; do
              echo "## --kernels $k"
              timeout $((T / 4)) python3 scripts/bench_throughput.py --no-enable-prefix-caching --kernel-plan "$k" \
                --step-stats --json "$OUT/offline_${k//[,=]/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
+    offlinepw) { P=${PW_SIZES:-auto none}; n=$(( $(echo $P | wc -w) * 2 )); for k in $P $P; do
+             echo "## --piecewise-graph-sizes $k"
+             timeout $((T / n)) python3 scripts/bench_throughput.py --no-enable-prefix-caching --piecewise-graph-sizes "$k" \
+               --step-stats --json "$OUT/offline_pw_${k//,/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
     http) timeout "$T" python3 scripts/bench_http_vs_offline.py --out-dir "$OUT/http" > "$log" 2>&1 ;;
     peer) { [ -f .bench/peer_bench.py ] || echo "no .bench/peer_bench.py: copy ../shared/bench to .bench and carry it"
             [ -f /tmp/v2l/config.json ] || timeout $((T / 4)) python3 .bench/make_random_ckpt.py configs/models/DeepSeek-V2-Lite /tmp/v2l

@@ -140,7 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "dequantized weights would take more than 90%% of the rank's memory budget "
                         "(DeepSeek-V3/R1 at -tp 8 on H200s), else dequantized")
     g.add_argument("--enforce-eager", action="store_true",
-                   help="never capture CUDA graphs for decode steps")
+                   help="never capture CUDA graphs (decode steps, piecewise graphs of the others)")
+    g.add_argument("--piecewise-graph-sizes", default=d["piecewise_graph_sizes"], metavar="SIZES",
+                   help="steps with prompt tokens (and decode batches past the decode graphs): CUDA "
+                        "graphs of the work between the attention cores, captured per token count "
+                        "and replayed for steps of up to that many tokens (the padding rows' work is "
+                        "dropped). auto: 128, 256 and multiples of 512 up to "
+                        "--max-num-batched-tokens; none: eager; or comma-separated token counts")
     g.add_argument("--rank-check-interval", type=int, default=d["rank_check_interval"], metavar="N",
                    help="every N sampling steps the tensor-parallel ranks compare a digest of the "
                         "tokens each sampled (each rank samples for itself) and stop the engine "
@@ -286,7 +292,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         device=ns.device, load_format=ns.load_format, num_kv_blocks=ns.num_kv_blocks,
         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
         enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
-        enforce_eager=ns.enforce_eager, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend,
+        enforce_eager=ns.enforce_eager,
+        piecewise_graph_sizes=ns.piecewise_graph_sizes, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend,
         kernels=ns.kernels, fp8_gemm=ns.fp8_gemm, kv_cache_dtype=ns.kv_cache_dtype,
         hf_overrides=overrides, rank_check_interval=ns.rank_check_interval,
         speculative_config=ns.speculative_config,
