@@ -12,6 +12,7 @@ from engine.core import EngineCore
 from engine.input_processor import InputProcessor, load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.sampler import check_sampling_params
 from common.sampling_params import SamplingParams
 from engine.structured_outputs import validate as validate_structured
 from models.config import ModelConfig, check_parallel_layout
@@ -64,17 +65,27 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         checked = [self.inputs.process(p, sp) for p, sp in zip(prompts, params)]
-        for sp in {id(sp): sp for sp in params if sp.structured_outputs is not None}.values():
-            validate_structured(sp.structured_outputs, "structured_outputs")
-        order = []
-        for text, ids, sp in checked:
-            rid = str(next(self._ids))
-            order.append(rid)
-            for cid, cp in self.outputs.add_request(rid, text, ids, sp):
-                self.engine.add_request(cid, ids, cp)
+        for sp in {id(sp): sp for sp in params}.values():
+            check_sampling_params(sp)  # the engine core's own check, before anything is submitted
+            if sp.structured_outputs is not None:
+                validate_structured(sp.structured_outputs, "structured_outputs")
+        order = [str(next(self._ids)) for _ in checked]
+        # The requests join the engine as it runs: before each step enough of them wait that the
+        # scheduler, which admits at most max_num_seqs in a step and in arrival order, makes the
+        # choices it would with all of them queued; the rest are added between steps, while the
+        # GPU runs the step just launched, instead of all before the first step.
+        feed, keep = iter(zip(order, checked)), self.args.max_num_seqs
+        waiting = self.engine.scheduler.waiting
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
         while len(done) < len(order):
+            while len(waiting) < keep:
+                item = next(feed, None)
+                if item is None:
+                    break
+                rid, (text, ids, sp) = item
+                for cid, cp in self.outputs.add_request(rid, text, ids, sp):
+                    self.engine.add_request(cid, ids, cp)
             results, to_abort = self.outputs.process(self.engine.step())
             if to_abort:
                 self.engine.abort_requests(to_abort)

@@ -53,6 +53,7 @@ DEVICE = "cuda"  # a CPU dry run under TRITON_INTERPRET=1 (tiny shapes) may poin
 DECODE_SHAPES = [(B, S) for B in (1, 32, 128) for S in (1024, 4096, 16384)] + [(1, 32768)]
 PREFILL_SHAPES = [  # (name, [(Lq, Lk), ...], H, causal)
     ("8x1000 causal (a mixed step's prompts)", [(1000, 1000)] * 8, 16, True),
+    ("1x(500q,1000ctx) noncausal (a chunk's cached context)", [(500, 1000)], 16, False),
     ("1x4096 causal", [(4096, 4096)], 16, True),
     ("4x2048 causal", [(2048, 2048)] * 4, 16, True),
     ("1x8192 causal", [(8192, 8192)], 16, True),
@@ -89,7 +90,9 @@ DECODE_SWEEP = {
 }
 CACHE_DTYPES = {"bf16": torch.bfloat16, "fp8": FP8_DTYPE}
 PREFILL_SWEEP = [(128, 64, 8, 3, True), (128, 64, 8, 2), (128, 64, 8, 4), (128, 64, 8, 4, True), (128, 128, 8, 2),
-                 (128, 128, 8, 2, True), (64, 64, 4, 2), (64, 64, 4, 3, True), (128, 32, 8, 3)]
+                 (128, 128, 8, 2, True), (64, 64, 4, 2), (64, 64, 4, 3, True), (128, 32, 8, 3),
+                 (64, 64, 4, 4, True), (64, 32, 4, 3, True), (64, 128, 4, 3, True), (64, 64, 8, 3, True),
+                 (128, 32, 8, 4, True), (128, 64, 8, 3, False)]
 L2_ROTATE_BYTES = 256 << 20  # graph timings cycle through input sets this large (L2 is 60 MB)
 
 
@@ -254,8 +257,10 @@ def prefill_flops(lens, H, causal):
     return 2 * pairs * H * (P + R + V)
 
 
-def run_prefill(rows, sweep: bool, log, deadline: float):
+def run_prefill(rows, sweep: bool, log, deadline: float, match: str | None = None):
     for name, lens, H, causal in PREFILL_SHAPES:
+        if match is not None and not re.search(match, name):
+            continue
         cq = torch.tensor([0] + [a for a, _ in lens], device=DEVICE).cumsum(0).to(torch.int32)
         ck = torch.tensor([0] + [b for _, b in lens], device=DEVICE).cumsum(0).to(torch.int32)
         q = torch.randn(int(cq[-1]), H, P + R, device=DEVICE, dtype=torch.bfloat16)
@@ -353,6 +358,9 @@ def main():
     ap.add_argument("--heads", default="16,128", help="query heads per rank to time decode at")
     ap.add_argument("--cache-dtypes", default="bf16,fp8", help="cache dtypes to time decode over (bf16, fp8)")
     ap.add_argument("--decode-only", action="store_true", help="skip the prefill and cache-op timings")
+    ap.add_argument("--prefill-only", action="store_true", help="time the prefill kernel only")
+    ap.add_argument("--prefill-match", default=None, metavar="REGEX",
+                    help="time only the prefill shapes whose name matches (e.g. '8x1000')")
     ap.add_argument("--budget-s", type=float, default=240.0,
                     help="after 70%% (decode) / 90%% (prefill) of this many seconds, time default configs only")
     ap.add_argument("--sweep-match", default=None, metavar="REGEX",
@@ -386,16 +394,18 @@ def main():
     if not args.skip_bench:
         shapes = [tuple(int(v) for v in x.split("x")) for x in args.decode_shapes.split(",")] if args.decode_shapes \
             else DECODE_SHAPES
-        run_decode(rows, args.sweep, props.multi_processor_count, log, t0 + args.budget_s * 0.7, shapes,
-                   [int(h) for h in args.heads.split(",")], args.cache_dtypes.split(","), args.impl,
-                   args.sweep_match)
-        save()
-        print(f"decode done in {time.time() - t0:.0f} s", flush=True)
+        if not args.prefill_only:
+            run_decode(rows, args.sweep, props.multi_processor_count, log, t0 + args.budget_s * 0.7, shapes,
+                       [int(h) for h in args.heads.split(",")], args.cache_dtypes.split(","), args.impl,
+                       args.sweep_match)
+            save()
+            print(f"decode done in {time.time() - t0:.0f} s", flush=True)
         if not args.decode_only:
-            run_prefill(rows, args.sweep, log, t0 + args.budget_s * 0.9)
+            run_prefill(rows, args.sweep, log, t0 + args.budget_s * 0.9, args.prefill_match)
             save()
-            run_cache_ops(rows)
-            save()
+            if not args.prefill_only:
+                run_cache_ops(rows)
+                save()
     print_table(info, checks, rows, log)
     if checks is not None and any(v[0] != "ok" for v in checks.values()):
         sys.exit(1)

@@ -400,6 +400,9 @@ def test_split_heuristic_fills_gpu():
     assert 100 <= s <= cfg.max_splits                              # long single sequence: ~1 wave
     assert choose_num_splits(1, 1, cfg.min_split_tokens, 132, cfg) == 1  # too short to split
     assert choose_num_splits(4, 2, 4096, 132, cfg) <= 4096 // cfg.min_split_tokens
+    two = DecodeConfig(programs_per_sm=2)  # the 16-head decode's: 264 slots on 132 SMs
+    assert choose_num_splits(211, 1, 1056, 132, two) == 1  # 80% of the slots: one split (measured best)
+    assert choose_num_splits(160, 1, 1056, 132, two) == 3  # 61%: the wave model's 3 (measured best)
 
 
 @pytest.mark.gpu
