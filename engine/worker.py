@@ -180,6 +180,7 @@ class Worker:
             return max(1, int(a.cpu_kv_cache_gb * 2**30) // per_block)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
         try:
             self._profile_run(max_num_batched_tokens)
         except torch.cuda.OutOfMemoryError:
@@ -190,6 +191,11 @@ class Worker:
         free, total = torch.cuda.mem_get_info()
         used_by_others = total - free - torch.cuda.memory_reserved()
         budget = total * a.gpu_memory_utilization - used_by_others - torch.cuda.max_memory_allocated()
+        if self.piecewise_sizes():
+            # the piecewise graphs' pool holds the same intermediates as an eager step of the
+            # largest size, beside the regular pool: reserve the profile run's peak above what
+            # was allocated before it (its activations and its small caches: a little more)
+            budget -= torch.cuda.max_memory_allocated() - before
         if budget < per_block:
             raise ValueError(f"--gpu-memory-utilization {a.gpu_memory_utilization}: no memory left "
                              f"for the KV cache after loading the model")
@@ -319,8 +325,8 @@ class Worker:
                 raise
             except Exception as e:  # noqa: BLE001
                 raise self.plan.error("capturing decode CUDA graphs (--enforce-eager avoids them)", e) from e
-            sizes = piecewise_graph_sizes(a.piecewise_graph_sizes, a.max_num_batched_tokens)
-            if sizes and self.plan.moe_large != "loop":  # the loop reads expert counts on the host
+            sizes = self.piecewise_sizes()
+            if sizes:
                 from engine.piecewise_graph import PiecewiseGraphs
                 self.runner.piecewise = PiecewiseGraphs(self.model, self.kv_caches, sizes, self.device, self.dtype)
                 try:
@@ -330,6 +336,16 @@ class Worker:
                 except Exception as e:  # noqa: BLE001
                     raise self.plan.error("capturing piecewise CUDA graphs (--piecewise-graph-sizes none or "
                                           "--enforce-eager avoids them)", e) from e
+
+    def piecewise_sizes(self) -> list[int]:
+        """The token counts whose piecewise CUDA graphs this rank captures (engine/piecewise_graph.py):
+        none without CUDA graphs (--enforce-eager, no CUDA, the torch attention ops, which sync with
+        the host), none with moe_large=loop (it reads expert counts on the host)."""
+        a = self.args
+        if (self.device.type != "cuda" or a.enforce_eager or self.plan.attention == "torch"
+                or self.plan.moe_large == "loop" or not self.cfg.num_hidden_layers):
+            return []
+        return piecewise_graph_sizes(a.piecewise_graph_sizes, a.max_num_batched_tokens)
 
     def _mtp_graphs(self, blocks_per_seq: int, cache: torch.Tensor):
         """CUDA graphs of the MTP drafter's layer for 1 .. 1 + k rows per request (engine/mtp_drafter.py)."""
