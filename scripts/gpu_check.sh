@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|ops|host|throughput|offline|offline2|offlineab|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|mla|decode|gluon|pdl|latency|latency_sync|profile|graphs|ops|host|throughput|offline|offline2|offlineab|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -29,6 +29,10 @@
 #               launch), twice each, alternating: four runs of bench_latency.py, each under a quarter
 #               of the step's timeout (give it `pdl:480`)
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
+#   graphs      the CUDA-graph decode step at batch 1/8/32/128: TPOT, the replay alone, kernel time
+#               and the idle time before each kernel (profile_graphs.py), once per --kernels plan of
+#               AB_PLANS (default "auto"), sharing the timeout; one step's kernel sequence per batch
+#               in $OUT/seq_<plan>.txt
 #   ops         GPU time per op and per module against each op's floor: decode steps at batch 32
 #               and 128, prefill steps of 8 x 1024 and 1 x 8192 tokens (profile_ops.py; issue 19's
 #               table, and the 8192-token step's share of the bf16 peak), and the offline run's
@@ -146,6 +150,9 @@ for spec in $steps; do
              timeout $((T / 4)) python3 scripts/bench_latency.py --kernel-plan "$k" --batch-sizes 1 8 32 128 \
                --json "$OUT/latency_${k//[,=]/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;
+    graphs) { P=${AB_PLANS:-auto}; n=$(echo $P | wc -w); for k in $P; do echo "## --kernels $k"
+        timeout $((T / n)) python3 scripts/profile_graphs.py --kernel-plan "$k" \
+          --seq-file "$OUT/seq_$(echo "$k" | tr ',=' '__').txt"; done; } > "$log" 2>&1 ;;
     ops) timeout "$T" python3 scripts/profile_ops.py --decode 32 128 --prefill 8x1024 1x8192 --mixed 211x8 > "$log" 2>&1 ;;
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
     offline) timeout "$T" python3 scripts/bench_throughput.py --no-enable-prefix-caching --step-stats --host-sample \
