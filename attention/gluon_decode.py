@@ -3,7 +3,7 @@
 Same contract as `attention.triton_decode.mla_decode` (notation in its docstring, DESIGN.md §4):
 q `[B*q_len, H, 576]` = `[q_lat (512) ‖ q_pe (64)]`, paged cache `[NB, page, 576]` = `[c ‖ k_pe]`,
 o = softmax(q·[c ‖ k_pe] * scale) @ c in q's dtype `[T, H, 512]`, lse (natural log) fp32 `[T, H]`;
-splits merged by `triton_decode._mla_decode_reduce_kernel`. Scope: bf16 q and cache, q_len * H a
+splits merged by `triton_decode.reduce_splits`. Scope: bf16 q and cache, q_len * H a
 multiple of 64, the DeepSeek widths 512 + 64, sm_90 only, written against Triton 3.6's Gluon.
 The engine's decodes of 64+ heads per rank run here by default where all of that fits (the kernel
 plan's decode_wgmma_min_heads; attention/gluon_decode_plan.py `engine_fit_problem`);
@@ -49,8 +49,7 @@ from attention.gluon_decode_plan import (BLOCK_H, LKV, OPTION, SMEM_LIMIT, Gluon
 
 __all__ = ["GluonDecodeConfig", "SMEM_LIMIT", "check_gluon_available", "mla_decode_wgmma", "plan_splits",
            "validate_inputs"]
-from attention.triton_decode import LOG2E, _mla_decode_reduce_kernel, split_outputs
-from common.pdl import pdl_launch
+from attention.triton_decode import LOG2E, reduce_splits, split_outputs
 
 try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its API moves
     import triton
@@ -444,12 +443,7 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         HAS_POS=q_pos is not None, QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale,
         WORKER_REGS=cfg.worker_regs, num_warps=4)
     if not direct:
-        _mla_decode_reduce_kernel[(H, T)](
-            po, plse, o, lse, H, num_splits,
-            *po_strides, *plse_strides,
-            o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
-            LKV=LKV, BLOCK_L=LKV, BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4,
-            **pdl_launch())  # the Triton reduce's PDL flag, as mla_decode launches it
+        reduce_splits(po, plse, o, lse, num_splits, po_strides, plse_strides)
     return o, lse
 
 

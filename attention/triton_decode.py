@@ -288,30 +288,50 @@ def _mla_decode_reduce_kernel(
     stride_ob, stride_oh, stride_lb, stride_lh,
     LKV: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Program (head, row, column block): o[row, head, cols] = sum_s w_s * po[row, s, head, cols]
+    with w_s = exp(lse_s - lse) over the splits. Every split's lse is read in one load and its
+    rows as one [BLOCK_S, BLOCK_L] tile, so the program waits on two loads, not two per split
+    (at batch 1 there are ~55 splits); the columns are spread over programs to keep the tile
+    small and the grid wide."""
     pdl_prologue(PDL)
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    pid_l = tl.program_id(2)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_l = tl.arange(0, BLOCK_L)
+    offs_l = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)
     lmask = offs_l < LKV
-    plse_row = plse_ptr + b * stride_plb + h * stride_plh
-    lse_s = tl.load(plse_row + offs_s * stride_pls, mask=offs_s < num_splits, other=float("-inf"))
+    lse_s = tl.load(plse_ptr + b * stride_plb + h * stride_plh + offs_s * stride_pls,
+                    mask=offs_s < num_splits, other=float("-inf"))
     m = tl.max(lse_s, 0)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse_s - m_safe), 0)  # 0 when every split is empty
-    acc = tl.zeros([BLOCK_L], tl.float32)
-    for s in range(num_splits):
-        lse_i = tl.load(plse_row + s * stride_pls)
-        # Empty splits (lse -inf) get weight 0 and their rows are not read.
-        read = lmask & ((tl.zeros([BLOCK_L], tl.float32) + lse_i) > float("-inf"))
-        o_i = tl.load(po_ptr + b * stride_pob + s * stride_pos + h * stride_poh + offs_l,
-                      mask=read, other=0.0)
-        acc += tl.exp(lse_i - m_safe) * o_i
+    w = tl.exp(lse_s - m_safe)  # 0 for empty splits (lse -inf) and past num_splits
+    total = tl.sum(w, 0)  # 0 when every split is empty
+    # Empty splits' rows were never written: masked, so their contents cannot reach the sum.
+    read = (lse_s > float("-inf"))[:, None] & lmask[None, :]
+    o_s = tl.load(po_ptr + b * stride_pob + offs_s[:, None] * stride_pos + h * stride_poh + offs_l[None, :],
+                  mask=read, other=0.0)
+    acc = tl.sum(w[:, None] * o_s, 0)
     nonempty = total > 0.0
     o = acc / tl.where(nonempty, total, 1.0)
     lse = tl.where(nonempty, m_safe + tl.log(tl.where(nonempty, total, 1.0)), float("-inf"))
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_l, o.to(o_ptr.dtype.element_ty), mask=lmask)
-    tl.store(lse_ptr + b * stride_lb + h * stride_lh, lse)
+    tl.store(lse_ptr + b * stride_lb + h * stride_lh, lse, mask=pid_l == 0)
+
+
+def reduce_splits(po: torch.Tensor, plse: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                  num_splits: int, po_strides: tuple, plse_strides: tuple) -> None:
+    """Stage 2: merge the splits' partials (`split_outputs`) into o `[T, H, L]` and lse `[T, H]`.
+    Columns per program: the [splits, columns] fp32 tile at most 4096 values (32 per thread of
+    4 warps), at least 32 columns."""
+    T, H, lkv = o.shape
+    block_l = max(32, min(triton.next_power_of_2(lkv), 4096 // triton.next_power_of_2(num_splits)))
+    _mla_decode_reduce_kernel[(H, T, triton.cdiv(lkv, block_l))](
+        po, plse, o, lse, H, num_splits,
+        *po_strides, *plse_strides,
+        o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+        LKV=lkv, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=4, **pdl_launch(),
+    )
 
 
 def split_outputs(o: torch.Tensor, lse: torch.Tensor, num_splits: int) -> tuple:
@@ -391,11 +411,5 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
     if not direct:
-        _mla_decode_reduce_kernel[(H, T)](
-            po, plse, o, lse, H, num_splits,
-            *po_strides, *plse_strides,
-            o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
-            LKV=lkv, BLOCK_L=block_l, BLOCK_S=triton.next_power_of_2(num_splits),
-            num_warps=4, **pdl_launch(),
-        )
+        reduce_splits(po, plse, o, lse, num_splits, po_strides, plse_strides)
     return o, lse

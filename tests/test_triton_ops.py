@@ -243,6 +243,9 @@ CPU_CASES = {
     "decode_page64_more_splits_than_rows": lambda: check_decode("cpu", f32, 16, 32, 16, 64, [3, 90], num_splits=8),
     # 17 splits: two reduce chunks (the second holds one split), empty splits for the short rows.
     "decode_17_splits": lambda: check_decode("cpu", f32, 4, 32, 16, 4, [0, 5, 544], num_splits=17),
+    # 40 splits of a 128-wide latent: the reduce spreads the columns over two programs per row
+    "decode_40_splits_two_column_blocks": lambda: check_decode("cpu", f32, 4, 128, 16, 4, [0, 5, 300],
+                                                               num_splits=40),
     "decode_prefetch_ids": lambda: check_decode("cpu", f32, 4, 32, 16, 4, [0, 1, 37, 150], num_splits=2,
                                                 cfg=_prefetch_cfg(16)),
     # The bf16 defaults' tiles (prefetched ids, 64-row tiles), run here on fp32 data.
