@@ -119,6 +119,9 @@ CHOICES: tuple[Choice, ...] = (
            "experts beyond the Triton bounds: grouped (torch._grouped_mm, CUDA bf16), dense "
            "(every expert on every token, no host sync), loop (experts hit, one by one)",
            triton="grouped", torch="loop"),
+    Choice("gemm_skinny_max_tokens", (int,), "projections (bf16/fp16/fp32 weights) of steps with up to this "
+           "many tokens run on a Triton weight-streaming GEMM (models/skinny_gemm.py) instead of cuBLAS "
+           "(0: never)", ("models.skinny_gemm",), triton=0, torch=0),
     Choice("fp8_gemm", ("auto", TRITON, "cublas"),
            "W8A8 block GEMM with --fp8-gemm: cuBLAS's block-scaled GEMM where torch, GPU and "
            "shape have it, Triton elsewhere and, with fp8_gemm_splitk, through 16 rows (auto), or one of them", ("models.fp8_gemm",), triton="auto", torch="auto"),
@@ -171,6 +174,7 @@ class KernelPlan:
     moe_shared_dense_min_tokens: int = 0
     moe_fp8_w8a8: bool = False
     moe_large: str = "loop"
+    gemm_skinny_max_tokens: int = 0
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False
     decode_wgmma_min_heads: int = 0

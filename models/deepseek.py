@@ -193,6 +193,7 @@ class DeepseekForCausalLM(nn.Module):
         for name, m in self.named_modules():
             if isinstance(m, Linear):
                 m.fp8_gemm, m.fp8_splitk = self.plan.fp8_gemm, self.plan.fp8_gemm_splitk
+                m.skinny_max = self.plan.gemm_skinny_max_tokens
                 if not self.keep_fp8 or name.endswith("kv_b_proj"):
                     m.dequantize_weights()
         for layer in [*self.model.layers, *(m.block for m in self.mtp)]:
