@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 
 
@@ -25,8 +26,9 @@ from common.triton_launch import fast_launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, D, eps,
                      stride_x, stride_h, stride_s, stride_y,
-                     ADD: tl.constexpr, BLOCK_D: tl.constexpr):
+                     ADD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
     """Row t: (ADD) s = x + h stored to s_ptr; y = rms_norm(s or x) * w."""
+    pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
@@ -54,7 +56,7 @@ def _launch(x2, h2, w, s2, y2, eps: float, add: bool) -> None:
         return
     block = triton.next_power_of_2(D)
     _rms_norm_kernel[(T,)](x2, h2, w, s2, y2, D, eps, x2.stride(0), h2.stride(0), s2.stride(0), y2.stride(0),
-                           ADD=add, BLOCK_D=block, num_warps=4 if block <= 2048 else 8)
+                           ADD=add, BLOCK_D=block, num_warps=4 if block <= 2048 else 8, **pdl_launch())
 
 
 def _check_weight(x: torch.Tensor, w: torch.Tensor) -> None:
