@@ -25,6 +25,10 @@ TRITON, TORCH = "triton", "torch"
 # On the H200 it beat the Triton decode at every 64- and 128-head shape timed (B 1..128, S 1k..16k:
 # 1.15-1.41x; RESULTS.md)
 WGMMA_MIN_HEADS = 64
+# pdl_graph_max_batch under base triton on sm_90+: PDL in the decode graphs of up to 4 sequences.
+# On the H200 (V2-Lite, scripts/profile_graphs.py, two runs) PDL took 2.7% and 4.7% off batch 1's
+# TPOT, and moved batch 8 by +2.2% / -1.6%, 32 by +0.4% / +0.2% and 128 by +1.4% / +0.1%.
+PDL_GRAPH_MAX_BATCH = 4
 
 
 def interpreting() -> bool:
@@ -140,6 +144,10 @@ CHOICES: tuple[Choice, ...] = (
     Choice("pdl", (bool,), "programmatic dependent launch (sm_90+) for the decode path's Triton kernels: "
            "each is launched while its predecessor drains and waits for its writes on the GPU",
            ("common.pdl",), triton=False, torch=False),
+    Choice("pdl_graph_max_batch", (int,), "decode CUDA graphs of up to this many sequences are captured with "
+           "programmatic dependent launch (sm_90+) for the decode path's Triton kernels, as pdl=1 does for "
+           "every launch (0: none)", ("common.pdl",), triton=0, torch=0,
+           triton_help=f"{PDL_GRAPH_MAX_BATCH} on sm_90+ GPUs, else 0"),
     Choice("launch", ("fast", TRITON), "how the host launches the Triton kernels of eager steps: fast "
            "(common/triton_launch.py: each kernel's compiled form kept per argument specialization and "
            "launched directly, without Triton's per-call binding) or triton (`kernel[grid](...)`, as Triton "
@@ -180,6 +188,7 @@ class KernelPlan:
     decode_wgmma_min_heads: int = 0
     decode_qk_fp8: bool = False
     pdl: bool = False
+    pdl_graph_max_batch: int = 0
     launch: str = TRITON
     compile: bool = False
     autotune: bool = False
@@ -266,7 +275,8 @@ def _value(c: Choice, s: str):
 
 
 def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name: str,
-                 grouped_mm: bool, mla_dims_ok: bool, wgmma_fit: bool = False) -> tuple[KernelPlan, list[str]]:
+                 grouped_mm: bool, mla_dims_ok: bool, wgmma_fit: bool = False,
+                 hopper: bool = False) -> tuple[KernelPlan, list[str]]:
     """The plan for `--kernels spec` on this device; returns (plan, notes for the log).
 
     auto is triton on CUDA, torch elsewhere. With base triton: torch's grouped GEMM only where it
@@ -275,7 +285,8 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
     (`mla_dims_ok`), else attention, finish_kv and absorb stay torch under auto; decodes of 64 or
     more heads on the Gluon wgmma kernel where this model, its dtypes and the GPU fit it
     (`wgmma_fit`: attention/gluon_decode_plan.py's engine_fit_problem finds nothing) and attention
-    is triton. `--attention-backend` sets the attention key (finish_kv and absorb follow it unless
+    is triton; PDL in the small decode graphs (pdl_graph_max_batch) on sm_90+ GPUs (`hopper`) when
+    attention is triton. `--attention-backend` sets the attention key (finish_kv and absorb follow it unless
     set).
     """
     base, over = parse_kernels(spec)
@@ -305,6 +316,8 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
     values.update(over)
     if base == TRITON and wgmma_fit and values["attention"] == TRITON and "decode_wgmma_min_heads" not in over:
         values["decode_wgmma_min_heads"] = WGMMA_MIN_HEADS
+    if base == TRITON and hopper and values["attention"] == TRITON and "pdl_graph_max_batch" not in over:
+        values["pdl_graph_max_batch"] = PDL_GRAPH_MAX_BATCH
     for key in ("finish_kv", "absorb"):
         if key not in over and values["attention"] == TORCH:
             values[key] = TORCH

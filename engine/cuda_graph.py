@@ -19,6 +19,7 @@ import time
 import torch
 
 from attention.metadata import DecodeMetadata, MLAMetadata
+from common.kernel_plan import pdl, use_pdl
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,9 @@ class DecodeGraphs:
 
     def __init__(self, model, kv_caches, max_blocks_per_seq: int,
                  buckets: list[int], device: torch.device, q_lens: tuple[int, ...] = (1,),
-                 hidden: tuple[int, torch.dtype] | None = None):
+                 hidden: tuple[int, torch.dtype] | None = None, pdl_max_batch: int = 0):
         self.model, self.kv_caches, self.device = model, kv_caches, device
+        self.pdl_max_batch = pdl_max_batch  # buckets up to this batch are captured with PDL
         self.buckets = sorted(buckets)
         self.q_lens = tuple(sorted(set(q_lens)))
         n = self.buckets[-1]
@@ -66,23 +68,32 @@ class DecodeGraphs:
         t0 = time.perf_counter()
         torch.cuda.empty_cache()  # torch.cuda.graph() empties the cache itself: measure from there
         free0 = torch.cuda.mem_get_info()[0]
+        pdl_everywhere = pdl()  # pdl=1: every launch, eager steps too
         self.seq_lens.fill_(1)  # capture reads one (garbage) key per row; replays read real ones
         self.q_pos.zero_()  # every capture query sees that key
         for q in reversed(self.q_lens):
             for b in reversed(self.buckets):  # largest first: the shared pool is sized by it
                 args = self._args(b, q)
-                for _ in range(2):  # warm up: Triton compiles, allocator settles
-                    self.model(*args)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    self.outputs[b, q] = self.model(*args)
+                # PDL (a launch attribute and a kernel variant) is baked into the graph: set it for
+                # the warm-up too, so the variant is compiled and tuned before capture
+                use_pdl(pdl_everywhere or b <= self.pdl_max_batch)
+                try:
+                    for _ in range(2):  # warm up: Triton compiles, allocator settles
+                        self.model(*args)
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool):
+                        self.outputs[b, q] = self.model(*args)
+                finally:
+                    use_pdl(pdl_everywhere)
                 self.pool = g.pool()
                 self.graphs[b, q] = g
         self.seq_lens.zero_()
         torch.cuda.synchronize()
-        log.info("captured %d %s CUDA graphs (batch %d..%d, query length %s) in %.1f s, %.2f GiB",
+        log.info("captured %d %s CUDA graphs (batch %d..%d, query length %s%s) in %.1f s, %.2f GiB",
                  len(self.graphs), what, self.buckets[0], self.buckets[-1], "/".join(map(str, self.q_lens)),
+                 "; all with PDL" if pdl_everywhere else
+                 f"; PDL up to batch {self.pdl_max_batch}" if self.pdl_max_batch else "",
                  time.perf_counter() - t0, (free0 - torch.cuda.mem_get_info()[0]) / 2**30)
 
     def bucket_for(self, batch: int, q_len: int = 1) -> int | None:

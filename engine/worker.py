@@ -47,7 +47,8 @@ def make_kernel_plan(args: EngineArgs, cfg: ModelConfig, device: torch.device,
     plan, notes = resolve_plan(args.kernels, args.attention_backend, device.type, str(dtype).removeprefix("torch."),
                                hasattr(torch, "_grouped_mm"),
                                cfg.kv_lora_rank >= 16 and cfg.qk_rope_head_dim >= 16,
-                               wgmma_fit(cfg, device, dtype, cache_dtype))
+                               wgmma_fit(cfg, device, dtype, cache_dtype),
+                               device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0))
     for note in notes:
         log.warning(note)
     return plan
@@ -104,9 +105,11 @@ class Worker:
         if pd.tp().rank == 0:
             log.info("%s", self.plan.describe())
         use_autotune(self.plan.autotune)
-        if self.plan.pdl and (self.device.type != "cuda" or torch.cuda.get_device_capability(self.device) < (9, 0)):
-            raise ValueError(f"--kernels ...,pdl=1: programmatic dependent launch needs an sm_90+ GPU (Hopper or "
-                             f"newer), not {self.device}; leave pdl at 0")
+        hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (9, 0)
+        for key in ("pdl", "pdl_graph_max_batch"):
+            if getattr(self.plan, key) and not hopper:
+                raise ValueError(f"--kernels ...,{key}={int(getattr(self.plan, key))}: programmatic dependent "
+                                 f"launch needs an sm_90+ GPU (Hopper or newer), not {self.device}; leave {key} at 0")
         use_pdl(self.plan.pdl)
         use_fast_launch(self.plan.launch == "fast")
         if self.plan.decode_qk_fp8 and not is_fp8(self.cache_dtype):
@@ -316,7 +319,8 @@ class Worker:
             spec = a.speculative_config
             q_lens = (1,) if spec is None else (1, spec.decode_threshold)
             self.runner.graphs = DecodeGraphs(self.model, self.kv_caches, blocks_per_seq,
-                                              default_buckets(a.max_num_seqs), self.device, q_lens)
+                                              default_buckets(a.max_num_seqs), self.device, q_lens,
+                                              pdl_max_batch=self.plan.pdl_graph_max_batch)
             try:
                 self.runner.graphs.capture()
                 if self.num_mtp_layers:

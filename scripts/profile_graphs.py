@@ -4,7 +4,8 @@
     python scripts/profile_graphs.py --batch-sizes 1 --kernel-plan auto,pdl=1 --seq-file /tmp/seq.txt
 
 For each batch (1000-token prompts, greedy, CUDA graphs as served): the engine step's wall time
-(TPOT), the graph replay alone, then torch.profiler over a few engine steps. Kernels are ordered
+(TPOT), the host's busy time per step (the wall time less its wait for the step's event), the
+graph replay alone, then torch.profiler over a few engine steps. Kernels are ordered
 by start time; the idle time between one kernel's end and the next one's start is charged to the
 next kernel ("gap before"). Idle stretches longer than --step-gap-us are the host's time between
 steps and are reported apart from the in-graph gaps. With --seq-file one step's kernel sequence
@@ -66,6 +67,25 @@ def main() -> None:
         for _ in range(n):
             core.step()
         tpot = (time.perf_counter() - t0) / n * 1e3
+        # The host's own time per step: the wall time less the time it sat waiting for a step's
+        # event (ModelRunner.finish, the one sync per step). If it is near the TPOT, the host
+        # sets the pace, not the GPU.
+        blocked = [0.0]
+        real_sync = torch.cuda.Event.synchronize
+
+        def timed_sync(ev, _real=real_sync):
+            t = time.perf_counter()
+            _real(ev)
+            blocked[0] += time.perf_counter() - t
+        torch.cuda.Event.synchronize = timed_sync
+        try:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                core.step()
+            wall = (time.perf_counter() - t0) / n * 1e3
+        finally:
+            torch.cuda.Event.synchronize = real_sync
+        host = wall - blocked[0] / n * 1e3
         replay = float("nan")
         g = runner.graphs
         if g is not None and g.bucket_for(bs) is not None:
@@ -107,7 +127,8 @@ def main() -> None:
         window = (ev[-1][1] - ev[0][0]) / 1e3
         nk = len(ev) / a.steps
         tb, tg = sum(busy.values()) / a.steps, sum(gap.values()) / a.steps
-        print(f"\n## batch {bs}: TPOT {tpot:.3f} ms, graph replay alone {replay:.3f} ms; per profiled step "
+        print(f"\n## batch {bs}: host busy {host:.3f} ms of a {wall:.3f} ms step (the rest waiting for the GPU)")
+        print(f"## batch {bs}: TPOT {tpot:.3f} ms, graph replay alone {replay:.3f} ms; per profiled step "
               f"(of {a.steps}): kernels {tb / 1e3:.3f} ms in {nk:.0f}, idle in the step {tg / 1e3:.3f} ms "
               f"({tg / max(nk, 1):.2f} us a kernel), idle between steps {step_gaps / a.steps / 1e3:.3f} ms "
               f"({stretches} stretches over {a.step_gap_us:.0f} us), window {window / a.steps / 1e3:.3f} ms")
@@ -115,8 +136,9 @@ def main() -> None:
         for k in sorted(busy, key=lambda k: -(busy[k] + gap[k]))[:a.top]:
             print(f"{busy[k] / a.steps:12.1f} {gap[k] / a.steps:11.1f} {calls[k] / a.steps:6.1f} "
                   f"{busy[k] / calls[k]:8.2f}  {k}")
-        if a.seq_file:  # the first step's share of the kernels, in order
-            seq = ev[:round(len(ev) / a.steps)]
+        if a.seq_file:  # one step's share of the kernels, in order: the third (past the profiler's start)
+            k = len(ev) // a.steps
+            seq = ev[2 * k: 3 * k] if a.steps >= 3 else ev[:k]
             lines, prev = [f"## batch {bs}", "start_us  dur_us  gap_us  kernel"], seq[0][0]
             for s0, e0, name in seq:
                 lines.append(f"{(s0 - seq[0][0]) / 1e3:10.2f} {(e0 - s0) / 1e3:8.2f} {max(0, s0 - prev) / 1e3:7.2f}  {short(name)}")

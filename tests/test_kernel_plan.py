@@ -118,3 +118,22 @@ def test_pdl_without_a_hopper_gpu_is_refused_with_the_flag(tiny_v2):
     assert _resolve("auto,pdl=1").pdl and not _resolve("auto").pdl
     with pytest.raises(ValueError, match=r"pdl=1: programmatic dependent launch needs an sm_90\+ GPU"):
         LLM(tiny_v2[0], device="cpu", dtype="float32", kernels="torch,pdl=1")
+
+
+def test_pdl_in_small_decode_graphs_by_default_on_hopper_only(tiny_v2):
+    """Under triton on sm_90+ the decode graphs of up to PDL_GRAPH_MAX_BATCH sequences are
+    captured with PDL; not elsewhere, not with torch attention (no graphs), and an explicit value
+    stands. On the CPU asking for it is refused, naming the setting."""
+    from common.kernel_plan import PDL_GRAPH_MAX_BATCH
+    from engine import LLM
+
+    def plan(spec, hopper, attention="auto"):
+        return resolve_plan(spec, attention, "cuda", "bfloat16", True, True, False, hopper)[0]
+    assert plan("auto", True).pdl_graph_max_batch == PDL_GRAPH_MAX_BATCH
+    assert plan("auto", False).pdl_graph_max_batch == 0
+    assert plan("auto,pdl_graph_max_batch=0", True).pdl_graph_max_batch == 0
+    assert plan("auto,pdl_graph_max_batch=16", True).pdl_graph_max_batch == 16
+    assert plan("auto", True, attention="torch").pdl_graph_max_batch == 0
+    assert plan("torch", True).pdl_graph_max_batch == 0
+    with pytest.raises(ValueError, match=r"pdl_graph_max_batch=4: programmatic dependent launch needs an sm_90\+"):
+        LLM(tiny_v2[0], device="cpu", dtype="float32", kernels="torch,pdl_graph_max_batch=4")
