@@ -58,13 +58,21 @@ _TILES = [(16, 256, 4, 4), (16, 512, 4, 3), (16, 128, 4, 6), (32, 256, 4, 4), (3
           (32, 512, 4, 3), (64, 128, 4, 4), (64, 256, 4, 3), (16, 256, 2, 4), (32, 256, 8, 4)]
 _CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in _TILES]
 _skinny_gemm_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "M_BUCKET", "IEEE"])(_skinny_gemm_kernel)
-_FIXED = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)  # autotune=0
+_SMEM_BUDGET = 200 * 1024  # bytes of pipelined tiles the fixed tile may take (the H200 has 227 KB)
 _INTERPRET = dict(BLOCK_N=16, BLOCK_K=32)
 
 
 def row_bucket(m: int) -> int:
     """The rows of one program's tile: m padded to 16, 32 or 64 (more rows take several tiles)."""
     return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def fixed_tile(m_bucket: int, elem_bytes: int) -> dict:
+    """The tile without autotuning (autotune=0): 32 columns, K steps of 256 (128 for fp32), and
+    as many stages (2-4) as fit _SMEM_BUDGET (fp32 with 64 rows: 294 KB at 4 stages of 256)."""
+    bn, bk = 32, 256 if elem_bytes <= 2 else 128
+    stages = max(2, min(4, _SMEM_BUDGET // ((m_bucket + bn) * bk * elem_bytes)))
+    return dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=stages)
 
 
 def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -85,7 +93,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if interpreting():
         _skinny_gemm_kernel[(triton.cdiv(N, _INTERPRET["BLOCK_N"]), triton.cdiv(M, mb))](*args, **const, **_INTERPRET)
     elif not autotuning():
-        _skinny_gemm_kernel[(triton.cdiv(N, _FIXED["BLOCK_N"]), triton.cdiv(M, mb))](*args, **const, **_FIXED)
+        t = fixed_tile(mb, x.element_size())
+        _skinny_gemm_kernel[(triton.cdiv(N, t["BLOCK_N"]), triton.cdiv(M, mb))](*args, **const, **t)
     else:
         _skinny_gemm_tuned[lambda m: (triton.cdiv(N, m["BLOCK_N"]), triton.cdiv(M, mb))](*args, **const)
     return y

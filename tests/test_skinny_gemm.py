@@ -14,8 +14,10 @@ def check(device: str, dtype: torch.dtype, M: int, N: int, K: int, x_stride: int
     y = skinny_linear(x, w)
     ref = (x.double() @ w.double().T)
     assert y.shape == (M, N) and y.dtype == dtype
-    # fp32: IEEE products, only the summation order differs; bf16/fp16: one rounding of an fp32 sum
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=2e-3)
+    # fp32: IEEE products, only the summation order differs, whose error grows as sqrt(K) (K 16384:
+    # 1.29e-5 seen on an entry of magnitude ~0.1); bf16/fp16: one rounding of an fp32 sum
+    fp32_atol = 1e-5 * max(1.0, (K / 2048) ** 0.5)
+    tol = dict(rtol=1e-5, atol=fp32_atol) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=2e-3)
     torch.testing.assert_close(y.double(), ref, **tol)
 
 
@@ -52,6 +54,17 @@ def test_skinny_gemm_gpu(M, N, K, dtype):
     """Real shapes: V2-Lite's q + kv_a and o_proj, V3's q_a + kv_a and o_proj, V2-Lite's dense
     gate/up (layer 0); 17 and 64 rows take more than one row tile's worth of padding."""
     check("cuda", dtype, M, N, K)
+
+
+def test_fixed_tiles_fit_shared_memory():
+    """Without autotuning every row bucket and dtype gets a tile within the shared-memory budget
+    (fp32 with 64 rows asked for 294 KB at 4 stages of 256 on the H200)."""
+    from models.skinny_gemm import _SMEM_BUDGET, fixed_tile
+    for mb in (16, 32, 64):
+        for size in (2, 4):
+            t = fixed_tile(mb, size)
+            assert (mb + t["BLOCK_N"]) * t["BLOCK_K"] * size * t["num_stages"] <= _SMEM_BUDGET
+            assert t["num_stages"] >= 2
 
 
 @pytest.mark.gpu
