@@ -26,8 +26,9 @@ TRITON, TORCH = "triton", "torch"
 # 1.15-1.41x; RESULTS.md)
 WGMMA_MIN_HEADS = 64
 # pdl_graph_max_batch under base triton on sm_90+: PDL in the decode graphs of up to 4 sequences.
-# On the H200 (V2-Lite, scripts/profile_graphs.py, two runs) PDL took 2.7% and 4.7% off batch 1's
-# TPOT, and moved batch 8 by +2.2% / -1.6%, 32 by +0.4% / +0.2% and 128 by +1.4% / +0.1%.
+# On the H200 (V2-Lite, scripts/profile_graphs.py, three runs on three trees) PDL took 2.9%, 2.7%
+# and 4.7% off batch 1's TPOT, and moved batch 8 by -1.5% / +2.2% / -1.6%, 32 by +0.2% / +0.4% /
+# +0.2% and 128 by +0.1% / +1.4% / +0.1%: a win at batch 1 only, level at 8 (2 and 4 not timed).
 PDL_GRAPH_MAX_BATCH = 4
 
 
