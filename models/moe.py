@@ -98,13 +98,23 @@ class Router(nn.Module):
         lp = w.to(torch.bfloat16)
         self.weight_bf16 = lp if torch.equal(lp.float(), w) else None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    @property
+    def appends_shared(self) -> bool:
+        """Whether forward(x, n_shared) writes the folded shared experts' columns itself (the
+        Triton choice kernel); else the caller appends them."""
+        return self.kernel is not route
+
+    def forward(self, x: torch.Tensor, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights, ids) `[T, k]`; with `n_shared` (only where `appends_shared`) `[T, k + n_shared]`,
+        the shared experts E.. with weight 1 last."""
         c = self.cfg
         args = (x, self.weight, self.e_score_correction_bias, c.scoring_func, c.topk_method,
                 c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
         if self.kernel is route:
+            if n_shared:
+                raise ValueError("Router.forward(n_shared): the torch router does not append the shared experts")
             return route(*args)
-        return self.kernel(*args, self.weight_bf16)
+        return self.kernel(*args, self.weight_bf16, n_shared)
 
 
 def _group_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:
@@ -252,16 +262,20 @@ class MoE(nn.Module):
         return w13, w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
         T, p = x.shape[0], self.plan
         fused_max = p.moe_fused_max_tokens_fp8 if self.fp8_block is not None else p.moe_fused_max_tokens
-        if self.fused_small is not None and T <= fused_max:
+        small = self.fused_small is not None and T <= fused_max
+        dense = not small and bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
+        # the block and large paths take the shared experts as pairs of every token: the Triton
+        # router writes their columns beside its choices (two cats fewer per layer)
+        fold = not small and not dense and bool(self.n_shared) and self.gate.appends_shared
+        weights, ids = self.gate(x, self.n_shared if fold else 0)
+        if small:
             block = self.fp8_block[0] if self.fp8_block else 128
             out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
                                    self.n_shared)
         else:
-            dense = bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
-            pairs = (weights, ids) if dense else self._with_shared(weights, ids)
+            pairs = (weights, ids) if dense or fold else self._with_shared(weights, ids)
             if self.fused_blocked is not None and self.fp8_block is not None:  # FP8 experts: any size
                 try:
                     out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T, fp8=True), self.w13_scale,

@@ -85,7 +85,10 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tens
 def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
                   E: tl.constexpr, G: tl.constexpr, EPG: tl.constexpr, GP: tl.constexpr, EP: tl.constexpr,
                   TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr,
-                  GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                  GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                  NS: tl.constexpr, NSP: tl.constexpr, PDL: tl.constexpr):
+    """Row t: the top-K experts and weights, then (NS > 0) the NS folded shared experts E..E+NS-1
+    with weight 1 in columns K..K+NS-1 of the same rows (row stride K + NS)."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GP)[:, None]
@@ -133,15 +136,22 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
         avail = avail & (~hit)
     if NORM:
         w_out = w_out / (tl.sum(w_out, axis=0) + 1e-20)
-    tl.store(w_ptr + t * K + kk, w_out * scale, mask=kk < K)
-    tl.store(ids_ptr + t * K + kk, id_out, mask=kk < K)
+    tl.store(w_ptr + t * (K + NS) + kk, w_out * scale, mask=kk < K)
+    tl.store(ids_ptr + t * (K + NS) + kk, id_out, mask=kk < K)
+    if NS > 0:
+        ss = tl.arange(0, NSP)
+        tl.store(w_ptr + t * (K + NS) + K + ss, tl.full([NSP], 1.0, tl.float32), mask=ss < NS)
+        tl.store(ids_ptr + t * (K + NS) + K + ss, (E + ss).to(tl.int64), mask=ss < NS)
 
 
 def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str,
                  topk_method: str, n_group: int, topk_group: int, top_k: int, norm: bool,
-                 scale: float, weight_bf16: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 scale: float, weight_bf16: torch.Tensor | None = None,
+                 n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`models.moe.route` as two Triton kernels (`router_logits`, cuBLAS beyond decode sizes,
-    then the expert choice): weights fp32 [T, k], ids int64 [T, k]."""
+    then the expert choice): weights fp32 [T, k], ids int64 [T, k]. With `n_shared`, `[T, k +
+    n_shared]`: the folded shared experts E.. E+n_shared-1 with weight 1 after the k choices, as
+    `MoE._with_shared` appends them (written by the choice kernel: no cat)."""
     T, E = x.shape[0], weight.shape[0]
     sigmoid = scoring != "softmax"
     grouped = n_group > 1 and (sigmoid or topk_method == "group_limited_greedy")
@@ -149,13 +159,14 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if E % G or top_k > E or (grouped and topk_group * (E // G) < top_k):
         raise ValueError(f"router: {E} experts in {G} groups, top {topk_group} groups, top-{top_k} does not fit")
     logits = router_logits(x, weight, weight_bf16)  # [T, E] fp32
-    weights = torch.empty(T, top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=x.device)
+    ids = torch.empty(T, top_k + n_shared, dtype=torch.int64, device=x.device)
     if T:
         _route_kernel[(T,)](logits, bias if bias is not None else logits, weights, ids, float(scale),
                             E=E, G=G, EPG=E // G, GP=triton.next_power_of_2(G),
                             EP=triton.next_power_of_2(E // G), TOPK_GROUP=topk_group if grouped else 1,
                             K=top_k, KP=triton.next_power_of_2(top_k), SIGMOID=sigmoid, GROUPED=grouped,
-                            HAS_BIAS=bias is not None, NORM=bool(norm and top_k > 1), num_warps=1 if E <= 64 else 2,
-                            **pdl_launch())
+                            HAS_BIAS=bias is not None, NORM=bool(norm and top_k > 1),
+                            NS=n_shared, NSP=max(1, triton.next_power_of_2(n_shared)),
+                            num_warps=1 if E <= 64 else 2, **pdl_launch())
     return weights, ids

@@ -27,6 +27,11 @@ def check(case, device, T=7, D=48):
     # fp32 logits summed in another order (the Triton logits kernel, or cuBLAS on the GPU): a
     # weight moves by about the logit's rounding, |logit| ~ sqrt(D) here
     torch.testing.assert_close(tw, rw, rtol=1e-5 * max(1.0, D / 64), atol=1e-7)
+    # the folded shared experts' columns, written by the choice kernel after the k choices
+    sw, si = route_triton(*args, n_shared=2)
+    assert torch.equal(si[:, :k], ti) and torch.equal(sw[:, :k], tw)
+    assert torch.equal(si[:, k:].cpu(), torch.arange(E, E + 2).expand(T, 2))
+    assert torch.equal(sw[:, k:].cpu(), torch.ones(T, 2))
     empty = route_triton(x[:0], *args[1:])
     assert empty[0].shape == (0, k) and empty[1].shape == (0, k)
     if T < 3:
