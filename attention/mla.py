@@ -65,6 +65,7 @@ class MLAAttention:
         self.glue = glue_for(plan)
         # the plan's fused decode-path kernels (None: the torch ops below)
         self.kv_finish = self.rope_kernel = self.absorb_q_kernel = self.absorb_o_kernel = None
+        self.absorb_q_kv_finish = None  # decode_fuse_q_kv: absorb_q and kv_finish as one launch
         if plan.finish_kv == TRITON:
             from attention.triton_cache import kv_finish  # triton: CUDA installs only
             self.kv_finish = kv_finish
@@ -72,6 +73,8 @@ class MLAAttention:
             from attention import triton_absorb
             self.rope_kernel, self.absorb_q_kernel = triton_absorb.rope, triton_absorb.absorb_q
             self.absorb_o_kernel = triton_absorb.absorb_o
+            if plan.decode_fuse_q_kv and plan.finish_kv == TRITON:
+                self.absorb_q_kv_finish = triton_absorb.absorb_q_kv_finish
         self.w_kv_b: torch.Tensor | None = None  # [Hl*(P+V), Lkv]
         self.w_uk: torch.Tensor | None = None  # [Hl, P, Lkv]
         self.w_uv: torch.Tensor | None = None  # [Hl, V, Lkv]
@@ -95,6 +98,22 @@ class MLAAttention:
         row = torch.cat([self.glue.rms_norm(c, norm_weight, eps), k_pe], dim=-1)
         self.ops.write_kv(kv_cache, row, meta.slot_mapping)
         return row
+
+    def fuses_decode(self, meta: MLAMetadata, num_tokens: int) -> bool:
+        """Whether `decode_fused` serves this step: a pure decode step with the plan's
+        decode_fuse_q_kv (absorb_q and kv_finish as one launch)."""
+        return (self.absorb_q_kv_finish is not None and meta.prefill is None
+                and meta.num_decode_tokens == num_tokens)
+
+    def decode_fused(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor,
+                     eps: float, cos_sin: torch.Tensor, kv_cache: torch.Tensor, meta: MLAMetadata,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+        """`finish_kv` + `forward` for a pure decode step (`fuses_decode`): the new tokens' cache rows
+        and the absorbed query in one launch, then the decode. The rows kv_finish would return are
+        not needed: a decode reads its keys from the cache."""
+        q = self.absorb_q_kv_finish(q_nope, q_pe, self.w_uk, cos_sin, kv, norm_weight, eps, kv_cache,
+                                    meta.slot_mapping, self.ops.kv_scale)
+        return self._decode_q(q, kv_cache, meta, q_nope.dtype, out=out)
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, kv_row: torch.Tensor,
                 kv_cache: torch.Tensor, meta: MLAMetadata, cos_sin: torch.Tensor,
@@ -145,6 +164,11 @@ class MLAAttention:
         """Decode rows; q_pe rotated already, or rotated here when `cos_sin` is given; written into
         `out` (contiguous `[Nd, Hl, V]`) when given."""
         q = self._absorb_q(q_nope, q_pe, cos_sin)  # [Nd, Hl, Lkv+R]
+        return self._decode_q(q, kv_cache, meta, q_nope.dtype, out=out)
+
+    def _decode_q(self, q, kv_cache, meta, dtype, out=None):
+        """Decode rows from the absorbed query q `[Nd, Hl, Lkv+R]`: attention (DCP: over the
+        group's gathered heads), then absorb_o into `out` when given."""
         dcp = pd.dcp()
         if dcp.size > 1:
             q = pd.dcp_all_gather(q, dim=1)  # [Nd, Hl*D, Lkv+R]: the group's heads, rank-major
@@ -164,7 +188,7 @@ class MLAAttention:
             lse_all = pd.dcp_all_gather_stacked(lse)  # [D, Nd, Hl*D]
             lse_g = torch.logsumexp(lse_all, dim=0)
             w = torch.exp(lse - lse_g).nan_to_num_(0.0).unsqueeze(-1)
-            o_lat = pd.dcp_reduce_scatter(o_lat.float() * w, dim=1).to(q_nope.dtype)  # [Nd, Hl, Lkv]
+            o_lat = pd.dcp_reduce_scatter(o_lat.float() * w, dim=1).to(dtype)  # [Nd, Hl, Lkv]
         return self._absorb_o(o_lat, out)
 
     def _up_project(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,20 +17,19 @@ import torch
 import triton
 import triton.language as tl
 
+from attention.kv_quant import is_fp8
+from attention.triton_cache import check_kv_finish, kv_finish_row
 from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 
 
-@fast_launch
-@triton.jit(do_not_specialize=["T"])
-def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t,
-                     H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
-                     BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
-                     IEEE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
-    h = tl.program_id(0)
-    lb = tl.program_id(1)
-    t0 = tl.program_id(2) * BT
+@triton.jit
+def absorb_q_tile(h, lb, t0, qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h,
+                  s_w_p, s_cs_t, H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+                  BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
+                  IEEE: tl.constexpr, ROPE: tl.constexpr):
+    """Head h, latent columns lb*BL.., rows t0..t0+BT-1 of q = [q_nope @ W_UK ‖ rope(q_pe)] (the
+    rope part by the lb == 0 tile)."""
     offs_t = t0 + tl.arange(0, BT)
     offs_p = tl.arange(0, BP)
     offs_l = lb * BL + tl.arange(0, BL)
@@ -64,6 +63,42 @@ def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_
             mr = mt[:, None] & (offs_r[None, :] < R)
             pe = tl.load(qp_ptr + offs_t[:, None] * s_qp_t + h * s_qp_h + offs_r[None, :], mask=mr, other=0.0)
             tl.store(q_ptr + row + L + offs_r[None, :], pe.to(q_ptr.dtype.element_ty), mask=mr)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["T"])
+def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t,
+                     H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+                     BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
+                     IEEE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    absorb_q_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) * BT, qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr,
+                  T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t, H, P, L, R, BP, BL, BR, BT, IEEE, ROPE)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["T"])
+def _absorb_q_kv_finish_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h,
+                               s_w_p, s_cs_t, kv_ptr, nw_ptr, cache_ptr, slot_ptr, eps, inv_scale, s_kv_t,
+                               s_cb, s_cs, N_ABS, NL,
+                               H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+                               BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
+                               IEEE: tl.constexpr, PAGE: tl.constexpr, LKV: tl.constexpr, RK: tl.constexpr,
+                               BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, IS_FP8: tl.constexpr,
+                               PDL: tl.constexpr):
+    """absorb_q (q_pe rotated) and kv_finish's cache rows as one launch: programs 0..N_ABS-1 are
+    absorb_q's (head, latent tile, row tile) programs, the T after them kv_finish's token rows.
+    The two halves read and write disjoint memory."""
+    pdl_prologue(PDL)
+    pid = tl.program_id(0)
+    if pid < N_ABS:
+        h = pid % H
+        rest = pid // H
+        absorb_q_tile(h, rest % NL, (rest // NL) * BT, qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h,
+                      s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t, H, P, L, R, BP, BL, BR, BT, IEEE, True)
+    else:
+        kv_finish_row((pid - N_ABS).to(tl.int64), kv_ptr, nw_ptr, cs_ptr, kv_ptr, cache_ptr, slot_ptr, eps,
+                      inv_scale, s_kv_t, s_cs_t, s_cb, s_cs, PAGE, LKV, RK, BLOCK_L, BLOCK_H, IS_FP8, False)
 
 
 @fast_launch
@@ -173,6 +208,42 @@ def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
         q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1), 0 if cos_sin is None else cos_sin.stride(0),
         H=H, P=P, L=L, R=R, BP=max(16, triton.next_power_of_2(P)), BR=max(2, triton.next_power_of_2(R)),
         IEEE=q_nope.dtype == torch.float32, ROPE=cos_sin is not None, **t, **pdl_launch())
+    return q
+
+
+def absorb_q_kv_finish(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, cos_sin: torch.Tensor,
+                       kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, kv_cache: torch.Tensor,
+                       slot_mapping: torch.Tensor, kv_scale: float = 1.0, tiles: dict | None = None) -> torch.Tensor:
+    """`absorb_q(q_nope, q_pe, w_uk, cos_sin)` and `triton_cache.kv_finish(kv, norm_weight, eps,
+    cos_sin, kv_cache, slot_mapping, kv_scale)`'s cache writes as one launch, for a pure decode
+    step (whose attention reads the new rows from the cache, not from kv_finish's returned rows):
+    returns q `[T, H, L+R]`; the cache rows are written as kv_finish writes them."""
+    T, H, P = q_nope.shape
+    R, L = q_pe.shape[-1], w_uk.shape[-1]
+    if (q_pe.shape[:2] != (T, H) or w_uk.shape[:2] != (H, P) or not q_nope.dtype == q_pe.dtype == w_uk.dtype
+            or q_nope.stride(-1) != 1 or q_pe.stride(-1) != 1 or w_uk.stride(-1) != 1
+            or cos_sin.shape != (T, R) or cos_sin.stride(-1) != 1 or R % 2 or kv.shape[0] != T):
+        raise ValueError(f"absorb_q_kv_finish: q_nope {tuple(q_nope.shape)}, q_pe {tuple(q_pe.shape)}, "
+                         f"w_uk {tuple(w_uk.shape)}, cos_sin {tuple(cos_sin.shape)}, kv {tuple(kv.shape)} "
+                         "(one dtype, last dims contiguous, cos_sin [T, R] with R even, kv [T, ...])")
+    check_kv_finish(kv, norm_weight, cos_sin, kv_cache, slot_mapping)  # k_pe as wide as q_pe: one cos_sin
+    q = torch.empty(T, H, L + R, dtype=q_nope.dtype, device=q_nope.device)
+    if T == 0:
+        return q
+    t = _absorb_q_tiles(T) | (tiles or {})
+    t["BL"] = max(16, min(t["BL"], triton.next_power_of_2(L)))
+    nl = triton.cdiv(L, t["BL"])
+    n_abs = H * nl * triton.cdiv(T, t["BT"])
+    lkv = norm_weight.shape[0]
+    rk = kv.shape[1] - lkv
+    _absorb_q_kv_finish_kernel[(n_abs + T,)](
+        q_nope, q_pe, w_uk, q, cos_sin, T, q_nope.stride(0), q_nope.stride(1), q_pe.stride(0), q_pe.stride(1),
+        w_uk.stride(0), w_uk.stride(1), cos_sin.stride(0), kv, norm_weight, kv_cache, slot_mapping.contiguous(),
+        float(eps), 1.0 / kv_scale, kv.stride(0), kv_cache.stride(0), kv_cache.stride(1), n_abs, nl,
+        H=H, P=P, L=L, R=R, BP=max(16, triton.next_power_of_2(P)), BR=max(2, triton.next_power_of_2(R)),
+        IEEE=q_nope.dtype == torch.float32, PAGE=kv_cache.shape[1], LKV=lkv, RK=rk,
+        BLOCK_L=triton.next_power_of_2(lkv), BLOCK_H=triton.next_power_of_2(rk // 2), IS_FP8=is_fp8(kv_cache),
+        **t, **pdl_launch())
     return q
 
 

@@ -141,16 +141,15 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, starts: to
     return out
 
 
-@fast_launch
 @triton.jit
-def _kv_finish_kernel(kv_ptr, w_ptr, cs_ptr, out_ptr, cache_ptr, slot_ptr, eps, inv_scale,
-                      stride_kvt, stride_cst, stride_cb, stride_cs,
-                      PAGE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
-                      BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, IS_FP8: tl.constexpr, PDL: tl.constexpr):
-    pdl_prologue(PDL)
-    t = tl.program_id(0).to(tl.int64)
+def kv_finish_row(t, kv_ptr, w_ptr, cs_ptr, out_ptr, cache_ptr, slot_ptr, eps, inv_scale,
+                  stride_kvt, stride_cst, stride_cb, stride_cs,
+                  PAGE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+                  BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, IS_FP8: tl.constexpr, HAS_OUT: tl.constexpr):
+    """Token t's cache row: [rms_norm(c) ‖ rope(k_pe)] stored at its slot (-1: none) and, with
+    HAS_OUT, to row t of out_ptr `[T, L+R]` (in kv's dtype)."""
     src = kv_ptr + t * stride_kvt
-    dt = out_ptr.dtype.element_ty
+    dt = kv_ptr.dtype.element_ty
     # RMSNorm of the latent part, as common.fused.rms_norm: w * (x * rsqrt(mean(x^2) + eps)) in x's dtype
     offs_l = tl.arange(0, BLOCK_L)
     ml = offs_l < L
@@ -166,10 +165,11 @@ def _kv_finish_kernel(kv_ptr, w_ptr, cs_ptr, out_ptr, cache_ptr, slot_ptr, eps, 
     sin = tl.load(cs_ptr + t * stride_cst + R // 2 + offs_h, mask=mh, other=0.0)
     o1 = (x1 * cos - x2 * sin).to(dt)
     o2 = (x2 * cos + x1 * sin).to(dt)
-    dst = out_ptr + t * (L + R)
-    tl.store(dst + offs_l, cn, mask=ml)
-    tl.store(dst + L + 2 * offs_h, o1, mask=mh)
-    tl.store(dst + L + 2 * offs_h + 1, o2, mask=mh)
+    if HAS_OUT:
+        dst = out_ptr + t * (L + R)
+        tl.store(dst + offs_l, cn, mask=ml)
+        tl.store(dst + L + 2 * offs_h, o1, mask=mh)
+        tl.store(dst + L + 2 * offs_h + 1, o2, mask=mh)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:  # -1: padding, or a token another DCP rank stores
         row = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_cs
@@ -179,12 +179,21 @@ def _kv_finish_kernel(kv_ptr, w_ptr, cs_ptr, out_ptr, cache_ptr, slot_ptr, eps, 
         tl.store(row + L + 2 * offs_h + 1, cache_store_value(o2, ct, inv_scale, IS_FP8), mask=mh)
 
 
-def kv_finish(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor,
-              kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: float = 1.0) -> torch.Tensor:
-    """The new tokens' cache rows in one kernel: kv `[T, L+R]` (kv_a_proj output, rows may be
-    strided) -> `[rms_norm(c) ‖ rope(k_pe)]` `[T, L+R]`, returned in kv's dtype and stored at
-    `slot_mapping` (-1 skipped; quantised with `kv_scale` into an FP8 cache). Replaces the norm,
-    the rope, the cat and write_kv of the unfused path."""
+@fast_launch
+@triton.jit
+def _kv_finish_kernel(kv_ptr, w_ptr, cs_ptr, out_ptr, cache_ptr, slot_ptr, eps, inv_scale,
+                      stride_kvt, stride_cst, stride_cb, stride_cs,
+                      PAGE: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
+                      BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, IS_FP8: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
+    kv_finish_row(tl.program_id(0).to(tl.int64), kv_ptr, w_ptr, cs_ptr, out_ptr, cache_ptr, slot_ptr, eps,
+                  inv_scale, stride_kvt, stride_cst, stride_cb, stride_cs, PAGE, L, R, BLOCK_L, BLOCK_H, IS_FP8,
+                  True)
+
+
+def check_kv_finish(kv: torch.Tensor, norm_weight: torch.Tensor, cos_sin: torch.Tensor,
+                    kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """ValueError unless kv_finish's arguments fit each other (see kv_finish)."""
     T = kv.shape[0]
     L = norm_weight.shape[0]
     R = kv.shape[1] - L
@@ -194,6 +203,18 @@ def kv_finish(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos_sin: 
         raise ValueError(f"kv_finish: kv {tuple(kv.shape)}, norm weight {tuple(norm_weight.shape)}, "
                          f"cos_sin {tuple(cos_sin.shape)}, cache {tuple(kv_cache.shape)}, "
                          f"slots {tuple(slot_mapping.shape)}")
+
+
+def kv_finish(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos_sin: torch.Tensor,
+              kv_cache: torch.Tensor, slot_mapping: torch.Tensor, kv_scale: float = 1.0) -> torch.Tensor:
+    """The new tokens' cache rows in one kernel: kv `[T, L+R]` (kv_a_proj output, rows may be
+    strided) -> `[rms_norm(c) ‖ rope(k_pe)]` `[T, L+R]`, returned in kv's dtype and stored at
+    `slot_mapping` (-1 skipped; quantised with `kv_scale` into an FP8 cache). Replaces the norm,
+    the rope, the cat and write_kv of the unfused path."""
+    check_kv_finish(kv, norm_weight, cos_sin, kv_cache, slot_mapping)
+    T = kv.shape[0]
+    L = norm_weight.shape[0]
+    R = kv.shape[1] - L
     # rows to spare after T: any run of rows in it can be read as a whole multiple of 128
     # (attention/mla.py `padded_rows`, the prefill's up-projection)
     out = torch.empty(T + SPARE_ROWS, L + R, dtype=kv.dtype, device=kv.device)[:T]

@@ -138,6 +138,10 @@ CHOICES: tuple[Choice, ...] = (
            "rope 64, heads a multiple of 64, Triton 3.6) instead of the Triton kernel (0: never)",
            ("attention.gluon_decode", "attention.gluon_decode_plan"), triton=0, torch=0,
            triton_help="64 where all of that holds, else 0"),
+    Choice("decode_fuse_q_kv", (bool,), "pure decode steps run absorb_q and kv_finish (the new tokens' cache "
+           "rows) as one launch (attention/triton_absorb.py absorb_q_kv_finish): one kernel fewer per layer; "
+           "needs absorb and finish_kv triton; opt-in until timed on the GPU", ("attention.triton_absorb",),
+           triton=False, torch=False),
     Choice("decode_qk_fp8", (bool,), "with --kv-cache-dtype fp8, the MLA decode's QK^T on e4m3 operands: each "
            "query row rounded to e4m3 with its own scale, the cache's bytes as they are (Triton: "
            "DecodeConfig.qk_fp8; torch: the same rounding); opt-in: on the H200 at B 128, S 16k, 16 heads 713.8 us "
@@ -187,6 +191,7 @@ class KernelPlan:
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False
     decode_wgmma_min_heads: int = 0
+    decode_fuse_q_kv: bool = False
     decode_qk_fp8: bool = False
     pdl: bool = False
     pdl_graph_max_batch: int = 0

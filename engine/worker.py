@@ -115,6 +115,10 @@ class Worker:
         if self.plan.decode_qk_fp8 and not is_fp8(self.cache_dtype):
             raise ValueError(f"--kernels ...,decode_qk_fp8=1 rounds q for QK^T over an FP8 latent cache; this one is "
                              f"{self.cache_dtype} (--kv-cache-dtype fp8, or leave decode_qk_fp8 at 0)")
+        if self.plan.decode_fuse_q_kv and not self.plan.absorb == self.plan.finish_kv == TRITON:
+            raise ValueError(f"--kernels ...,decode_fuse_q_kv=1 fuses the Triton absorb_q and kv_finish kernels; this "
+                             f"plan has absorb={self.plan.absorb} finish_kv={self.plan.finish_kv} (leave "
+                             f"decode_fuse_q_kv at 0)")
         if self.plan.decode_wgmma_min_heads and self.plan.attention == TRITON:
             from attention.gluon_decode_plan import check_engine_fit
             check_engine_fit(self.plan.decode_wgmma_min_heads, self.device, self.dtype, self.cache_dtype,

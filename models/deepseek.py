@@ -66,6 +66,8 @@ class DeepseekAttention(nn.Module):
         then MLA over the step's metadata (always eager: its work depends on the metadata)."""
         q_nope, q_pe = q.split([self.P, self.R], dim=-1)
         n = self.kv_a_layernorm
+        if self.mla.fuses_decode(meta, q.shape[0]):  # pure decode, decode_fuse_q_kv: one launch for both
+            return self.mla.decode_fused(q_nope, q_pe, kv, n.weight, n.eps, cos_sin, kv_cache, meta, out=out)
         kv_row = self.mla.finish_kv(kv, n.weight, n.eps, cos_sin, kv_cache, meta)  # in the cache now
         return self.mla.forward(q_nope, q_pe, kv_row, kv_cache, meta, cos_sin, out=out)  # rotates q_pe
 

@@ -137,3 +137,11 @@ def test_pdl_in_small_decode_graphs_by_default_on_hopper_only(tiny_v2):
     assert plan("torch", True).pdl_graph_max_batch == 0
     with pytest.raises(ValueError, match=r"pdl_graph_max_batch=4: programmatic dependent launch needs an sm_90\+"):
         LLM(tiny_v2[0], device="cpu", dtype="float32", kernels="torch,pdl_graph_max_batch=4")
+
+
+def test_decode_fuse_q_kv_without_the_triton_kernels_is_refused(tiny_v2):
+    """decode_fuse_q_kv fuses two Triton kernels: asked for on a plan without them, the engine does
+    not start (nothing silently left unfused), naming the setting."""
+    from engine import LLM
+    with pytest.raises(ValueError, match=r"decode_fuse_q_kv=1 fuses the Triton absorb_q and kv_finish"):
+        LLM(tiny_v2[0], device="cpu", dtype="float32", kernels="torch,decode_fuse_q_kv=1")

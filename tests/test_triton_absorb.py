@@ -47,6 +47,40 @@ def check(T, H, P, R, L, V, dtype, device, tol):
         assert err < tol, (T, H, P, R, L, V, dtype, err)
 
 
+def check_fused(T, H, P, R, L, page, dtype, device, fp8=False):
+    """absorb_q_kv_finish against absorb_q (q_pe rotated) and kv_finish: the same q and the same
+    cache bytes, bit for bit (the same arithmetic, in one launch); padding slots (-1) unwritten."""
+    from attention.kv_quant import FP8_DTYPE as FP8
+    from attention.triton_absorb import absorb_q_kv_finish
+    from attention.triton_cache import kv_finish
+    g = torch.Generator().manual_seed(T * 11 + H)
+    proj = torch.randn(T, H * (P + R) + 40, generator=g).to(device, dtype)
+    q_nope, q_pe = proj[:, : H * (P + R)].view(T, H, P + R).split([P, R], dim=-1)
+    w_uk = (torch.randn(H, P, L, generator=g) / L ** 0.5).to(device, dtype)
+    kv = torch.randn(T, L + R + 8, generator=g).to(device, dtype)[:, 8:]  # a view of a wider output
+    norm_w = (1 + 0.1 * torch.randn(L, generator=g)).to(device, dtype)
+    cos_sin = torch.randn(T, R, generator=g).to(device)
+    nb = max(4, -(-T // page) + 1)
+    slots = torch.randperm(nb * page, generator=g)[:T].to(device)
+    slots[1::3] = -1
+    cache_dtype = FP8 if fp8 else dtype
+    ref_cache = torch.zeros(nb, page, L + R, dtype=cache_dtype, device=device)
+    got_cache = ref_cache.clone()
+    ref_q = absorb_q(q_nope, q_pe, w_uk, cos_sin)
+    kv_finish(kv, norm_w, 1e-6, cos_sin, ref_cache, slots, kv_scale=0.5)
+    got_q = absorb_q_kv_finish(q_nope, q_pe, w_uk, cos_sin, kv, norm_w, 1e-6, got_cache, slots, kv_scale=0.5)
+    assert got_q.shape == (T, H, L + R) and torch.equal(got_q, ref_q)
+    assert torch.equal(got_cache.view(torch.uint8), ref_cache.view(torch.uint8))
+
+
+def test_absorb_q_kv_finish_rejects_mismatched_rope_widths():
+    from attention.triton_absorb import absorb_q_kv_finish
+    q_nope, q_pe, w_uk = torch.randn(2, 4, 16), torch.randn(2, 4, 8), torch.randn(4, 16, 32)
+    with pytest.raises(ValueError, match="kv_finish"):  # k_pe 4 wide, q_pe 8: one cos_sin cannot serve both
+        absorb_q_kv_finish(q_nope, q_pe, w_uk, torch.randn(2, 8), torch.randn(2, 36), torch.ones(32), 1e-6,
+                           torch.zeros(4, 4, 36), torch.zeros(2, dtype=torch.int64))
+
+
 def test_absorb_rejects_non_contiguous_rows():
     from attention.triton_absorb import absorb_o
     with pytest.raises(ValueError, match="absorb_o"):
@@ -62,3 +96,10 @@ def test_absorb_kernels_real_shapes(T, H):
     """DeepSeek shapes: P 128, R 64, Lkv 512, V 128; bf16 against a float64 reference."""
     check(T, H, 128, 64, 512, 128, torch.bfloat16, "cuda", 1e-2)
     check(T, H, 128, 64, 512, 128, torch.float32, "cuda", 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 33, 128])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_absorb_q_kv_finish_real_shapes(T, fp8):
+    check_fused(T, 16, 128, 64, 512, 64, torch.bfloat16, "cuda", fp8=fp8)

@@ -4,7 +4,7 @@ tests/test_triton_absorb.py."""
 from __future__ import annotations
 
 import torch
-from test_triton_absorb import check
+from test_triton_absorb import check, check_fused
 
 
 def test_absorb_kernels_interpreter():
@@ -15,3 +15,12 @@ def test_absorb_kernels_interpreter():
     check(3, 2, 24, 12, 48, 20, torch.float32, "cpu", 1e-6)
     check(19, 20, 16, 8, 32, 16, torch.float32, "cpu", 1e-6)  # heads over two partial tiles
     check(80, 2, 128, 64, 512, 128, torch.float32, "cpu", 1e-6)
+
+
+def test_absorb_q_kv_finish_interpreter():
+    """The one-launch absorb_q + kv_finish: q and the cache bytes equal to the two kernels'
+    (several row and latent tiles; bf16-free: the interpreter's fp32 and fp16, and an FP8 cache)."""
+    for T in (1, 5, 17):
+        check_fused(T, 4, 16, 8, 32, 4, torch.float32, "cpu")
+    check_fused(6, 3, 24, 16, 48, 16, torch.float16, "cpu")
+    check_fused(5, 2, 16, 8, 32, 4, torch.float32, "cpu", fp8=True)

@@ -24,7 +24,8 @@ KERNELS = {"finish_kv": (triton_cache, "kv_finish"), "absorb_q": (triton_absorb,
            "absorb_o": (triton_absorb, "absorb_o"), "router": (triton_route, "route_triton"),
            "moe_fused": (fused_moe, "fused_moe_small"), "moe_blocked": (blocked_moe, "fused_moe_blocked"),
            "decode": (triton_backend, "mla_decode"), "prefill": (triton_backend, "prefill_attention_parts"),
-           "prefill_joined": (triton_backend, "prefill_attention")}  # widths the parts kernel cannot split
+           "prefill_joined": (triton_backend, "prefill_attention"),  # widths the parts kernel cannot split
+           "fused_q_kv": (triton_absorb, "absorb_q_kv_finish")}  # decode_fuse_q_kv=1 only
 
 
 @pytest.fixture(scope="module", params=["v3", "v2"])
@@ -44,10 +45,11 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 @pytest.mark.parametrize("budget,kernels,spec", [(16, "triton", None), (2048, "triton", None),
                                                  (16, "triton,moe_blocked_max_tokens=0", None),
-                                                 (2048, "triton", NGRAM)])
+                                                 (2048, "triton", NGRAM), (16, "triton,decode_fuse_q_kv=1", None)])
 def test_triton_plan_equals_torch_plan(model, budget, kernels, spec, monkeypatch):
     """With moe_blocked_max_tokens=0 the prefill chunks of 9-16 tokens take the torch experts loop
-    instead of the expert-sorted block kernels. With ngram speculation the decode kernel verifies
+    instead of the expert-sorted block kernels; with decode_fuse_q_kv=1 the pure decode steps run
+    absorb_q and kv_finish as one launch. With ngram speculation the decode kernel verifies
     drafts (q_len 1 + k, masks from positions); the torch engine runs without it."""
     calls = dict.fromkeys(KERNELS, 0)
     for key, (mod, name) in KERNELS.items():
@@ -71,8 +73,10 @@ def test_triton_plan_equals_torch_plan(model, budget, kernels, spec, monkeypatch
         assert llm.scheduler.stats.spec.num_accepted_tokens > 0, "no draft accepted: no multi-token decode"
     calls["prefill"] += calls.pop("prefill_joined")
     expect = set(calls) - ({"moe_blocked"} if "blocked_max_tokens=0" in kernels else set())
+    expect -= set() if "decode_fuse_q_kv=1" in kernels else {"fused_q_kv"}
     assert all(calls[k] > 0 for k in expect), str(calls)
     assert "blocked_max_tokens=0" not in kernels or calls["moe_blocked"] == 0
+    assert "decode_fuse_q_kv=1" in kernels or calls["fused_q_kv"] == 0
 
 
 class _Broken:
