@@ -153,6 +153,9 @@ CHOICES: tuple[Choice, ...] = (
            "programmatic dependent launch (sm_90+) for the decode path's Triton kernels, as pdl=1 does for "
            "every launch (0: none)", ("common.pdl",), triton=0, torch=0,
            triton_help=f"{PDL_GRAPH_MAX_BATCH} on sm_90+ GPUs, else 0"),
+    Choice("argmax", (TRITON, TORCH), "greedy sampling's argmax over the vocabulary: torch's, or two Triton "
+           "launches (common/triton_argmax.py: blocks of 2048 logits, then their merge; the same index, ties "
+           "and NaN as torch); opt-in until timed on the GPU", ("common.triton_argmax",), triton=TORCH),
     Choice("launch", ("fast", TRITON), "how the host launches the Triton kernels of eager steps: fast "
            "(common/triton_launch.py: each kernel's compiled form kept per argument specialization and "
            "launched directly, without Triton's per-call binding) or triton (`kernel[grid](...)`, as Triton "
@@ -195,6 +198,7 @@ class KernelPlan:
     decode_qk_fp8: bool = False
     pdl: bool = False
     pdl_graph_max_batch: int = 0
+    argmax: str = TORCH
     launch: str = TRITON
     compile: bool = False
     autotune: bool = False
@@ -206,7 +210,8 @@ class KernelPlan:
 
     @property
     def any_triton(self) -> bool:
-        return TRITON in (self.attention, self.finish_kv, self.absorb, self.router, self.norm, self.moe)
+        return TRITON in (self.attention, self.finish_kv, self.absorb, self.router, self.norm, self.moe,
+                          self.argmax)
 
     def avoid(self, key: str | None) -> str:
         """The --kernels setting that avoids a failure charged to `key` (None: unknown)."""

@@ -65,7 +65,7 @@ class ModelRunner:
                  block_size: int, device: torch.device, eos_token_ids: list[int],
                  context_chunk_tokens: int = 8192, rank_check_interval: int = 0,
                  speculative_config: SpeculativeConfig | None = None,
-                 mtp_kv_caches: list[torch.Tensor] | None = None):
+                 mtp_kv_caches: list[torch.Tensor] | None = None, argmax=None):
         self.model, self.cfg, self.kv_caches = model, cfg, kv_caches
         self.block_size, self.device = block_size, device
         self.eos_token_ids = eos_token_ids
@@ -73,7 +73,7 @@ class ModelRunner:
         self.spec = speculative_config
         self.mtp_kv_caches = mtp_kv_caches or []  # with {"method": "mtp"}: the MTP layer's cache
         self.decode_threshold = 1 if self.spec is None else self.spec.decode_threshold  # 1 + k drafts
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax)  # argmax: the plan's greedy argmax (None: torch's)
         self.requests: dict[str, RequestState] = {}
         self.graphs = None  # engine.cuda_graph.DecodeGraphs, set by the worker on CUDA
         self.mtp_graphs = None  # the MTP drafter's DecodeGraphs, with {"method": "mtp"} on CUDA

@@ -173,7 +173,12 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Turns fp32 logits [N, V] into one token per row, following each row's sampling params."""
+    """Turns fp32 logits [N, V] into one token per row, following each row's sampling params.
+    `argmax`: the greedy rows' argmax over `[N, V]` (the plan's `argmax`: torch's, or
+    common/triton_argmax.py)."""
+
+    def __init__(self, argmax=None):
+        self.argmax = argmax or _torch_argmax
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != batch.temperature.shape[0]:
@@ -186,7 +191,7 @@ class Sampler:
         logits = _apply_penalties(logits, batch)
         logits = _apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
 
-        greedy_ids = logits.argmax(dim=-1)
+        greedy_ids = self.argmax(logits)
         if batch.all_greedy:
             token_ids = greedy_ids
         else:
@@ -208,6 +213,10 @@ class Sampler:
             logits = _apply_min_p(logits, batch.min_p)
         probs = torch.softmax(logits, dim=-1)
         return _exponential_race(probs, batch.generators)
+
+
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
 
 
 def _mask_min_tokens(logits: torch.Tensor, masked_ids: list[list[int]] | None) -> torch.Tensor:

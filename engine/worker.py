@@ -311,9 +311,16 @@ class Worker:
         log.info("KV cache on this rank: %s, %d bytes per token (all layers), %d blocks of %d = %d tokens, %.2f GiB",
                  str(self.cache_dtype).removeprefix("torch."), per_token, num_blocks, bs, num_blocks * bs,
                  num_blocks * bs * per_token / 2**30)
+        argmax = None
+        if self.plan.argmax == TRITON:
+            from common.triton_argmax import argmax_rows  # triton: CUDA installs only
+            argmax = argmax_rows
         self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids,
                                   rank_check_interval=a.rank_check_interval,
-                                  speculative_config=a.speculative_config, mtp_kv_caches=mtp_caches)
+                                  speculative_config=a.speculative_config, mtp_kv_caches=mtp_caches,
+                                  argmax=argmax)
+        if argmax is not None:  # compiled now, not at the first greedy request (one variant for every batch)
+            argmax(torch.zeros(2, self.cfg.vocab_size, device=self.device))
         if self.plan.warmup:
             self.warm_up(a.max_num_batched_tokens, max_model_len, a.max_num_seqs)
         # The torch reference ops sync with the host (lengths to Python): they cannot be captured.
