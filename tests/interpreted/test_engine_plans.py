@@ -44,8 +44,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
 @pytest.mark.parametrize("budget,kernels,spec", [(16, "triton", None), (2048, "triton", None),
-                                                 (16, "triton,moe_blocked_max_tokens=0", None),
-                                                 (2048, "triton", NGRAM), (16, "triton,decode_fuse_q_kv=1", None)])
+                                                 (16, "triton,moe_blocked_max_tokens=0,decode_fuse_q_kv=1", None),
+                                                 (2048, "triton", NGRAM)])
 def test_triton_plan_equals_torch_plan(model, budget, kernels, spec, monkeypatch):
     """With moe_blocked_max_tokens=0 the prefill chunks of 9-16 tokens take the torch experts loop
     instead of the expert-sorted block kernels; with decode_fuse_q_kv=1 the pure decode steps run
