@@ -27,9 +27,7 @@ def _best(vals, idxs, n):
     nan = (vals != vals) & valid
     first_nan = tl.min(tl.where(nan, idxs, n), 0)
     m = tl.max(tl.where(valid & ~nan, vals, float("-inf")), 0)
-    first_max = tl.min(tl.where(valid & (vals == m), idxs, n), 0)
-    # a row of -inf only: every valid entry ties at -inf, the first is its answer
-    first_max = tl.where(first_max == n, tl.min(tl.where(valid, idxs, n), 0), first_max)
+    first_max = tl.min(tl.where(valid & (vals == m), idxs, n), 0)  # all -inf: every entry ties, the first wins
     has_nan = first_nan < n
     return tl.where(has_nan, float("nan"), m), tl.where(has_nan, first_nan, first_max)
 

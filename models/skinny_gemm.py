@@ -99,7 +99,3 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         _skinny_gemm_tuned[lambda m: (triton.cdiv(N, m["BLOCK_N"]), triton.cdiv(M, mb))](*args, **const)
     return y
 
-
-def tuned_configs() -> dict[str, str]:
-    """What autotuning picked so far, per key (for benchmark logs)."""
-    return {str(key): str(cfg) for key, cfg in _skinny_gemm_tuned.cache.items()}

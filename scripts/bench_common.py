@@ -112,6 +112,23 @@ def graph_us(fn, calls: list, reps: int = 20) -> float:
     return start.elapsed_time(end) * 1e3 / (reps * len(calls))
 
 
+def replay_ms(graphs, batch: int, reps: int = 20) -> float:
+    """ms per replay of the decode CUDA graph (engine/cuda_graph.py DecodeGraphs) that serves
+    `batch` sequences of one query token each, replayed alone; nan without such a graph."""
+    import torch
+    b = None if graphs is None else graphs.bucket_for(batch)
+    if b is None:
+        return float("nan")
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        graphs.graphs[b, 1].replay()
+    e.record()
+    torch.cuda.synchronize()
+    return s.elapsed_time(e) / reps
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 
 import torch
-from bench_common import add_engine_flags, engine_kwargs, random_prompts
+from bench_common import add_engine_flags, engine_kwargs, random_prompts, replay_ms
 
 from engine import LLM, SamplingParams
 
@@ -86,18 +86,7 @@ def main() -> None:
         finally:
             torch.cuda.Event.synchronize = real_sync
         host = wall - blocked[0] / n * 1e3
-        replay = float("nan")
-        g = runner.graphs
-        if g is not None and g.bucket_for(bs) is not None:
-            b = g.bucket_for(bs)
-            torch.cuda.synchronize()
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            for _ in range(20):
-                g.graphs[b, 1].replay()
-            e.record()
-            torch.cuda.synchronize()
-            replay = s.elapsed_time(e) / 20
+        replay = replay_ms(runner.graphs, bs)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(a.steps):
                 core.step()

@@ -12,7 +12,7 @@ import pstats
 import time
 
 import torch
-from bench_common import add_engine_flags, engine_kwargs, random_prompts
+from bench_common import add_engine_flags, engine_kwargs, random_prompts, replay_ms
 
 from engine import LLM, SamplingParams
 
@@ -40,17 +40,9 @@ def main() -> None:
         core.step()
     print(f"step: {(time.perf_counter() - t0) / a.steps * 1e3:.3f} ms")
     runner = core.executor.worker.runner
-    g = runner.graphs
-    if g is not None:
-        b = g.bucket_for(a.batch)
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(50):
-            g.graphs[b, 1].replay()
-        e.record()
-        torch.cuda.synchronize()
-        print(f"graph replay alone (bucket {b}): {s.elapsed_time(e) / 50:.3f} ms")
+    if runner.graphs is not None:
+        print(f"graph replay alone (bucket {runner.graphs.bucket_for(a.batch)}): "
+              f"{replay_ms(runner.graphs, a.batch, 50):.3f} ms")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.steps):
