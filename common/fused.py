@@ -30,6 +30,25 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
     return s, rms_norm(s, w, eps)
 
 
+@dataclass(frozen=True)
+class PairRows:
+    """An MoE output left unsummed: `part [T, KT, D]` (fp32), each token's KT weighted pair rows
+    (routed and folded shared experts), whose sum rounded to `dtype` is the output. The next
+    residual add + RMSNorm takes it as its h (common/triton_norm.py) and sums in the same kernel,
+    so the MoE's pair-sum launch goes (`MoE.forward(defer_sum=True)`)."""
+
+    part: torch.Tensor
+    dtype: torch.dtype
+
+    def sum(self) -> torch.Tensor:
+        """The summed output `[T, D]`: the KT rows added in order in fp32, then rounded, as the
+        pair-sum kernel does."""
+        acc = self.part[:, 0].clone()
+        for j in range(1, self.part.shape[1]):
+            acc += self.part[:, j]
+        return acc.to(self.dtype)
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate interleaved pairs of x `[T, ..., R]` by cos/sin `[T, 1.., R/2]`."""
     xf = x.float()

@@ -124,6 +124,11 @@ CHOICES: tuple[Choice, ...] = (
            "experts beyond the Triton bounds: grouped (torch._grouped_mm, CUDA bf16), dense "
            "(every expert on every token, no host sync), loop (experts hit, one by one)",
            triton="grouped", torch="loop"),
+    Choice("moe_sum_in_norm", (bool,), "the Triton MoE paths (fused, block kernels) leave each token's pair rows "
+           "unsummed and the next residual add + RMSNorm kernel sums them (common/triton_norm.py): one launch "
+           "fewer per MoE layer; needs moe and norm triton; one TP rank only (under TP the sum precedes the "
+           "all-reduce)", ("common.triton_norm",), triton=True, torch=False,
+           triton_help="1 where norm is triton, else 0"),
     Choice("gemm_skinny_max_tokens", (int,), "projections (bf16/fp16/fp32 weights) of steps with up to this "
            "many tokens run on a Triton weight-streaming GEMM (models/skinny_gemm.py) instead of cuBLAS "
            "(0: never)", ("models.skinny_gemm",), triton=0, torch=0),
@@ -190,6 +195,7 @@ class KernelPlan:
     moe_shared_dense_min_tokens: int = 0
     moe_fp8_w8a8: bool = False
     moe_large: str = "loop"
+    moe_sum_in_norm: bool = False
     gemm_skinny_max_tokens: int = 0
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False
@@ -325,6 +331,12 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
             notes.append("Triton MLA kernels need kv_lora_rank and qk_rope_head_dim >= 16: "
                          "attention, finish_kv and absorb use torch, without CUDA graphs")
     values.update(over)
+    if values["moe_sum_in_norm"] and not values["moe"] == values["norm"] == TRITON:
+        if "moe_sum_in_norm" in over:
+            raise ValueError(f"--kernels ...,moe_sum_in_norm=1 sums the Triton MoE's pair rows in the Triton add + "
+                             f"RMSNorm kernel; this plan has moe={values['moe']} norm={values['norm']} (set "
+                             f"moe_sum_in_norm=0, or moe and norm triton)")
+        values["moe_sum_in_norm"] = False
     if base == TRITON and wgmma_fit and values["attention"] == TRITON and "decode_wgmma_min_heads" not in over:
         values["decode_wgmma_min_heads"] = WGMMA_MIN_HEADS
     if base == TRITON and hopper and values["attention"] == TRITON and "pdl_graph_max_batch" not in over:

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.fused import PairRows
 from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 
@@ -26,15 +27,23 @@ from common.triton_launch import fast_launch
 @triton.jit
 def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, D, eps,
                      stride_x, stride_h, stride_s, stride_y,
-                     ADD: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """Row t: (ADD) s = x + h stored to s_ptr; y = rms_norm(s or x) * w."""
+                     ADD: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """Row t: (ADD) s = x + h stored to s_ptr; y = rms_norm(s or x) * w. With KT > 0, h is the
+    sum of KT fp32 rows (h_ptr + (t*KT + j) * stride_h), rounded to x's dtype: an MoE's pair rows
+    (common.fused.PairRows), summed as its pair-sum kernel sums them."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
     x = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0)
     if ADD:
-        h = tl.load(h_ptr + t * stride_h + offs, mask=m, other=0.0)
+        if KT > 0:
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for j in tl.static_range(KT):
+                acc += tl.load(h_ptr + (t * KT + j) * stride_h + offs, mask=m, other=0.0)
+            h = acc.to(x_ptr.dtype.element_ty)
+        else:
+            h = tl.load(h_ptr + t * stride_h + offs, mask=m, other=0.0)
         x = (x.to(tl.float32) + h.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(s_ptr + t * stride_s + offs, x, mask=m)
     xf = x.to(tl.float32)
@@ -50,13 +59,13 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _launch(x2, h2, w, s2, y2, eps: float, add: bool) -> None:
+def _launch(x2, h2, w, s2, y2, eps: float, add: bool, kt: int = 0) -> None:
     T, D = x2.shape
     if T == 0:
         return
     block = triton.next_power_of_2(D)
     _rms_norm_kernel[(T,)](x2, h2, w, s2, y2, D, eps, x2.stride(0), h2.stride(0), s2.stride(0), y2.stride(0),
-                           ADD=add, BLOCK_D=block, num_warps=4 if block <= 2048 else 8, **pdl_launch())
+                           ADD=add, KT=kt, BLOCK_D=block, num_warps=4 if block <= 2048 else 8, **pdl_launch())
 
 
 def _check_weight(x: torch.Tensor, w: torch.Tensor) -> None:
@@ -75,9 +84,13 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
-def add_rms_norm(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor | PairRows, w: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + h, rms_norm(x + h)) in one kernel; x, h `[.., D]` of one shape and dtype."""
+    """(x + h, rms_norm(x + h)) in one kernel; x, h `[.., D]` of one shape and dtype. h may be an
+    MoE output left unsummed (`PairRows`, x `[T, D]`): its sum is taken in the same kernel, with
+    the pair-sum kernel's arithmetic, so the result is the one of summing first."""
+    if isinstance(h, PairRows):
+        return _add_pairs_rms_norm(x, h, w, eps)
     if h.shape != x.shape or h.dtype != x.dtype:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and h {tuple(h.shape)} {h.dtype} differ")
     _check_weight(x, w)
@@ -85,4 +98,21 @@ def add_rms_norm(x: torch.Tensor, h: torch.Tensor, w: torch.Tensor,
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
     _launch(x2, h2, w, s.view(-1, x.shape[-1]), y.view(-1, x.shape[-1]), eps, True)
+    return s, y
+
+
+def _add_pairs_rms_norm(x: torch.Tensor, h: PairRows, w: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    part = h.part
+    T, D = x.shape if x.dim() == 2 else (-1, -1)
+    if (x.dim() != 2 or part.dim() != 3 or part.shape[0] != T or part.shape[2] != D or h.dtype != x.dtype
+            or part.dtype != torch.float32 or not part.is_contiguous()):
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and pair rows {tuple(part.shape)} "
+                         f"{part.dtype} (summing to {h.dtype}) differ (expected x [T, D], contiguous fp32 "
+                         f"pair rows [T, KT, D] summing to x's dtype)")
+    _check_weight(x, w)
+    x2 = _rows(x)
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
+    _launch(x2, part.view(-1, D), w, s, y, eps, True, kt=part.shape[1])
     return s, y

@@ -10,12 +10,13 @@ import torch
 import triton
 import triton.language as tl
 
+from common.fused import PairRows
 from common.kernel_plan import autotuning, interpreting
 from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 from models.fp8 import FP8
 from models.fp8_gemm import GROUP as ACT_GROUP, act_quant
-from models.fused_moe import _expert_scales, _mma, _sum_pairs_kernel
+from models.fused_moe import _expert_scales, _mma, sum_pairs
 
 # From ~16 tokens on, pairs share experts and the pair-parallel kernels (models/fused_moe.py) would read an
 # expert's weights once per pair. Here the (token, expert) pairs are sorted by expert and padded
@@ -269,7 +270,8 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
 
 def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, block_m: int = 16, w13_scale: torch.Tensor | None = None,
-                      w2_scale: torch.Tensor | None = None, block: int = 128, a8: bool = False) -> torch.Tensor:
+                      w2_scale: torch.Tensor | None = None, block: int = 128, a8: bool = False,
+                      defer_sum: bool = False) -> torch.Tensor | PairRows:
     """Routed-expert output `[T, D]`: pairs sorted by expert into blocks of block_m rows, so each
     expert's weights are read once per block. ids / weights `[T, kt]` are every pair a token
     takes, folded shared experts included (`MoE._with_shared`).
@@ -279,7 +281,8 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     `a8` (FP8 experts with 128x128 blocks only): W8A8, as the dense W8A8 GEMMs (models/fp8_gemm.py):
     x, and the gate/up output h in a pass of its own, are quantized per token (per pair for h) in
     128-wide groups by `act_quant`, and the kernels multiply FP8 by FP8 on the tensor cores, each
-    tile's product scaled per row by the activation scales and per column by the weight scales."""
+    tile's product scaled per row by the activation scales and per column by the weight scales.
+    `defer_sum`: the pair rows unsummed, as `fused_moe_small`'s."""
     T, D = x.shape
     kt, I, E = ids.shape[1], w2.shape[-1], w13.shape[0]
     scaled, s13, s2 = _expert_scales(x, w13, w2, w13_scale, w2_scale, block)
@@ -300,7 +303,6 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     x, pw = x.contiguous(), weights.contiguous().flatten()
     h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
     part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
-    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     nb = bexp.numel()
     r13, c13 = (s13.shape[1], s13.shape[2]) if scaled else (1, 1)
     r2, c2 = (s2.shape[1], s2.shape[2]) if scaled else (1, 1)
@@ -324,8 +326,7 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     sh_strides = (sh.stride(0), sh.stride(1)) if a8 else (0, 0)
     down_args = (hq, sh, rows, bexp, pw, w2, s2, part, D, I, E, triton.next_power_of_2(T), r2, c2, *sh_strides)
     down(*down_args, **const, **t)
-    _sum_pairs_kernel[(T, triton.cdiv(D, 1024))](part, out, D, KT=kt, BLOCK=1024, num_warps=4, **pdl_launch())
-    return out
+    return sum_pairs(part, x.dtype, kt, defer_sum)
 
 
 # the autotuned kernels, by name, for fused_moe.tuned_configs

@@ -14,7 +14,7 @@ from attention.backend import AttentionOps
 from attention.metadata import MLAMetadata
 from attention.mla import MLAAttention, make_attention_ops
 from common import distributed as pd
-from common.fused import glue_for
+from common.fused import PairRows, glue_for
 from common.kernel_plan import KernelPlan
 from models.config import ModelConfig
 from models.layers import Linear, PackedLinear, ParallelLMHead, RMSNorm, VocabParallelEmbedding, YarnRotaryEmbedding
@@ -88,6 +88,8 @@ class DeepseekDecoderLayer(nn.Module):
                 keep_fp8=keep_fp8)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, self.glue)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # the MoE's pair rows summed by the next layer's add + RMSNorm (or the final norm)
+        self.defer_sum = plan.moe_sum_in_norm and isinstance(self.mlp, MoE)
 
     def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None):
         """(residual, q, kv): the residual stream's add and the input norm (x alone, the embedding,
@@ -99,13 +101,19 @@ class DeepseekDecoderLayer(nn.Module):
             residual, h = self.glue.add_rms_norm(residual, x, n.weight, n.eps)
         return (residual, *self.self_attn.project(h))
 
-    def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def post_attention(self, o: torch.Tensor, residual: torch.Tensor,
+                       defer_sum: bool = False) -> tuple[torch.Tensor | PairRows, torch.Tensor]:
         """(mlp output, residual) from the attention core's output o `[T, Hl, V]`: o_proj, the
         add + post-attention norm, the MLP or MoE. The residual stream's add is left to the next
-        layer's input norm (one fused add + RMSNorm instead of an add and a norm)."""
+        layer's input norm (one fused add + RMSNorm instead of an add and a norm). With
+        `defer_sum` (a caller whose next op is the glue's add + RMSNorm) and the plan's
+        moe_sum_in_norm, an MoE's output may come as its unsummed pair rows (`PairRows`),
+        which that Triton kernel sums."""
         h = self.self_attn.o_proj(o.flatten(1))
         n = self.post_attention_layernorm
         residual, h = self.glue.add_rms_norm(residual, h, n.weight, n.eps)
+        if defer_sum and self.defer_sum:
+            return self.mlp(h, defer_sum=True), residual
         return self.mlp(h), residual
 
     def forward(self, x, residual, cos_sin, kv_cache, meta):
@@ -138,7 +146,7 @@ class DeepseekModel(nn.Module):
     def after(self, i: int, o: torch.Tensor, residual: torch.Tensor):
         """Piece i + 1: layer i's work after its attention core (o_proj, norm, MLP), then layer
         i + 1's before it: (residual, q, kv); after the last layer the final norm's hidden rows."""
-        x, residual = self.layers[i].post_attention(o, residual)
+        x, residual = self.layers[i].post_attention(o, residual, defer_sum=True)  # both ends add + RMSNorm
         if i + 1 == len(self.layers):
             return self.glue.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)[1]
         return self.layers[i + 1].pre_attention(x, residual)

@@ -7,7 +7,8 @@ into the weights (`MoE`, stacked at load, weight 1). Here:
   kernel 1, one program per (token-expert pair, tile of I): h = silu(x W_gate^T) * (x W_up^T)
   kernel 2, one program per (token-expert pair, tile of D): p = w * (h W2^T), fp32
   kernel 3, one program per (token, tile of D): out = sum of the token's pair partials, in the
-  output dtype (no atomics, so deterministic; no zero-fill).
+  output dtype (no atomics, so deterministic; no zero-fill); or none, the partials left to the
+  next residual add + RMSNorm, which sums them the same way (`defer_sum`, common.fused.PairRows).
 Kernels 1 and 2 use tensor-core products on the token's row padded to 16: the padding costs
 compute nobody waits for and lets the compiler pipeline the weight loads (7-10% faster at 1-8
 tokens on the H200 than the CUDA-core GEMV version they replaced, RESULTS.md).
@@ -30,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.fused import PairRows
 from common.kernel_plan import autotuning, interpreting
 from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
@@ -176,7 +178,7 @@ def _expert_scales(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_sca
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                     w2_scale: torch.Tensor | None = None, block: int = 128,
-                    n_shared: int = 0) -> torch.Tensor:
+                    n_shared: int = 0, defer_sum: bool = False) -> torch.Tensor | PairRows:
     """Routed-expert output `[T, D]` for x `[T, D]`, ids / weights `[T, k]` (no host sync).
 
     `n_shared`: the last n_shared experts of w13 / w2 are shared experts folded in
@@ -186,6 +188,8 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     `w13_scale [E, ceil(2I/block), ceil(D/block)]` and `w2_scale [E, ceil(D/block), ceil(I/block)]`;
     the kernels dequantize each tile as they read it (weight-only: x stays in its dtype). I must
     be a multiple of `block` so that the up rows start on a block boundary.
+    `defer_sum`: the pair rows unsummed (`PairRows`, for the next add + RMSNorm to sum), no
+    pair-sum launch.
     """
     T, D = x.shape
     k = ids.shape[1]
@@ -199,7 +203,6 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     kt = k + n_shared  # pairs per token
     h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
     part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
-    out = torch.empty(T, D, dtype=x.dtype, device=x.device)
     bucket = triton.next_power_of_2(T)
     r13, c13 = (s13.shape[1], s13.shape[2]) if scaled else (1, 1)
     r2, c2 = (s2.shape[1], s2.shape[2]) if scaled else (1, 1)
@@ -215,6 +218,17 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     else:
         _gate_up_dot_tuned[lambda m: (T * kt, triton.cdiv(I, m["BLOCK_N"]))](*up_args, **const)
         _down_dot_tuned[lambda m: (T * kt, triton.cdiv(D, m["BLOCK_N"]))](*down_args, **const)
+    return sum_pairs(part, x.dtype, kt, defer_sum)
+
+
+def sum_pairs(part: torch.Tensor, dtype: torch.dtype, kt: int, defer: bool) -> torch.Tensor | PairRows:
+    """The MoE output from its pair rows `part [T*kt, D]` (fp32): summed per token in `dtype`
+    (one launch), or with `defer` left to the next add + RMSNorm (`PairRows`)."""
+    D = part.shape[-1]
+    T = part.shape[0] // kt
+    if defer:
+        return PairRows(part.view(T, kt, D), dtype)
+    out = torch.empty(T, D, dtype=dtype, device=part.device)
     _sum_pairs_kernel[(T, triton.cdiv(D, 1024))](part, out, D, KT=kt, BLOCK=1024, num_warps=4, **pdl_launch())
     return out
 

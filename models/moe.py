@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import distributed as pd
-from common.fused import EAGER, Glue, glue_for
+from common.fused import EAGER, Glue, PairRows, glue_for
 from common.kernel_plan import TRITON, KernelPlan
 from models.config import ModelConfig
 from models.fp8 import FP8, dequantize
@@ -261,7 +261,10 @@ class MoE(nn.Module):
             w13[e], w2[e] = self._expert(e, dtype)
         return w13, w2
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor | PairRows:
+        """The layer's output `[T, D]`; with `defer_sum` (the plan's moe_sum_in_norm, one TP rank,
+        the shared experts folded in) the Triton paths return their pair rows unsummed
+        (`PairRows`) for the next add + RMSNorm to sum."""
         T, p = x.shape[0], self.plan
         fused_max = p.moe_fused_max_tokens_fp8 if self.fp8_block is not None else p.moe_fused_max_tokens
         small = self.fused_small is not None and T <= fused_max
@@ -270,29 +273,31 @@ class MoE(nn.Module):
         # router writes their columns beside its choices (two cats fewer per layer)
         fold = not small and not dense and bool(self.n_shared) and self.gate.appends_shared
         weights, ids = self.gate(x, self.n_shared if fold else 0)
+        defer = defer_sum and self.shared_experts is None and pd.tp().size == 1
         if small:
             block = self.fp8_block[0] if self.fp8_block else 128
             out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
-                                   self.n_shared)
+                                   self.n_shared, defer_sum=defer)
         else:
             pairs = (weights, ids) if dense or fold else self._with_shared(weights, ids)
             if self.fused_blocked is not None and self.fp8_block is not None:  # FP8 experts: any size
                 try:
                     out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T, fp8=True), self.w13_scale,
-                                             self.w2_scale, self.fp8_block[0], a8=p.moe_fp8_w8a8)
+                                             self.w2_scale, self.fp8_block[0], a8=p.moe_fp8_w8a8,
+                                             defer_sum=defer and not dense)
                 except Exception as e:
                     if p.moe_fp8_w8a8:  # its kernels and act_quant: the plan names moe_fp8_w8a8=0
                         e.plan_key = "moe_fp8_w8a8"
                     raise
             elif self.fused_blocked is not None and T <= p.moe_blocked_max_tokens:
-                out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T))
+                out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T), defer_sum=defer and not dense)
             else:
                 out = self.routed_large(x, *pairs)
             if dense:
                 out = self._shared_dense(x, out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return pd.tp_all_reduce(out)
+        return out if isinstance(out, PairRows) else pd.tp_all_reduce(out)
 
     def _shared_dense(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out + the shared experts' MLP of x, from their stacked pieces E.. E+n_shared-1 of w13 /

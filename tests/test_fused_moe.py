@@ -33,7 +33,12 @@ def check(cfg_overrides, T, dtype, device, tol):
         # with the shared experts: against the plain path taking them as extra weight-1 choices,
         # and against the shared MLP computed on its own
         ref_all = moe._routed(x, *moe._with_shared(w, ids)).double()
-        got_all = fused_moe_small(x, moe.w13, moe.w2, w, ids, n_shared=moe.n_shared).double()
+        out_all = fused_moe_small(x, moe.w13, moe.w2, w, ids, n_shared=moe.n_shared)
+        got_all = out_all.double()
+        # defer_sum: the pair rows unsummed, whose in-order sum is the summed output, bit for bit
+        pairs = fused_moe_small(x, moe.w13, moe.w2, w, ids, n_shared=moe.n_shared, defer_sum=True)
+        assert pairs.part.shape == (T, ids.shape[1] + moe.n_shared, x.shape[1]) and pairs.dtype == x.dtype
+        assert torch.equal(pairs.sum(), out_all)
         sh = moe.w13[-moe.n_shared:], moe.w2[-moe.n_shared:]
         I = moe.w2.shape[-1]
         shared = sum(F.linear(F.silu(x @ a[:I].T) * (x @ a[I:].T), b) for a, b in zip(*sh)).double()
@@ -49,9 +54,12 @@ def check_blocked(cfg_overrides, T, dtype, device, tol, block_m):
     from models.blocked_moe import fused_moe_blocked
     moe, x, w, ids = random_moe(cfg_overrides, T, dtype, device)
     ref = moe._routed(x, *moe._with_shared(w, ids)).double()
-    got = fused_moe_blocked(x, moe.w13, moe.w2, *moe._with_shared(w, ids), block_m=block_m).double()
+    out = fused_moe_blocked(x, moe.w13, moe.w2, *moe._with_shared(w, ids), block_m=block_m)
+    got = out.double()
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < tol, (cfg_overrides, T, dtype, block_m, err)
+    pairs = fused_moe_blocked(x, moe.w13, moe.w2, *moe._with_shared(w, ids), block_m=block_m, defer_sum=True)
+    assert torch.equal(pairs.sum(), out)  # the pair rows unsummed: their in-order sum is the output
     return err
 
 

@@ -31,6 +31,15 @@ def check(device: str, dtype: torch.dtype, T: int, D: int, strided: bool = False
     # leading shape works)
     x3 = x[: (T // 2) * 2].reshape(-1, 2, D) if T >= 2 else x.reshape(1, T, D)
     torch.testing.assert_close(rms_norm(x3, w, eps), fused.rms_norm(x3, w, eps), **tol)
+    # an MoE's unsummed pair rows as h: the same bits as summing them first (PairRows.sum, the
+    # pair-sum kernel's order), then the add + norm
+    for kt in (1, 8):
+        part = torch.randn(T, kt, D, generator=g).to(device)
+        pairs = fused.PairRows(part, dtype)
+        s2, y2 = add_rms_norm(x, pairs, w, eps)
+        s1, y1 = add_rms_norm(x, pairs.sum(), w, eps)
+        torch.testing.assert_close(s2, s1, rtol=0, atol=0)
+        torch.testing.assert_close(y2, y1, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("T,D", [(1, 16), (5, 48), (9, 100)])
@@ -41,6 +50,19 @@ def test_triton_norms_check_their_arguments(T, D):
         rms_norm(x, torch.ones(D + 1), 1e-6)
     with pytest.raises(ValueError, match="differ"):
         add_rms_norm(x, torch.randn(T, D + 1), torch.ones(D), 1e-6)
+    with pytest.raises(ValueError, match="pair rows"):  # pairs summing to another dtype, or another width
+        add_rms_norm(x, fused.PairRows(torch.randn(T, 2, D), torch.float16), torch.ones(D), 1e-6)
+    with pytest.raises(ValueError, match="pair rows"):
+        add_rms_norm(x, fused.PairRows(torch.randn(T, 2, D + 1), torch.float32), torch.ones(D), 1e-6)
+
+
+def test_pair_rows_sum_adds_in_order():
+    """PairRows.sum: the rows added one after another in fp32, then rounded once."""
+    part = torch.tensor([[[1.0, 2.0**24], [2.0**-30, 1.0], [3.0, 1.0]]])  # [1, 3, 2]
+    got = fused.PairRows(part, torch.float32).sum()
+    # in order (2^24 + 1) + 1 rounds to 2^24 twice; 2^24 + (1 + 1), another order, is 2^24 + 2
+    assert got.tolist() == [[4.0, 2.0**24]]
+    assert fused.PairRows(part, torch.bfloat16).sum().dtype == torch.bfloat16
 
 
 def test_glue_for_plan_takes_the_triton_norms_only_where_the_plan_says():
