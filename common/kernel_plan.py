@@ -143,10 +143,13 @@ CHOICES: tuple[Choice, ...] = (
            "rope 64, heads a multiple of 64, Triton 3.6) instead of the Triton kernel (0: never)",
            ("attention.gluon_decode", "attention.gluon_decode_plan"), triton=0, torch=0,
            triton_help="64 where all of that holds, else 0"),
+    # decode_fuse_q_kv and argmax=triton: on by default since the H200's graph profile of V2-Lite
+    # decode (scripts/profile_graphs.py, with moe_sum_in_norm) put TPOT at batch 1 / 8 / 32 / 128 at
+    # 2.187 / 5.472 / 8.456 / 10.200 ms with both against 2.210 / 5.570 / 8.546 / 10.324 without
     Choice("decode_fuse_q_kv", (bool,), "pure decode steps run absorb_q and kv_finish (the new tokens' cache "
            "rows) as one launch (attention/triton_absorb.py absorb_q_kv_finish): one kernel fewer per layer; "
-           "needs absorb and finish_kv triton; opt-in until timed on the GPU", ("attention.triton_absorb",),
-           triton=False, torch=False),
+           "needs absorb and finish_kv triton", ("attention.triton_absorb",), triton=True, torch=False,
+           triton_help="1 where absorb and finish_kv are triton, else 0"),
     Choice("decode_qk_fp8", (bool,), "with --kv-cache-dtype fp8, the MLA decode's QK^T on e4m3 operands: each "
            "query row rounded to e4m3 with its own scale, the cache's bytes as they are (Triton: "
            "DecodeConfig.qk_fp8; torch: the same rounding); opt-in: on the H200 at B 128, S 16k, 16 heads 713.8 us "
@@ -160,7 +163,7 @@ CHOICES: tuple[Choice, ...] = (
            triton_help=f"{PDL_GRAPH_MAX_BATCH} on sm_90+ GPUs, else 0"),
     Choice("argmax", (TRITON, TORCH), "greedy sampling's argmax over the vocabulary: torch's, or two Triton "
            "launches (common/triton_argmax.py: blocks of 2048 logits, then their merge; the same index, ties "
-           "and NaN as torch); opt-in until timed on the GPU", ("common.triton_argmax",), triton=TORCH),
+           "and NaN as torch)", ("common.triton_argmax",)),
     Choice("launch", ("fast", TRITON), "how the host launches the Triton kernels of eager steps: fast "
            "(common/triton_launch.py: each kernel's compiled form kept per argument specialization and "
            "launched directly, without Triton's per-call binding) or triton (`kernel[grid](...)`, as Triton "
@@ -344,6 +347,8 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
     for key in ("finish_kv", "absorb"):
         if key not in over and values["attention"] == TORCH:
             values[key] = TORCH
+    if "decode_fuse_q_kv" not in over and not values["absorb"] == values["finish_kv"] == TRITON:
+        values["decode_fuse_q_kv"] = False  # nothing to fuse (asked for, the worker refuses it)
     plan = KernelPlan(**values)
     if plan.any_triton and not triton_ok:
         raise ValueError(f"--kernels / --attention-backend: Triton kernels ({plan.describe()}) need a "

@@ -12,6 +12,7 @@ from tiny_models import make_model
 import attention.triton_absorb as triton_absorb
 import attention.triton_backend as triton_backend
 import attention.triton_cache as triton_cache
+import common.triton_argmax as triton_argmax
 import common.triton_norm as triton_norm
 import models.blocked_moe as blocked_moe
 import models.fused_moe as fused_moe
@@ -26,8 +27,9 @@ KERNELS = {"finish_kv": (triton_cache, "kv_finish"), "absorb_q": (triton_absorb,
            "moe_fused": (fused_moe, "fused_moe_small"), "moe_blocked": (blocked_moe, "fused_moe_blocked"),
            "decode": (triton_backend, "mla_decode"), "prefill": (triton_backend, "prefill_attention_parts"),
            "prefill_joined": (triton_backend, "prefill_attention"),  # widths the parts kernel cannot split
-           "fused_q_kv": (triton_absorb, "absorb_q_kv_finish"),  # decode_fuse_q_kv=1 only
-           "norm_pairs": (triton_norm, "_add_pairs_rms_norm")}  # norm=triton only (moe_sum_in_norm)
+           "fused_q_kv": (triton_absorb, "absorb_q_kv_finish"),  # unless decode_fuse_q_kv=0
+           "norm_pairs": (triton_norm, "_add_pairs_rms_norm"),
+           "argmax": (triton_argmax, "argmax_rows")}  # norm=triton only (moe_sum_in_norm)
 
 
 @pytest.fixture(scope="module", params=["v3", "v2"])
@@ -46,14 +48,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
 @pytest.mark.parametrize("budget,kernels,spec", [(16, "triton", None), (2048, "triton,norm=triton", None),
-                                                 (16, "triton,moe_blocked_max_tokens=0,decode_fuse_q_kv=1", None),
+                                                 (16, "triton,moe_blocked_max_tokens=0,decode_fuse_q_kv=0", None),
                                                  (2048, "triton", NGRAM)])
 def test_triton_plan_equals_torch_plan(model, budget, kernels, spec, monkeypatch):
     """With moe_blocked_max_tokens=0 the prefill chunks of 9-16 tokens take the torch experts loop
-    instead of the expert-sorted block kernels; with decode_fuse_q_kv=1 the pure decode steps run
-    absorb_q and kv_finish as one launch; with norm=triton (torch under the interpreter unless set)
-    the MoE's pair rows are summed by the next add + RMSNorm (moe_sum_in_norm). With ngram speculation the decode kernel verifies
-    drafts (q_len 1 + k, masks from positions); the torch engine runs without it."""
+    instead of the expert-sorted block kernels; the pure decode steps run absorb_q and kv_finish
+    as one launch, except with decode_fuse_q_kv=0; with norm=triton (torch under the interpreter
+    unless set) the MoE's pair rows are summed by the next add + RMSNorm (moe_sum_in_norm); greedy
+    argmax is the Triton one. With ngram speculation the decode kernel verifies drafts (q_len 1 + k, masks from positions); the torch engine runs without it."""
     calls = dict.fromkeys(KERNELS, 0)
     for key, (mod, name) in KERNELS.items():
         def counting(*a, _key=key, _fn=getattr(mod, name), **k):
@@ -76,11 +78,13 @@ def test_triton_plan_equals_torch_plan(model, budget, kernels, spec, monkeypatch
         assert llm.scheduler.stats.spec.num_accepted_tokens > 0, "no draft accepted: no multi-token decode"
     calls["prefill"] += calls.pop("prefill_joined")
     expect = set(calls) - ({"moe_blocked"} if "blocked_max_tokens=0" in kernels else set())
-    expect -= set() if "decode_fuse_q_kv=1" in kernels else {"fused_q_kv"}
+    expect -= {"fused_q_kv"} if "decode_fuse_q_kv=0" in kernels else set()
+    if budget > 16 and "decode_fuse_q_kv=0" not in kernels:  # no mixed step: every decode takes the fused launch
+        expect.discard("absorb_q")
     expect -= set() if "norm=triton" in kernels else {"norm_pairs"}
     assert all(calls[k] > 0 for k in expect), str(calls)
     assert "blocked_max_tokens=0" not in kernels or calls["moe_blocked"] == 0
-    assert "decode_fuse_q_kv=1" in kernels or calls["fused_q_kv"] == 0
+    assert "decode_fuse_q_kv=0" not in kernels or calls["fused_q_kv"] == 0
     assert "norm=triton" in kernels or calls["norm_pairs"] == 0  # the interpreter's plan keeps the torch norms
 
 
