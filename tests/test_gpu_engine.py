@@ -52,17 +52,6 @@ def test_cuda_graphs_equal_eager(model, request):
     assert _run(path, kernels="auto") == _run(path, kernels="auto", enforce_eager=True)
 
 
-def test_router_fuse_equals_two_launches(gpu_v2):
-    """router_fuse=1 (the router's logits and choice as one launch, an atomic counter per token
-    electing the program that chooses): the same greedy tokens as the two launches over 64
-    prompts, in CUDA graphs (whose replays must find the counters reset) and eagerly."""
-    path, _ = gpu_v2
-    prompts = _prompts64()
-    ref = _run(path, prompts)
-    assert _run(path, prompts, kernels="auto,warmup=0,router_fuse=1") == ref
-    assert _run(path, prompts, kernels="auto,warmup=0,router_fuse=1", enforce_eager=True) == ref
-
-
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs sm_90+")
 def test_pdl_equals_no_pdl(gpu_v2):
