@@ -96,10 +96,6 @@ CHOICES: tuple[Choice, ...] = (
            ("attention.triton_absorb",)),
     Choice("router", (TRITON, TORCH), "expert choice after the router GEMM as one kernel per token",
            ("models.triton_route",)),
-    Choice("router_fuse", (bool,), "at decode sizes (the Triton router logits kernel's envelope) the router's "
-           "logits and expert choice are one launch: the last logits program of each token makes its choice "
-           "(models/triton_route.py); needs router triton; opt-in until timed on the GPU",
-           ("models.triton_route",), triton=False, torch=False),
     Choice("norm", (TRITON, TORCH),
            "RMSNorm and the residual add + RMSNorm as one Triton kernel each (common/triton_norm.py); "
            "torch: the elementwise glue, compiled or not as `compile` says. Eager steps with prefill are "
@@ -194,7 +190,6 @@ class KernelPlan:
     finish_kv: str = TORCH
     absorb: str = TORCH
     router: str = TORCH
-    router_fuse: bool = False
     norm: str = TORCH
     moe: str = TORCH
     moe_fused_max_tokens: int = 0
@@ -352,11 +347,6 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
     for key in ("finish_kv", "absorb"):
         if key not in over and values["attention"] == TORCH:
             values[key] = TORCH
-    if values["router_fuse"] and values["router"] != TRITON:
-        if "router_fuse" in over:
-            raise ValueError(f"--kernels ...,router_fuse=1 fuses the Triton router kernels; this plan has "
-                             f"router={values['router']} (set router_fuse=0, or router triton)")
-        values["router_fuse"] = False
     if "decode_fuse_q_kv" not in over and not values["absorb"] == values["finish_kv"] == TRITON:
         values["decode_fuse_q_kv"] = False  # nothing to fuse (asked for, the worker refuses it)
     plan = KernelPlan(**values)

@@ -8,9 +8,7 @@ logits `[T, E]` and does scoring, the group limit, top-k, normalisation and scal
 (`router_logits`): one program per (token, expert) reads the expert's row and the token's bf16
 row, converting in registers. cuBLAS took three kernels there (the cast of x to fp32, a dot kernel and
 its reduction: ~5 µs per layer at batch 1 on the H200); larger batches keep cuBLAS. Both
-accumulate in fp32, in different orders (results differ in the last bits). With the plan's
-`router_fuse` the two are one launch at decode sizes: the last logits program of each token
-(counted in by an atomic) makes that token's choice.
+accumulate in fp32, in different orders (results differ in the last bits).
 
 Same rules as `route`:
   softmax (V2, V2-Lite): scores = softmax(logits); group_limited_greedy keeps the `topk_group`
@@ -60,14 +58,6 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, E: tl.constexpr, B
     tl.store(out_ptr + t * E + e, tl.sum(acc, axis=0))
 
 
-def _logits_kernel_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the Triton logits kernel takes x `[T, D]` and weight `[E, D]` (its envelope)."""
-    T, D = x.shape
-    E = weight.shape[0]
-    return not (T > LOGITS_MAX_TOKENS or (T > 1 and T * E * D > _LOGITS_MAX_ELEMS) or x.stride(-1) != 1
-                or weight.dtype != torch.float32 or not weight.is_contiguous())
-
-
 def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 `x @ weight.T` `[T, E]` for x `[T, D]` (any float dtype), weight fp32 `[E, D]`.
     Beyond the Triton kernel's envelope: with bf16 x and `weight_bf16` (the same weight, exactly
@@ -78,7 +68,8 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tens
     E = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != D:
         raise ValueError(f"router_logits: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
-    if not _logits_kernel_fits(x, weight):
+    if (T > LOGITS_MAX_TOKENS or (T > 1 and T * E * D > _LOGITS_MAX_ELEMS) or x.stride(-1) != 1
+            or weight.dtype != torch.float32 or not weight.is_contiguous()):
         if weight_bf16 is not None and x.dtype == torch.bfloat16 and x.is_cuda:
             return torch.mm(x, weight_bf16.t(), out_dtype=torch.float32)
         return torch.nn.functional.linear(x.float(), weight).contiguous()
@@ -89,20 +80,22 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tens
     return out
 
 
+@fast_launch
 @triton.jit
-def _choose(t, logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
-            E: tl.constexpr, G: tl.constexpr, EPG: tl.constexpr, GP: tl.constexpr, EP: tl.constexpr,
-            TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr,
-            GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-            NS: tl.constexpr, NSP: tl.constexpr, STRONG: tl.constexpr):
+def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
+                  E: tl.constexpr, G: tl.constexpr, EPG: tl.constexpr, GP: tl.constexpr, EP: tl.constexpr,
+                  TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr,
+                  GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                  NS: tl.constexpr, NSP: tl.constexpr, PDL: tl.constexpr):
     """Row t: the top-K experts and weights, then (NS > 0) the NS folded shared experts E..E+NS-1
-    with weight 1 in columns K..K+NS-1 of the same rows (row stride K + NS). STRONG: the logits
-    were written by other programs of this launch, read past L1 (`volatile`)."""
+    with weight 1 in columns K..K+NS-1 of the same rows (row stride K + NS)."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, GP)[:, None]
     j = tl.arange(0, EP)[None, :]
     valid = (g < G) & (j < EPG)
     e = g * EPG + j  # expert id of each [group, member] slot
-    logit = tl.load(logits_ptr + t * E + e, mask=valid, other=float("-inf"), volatile=STRONG)
+    logit = tl.load(logits_ptr + t * E + e, mask=valid, other=float("-inf"))
     if SIGMOID:
         scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-logit)), 0.0)
         choice = scores
@@ -151,100 +144,29 @@ def _choose(t, logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
         tl.store(ids_ptr + t * (K + NS) + K + ss, (E + ss).to(tl.int64), mask=ss < NS)
 
 
-@fast_launch
-@triton.jit
-def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
-                  E: tl.constexpr, G: tl.constexpr, EPG: tl.constexpr, GP: tl.constexpr, EP: tl.constexpr,
-                  TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr,
-                  GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                  NS: tl.constexpr, NSP: tl.constexpr, PDL: tl.constexpr):
-    """Program t: `_choose` on row t of the logits."""
-    pdl_prologue(PDL)
-    _choose(tl.program_id(0).to(tl.int64), logits_ptr, bias_ptr, w_ptr, ids_ptr, scale, E, G, EPG, GP, EP,
-            TOPK_GROUP, K, KP, SIGMOID, GROUPED, HAS_BIAS, NORM, NS, NSP, False)
-
-
-@fast_launch
-@triton.jit
-def _route_fused_kernel(x_ptr, rw_ptr, logits_ptr, count_ptr, bias_ptr, w_ptr, ids_ptr, scale, D, stride_x,
-                        E: tl.constexpr, BLOCK_K: tl.constexpr,
-                        G: tl.constexpr, EPG: tl.constexpr, GP: tl.constexpr, EP: tl.constexpr,
-                        TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, SIGMOID: tl.constexpr,
-                        GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                        NS: tl.constexpr, NSP: tl.constexpr, PDL: tl.constexpr):
-    """Program (t, e): logit[t, e] as `_router_logits_kernel`; then the last of token t's E
-    programs to count itself in (an acq_rel atomic on count[t], which it resets to 0 for the next
-    launch) makes the token's choice (`_choose`) from the E logits, so the choice needs no launch
-    of its own."""
-    pdl_prologue(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.program_id(1).to(tl.int64)
-    acc = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        offs = k0 + tl.arange(0, BLOCK_K)
-        m = offs < D
-        xv = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0).to(tl.float32)
-        acc += xv * tl.load(rw_ptr + e * D + offs, mask=m, other=0.0)
-    tl.store(logits_ptr + t * E + e, tl.sum(acc, axis=0))
-    # release: this logit is visible to whoever counts in after; acquire: the last sees them all
-    done = tl.atomic_add(count_ptr + t, 1, sem="acq_rel", scope="gpu")
-    if done == E - 1:
-        tl.atomic_xchg(count_ptr + t, 0, sem="relaxed", scope="gpu")
-        _choose(t, logits_ptr, bias_ptr, w_ptr, ids_ptr, scale, E, G, EPG, GP, EP, TOPK_GROUP, K, KP, SIGMOID,
-                GROUPED, HAS_BIAS, NORM, NS, NSP, True)
-
-
-_counts: dict[torch.device, torch.Tensor] = {}  # the fused kernel's per-token counters, by device
-
-
-def _token_counts(device: torch.device) -> torch.Tensor:
-    """The fused kernel's counters `[LOGITS_MAX_TOKENS]` int32 on `device`, zero between launches
-    (each launch's last program per token resets its own), made once, outside any CUDA-graph
-    capture (the engine runs every decode size eagerly before capturing it)."""
-    got = _counts.get(device)
-    if got is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("route_triton(fused=True): first called inside a CUDA-graph capture; run the "
-                               "step eagerly first (its counters must outlive the graph)")
-        got = _counts[device] = torch.zeros(LOGITS_MAX_TOKENS, dtype=torch.int32, device=device)
-    return got
-
-
 def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str,
                  topk_method: str, n_group: int, topk_group: int, top_k: int, norm: bool,
                  scale: float, weight_bf16: torch.Tensor | None = None,
-                 n_shared: int = 0, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`models.moe.route` as two Triton kernels (`router_logits`, cuBLAS beyond decode sizes,
     then the expert choice): weights fp32 [T, k], ids int64 [T, k]. With `n_shared`, `[T, k +
     n_shared]`: the folded shared experts E.. E+n_shared-1 with weight 1 after the k choices, as
-    `MoE._with_shared` appends them (written by the choice kernel: no cat). With `fused` (the
-    plan's router_fuse), where the Triton logits kernel takes the batch, one launch does both
-    (`_route_fused_kernel`); the same logits and choices."""
+    `MoE._with_shared` appends them (written by the choice kernel: no cat)."""
     T, E = x.shape[0], weight.shape[0]
     sigmoid = scoring != "softmax"
     grouped = n_group > 1 and (sigmoid or topk_method == "group_limited_greedy")
     G = n_group if grouped else 1
     if E % G or top_k > E or (grouped and topk_group * (E // G) < top_k):
         raise ValueError(f"router: {E} experts in {G} groups, top {topk_group} groups, top-{top_k} does not fit")
-    if weight.dim() != 2 or weight.shape[1] != x.shape[1]:
-        raise ValueError(f"router_logits: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
+    logits = router_logits(x, weight, weight_bf16)  # [T, E] fp32
     weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k + n_shared, dtype=torch.int64, device=x.device)
-    choice = dict(E=E, G=G, EPG=E // G, GP=triton.next_power_of_2(G), EP=triton.next_power_of_2(E // G),
-                  TOPK_GROUP=topk_group if grouped else 1, K=top_k, KP=triton.next_power_of_2(top_k),
-                  SIGMOID=sigmoid, GROUPED=grouped, HAS_BIAS=bias is not None, NORM=bool(norm and top_k > 1),
-                  NS=n_shared, NSP=max(1, triton.next_power_of_2(n_shared)))
-    if fused and _logits_kernel_fits(x, weight):
-        if T:
-            logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
-            D = x.shape[1]
-            _route_fused_kernel[(T, E)](x, weight, logits, _token_counts(x.device),
-                                        bias if bias is not None else logits, weights, ids, float(scale), D,
-                                        x.stride(0), BLOCK_K=min(triton.next_power_of_2(D), 2048), **choice,
-                                        num_warps=4, **pdl_launch())
-        return weights, ids
-    logits = router_logits(x, weight, weight_bf16)  # [T, E] fp32
     if T:
-        _route_kernel[(T,)](logits, bias if bias is not None else logits, weights, ids, float(scale), **choice,
+        _route_kernel[(T,)](logits, bias if bias is not None else logits, weights, ids, float(scale),
+                            E=E, G=G, EPG=E // G, GP=triton.next_power_of_2(G),
+                            EP=triton.next_power_of_2(E // G), TOPK_GROUP=topk_group if grouped else 1,
+                            K=top_k, KP=triton.next_power_of_2(top_k), SIGMOID=sigmoid, GROUPED=grouped,
+                            HAS_BIAS=bias is not None, NORM=bool(norm and top_k > 1),
+                            NS=n_shared, NSP=max(1, triton.next_power_of_2(n_shared)),
                             num_warps=1 if E <= 64 else 2, **pdl_launch())
     return weights, ids

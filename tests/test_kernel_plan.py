@@ -147,16 +147,12 @@ def test_decode_fuse_q_kv_without_the_triton_kernels_is_refused(tiny_v2):
         LLM(tiny_v2[0], device="cpu", dtype="float32", kernels="torch,decode_fuse_q_kv=1")
 
 
-def test_moe_sum_in_norm_and_router_fuse_only_over_their_triton_kernels():
+def test_moe_sum_in_norm_where_moe_and_norm_are_triton():
     """The MoE's pair sum moves into the Triton add + RMSNorm under the triton plan; where the norms
     are torch's (the interpreter's default) it is off, and asked for there it is refused, naming
-    the setting; likewise router_fuse (opt-in) over a torch router."""
+    the setting."""
     assert _resolve("auto").moe_sum_in_norm
     assert not _resolve("auto,moe_sum_in_norm=0").moe_sum_in_norm
     assert not _resolve("auto,norm=torch").moe_sum_in_norm and not _resolve("auto,moe=torch").moe_sum_in_norm
     with pytest.raises(ValueError, match=r"moe_sum_in_norm=1 sums the Triton MoE's pair rows .* moe=triton norm=torch"):
         _resolve("auto,norm=torch,moe_sum_in_norm=1")
-    # router_fuse: opt-in, only over the Triton router
-    assert not _resolve("auto").router_fuse and _resolve("auto,router_fuse=1").router_fuse
-    with pytest.raises(ValueError, match=r"router_fuse=1 fuses the Triton router kernels; this plan has router=torch"):
-        _resolve("auto,router=torch,router_fuse=1")

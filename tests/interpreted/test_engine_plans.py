@@ -48,14 +48,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
 @pytest.mark.parametrize("budget,kernels,spec", [(16, "triton", None), (2048, "triton,norm=triton", None),
-                                                 (16, "triton,moe_blocked_max_tokens=0,decode_fuse_q_kv=0,router_fuse=1", None),
+                                                 (16, "triton,moe_blocked_max_tokens=0,decode_fuse_q_kv=0", None),
                                                  (2048, "triton", NGRAM)])
 def test_triton_plan_equals_torch_plan(model, budget, kernels, spec, monkeypatch):
     """With moe_blocked_max_tokens=0 the prefill chunks of 9-16 tokens take the torch experts loop
     instead of the expert-sorted block kernels; the pure decode steps run absorb_q and kv_finish
     as one launch, except with decode_fuse_q_kv=0; with norm=triton (torch under the interpreter
     unless set) the MoE's pair rows are summed by the next add + RMSNorm (moe_sum_in_norm); greedy
-    argmax is the Triton one; router_fuse=1 makes the router one launch at decode sizes. With ngram speculation the decode kernel verifies drafts (q_len 1 + k, masks from positions); the torch engine runs without it."""
+    argmax is the Triton one. With ngram speculation the decode kernel verifies drafts (q_len 1 + k, masks from positions); the torch engine runs without it."""
     calls = dict.fromkeys(KERNELS, 0)
     for key, (mod, name) in KERNELS.items():
         def counting(*a, _key=key, _fn=getattr(mod, name), **k):
