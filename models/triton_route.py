@@ -33,12 +33,13 @@ from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 
 
-LOGITS_MAX_TOKENS = 16
+LOGITS_MAX_TOKENS = 32
 # Each program reads its expert's row for its own token (the T programs of a row run side by
 # side, so all but the first read hit L2). Beyond one token the kernel is used within the
-# envelope measured on the H200: T * E * D up to V2-Lite's at 16 tokens. Larger routers (V2, V3)
-# take it at batch 1 only, where it reads the weight exactly once, as cuBLAS does.
-_LOGITS_MAX_ELEMS = 16 * 64 * 2048
+# envelope measured on the H200 (scripts/bench_router_logits.py): T * E * D up to V2-Lite's at 32
+# tokens. Larger routers (V2, V3) take it at batch 1 only, where it reads the weight exactly
+# once, as cuBLAS does.
+_LOGITS_MAX_ELEMS = 32 * 64 * 2048
 
 
 @fast_launch

@@ -75,12 +75,13 @@ def test_router_logits_rejects_mismatched_widths():
 def test_route_kernel_gpu(case):
     check(case, "cuda", T=300)  # cuBLAS logits
     check(case, "cuda", T=8, D=2048)  # the Triton logits kernel where 8 * E * 2048 is in its envelope
+    check(case, "cuda", T=32, D=2048)  # at its bound for V2-Lite's 64 experts
     check(case, "cuda", T=1, D=7168)  # the Triton logits kernel, four passes over V3's width
     check(case, "cuda", T=3, D=7168)  # and with the overflowed rows
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [17, 512, 8192])
+@pytest.mark.parametrize("T", [33, 512, 8192])
 def test_router_logits_bf16_gemm_equals_fp32_gemm(T):
     """Beyond the Triton kernel's envelope, bf16 activations against a bf16 copy of a
     bf16-representable fp32 weight: the cuBLAS bf16 GEMM with fp32 output gives fp32-class logits
