@@ -33,6 +33,25 @@ from models.fused_moe import _expert_scales, _mma, sum_pairs
 # group, as the dense W8A8 GEMMs do, and the tiles multiply in FP8 on the tensor cores.
 
 @triton.jit
+def _block_tile(NB, N, BLOCK_N: tl.constexpr, GROUP_B: tl.constexpr):
+    """(block, tile of N) of this program in the 1-D grid of NB * cdiv(N, BLOCK_N) programs.
+    GROUP_B 0: the block index runs fastest (programs running together share one tile of N and
+    span many experts: each expert's tile is read once, from HBM, which is what decode needs).
+    GROUP_B g > 0: groups of g consecutive blocks, every tile of N of a group before the next
+    group, the blocks fastest within it; at prefill sizes (several blocks per expert) the
+    programs running together then share the group's rows and its experts' weights in L2
+    instead of streaming every block's rows once per tile of N."""
+    pid = tl.program_id(0)
+    if GROUP_B == 0:
+        return pid % NB, pid // NB
+    per_group = GROUP_B * tl.cdiv(N, BLOCK_N)
+    first = (pid // per_group) * GROUP_B
+    size = tl.minimum(NB - first, GROUP_B)
+    r = pid % per_group
+    return first + r % size, r // size
+
+
+@triton.jit
 def _block_pairs(rows_ptr, blk, BLOCK_M: tl.constexpr):
     """A block's pair indices (int64, padding rows as 0) and which rows are real (not -1)."""
     pair = tl.load(rows_ptr + blk * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -40,11 +59,12 @@ def _block_pairs(rows_ptr, blk, BLOCK_M: tl.constexpr):
     return tl.where(valid, pair, 0).to(tl.int64), valid
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB"])
 def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E, KT, T_BUCKET,
-                            S_ROWS, S_COLS, SX_M, SX_K, QB: tl.constexpr, SCALED: tl.constexpr,
+                            S_ROWS, S_COLS, SX_M, SX_K, NB, QB: tl.constexpr, SCALED: tl.constexpr,
                             A8: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_B: tl.constexpr,
+                            PDL: tl.constexpr):
     """h = silu(x W_gate^T) * (x W_up^T) for one block of an expert's pairs and one tile of I.
     SCALED (FP8 weights, QB x QB block scales, BLOCK_K dividing QB): a k tile lies in one scale
     column and each weight row in one scale row, so the tile's product of x with the FP8 tile
@@ -57,8 +77,7 @@ def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr,
     operand, and with 16 or 32 (the blocks the MoE picks) it takes mma.sync, converting both FP8
     tiles to fp16 in registers. The accumulators are transposed back once, after the k loop."""
     pdl_prologue(PDL)
-    blk = tl.program_id(0)
-    nb = tl.program_id(1)
+    blk, nb = _block_tile(NB, I, BLOCK_N, GROUP_B)
     e = tl.load(bexp_ptr + blk).to(tl.int64)
     if e < E:
         safe, valid = _block_pairs(rows_ptr, blk, BLOCK_M)
@@ -104,16 +123,16 @@ def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr,
                  h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NB"])
 def _blocked_down_kernel(h_ptr, sh_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E, T_BUCKET,
-                         S_ROWS, S_COLS, SH_M, SH_K, QB: tl.constexpr, SCALED: tl.constexpr,
+                         S_ROWS, S_COLS, SH_M, SH_K, NB, QB: tl.constexpr, SCALED: tl.constexpr,
                          A8: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_B: tl.constexpr,
+                         PDL: tl.constexpr):
     """part = w * (h W2^T) (fp32) for one block of an expert's pairs and one tile of D; SCALED
     and A8 as in the gate/up kernel (A8: h FP8 per pair row, scales sh[pair, k // QB])."""
     pdl_prologue(PDL)
-    blk = tl.program_id(0)
-    db = tl.program_id(1)
+    blk, db = _block_tile(NB, D, BLOCK_N, GROUP_B)
     e = tl.load(bexp_ptr + blk).to(tl.int64)
     if e < E:
         safe, valid = _block_pairs(rows_ptr, blk, BLOCK_M)
@@ -268,10 +287,25 @@ def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torc
     return rows, bexp
 
 
+# From this many tokens the block kernels run their programs in groups of BLOCK_GROUP blocks
+# (`_block_tile`). On the H200 (bench_fused_moe.py --groups, CUDA graphs, µs per layer): V2-Lite
+# bf16 with 128-row blocks 500.9 -> 467.5 at 1024 tokens, 997.0 -> 923.1 at 2048, 3085.8 -> 2761.2
+# at 8192 (groups of 1, 4, 16 within 2% of 8); R1's FP8 experts at 1024 tokens 6857 -> 6586
+# (weight-only, 64-row blocks) and 3960 -> 3802 (W8A8, 32-row blocks). Below it, untimed: 0.
+BLOCK_GROUP_MIN_TOKENS, BLOCK_GROUP = 1024, 8
+
+
+def block_group(T: int) -> int:
+    """`_block_tile`'s GROUP_B for a batch of T tokens: 0 (the blocks
+    fastest: at decode sizes each touched expert is one or two blocks, read once either way), or
+    BLOCK_GROUP from BLOCK_GROUP_MIN_TOKENS on, where an expert spans several blocks."""
+    return BLOCK_GROUP if T >= BLOCK_GROUP_MIN_TOKENS else 0
+
+
 def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, block_m: int = 16, w13_scale: torch.Tensor | None = None,
                       w2_scale: torch.Tensor | None = None, block: int = 128, a8: bool = False,
-                      defer_sum: bool = False) -> torch.Tensor | PairRows:
+                      defer_sum: bool = False, group_b: int | None = None) -> torch.Tensor | PairRows:
     """Routed-expert output `[T, D]`: pairs sorted by expert into blocks of block_m rows, so each
     expert's weights are read once per block. ids / weights `[T, kt]` are every pair a token
     takes, folded shared experts included (`MoE._with_shared`).
@@ -282,7 +316,8 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     x, and the gate/up output h in a pass of its own, are quantized per token (per pair for h) in
     128-wide groups by `act_quant`, and the kernels multiply FP8 by FP8 on the tensor cores, each
     tile's product scaled per row by the activation scales and per column by the weight scales.
-    `defer_sum`: the pair rows unsummed, as `fused_moe_small`'s."""
+    `defer_sum`: the pair rows unsummed, as `fused_moe_small`'s.
+    `group_b`: the programs' order (`_block_tile`'s GROUP_B); None: `block_group(T)`."""
     T, D = x.shape
     kt, I, E = ids.shape[1], w2.shape[-1], w13.shape[0]
     scaled, s13, s2 = _expert_scales(x, w13, w2, w13_scale, w2_scale, block)
@@ -308,23 +343,25 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     r2, c2 = (s2.shape[1], s2.shape[2]) if scaled else (1, 1)
     xq, sx = act_quant(x) if a8 else (x, x)  # sx [T, D/128], any strides (M-major from the CUDA kernel)
     sx_strides = (sx.stride(0), sx.stride(1)) if a8 else (0, 0)
-    up_args = (xq, sx, rows, bexp, w13, s13, h, D, I, E, kt, triton.next_power_of_2(T), r13, c13, *sx_strides)
-    const = dict(QB=block, SCALED=scaled, A8=a8, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, **pdl_launch())
+    up_args = (xq, sx, rows, bexp, w13, s13, h, D, I, E, kt, triton.next_power_of_2(T), r13, c13, *sx_strides, nb)
+    group_b = block_group(T) if group_b is None else group_b
+    const = dict(QB=block, SCALED=scaled, A8=a8, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, GROUP_B=group_b,
+                 **pdl_launch())
     if not autotuning():
         t = _BLOCKED_INTERPRET if interpreting() else _BLOCKED_FIXED
-        up = _blocked_gate_up_kernel[(nb, triton.cdiv(I, t["BLOCK_N"]))]
-        down = _blocked_down_kernel[(nb, triton.cdiv(D, t["BLOCK_N"]))]
+        up = _blocked_gate_up_kernel[(nb * triton.cdiv(I, t["BLOCK_N"]),)]
+        down = _blocked_down_kernel[(nb * triton.cdiv(D, t["BLOCK_N"]),)]
     else:
         t = {}
         tuned_up, tuned_down = ((_blocked_gate_up_w8a8_tuned, _blocked_down_w8a8_tuned) if a8 else
                                 (_blocked_gate_up_fp8_tuned, _blocked_down_fp8_tuned) if scaled else
                                 (_blocked_gate_up_tuned, _blocked_down_tuned))
-        up = tuned_up[lambda m: (nb, triton.cdiv(I, m["BLOCK_N"]))]
-        down = tuned_down[lambda m: (nb, triton.cdiv(D, m["BLOCK_N"]))]
+        up = tuned_up[lambda m: (nb * triton.cdiv(I, m["BLOCK_N"]),)]
+        down = tuned_down[lambda m: (nb * triton.cdiv(D, m["BLOCK_N"]),)]
     up(*up_args, **const, **t)
     hq, sh = act_quant(h) if a8 else (h, h)  # per pair row (the gate/up kernel wrote every pair's row)
     sh_strides = (sh.stride(0), sh.stride(1)) if a8 else (0, 0)
-    down_args = (hq, sh, rows, bexp, pw, w2, s2, part, D, I, E, triton.next_power_of_2(T), r2, c2, *sh_strides)
+    down_args = (hq, sh, rows, bexp, pw, w2, s2, part, D, I, E, triton.next_power_of_2(T), r2, c2, *sh_strides, nb)
     down(*down_args, **const, **t)
     return sum_pairs(part, x.dtype, kt, defer_sum)
 

@@ -109,12 +109,14 @@ def fp8_rows(a) -> tuple[list, list]:
         if T <= 8:
             variants.append(("fp8_fused", b8, lambda x, w, ids: fused_moe_small(
                 x, moe.w13, moe.w2, w, ids, moe.w13_scale, moe.w2_scale, 128)))
-        for bm in (16, 32, 64, 128):  # 128-row blocks (not the MoE's choice) from 512 tokens, to compare
+        for bm in a.block_rows:  # 128-row blocks (not the MoE's choice) from 512 tokens, to compare
             if bm <= max(16, T) and (bm < 128 or T >= 512):
-                variants.append((f"fp8_blocked{bm}", b8, lambda x, w, ids, bm=bm: fused_moe_blocked(
-                    x, moe.w13, moe.w2, w, ids, bm, **s8)))
-                variants.append((f"fp8w8a8_blocked{bm}", b8, lambda x, w, ids, bm=bm: fused_moe_blocked(
-                    x, moe.w13, moe.w2, w, ids, bm, **s8, a8=True)))
+                for g in a.groups:
+                    tag = "" if g is None else f"g{g}"
+                    variants.append((f"fp8_blocked{bm}{tag}", b8, lambda x, w, ids, bm=bm, g=g: fused_moe_blocked(
+                        x, moe.w13, moe.w2, w, ids, bm, **s8, group_b=g)))
+                    variants.append((f"fp8w8a8_blocked{bm}{tag}", b8, lambda x, w, ids, bm=bm, g=g: fused_moe_blocked(
+                        x, moe.w13, moe.w2, w, ids, bm, **s8, a8=True, group_b=g)))
                 variants.append((f"blocked{bm}", b16, lambda x, w, ids, bm=bm: fused_moe_blocked(
                     x, d13, d2, w, ids, bm)))
         for name, nbytes, fn in variants:
@@ -139,6 +141,12 @@ def main() -> None:
                    "(default 1-512; with --fp8 16-4096)")
     p.add_argument("--fp8", action="store_true", help="FP8 experts (128x128 block scales) through the block "
                    "kernels, next to the bf16 block kernels")
+    p.add_argument("--groups", type=lambda v: None if v == "auto" else int(v), nargs="+", default=[None],
+                   help="the block kernels' program order, fused_moe_blocked's group_b: 0 (blocks "
+                   "fastest), g > 0 (groups of g blocks, every tile of a group first), auto (block_group's "
+                   "choice, the default)")
+    p.add_argument("--block-rows", type=int, nargs="+", default=[16, 32, 64, 128],
+                   help="the block kernels' block sizes to time (128 only from 512 / 1024 tokens)")
     p.add_argument("--calls", type=int, default=10, help="calls per graph, each on other experts")
     p.add_argument("--json", default=None)
     a = p.parse_args()
@@ -177,12 +185,15 @@ def main() -> None:
         if T <= 8:
             variants.append(("fused", lambda x, w, ids: fused_moe_small(x, moe.w13, moe.w2, w, ids, n_shared=ns)))
         else:
-            variants += [(f"blocked{bm}", lambda x, w, ids, bm=bm: fused_moe_blocked(
-                x, moe.w13, moe.w2, *moe._with_shared(w, ids), bm))
-                         for bm in (16, 32, 64, 128) if bm <= max(16, T) and (bm < 128 or T >= 1024)]
-            if T >= 16:
-                variants += [(f"blocked{bm}+sd", lambda x, w, ids, bm=bm: moe._shared_dense(
-                    x, fused_moe_blocked(x, moe.w13, moe.w2, w, ids, bm))) for bm in (16, 32, 64)]
+            for g in a.groups:  # the block kernels' program order (fused_moe_blocked's group_b)
+                tag = "" if g is None else f"g{g}"
+                variants += [(f"blocked{bm}{tag}", lambda x, w, ids, bm=bm, g=g: fused_moe_blocked(
+                    x, moe.w13, moe.w2, *moe._with_shared(w, ids), bm, group_b=g))
+                             for bm in a.block_rows if bm <= max(16, T) and (bm < 128 or T >= 1024)]
+                if T >= 16:
+                    variants += [(f"blocked{bm}{tag}+sd", lambda x, w, ids, bm=bm, g=g: moe._shared_dense(
+                        x, fused_moe_blocked(x, moe.w13, moe.w2, w, ids, bm, group_b=g)))
+                                 for bm in a.block_rows if bm < 128 or T >= 1024]
         for name, fn in variants:
             err = ((fn(x, w, ids).float() - ref).norm() / ref.norm()).item()
             us = graph_us(fn, calls)

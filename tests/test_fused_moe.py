@@ -60,6 +60,10 @@ def check_blocked(cfg_overrides, T, dtype, device, tol, block_m):
     assert err < tol, (cfg_overrides, T, dtype, block_m, err)
     pairs = fused_moe_blocked(x, moe.w13, moe.w2, *moe._with_shared(w, ids), block_m=block_m, defer_sum=True)
     assert torch.equal(pairs.sum(), out)  # the pair rows unsummed: their in-order sum is the output
+    # the programs' order (groups of 3 blocks, the last one short) changes no bit of the output
+    grouped = fused_moe_blocked(x, moe.w13, moe.w2, *moe._with_shared(w, ids), block_m=block_m, group_b=3)
+    assert torch.equal(grouped, fused_moe_blocked(x, moe.w13, moe.w2, *moe._with_shared(w, ids), block_m=block_m,
+                                                  group_b=0))
     return err
 
 
