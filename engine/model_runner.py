@@ -117,8 +117,8 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, self.kv_caches, m)
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(hidden)
+    def logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        return self.model.compute_logits(hidden, fp32)
 
     # ---- the engine's entry ----
 
@@ -216,7 +216,7 @@ class ModelRunner:
                 lps = prompt_logprobs_on_device(lg, nxt, st.params.prompt_logprobs)
             pending.prompt_jobs.append((st.req_id, ctx == 0, lps))
         if sample_rows:
-            logits = self.logits(hidden[to_device(sample_rows, torch.int64, hidden.device)])
+            logits = self.logits(hidden[to_device(sample_rows, torch.int64, hidden.device)], fp32=False)
             params = [s.params for s in sample_states]
             # Token histories only when a penalty or min_tokens reads them: slicing every
             # request's prompt each step would put O(context) list copies on the hot path.

@@ -90,6 +90,14 @@ class SamplingBatch:
     # biases [B] fp32); None when no row has a bias
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
+    @property
+    def unmodified(self) -> bool:
+        """Whether no row's logits are changed before sampling (no min_tokens mask, logit bias,
+        penalty or token bitmask)."""
+        return (not (self.min_tokens_masked_ids and any(self.min_tokens_masked_ids)) and self.logit_bias is None
+                and self.presence_penalty is None and self.frequency_penalty is None
+                and self.repetition_penalty is None and self.token_bitmask is None)
+
     @classmethod
     def from_params(
         cls,
@@ -173,9 +181,13 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Turns fp32 logits [N, V] into one token per row, following each row's sampling params.
-    `argmax`: the greedy rows' argmax over `[N, V]` (the plan's `argmax`: torch's, or
-    common/triton_argmax.py)."""
+    """Turns logits [N, V] (the LM head's dtype, or fp32) into one token per row, following each
+    row's sampling params; the processing runs in fp32. A batch of greedy rows that nothing
+    modifies (no min_tokens mask, logit bias, penalty or grammar) takes the argmax of the logits
+    as they come: converting bf16 / fp16 to fp32 is exact, so the maximum and its first index are
+    the same, and the step saves the fp32 copy (at V2-Lite's 102,400-token vocabulary, 128 rows:
+    ~79 MB written and read again). `argmax`: the greedy rows' argmax over `[N, V]` (the plan's
+    `argmax`: torch's, or common/triton_argmax.py; both take any float dtype)."""
 
     def __init__(self, argmax=None):
         self.argmax = argmax or _torch_argmax
@@ -185,6 +197,13 @@ class Sampler:
             raise ValueError(f"logits must be [N, V] with N = {batch.temperature.shape[0]} rows, "
                              f"got {tuple(logits.shape)}")
         raw = logits
+        if batch.all_greedy and batch.unmodified:
+            token_ids = self.argmax(raw)
+            logprobs = None
+            if batch.max_num_logprobs is not None:
+                logprobs = _gather_logprobs(torch.log_softmax(raw.float(), dim=-1), token_ids,
+                                            batch.max_num_logprobs)
+            return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
         logits = logits.float()
         logits = _mask_min_tokens(logits, batch.min_tokens_masked_ids)
         logits = _apply_logit_bias(logits, batch.logit_bias)

@@ -192,8 +192,11 @@ class DeepseekForCausalLM(nn.Module):
                 kv_caches: list[torch.Tensor], meta: MLAMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)  # [T, hidden]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # [N, vocab] fp32
+    def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+        """Logits `[N, vocab]`: fp32, or with fp32=False in the LM head's dtype (the sampler
+        converts only where its processing needs it)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if fp32 else logits
 
     def process_weights_after_loading(self) -> None:
         """Derived weights, made once after loading: FP8 weights dequantized unless kept, the

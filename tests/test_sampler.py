@@ -34,6 +34,36 @@ def test_greedy_is_argmax():
     assert out.logprobs is None
 
 
+def test_bf16_logits_sample_as_their_fp32_values():
+    """The runner hands the LM head's bf16 logits over: a greedy batch that nothing modifies takes
+    their argmax as they are (exact: bf16 -> fp32 loses nothing), ties to the first index as in
+    fp32; a batch with a modifier or a sampled row converts them first. Each case equals the
+    sampler on the same values in fp32."""
+    logits = (random_logits(8, seed=3) * 4).round() / 4  # coarse values: ties within rows
+    logits[2, 5] = logits[2, 9] = logits[2].max() + 1  # an exact tie for the maximum
+    lp16 = logits.to(torch.bfloat16)
+    lp32 = lp16.float()
+    cases = [[SamplingParams(temperature=0.0)] * 8,
+             [SamplingParams(temperature=0.0, logprobs=2)] * 8,
+             [SamplingParams(temperature=0.0, logit_bias={3: 2.5})] * 8,
+             [SamplingParams(temperature=0.0, presence_penalty=1.5)] * 8,
+             [SamplingParams(temperature=0.0, min_tokens=2)] * 8,
+             [SamplingParams(temperature=0.0)] * 7 + [SamplingParams(temperature=1.0, seed=1)]]
+    for params in cases:
+        b = batch_of(params, outputs=[[3]] * 8, eos=[6])
+        assert b.unmodified == (params[0].logit_bias is None and params[0].presence_penalty == 0.0
+                                and params[0].min_tokens == 0)
+        gens = [make_generator(p.seed, "cpu") if p.seed is not None else None for p in params]
+        got = Sampler()(lp16, batch_of(params, outputs=[[3]] * 8, eos=[6], generators=gens))
+        gens = [make_generator(p.seed, "cpu") if p.seed is not None else None for p in params]
+        want = Sampler()(lp32, batch_of(params, outputs=[[3]] * 8, eos=[6], generators=gens))
+        assert torch.equal(got.token_ids, want.token_ids), params[0]
+        assert (got.logprobs is None) == (want.logprobs is None)
+        for a, b_ in zip(got.logprobs or [], want.logprobs or []):
+            assert (a.token_id, a.rank, a.top) == (b_.token_id, b_.rank, b_.top)
+    assert int(Sampler()(lp16, batch_of([SamplingParams(temperature=0.0)] * 8)).token_ids[2]) == 5
+
+
 def test_mixed_batch_greedy_rows_take_argmax():
     logits = random_logits(6, scale=0.1)  # flat: sampled rows rarely hit the argmax by chance
     params = [SamplingParams(temperature=0.0 if i % 2 == 0 else 1.0) for i in range(6)]

@@ -12,6 +12,7 @@ def test_argmax_kernel_interpreter():
     check("cpu", 1, 37)
     check("cpu", 6, 2 * BLOCK + 300)  # three blocks, the last partial: ties, inf, NaN, -inf rows
     check("cpu", 3, BLOCK, torch.float16)
+    check("cpu", 3, BLOCK + 9, torch.bfloat16)  # the LM head's logits as the sampler now gets them
 
 
 def test_sampler_with_the_triton_argmax_equals_torch_argmax():
