@@ -196,32 +196,26 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != batch.temperature.shape[0]:
             raise ValueError(f"logits must be [N, V] with N = {batch.temperature.shape[0]} rows, "
                              f"got {tuple(logits.shape)}")
-        raw = logits
         if batch.all_greedy and batch.unmodified:
-            token_ids = self.argmax(raw)
-            logprobs = None
-            if batch.max_num_logprobs is not None:
-                logprobs = _gather_logprobs(torch.log_softmax(raw.float(), dim=-1), token_ids,
-                                            batch.max_num_logprobs)
-            return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
-        logits = logits.float()
+            token_ids = self.argmax(logits)
+        else:
+            token_ids = self._choose(logits.float(), batch)
+        logprobs = None
+        if batch.max_num_logprobs is not None:  # of the raw distribution, whatever modified the choice
+            logprobs = _gather_logprobs(torch.log_softmax(logits.float(), dim=-1), token_ids,
+                                        batch.max_num_logprobs)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Each row's token from fp32 logits, after the rows' modifiers."""
         logits = _mask_min_tokens(logits, batch.min_tokens_masked_ids)
         logits = _apply_logit_bias(logits, batch.logit_bias)
         logits = _apply_penalties(logits, batch)
         logits = _apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
-
         greedy_ids = self.argmax(logits)
         if batch.all_greedy:
-            token_ids = greedy_ids
-        else:
-            token_ids = self._sample(logits, batch)
-            token_ids = torch.where(batch.temperature == 0.0, greedy_ids, token_ids)
-
-        logprobs = None
-        if batch.max_num_logprobs is not None:
-            logprobs = _gather_logprobs(torch.log_softmax(raw.float(), dim=-1), token_ids,
-                                        batch.max_num_logprobs)
-        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+            return greedy_ids
+        return torch.where(batch.temperature == 0.0, greedy_ids, self._sample(logits, batch))
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         # greedy rows divide by 1 here; their result is replaced by the argmax afterwards

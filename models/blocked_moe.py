@@ -296,9 +296,9 @@ BLOCK_GROUP_MIN_TOKENS, BLOCK_GROUP = 1024, 8
 
 
 def block_group(T: int) -> int:
-    """`_block_tile`'s GROUP_B for a batch of T tokens: 0 (the blocks
-    fastest: at decode sizes each touched expert is one or two blocks, read once either way), or
-    BLOCK_GROUP from BLOCK_GROUP_MIN_TOKENS on, where an expert spans several blocks."""
+    """`_block_tile`'s GROUP_B for a batch of T tokens: 0 (the blocks fastest: at decode sizes
+    each touched expert is one or two blocks, read once either way), or BLOCK_GROUP from
+    BLOCK_GROUP_MIN_TOKENS on, where an expert spans several blocks."""
     return BLOCK_GROUP if T >= BLOCK_GROUP_MIN_TOKENS else 0
 
 
