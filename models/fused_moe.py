@@ -269,6 +269,38 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 @fast_launch
 @triton.jit
+def _gather_rows_kernel(x_ptr, idx_ptr, out_ptr, R, D, s_x, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[r] = x[idx[r]] for BLOCK_R rows and BLOCK_D columns: each row a contiguous copy."""
+    offs_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mr = offs_r < R
+    m = mr[:, None] & (offs_d[None, :] < D)
+    src = tl.load(idx_ptr + offs_r, mask=mr, other=0).to(tl.int64)
+    v = tl.load(x_ptr + src[:, None] * s_x + offs_d[None, :], mask=m, other=0.0)
+    tl.store(out_ptr + offs_r[:, None].to(tl.int64) * D + offs_d[None, :], v, mask=m)
+
+
+def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """`x[idx]` for x `[T, D]` (last dim contiguous) and idx `[R]`: the grouped MoE's rows in
+    expert order, as tiles of 32 rows x 256 columns. H200, D 2048, rows of 8211 tokens x 6
+    experts (a mixed step's): 70.6 µs against 95.2 for `x[idx]` (torch's index kernel) and
+    86.6-88.7 with whole 2048-wide rows per program (floor 54.8 µs at 4.3 TB/s)."""
+    T, D = x.shape
+    if x.stride(-1) != 1 or idx.dim() != 1:
+        raise ValueError(f"gather_rows: x {tuple(x.shape)} strides {x.stride()}, idx {tuple(idx.shape)} "
+                         "(x's last dim contiguous, idx 1-D)")
+    R = idx.shape[0]
+    out = torch.empty(R, D, dtype=x.dtype, device=x.device)
+    if R and D:
+        bd = min(triton.next_power_of_2(D), 256)
+        br = 32
+        _gather_rows_kernel[(triton.cdiv(R, br), triton.cdiv(D, bd))](x, idx, out, R, D, x.stride(0), BLOCK_R=br,
+                                                                       BLOCK_D=bd, num_warps=4)
+    return out
+
+
+@fast_launch
+@triton.jit
 def _unpermute_sum_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, D, KT: tl.constexpr, BLOCK: tl.constexpr):
     """out[t] = sum_j w[t, j] * y[pos[t, j]] in fp32, stored in the output dtype."""
     t = tl.program_id(0).to(tl.int64)

@@ -88,9 +88,9 @@ def check_shared_dense(cfg_overrides, T, dtype, device, tol, **plan):
 
 def check_glue(T, kt, E, block_m, device, seed=0):
     # the blocked path's one-kernel alignment equals the torch reference element for element;
-    # the grouped path's SwiGLU and weighted un-permute equal their torch forms
+    # the grouped path's row gather, SwiGLU and weighted un-permute equal their torch forms
     from models.blocked_moe import align_pairs, sort_pairs_into_blocks
-    from models.fused_moe import silu_mul, unpermute_sum
+    from models.fused_moe import gather_rows, silu_mul, unpermute_sum
     from common.fused import silu_mul as silu_ref
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(E, generator=g)[:kt] for _ in range(T)]).to(device)
@@ -98,6 +98,10 @@ def check_glue(T, kt, E, block_m, device, seed=0):
     got = align_pairs(ids, E, block_m)
     assert all(torch.equal(a, b) for a, b in zip(got, want)), (T, kt, E, block_m, got, want)
     D = 96
+    x = torch.randn(T, 300, generator=g).to(device)  # 300 columns: a partial 256-wide tile
+    token_of = ids.flatten().argsort(stable=True) // kt
+    assert torch.equal(gather_rows(x, token_of), x[token_of])
+    assert torch.equal(gather_rows(x[:, 7:107], token_of), x[:, 7:107][token_of])  # a strided x
     gu = torch.randn(T * kt, 2 * 40, generator=g).to(device)
     assert torch.allclose(silu_mul(gu), silu_ref(gu), atol=1e-6, rtol=1e-5)
     order = ids.flatten().argsort(stable=True)
