@@ -119,22 +119,33 @@ def attn_proj_floor(cfg, tokens: int) -> tuple[float, float]:
 
 
 def run_decode(core, batch: int, prompt_len: int, n_steps: int, top: int) -> dict:
-    sp = SamplingParams(temperature=0, max_tokens=n_steps + 8, ignore_eos=True)
-    for i, ids in enumerate(random_prompts(batch, prompt_len, core.cfg.vocab_size, seed=batch)):
-        core.add_request(f"d{batch}-{i}", ids, sp)
+    """`batch` sequences decoding at once, each past its `prompt_len`-token prompt. The requests
+    run until profiled and are then aborted: with a length limit, the first prompts (prefilled
+    max_num_batched_tokens at a time) would finish before the last ones start decoding, and the
+    profiled steps would hold fewer sequences than asked."""
+    sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    rids = [f"d{batch}-{i}" for i in range(batch)]
+    for rid, ids in zip(rids, random_prompts(batch, prompt_len, core.cfg.vocab_size, seed=batch)):
+        core.add_request(rid, ids, sp)
     while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
         core.step()
     for _ in range(2):
         core.step()
+    running = core.scheduler.running
+    if len(running) != batch:
+        raise SystemExit(f"profile_ops: {len(running)} of {batch} sequences decode together (raise "
+                         "--max-num-seqs or the KV cache's size)")
+    context = sum(r.num_tokens for r in running) / batch  # the mean context the profiled steps read
     prof = profile_steps(core, n_steps)
     res = summarize(prof, n_steps, f"decode, batch {batch}, {prompt_len}-token prompts", top)
     mb, mf = moe_floor(core.cfg, batch, False)
     ab, af = attn_proj_floor(core.cfg, batch)
-    kv = batch * (prompt_len + 4) * (core.cfg.kv_lora_rank + core.cfg.qk_rope_head_dim) * 2 \
+    kv = batch * (context + n_steps / 2) * (core.cfg.kv_lora_rank + core.cfg.qk_rope_head_dim) * 2 \
         * core.cfg.num_hidden_layers / BW * 1e6
     print(f"\nfloors: MoE bytes {mb:.0f} us (FLOPs {mf:.0f}); attention projections bytes {ab:.0f} us; "
-          f"KV read {kv:.0f} us")
+          f"KV read {kv:.0f} us ({context:.0f}-token contexts on average)")
     res["floors"] = {"moe_bytes_us": mb, "attn_proj_bytes_us": ab, "kv_us": kv}
+    core.abort_requests(rids)
     while core.has_unfinished_requests():
         core.step()
     return res
@@ -169,11 +180,15 @@ def run_mixed(core, decodes: int, new_prompts: int, prompt_len: int, top: int, h
     """The offline workload's typical step: `decodes` running decodes plus the prefill of
     `new_prompts` fresh prompts, profiled, and the same step timed by wall clock (eager steps with
     prefill are not CUDA graphs, so host time may exceed GPU time)."""
-    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    for i, ids in enumerate(random_prompts(decodes, prompt_len, core.cfg.vocab_size, seed=7)):
-        core.add_request(f"m{decodes}-{i}", ids, sp)
+    sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)  # aborted below (run_decode)
+    rids = [f"m{decodes}-{i}" for i in range(decodes)]
+    for rid, ids in zip(rids, random_prompts(decodes, prompt_len, core.cfg.vocab_size, seed=7)):
+        core.add_request(rid, ids, sp)
     while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
         core.step()
+    if len(core.scheduler.running) != decodes:
+        raise SystemExit(f"profile_ops: {len(core.scheduler.running)} of {decodes} sequences decode together "
+                         "(raise --max-num-seqs or the KV cache's size)")
     walls, enqueue = [], []
     model = core.executor.worker.runner.model
     forward = model.forward
@@ -230,6 +245,7 @@ def run_mixed(core, decodes: int, new_prompts: int, prompt_len: int, top: int, h
           f"enqueue the forward: {', '.join(f'{w * 1e3:.1f}' for w in enqueue[:2])} ms")
     res["wall_ms"] = [w * 1e3 for w in walls]
     res["enqueue_ms"] = [w * 1e3 for w in enqueue[:2]]
+    core.abort_requests(rids)
     while core.has_unfinished_requests():
         core.step()
     return res
@@ -253,6 +269,7 @@ def main() -> None:
     a = p.parse_args()
     a.enforce_eager = True
     a.async_scheduling = False
+    a.max_num_seqs = max([a.max_num_seqs] + a.decode + [int(s.split("x")[0]) + int(s.split("x")[1]) for s in a.mixed])
     if any(int(s.split("x")[1]) >= a.max_model_len for s in a.prefill):
         a.max_model_len = max(int(s.split("x")[1]) for s in a.prefill) + 64
     llm = LLM(**engine_kwargs(a))
