@@ -281,14 +281,15 @@ def _gather_rows_kernel(x_ptr, idx_ptr, out_ptr, R, D, s_x, BLOCK_R: tl.constexp
 
 
 def gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """`x[idx]` for x `[T, D]` (last dim contiguous) and idx `[R]`: the grouped MoE's rows in
-    expert order, as tiles of 32 rows x 256 columns. H200, D 2048, rows of 8211 tokens x 6
+    """`x[idx]` for x `[T, D]` (last dim contiguous) and idx `[R]` (contiguous, values in [0, T):
+    not checked, as they come from the expert sort): the grouped MoE's rows in expert order, as
+    tiles of 32 rows x 256 columns. H200, D 2048, rows of 8211 tokens x 6
     experts (a mixed step's): 70.6 µs against 95.2 for `x[idx]` (torch's index kernel) and
     86.6-88.7 with whole 2048-wide rows per program (floor 54.8 µs at 4.3 TB/s)."""
     T, D = x.shape
-    if x.stride(-1) != 1 or idx.dim() != 1:
+    if x.stride(-1) != 1 or idx.dim() != 1 or (idx.numel() > 1 and idx.stride(0) != 1):
         raise ValueError(f"gather_rows: x {tuple(x.shape)} strides {x.stride()}, idx {tuple(idx.shape)} "
-                         "(x's last dim contiguous, idx 1-D)")
+                         f"strides {idx.stride()} (x's last dim contiguous, idx 1-D and contiguous)")
     R = idx.shape[0]
     out = torch.empty(R, D, dtype=x.dtype, device=x.device)
     if R and D:

@@ -118,6 +118,21 @@ def attn_proj_floor(cfg, tokens: int) -> tuple[float, float]:
     return byts / BW * 1e6, 2 * params * tokens * cfg.num_hidden_layers / PEAK * 1e6
 
 
+def admit_all(core, n: int) -> None:
+    """Step until the `n` requests just added all decode. Without a length limit none frees its
+    blocks, so a cache too small for them shows as a preemption: that stops the profile, naming
+    the limits, instead of stepping until the longest sequences reach max_model_len."""
+    preempted = core.scheduler.stats.num_preemptions
+    while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
+        core.step()
+        if core.scheduler.stats.num_preemptions != preempted or len(core.scheduler.running) > n:
+            break
+    if core.scheduler.stats.num_preemptions != preempted or len(core.scheduler.running) != n:
+        raise SystemExit(f"profile_ops: {len(core.scheduler.running)} of {n} sequences decode together, "
+                         f"{core.scheduler.stats.num_preemptions - preempted} preempted: the KV cache does not "
+                         "hold them (--gpu-memory-utilization, --max-model-len, --prompt-len)")
+
+
 def run_decode(core, batch: int, prompt_len: int, n_steps: int, top: int) -> dict:
     """`batch` sequences decoding at once, each past its `prompt_len`-token prompt. The requests
     run until profiled and are then aborted: with a length limit, the first prompts (prefilled
@@ -127,20 +142,15 @@ def run_decode(core, batch: int, prompt_len: int, n_steps: int, top: int) -> dic
     rids = [f"d{batch}-{i}" for i in range(batch)]
     for rid, ids in zip(rids, random_prompts(batch, prompt_len, core.cfg.vocab_size, seed=batch)):
         core.add_request(rid, ids, sp)
-    while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
-        core.step()
+    admit_all(core, batch)
     for _ in range(2):
         core.step()
-    running = core.scheduler.running
-    if len(running) != batch:
-        raise SystemExit(f"profile_ops: {len(running)} of {batch} sequences decode together (raise "
-                         "--max-num-seqs or the KV cache's size)")
-    context = sum(r.num_tokens for r in running) / batch  # the mean context the profiled steps read
+    context = sum(r.num_tokens for r in core.scheduler.running) / batch  # at the first profiled step
     prof = profile_steps(core, n_steps)
     res = summarize(prof, n_steps, f"decode, batch {batch}, {prompt_len}-token prompts", top)
     mb, mf = moe_floor(core.cfg, batch, False)
     ab, af = attn_proj_floor(core.cfg, batch)
-    kv = batch * (context + n_steps / 2) * (core.cfg.kv_lora_rank + core.cfg.qk_rope_head_dim) * 2 \
+    kv = batch * (context + (n_steps - 1) / 2) * (core.cfg.kv_lora_rank + core.cfg.qk_rope_head_dim) * 2 \
         * core.cfg.num_hidden_layers / BW * 1e6
     print(f"\nfloors: MoE bytes {mb:.0f} us (FLOPs {mf:.0f}); attention projections bytes {ab:.0f} us; "
           f"KV read {kv:.0f} us ({context:.0f}-token contexts on average)")
@@ -180,15 +190,11 @@ def run_mixed(core, decodes: int, new_prompts: int, prompt_len: int, top: int, h
     """The offline workload's typical step: `decodes` running decodes plus the prefill of
     `new_prompts` fresh prompts, profiled, and the same step timed by wall clock (eager steps with
     prefill are not CUDA graphs, so host time may exceed GPU time)."""
-    sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)  # aborted below (run_decode)
+    sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)  # aborted at the end, as in run_decode
     rids = [f"m{decodes}-{i}" for i in range(decodes)]
     for rid, ids in zip(rids, random_prompts(decodes, prompt_len, core.cfg.vocab_size, seed=7)):
         core.add_request(rid, ids, sp)
-    while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
-        core.step()
-    if len(core.scheduler.running) != decodes:
-        raise SystemExit(f"profile_ops: {len(core.scheduler.running)} of {decodes} sequences decode together "
-                         "(raise --max-num-seqs or the KV cache's size)")
+    admit_all(core, decodes)
     walls, enqueue = [], []
     model = core.executor.worker.runner.model
     forward = model.forward

@@ -102,6 +102,10 @@ def check_glue(T, kt, E, block_m, device, seed=0):
     token_of = ids.flatten().argsort(stable=True) // kt
     assert torch.equal(gather_rows(x, token_of), x[token_of])
     assert torch.equal(gather_rows(x[:, 7:107], token_of), x[:, 7:107][token_of])  # a strided x
+    assert torch.equal(gather_rows(x.bfloat16(), token_of), x.bfloat16()[token_of])
+    assert gather_rows(x, token_of[:0]).shape == (0, 300)
+    with pytest.raises(ValueError, match="contiguous"):
+        gather_rows(x, torch.zeros(4, dtype=torch.int64, device=device)[::2])
     gu = torch.randn(T * kt, 2 * 40, generator=g).to(device)
     assert torch.allclose(silu_mul(gu), silu_ref(gu), atol=1e-6, rtol=1e-5)
     order = ids.flatten().argsort(stable=True)

@@ -20,8 +20,8 @@ MODULES = sorted(p.name for p in (REPO / "tests" / "interpreted").glob("test_*.p
 def start(config) -> None:
     """Start the interpreter's pytest run in the background (called from conftest.py once the
     session's tests are collected, when this file's are among them): the run is single-threaded
-    and takes minutes, so it overlaps the tests collected before this file's instead of
-    following them on a 2-core machine."""
+    and takes minutes, so it overlaps the rest of the session (conftest.py puts this file's
+    tests, which wait for it, last) instead of following it on a 2-core machine."""
     if getattr(config, "_interpreted_run", None) is not None:
         return
     out = Path(tempfile.mkdtemp(prefix="interpreted-"))
