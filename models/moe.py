@@ -212,7 +212,7 @@ class MoE(nn.Module):
         if plan.moe == TRITON:
             from models import blocked_moe, expert_sort, fused_moe  # triton: CUDA installs only
             self.fused_small, self.fused_blocked = fused_moe.fused_moe_small, blocked_moe.fused_moe_blocked
-            self.triton_glue = fused_moe.gather_rows, fused_moe.silu_mul, fused_moe.unpermute_sum
+            self.triton_glue = fused_moe  # the grouped path's gather, SwiGLU and un-permute kernels
             self.sort_by_expert = expert_sort.sort_by_expert
         self._shared_cache: dict = {}  # _shared_choice's tensors by (device, dtypes)
         self._expert_ends: dict = {}  # _routed_grouped's expert end keys by device
@@ -309,7 +309,7 @@ class MoE(nn.Module):
         T, D = x.shape
         Il = w2.shape[-1]
         gate_up = F.linear(x, w13[E:E + S].reshape(S * 2 * Il, D))  # [T, S * 2Il]: [g0 u0 g1 u1 ..]
-        silu_mul = self.triton_glue[1] if self.triton_glue is not None else self.glue.silu_mul
+        silu_mul = self.triton_glue.silu_mul if self.triton_glue is not None else self.glue.silu_mul
         h = silu_mul(gate_up.view(T * S, 2 * Il)).view(T, S, Il)
         for s in range(S):
             out.addmm_(h[:, s], w2[E + s].t())
@@ -342,12 +342,12 @@ class MoE(nn.Module):
         Triton plan the sort, the row gather, the SwiGLU and the weighted sum are Triton kernels
         (the sort a counting sort in three launches, models/expert_sort.py); else torch ops."""
         w13, w2 = self._expert_weights(x.dtype)
-        if self.triton_glue is not None:
-            gather_rows, silu_mul, unpermute_sum = self.triton_glue
+        glue = self.triton_glue
+        if glue is not None:
             token_of, pos, offs = self.sort_by_expert(ids, self.w13.shape[0])
-            gate_up = torch._grouped_mm(gather_rows(x, token_of), w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
-            y = torch._grouped_mm(silu_mul(gate_up), w2.transpose(-2, -1), offs=offs)  # [T*k, D]
-            return unpermute_sum(y, pos, weights)  # weights and the sum over k in one pass
+            gate_up = torch._grouped_mm(glue.gather_rows(x, token_of), w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
+            y = torch._grouped_mm(glue.silu_mul(gate_up), w2.transpose(-2, -1), offs=offs)  # [T*k, D]
+            return glue.unpermute_sum(y, pos, weights)  # weights and the sum over k in one pass
         T, k = ids.shape
         flat = ids.flatten().to(torch.int32)  # int32 keys: half the radix-sort passes of int64
         order = flat.argsort(stable=True)

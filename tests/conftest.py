@@ -54,7 +54,7 @@ def pytest_collection_modifyitems(config, items):
         test_interpreted.start(config)  # the interpreter's run, in the background from now on
         # Its results are read last: the run takes minutes on one core, and every other test
         # runs on the other core meanwhile instead of after the wait.
-        items[:] = [item for item in items if item not in interpreted] + interpreted
+        items.sort(key=lambda item: item in interpreted)  # stable: the others keep their order
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA")
         for item in items:

@@ -99,7 +99,8 @@ def check_glue(T, kt, E, block_m, device, seed=0):
     assert all(torch.equal(a, b) for a, b in zip(got, want)), (T, kt, E, block_m, got, want)
     D = 96
     x = torch.randn(T, 300, generator=g).to(device)  # 300 columns: a partial 256-wide tile
-    token_of = ids.flatten().argsort(stable=True) // kt
+    order = ids.flatten().argsort(stable=True)
+    token_of = order // kt
     assert torch.equal(gather_rows(x, token_of), x[token_of])
     assert torch.equal(gather_rows(x[:, 7:107], token_of), x[:, 7:107][token_of])  # a strided x
     assert torch.equal(gather_rows(x.bfloat16(), token_of), x.bfloat16()[token_of])
@@ -108,7 +109,6 @@ def check_glue(T, kt, E, block_m, device, seed=0):
         gather_rows(x, torch.zeros(4, dtype=torch.int64, device=device)[::2])
     gu = torch.randn(T * kt, 2 * 40, generator=g).to(device)
     assert torch.allclose(silu_mul(gu), silu_ref(gu), atol=1e-6, rtol=1e-5)
-    order = ids.flatten().argsort(stable=True)
     pos = torch.empty_like(order)
     pos[order] = torch.arange(order.numel(), device=order.device)
     y, w = torch.randn(T * kt, D, generator=g).to(device), torch.rand(T, kt, generator=g).to(device)
