@@ -167,7 +167,7 @@ def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float, shapes, he
                 cfgs = [default_decode_config(H, torch.bfloat16, cache_dtype=cdt)]
                 if sweep:
                     cfgs += [DecodeConfig(**c) for c in DECODE_SWEEP.get((H, cname), [])
-                             if sweep_match is None or re.search(sweep_match, _short(c))]
+                             if sweep_match is None or re.search(sweep_match, _short(vars(DecodeConfig(**c))))]
                 if impl == "gluon":  # attention/gluon_decode.py, timed after the Triton default
                     if H % 64 == 0 and cname == "bf16":
                         cfgs.append(GluonDecodeConfig())
