@@ -191,45 +191,6 @@ if _GLUON_ERROR is None:
         return m_new, l_i, p, alpha, any_moved
 
     @gluon.jit
-    def _qk_part(q_lat_s, q_lat_a, q_pe_a, c_st, r_st, s0, QLR: gl.constexpr, HALF: gl.constexpr):
-        """Issue this warpgroup's partial QK^T of one tile: latent columns [0, QLR) of its half with
-        q from registers, the rest with q from shared memory, then its rope slice."""
-        if QLR == 1:  # two accumulators (latent 0-127; latent 128-255 + rope), issued one after the other
-            s = warpgroup_mma(q_lat_s.slice(0, 128, dim=1), c_st.slice(0, 128, dim=1).permute((1, 0)), s0,
-                              use_acc=False, is_async=True)
-            t = warpgroup_mma(q_lat_s.slice(128, 128, dim=1), c_st.slice(128, 128, dim=1).permute((1, 0)),
-                              s0, use_acc=False, is_async=True)
-            t = warpgroup_mma(q_pe_a, r_st.permute((1, 0)), t, is_async=True)
-            return s, t
-        elif QLR == 2:  # two accumulators, their k-steps interleaved
-            s = warpgroup_mma(q_lat_s.slice(0, 16, dim=1), c_st.slice(0, 16, dim=1).permute((1, 0)), s0,
-                              use_acc=False, is_async=True)
-            t = warpgroup_mma(q_lat_s.slice(128, 16, dim=1), c_st.slice(128, 16, dim=1).permute((1, 0)),
-                              s0, use_acc=False, is_async=True)
-            for kk in gl.static_range(1, 8):
-                s = warpgroup_mma(q_lat_s.slice(kk * 16, 16, dim=1),
-                                  c_st.slice(kk * 16, 16, dim=1).permute((1, 0)), s, is_async=True)
-                t = warpgroup_mma(q_lat_s.slice(128 + kk * 16, 16, dim=1),
-                                  c_st.slice(128 + kk * 16, 16, dim=1).permute((1, 0)), t, is_async=True)
-            t = warpgroup_mma(q_pe_a, r_st.permute((1, 0)), t, is_async=True)
-            return s, t
-        elif QLR == 0:
-            s = warpgroup_mma(q_lat_s, c_st.permute((1, 0)), s0, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_pe_a, r_st.permute((1, 0)), s, is_async=True)
-            return s
-        elif QLR == HALF:
-            s = warpgroup_mma(q_lat_a, c_st.permute((1, 0)), s0, use_acc=False, is_async=True)
-            s = warpgroup_mma(q_pe_a, r_st.permute((1, 0)), s, is_async=True)
-            return s
-        else:
-            s = warpgroup_mma(q_lat_a, c_st.slice(0, QLR, dim=1).permute((1, 0)), s0, use_acc=False,
-                              is_async=True)
-            s = warpgroup_mma(q_lat_s, c_st.slice(QLR, HALF - QLR, dim=1).permute((1, 0)), s,
-                              is_async=True)
-            s = warpgroup_mma(q_pe_a, r_st.permute((1, 0)), s, is_async=True)
-            return s
-
-    @gluon.jit
     def _wg_partition(q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
                       qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
                       stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
@@ -238,8 +199,7 @@ if _GLUON_ERROR is None:
                       full_own, empty_own, full_other, empty_other,
                       W: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, XBUF: gl.constexpr, DIRECT: gl.constexpr,
-                      HAS_POS: gl.constexpr, QPE_REGS: gl.constexpr, LAZY: gl.constexpr,
-                      QLR: gl.constexpr):
+                      HAS_POS: gl.constexpr, QPE_REGS: gl.constexpr, LAZY: gl.constexpr):
         HALF: gl.constexpr = 256
         RH: gl.constexpr = 32
         LKV_: gl.constexpr = 512
@@ -266,22 +226,10 @@ if _GLUON_ERROR is None:
         bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
 
         # this warpgroup's slice of q: latent [W*HALF, +HALF), rope [LKV + W*RH, +RH)
-        qlat_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-        if QLR > 2:  # latent columns [0, QLR) of this warpgroup's half in registers (QK^T's A operand)
-            rq_a = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, qlat_l))
-            q_row_a = (b.to(gl.int64) * q_len + rq_a // H) * stride_qb + (rq_a % H) * stride_qh
-            cq_a = W * HALF + gl.arange(0, QLR, layout=gl.SliceLayout(0, qlat_l))
-            q_lat_a = gl.load(q_ptr + q_row_a[:, None] + cq_a[None, :])
-        else:
-            q_lat_a = q_lat_s
-        if QLR < HALF:
-            QOFF: gl.constexpr = QLR if QLR > 2 else 0
-            TPC: gl.constexpr = (HALF - QOFF) // 8 if (HALF - QOFF) // 8 < 32 else 32
-            ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPC, TPC], [4, 1], [1, 0])
-            rq_c = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld_q))
-            q_row_c = (b.to(gl.int64) * q_len + rq_c // H) * stride_qb + (rq_c % H) * stride_qh
-            cq_c = W * HALF + QOFF + gl.arange(0, HALF - QOFF, layout=gl.SliceLayout(0, ld_q))
-            async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_row_c[:, None] + cq_c[None, :])
+        rq_c = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld_c))
+        q_row_c = (b.to(gl.int64) * q_len + rq_c // H) * stride_qb + (rq_c % H) * stride_qh
+        cq_c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_c))
+        async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_row_c[:, None] + cq_c[None, :])
         if QPE_REGS:  # rope slice of q held in registers as QK^T's A operand (frees 8 KB)
             qpe_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
             rq_r = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, qpe_l))
@@ -315,13 +263,9 @@ if _GLUON_ERROR is None:
         # tile 0: scores, exchange, softmax (alpha_0 = 0 scales the empty acc)
         _wait_tile(STAGES - 2)
         s0 = gl.zeros([BH, BLOCK_N], gl.float32, layout=s_layout)
-        if QLR == 1 or QLR == 2:
-            s_tok, t_tok = _qk_part(q_lat_s, q_lat_a, q_pe_a, c_s.index(0), r_s.index(0), s0, QLR, HALF)
-            s, t_s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok, t_tok])
-            s = s + t_s
-        else:
-            s_tok = _qk_part(q_lat_s, q_lat_a, q_pe_a, c_s.index(0), r_s.index(0), s0, QLR, HALF)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+        s_tok = warpgroup_mma(q_lat_s, c_s.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
+        s_tok = warpgroup_mma(q_pe_a, r_s.index(0).permute((1, 0)), s_tok, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
         s = _exchange(s, x_own, x_other, full_own, empty_own, full_other, empty_other, 0,
                       XBUF, s_layout)
         m_i = gl.full([BH], float("-inf"), gl.float32, layout=row_l)
@@ -339,10 +283,9 @@ if _GLUON_ERROR is None:
         for j in range(0, n_tiles - 1):
             _wait_tile(STAGES - 3)  # tile j + 1 is in
             k1 = (j + 1) % STAGES
-            if QLR == 1 or QLR == 2:
-                s_tok, t_tok = _qk_part(q_lat_s, q_lat_a, q_pe_a, c_s.index(k1), r_s.index(k1), s0, QLR, HALF)
-            else:
-                s_tok = _qk_part(q_lat_s, q_lat_a, q_pe_a, c_s.index(k1), r_s.index(k1), s0, QLR, HALF)
+            s_tok = warpgroup_mma(q_lat_s, c_s.index(k1).permute((1, 0)), s0, use_acc=False,
+                                  is_async=True)
+            s_tok = warpgroup_mma(q_pe_a, r_s.index(k1).permute((1, 0)), s_tok, is_async=True)
             # alpha_j read back from shared memory after a barrier: ptxas cannot hoist the 128
             # multiplies of the rescale above the barrier, so they run while QK^T(j+1) does
             # (from registers it schedules them before the wgmma issue, tensor cores idle).
@@ -361,11 +304,7 @@ if _GLUON_ERROR is None:
             async_copy.commit_group()
             ids_a, ids_b = _tile_ids(bt_row, start + (nxt + 1) * BLOCK_N, end, PAGE, BLOCK_N)
             o_tok = warpgroup_mma(p_op, c_s.index(j % STAGES), acc, is_async=True)
-            if QLR == 1 or QLR == 2:
-                s, t_s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok, t_tok])  # QK^T(j+1) done, PV(j) runs
-                s = s + t_s
-            else:
-                s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])  # QK^T(j+1) done, PV(j) runs
+            s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])  # QK^T(j+1) done, PV(j) runs
             s = _exchange(s, x_own, x_other, full_own, empty_own, full_other, empty_other, j + 1,
                           XBUF, s_layout)
             m_i, l_i, p, alpha, moved = _softmax(s, m_i, l_i, start + (j + 1) * BLOCK_N, end,
@@ -408,13 +347,12 @@ if _GLUON_ERROR is None:
                                  stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                                  PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                  XBUF: gl.constexpr, DIRECT: gl.constexpr, HAS_POS: gl.constexpr,
-                                 QPE_REGS: gl.constexpr, LAZY: gl.constexpr, QLR: gl.constexpr,
+                                 QPE_REGS: gl.constexpr, LAZY: gl.constexpr,
                                  WORKER_REGS: gl.constexpr):
         BH: gl.constexpr = 64
         HALF: gl.constexpr = 256
         RH: gl.constexpr = 32
-        QS: gl.constexpr = HALF if QLR <= 2 else (HALF - QLR if QLR < HALF else 64)  # q's latent columns in smem
-        q_lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, QS], gl.bfloat16)
+        q_lat_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, HALF], gl.bfloat16)
         QPE_ROWS: gl.constexpr = 8 if QPE_REGS else BH  # a token buffer when q_pe is in registers
         q_pe_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QPE_ROWS, RH], gl.bfloat16)
         c_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HALF], gl.bfloat16)
@@ -425,8 +363,8 @@ if _GLUON_ERROR is None:
         XPP: gl.constexpr = 1 if BLOCK_N == 32 else 2
         XMP: gl.constexpr = 4 if BLOCK_N == 32 else 2
         x_l: gl.constexpr = gl.SwizzledSharedLayout(vec=8, per_phase=XPP, max_phase=XMP, order=[1, 0])
-        q_lat0 = gl.allocate_shared_memory(gl.bfloat16, [BH, QS], q_lat_l)
-        q_lat1 = gl.allocate_shared_memory(gl.bfloat16, [BH, QS], q_lat_l)
+        q_lat0 = gl.allocate_shared_memory(gl.bfloat16, [BH, HALF], q_lat_l)
+        q_lat1 = gl.allocate_shared_memory(gl.bfloat16, [BH, HALF], q_lat_l)
         q_pe0 = gl.allocate_shared_memory(gl.bfloat16, [QPE_ROWS, RH], q_pe_l)
         q_pe1 = gl.allocate_shared_memory(gl.bfloat16, [QPE_ROWS, RH], q_pe_l)
         c0 = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, HALF], c_l)
@@ -454,13 +392,13 @@ if _GLUON_ERROR is None:
                              stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
                              stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                              q_lat0, q_pe0, c0, r0, x0, x1, a0, full0, empty0, full1, empty1,
-                             0, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY, QLR)),
+                             0, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY)),
             (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
                              qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
                              stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
                              stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                              q_lat1, q_pe1, c1, r1, x1, x0, a1, full1, empty1, full0, empty0,
-                             1, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY, QLR)),
+                             1, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY)),
         ], [4], [WORKER_REGS])
 
 
@@ -498,17 +436,12 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     direct = num_splits == 1
     po, plse, po_strides, plse_strides = split_outputs(o, lse, num_splits)
     grid = ((q_len * H) // BLOCK_H, num_splits, B)
-    args = launch_args(q, kv_cache, block_table, seq_lens, q_pos, po, plse, po_strides, plse_strides,
-                       scale, H, num_splits, q_len, dcp_size, dcp_rank)
-    if cfg.seesaw:
-        from attention.gluon_seesaw import seesaw_kernel
-        seesaw_kernel[grid](*args, PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, DIRECT=direct,
-                            HAS_POS=q_pos is not None, WORKER_REGS=cfg.worker_regs, num_warps=4)
-    else:
-        _mla_decode_wgmma_kernel[grid](
-            *args, PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf, DIRECT=direct,
-            HAS_POS=q_pos is not None, QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale, QLR=cfg.q_lat_regs,
-            WORKER_REGS=cfg.worker_regs, num_warps=4)
+    _mla_decode_wgmma_kernel[grid](
+        *launch_args(q, kv_cache, block_table, seq_lens, q_pos, po, plse, po_strides, plse_strides,
+                     scale, H, num_splits, q_len, dcp_size, dcp_rank),
+        PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf, DIRECT=direct,
+        HAS_POS=q_pos is not None, QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale,
+        WORKER_REGS=cfg.worker_regs, num_warps=4)
     if not direct:
         reduce_splits(po, plse, o, lse, num_splits, po_strides, plse_strides)
     return o, lse

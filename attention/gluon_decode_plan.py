@@ -25,20 +25,12 @@ class GluonDecodeConfig:
     worker_regs: int = 240  # register budget of the second warpgroup (setmaxnreg)
     q_pe_regs: bool = True  # q's rope slice in registers, not shared memory (8 KB less)
     lazy_rescale: bool = False  # rescale O only when some row's max grows by > 2^LAZY_TAU (decode_config)
-    q_lat_regs: int = 0  # latent columns of each warpgroup's q half held in registers (0, 64, 128, 256)
-    seesaw: bool = False  # each tile's QK^T and softmax by one warpgroup, alternating (gluon_seesaw.py)
     min_split_tokens: int = 64
     max_splits: int = 128
 
     def smem_bytes(self) -> int:
-        """Shared memory per program: q, the KV stages, the exchange slots, alpha, the mbarriers
-        (seesaw: q's latent part, the KV stages, two P slots, m / l / alpha, the mbarriers)."""
-        if self.seesaw:
-            return (BLOCK_H * LKV * 2 + self.num_stages * self.block_n * (LKV + R) * 2
-                    + 2 * BLOCK_H * self.block_n * 2 + 8 * BLOCK_H * 4 + (2 * self.num_stages + 4) * 8)
-        qs = LKV // 2 if self.q_lat_regs <= 2 else (LKV // 2 - self.q_lat_regs if self.q_lat_regs < LKV // 2 else 64)
-        q_lat = 2 * BLOCK_H * qs * 2
-        q = q_lat + (8 if self.q_pe_regs else BLOCK_H) * R * 2  # rope: 8-row token
+        """Shared memory per program: q, the KV stages, the exchange slots, alpha, the mbarriers."""
+        q = BLOCK_H * LKV * 2 + (8 if self.q_pe_regs else BLOCK_H) * R * 2  # rope: 8-row token
         kv = self.num_stages * self.block_n * (LKV + R) * 2
         x = 2 * self.xbuf * BLOCK_H * self.block_n * 4
         return q + kv + x + 2 * BLOCK_H * 4 + 4 * self.xbuf * 8
@@ -92,9 +84,6 @@ def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"q_pos must be [{T}], got {tuple(q_pos.shape)}")
     if cfg.block_n not in (16, 32):
         raise ValueError(f"GluonDecodeConfig.block_n must be 16 or 32, got {cfg.block_n}")
-    if cfg.seesaw and (cfg.lazy_rescale or not cfg.q_pe_regs or cfg.xbuf != 1):
-        raise ValueError("GluonDecodeConfig.seesaw holds q's rope part in registers and exchanges no "
-                         "partial scores: lazy_rescale, q_pe_regs=False and xbuf do not apply to it")
     if cfg.num_stages < 3:  # the loop refills tile j-1's stage while tile j+1's must be loaded
         raise ValueError(f"GluonDecodeConfig.num_stages must be >= 3, got {cfg.num_stages}")
     if cfg.smem_bytes() > SMEM_LIMIT:

@@ -66,16 +66,11 @@ def compile_report(page: int = 16, direct: bool = False, has_pos: bool = False,
     if gd._GLUON_ERROR is not None:
         raise RuntimeError(f"gluon import failed: {gd._GLUON_ERROR!r}")
     cfg = cfg or gd.GluonDecodeConfig()
+    fn = gd._mla_decode_wgmma_kernel
     sig = {name: ty or ("*bf16" if direct else "*fp32") for name, ty in SIGNATURE}
-    if cfg.seesaw:
-        from attention.gluon_seesaw import seesaw_kernel as fn
-        constexprs = dict(PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, DIRECT=bool(direct),
-                          HAS_POS=bool(has_pos), WORKER_REGS=cfg.worker_regs)
-    else:
-        fn = gd._mla_decode_wgmma_kernel
-        constexprs = dict(PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf,
-                          DIRECT=bool(direct), HAS_POS=bool(has_pos), QPE_REGS=cfg.q_pe_regs,
-                          LAZY=cfg.lazy_rescale, QLR=cfg.q_lat_regs, WORKER_REGS=cfg.worker_regs)
+    constexprs = dict(PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf,
+                      DIRECT=bool(direct), HAS_POS=bool(has_pos), QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale,
+                      WORKER_REGS=cfg.worker_regs)
     sig.update({k: "constexpr" for k in constexprs})
     names = [n for n, _ in SIGNATURE]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
@@ -160,15 +155,12 @@ def main() -> int:
     ap.add_argument("--worker-regs", type=int, default=gd.GluonDecodeConfig.worker_regs)
     ap.add_argument("--q-pe-regs", type=int, default=int(gd.GluonDecodeConfig.q_pe_regs))
     ap.add_argument("--lazy", type=int, default=int(gd.GluonDecodeConfig.lazy_rescale))
-    ap.add_argument("--seesaw", type=int, default=int(gd.GluonDecodeConfig.seesaw))
-    ap.add_argument("--q-lat-regs", type=int, default=gd.GluonDecodeConfig.q_lat_regs)
     ap.add_argument("--dump", help="directory to write the ttgir / llir / ptx / sass into")
     args = ap.parse_args()
     print(f"triton {triton.__version__} ({triton.__file__})")
     cfg = gd.GluonDecodeConfig(block_n=args.block_n, num_stages=args.stages, xbuf=args.xbuf,
                                worker_regs=args.worker_regs, q_pe_regs=bool(args.q_pe_regs),
-                               lazy_rescale=bool(args.lazy), seesaw=bool(args.seesaw),
-                               q_lat_regs=args.q_lat_regs)
+                               lazy_rescale=bool(args.lazy))
     print(f"config {cfg}, page {args.page}, direct {bool(args.direct)}, q_pos {bool(args.has_pos)}; "
           f"planned shared memory {cfg.smem_bytes()} bytes")
     rep = compile_report(args.page, bool(args.direct), bool(args.has_pos), cfg)

@@ -315,27 +315,13 @@ GPU_CASES["B1_S4096_H128_p64_splits64"] = lambda: check_gluon_decode([4096], 128
 # the other configurations: q's rope slice in shared memory with 3 stages; 16-row tiles
 _ALT = {"s3x2": GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False),
         "n16s6": GluonDecodeConfig(block_n=16, num_stages=6),
-        "lazy": GluonDecodeConfig(lazy_rescale=True),
-        "seesaw": GluonDecodeConfig(seesaw=True),
-        "qlr128": GluonDecodeConfig(q_lat_regs=128),
-        "qlr128_lazy": GluonDecodeConfig(q_lat_regs=128, lazy_rescale=True),
-        "chains2": GluonDecodeConfig(q_lat_regs=1), "chains2i": GluonDecodeConfig(q_lat_regs=2)}
+        "lazy": GluonDecodeConfig(lazy_rescale=True)}
 for _cname, _cfg in _ALT.items():
     for _name, _lens in (("B3_0_17_1000", [0, 17, 1000]), ("B1_S4096", [4096])):
         GPU_CASES[f"cfg_{_cname}_{_name}_H128_p16_splits5"] = (
             lambda lens=_lens, cfg=_cfg: check_gluon_decode(lens, 128, 16, num_splits=5, cfg=cfg))
     GPU_CASES[f"cfg_{_cname}_qlen2_H64_pos"] = (
         lambda cfg=_cfg: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, cfg=cfg))
-_SEESAW = GluonDecodeConfig(seesaw=True)
-for _page in (16, 64):  # the seesaw kernel over the main shape classes too
-    GPU_CASES[f"seesaw_B128_mixed_H128_p{_page}_splits3"] = (
-        lambda page=_page: check_gluon_decode(_B128, 128, page, num_splits=3, cfg=_SEESAW))
-    for _name, _lens in {**_S, **_B3}.items():
-        GPU_CASES[f"seesaw_{_name}_H128_p{_page}_auto"] = (
-            lambda lens=_lens, page=_page: check_gluon_decode(lens, 128, page, cfg=_SEESAW))
-GPU_CASES["seesaw_qlen2_H64_dcp2_rank1"] = (
-    lambda: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, dcp=(2, 1), num_splits=4,
-                               cfg=_SEESAW))
 
 
 def _sm90():
