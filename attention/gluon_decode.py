@@ -32,6 +32,13 @@ whatever part of the exchange + softmax is longer than PV. alpha_j goes through 
 (p <= 256 meanwhile), and the multiplies are skipped when no row of the warpgroup moved (one
 cross-warp max per tile decides); off by default (GluonDecodeConfig.lazy_rescale).
 
+With `GluonDecodeConfig.producer` (opt-in) a third warpgroup of 4 warps (`_producer_partition`, 64
+registers a thread) issues every copy, q's latent part and both column halves of every tile, and
+publishes each tile on a `full` mbarrier after waiting for and fencing its copies; the compute
+warpgroups wait on that barrier instead of on their own copy groups and release each tile's stage
+on an `empty` barrier. Their KV-tile loop drops from ~650 to ~455 instructions a warp; the kernel
+is bound by those instructions' latencies (docs/kernel_notes.md, twenty-second session).
+
 Why this split and not the alternatives: docs/kernel_notes.md, "Gluon kernel for many heads".
 Shared memory, by default: q's latent part 64 KB + 4 stages x 36 KB + one 8 KB
 exchange slot each way + alpha = 225 KB, so a tile's loads are issued two tiles before it is used
@@ -52,12 +59,11 @@ __all__ = ["GluonDecodeConfig", "SMEM_LIMIT", "check_gluon_available", "mla_deco
 from attention.triton_decode import LOG2E, reduce_splits, split_outputs
 
 try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its API moves
-    import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared,
-                                                                  mbarrier, warpgroup_mma,
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
+    from attention.gluon_copies import _load_tile, _producer_partition, _tile_ids, _wait_tile
     _GLUON_ERROR: Exception | None = None
 except Exception as exc:  # noqa: BLE001 - reported by check_gluon_available when the path is used
     _GLUON_ERROR = exc
@@ -78,72 +84,6 @@ def check_gluon_available(device: torch.device) -> None:
 
 if _GLUON_ERROR is None:
     _TAU = gl.constexpr(LAZY_TAU)
-
-    @gluon.jit
-    def _tile_ids(bt_row, t0, end, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Block ids of cache rows [t0, t0 + BLOCK_N) for `_load_tile` (t0 is a BLOCK_N multiple);
-        no table entry past the sequence is read (0 instead). A tile within one page: its id, as
-        a scalar, twice; a tile over two pages: both ids, as scalars; else one id per row, in the
-        two layouts `_load_tile` copies with."""
-        if PAGE >= BLOCK_N:
-            blk = gl.load(bt_row + t0 // PAGE, mask=t0 < end, other=0)
-            return blk, blk
-        elif 2 * PAGE == BLOCK_N:
-            id0 = gl.load(bt_row + t0 // PAGE, mask=t0 < end, other=0)
-            id1 = gl.load(bt_row + t0 // PAGE + 1, mask=t0 + PAGE < end, other=0)
-            return id0, id1
-        else:
-            ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-            ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-            n_c = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_c))
-            blk_c = gl.load(bt_row + n_c // PAGE, mask=n_c < end, other=0)
-            n_r = t0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
-            blk_r = gl.load(bt_row + n_r // PAGE, mask=n_r < end, other=0)
-            return blk_c, blk_r
-
-    @gluon.jit
-    def _row_ids(ids_a, ids_b, r, PAGE: gl.constexpr, BLOCK_N: gl.constexpr, LAYOUT_B: gl.constexpr):
-        """Block id of each tile row r (0 .. BLOCK_N-1) from `_tile_ids`' pair; LAYOUT_B: the
-        per-row case's second layout (rope) instead of the first."""
-        if PAGE >= BLOCK_N:
-            return ids_a
-        elif 2 * PAGE == BLOCK_N:
-            return gl.where(r < PAGE, ids_a, ids_b)
-        elif LAYOUT_B:
-            return ids_b
-        else:
-            return ids_a
-
-    @gluon.jit
-    def _load_tile(kv_ptr, ids_a, ids_b, c_buf, r_buf, t0, end, stride_kvb, stride_kvs,
-                   W: gl.constexpr, PAGE: gl.constexpr, HALF: gl.constexpr, RH: gl.constexpr,
-                   LKV_: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Issue cp.async for cache rows [t0, t0 + BLOCK_N) of the blocks `_tile_ids` gave (rows
-        >= end zero-filled, nothing read for them): latent columns [W*HALF, +HALF) into c_buf,
-        rope [LKV_ + W*RH, +RH) into r_buf."""
-        ld_c: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [4, 1], [1, 0])
-        ld_r: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        r_c = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_c))
-        n_c = t0 + r_c
-        blk_c = _row_ids(ids_a, ids_b, r_c, PAGE, BLOCK_N, False)
-        row_c = blk_c.to(gl.int64) * stride_kvb + (n_c % PAGE).to(gl.int64) * stride_kvs
-        cols_c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_c))
-        async_copy.async_copy_global_to_shared(
-            c_buf, kv_ptr + row_c[:, None] + cols_c[None, :], mask=(n_c < end)[:, None])
-        r_r = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_r))
-        n_r = t0 + r_r
-        blk_r = _row_ids(ids_a, ids_b, r_r, PAGE, BLOCK_N, True)
-        row_r = blk_r.to(gl.int64) * stride_kvb + (n_r % PAGE).to(gl.int64) * stride_kvs
-        cols_r = LKV_ + W * RH + gl.arange(0, RH, layout=gl.SliceLayout(0, ld_r))
-        async_copy.async_copy_global_to_shared(
-            r_buf, kv_ptr + row_r[:, None] + cols_r[None, :], mask=(n_r < end)[:, None])
-
-    @gluon.jit
-    def _wait_tile(OUTSTANDING: gl.constexpr):
-        """This warpgroup's copies up to the given group are in shared memory and visible to wgmma."""
-        async_copy.wait_group(OUTSTANDING)
-        fence_async_shared()  # cp.async writes (generic proxy) before wgmma reads (async proxy)
-        gl.thread_barrier()  # every thread's copies, before any warp's wgmma
 
     @gluon.jit
     def _exchange(s_own, x_own, x_other, full_own, empty_own, full_other, empty_other, j,
@@ -196,10 +136,11 @@ if _GLUON_ERROR is None:
                       stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
                       stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                       q_lat_s, q_pe_s, c_s, r_s, x_own, x_other, a_s,
-                      full_own, empty_own, full_other, empty_other,
+                      full_own, empty_own, full_other, empty_other, kv_full, kv_empty,
                       W: gl.constexpr, PAGE: gl.constexpr, BLOCK_N: gl.constexpr,
                       STAGES: gl.constexpr, XBUF: gl.constexpr, DIRECT: gl.constexpr,
-                      HAS_POS: gl.constexpr, QPE_REGS: gl.constexpr, LAZY: gl.constexpr):
+                      HAS_POS: gl.constexpr, QPE_REGS: gl.constexpr, LAZY: gl.constexpr,
+                      PROD: gl.constexpr):
         HALF: gl.constexpr = 256
         RH: gl.constexpr = 32
         LKV_: gl.constexpr = 512
@@ -229,7 +170,8 @@ if _GLUON_ERROR is None:
         rq_c = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld_c))
         q_row_c = (b.to(gl.int64) * q_len + rq_c // H) * stride_qb + (rq_c % H) * stride_qh
         cq_c = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_c))
-        async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_row_c[:, None] + cq_c[None, :])
+        if not PROD:
+            async_copy.async_copy_global_to_shared(q_lat_s, q_ptr + q_row_c[:, None] + cq_c[None, :])
         if QPE_REGS:  # rope slice of q held in registers as QK^T's A operand (frees 8 KB)
             qpe_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
             rq_r = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, qpe_l))
@@ -242,14 +184,15 @@ if _GLUON_ERROR is None:
             cq_r = LKV_ + W * RH + gl.arange(0, RH, layout=gl.SliceLayout(0, ld_r))
             async_copy.async_copy_global_to_shared(q_pe_s, q_ptr + q_row_r[:, None] + cq_r[None, :])
             q_pe_a = q_pe_s
-        # tiles 0 .. STAGES-2 ahead; one commit group per tile (q joins tile 0's)
-        for t in gl.static_range(STAGES - 1):
-            ids_a, ids_b = _tile_ids(bt_row, start + t * BLOCK_N, end, PAGE, BLOCK_N)
-            _load_tile(kv_ptr, ids_a, ids_b, c_s.index(t), r_s.index(t), start + t * BLOCK_N, end,
-                       stride_kvb, stride_kvs, W, PAGE, HALF, RH, LKV_, BLOCK_N)
-            async_copy.commit_group()
-        # block ids one refill ahead: their load's latency passes under an iteration's work
-        ids_a, ids_b = _tile_ids(bt_row, start + (STAGES - 1) * BLOCK_N, end, PAGE, BLOCK_N)
+        if not PROD:
+            # tiles 0 .. STAGES-2 ahead; one commit group per tile (q joins tile 0's)
+            for t in gl.static_range(STAGES - 1):
+                ids_a, ids_b = _tile_ids(bt_row, start + t * BLOCK_N, end, PAGE, BLOCK_N)
+                _load_tile(kv_ptr, ids_a, ids_b, c_s.index(t), r_s.index(t), start + t * BLOCK_N, end,
+                           stride_kvb, stride_kvs, W, PAGE, HALF, RH, LKV_, BLOCK_N)
+                async_copy.commit_group()
+            # block ids one refill ahead: their load's latency passes under an iteration's work
+            ids_a, ids_b = _tile_ids(bt_row, start + (STAGES - 1) * BLOCK_N, end, PAGE, BLOCK_N)
 
         rows = pid_h * BH + gl.arange(0, BH, layout=row_l)  # (query token, head) pairs of b
         tok = b.to(gl.int64) * q_len + rows // H
@@ -261,7 +204,10 @@ if _GLUON_ERROR is None:
             visible = rows  # unused
 
         # tile 0: scores, exchange, softmax (alpha_0 = 0 scales the empty acc)
-        _wait_tile(STAGES - 2)
+        if PROD:
+            mbarrier.wait(kv_full.index(0), 0)
+        else:
+            _wait_tile(STAGES - 2)
         s0 = gl.zeros([BH, BLOCK_N], gl.float32, layout=s_layout)
         s_tok = warpgroup_mma(q_lat_s, c_s.index(0).permute((1, 0)), s0, use_acc=False, is_async=True)
         s_tok = warpgroup_mma(q_pe_a, r_s.index(0).permute((1, 0)), s_tok, is_async=True)
@@ -281,7 +227,10 @@ if _GLUON_ERROR is None:
         # j+STAGES-1 run under it; PV(j) queues behind it; the exchange and softmax of tile j+1
         # run under PV(j).
         for j in range(0, n_tiles - 1):
-            _wait_tile(STAGES - 3)  # tile j + 1 is in
+            if PROD:
+                mbarrier.wait(kv_full.index((j + 1) % STAGES), ((j + 1) // STAGES) & 1)
+            else:
+                _wait_tile(STAGES - 3)  # tile j + 1 is in
             k1 = (j + 1) % STAGES
             s_tok = warpgroup_mma(q_lat_s, c_s.index(k1).permute((1, 0)), s0, use_acc=False,
                                   is_async=True)
@@ -296,13 +245,15 @@ if _GLUON_ERROR is None:
                     acc = acc * a_s.load(gl.SliceLayout(1, o_layout))[:, None]
             else:
                 acc = acc * a_s.load(gl.SliceLayout(1, o_layout))[:, None]
-            # refill the stage of tile j-1
-            nxt = j + STAGES - 1
-            _load_tile(kv_ptr, ids_a, ids_b, c_s.index(nxt % STAGES), r_s.index(nxt % STAGES),
-                       start + nxt * BLOCK_N, end, stride_kvb, stride_kvs,
-                       W, PAGE, HALF, RH, LKV_, BLOCK_N)
-            async_copy.commit_group()
-            ids_a, ids_b = _tile_ids(bt_row, start + (nxt + 1) * BLOCK_N, end, PAGE, BLOCK_N)
+            if PROD:  # release tile j-1's stage to the producer
+                mbarrier.arrive(kv_empty.index((j + STAGES - 1) % STAGES), count=1, pred=j >= 1)
+            else:  # refill the stage of tile j-1
+                nxt = j + STAGES - 1
+                _load_tile(kv_ptr, ids_a, ids_b, c_s.index(nxt % STAGES), r_s.index(nxt % STAGES),
+                           start + nxt * BLOCK_N, end, stride_kvb, stride_kvs,
+                           W, PAGE, HALF, RH, LKV_, BLOCK_N)
+                async_copy.commit_group()
+                ids_a, ids_b = _tile_ids(bt_row, start + (nxt + 1) * BLOCK_N, end, PAGE, BLOCK_N)
             o_tok = warpgroup_mma(p_op, c_s.index(j % STAGES), acc, is_async=True)
             s = warpgroup_mma_wait(num_outstanding=1, deps=[s_tok])  # QK^T(j+1) done, PV(j) runs
             s = _exchange(s, x_own, x_other, full_own, empty_own, full_other, empty_other, j + 1,
@@ -347,8 +298,8 @@ if _GLUON_ERROR is None:
                                  stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                                  PAGE: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                  XBUF: gl.constexpr, DIRECT: gl.constexpr, HAS_POS: gl.constexpr,
-                                 QPE_REGS: gl.constexpr, LAZY: gl.constexpr,
-                                 WORKER_REGS: gl.constexpr):
+                                 QPE_REGS: gl.constexpr, LAZY: gl.constexpr, PROD: gl.constexpr,
+                                 WORKER_REGS: gl.constexpr, PROD_REGS: gl.constexpr):
         BH: gl.constexpr = 64
         HALF: gl.constexpr = 256
         RH: gl.constexpr = 32
@@ -380,26 +331,50 @@ if _GLUON_ERROR is None:
         empty0 = gl.allocate_shared_memory(gl.int64, [XBUF, 1], mbarrier.MBarrierLayout())
         full1 = gl.allocate_shared_memory(gl.int64, [XBUF, 1], mbarrier.MBarrierLayout())
         empty1 = gl.allocate_shared_memory(gl.int64, [XBUF, 1], mbarrier.MBarrierLayout())
+        kv_full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        kv_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(kv_full.index(i), count=1)
+            mbarrier.init(kv_empty.index(i), count=2)
         for i in gl.static_range(XBUF):
             mbarrier.init(full0.index(i), count=1)
             mbarrier.init(empty0.index(i), count=1)
             mbarrier.init(full1.index(i), count=1)
             mbarrier.init(empty1.index(i), count=1)
 
-        gl.warp_specialize([
-            (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
-                             qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
-                             stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
-                             stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
-                             q_lat0, q_pe0, c0, r0, x0, x1, a0, full0, empty0, full1, empty1,
-                             0, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY)),
-            (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
-                             qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
-                             stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
-                             stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
-                             q_lat1, q_pe1, c1, r1, x1, x0, a1, full1, empty1, full0, empty0,
-                             1, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY)),
-        ], [4], [WORKER_REGS])
+        if PROD:
+            gl.warp_specialize([
+                (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
+                                 qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
+                                 stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
+                                 stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                                 q_lat0, q_pe0, c0, r0, x0, x1, a0, full0, empty0, full1, empty1, kv_full, kv_empty,
+                                 0, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY, PROD)),
+                (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
+                                 qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
+                                 stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
+                                 stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                                 q_lat1, q_pe1, c1, r1, x1, x0, a1, full1, empty1, full0, empty0, kv_full, kv_empty,
+                                 1, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY, PROD)),
+                (_producer_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, H, num_splits, q_len,
+                                       stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
+                                       q_lat0, q_lat1, c0, c1, r0, r1, kv_full, kv_empty, PAGE, BLOCK_N, STAGES)),
+            ], [4, 4], [WORKER_REGS, PROD_REGS])
+        else:
+            gl.warp_specialize([
+                (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
+                                 qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
+                                 stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
+                                 stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                                 q_lat0, q_pe0, c0, r0, x0, x1, a0, full0, empty0, full1, empty1, kv_full, kv_empty,
+                                 0, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY, PROD)),
+                (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
+                                 qk_scale_log2, H, num_splits, q_len, dcp_size, dcp_rank,
+                                 stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
+                                 stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                                 q_lat1, q_pe1, c1, r1, x1, x0, a1, full1, empty1, full0, empty0, kv_full, kv_empty,
+                                 1, PAGE, BLOCK_N, STAGES, XBUF, DIRECT, HAS_POS, QPE_REGS, LAZY, PROD)),
+            ], [4], [WORKER_REGS])
 
 
 def launch_args(q, kv_cache, block_table, seq_lens, q_pos, o, lse, po_strides, plse_strides,
@@ -440,8 +415,8 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
         *launch_args(q, kv_cache, block_table, seq_lens, q_pos, po, plse, po_strides, plse_strides,
                      scale, H, num_splits, q_len, dcp_size, dcp_rank),
         PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf, DIRECT=direct,
-        HAS_POS=q_pos is not None, QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale,
-        WORKER_REGS=cfg.worker_regs, num_warps=4)
+        HAS_POS=q_pos is not None, QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale, PROD=cfg.producer,
+        WORKER_REGS=cfg.worker_regs, PROD_REGS=cfg.producer_regs, num_warps=4)
     if not direct:
         reduce_splits(po, plse, o, lse, num_splits, po_strides, plse_strides)
     return o, lse

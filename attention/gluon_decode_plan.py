@@ -25,6 +25,8 @@ class GluonDecodeConfig:
     worker_regs: int = 240  # register budget of the second warpgroup (setmaxnreg)
     q_pe_regs: bool = True  # q's rope slice in registers, not shared memory (8 KB less)
     lazy_rescale: bool = False  # rescale O only when some row's max grows by > 2^LAZY_TAU (decode_config)
+    producer: bool = False  # a third warpgroup issues every copy (gluon_decode._producer_partition)
+    producer_regs: int = 64  # its register budget (setmaxnreg; 64 compiles without spills)
     min_split_tokens: int = 64
     max_splits: int = 128
 
@@ -84,6 +86,8 @@ def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"q_pos must be [{T}], got {tuple(q_pos.shape)}")
     if cfg.block_n not in (16, 32):
         raise ValueError(f"GluonDecodeConfig.block_n must be 16 or 32, got {cfg.block_n}")
+    if cfg.producer and not cfg.q_pe_regs:
+        raise ValueError("GluonDecodeConfig.producer needs q_pe_regs=True (the compute warpgroups issue no copies)")
     if cfg.num_stages < 3:  # the loop refills tile j-1's stage while tile j+1's must be loaded
         raise ValueError(f"GluonDecodeConfig.num_stages must be >= 3, got {cfg.num_stages}")
     if cfg.smem_bytes() > SMEM_LIMIT:

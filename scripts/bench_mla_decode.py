@@ -172,7 +172,8 @@ def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float, shapes, he
                     if H % 64 == 0 and cname == "bf16":
                         cfgs.append(GluonDecodeConfig())
                         if sweep:
-                            cfgs += [GluonDecodeConfig(lazy_rescale=True),
+                            cfgs += [GluonDecodeConfig(producer=True), GluonDecodeConfig(lazy_rescale=True),
+                                     GluonDecodeConfig(producer=True, lazy_rescale=True),
                                      GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)]
                     else:
                         log.append(f"decode B={B} S={S} H={H} {cname}: --impl gluon needs H % 64 == 0 "
@@ -240,10 +241,11 @@ def _time_configs(rows, log, deadline, num_sms, sweep, B, S, H, cname, q, cache,
 def _short(cfg: dict) -> str:
     """Compact tile description: h16n32w4s2p2[r168][T][P][W][V][S][C][L][Q] (the flags: qk_t,
     prefetch_ids, warp_specialize, reload_v, stage_v, stage_c, lazy_rescale, qk_fp8); the
-    Gluon kernel's as gluon-n32s4x1[R][L] (R: q's rope slice in registers, L: lazy rescale)."""
+    Gluon kernel's as gluon-n32s4x1[R][L][P] (R: q's rope slice in registers, L: lazy rescale,
+    P: the producer warpgroup)."""
     if cfg.get("impl") == "gluon":
         return (f"gluon-n{cfg['block_n']}s{cfg['num_stages']}x{cfg['xbuf']}" + ("R" if cfg.get("q_pe_regs") else "")
-                + ("L" if cfg.get("lazy_rescale") else ""))
+                + ("L" if cfg.get("lazy_rescale") else "") + ("P" if cfg.get("producer") else ""))
     out = f"h{cfg['block_h']}n{cfg['block_n']}w{cfg['num_warps']}s{cfg['num_stages']}p{cfg['programs_per_sm']}"
     out += f"r{cfg['maxnreg']}" if cfg.get("maxnreg") else ""
     return (out + ("T" if cfg.get("qk_t") else "") + ("P" if cfg.get("prefetch_ids") else "")

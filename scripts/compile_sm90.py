@@ -70,7 +70,7 @@ def compile_report(page: int = 16, direct: bool = False, has_pos: bool = False,
     sig = {name: ty or ("*bf16" if direct else "*fp32") for name, ty in SIGNATURE}
     constexprs = dict(PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf,
                       DIRECT=bool(direct), HAS_POS=bool(has_pos), QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale,
-                      WORKER_REGS=cfg.worker_regs)
+                      PROD=cfg.producer, WORKER_REGS=cfg.worker_regs, PROD_REGS=cfg.producer_regs)
     sig.update({k: "constexpr" for k in constexprs})
     names = [n for n, _ in SIGNATURE]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
@@ -155,12 +155,15 @@ def main() -> int:
     ap.add_argument("--worker-regs", type=int, default=gd.GluonDecodeConfig.worker_regs)
     ap.add_argument("--q-pe-regs", type=int, default=int(gd.GluonDecodeConfig.q_pe_regs))
     ap.add_argument("--lazy", type=int, default=int(gd.GluonDecodeConfig.lazy_rescale))
+    ap.add_argument("--producer", type=int, default=int(gd.GluonDecodeConfig.producer))
+    ap.add_argument("--producer-regs", type=int, default=gd.GluonDecodeConfig.producer_regs)
     ap.add_argument("--dump", help="directory to write the ttgir / llir / ptx / sass into")
     args = ap.parse_args()
     print(f"triton {triton.__version__} ({triton.__file__})")
     cfg = gd.GluonDecodeConfig(block_n=args.block_n, num_stages=args.stages, xbuf=args.xbuf,
                                worker_regs=args.worker_regs, q_pe_regs=bool(args.q_pe_regs),
-                               lazy_rescale=bool(args.lazy))
+                               lazy_rescale=bool(args.lazy), producer=bool(args.producer),
+                               producer_regs=args.producer_regs)
     print(f"config {cfg}, page {args.page}, direct {bool(args.direct)}, q_pos {bool(args.has_pos)}; "
           f"planned shared memory {cfg.smem_bytes()} bytes")
     rep = compile_report(args.page, bool(args.direct), bool(args.has_pos), cfg)

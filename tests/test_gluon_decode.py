@@ -47,6 +47,8 @@ BAD_INPUTS = {
     "q_pe in shared memory with 4 stages overflows": ({}, dict(cfg=GluonDecodeConfig(q_pe_regs=False)),
                                                       "shared memory"),
     "block_n": ({}, dict(cfg=GluonDecodeConfig(block_n=64)), "block_n"),
+    "producer with q_pe in shared memory": ({}, dict(cfg=GluonDecodeConfig(producer=True, q_pe_regs=False,
+                                                                            num_stages=3)), "q_pe_regs"),
     "kv_lora_rank": ({}, dict(kv_lora_rank=448), "kv_lora_rank"),
     "q_len does not divide rows": (dict(B=3, H=64), dict(q_len=2), "q_len"),
     "q_pos shape": ({}, dict(q_pos=torch.zeros(5, dtype=torch.int32)), "q_pos"),
@@ -208,7 +210,8 @@ def _triton_36():
     (16, False, True, GluonDecodeConfig()),
     (16, False, False, GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)),
     (16, False, False, GluonDecodeConfig(block_n=16, num_stages=6)),
-    (64, False, True, GluonDecodeConfig(lazy_rescale=True))])
+    (64, False, True, GluonDecodeConfig(lazy_rescale=True)),
+    (16, False, False, GluonDecodeConfig(producer=True))])
 def test_compiles_for_sm90_without_spills(page, direct, has_pos, cfg):
     rep = _compile_module().compile_report(page, direct, has_pos, cfg)
     assert rep["error"] is None, rep["error"]
@@ -315,13 +318,24 @@ GPU_CASES["B1_S4096_H128_p64_splits64"] = lambda: check_gluon_decode([4096], 128
 # the other configurations: q's rope slice in shared memory with 3 stages; 16-row tiles
 _ALT = {"s3x2": GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False),
         "n16s6": GluonDecodeConfig(block_n=16, num_stages=6),
-        "lazy": GluonDecodeConfig(lazy_rescale=True)}
+        "lazy": GluonDecodeConfig(lazy_rescale=True),
+        "producer": GluonDecodeConfig(producer=True)}
 for _cname, _cfg in _ALT.items():
     for _name, _lens in (("B3_0_17_1000", [0, 17, 1000]), ("B1_S4096", [4096])):
         GPU_CASES[f"cfg_{_cname}_{_name}_H128_p16_splits5"] = (
             lambda lens=_lens, cfg=_cfg: check_gluon_decode(lens, 128, 16, num_splits=5, cfg=cfg))
     GPU_CASES[f"cfg_{_cname}_qlen2_H64_pos"] = (
         lambda cfg=_cfg: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, cfg=cfg))
+_PRODUCER = GluonDecodeConfig(producer=True)
+for _page in (16, 64):  # the producer-warpgroup kernel over the main shape classes too
+    GPU_CASES[f"producer_B128_mixed_H128_p{_page}_splits3"] = (
+        lambda page=_page: check_gluon_decode(_B128, 128, page, num_splits=3, cfg=_PRODUCER))
+    for _name, _lens in {**_S, **_B3}.items():
+        GPU_CASES[f"producer_{_name}_H128_p{_page}_auto"] = (
+            lambda lens=_lens, page=_page: check_gluon_decode(lens, 128, page, cfg=_PRODUCER))
+GPU_CASES["producer_qlen2_H64_dcp2_rank1"] = (
+    lambda: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, dcp=(2, 1), num_splits=4,
+                               cfg=_PRODUCER))
 
 
 def _sm90():
