@@ -23,8 +23,9 @@ columns [512 + 32 W, 512 + 32 W + 32). For each tile of BLOCK_N = 32 cache rows 
   P from registers).
 So each tile is read once per program, by the warpgroup that needs it, no FLOP is done twice,
 the only cross-warpgroup traffic is 8 KB of partial scores each way per tile, and no warpgroup
-waits for the other's loads. Per iteration j a warpgroup issues QK^T(j+1), rescales O by alpha_j
-and issues the loads of tile j+STAGES-1 while it runs, queues PV(j) behind it, then exchanges and
+waits for the other's loads (with `producer`, below, both wait for the producer's). Per iteration
+j a warpgroup issues QK^T(j+1), rescales O by alpha_j and issues the loads of tile j+STAGES-1
+(without the producer) while it runs, queues PV(j) behind it, then exchanges and
 softmaxes tile j+1 while PV(j) runs: the tensor cores wait only for the tile's arrival and for
 whatever part of the exchange + softmax is longer than PV. alpha_j goes through shared memory
 (64 floats) so that ptxas cannot hoist the 128 rescale multiplies above the QK^T issue. With

@@ -25,7 +25,7 @@ class GluonDecodeConfig:
     worker_regs: int = 240  # register budget of the second warpgroup (setmaxnreg)
     q_pe_regs: bool = True  # q's rope slice in registers, not shared memory (8 KB less)
     lazy_rescale: bool = False  # rescale O only when some row's max grows by > 2^LAZY_TAU (decode_config)
-    producer: bool = False  # a third warpgroup issues every copy (gluon_decode._producer_partition)
+    producer: bool = False  # a third warpgroup issues every copy (gluon_copies._producer_partition; >= 4 stages)
     producer_regs: int = 64  # its register budget (setmaxnreg; 64 compiles without spills)
     min_split_tokens: int = 64
     max_splits: int = 128
@@ -88,6 +88,15 @@ def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"GluonDecodeConfig.block_n must be 16 or 32, got {cfg.block_n}")
     if cfg.producer and not cfg.q_pe_regs:
         raise ValueError("GluonDecodeConfig.producer needs q_pe_regs=True (the compute warpgroups issue no copies)")
+    # with the producer, tile j+1 is published only after tile j+2 is issued into the stage of
+    # tile j+2-STAGES, which the compute warpgroups release at iteration j+3-STAGES: with 3 stages
+    # that is the iteration waiting for tile j+1 (a deadlock)
+    if cfg.producer and cfg.num_stages < 4:
+        raise ValueError(f"GluonDecodeConfig.producer needs num_stages >= 4, got {cfg.num_stages}")
+    for name in ("worker_regs", "producer_regs"):
+        regs = getattr(cfg, name)
+        if regs % 8 or not 24 <= regs <= 256:  # setmaxnreg's operand
+            raise ValueError(f"GluonDecodeConfig.{name} must be a multiple of 8 in [24, 256], got {regs}")
     if cfg.num_stages < 3:  # the loop refills tile j-1's stage while tile j+1's must be loaded
         raise ValueError(f"GluonDecodeConfig.num_stages must be >= 3, got {cfg.num_stages}")
     if cfg.smem_bytes() > SMEM_LIMIT:

@@ -1,6 +1,7 @@
 """Time GluonDecodeConfig variants of the many-heads MLA decode (attention/gluon_decode.py) side by
 side, in CUDA graphs, on bench_mla_decode's inputs (random bf16 cache, page 64, every sequence at
-S, a fresh set of caches per replay so that the cache is read from HBM).
+S; the calls rotate over sets of caches that together exceed L2, so the cache is read from HBM).
+Each config's output is compared with the first config's; a disagreement is printed.
 
   python3 scripts/bench_gluon_configs.py                       # default, lazy, producer, both
   python3 scripts/bench_gluon_configs.py --shapes 128x4096 --hot-l2   # also an L2-resident cache
@@ -49,8 +50,15 @@ def main() -> int:
         q, cache, bts, lens = decode_inputs(B, S, H)
         flops = 2 * B * S * H * (LKV + R + LKV)
         tables = [("", bts)] + ([(" L2-resident", [torch.zeros_like(bts[0])])] if args.hot_l2 else [])
+        ref = None
         for name in names:
             cfg = CONFIGS[name]
+            o, _ = mla_decode_wgmma(q, cache, bts[0], lens, 0.1, LKV, cfg=cfg)
+            if ref is None:
+                ref = o.float()
+            err = ((o.float() - ref).norm() / ref.norm()).item()
+            if err > 1e-2:
+                print(f"B={B} S={S} {name}: DISAGREES with {names[0]} (relative error {err:.3g})")
             for tag, bt_set in tables:
                 calls = [lambda bt=bt: mla_decode_wgmma(q, cache, bt, lens, 0.1, LKV, cfg=cfg) for bt in bt_set]
                 ms = graph_ms((calls * 4)[:max(4, len(calls))])

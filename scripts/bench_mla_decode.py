@@ -219,7 +219,8 @@ def _time_configs(rows, log, deadline, num_sms, sweep, B, S, H, cname, q, cache,
             # qk_fp8 rounds q to e4m3: o ~5e-2 and lse up to ~0.25 from the default on these random
             # inputs (sharp softmax; the GPU tests check it against a reference that rounds q too)
             if agree > (0.4 if getattr(cfg, "qk_fp8", False) else 1e-2):
-                log.append(f"decode B={B} S={S} H={H} {cname} {_short(vars(cfg))}/{ns} DISAGREES {agree:.3g}")
+                short = _short(vars(cfg) | ({"impl": "gluon"} if gluon else {}))
+                log.append(f"decode B={B} S={S} H={H} {cname} {short}/{ns} DISAGREES {agree:.3g}")
             tried.append(dict(agree=agree, cfg={k: v for k, v in vars(cfg).items() if k not in ("min_split_tokens",
                                                                                    "max_splits")}
                               | ({"impl": "gluon"} if gluon else {}),
