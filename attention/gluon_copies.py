@@ -16,6 +16,19 @@ except Exception as exc:  # noqa: BLE001
 
 if _ERROR is None:
     @gluon.jit
+    def _split_bounds(seq_lens_ptr, block_table_ptr, stride_btb, b, split, num_splits, BLOCK_N: gl.constexpr):
+        """(seq_len, start, end, n_tiles, block-table row) of sequence b's split: boundaries on
+        BLOCK_N multiples, so only a sequence's last tile is partial; an empty split still runs
+        one all-masked tile (no memory read: lse -inf, o 0). Shared by every partition, which must
+        agree on the tiles."""
+        seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
+        per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        start = split * per_split
+        end = gl.minimum(start + per_split, seq_len)
+        n_tiles = gl.maximum(gl.cdiv(gl.maximum(end - start, 0), BLOCK_N), 1)
+        return seq_len, start, end, n_tiles, block_table_ptr + b.to(gl.int64) * stride_btb
+
+    @gluon.jit
     def _tile_ids(bt_row, t0, end, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):
         """Block ids of cache rows [t0, t0 + BLOCK_N) for `_load_tile` (t0 is a BLOCK_N multiple);
         no table entry past the sequence is read (0 instead). A tile within one page: its id, as
@@ -99,12 +112,8 @@ if _ERROR is None:
         pid_h = gl.program_id(0)
         split = gl.program_id(1)
         b = gl.program_id(2)
-        seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
-        per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = gl.minimum(start + per_split, seq_len)
-        n_tiles = gl.maximum(gl.cdiv(gl.maximum(end - start, 0), BLOCK_N), 1)
-        bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
+        seq_len, start, end, n_tiles, bt_row = _split_bounds(seq_lens_ptr, block_table_ptr, stride_btb, b,
+                                                             split, num_splits, BLOCK_N)
         rq_c = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld_c))
         q_row_c = (b.to(gl.int64) * q_len + rq_c // H) * stride_qb + (rq_c % H) * stride_qh
         cq_c = gl.arange(0, HALF, layout=gl.SliceLayout(0, ld_c))

@@ -64,7 +64,8 @@ try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its AP
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
-    from attention.gluon_copies import _load_tile, _producer_partition, _tile_ids, _wait_tile
+    from attention.gluon_copies import (_load_tile, _producer_partition, _split_bounds, _tile_ids,
+                                       _wait_tile)
     _GLUON_ERROR: Exception | None = None
 except Exception as exc:  # noqa: BLE001 - reported by check_gluon_available when the path is used
     _GLUON_ERROR = exc
@@ -158,14 +159,8 @@ if _GLUON_ERROR is None:
         pid_h = gl.program_id(0)
         split = gl.program_id(1)
         b = gl.program_id(2)
-        seq_len = gl.load(seq_lens_ptr + b).to(gl.int32)
-        # split boundaries on BLOCK_N multiples: only a sequence's last tile is partial
-        per_split = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * per_split
-        end = gl.minimum(start + per_split, seq_len)
-        # an empty split still runs one all-masked tile (no memory read): lse -inf, o 0
-        n_tiles = gl.maximum(gl.cdiv(gl.maximum(end - start, 0), BLOCK_N), 1)
-        bt_row = block_table_ptr + b.to(gl.int64) * stride_btb
+        seq_len, start, end, n_tiles, bt_row = _split_bounds(seq_lens_ptr, block_table_ptr, stride_btb, b,
+                                                             split, num_splits, BLOCK_N)
 
         # this warpgroup's slice of q: latent [W*HALF, +HALF), rope [LKV + W*RH, +RH)
         rq_c = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld_c))
@@ -343,6 +338,7 @@ if _GLUON_ERROR is None:
             mbarrier.init(full1.index(i), count=1)
             mbarrier.init(empty1.index(i), count=1)
 
+        # the frontend takes the partitions only as literal lists: the two compute ones are spelled twice
         if PROD:
             gl.warp_specialize([
                 (_wg_partition, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
