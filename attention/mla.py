@@ -29,7 +29,8 @@ def make_attention_ops(plan: KernelPlan) -> AttentionOps:
     """The plan's AttentionOps backend (decode, prefill, context gather, KV write)."""
     if plan.attention == TRITON:
         from attention.triton_backend import TritonAttentionOps  # triton: CUDA installs only
-        return TritonAttentionOps(wgmma_min_heads=plan.decode_wgmma_min_heads, qk_fp8=plan.decode_qk_fp8)
+        return TritonAttentionOps(wgmma_min_heads=plan.decode_wgmma_min_heads, qk_fp8=plan.decode_qk_fp8,
+                                  wgmma_producer=plan.decode_wgmma_producer)
     return TorchAttentionOps(qk_fp8=plan.decode_qk_fp8)
 
 

@@ -11,6 +11,7 @@ import triton
 
 from attention import gluon_decode  # Gluon, Triton's Hopper dialect: importable without it or a GPU
 from attention.backend import check_prefill_out
+from attention.gluon_decode_plan import GluonDecodeConfig
 from attention.kv_quant import FP8_DTYPE
 from attention.triton_cache import gather_context, write_kv
 from attention.triton_decode import DecodeConfig, mla_decode
@@ -58,14 +59,16 @@ class TritonAttentionOps:
     """`kv_scale`: the per-tensor scale of an FP8 cache (attention/kv_quant.py); unused otherwise.
     `wgmma_min_heads` (the plan's decode_wgmma_min_heads): decodes of at least this many query
     heads run on the Gluon wgmma kernel (attention/gluon_decode.py); 0: never. `qk_fp8` (the plan's
-    decode_qk_fp8): over an FP8 cache the decode's QK^T runs on e4m3 operands (DecodeConfig.qk_fp8)."""
+    decode_qk_fp8): over an FP8 cache the decode's QK^T runs on e4m3 operands (DecodeConfig.qk_fp8).
+    `wgmma_producer` (the plan's decode_wgmma_producer): the Gluon decode with its producer warpgroup."""
 
     name = "triton"
 
     def __init__(self, decode_config: DecodeConfig | None = None,
                  prefill_config: PrefillConfig | None = None, kv_scale: float = 1.0, wgmma_min_heads: int = 0,
-                 qk_fp8: bool = False):
+                 qk_fp8: bool = False, wgmma_producer: bool = False):
         self.kv_scale = kv_scale
+        self.wgmma_cfg = GluonDecodeConfig(producer=True) if wgmma_producer else None
         self.qk_fp8 = qk_fp8
         self.decode_config = decode_config
         self.wgmma_min_heads = wgmma_min_heads
@@ -115,7 +118,7 @@ class TritonAttentionOps:
         kw = dict(q_len=q_len, q_pos=None if q_pos is None else q_pos.contiguous(), dcp_size=dcp_size,
                   dcp_rank=dcp_rank, num_sms=self._sm_count(q.device))
         if self.wgmma_min_heads and q.shape[1] >= self.wgmma_min_heads:
-            return _wgmma_decode(self.wgmma_min_heads, *args, **kw)
+            return _wgmma_decode(self.wgmma_min_heads, *args, **kw, cfg=self.wgmma_cfg)
         return mla_decode(*args, **kw, cfg=self.decode_config, kv_scale=self.kv_scale, qk_fp8=self.qk_fp8)
 
     def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):

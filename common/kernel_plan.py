@@ -147,6 +147,10 @@ CHOICES: tuple[Choice, ...] = (
     # decode_fuse_q_kv and argmax=triton: on by default since the H200's graph profile of V2-Lite
     # decode (scripts/profile_graphs.py, with moe_sum_in_norm) put TPOT at batch 1 / 8 / 32 / 128 at
     # 2.187 / 5.472 / 8.456 / 10.200 ms with both against 2.210 / 5.570 / 8.546 / 10.324 without
+    Choice("decode_wgmma_producer", (bool,), "with decode_wgmma_min_heads, a third warpgroup of the Gluon decode "
+           "issues every copy (GluonDecodeConfig.producer, attention/gluon_copies.py); opt-in: on the H200 at 128 "
+           "heads, S 4096, B 8 / 32 / 128: 36.6 / 104.3 / 377.2 us against 38.9 / 111.8 / 396.8 (S 16k, B 128: "
+           "1,529 against 1,501)", ("attention.gluon_copies",), triton=False, torch=False),
     Choice("decode_fuse_q_kv", (bool,), "pure decode steps run absorb_q and kv_finish (the new tokens' cache "
            "rows) as one launch (attention/triton_absorb.py absorb_q_kv_finish): one kernel fewer per layer; "
            "needs absorb and finish_kv triton", ("attention.triton_absorb",), triton=True, torch=False,
@@ -204,6 +208,7 @@ class KernelPlan:
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False
     decode_wgmma_min_heads: int = 0
+    decode_wgmma_producer: bool = False
     decode_fuse_q_kv: bool = False
     decode_qk_fp8: bool = False
     pdl: bool = False

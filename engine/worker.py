@@ -112,6 +112,10 @@ class Worker:
                                  f"launch needs an sm_90+ GPU (Hopper or newer), not {self.device}; leave {key} at 0")
         use_pdl(self.plan.pdl)
         use_fast_launch(self.plan.launch == "fast")
+        if self.plan.decode_wgmma_producer and not self.plan.decode_wgmma_min_heads:
+            raise ValueError("--kernels ...,decode_wgmma_producer=1 configures the Gluon decode, which this plan does "
+                             "not use (decode_wgmma_min_heads=0): set decode_wgmma_min_heads, or leave "
+                             "decode_wgmma_producer at 0")
         if self.plan.decode_qk_fp8 and not is_fp8(self.cache_dtype):
             raise ValueError(f"--kernels ...,decode_qk_fp8=1 rounds q for QK^T over an FP8 latent cache; this one is "
                              f"{self.cache_dtype} (--kv-cache-dtype fp8, or leave decode_qk_fp8 at 0)")

@@ -121,6 +121,29 @@ def test_plan_setting_routes_many_heads_to_the_gluon_decode(monkeypatch):
     assert calls == ["triton", "gluon", "gluon", "triton"]
 
 
+def test_plan_setting_selects_the_producer_warpgroup(monkeypatch, tmp_path):
+    """`--kernels ...,decode_wgmma_producer=1` reaches mla_decode_wgmma as GluonDecodeConfig(producer=True)
+    (recorded: the kernel does not run on the CPU); off by default; refused without the Gluon decode."""
+    from attention.mla import make_attention_ops
+    from common.kernel_plan import KernelPlan, parse_kernels
+    assert parse_kernels("triton,decode_wgmma_producer=1")[1] == {"decode_wgmma_producer": True}
+    seen = []
+    monkeypatch.setattr(gd, "mla_decode_wgmma",
+                        lambda q, *a, cfg=None, **kw: (seen.append(cfg), torch.zeros(q.shape[0], q.shape[1], LKV),
+                                                       torch.zeros(q.shape[0], q.shape[1]))[1:])
+    for producer in (False, True):
+        ops = make_attention_ops(KernelPlan(attention="triton", decode_wgmma_min_heads=64,
+                                            decode_wgmma_producer=producer))
+        ops.decode(*_args(H=128), 0.1, LKV)
+    assert seen[0] is None and seen[1] == GluonDecodeConfig(producer=True)
+    from tiny_models import make_model
+
+    from engine import LLM
+    make_model(tmp_path, "v3", qk_rope_head_dim=16)
+    with pytest.raises(ValueError, match=r"decode_wgmma_producer=1 .*decode_wgmma_min_heads"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", kernels="torch,decode_wgmma_producer=1", num_kv_blocks=64)
+
+
 def test_gluon_decode_refusal_names_the_plan_setting(monkeypatch):
     """A decode the plan sends to the Gluon kernel and that it cannot run (here: an FP8 cache, then
     the CPU) raises naming decode_wgmma_min_heads and the value that avoids it."""
