@@ -42,16 +42,20 @@ def _last_contiguous(t: torch.Tensor) -> torch.Tensor:
 def _wgmma_decode(min_heads: int, *args, **kw):
     """The Gluon wgmma decode; its refusals (cache dtype, widths, heads, GPU) name the plan
     setting that sent the call there and the one that avoids it, and any failure (a compile
-    error among them) is charged to that setting in the kernel plan's message."""
+    error among them) is charged to that setting in the kernel plan's message; with the producer
+    warpgroup (decode_wgmma_producer=1) to that one, whose 0 avoids the variant."""
+    producer = kw.get("cfg") is not None and kw["cfg"].producer
+    key = "decode_wgmma_producer" if producer else "decode_wgmma_min_heads"
     try:
         return gluon_decode.mla_decode_wgmma(*args, **kw)
     except (ValueError, RuntimeError) as e:
+        avoid = ("decode_wgmma_producer=0 runs the kernel without it, " if producer else "")
         err = type(e)(f"{e} (--kernels ...,decode_wgmma_min_heads={min_heads} sent this decode of "
-                      f"{args[0].shape[1]} heads there; decode_wgmma_min_heads=0 avoids it)")
-        err.plan_key = "decode_wgmma_min_heads"
+                      f"{args[0].shape[1]} heads there; {avoid}decode_wgmma_min_heads=0 avoids it)")
+        err.plan_key = key
         raise err from e
     except Exception as e:
-        e.plan_key = "decode_wgmma_min_heads"
+        e.plan_key = key
         raise
 
 

@@ -144,6 +144,19 @@ def test_plan_setting_selects_the_producer_warpgroup(monkeypatch, tmp_path):
         LLM(str(tmp_path), device="cpu", dtype="float32", kernels="torch,decode_wgmma_producer=1", num_kv_blocks=64)
 
 
+def test_producer_failure_names_its_plan_setting(monkeypatch):
+    """A failure of the producer variant names decode_wgmma_producer=0 and is charged to that key."""
+    from attention.triton_backend import TritonAttentionOps
+
+    def fail(*a, **k):
+        raise RuntimeError("compile failed")
+    monkeypatch.setattr(gd, "mla_decode_wgmma", fail)
+    ops = TritonAttentionOps(wgmma_min_heads=64, wgmma_producer=True)
+    with pytest.raises(RuntimeError, match=r"compile failed.*decode_wgmma_producer=0 runs the kernel without it") as info:
+        ops.decode(*_args(H=64), 0.1, LKV)
+    assert info.value.plan_key == "decode_wgmma_producer"
+
+
 def test_gluon_decode_refusal_names_the_plan_setting(monkeypatch):
     """A decode the plan sends to the Gluon kernel and that it cannot run (here: an FP8 cache, then
     the CPU) raises naming decode_wgmma_min_heads and the value that avoids it."""
