@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from attention import gluon_decode  # Gluon, Triton's Hopper dialect: importable without it or a GPU
+from attention import gluon_decode, gluon_decode_fp8  # Gluon, Triton's Hopper dialect: importable without it or a GPU
 from attention.backend import check_prefill_out
 from attention.gluon_decode_plan import GluonDecodeConfig
 from attention.kv_quant import FP8_DTYPE
@@ -59,19 +59,37 @@ def _wgmma_decode(min_heads: int, *args, **kw):
         raise
 
 
+def _fp8_wgmma_decode(*args, **kw):
+    """The Gluon FP8-cache decode (the plan's decode_fp8_wgmma); any failure names that setting and is
+    charged to it in the kernel plan's message."""
+    try:
+        return gluon_decode_fp8.mla_decode_fp8_wgmma(*args, **kw)
+    except (ValueError, RuntimeError) as e:
+        err = type(e)(f"{e} (--kernels ...,decode_fp8_wgmma=1 sent this decode of {args[0].shape[1]} heads there; "
+                      f"decode_fp8_wgmma=0 avoids it)")
+        err.plan_key = "decode_fp8_wgmma"
+        raise err from e
+    except Exception as e:
+        e.plan_key = "decode_fp8_wgmma"
+        raise
+
+
 class TritonAttentionOps:
     """`kv_scale`: the per-tensor scale of an FP8 cache (attention/kv_quant.py); unused otherwise.
     `wgmma_min_heads` (the plan's decode_wgmma_min_heads): decodes of at least this many query
     heads run on the Gluon wgmma kernel (attention/gluon_decode.py); 0: never. `qk_fp8` (the plan's
     decode_qk_fp8): over an FP8 cache the decode's QK^T runs on e4m3 operands (DecodeConfig.qk_fp8).
-    `wgmma_producer` (the plan's decode_wgmma_producer): the Gluon decode with its producer warpgroup."""
+    `wgmma_producer` (the plan's decode_wgmma_producer): the Gluon decode with its producer warpgroup.
+    `fp8_wgmma` (the plan's decode_fp8_wgmma): decodes over an FP8 cache run on the Gluon e4m3 kernel
+    (attention/gluon_decode_fp8.py)."""
 
     name = "triton"
 
     def __init__(self, decode_config: DecodeConfig | None = None,
                  prefill_config: PrefillConfig | None = None, kv_scale: float = 1.0, wgmma_min_heads: int = 0,
-                 qk_fp8: bool = False, wgmma_producer: bool = False):
+                 qk_fp8: bool = False, wgmma_producer: bool = False, fp8_wgmma: bool = False):
         self.kv_scale = kv_scale
+        self.fp8_wgmma = fp8_wgmma
         self.wgmma_cfg = GluonDecodeConfig(producer=True) if wgmma_producer else None
         self.qk_fp8 = qk_fp8
         self.decode_config = decode_config
@@ -123,6 +141,8 @@ class TritonAttentionOps:
                   dcp_rank=dcp_rank, num_sms=self._sm_count(q.device))
         if self.wgmma_min_heads and q.shape[1] >= self.wgmma_min_heads:
             return _wgmma_decode(self.wgmma_min_heads, *args, **kw, cfg=self.wgmma_cfg)
+        if self.fp8_wgmma and kv_cache.dtype == FP8_DTYPE:
+            return _fp8_wgmma_decode(*args, **kw, kv_scale=self.kv_scale)
         return mla_decode(*args, **kw, cfg=self.decode_config, kv_scale=self.kv_scale, qk_fp8=self.qk_fp8)
 
     def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):

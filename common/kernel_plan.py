@@ -151,6 +151,11 @@ CHOICES: tuple[Choice, ...] = (
            "issues every copy (GluonDecodeConfig.producer, attention/gluon_copies.py); opt-in: on the H200 at 128 "
            "heads, S 4096, B 8 / 32 / 128: 36.6 / 104.3 / 377.2 us against 38.9 / 111.8 / 396.8 (S 16k, B 128: "
            "1,529 against 1,501)", ("attention.gluon_copies",), triton=False, torch=False),
+    Choice("decode_fp8_wgmma", (bool,), "with --kv-cache-dtype fp8, the MLA decode on the Gluon e4m3-wgmma kernel "
+           "(attention/gluon_decode_fp8.py: sm_90, bf16 model, kv_lora_rank 512, rope 64, heads x query tokens a "
+           "multiple of 16, Triton 3.6): the cache's bytes are the products' operands, never converted, instead of "
+           "the Triton kernel's conversions to fp16", ("attention.gluon_decode_fp8",), triton=False, torch=False,
+           triton_help="1 where all of that holds, else 0"),
     Choice("decode_fuse_q_kv", (bool,), "pure decode steps run absorb_q and kv_finish (the new tokens' cache "
            "rows) as one launch (attention/triton_absorb.py absorb_q_kv_finish): one kernel fewer per layer; "
            "needs absorb and finish_kv triton", ("attention.triton_absorb",), triton=True, torch=False,
@@ -209,6 +214,7 @@ class KernelPlan:
     fp8_gemm_splitk: bool = False
     decode_wgmma_min_heads: int = 0
     decode_wgmma_producer: bool = False
+    decode_fp8_wgmma: bool = False
     decode_fuse_q_kv: bool = False
     decode_qk_fp8: bool = False
     pdl: bool = False
@@ -302,7 +308,7 @@ def _value(c: Choice, s: str):
 
 def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name: str,
                  grouped_mm: bool, mla_dims_ok: bool, wgmma_fit: bool = False,
-                 hopper: bool = False) -> tuple[KernelPlan, list[str]]:
+                 hopper: bool = False, fp8_wgmma_fit: bool = False) -> tuple[KernelPlan, list[str]]:
     """The plan for `--kernels spec` on this device; returns (plan, notes for the log).
 
     auto is triton on CUDA, torch elsewhere. With base triton: torch's grouped GEMM only where it
@@ -311,7 +317,9 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
     (`mla_dims_ok`), else attention, finish_kv and absorb stay torch under auto; decodes of 64 or
     more heads on the Gluon wgmma kernel where this model, its dtypes and the GPU fit it
     (`wgmma_fit`: attention/gluon_decode_plan.py's engine_fit_problem finds nothing) and attention
-    is triton; PDL in the small decode graphs (pdl_graph_max_batch) on sm_90+ GPUs (`hopper`) when
+    is triton; decodes over an FP8 cache on the Gluon e4m3 kernel where it fits (`fp8_wgmma_fit`:
+    attention/gluon_decode_fp8.py's engine_fit_problem finds nothing) and attention is triton, unless
+    decode_qk_fp8 (a Triton-kernel option) is set; PDL in the small decode graphs (pdl_graph_max_batch) on sm_90+ GPUs (`hopper`) when
     attention is triton. `--attention-backend` sets the attention key (finish_kv and absorb follow it unless
     set).
     """
@@ -348,6 +356,9 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
         values["moe_sum_in_norm"] = False
     if base == TRITON and wgmma_fit and values["attention"] == TRITON and "decode_wgmma_min_heads" not in over:
         values["decode_wgmma_min_heads"] = WGMMA_MIN_HEADS
+    if (base == TRITON and fp8_wgmma_fit and values["attention"] == TRITON and "decode_fp8_wgmma" not in over
+            and not values["decode_qk_fp8"]):
+        values["decode_fp8_wgmma"] = True
     if base == TRITON and hopper and values["attention"] == TRITON and "pdl_graph_max_batch" not in over:
         values["pdl_graph_max_batch"] = PDL_GRAPH_MAX_BATCH
     for key in ("finish_kv", "absorb"):

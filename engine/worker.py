@@ -48,7 +48,8 @@ def make_kernel_plan(args: EngineArgs, cfg: ModelConfig, device: torch.device,
                                hasattr(torch, "_grouped_mm"),
                                cfg.kv_lora_rank >= 16 and cfg.qk_rope_head_dim >= 16,
                                wgmma_fit(cfg, device, dtype, cache_dtype),
-                               device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0))
+                               device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0),
+                               fp8_wgmma_problem(cfg, device, dtype, cache_dtype) is None)
     for note in notes:
         log.warning(note)
     return plan
@@ -67,6 +68,17 @@ def wgmma_fit(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, cache_
     if problem is not None and pd.tp().rank == 0:
         log.info("the Gluon wgmma decode does not fit decodes of %d heads here: %s", heads, problem)
     return problem is None
+
+
+def fp8_wgmma_problem(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                      cache_dtype: torch.dtype) -> str | None:
+    """Why this rank's decodes cannot run on the Gluon FP8-cache decode (the kernel plan's
+    decode_fp8_wgmma), or None: a CUDA device and attention/gluon_decode_fp8.py's checks."""
+    if device.type != "cuda" or not is_fp8(cache_dtype):
+        return "it needs a CUDA device and --kv-cache-dtype fp8"
+    from attention.gluon_decode_fp8 import engine_fit_problem
+    heads = cfg.num_attention_heads // pd.tp().size * pd.dcp().size
+    return engine_fit_problem(device, dtype, cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, heads)
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
@@ -116,6 +128,13 @@ class Worker:
             raise ValueError("--kernels ...,decode_wgmma_producer=1 configures the Gluon decode, which this plan does "
                              "not use (decode_wgmma_min_heads=0): set decode_wgmma_min_heads, or leave "
                              "decode_wgmma_producer at 0")
+        if self.plan.decode_fp8_wgmma:
+            problem = fp8_wgmma_problem(cfg, self.device, self.dtype, self.cache_dtype)
+            if problem is not None:
+                raise ValueError(f"--kernels ...,decode_fp8_wgmma=1: {problem}; leave decode_fp8_wgmma at 0")
+            if self.plan.decode_qk_fp8:
+                raise ValueError("--kernels ...,decode_qk_fp8=1 is an option of the Triton FP8 decode, which "
+                                 "decode_fp8_wgmma=1 replaces: set one of them")
         if self.plan.decode_qk_fp8 and not is_fp8(self.cache_dtype):
             raise ValueError(f"--kernels ...,decode_qk_fp8=1 rounds q for QK^T over an FP8 latent cache; this one is "
                              f"{self.cache_dtype} (--kv-cache-dtype fp8, or leave decode_qk_fp8 at 0)")

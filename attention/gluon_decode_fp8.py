@@ -1,0 +1,487 @@
+"""Paged split-KV MLA decode over an FP8 latent cache on Hopper's e4m3 tensor cores, in Gluon.
+
+Same contract as `attention.triton_decode.mla_decode` (notation in its docstring, DESIGN.md §4)
+for a cache of e4m3 bytes with one per-tensor scale (attention/kv_quant.py): q `[B*q_len, H, 576]`
+bf16, o `[T, H, 512]` bf16, lse `[T, H]` fp32; splits merged by `triton_decode.reduce_splits`.
+Scope: q_len * H a multiple of 16, the DeepSeek widths 512 + 64, sm_90 only, written against
+Triton 3.6's Gluon. `bench_mla_decode.py --impl gluon-fp8` times it.
+
+Why Gluon and this shape: Hopper's only e4m3 MMA is wgmma (its mma.sync on e4m3 is emulated by
+ptxas: both operands converted to fp16, two HMMAs), and wgmma wants both e4m3 operands K-major.
+The Triton kernels convert the cache's bytes to fp16 for every product and lose to the bf16
+cache (docs/kernel_notes.md). Here no cache value is ever converted:
+
+- One program = 16 query rows ((token, head) pairs of one sequence) x one split, one warpgroup.
+  Tiles of BLOCK_N = 64 cache rows are copied as bytes (cp.async) into NUM_STAGES shared buffers.
+- QK^T runs transposed, tokens as wgmma's M: S^T [64 x 32] = tile [64 x 576] . [q_hi ; q_lo]^T.
+  Each query row is scaled to e4m3's range (sq = amax / 448) and written as two e4m3 terms,
+  q ~ sq (hi + lo) with lo = e4m3(q / sq - hi): a relative error near 2^-8 (bf16's) instead of
+  e4m3's 2^-4. Both terms share one wgmma (N = 2 x 16) and the two halves of its accumulator
+  are added in registers.
+- The online softmax runs over the tile's tokens (axis 0 of S^T).
+- PV runs transposed too: O^T [512 x 16] += V^T [512 x 64] . P'^T with P' = 256 P written as
+  e4m3 hi + residual (the same two-term form, p' <= 256 < 448) into shared memory as the K-major
+  B operand, two wgmmas into one accumulator. V^T is the A operand from registers: wgmma wants
+  4 consecutive tokens of one latent column in each register, the tile holds 4 consecutive
+  latent columns of one token. So each thread loads 16 consecutive latent bytes of each of its
+  16 tokens (16-byte shared loads) and Triton transposes them in registers (byte permutes). For
+  that the 512 rows of O^T are in a permuted order (`_PERM_DIMS`: each thread's 16 rows are
+  16 consecutive latent columns), undone when O is stored.
+
+The scales fold out: scores = (sq . qk_scale) * S^T per head column (qk_scale = softmax scale x
+kv scale x log2 e), o = O^T * kv_scale / 256 / l.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from attention.decode_config import DecodeConfig, choose_num_splits
+from attention.triton_decode import LOG2E, reduce_splits, split_outputs
+
+LKV, R = 512, 64  # the widths the kernel is written for (every DeepSeek MLA model)
+BLOCK_H = 16  # query rows per program: the N of both wgmmas
+BLOCK_N = 64  # cache rows per tile: wgmma's M for QK^T, its K (two steps of 32) for PV
+# lazy_rescale's threshold (log2 domain): smaller than the Triton decode's (decode_config.LAZY_TAU =
+# 8) because P is written as e4m3 (<= 448): p <= 2^4 leaves P room for a factor 2^4, which keeps
+# small p in e4m3's normal range
+LAZY_TAU = 4.0
+OPTION = "the Gluon FP8-cache decode (--kernels ...,decode_fp8_wgmma=0 avoids it)"
+SMEM_LIMIT = 227 * 1024
+
+try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its API moves
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from attention.gluon_copies import _split_bounds
+    _GLUON_ERROR: Exception | None = None
+except Exception as exc:  # noqa: BLE001 - reported by check_available when the path is used
+    _GLUON_ERROR = exc
+
+
+@dataclass(frozen=True)
+class Fp8DecodeConfig:
+    num_stages: int = 2  # tiles in shared memory; 2 leaves room for 2 programs per SM
+    lazy_rescale: bool = False  # rescale O only when a column's max grows by > 2^LAZY_TAU
+    qk_promote: int = 256  # QK^T's e4m3 products summed in fp32 every this many K (wgmma's own sum is
+    #                      of reduced precision); 0: one wgmma chain over K = 576
+    vt_early: bool = False  # load V^T's fragment under QK^T instead of after the softmax
+    programs_per_sm: int = 2  # for the split heuristic (smem_bytes() must allow it)
+    min_split_tokens: int = 128
+    max_splits: int = 128
+
+    def p_scale(self) -> float:
+        """P's factor before it is written as e4m3: p <= 2^LAZY_TAU (lazy) or 1, times this <= 256."""
+        return 2.0 ** (8 - LAZY_TAU) if self.lazy_rescale else 256.0
+
+    def smem_bytes(self) -> int:
+        """Shared memory per program: the KV stages, q's two terms, P's two terms (plus Triton's
+        scratch for the cross-warp reductions, not counted)."""
+        return (self.num_stages * BLOCK_N * (LKV + R) + 2 * BLOCK_H * (LKV + R) + 2 * BLOCK_H * BLOCK_N)
+
+    def split_config(self) -> DecodeConfig:
+        return DecodeConfig(block_h=BLOCK_H, block_n=BLOCK_N, num_warps=4, num_stages=self.num_stages,
+                            programs_per_sm=self.programs_per_sm, min_split_tokens=self.min_split_tokens,
+                            max_splits=self.max_splits)
+
+
+def check_available(device: torch.device) -> None:
+    """Raise naming the option when this path cannot run: no Gluon, no CUDA, not sm_90."""
+    if _GLUON_ERROR is not None:
+        raise RuntimeError(f"{OPTION} needs Triton's Gluon dialect, whose import failed: {_GLUON_ERROR!r}")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(f"{OPTION} runs on CUDA sm_90 only (got device {device})")
+    cap = torch.cuda.get_device_capability(device)
+    if cap != (9, 0):
+        raise RuntimeError(f"{OPTION} needs an sm_90 GPU (e4m3 wgmma), got sm_{cap[0]}{cap[1]}")
+
+
+def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, kv_lora_rank: int, q_len: int,
+                    q_pos: torch.Tensor | None, cfg: Fp8DecodeConfig) -> None:
+    """The kernel's limits, each failure a ValueError naming the argument and the limit."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B*q_len, H, {LKV + R}], got shape {tuple(q.shape)}")
+    T, H, D = q.shape
+    if kv_lora_rank != LKV or D != LKV + R:
+        raise ValueError(f"kv_lora_rank must be {LKV} and q's last dim {LKV + R} (got {kv_lora_rank}, {D})")
+    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"q must be bfloat16 and kv_cache float8_e4m3fn (got {q.dtype}, {kv_cache.dtype})")
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != LKV + R:
+        raise ValueError(f"kv_cache must be [num_blocks, page, {LKV + R}], got {tuple(kv_cache.shape)}")
+    page = kv_cache.shape[1]
+    if page < 1 or page & (page - 1):
+        raise ValueError(f"the cache page size must be a power of two, got {page}")
+    if q_len < 1 or T % q_len:
+        raise ValueError(f"q_len must be >= 1 and divide q's {T} rows, got {q_len}")
+    if (q_len * H) % BLOCK_H:
+        raise ValueError(f"q_len * heads must be a multiple of {BLOCK_H}, got {q_len} * {H}")
+    B = T // q_len
+    if seq_lens.shape != (B,) or block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"seq_lens must be [{B}] and block_table [{B}, width], got "
+                         f"{tuple(seq_lens.shape)} and {tuple(block_table.shape)}")
+    if block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
+    if q.stride(2) != 1 or kv_cache.stride(2) != 1 or block_table.stride(1) != 1:
+        raise ValueError("q, kv_cache and block_table must be contiguous in their last dim")
+    # cp.async moves 16 bytes a thread: the cache's rows must start on 16-byte boundaries
+    if kv_cache.data_ptr() % 16 or any(st % 16 for st in kv_cache.stride()[:2]):
+        raise ValueError(f"kv_cache must be 16-byte aligned with its first two strides multiples of 16 "
+                         f"(got strides {kv_cache.stride()}, address % 16 = {kv_cache.data_ptr() % 16})")
+    if q_pos is not None and q_pos.shape != (T,):
+        raise ValueError(f"q_pos must be [{T}], got {tuple(q_pos.shape)}")
+    if cfg.num_stages < 2:
+        raise ValueError(f"Fp8DecodeConfig.num_stages must be >= 2, got {cfg.num_stages}")
+    if cfg.smem_bytes() > SMEM_LIMIT // cfg.programs_per_sm:
+        raise ValueError(f"Fp8DecodeConfig needs {cfg.smem_bytes()} bytes of shared memory a program, "
+                         f"more than {SMEM_LIMIT // cfg.programs_per_sm} for {cfg.programs_per_sm} a SM")
+
+
+GLUON_TRITON = "3.6"  # the Triton release whose Gluon API the kernel is written against
+
+
+def engine_fit_problem(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
+                       kv_lora_rank: int, rope_dim: int, decode_heads: int) -> str | None:
+    """Why this decode cannot serve an engine (the model's widths and dtypes, the cache, the
+    decode's heads per rank, the GPU, Triton's Gluon), or None where it can."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return f"the Gluon FP8 decode reads an FP8 cache (--kv-cache-dtype fp8), this one is {cache_dtype}"
+    if kv_lora_rank != LKV or rope_dim != R:
+        return (f"the Gluon FP8 decode is written for kv_lora_rank {LKV} and qk_rope_head_dim {R}, "
+                f"this model has {kv_lora_rank} and {rope_dim}")
+    if dtype != torch.bfloat16:
+        return f"the Gluon FP8 decode needs a bf16 model (--dtype), got {dtype}"
+    if decode_heads % BLOCK_H:
+        return f"the Gluon FP8 decode tiles 16 query rows, this rank decodes {decode_heads} heads"
+    import triton
+    if not triton.__version__.startswith(GLUON_TRITON):
+        return (f"the Gluon FP8 decode is written against Triton {GLUON_TRITON}'s Gluon dialect, which changes "
+                f"between releases; this is Triton {triton.__version__}")
+    try:
+        check_available(device)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+# The V^T fragment (module docstring). O^T's row r (the wgmma's M) holds latent column PERM(r):
+# with r's bits (MSB first) i2 i1 i0 w1 w0 h g2 g1 g0 - i: the 64-row wgmma, w: the warp, h: the
+# upper 8 rows of a warp's 16, g: the lane's row - PERM(r) has the bits w1 w0 g2 g1 g0 i2 i1 i0 h,
+# so that the 16 rows (i, h) of a thread are 16 consecutive columns.
+def perm_rows(r: torch.Tensor) -> torch.Tensor:
+    """PERM for the torch side (tests): latent column of O^T's row r."""
+    return ((r >> 3) & 1) | (((r >> 6) & 7) << 1) | ((r & 7) << 4) | (((r >> 4) & 3) << 7)
+
+
+if _GLUON_ERROR is None:
+    # the tile transposed, [512 latent columns, 64 tokens], as each thread loads it: 16 consecutive
+    # columns (16 bytes) of each of 16 tokens; lanes: tokens 4t (t = lane % 4) and column blocks
+    # 16 g (g = lane // 4); warps: 128-column quarters
+    _VT_LOAD = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [4, 0], [8, 0], [0, 1], [0, 2], [0, 16], [0, 32]],
+        lane_bases=[[0, 4], [0, 8], [16, 0], [32, 0], [64, 0]],
+        warp_bases=[[128, 0], [256, 0]], block_bases=[], shape=[LKV, BLOCK_N]))
+    # the same elements in the registers' order of wgmma's A fragment (4 consecutive tokens per
+    # 32-bit register): converting _VT_LOAD to it moves bytes within each thread only
+    _VT_REGS = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [1, 0], [0, 16], [0, 32], [2, 0], [4, 0], [8, 0]],
+        lane_bases=[[0, 4], [0, 8], [16, 0], [32, 0], [64, 0]],
+        warp_bases=[[128, 0], [256, 0]], block_bases=[], shape=[LKV, BLOCK_N]))
+
+    @gluon.constexpr_function
+    def _copy_layout(NP, RP, W):
+        """cp.async layout of a tile's [NP pages, RP rows, W bytes] view: 16 bytes a thread, lanes
+        along the row first, then rows, then pages; warps along rows, then pages."""
+        NP, RP, W = (gl._unwrap_if_constexpr(x) for x in (NP, RP, W))
+        lanes_c = min(32, W // 16)
+        lanes_r = min(32 // lanes_c, RP)
+        warps_r = min(4, max(1, RP // lanes_r))
+        return gl.BlockedLayout([1, 1, 16], [32 // lanes_c // lanes_r, lanes_r, lanes_c], [4 // warps_r, warps_r, 1],
+                                [2, 1, 0])
+
+    @gluon.jit
+    def _page_ids(bt_row, t0, end, PAGE: gl.constexpr, BN: gl.constexpr):
+        """Block ids of the pages of cache rows [t0, t0 + BN) (t0 a BN multiple): [NP] (NP =
+        BN // PAGE, or 1 when a page holds the tile), 0 for pages past `end` (not read)."""
+        NP: gl.constexpr = BN // PAGE if PAGE < BN else 1
+        RP: gl.constexpr = PAGE if PAGE < BN else BN
+        id_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, _copy_layout(NP, RP, 512)))
+        pg = gl.arange(0, NP, layout=id_l)
+        return gl.load(bt_row + t0 // PAGE + pg, mask=t0 + pg * RP < end, other=0)
+
+    @gluon.jit
+    def _copy_part(kv_ptr, ids, dst, t0, end, stride_kvb, stride_kvs, PAGE: gl.constexpr,
+                   NP: gl.constexpr, RP: gl.constexpr, COL0: gl.constexpr, W: gl.constexpr):
+        """cp.async of columns [COL0, COL0 + W) of the tile's rows into dst, viewed as [NP, RP, W]."""
+        ld: gl.constexpr = _copy_layout(NP, RP, W)
+        pg = gl.arange(0, NP, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld)))
+        rr = gl.arange(0, RP, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld)))
+        cc = COL0 + gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld)))
+        base = gl.convert_layout(ids, gl.SliceLayout(1, gl.SliceLayout(2, ld))).to(gl.int64) * stride_kvb
+        rows = (t0 % PAGE + rr) * stride_kvs  # t0 % PAGE: 0 unless a page holds several tiles
+        ptrs = kv_ptr + base[:, None, None] + rows[None, :, None] + cc[None, None, :]
+        valid = (t0 + pg[:, None] * RP + rr[None, :] < end)[:, :, None]
+        async_copy.async_copy_global_to_shared(dst.reshape([NP, RP, W]), ptrs, mask=valid)
+
+    @gluon.jit
+    def _copy_tile(kv_ptr, ids, c_buf, r_buf, t0, end, stride_kvb, stride_kvs,
+                   PAGE: gl.constexpr, BN: gl.constexpr):
+        """cp.async of cache rows [t0, t0 + BN) into c_buf [BN, 512] and r_buf [BN, 64] (rows >= end
+        zero-filled, not read), 16 bytes a thread. The tile is viewed as [NP pages, RP rows]: each
+        thread's page bases come from `ids` (`_page_ids`); its rows' offsets within a page are the
+        same every tile."""
+        NP: gl.constexpr = BN // PAGE if PAGE < BN else 1
+        RP: gl.constexpr = PAGE if PAGE < BN else BN
+        _copy_part(kv_ptr, ids, c_buf, t0, end, stride_kvb, stride_kvs, PAGE, NP, RP, 0, 512)
+        _copy_part(kv_ptr, ids, r_buf, t0, end, stride_kvb, stride_kvs, PAGE, NP, RP, 512, 64)
+
+    @gluon.jit
+    def _e4m3_round(x):
+        """x (fp32, |x| <= 448) rounded to the nearest e4m3 value, ties to even, as fp32. In fp32
+        arithmetic, not by converting to e4m3 and back: Triton 3.6's e4m3 -> fp32 conversion gave
+        wrong values here on the H200 (some elements read another's value)."""
+        ax = gl.abs(x)
+        bits = ax.to(gl.int32, bitcast=True)
+        # normal e4m3 (>= 2^-6): 3 of fp32's 23 mantissa bits kept, ties to even
+        norm = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(gl.float32, bitcast=True)
+        # subnormal (< 2^-6): multiples of 2^-9, by the round-to-integer of adding 1.5 * 2^23
+        sub = ((ax * 512.0 + 12582912.0) - 12582912.0) * 0.001953125
+        r = gl.where(ax < 0.015625, sub, norm)
+        return gl.where(x < 0, -r, r)
+
+    # the per-column maxima of the 4 warps, [warp, column], as each thread reads them back: the 4
+    # warps in registers, the columns as in a column vector of S^T (SliceLayout(0, s_l))
+    _WMAX = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 8], [1, 0], [2, 0]], lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+        warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, BLOCK_H]))
+
+    @gluon.jit
+    def _column_max(s, red_s, col_l: gl.constexpr):
+        """max over the 64 rows of S^T [64, 16] (one warp a 16-row band): within each warp by
+        shuffles, then the 4 warps' maxima through shared memory with one barrier (Triton's own
+        cross-warp reduction takes three)."""
+        w_max = gl.max(gl.reshape(s, [4, 16, 16]), axis=1)  # [warp, column]: no cross-warp step
+        red_s.store(w_max)
+        gl.thread_barrier()
+        return gl.convert_layout(gl.max(red_s.load(_WMAX), axis=0), col_l, assert_trivial=True)
+
+    @gluon.jit
+    def _vt_fragment(tile, vt_l: gl.constexpr):
+        """V^T [512, 64] of a tile [64, 512] as wgmma's A fragment in registers, rows in O^T's order
+        (PERM): 16-byte loads, the bytes transposed within each thread, then the rows relabelled
+        (no data moves)."""
+        vt = tile.permute((1, 0)).load(_VT_LOAD)
+        vt = gl.convert_layout(vt, _VT_REGS)
+        # latent bits (MSB first) w1 w0 g2 g1 g0 i2 i1 i0 h -> O^T's row bits i2 i1 i0 w1 w0 h g2 g1 g0
+        vt = gl.reshape(vt, [2, 2, 2, 2, 2, 2, 2, 2, 2, 64])
+        vt = gl.reshape(gl.permute(vt, [5, 6, 7, 0, 1, 8, 2, 3, 4, 9]), [512, 64])
+        return gl.convert_layout(vt, vt_l, assert_trivial=True)
+
+    @gluon.jit
+    def _two_terms(x):
+        """x (|x| <= 448) as e4m3 hi + lo, lo = e4m3(x - hi): x to ~2^-8 relative."""
+        hi = _e4m3_round(x)
+        return hi.to(gl.float8e4nv), (x - hi).to(gl.float8e4nv)
+
+    @gluon.jit(do_not_specialize=["num_splits", "stride_btb"])
+    def _mla_decode_fp8_kernel(q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
+                               qk_scale_log2, o_scale, H, num_splits, q_len, dcp_size, dcp_rank,
+                               stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
+                               stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                               PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
+                               HAS_POS: gl.constexpr, LAZY: gl.constexpr, TAU: gl.constexpr,
+                               P_SCALE: gl.constexpr, QK_PROMOTE: gl.constexpr, VT_EARLY: gl.constexpr):
+        BH: gl.constexpr = 16
+        BN: gl.constexpr = 64
+        s2_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 2 * BH, 32])
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BH, 32])
+        vt_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=4)
+        ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        col_l: gl.constexpr = gl.SliceLayout(0, s_l)  # per head column of S^T and O^T
+        c_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.float8e4nv)
+        r_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 64], gl.float8e4nv)
+        q_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BH, 512], gl.float8e4nv)
+        qr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([2 * BH, 64], gl.float8e4nv)
+        p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, BN], gl.float8e4nv)
+        c_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 512], c_sl)
+        r_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 64], r_sl)
+        q_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BH, 512], q_sl)
+        qr_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BH, 64], qr_sl)
+        p_s = gl.allocate_shared_memory(gl.float8e4nv, [2, BH, BN], p_sl)
+        red_s = gl.allocate_shared_memory(gl.float32, [4, BH],
+                                          gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+
+        pid_h = gl.program_id(0)
+        split = gl.program_id(1)
+        b = gl.program_id(2)
+        seq_len, start, end, n_tiles, bt_row = _split_bounds(seq_lens_ptr, block_table_ptr, stride_btb, b,
+                                                             split, num_splits, BN)
+        for t in gl.static_range(STAGES - 1):
+            ids = _page_ids(bt_row, start + t * BN, end, PAGE, BN)
+            _copy_tile(kv_ptr, ids, c_s.index(t), r_s.index(t), start + t * BN, end,
+                       stride_kvb, stride_kvs, PAGE, BN)
+            async_copy.commit_group()
+        # the next refill's page ids, a tile ahead: their load's latency passes under a tile's work
+        ids = _page_ids(bt_row, start + (STAGES - 1) * BN, end, PAGE, BN)
+
+        # q's rows as two e4m3 terms with a scale per row (under the first tiles' copies)
+        rq = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, ld_q))
+        q_row = (b.to(gl.int64) * q_len + rq // H) * stride_qb + (rq % H) * stride_qh
+        q_lat = gl.load(q_ptr + q_row[:, None] + gl.arange(0, 512, layout=gl.SliceLayout(0, ld_q))[None, :])
+        q_pe = gl.load(q_ptr + q_row[:, None] + 512 + gl.arange(0, 64, layout=gl.SliceLayout(0, ld_q))[None, :])
+        q_lat = q_lat.to(gl.float32)
+        q_pe = q_pe.to(gl.float32)
+        amax = gl.maximum(gl.max(gl.abs(q_lat), axis=1), gl.max(gl.abs(q_pe), axis=1))
+        sq = gl.where(amax > 0, amax / 448.0, 1.0)
+        inv = 1.0 / sq
+        # [hi ; lo] as one [32, width] tile (rows 0-15 hi, 16-31 lo), stored whole
+        hi, lo = _two_terms(q_lat * inv[:, None])
+        q_s.store(gl.reshape(gl.permute(gl.join(hi, lo), [2, 0, 1]), [2 * BH, 512]))
+        hi, lo = _two_terms(q_pe * inv[:, None])
+        qr_s.store(gl.reshape(gl.permute(gl.join(hi, lo), [2, 0, 1]), [2 * BH, 64]))
+        col_scale = gl.convert_layout(sq, col_l) * qk_scale_log2
+
+        rows = pid_h * BH + gl.arange(0, BH, layout=col_l)  # (query token, head) pairs of b
+        tok = b.to(gl.int64) * q_len + rows // H
+        heads = rows % H
+        if HAS_POS:  # keys visible to each row: local_len(p + 1) of its token's position p
+            p1 = gl.load(q_pos_ptr + tok).to(gl.int32) + 1
+            visible = gl.minimum(p1 // dcp_size + (dcp_rank < p1 % dcp_size).to(gl.int32), seq_len)
+        else:
+            visible = rows  # unused
+
+        m_i = gl.full([BH], float("-inf"), gl.float32, layout=col_l)
+        l_part = gl.zeros([BN, BH], gl.float32, layout=s_l)  # row sums, reduced over rows once at the end
+        acc = gl.zeros([512, BH], gl.float32, layout=s_l)
+        s_zero = gl.zeros([BN, 2 * BH], gl.float32, layout=s2_l)
+        for j in range(0, n_tiles):
+            k = j % STAGES
+            async_copy.wait_group(STAGES - 2)  # tile j is in
+            fence_async_shared()  # cp.async and q's stores (generic proxy) before wgmma reads (async)
+            gl.thread_barrier()  # every thread's copies; every warp is past tile j-1 (its stage is free)
+            nxt = j + STAGES - 1
+            _copy_tile(kv_ptr, ids, c_s.index(nxt % STAGES), r_s.index(nxt % STAGES), start + nxt * BN,
+                       end, stride_kvb, stride_kvs, PAGE, BN)
+            async_copy.commit_group()
+            ids = _page_ids(bt_row, start + (nxt + 1) * BN, end, PAGE, BN)
+
+            if QK_PROMOTE > 0:  # promoted to fp32 every QK_PROMOTE of K (the rope part is one promotion)
+                s_tok = warpgroup_mma(c_s.index(k), q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True,
+                                      max_num_imprecise_acc=QK_PROMOTE)
+                s_tok = warpgroup_mma(r_s.index(k), qr_s.permute((1, 0)), s_tok, is_async=True,
+                                      max_num_imprecise_acc=64)
+            else:
+                s_tok = warpgroup_mma(c_s.index(k), q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+                s_tok = warpgroup_mma(r_s.index(k), qr_s.permute((1, 0)), s_tok, is_async=True)
+            if VT_EARLY:  # V^T's fragment (below) while QK^T runs
+                vt = _vt_fragment(c_s.index(k), vt_l)
+            s2 = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+            s_hi, s_lo = gl.split(gl.permute(gl.reshape(s2, [BN, 2, BH]), [0, 2, 1]))
+            s = gl.convert_layout(s_hi, s_l, assert_trivial=True) + gl.convert_layout(s_lo, s_l, assert_trivial=True)
+
+            offs_n = start + j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l))
+            valid = offs_n[:, None] < end
+            if HAS_POS:
+                valid = valid & (offs_n[:, None] < visible[None, :])
+            s = gl.where(valid, s * col_scale[None, :], float("-inf"))
+            m_cand = gl.maximum(m_i, _column_max(s, red_s, col_l))
+            if LAZY:  # m moves only when a column's tile max passes it by more than TAU
+                moved = m_cand > m_i + TAU
+                m_new = gl.where(moved, m_cand, m_i)
+                any_moved = gl.max(moved.to(gl.int32), axis=0)  # one decision for the warpgroup
+            else:
+                m_new = m_cand
+                any_moved = 1
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: p = 0
+            p = gl.exp2(s - m_use[None, :])
+            if any_moved > 0:  # columns whose m stayed have alpha = 1 (or 0 with acc 0)
+                alpha = gl.exp2(m_i - m_use)
+                l_part = l_part * alpha[None, :]
+                acc = acc * alpha[None, :]
+            l_part = l_part + p
+            m_i = m_new
+            # p <= 2^TAU (1 without LAZY): P_SCALE * p <= 256, inside e4m3's range
+            p_hi, p_lo = _two_terms(p * P_SCALE)
+            p_s.index(0).store(gl.permute(p_hi, [1, 0]))
+            p_s.index(1).store(gl.permute(p_lo, [1, 0]))
+            if not VT_EARLY:  # here its 64 registers are not live across the softmax
+                vt = _vt_fragment(c_s.index(k), vt_l)
+            fence_async_shared()
+            gl.thread_barrier()
+            o_tok = warpgroup_mma(vt, p_s.index(0).permute((1, 0)), acc, is_async=True)
+            o_tok = warpgroup_mma(vt, p_s.index(1).permute((1, 0)), o_tok, is_async=True)
+            # (the wait cannot list vt, 8-bit, among its deps: nothing touches vt before it)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+        async_copy.wait_group(0)  # no copy may land after the program ends
+
+        l_i = gl.sum(l_part, axis=0)
+        empty = l_i == 0.0  # a split (or sequence) without visible keys: lse -inf, o 0
+        lse = gl.where(empty, float("-inf"), (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        o = acc * (o_scale / gl.where(empty, 1.0, l_i))[None, :]
+        r = gl.arange(0, 512, layout=gl.SliceLayout(1, s_l))
+        lat = ((r >> 3) & 1) | (((r >> 6) & 7) << 1) | ((r & 7) << 4) | (((r >> 4) & 3) << 7)  # perm_rows
+        o_ptrs = o_ptr + (tok * stride_ob + split * stride_os + heads * stride_oh)[None, :] + lat[:, None]
+        # a split past the sequence's end stores only its lse (-inf): the reduce skips its rows
+        if DIRECT:
+            gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty))
+        else:
+            if start < seq_len:
+                gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty))
+        gl.store(lse_ptr + tok * stride_lb + split * stride_ls + heads * stride_lh, lse)
+
+
+def launch_args(q, kv_cache, block_table, seq_lens, q_pos, o, lse, po_strides, plse_strides,
+                scale, kv_scale, p_scale, H, num_splits, q_len, dcp_size, dcp_rank):
+    """The kernel's runtime arguments, in order (also used by the compile check)."""
+    return (q, kv_cache, block_table, seq_lens, seq_lens if q_pos is None else q_pos, o, lse,
+            scale * kv_scale * LOG2E, kv_scale / p_scale, H, num_splits, q_len, dcp_size, dcp_rank,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),
+            *po_strides, *plse_strides)
+
+
+def mla_decode_fp8_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, scale: float, kv_lora_rank: int, q_len: int = 1,
+                         q_pos: torch.Tensor | None = None, dcp_size: int = 1, dcp_rank: int = 0,
+                         num_splits: int | None = None, num_sms: int | None = None, kv_scale: float = 1.0,
+                         cfg: Fp8DecodeConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`triton_decode.mla_decode`'s contract over an e4m3 cache with per-tensor scale `kv_scale`:
+    q [B*q_len, H, 576] bf16 -> (o [B*q_len, H, 512] bf16, lse [B*q_len, H] fp32). Raises (never
+    falls back) where the kernel cannot run; the scope is in the module docstring."""
+    cfg = cfg or Fp8DecodeConfig()
+    validate_inputs(q, kv_cache, block_table, seq_lens, kv_lora_rank, q_len, q_pos, cfg)
+    check_available(q.device)
+    T, H, _ = q.shape
+    B = T // q_len
+    page = kv_cache.shape[1]
+    if num_splits is None:
+        if num_sms is None:
+            num_sms = _num_sms(q.device)
+        num_splits = choose_num_splits(B, (q_len * H) // BLOCK_H, block_table.shape[1] * page, num_sms,
+                                       cfg.split_config())
+    o = torch.empty(T, H, LKV, dtype=q.dtype, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if B == 0 or H == 0:
+        return o, lse
+    direct = num_splits == 1
+    po, plse, po_strides, plse_strides = split_outputs(o, lse, num_splits)
+    grid = ((q_len * H) // BLOCK_H, num_splits, B)
+    _mla_decode_fp8_kernel[grid](
+        *launch_args(q, kv_cache, block_table, seq_lens, q_pos, po, plse, po_strides,
+                     plse_strides, scale, kv_scale, cfg.p_scale(), H, num_splits, q_len, dcp_size, dcp_rank),
+        PAGE=page, STAGES=cfg.num_stages, DIRECT=direct, HAS_POS=q_pos is not None, LAZY=cfg.lazy_rescale,
+        TAU=LAZY_TAU, P_SCALE=cfg.p_scale(), QK_PROMOTE=cfg.qk_promote, VT_EARLY=cfg.vt_early,
+        num_warps=4)
+    if not direct:
+        reduce_splits(po, plse, o, lse, num_splits, po_strides, plse_strides)
+    return o, lse
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
