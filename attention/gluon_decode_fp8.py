@@ -3,54 +3,55 @@
 Same contract as `attention.triton_decode.mla_decode` (notation in its docstring, DESIGN.md §4)
 for a cache of e4m3 bytes with one per-tensor scale (attention/kv_quant.py): q `[B*q_len, H, 576]`
 bf16, o `[T, H, 512]` bf16, lse `[T, H]` fp32; splits merged by `triton_decode.reduce_splits`.
-Scope: q_len * H a multiple of 16, the DeepSeek widths 512 + 64, sm_90 only, written against
-Triton 3.6's Gluon. `bench_mla_decode.py --impl gluon-fp8` times it.
+Scope (attention/gluon_decode_fp8_plan.py): q_len * H a multiple of 16, the DeepSeek widths
+512 + 64, sm_90 only, written against Triton 3.6's Gluon. The engine's decodes over an FP8 cache
+run here by default where that fits (the kernel plan's decode_fp8_wgmma);
+`scripts/bench_fp8_decode.py` times it against the bf16 cache and the Triton FP8 kernel.
 
 Why Gluon and this shape: Hopper's only e4m3 MMA is wgmma (its mma.sync on e4m3 is emulated by
 ptxas: both operands converted to fp16, two HMMAs), and wgmma wants both e4m3 operands K-major.
 The Triton kernels convert the cache's bytes to fp16 for every product and lose to the bf16
 cache (docs/kernel_notes.md). Here no cache value is ever converted:
 
-- One program = 16 query rows ((token, head) pairs of one sequence) x one split, one warpgroup.
-  Tiles of BLOCK_N = 64 cache rows are copied as bytes (cp.async) into NUM_STAGES shared buffers.
+- One program = 16 query rows ((token, head) pairs of one sequence) x one split, one warpgroup,
+  two programs per SM. Tiles of BLOCK_N = 64 cache rows are copied as bytes (cp.async, a page's
+  base address per thread and page, `_copy_tile`) into `num_stages` shared buffers.
 - QK^T runs transposed, tokens as wgmma's M: S^T [64 x 32] = tile [64 x 576] . [q_hi ; q_lo]^T.
   Each query row is scaled to e4m3's range (sq = amax / 448) and written as two e4m3 terms,
-  q ~ sq (hi + lo) with lo = e4m3(q / sq - hi): a relative error near 2^-8 (bf16's) instead of
-  e4m3's 2^-4. Both terms share one wgmma (N = 2 x 16) and the two halves of its accumulator
-  are added in registers.
-- The online softmax runs over the tile's tokens (axis 0 of S^T).
-- PV runs transposed too: O^T [512 x 16] += V^T [512 x 64] . P'^T with P' = 256 P written as
-  e4m3 hi + residual (the same two-term form, p' <= 256 < 448) into shared memory as the K-major
-  B operand, two wgmmas into one accumulator. V^T is the A operand from registers: wgmma wants
-  4 consecutive tokens of one latent column in each register, the tile holds 4 consecutive
-  latent columns of one token. So each thread loads 16 consecutive latent bytes of each of its
-  16 tokens (16-byte shared loads) and Triton transposes them in registers (byte permutes). For
-  that the 512 rows of O^T are in a permuted order (`_PERM_DIMS`: each thread's 16 rows are
-  16 consecutive latent columns), undone when O is stored.
+  q ~ sq (hi + lo) with lo = e4m3(q / sq - hi): a relative error near bf16's instead of e4m3's
+  2^-4. Both terms share one wgmma (N = 2 x 16) and the two halves of its accumulator are added
+  in registers. The wgmma's own e4m3 sums are of reduced precision: with `qk_promote` (256) they
+  are added in fp32 every 256 of K (the GPU tests' lse bound failed without it, 0.027-0.031).
+- The online softmax runs over the tile's tokens (axis 0 of S^T): the column max by shuffles
+  within each warp and one barrier across the 4 warps (`_column_max`); the row sums l are kept
+  per element and summed once at the end.
+- PV runs transposed too: O^T [512 x 16] += V^T [512 x 64] . P'^T with P' = 256 P (p <= 1) written
+  as e4m3 hi + residual (the same two-term form, P' <= 256 < 448) into shared memory as the
+  K-major B operand, two wgmmas into one accumulator. V^T is the A operand from registers
+  (`_vt_fragment`): wgmma wants 4 consecutive tokens of one latent column in each register, the
+  tile holds 4 consecutive latent columns of one token. So each thread loads 16 consecutive
+  latent bytes of each of its 16 tokens (16-byte shared loads) and Triton transposes them in
+  registers (byte permutes). For that the 512 rows of O^T are in a permuted order (`perm_rows`:
+  each thread's 16 rows are 16 consecutive latent columns), undone when O is stored.
+- The two-term split rounds in fp32 arithmetic (`_e4m3_round`), not by converting to e4m3 and
+  back: Triton 3.6's e4m3 -> fp32 conversion gave wrong values in this kernel on the H200.
 
 The scales fold out: scores = (sq . qk_scale) * S^T per head column (qk_scale = softmax scale x
 kv scale x log2 e), o = O^T * kv_scale / 256 / l.
 """
-
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
-from attention.decode_config import DecodeConfig, choose_num_splits
-from attention.triton_decode import LOG2E, reduce_splits, split_outputs
+from attention.decode_config import choose_num_splits
+from attention.gluon_decode_fp8_plan import (BLOCK_H, BLOCK_N, LAZY_TAU, LKV, OPTION, R, SMEM_LIMIT, Fp8DecodeConfig,
+                                             engine_fit_problem, perm_rows, validate_inputs)
 
-LKV, R = 512, 64  # the widths the kernel is written for (every DeepSeek MLA model)
-BLOCK_H = 16  # query rows per program: the N of both wgmmas
-BLOCK_N = 64  # cache rows per tile: wgmma's M for QK^T, its K (two steps of 32) for PV
-# lazy_rescale's threshold (log2 domain): smaller than the Triton decode's (decode_config.LAZY_TAU =
-# 8) because P is written as e4m3 (<= 448): p <= 2^4 leaves P room for a factor 2^4, which keeps
-# small p in e4m3's normal range
-LAZY_TAU = 4.0
-OPTION = "the Gluon FP8-cache decode (--kernels ...,decode_fp8_wgmma=0 avoids it)"
-SMEM_LIMIT = 227 * 1024
+__all__ = ["BLOCK_H", "BLOCK_N", "LAZY_TAU", "LKV", "OPTION", "R", "SMEM_LIMIT", "Fp8DecodeConfig", "check_available",
+           "engine_fit_problem", "mla_decode_fp8_wgmma", "perm_rows", "validate_inputs"]
+from attention.triton_decode import LOG2E, reduce_splits, split_outputs  # noqa: E402
 
 try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its API moves
     from triton.experimental import gluon
@@ -63,32 +64,6 @@ except Exception as exc:  # noqa: BLE001 - reported by check_available when the 
     _GLUON_ERROR = exc
 
 
-@dataclass(frozen=True)
-class Fp8DecodeConfig:
-    num_stages: int = 2  # tiles in shared memory; 2 leaves room for 2 programs per SM
-    lazy_rescale: bool = False  # rescale O only when a column's max grows by > 2^LAZY_TAU
-    qk_promote: int = 256  # QK^T's e4m3 products summed in fp32 every this many K (wgmma's own sum is
-    #                      of reduced precision); 0: one wgmma chain over K = 576
-    vt_early: bool = False  # load V^T's fragment under QK^T instead of after the softmax
-    programs_per_sm: int = 2  # for the split heuristic (smem_bytes() must allow it)
-    min_split_tokens: int = 128
-    max_splits: int = 128
-
-    def p_scale(self) -> float:
-        """P's factor before it is written as e4m3: p <= 2^LAZY_TAU (lazy) or 1, times this <= 256."""
-        return 2.0 ** (8 - LAZY_TAU) if self.lazy_rescale else 256.0
-
-    def smem_bytes(self) -> int:
-        """Shared memory per program: the KV stages, q's two terms, P's two terms (plus Triton's
-        scratch for the cross-warp reductions, not counted)."""
-        return (self.num_stages * BLOCK_N * (LKV + R) + 2 * BLOCK_H * (LKV + R) + 2 * BLOCK_H * BLOCK_N)
-
-    def split_config(self) -> DecodeConfig:
-        return DecodeConfig(block_h=BLOCK_H, block_n=BLOCK_N, num_warps=4, num_stages=self.num_stages,
-                            programs_per_sm=self.programs_per_sm, min_split_tokens=self.min_split_tokens,
-                            max_splits=self.max_splits)
-
-
 def check_available(device: torch.device) -> None:
     """Raise naming the option when this path cannot run: no Gluon, no CUDA, not sm_90."""
     if _GLUON_ERROR is not None:
@@ -98,83 +73,6 @@ def check_available(device: torch.device) -> None:
     cap = torch.cuda.get_device_capability(device)
     if cap != (9, 0):
         raise RuntimeError(f"{OPTION} needs an sm_90 GPU (e4m3 wgmma), got sm_{cap[0]}{cap[1]}")
-
-
-def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, kv_lora_rank: int, q_len: int,
-                    q_pos: torch.Tensor | None, cfg: Fp8DecodeConfig) -> None:
-    """The kernel's limits, each failure a ValueError naming the argument and the limit."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B*q_len, H, {LKV + R}], got shape {tuple(q.shape)}")
-    T, H, D = q.shape
-    if kv_lora_rank != LKV or D != LKV + R:
-        raise ValueError(f"kv_lora_rank must be {LKV} and q's last dim {LKV + R} (got {kv_lora_rank}, {D})")
-    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"q must be bfloat16 and kv_cache float8_e4m3fn (got {q.dtype}, {kv_cache.dtype})")
-    if kv_cache.dim() != 3 or kv_cache.shape[2] != LKV + R:
-        raise ValueError(f"kv_cache must be [num_blocks, page, {LKV + R}], got {tuple(kv_cache.shape)}")
-    page = kv_cache.shape[1]
-    if page < 1 or page & (page - 1):
-        raise ValueError(f"the cache page size must be a power of two, got {page}")
-    if q_len < 1 or T % q_len:
-        raise ValueError(f"q_len must be >= 1 and divide q's {T} rows, got {q_len}")
-    if (q_len * H) % BLOCK_H:
-        raise ValueError(f"q_len * heads must be a multiple of {BLOCK_H}, got {q_len} * {H}")
-    B = T // q_len
-    if seq_lens.shape != (B,) or block_table.dim() != 2 or block_table.shape[0] != B:
-        raise ValueError(f"seq_lens must be [{B}] and block_table [{B}, width], got "
-                         f"{tuple(seq_lens.shape)} and {tuple(block_table.shape)}")
-    if block_table.dtype != torch.int32:
-        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
-    if q.stride(2) != 1 or kv_cache.stride(2) != 1 or block_table.stride(1) != 1:
-        raise ValueError("q, kv_cache and block_table must be contiguous in their last dim")
-    # cp.async moves 16 bytes a thread: the cache's rows must start on 16-byte boundaries
-    if kv_cache.data_ptr() % 16 or any(st % 16 for st in kv_cache.stride()[:2]):
-        raise ValueError(f"kv_cache must be 16-byte aligned with its first two strides multiples of 16 "
-                         f"(got strides {kv_cache.stride()}, address % 16 = {kv_cache.data_ptr() % 16})")
-    if q_pos is not None and q_pos.shape != (T,):
-        raise ValueError(f"q_pos must be [{T}], got {tuple(q_pos.shape)}")
-    if cfg.num_stages < 2:
-        raise ValueError(f"Fp8DecodeConfig.num_stages must be >= 2, got {cfg.num_stages}")
-    if cfg.smem_bytes() > SMEM_LIMIT // cfg.programs_per_sm:
-        raise ValueError(f"Fp8DecodeConfig needs {cfg.smem_bytes()} bytes of shared memory a program, "
-                         f"more than {SMEM_LIMIT // cfg.programs_per_sm} for {cfg.programs_per_sm} a SM")
-
-
-GLUON_TRITON = "3.6"  # the Triton release whose Gluon API the kernel is written against
-
-
-def engine_fit_problem(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
-                       kv_lora_rank: int, rope_dim: int, decode_heads: int) -> str | None:
-    """Why this decode cannot serve an engine (the model's widths and dtypes, the cache, the
-    decode's heads per rank, the GPU, Triton's Gluon), or None where it can."""
-    if cache_dtype != torch.float8_e4m3fn:
-        return f"the Gluon FP8 decode reads an FP8 cache (--kv-cache-dtype fp8), this one is {cache_dtype}"
-    if kv_lora_rank != LKV or rope_dim != R:
-        return (f"the Gluon FP8 decode is written for kv_lora_rank {LKV} and qk_rope_head_dim {R}, "
-                f"this model has {kv_lora_rank} and {rope_dim}")
-    if dtype != torch.bfloat16:
-        return f"the Gluon FP8 decode needs a bf16 model (--dtype), got {dtype}"
-    if decode_heads % BLOCK_H:
-        return f"the Gluon FP8 decode tiles 16 query rows, this rank decodes {decode_heads} heads"
-    import triton
-    if not triton.__version__.startswith(GLUON_TRITON):
-        return (f"the Gluon FP8 decode is written against Triton {GLUON_TRITON}'s Gluon dialect, which changes "
-                f"between releases; this is Triton {triton.__version__}")
-    try:
-        check_available(device)
-    except RuntimeError as e:
-        return str(e)
-    return None
-
-
-# The V^T fragment (module docstring). O^T's row r (the wgmma's M) holds latent column PERM(r):
-# with r's bits (MSB first) i2 i1 i0 w1 w0 h g2 g1 g0 - i: the 64-row wgmma, w: the warp, h: the
-# upper 8 rows of a warp's 16, g: the lane's row - PERM(r) has the bits w1 w0 g2 g1 g0 i2 i1 i0 h,
-# so that the 16 rows (i, h) of a thread are 16 consecutive columns.
-def perm_rows(r: torch.Tensor) -> torch.Tensor:
-    """PERM for the torch side (tests): latent column of O^T's row r."""
-    return ((r >> 3) & 1) | (((r >> 6) & 7) << 1) | ((r & 7) << 4) | (((r >> 4) & 3) << 7)
 
 
 if _GLUON_ERROR is None:

@@ -76,7 +76,7 @@ def fp8_wgmma_problem(cfg: ModelConfig, device: torch.device, dtype: torch.dtype
     decode_fp8_wgmma), or None: a CUDA device and attention/gluon_decode_fp8.py's checks."""
     if device.type != "cuda" or not is_fp8(cache_dtype):
         return "it needs a CUDA device and --kv-cache-dtype fp8"
-    from attention.gluon_decode_fp8 import engine_fit_problem
+    from attention.gluon_decode_fp8_plan import engine_fit_problem
     heads = cfg.num_attention_heads // pd.tp().size * pd.dcp().size
     return engine_fit_problem(device, dtype, cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, heads)
 

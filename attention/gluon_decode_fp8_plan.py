@@ -1,0 +1,128 @@
+"""What the Gluon FP8-cache MLA decode (attention/gluon_decode_fp8.py) accepts and how it is tiled:
+its config and shared-memory plan, the argument checks (each a ValueError naming the argument and
+the limit), the engine's fit check and O^T's row order. Plain host code, importable without Gluon.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from attention.decode_config import DecodeConfig
+
+LKV, R = 512, 64  # the widths the kernel is written for (every DeepSeek MLA model)
+BLOCK_H = 16  # query rows per program: the N of both wgmmas
+BLOCK_N = 64  # cache rows per tile: wgmma's M for QK^T, its K (two steps of 32) for PV
+# lazy_rescale's threshold (log2 domain): smaller than the Triton decode's (decode_config.LAZY_TAU =
+# 8) because P is written as e4m3 (<= 448): p <= 2^4 leaves P room for a factor 2^4, which keeps
+# small p in e4m3's normal range
+LAZY_TAU = 4.0
+OPTION = "the Gluon FP8-cache decode (--kernels ...,decode_fp8_wgmma=0 avoids it)"
+SMEM_LIMIT = 227 * 1024
+
+
+@dataclass(frozen=True)
+class Fp8DecodeConfig:
+    num_stages: int = 2  # tiles in shared memory; 2 leaves room for 2 programs per SM
+    lazy_rescale: bool = False  # rescale O only when a column's max grows by > 2^LAZY_TAU
+    qk_promote: int = 256  # QK^T's e4m3 products summed in fp32 every this many K (wgmma's own sum is
+    #                      of reduced precision); 0: one wgmma chain over K = 576
+    vt_early: bool = False  # load V^T's fragment under QK^T instead of after the softmax
+    programs_per_sm: int = 2  # for the split heuristic (smem_bytes() must allow it)
+    min_split_tokens: int = 128
+    max_splits: int = 128
+
+    def p_scale(self) -> float:
+        """P's factor before it is written as e4m3: p <= 2^LAZY_TAU (lazy) or 1, times this <= 256."""
+        return 2.0 ** (8 - LAZY_TAU) if self.lazy_rescale else 256.0
+
+    def smem_bytes(self) -> int:
+        """Shared memory per program: the KV stages, q's two terms, P's two terms (plus Triton's
+        scratch for the cross-warp reductions, not counted)."""
+        return (self.num_stages * BLOCK_N * (LKV + R) + 2 * BLOCK_H * (LKV + R) + 2 * BLOCK_H * BLOCK_N)
+
+    def split_config(self) -> DecodeConfig:
+        return DecodeConfig(block_h=BLOCK_H, block_n=BLOCK_N, num_warps=4, num_stages=self.num_stages,
+                            programs_per_sm=self.programs_per_sm, min_split_tokens=self.min_split_tokens,
+                            max_splits=self.max_splits)
+
+
+def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, kv_lora_rank: int, q_len: int,
+                    q_pos: torch.Tensor | None, cfg: Fp8DecodeConfig) -> None:
+    """The kernel's limits, each failure a ValueError naming the argument and the limit."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B*q_len, H, {LKV + R}], got shape {tuple(q.shape)}")
+    T, H, D = q.shape
+    if kv_lora_rank != LKV or D != LKV + R:
+        raise ValueError(f"kv_lora_rank must be {LKV} and q's last dim {LKV + R} (got {kv_lora_rank}, {D})")
+    if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"q must be bfloat16 and kv_cache float8_e4m3fn (got {q.dtype}, {kv_cache.dtype})")
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != LKV + R:
+        raise ValueError(f"kv_cache must be [num_blocks, page, {LKV + R}], got {tuple(kv_cache.shape)}")
+    page = kv_cache.shape[1]
+    if page < 1 or page & (page - 1):
+        raise ValueError(f"the cache page size must be a power of two, got {page}")
+    if q_len < 1 or T % q_len:
+        raise ValueError(f"q_len must be >= 1 and divide q's {T} rows, got {q_len}")
+    if (q_len * H) % BLOCK_H:
+        raise ValueError(f"q_len * heads must be a multiple of {BLOCK_H}, got {q_len} * {H}")
+    B = T // q_len
+    if seq_lens.shape != (B,) or block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"seq_lens must be [{B}] and block_table [{B}, width], got "
+                         f"{tuple(seq_lens.shape)} and {tuple(block_table.shape)}")
+    if block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
+    if q.stride(2) != 1 or kv_cache.stride(2) != 1 or block_table.stride(1) != 1:
+        raise ValueError("q, kv_cache and block_table must be contiguous in their last dim")
+    # cp.async moves 16 bytes a thread: the cache's rows must start on 16-byte boundaries
+    if kv_cache.data_ptr() % 16 or any(st % 16 for st in kv_cache.stride()[:2]):
+        raise ValueError(f"kv_cache must be 16-byte aligned with its first two strides multiples of 16 "
+                         f"(got strides {kv_cache.stride()}, address % 16 = {kv_cache.data_ptr() % 16})")
+    if q_pos is not None and q_pos.shape != (T,):
+        raise ValueError(f"q_pos must be [{T}], got {tuple(q_pos.shape)}")
+    if cfg.num_stages < 2:
+        raise ValueError(f"Fp8DecodeConfig.num_stages must be >= 2, got {cfg.num_stages}")
+    if cfg.smem_bytes() > SMEM_LIMIT // cfg.programs_per_sm:
+        raise ValueError(f"Fp8DecodeConfig needs {cfg.smem_bytes()} bytes of shared memory a program, "
+                         f"more than {SMEM_LIMIT // cfg.programs_per_sm} for {cfg.programs_per_sm} a SM")
+
+
+GLUON_TRITON = "3.6"  # the Triton release whose Gluon API the kernel is written against
+
+
+def engine_fit_problem(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
+                       kv_lora_rank: int, rope_dim: int, decode_heads: int) -> str | None:
+    """Why this decode cannot serve an engine (the model's widths and dtypes, the cache, the
+    decode's heads per rank, the GPU, Triton's Gluon), or None where it can."""
+    if cache_dtype != torch.float8_e4m3fn:
+        return f"the Gluon FP8 decode reads an FP8 cache (--kv-cache-dtype fp8), this one is {cache_dtype}"
+    if kv_lora_rank != LKV or rope_dim != R:
+        return (f"the Gluon FP8 decode is written for kv_lora_rank {LKV} and qk_rope_head_dim {R}, "
+                f"this model has {kv_lora_rank} and {rope_dim}")
+    if dtype != torch.bfloat16:
+        return f"the Gluon FP8 decode needs a bf16 model (--dtype), got {dtype}"
+    if decode_heads % BLOCK_H:
+        return f"the Gluon FP8 decode tiles 16 query rows, this rank decodes {decode_heads} heads"
+    import triton
+    if not triton.__version__.startswith(GLUON_TRITON):
+        return (f"the Gluon FP8 decode is written against Triton {GLUON_TRITON}'s Gluon dialect, which changes "
+                f"between releases; this is Triton {triton.__version__}")
+    from attention.gluon_decode_fp8 import check_available
+    try:
+        check_available(device)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+# The V^T fragment (module docstring). O^T's row r (the wgmma's M) holds latent column PERM(r):
+# with r's bits (MSB first) i2 i1 i0 w1 w0 h g2 g1 g0 - i: the 64-row wgmma, w: the warp, h: the
+# upper 8 rows of a warp's 16, g: the lane's row - PERM(r) has the bits w1 w0 g2 g1 g0 i2 i1 i0 h,
+# so that the 16 rows (i, h) of a thread are 16 consecutive columns.
+def perm_rows(r: torch.Tensor) -> torch.Tensor:
+    """PERM for the torch side (tests): latent column of O^T's row r."""
+    return ((r >> 3) & 1) | (((r >> 6) & 7) << 1) | ((r & 7) << 4) | (((r >> 4) & 3) << 7)
+
+
