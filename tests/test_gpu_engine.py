@@ -179,6 +179,37 @@ def test_gluon_decode_with_mtp_speculation(tmp_path):
                                               enforce_eager=True))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon FP8-cache decode needs sm_90")
+@pytest.mark.parametrize("mtp", [False, True])
+def test_fp8_cache_gluon_decode_in_the_engine(tmp_path, mtp):
+    """`--kv-cache-dtype fp8` on a tiny V3 with the Gluon FP8 kernel's widths (16 heads,
+    kv_lora_rank 512, rope 64), bf16: the default plan sends the decodes to it (decode_fp8_wgmma),
+    CUDA graphs agree with eager (`_assert_same_greedy`), and the generated tokens'
+    log-probabilities are as close to the fp32 torch reference over the same FP8 cache as the
+    Triton FP8 decode's (decode_fp8_wgmma=0; mean error at most 1.25x). With MTP (2 drafts) the
+    verification rows have q_len 2 and 3 with per-token positions."""
+    from tiny_models import add_mtp_layer, make_model
+    make_model(tmp_path, "v3", num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64)
+    kw = dict(kv_cache_dtype="fp8")
+    if mtp:
+        add_mtp_layer(tmp_path, copies=False)
+        kw["speculative_config"] = {"method": "mtp", "num_speculative_tokens": 2}
+    path, prompts = str(tmp_path), _prompts64()[:32]
+    llm = LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=1024,
+              kernels="auto,warmup=0" + ("" if autotuning() else ",autotune=0"), **kw)
+    assert llm.engine.executor.worker.plan.decode_fp8_wgmma
+    fast = _greedy_top(llm, prompts)
+    if mtp:
+        assert llm.scheduler.stats.spec.num_accepted_tokens > 0
+    _assert_same_greedy(fast, _decode_logprobs(path, prompts, "bfloat16", enforce_eager=True, **kw))
+    ref = _decode_logprobs(path, prompts, attention_backend="torch", enforce_eager=True, **kw)
+    triton = _decode_logprobs(path, prompts, "bfloat16", kernels="auto,warmup=0,decode_fp8_wgmma=0", **kw)
+    e_fast, e_triton = _decode_error(fast, ref), _decode_error(triton, ref)
+    print(f"mean |decode logprob - fp32|, FP8 cache: gluon {e_fast:.2e}, triton {e_triton:.2e}")
+    assert 0 < e_fast <= 1.25 * e_triton, (e_fast, e_triton)
+
+
 def test_fp8_gemm_splitk_in_the_engine(tmp_path, monkeypatch):
     """`--fp8-gemm --kernels ...,fp8_gemm=triton,fp8_gemm_splitk=1` on a tiny FP8 V3 whose hidden
     size (1024: 8 K blocks) makes the decode's 16-row W8A8 GEMMs over it split K (Triton forced:
