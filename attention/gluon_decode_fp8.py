@@ -49,9 +49,10 @@ from attention.decode_config import choose_num_splits
 from attention.gluon_decode_fp8_plan import (BLOCK_H, BLOCK_N, LAZY_TAU, LKV, OPTION, R, SMEM_LIMIT, Fp8DecodeConfig,
                                              engine_fit_problem, perm_rows, validate_inputs)
 
+from attention.triton_decode import LOG2E, reduce_splits, split_outputs
+
 __all__ = ["BLOCK_H", "BLOCK_N", "LAZY_TAU", "LKV", "OPTION", "R", "SMEM_LIMIT", "Fp8DecodeConfig", "check_available",
            "engine_fit_problem", "mla_decode_fp8_wgmma", "perm_rows", "validate_inputs"]
-from attention.triton_decode import LOG2E, reduce_splits, split_outputs  # noqa: E402
 
 try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its API moves
     from triton.experimental import gluon
@@ -131,7 +132,8 @@ if _GLUON_ERROR is None:
         """cp.async of cache rows [t0, t0 + BN) into c_buf [BN, 512] and r_buf [BN, 64] (rows >= end
         zero-filled, not read), 16 bytes a thread. The tile is viewed as [NP pages, RP rows]: each
         thread's page bases come from `ids` (`_page_ids`); its rows' offsets within a page are the
-        same every tile."""
+        same every tile where a tile holds whole pages (pages of up to 64 rows), and move by
+        t0 % PAGE within a larger page."""
         NP: gl.constexpr = BN // PAGE if PAGE < BN else 1
         RP: gl.constexpr = PAGE if PAGE < BN else BN
         _copy_part(kv_ptr, ids, c_buf, t0, end, stride_kvb, stride_kvs, PAGE, NP, RP, 0, 512)
@@ -336,7 +338,8 @@ if _GLUON_ERROR is None:
 
 def launch_args(q, kv_cache, block_table, seq_lens, q_pos, o, lse, po_strides, plse_strides,
                 scale, kv_scale, p_scale, H, num_splits, q_len, dcp_size, dcp_rank):
-    """The kernel's runtime arguments, in order (also used by the compile check)."""
+    """The kernel's runtime arguments, in order (scripts/compile_fp8_decode.py's SIGNATURE names
+    and types them for a compile without a GPU; the two lists must agree)."""
     return (q, kv_cache, block_table, seq_lens, seq_lens if q_pos is None else q_pos, o, lse,
             scale * kv_scale * LOG2E, kv_scale / p_scale, H, num_splits, q_len, dcp_size, dcp_rank,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),

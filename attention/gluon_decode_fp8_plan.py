@@ -38,9 +38,10 @@ class Fp8DecodeConfig:
         return 2.0 ** (8 - LAZY_TAU) if self.lazy_rescale else 256.0
 
     def smem_bytes(self) -> int:
-        """Shared memory per program: the KV stages, q's two terms, P's two terms (plus Triton's
-        scratch for the cross-warp reductions, not counted)."""
-        return (self.num_stages * BLOCK_N * (LKV + R) + 2 * BLOCK_H * (LKV + R) + 2 * BLOCK_H * BLOCK_N)
+        """Shared memory per program: the KV stages, q's two terms, P's two terms and the 4 warps'
+        column maxima (plus Triton's scratch for its own reductions, not counted)."""
+        return (self.num_stages * BLOCK_N * (LKV + R) + 2 * BLOCK_H * (LKV + R) + 2 * BLOCK_H * BLOCK_N
+                + 4 * BLOCK_H * 4)
 
     def split_config(self) -> DecodeConfig:
         return DecodeConfig(block_h=BLOCK_H, block_n=BLOCK_N, num_warps=4, num_stages=self.num_stages,
@@ -92,10 +93,18 @@ def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
 GLUON_TRITON = "3.6"  # the Triton release whose Gluon API the kernel is written against
 
 
+# what the engine uses it for: the page sizes its GPU tests covered (16 and 64) and heads per rank
+# in 1-3 tiles of 16 (16 timed; 128 tested but not timed against the Triton FP8 decode)
+ENGINE_PAGES = (16, 64)
+ENGINE_MAX_HEADS = 48
+
+
 def engine_fit_problem(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
-                       kv_lora_rank: int, rope_dim: int, decode_heads: int) -> str | None:
-    """Why this decode cannot serve an engine (the model's widths and dtypes, the cache, the
-    decode's heads per rank, the GPU, Triton's Gluon), or None where it can."""
+                       kv_lora_rank: int, rope_dim: int, decode_heads: int, page: int) -> str | None:
+    """Why this decode cannot serve an engine (the model's widths and dtypes, the cache and its
+    page size, the decode's heads per rank, the GPU, Triton's Gluon), or None where it can. The
+    kernel itself takes any power-of-two page and any multiple of 16 rows (`validate_inputs`);
+    the engine takes it only where it was tested and timed (ENGINE_PAGES, ENGINE_MAX_HEADS)."""
     if cache_dtype != torch.float8_e4m3fn:
         return f"the Gluon FP8 decode reads an FP8 cache (--kv-cache-dtype fp8), this one is {cache_dtype}"
     if kv_lora_rank != LKV or rope_dim != R:
@@ -103,8 +112,12 @@ def engine_fit_problem(device: torch.device, dtype: torch.dtype, cache_dtype: to
                 f"this model has {kv_lora_rank} and {rope_dim}")
     if dtype != torch.bfloat16:
         return f"the Gluon FP8 decode needs a bf16 model (--dtype), got {dtype}"
-    if decode_heads % BLOCK_H:
-        return f"the Gluon FP8 decode tiles 16 query rows, this rank decodes {decode_heads} heads"
+    if decode_heads % BLOCK_H or decode_heads > ENGINE_MAX_HEADS:
+        return (f"the engine takes the Gluon FP8 decode for 16, 32 or 48 heads per rank (16-row tiles; "
+                f"more heads are not timed against the Triton FP8 decode), this rank decodes {decode_heads}")
+    if page not in ENGINE_PAGES:
+        return (f"the engine takes the Gluon FP8 decode at --block-size {' or '.join(map(str, ENGINE_PAGES))} "
+                f"(the page sizes its GPU tests cover), not {page}")
     import triton
     if not triton.__version__.startswith(GLUON_TRITON):
         return (f"the Gluon FP8 decode is written against Triton {GLUON_TRITON}'s Gluon dialect, which changes "

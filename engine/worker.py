@@ -49,7 +49,7 @@ def make_kernel_plan(args: EngineArgs, cfg: ModelConfig, device: torch.device,
                                cfg.kv_lora_rank >= 16 and cfg.qk_rope_head_dim >= 16,
                                wgmma_fit(cfg, device, dtype, cache_dtype),
                                device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0),
-                               fp8_wgmma_problem(cfg, device, dtype, cache_dtype) is None)
+                               fp8_wgmma_fit(cfg, device, dtype, cache_dtype, args.block_size))
     for note in notes:
         log.warning(note)
     return plan
@@ -71,14 +71,24 @@ def wgmma_fit(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, cache_
 
 
 def fp8_wgmma_problem(cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-                      cache_dtype: torch.dtype) -> str | None:
+                      cache_dtype: torch.dtype, page: int) -> str | None:
     """Why this rank's decodes cannot run on the Gluon FP8-cache decode (the kernel plan's
-    decode_fp8_wgmma), or None: a CUDA device and attention/gluon_decode_fp8.py's checks."""
+    decode_fp8_wgmma), or None: a CUDA device and attention/gluon_decode_fp8_plan.py's checks."""
     if device.type != "cuda" or not is_fp8(cache_dtype):
         return "it needs a CUDA device and --kv-cache-dtype fp8"
     from attention.gluon_decode_fp8_plan import engine_fit_problem
     heads = cfg.num_attention_heads // pd.tp().size * pd.dcp().size
-    return engine_fit_problem(device, dtype, cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, heads)
+    return engine_fit_problem(device, dtype, cache_dtype, cfg.kv_lora_rank, cfg.qk_rope_head_dim, heads, page)
+
+
+def fp8_wgmma_fit(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype,
+                  page: int) -> bool:
+    """Whether the kernel plan's default decode_fp8_wgmma is on; where an FP8 cache on CUDA misses
+    it, the reason is logged."""
+    problem = fp8_wgmma_problem(cfg, device, dtype, cache_dtype, page)
+    if problem is not None and device.type == "cuda" and is_fp8(cache_dtype) and pd.tp().rank == 0:
+        log.info("the Gluon FP8-cache decode does not fit here: %s", problem)
+    return problem is None
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
@@ -129,7 +139,9 @@ class Worker:
                              "not use (decode_wgmma_min_heads=0): set decode_wgmma_min_heads, or leave "
                              "decode_wgmma_producer at 0")
         if self.plan.decode_fp8_wgmma:
-            problem = fp8_wgmma_problem(cfg, self.device, self.dtype, self.cache_dtype)
+            problem = fp8_wgmma_problem(cfg, self.device, self.dtype, self.cache_dtype, args.block_size)
+            if problem is None and self.plan.attention != TRITON:
+                problem = f"it is an option of the Triton attention backend, this plan has attention={self.plan.attention}"
             if problem is not None:
                 raise ValueError(f"--kernels ...,decode_fp8_wgmma=1: {problem}; leave decode_fp8_wgmma at 0")
             if self.plan.decode_qk_fp8:

@@ -36,8 +36,9 @@ CONFIGS = {"s2": Fp8DecodeConfig(), "p0": Fp8DecodeConfig(qk_promote=0),
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", default="128x16384,128x4096,32x4096,8x4096", metavar="BxS,...")
-    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--shapes", default="128x16384,128x4096,32x4096,8x4096", metavar="BxS,...",
+                    help="batch x sequence length, every sequence at that length")
+    ap.add_argument("--heads", type=int, default=16, help="query heads (a multiple of 16)")
     ap.add_argument("--configs", default="s2", help=f"Gluon configs, from {', '.join(CONFIGS)}")
     args = ap.parse_args()
     dev = torch.device("cuda")
