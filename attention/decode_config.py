@@ -107,3 +107,43 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
         effs.append(waves / math.ceil(waves))
     best = max(effs)
     return next(s for s, e in enumerate(effs, start=1) if e >= 0.85 * best)
+
+
+def check_paged_decode_args(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                            seq_lens: torch.Tensor, kv_lora_rank: int, rope_dim: int, q_len: int,
+                            q_pos: torch.Tensor | None, rows_multiple: int, aligned: tuple = ("kv_cache",)) -> None:
+    """The shape, layout and alignment checks the Gluon decodes share (each a ValueError naming the
+    argument and the limit): q `[B*q_len, H, kv_lora_rank + rope_dim]`, a paged cache of the same
+    width with a power-of-two page, q_len * H a multiple of `rows_multiple`, seq_lens and an int32
+    block table per sequence, unit last strides, q_pos per query row, and the tensors named in
+    `aligned` 16-byte aligned with 16-element first strides (cp.async moves 16 bytes a thread;
+    Triton proves the alignment only from arguments divisible by 16)."""
+    width = kv_lora_rank + rope_dim
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B*q_len, H, {width}], got shape {tuple(q.shape)}")
+    T, H, D = q.shape
+    if D != width:
+        raise ValueError(f"kv_lora_rank must be {kv_lora_rank} and q's last dim {width} (got {kv_lora_rank}, {D})")
+    if kv_cache.dim() != 3 or kv_cache.shape[2] != width:
+        raise ValueError(f"kv_cache must be [num_blocks, page, {width}], got {tuple(kv_cache.shape)}")
+    page = kv_cache.shape[1]
+    if page < 1 or page & (page - 1):
+        raise ValueError(f"the cache page size must be a power of two, got {page}")
+    if q_len < 1 or T % q_len:
+        raise ValueError(f"q_len must be >= 1 and divide q's {T} rows, got {q_len}")
+    if (q_len * H) % rows_multiple:
+        raise ValueError(f"q_len * heads must be a multiple of {rows_multiple}, got {q_len} * {H}")
+    B = T // q_len
+    if seq_lens.shape != (B,) or block_table.dim() != 2 or block_table.shape[0] != B:
+        raise ValueError(f"seq_lens must be [{B}] and block_table [{B}, width], got "
+                         f"{tuple(seq_lens.shape)} and {tuple(block_table.shape)}")
+    if block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
+    if q.stride(2) != 1 or kv_cache.stride(2) != 1 or block_table.stride(1) != 1:
+        raise ValueError("q, kv_cache and block_table must be contiguous in their last dim")
+    for name, t in (("q", q), ("kv_cache", kv_cache)):
+        if name in aligned and (t.data_ptr() % 16 or any(st % 16 for st in t.stride()[:2])):
+            raise ValueError(f"{name} must be 16-byte aligned with its first two strides multiples of "
+                             f"16 elements (got strides {t.stride()}, address % 16 = {t.data_ptr() % 16})")
+    if q_pos is not None and q_pos.shape != (T,):
+        raise ValueError(f"q_pos must be [{T}], got {tuple(q_pos.shape)}")

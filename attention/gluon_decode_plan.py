@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from attention.decode_config import DecodeConfig, choose_num_splits
+from attention.decode_config import DecodeConfig, check_paged_decode_args, choose_num_splits
 
 LKV, R = 512, 64  # the widths the kernel is written for (every DeepSeek MLA model)
 BLOCK_H = 64  # query rows per program: wgmma's M
@@ -51,39 +51,12 @@ def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
                     seq_lens: torch.Tensor, kv_lora_rank: int, q_len: int,
                     q_pos: torch.Tensor | None, cfg: GluonDecodeConfig) -> None:
     """The kernel's limits, each failure a ValueError naming the argument and the limit."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [B*q_len, H, {LKV + R}], got shape {tuple(q.shape)}")
-    T, H, D = q.shape
-    if kv_lora_rank != LKV or D != LKV + R:
-        raise ValueError(f"kv_lora_rank must be {LKV} and q's last dim {LKV + R} "
-                         f"(got {kv_lora_rank}, {D})")
+    if kv_lora_rank != LKV or q.dim() != 3 or q.shape[2] != LKV + R:
+        raise ValueError(f"kv_lora_rank must be {LKV} and q [B*q_len, H, {LKV + R}] "
+                         f"(got {kv_lora_rank} and {tuple(q.shape)})")
     if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
         raise ValueError(f"q and kv_cache must be bfloat16 (got {q.dtype}, {kv_cache.dtype})")
-    if kv_cache.dim() != 3 or kv_cache.shape[2] != LKV + R:
-        raise ValueError(f"kv_cache must be [num_blocks, page, {LKV + R}], got {tuple(kv_cache.shape)}")
-    page = kv_cache.shape[1]
-    if page < 1 or page & (page - 1):
-        raise ValueError(f"the cache page size must be a power of two, got {page}")
-    if q_len < 1 or T % q_len:
-        raise ValueError(f"q_len must be >= 1 and divide q's {T} rows, got {q_len}")
-    if (q_len * H) % BLOCK_H:
-        raise ValueError(f"q_len * heads must be a multiple of {BLOCK_H}, got {q_len} * {H}")
-    B = T // q_len
-    if seq_lens.shape != (B,) or block_table.dim() != 2 or block_table.shape[0] != B:
-        raise ValueError(f"seq_lens must be [{B}] and block_table [{B}, width], got "
-                         f"{tuple(seq_lens.shape)} and {tuple(block_table.shape)}")
-    if block_table.dtype != torch.int32:
-        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
-    if q.stride(2) != 1 or kv_cache.stride(2) != 1 or block_table.stride(1) != 1:
-        raise ValueError("q, kv_cache and block_table must be contiguous in their last dim")
-    # cp.async moves 16 bytes a thread; Triton proves the alignment only from arguments divisible by 16
-    strides = dict(q=q.stride()[:2], kv_cache=kv_cache.stride()[:2])
-    for name, t in (("q", q), ("kv_cache", kv_cache)):
-        if t.data_ptr() % 16 or any(st % 16 for st in strides[name]):
-            raise ValueError(f"{name} must be 16-byte aligned with its first two strides multiples of "
-                             f"16 elements (got strides {t.stride()}, address % 16 = {t.data_ptr() % 16})")
-    if q_pos is not None and q_pos.shape != (T,):
-        raise ValueError(f"q_pos must be [{T}], got {tuple(q_pos.shape)}")
+    check_paged_decode_args(q, kv_cache, block_table, seq_lens, LKV, R, q_len, q_pos, BLOCK_H, aligned=("q", "kv_cache"))
     if cfg.block_n not in (16, 32):
         raise ValueError(f"GluonDecodeConfig.block_n must be 16 or 32, got {cfg.block_n}")
     if cfg.producer and not cfg.q_pe_regs:
