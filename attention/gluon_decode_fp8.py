@@ -187,6 +187,58 @@ if _GLUON_ERROR is None:
         hi = _e4m3_round(x)
         return hi.to(gl.float8e4nv), (x - hi).to(gl.float8e4nv)
 
+    @gluon.jit
+    def _issue_qk(c_tile, r_tile, q_s, qr_s, s_zero, QK_PROMOTE: gl.constexpr):
+        """Issue S^T [64, 32] = tile . [q_hi ; q_lo]^T (async); with QK_PROMOTE the e4m3 sums are
+        promoted to fp32 every QK_PROMOTE of K (the rope part is one promotion)."""
+        if QK_PROMOTE > 0:
+            s_tok = warpgroup_mma(c_tile, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True,
+                                  max_num_imprecise_acc=QK_PROMOTE)
+            s_tok = warpgroup_mma(r_tile, qr_s.permute((1, 0)), s_tok, is_async=True, max_num_imprecise_acc=64)
+        else:
+            s_tok = warpgroup_mma(c_tile, q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
+            s_tok = warpgroup_mma(r_tile, qr_s.permute((1, 0)), s_tok, is_async=True)
+        return s_tok
+
+    @gluon.jit
+    def _softmax_step(s2, m_i, l_part, col_scale, t0, end, visible, red_s, s_l: gl.constexpr,
+                      HAS_POS: gl.constexpr, LAZY: gl.constexpr, TAU: gl.constexpr):
+        """One tile's online-softmax step on QK^T's accumulator s2 [64, 32] (the q_hi and q_lo
+        halves added): (m, l_part with this tile's p added, p, alpha, whether any column's m moved).
+        The caller rescales O by alpha where m moved; l_part is rescaled here."""
+        BH: gl.constexpr = 16
+        BN: gl.constexpr = 64
+        col_l: gl.constexpr = gl.SliceLayout(0, s_l)
+        s_hi, s_lo = gl.split(gl.permute(gl.reshape(s2, [BN, 2, BH]), [0, 2, 1]))
+        s = gl.convert_layout(s_hi, s_l, assert_trivial=True) + gl.convert_layout(s_lo, s_l, assert_trivial=True)
+        offs_n = t0 + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l))
+        valid = offs_n[:, None] < end
+        if HAS_POS:
+            valid = valid & (offs_n[:, None] < visible[None, :])
+        s = gl.where(valid, s * col_scale[None, :], float("-inf"))
+        m_cand = gl.maximum(m_i, _column_max(s, red_s, col_l))
+        if LAZY:  # m moves only when a column's tile max passes it by more than TAU
+            moved = m_cand > m_i + TAU
+            m_new = gl.where(moved, m_cand, m_i)
+            any_moved = gl.max(moved.to(gl.int32), axis=0)  # one decision for the warpgroup
+        else:
+            m_new = m_cand
+            any_moved = 1
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: p = 0
+        p = gl.exp2(s - m_use[None, :])
+        alpha = gl.exp2(m_i - m_use)  # 1 where m stayed (0 where no key yet: l and O are 0)
+        if any_moved > 0:
+            l_part = l_part * alpha[None, :]
+        return m_new, l_part + p, p, alpha, any_moved
+
+    @gluon.jit
+    def _store_p(p, p_s, P_SCALE: gl.constexpr):
+        """P' = P_SCALE * p (<= 256: p <= 2^TAU, 1 without LAZY) as e4m3 hi and lo into p_s[0] and
+        p_s[1] [16, 64], transposed: the K-major B operand of PV."""
+        p_hi, p_lo = _two_terms(p * P_SCALE)
+        p_s.index(0).store(gl.permute(p_hi, [1, 0]))
+        p_s.index(1).store(gl.permute(p_lo, [1, 0]))
+
     @gluon.jit(do_not_specialize=["num_splits", "stride_btb"])
     def _mla_decode_fp8_kernel(q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
                                qk_scale_log2, o_scale, H, num_splits, q_len, dcp_size, dcp_rank,
@@ -213,7 +265,7 @@ if _GLUON_ERROR is None:
         r_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 64], r_sl)
         q_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BH, 512], q_sl)
         qr_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BH, 64], qr_sl)
-        p_s = gl.allocate_shared_memory(gl.float8e4nv, [2, BH, BN], p_sl)
+        p_s = gl.allocate_shared_memory(gl.float8e4nv, [2, BH, BN], p_sl)  # P's two terms (hi, lo)
         red_s = gl.allocate_shared_memory(gl.float32, [4, BH],
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
 
@@ -270,46 +322,15 @@ if _GLUON_ERROR is None:
                        end, stride_kvb, stride_kvs, PAGE, BN)
             async_copy.commit_group()
             ids = _page_ids(bt_row, start + (nxt + 1) * BN, end, PAGE, BN)
-
-            if QK_PROMOTE > 0:  # promoted to fp32 every QK_PROMOTE of K (the rope part is one promotion)
-                s_tok = warpgroup_mma(c_s.index(k), q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True,
-                                      max_num_imprecise_acc=QK_PROMOTE)
-                s_tok = warpgroup_mma(r_s.index(k), qr_s.permute((1, 0)), s_tok, is_async=True,
-                                      max_num_imprecise_acc=64)
-            else:
-                s_tok = warpgroup_mma(c_s.index(k), q_s.permute((1, 0)), s_zero, use_acc=False, is_async=True)
-                s_tok = warpgroup_mma(r_s.index(k), qr_s.permute((1, 0)), s_tok, is_async=True)
+            s_tok = _issue_qk(c_s.index(k), r_s.index(k), q_s, qr_s, s_zero, QK_PROMOTE)
             if VT_EARLY:  # V^T's fragment (below) while QK^T runs
                 vt = _vt_fragment(c_s.index(k), vt_l)
             s2 = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
-            s_hi, s_lo = gl.split(gl.permute(gl.reshape(s2, [BN, 2, BH]), [0, 2, 1]))
-            s = gl.convert_layout(s_hi, s_l, assert_trivial=True) + gl.convert_layout(s_lo, s_l, assert_trivial=True)
-
-            offs_n = start + j * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, s_l))
-            valid = offs_n[:, None] < end
-            if HAS_POS:
-                valid = valid & (offs_n[:, None] < visible[None, :])
-            s = gl.where(valid, s * col_scale[None, :], float("-inf"))
-            m_cand = gl.maximum(m_i, _column_max(s, red_s, col_l))
-            if LAZY:  # m moves only when a column's tile max passes it by more than TAU
-                moved = m_cand > m_i + TAU
-                m_new = gl.where(moved, m_cand, m_i)
-                any_moved = gl.max(moved.to(gl.int32), axis=0)  # one decision for the warpgroup
-            else:
-                m_new = m_cand
-                any_moved = 1
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: p = 0
-            p = gl.exp2(s - m_use[None, :])
-            if any_moved > 0:  # columns whose m stayed have alpha = 1 (or 0 with acc 0)
-                alpha = gl.exp2(m_i - m_use)
-                l_part = l_part * alpha[None, :]
+            m_i, l_part, p, alpha, moved = _softmax_step(s2, m_i, l_part, col_scale, start + j * BN, end,
+                                                        visible, red_s, s_l, HAS_POS, LAZY, TAU)
+            if moved > 0:
                 acc = acc * alpha[None, :]
-            l_part = l_part + p
-            m_i = m_new
-            # p <= 2^TAU (1 without LAZY): P_SCALE * p <= 256, inside e4m3's range
-            p_hi, p_lo = _two_terms(p * P_SCALE)
-            p_s.index(0).store(gl.permute(p_hi, [1, 0]))
-            p_s.index(1).store(gl.permute(p_lo, [1, 0]))
+            _store_p(p, p_s, P_SCALE)
             if not VT_EARLY:  # here its 64 registers are not live across the softmax
                 vt = _vt_fragment(c_s.index(k), vt_l)
             fence_async_shared()
