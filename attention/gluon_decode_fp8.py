@@ -170,12 +170,38 @@ if _GLUON_ERROR is None:
         return gl.convert_layout(gl.max(red_s.load(_WMAX), axis=0), col_l, assert_trivial=True)
 
     @gluon.jit
-    def _vt_fragment(tile, vt_l: gl.constexpr):
+    def _transpose4(t0, t1, t2, t3):
+        """Byte transposes of 4 x 4 blocks: t_d [128, 4, 16] holds latent columns 4a + b of token
+        4c + d, 4 consecutive b in one 32-bit register; returns u_e [128, 4, 16] whose element
+        (a, b, c) is latent 4a + e of token 4c + b: each register 4 consecutive tokens of one
+        latent column. 8 byte permutes a block."""
+        return gl.inline_asm_elementwise(
+            asm="{ .reg .b32 x0, x1, x2, x3; prmt.b32 x0, $4, $5, 0x5140; prmt.b32 x1, $4, $5, 0x7362; "
+                "prmt.b32 x2, $6, $7, 0x5140; prmt.b32 x3, $6, $7, 0x7362; prmt.b32 $0, x0, x2, 0x5410; "
+                "prmt.b32 $1, x0, x2, 0x7632; prmt.b32 $2, x1, x3, 0x5410; prmt.b32 $3, x1, x3, 0x7632; }",
+            constraints="=r,=r,=r,=r,r,r,r,r", args=[t0, t1, t2, t3],
+            dtype=(gl.uint8, gl.uint8, gl.uint8, gl.uint8), is_pure=True, pack=4)
+
+    @gluon.jit
+    def _vt_fragment(tile, vt_l: gl.constexpr, VT_PRMT: gl.constexpr):
         """V^T [512, 64] of a tile [64, 512] as wgmma's A fragment in registers, rows in O^T's order
-        (PERM): 16-byte loads, the bytes transposed within each thread, then the rows relabelled
-        (no data moves)."""
+        (PERM): 16-byte loads, the bytes transposed within each thread (Triton's layout conversion,
+        or with VT_PRMT `_transpose4`), then the rows relabelled (no data moves)."""
         vt = tile.permute((1, 0)).load(_VT_LOAD)
-        vt = gl.convert_layout(vt, _VT_REGS)
+        if VT_PRMT:
+            # [512, 64] as (a, b, c, d1, d0): latent 4a + b, token 4c + 2 d1 + d0; b is the first
+            # two register bits of _VT_LOAD, so each 32-bit register is one (a, c, d)'s 4 b
+            x = gl.reshape(vt.to(gl.uint8, bitcast=True), [128, 4, 16, 2, 2])
+            x_0, x_1 = gl.split(x)  # d0 = 0, 1
+            t0, t2 = gl.split(x_0)  # d1 = 0, 1
+            t1, t3 = gl.split(x_1)
+            u0, u1, u2, u3 = _transpose4(t0, t1, t2, t3)
+            # (a, b, c, e0, e1) -> (a, e1, e0, c, b): latent 4a + 2 e1 + e0, token 4c + b
+            w = gl.join(gl.join(u0, u1), gl.join(u2, u3))
+            w = gl.reshape(gl.permute(w, [0, 4, 3, 2, 1]), [512, 64])
+            vt = gl.convert_layout(w.to(gl.float8e4nv, bitcast=True), _VT_REGS)
+        else:
+            vt = gl.convert_layout(vt, _VT_REGS)
         # latent bits (MSB first) w1 w0 g2 g1 g0 i2 i1 i0 h -> O^T's row bits i2 i1 i0 w1 w0 h g2 g1 g0
         vt = gl.reshape(vt, [2, 2, 2, 2, 2, 2, 2, 2, 2, 64])
         vt = gl.reshape(gl.permute(vt, [5, 6, 7, 0, 1, 8, 2, 3, 4, 9]), [512, 64])
@@ -246,7 +272,8 @@ if _GLUON_ERROR is None:
                                stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                                PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
                                HAS_POS: gl.constexpr, LAZY: gl.constexpr, TAU: gl.constexpr,
-                               P_SCALE: gl.constexpr, QK_PROMOTE: gl.constexpr, VT_EARLY: gl.constexpr):
+                               P_SCALE: gl.constexpr, QK_PROMOTE: gl.constexpr, VT_EARLY: gl.constexpr,
+                               VT_PRMT: gl.constexpr):
         BH: gl.constexpr = 16
         BN: gl.constexpr = 64
         s2_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -324,7 +351,7 @@ if _GLUON_ERROR is None:
             ids = _page_ids(bt_row, start + (nxt + 1) * BN, end, PAGE, BN)
             s_tok = _issue_qk(c_s.index(k), r_s.index(k), q_s, qr_s, s_zero, QK_PROMOTE)
             if VT_EARLY:  # V^T's fragment (below) while QK^T runs
-                vt = _vt_fragment(c_s.index(k), vt_l)
+                vt = _vt_fragment(c_s.index(k), vt_l, VT_PRMT)
             s2 = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
             m_i, l_part, p, alpha, moved = _softmax_step(s2, m_i, l_part, col_scale, start + j * BN, end,
                                                         visible, red_s, s_l, HAS_POS, LAZY, TAU)
@@ -332,7 +359,7 @@ if _GLUON_ERROR is None:
                 acc = acc * alpha[None, :]
             _store_p(p, p_s, P_SCALE)
             if not VT_EARLY:  # here its 64 registers are not live across the softmax
-                vt = _vt_fragment(c_s.index(k), vt_l)
+                vt = _vt_fragment(c_s.index(k), vt_l, VT_PRMT)
             fence_async_shared()
             gl.thread_barrier()
             o_tok = warpgroup_mma(vt, p_s.index(0).permute((1, 0)), acc, is_async=True)
@@ -398,7 +425,7 @@ def mla_decode_fp8_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      plse_strides, scale, kv_scale, cfg.p_scale(), H, num_splits, q_len, dcp_size, dcp_rank),
         PAGE=page, STAGES=cfg.num_stages, DIRECT=direct, HAS_POS=q_pos is not None, LAZY=cfg.lazy_rescale,
         TAU=LAZY_TAU, P_SCALE=cfg.p_scale(), QK_PROMOTE=cfg.qk_promote, VT_EARLY=cfg.vt_early,
-        num_warps=4)
+        VT_PRMT=cfg.vt_prmt, num_warps=4)
     if not direct:
         reduce_splits(po, plse, o, lse, num_splits, po_strides, plse_strides)
     return o, lse

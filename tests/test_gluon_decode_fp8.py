@@ -5,7 +5,8 @@ CPU: the argument checks (each names the argument), the row permutation of O^T, 
 shared loads. GPU (marker `gpu`): the kernel against the torch reference over the same quantised,
 NaN-poisoned cache, at real shapes: 16 and 128 heads, pages 1, 16, 32, 64 and 256, lengths 0 to
 16k, one and several splits, batch 128, q_len 2 and 3 with positions under DCP, kv scales 0.5
-and 2, and the configs' options (4 stages, lazy rescale, V^T under QK^T).
+and 2, and the configs' options (4 stages, lazy rescale, V^T under QK^T, V^T's explicit byte
+transposes).
 """
 
 from __future__ import annotations
@@ -118,24 +119,27 @@ def _triton_36():
 
 
 @pytest.mark.skipif(not _triton_36(), reason="the kernel is written against Triton 3.6's Gluon")
-@pytest.mark.parametrize("page,direct,has_pos,stages", [(16, False, False, 2), (64, True, True, 2),
-                                                        (16, False, False, 4), (1, False, False, 2),
-                                                        (256, False, True, 2)])
-def test_compiles_for_sm90_without_spills(page, direct, has_pos, stages):
+@pytest.mark.parametrize("page,direct,has_pos,stages,vt_prmt", [(16, False, False, 2, False), (64, True, True, 2, False),
+                                                                (16, False, False, 4, False), (1, False, False, 2, False),
+                                                                (256, False, True, 2, False), (16, False, False, 2, True)])
+def test_compiles_for_sm90_without_spills(page, direct, has_pos, stages, vt_prmt):
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "scripts" / "compile_fp8_decode.py"
     spec = importlib.util.spec_from_file_location("compile_fp8_decode", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rep = mod.compile_report(page, stages, direct, has_pos)
+    rep = mod.compile_report(page, stages, direct, has_pos, vt_prmt=vt_prmt)
     assert rep["spill_bytes"] == 0 and rep["regs"] is not None, rep["ptxas"]
     assert rep["smem"] <= gf.SMEM_LIMIT // (2 if stages == 2 else 1)
     loop = rep["loop"]
     # per tile: QK^T 16 latent + 2 rope k-steps on e4m3 wgmma (N = 32: both q terms); PV 8
-    # 64-row blocks x 2 k-steps x 2 p terms, A from registers; V^T by 16-byte shared loads
+    # 64-row blocks x 2 k-steps x 2 p terms, A from registers; V^T by 16-byte shared loads and
+    # byte permutes within the thread (8 a 4 x 4 block with vt_prmt: 16 blocks a thread)
     assert loop["QGMMA.64x32x32.F32.E4M3.E4M3"] == 18 and loop["QGMMA.64x16x32.F32.E4M3.E4M3"] == 32, loop
     assert loop["LDS.128"] == 16 and not any(k.startswith("LDS.U8") for k in loop), loop
+    if vt_prmt:
+        assert loop["PRMT"] == 128, loop
 
 
 def check_fp8_decode(H, page, lens, q_len=1, with_pos=False, dcp=(1, 0), scale=1.0, num_splits=None,
@@ -180,6 +184,9 @@ GPU_CASES = {
     "H16_qlen3_pos_dcp": lambda: check_fp8_decode(16, 64, _LENS, q_len=3, with_pos=True, dcp=(2, 1), num_splits=4),
     "H16_lazy": lambda: check_fp8_decode(16, 16, _LENS, cfg=Fp8DecodeConfig(lazy_rescale=True)),
     "H16_vt_early": lambda: check_fp8_decode(16, 64, _LENS, cfg=Fp8DecodeConfig(vt_early=True)),
+    "H16_vt_prmt": lambda: check_fp8_decode(16, 16, _LENS, num_splits=3, cfg=Fp8DecodeConfig(vt_prmt=True)),
+    "H128_vt_prmt_qlen2": lambda: check_fp8_decode(128, 64, [1, 0, 777, 4096], q_len=2, with_pos=True, dcp=(2, 0),
+                                                   cfg=Fp8DecodeConfig(vt_prmt=True)),
 }
 
 
