@@ -32,6 +32,7 @@ CONFIGS = {"s2": Fp8DecodeConfig(), "p0": Fp8DecodeConfig(qk_promote=0),
            "early": Fp8DecodeConfig(vt_early=True), "p0early": Fp8DecodeConfig(qk_promote=0, vt_early=True),
            "lazy": Fp8DecodeConfig(lazy_rescale=True), "prmt": Fp8DecodeConfig(vt_prmt=True),
            "prmt_early": Fp8DecodeConfig(vt_prmt=True, vt_early=True),
+           "hwdec": Fp8DecodeConfig(p_hw_decode=True), "prmt_hwdec": Fp8DecodeConfig(vt_prmt=True, p_hw_decode=True),
            "s4x1": Fp8DecodeConfig(num_stages=4, programs_per_sm=1)}
 
 

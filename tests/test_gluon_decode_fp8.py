@@ -6,7 +6,7 @@ shared loads. GPU (marker `gpu`): the kernel against the torch reference over th
 NaN-poisoned cache, at real shapes: 16 and 128 heads, pages 1, 16, 32, 64 and 256, lengths 0 to
 16k, one and several splits, batch 128, q_len 2 and 3 with positions under DCP, kv scales 0.5
 and 2, and the configs' options (4 stages, lazy rescale, V^T under QK^T, V^T's explicit byte
-transposes).
+transposes, P's hi term decoded in hardware).
 """
 
 from __future__ import annotations
@@ -123,13 +123,16 @@ def _triton_36():
                                                                 (16, False, False, 4, False), (1, False, False, 2, False),
                                                                 (256, False, True, 2, False), (16, False, False, 2, True)])
 def test_compiles_for_sm90_without_spills(page, direct, has_pos, stages, vt_prmt):
+    """The sm_90 compile (Triton 3.6, no GPU): no spills, shared memory for 2 programs an SM (1 with
+    4 stages), the wgmma and shared-load counts of the design, no byte-wise shared loads; with
+    vt_prmt (and p_hw_decode, its companion option) 8 byte permutes a 4 x 4 block of V^T."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "scripts" / "compile_fp8_decode.py"
     spec = importlib.util.spec_from_file_location("compile_fp8_decode", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rep = mod.compile_report(page, stages, direct, has_pos, vt_prmt=vt_prmt)
+    rep = mod.compile_report(page, stages, direct, has_pos, vt_prmt=vt_prmt, p_hw_decode=vt_prmt)
     assert rep["spill_bytes"] == 0 and rep["regs"] is not None, rep["ptxas"]
     assert rep["smem"] <= gf.SMEM_LIMIT // (2 if stages == 2 else 1)
     loop = rep["loop"]
@@ -187,6 +190,10 @@ GPU_CASES = {
     "H16_vt_prmt": lambda: check_fp8_decode(16, 16, _LENS, num_splits=3, cfg=Fp8DecodeConfig(vt_prmt=True)),
     "H128_vt_prmt_qlen2": lambda: check_fp8_decode(128, 64, [1, 0, 777, 4096], q_len=2, with_pos=True, dcp=(2, 0),
                                                    cfg=Fp8DecodeConfig(vt_prmt=True)),
+    "H16_p_hw_decode": lambda: check_fp8_decode(16, 16, _LENS, num_splits=3, scale=0.5,
+                                                cfg=Fp8DecodeConfig(p_hw_decode=True)),
+    "H16_vt_prmt_p_hw_decode_batch128": lambda: check_fp8_decode(
+        16, 16, [(37 * i) % 4097 for i in range(128)], cfg=Fp8DecodeConfig(vt_prmt=True, p_hw_decode=True)),
 }
 
 
