@@ -18,7 +18,7 @@ BLOCK_N = 64  # cache rows per tile: wgmma's M for QK^T, its K (two steps of 32)
 # 8) because P is written as e4m3 (<= 448): p <= 2^4 leaves P room for a factor 2^4, which keeps
 # small p in e4m3's normal range
 LAZY_TAU = 4.0
-OPTION = "the Gluon FP8-cache decode (--kernels ...,decode_fp8_wgmma=0 avoids it)"
+OPTION = "the Gluon FP8-cache decode (attention/gluon_decode_fp8.py)"  # the engine's errors add its plan key
 SMEM_LIMIT = 227 * 1024
 
 

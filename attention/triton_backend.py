@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from attention import gluon_decode, gluon_decode_fp8  # Gluon, Triton's Hopper dialect: importable without it or a GPU
+from attention import gluon_decode, gluon_decode_fp8  # Gluon (Triton's Hopper dialect): importable without it
 from attention.backend import check_prefill_out
 from attention.gluon_decode_plan import GluonDecodeConfig
 from attention.kv_quant import FP8_DTYPE

@@ -153,9 +153,9 @@ CHOICES: tuple[Choice, ...] = (
            "1,529 against 1,501)", ("attention.gluon_copies",), triton=False, torch=False),
     Choice("decode_fp8_wgmma", (bool,), "with --kv-cache-dtype fp8, the MLA decode on the Gluon e4m3-wgmma kernel "
            "(attention/gluon_decode_fp8.py: sm_90, bf16 model, kv_lora_rank 512, rope 64, 16, 32 or 48 heads per "
-           "rank, --block-size 16 or 64, Triton 3.6): the cache's bytes are the products' operands, never converted, instead of "
-           "the Triton kernel's conversions to fp16", ("attention.gluon_decode_fp8",), triton=False, torch=False,
-           triton_help="1 where all of that holds, else 0"),
+           "rank, --block-size 16 or 64, Triton 3.6): the cache's bytes are the products' operands, never "
+           "converted, instead of the Triton kernel's conversions to fp16", ("attention.gluon_decode_fp8",),
+           triton=False, torch=False, triton_help="1 where all of that holds, else 0"),
     Choice("decode_fuse_q_kv", (bool,), "pure decode steps run absorb_q and kv_finish (the new tokens' cache "
            "rows) as one launch (attention/triton_absorb.py absorb_q_kv_finish): one kernel fewer per layer; "
            "needs absorb and finish_kv triton", ("attention.triton_absorb",), triton=True, torch=False,
@@ -318,9 +318,9 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
     more heads on the Gluon wgmma kernel where this model, its dtypes and the GPU fit it
     (`wgmma_fit`: attention/gluon_decode_plan.py's engine_fit_problem finds nothing) and attention
     is triton; decodes over an FP8 cache on the Gluon e4m3 kernel where it fits (`fp8_wgmma_fit`:
-    attention/gluon_decode_fp8_plan.py's engine_fit_problem finds nothing) and attention is triton, unless
-    decode_qk_fp8 (a Triton-kernel option) is set; PDL in the small decode graphs (pdl_graph_max_batch) on sm_90+ GPUs (`hopper`) when
-    attention is triton. `--attention-backend` sets the attention key (finish_kv and absorb follow it unless
+    attention/gluon_decode_fp8_plan.py's engine_fit_problem finds nothing) and attention is
+    triton, unless decode_qk_fp8 (a Triton-kernel option) is set; PDL in the small decode graphs
+    (pdl_graph_max_batch) on sm_90+ GPUs (`hopper`) when attention is triton. `--attention-backend` sets the attention key (finish_kv and absorb follow it unless
     set).
     """
     base, over = parse_kernels(spec)
