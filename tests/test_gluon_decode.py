@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_triton_ops import check_lse, poisoned, rel_err
+from test_triton_ops import check_lse, last_positions, poisoned, rel_err
 
 from attention import gluon_decode as gd
 from attention.gluon_decode import GluonDecodeConfig, mla_decode_wgmma, plan_splits, validate_inputs
@@ -304,12 +304,7 @@ def check_gluon_decode(lens, H, page, q_len=1, num_splits=None, with_pos=False, 
     cache, bt = cache.cuda(), bt.cuda()
     q = torch.randn(B * q_len, H, LKV + R, generator=gen).to(bf16).cuda()
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q_pos = None
-    if with_pos:  # the last q_len global positions of each sequence (DCP: a rank holds a share)
-        D, rank = dcp
-        glob = [max(q_len, n * D + rank) for n in lens]
-        q_pos = torch.tensor([g - q_len + t for g in glob for t in range(q_len)], dtype=torch.int32,
-                             device="cuda")
+    q_pos = last_positions(lens, q_len, dcp, "cuda") if with_pos else None
     sm = (LKV + R) ** -0.5 * 3.0
     kw = dict(q_len=q_len, q_pos=q_pos, dcp_size=dcp[0], dcp_rank=dcp[1])
     with poisoned("cuda"):

@@ -16,7 +16,7 @@ import re
 import pytest
 import torch
 from test_kv_cache_fp8 import poisoned_cache
-from test_triton_ops import check_lse, poisoned, rel_err
+from test_triton_ops import check_lse, last_positions, poisoned, rel_err
 
 from attention import gluon_decode_fp8 as gf
 from attention.gluon_decode_fp8 import Fp8DecodeConfig, mla_decode_fp8_wgmma, perm_rows, validate_inputs
@@ -152,11 +152,7 @@ def check_fp8_decode(H, page, lens, q_len=1, with_pos=False, dcp=(1, 0), scale=1
     cache, bt = poisoned_cache(lens, page, LKV + R, FP8_DTYPE, scale, "cuda", gen)
     q = torch.randn(B * q_len, H, LKV + R, generator=gen).to(bf16).cuda()
     seq_lens = torch.tensor(lens, dtype=torch.int32, device="cuda")
-    q_pos = None
-    if with_pos:  # the last q_len global positions of each sequence (DCP: a rank holds a share)
-        D, rank = dcp
-        glob = [max(q_len, n * D + rank) for n in lens]
-        q_pos = torch.tensor([g - q_len + t for g in glob for t in range(q_len)], dtype=torch.int32, device="cuda")
+    q_pos = last_positions(lens, q_len, dcp, "cuda") if with_pos else None
     sm = (LKV + R) ** -0.5 * 3.0
     kw = dict(q_len=q_len, q_pos=q_pos, dcp_size=dcp[0], dcp_rank=dcp[1])
     with poisoned("cuda"):

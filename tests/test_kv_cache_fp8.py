@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_triton_ops import check_lse, poisoned, rel_err
+from test_triton_ops import check_lse, last_positions, poisoned, rel_err
 
 from attention.kv_quant import FP8_DTYPE, FP8_MAX, e4m3_rows, load_as, resolve_kv_cache_dtype, store_as
 from attention.torch_backend import TorchAttentionOps
@@ -62,11 +62,7 @@ def check_decode_cache(device, dtype, cache_dtype, H, lkv, r, page, lens, q_len=
     cache, bt = poisoned_cache(lens, page, lkv + r, cache_dtype, scale, device, gen)
     q = torch.randn(B * q_len, H, lkv + r, generator=gen).to(dtype).to(device)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
-    q_pos = None
-    if with_pos:  # the last q_len global positions of each sequence (DCP: a rank holds a share)
-        D, rank = dcp
-        glob = [max(q_len, n * D + rank) for n in lens]
-        q_pos = torch.tensor([g - q_len + t for g in glob for t in range(q_len)], dtype=torch.int32, device=device)
+    q_pos = last_positions(lens, q_len, dcp, device) if with_pos else None
     sm = (lkv + r) ** -0.5 * 3.0
     kw = dict(q_len=q_len, q_pos=q_pos, dcp_size=dcp[0], dcp_rank=dcp[1])
     with poisoned(device):

@@ -21,6 +21,14 @@ from attention.torch_backend import TorchAttentionOps, merge_attn_states
 TOL = {torch.float32: 1e-3, torch.float16: 5e-3, torch.bfloat16: 1e-2}
 
 
+def last_positions(lens, q_len, dcp, device):
+    """Query positions [B * q_len] int32: the last q_len global positions of each sequence, whose
+    local length on DCP rank `rank` of D (dcp = (D, rank)) is n (a rank holds a share)."""
+    D, rank = dcp
+    glob = [max(q_len, n * D + rank) for n in lens]
+    return torch.tensor([g - q_len + t for g in glob for t in range(q_len)], dtype=torch.int32, device=device)
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """‖out − ref‖ / ‖ref‖ in fp64; NaN anywhere gives inf."""
     out, ref = out.double(), ref.double()
