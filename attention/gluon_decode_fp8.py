@@ -140,12 +140,13 @@ if _GLUON_ERROR is None:
         return m_new, l_part + p, p, alpha, any_moved
 
     @gluon.jit
-    def _store_p(p, p_s, P_SCALE: gl.constexpr, HW_DECODE: gl.constexpr):
-        """P' = P_SCALE * p (<= 256: p <= 2^TAU, 1 without LAZY) as e4m3 hi and lo into p_s[0] and
-        p_s[1] [16, 64], transposed: the K-major B operand of PV."""
+    def _store_p(p, ph_s, pl_s, P_SCALE: gl.constexpr, HW_DECODE: gl.constexpr):
+        """P' = P_SCALE * p (<= 256: p <= 2^TAU, 1 without LAZY) as e4m3 hi and lo into ph_s and
+        pl_s [16, 64], transposed: the K-major B operand of PV. Two allocations, not one [2, 16, 64]:
+        Triton orders stores to one allocation with a barrier between them."""
         p_hi, p_lo = _two_terms(p * P_SCALE, HW_DECODE)
-        p_s.index(0).store(gl.permute(p_hi, [1, 0]))
-        p_s.index(1).store(gl.permute(p_lo, [1, 0]))
+        ph_s.store(gl.permute(p_hi, [1, 0]))
+        pl_s.store(gl.permute(p_lo, [1, 0]))
 
     @gluon.jit(do_not_specialize=["num_splits", "stride_btb"])
     def _mla_decode_fp8_kernel(q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
@@ -155,7 +156,7 @@ if _GLUON_ERROR is None:
                                PAGE: gl.constexpr, STAGES: gl.constexpr, DIRECT: gl.constexpr,
                                HAS_POS: gl.constexpr, LAZY: gl.constexpr, TAU: gl.constexpr,
                                P_SCALE: gl.constexpr, QK_PROMOTE: gl.constexpr, VT_EARLY: gl.constexpr,
-                               VT_PRMT: gl.constexpr, P_HW_DECODE: gl.constexpr):
+                               VT_PRMT: gl.constexpr, P_HW_DECODE: gl.constexpr, FENCE_FIRST: gl.constexpr):
         BH: gl.constexpr = 16
         BN: gl.constexpr = 64
         s2_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -174,7 +175,8 @@ if _GLUON_ERROR is None:
         r_s = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, BN, 64], r_sl)
         q_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BH, 512], q_sl)
         qr_s = gl.allocate_shared_memory(gl.float8e4nv, [2 * BH, 64], qr_sl)
-        p_s = gl.allocate_shared_memory(gl.float8e4nv, [2, BH, BN], p_sl)  # P's two terms (hi, lo)
+        ph_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, BN], p_sl)  # P's two terms: hi
+        pl_s = gl.allocate_shared_memory(gl.float8e4nv, [BH, BN], p_sl)  # and lo
         red_s = gl.allocate_shared_memory(gl.float32, [4, BH],
                                           gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
 
@@ -223,13 +225,21 @@ if _GLUON_ERROR is None:
         s_zero = gl.zeros([BN, 2 * BH], gl.float32, layout=s2_l)
         for j in range(0, n_tiles):
             k = j % STAGES
-            async_copy.wait_group(STAGES - 2)  # tile j is in
-            fence_async_shared()  # cp.async and q's stores (generic proxy) before wgmma reads (async)
-            gl.thread_barrier()  # every thread's copies; every warp is past tile j-1 (its stage is free)
+            async_copy.wait_group(STAGES - 2)  # this thread's copies of tile j are in
+            if FENCE_FIRST:
+                fence_async_shared()
+            gl.thread_barrier()  # every warp is past tile j-1: its stage is free for the refill
             nxt = j + STAGES - 1
             _copy_tile(kv_ptr, ids, c_s.index(nxt % STAGES), r_s.index(nxt % STAGES), start + nxt * BN,
                        end, stride_kvb, stride_kvs, PAGE, BN)
             async_copy.commit_group()
+            if not FENCE_FIRST:
+                # tile j's cp.async writes and q's stores (generic proxy) before wgmma reads them
+                # (async proxy), in every thread; the barrier also orders the refill's issue before
+                # the reads, as Triton's shared-memory analysis wants (it cannot tell the stages
+                # apart; with FENCE_FIRST it inserts that barrier itself: 5 a tile instead of 4)
+                fence_async_shared()
+                gl.thread_barrier()
             ids = _page_ids(bt_row, start + (nxt + 1) * BN, end, PAGE, BN)
             s_tok = _issue_qk(c_s.index(k), r_s.index(k), q_s, qr_s, s_zero, QK_PROMOTE)
             if VT_EARLY:  # V^T's fragment (below) while QK^T runs
@@ -239,13 +249,13 @@ if _GLUON_ERROR is None:
                                                         visible, red_s, s_l, HAS_POS, LAZY, TAU)
             if moved > 0:
                 acc = acc * alpha[None, :]
-            _store_p(p, p_s, P_SCALE, P_HW_DECODE)
+            _store_p(p, ph_s, pl_s, P_SCALE, P_HW_DECODE)
             if not VT_EARLY:  # here its 64 registers are not live across the softmax
                 vt = _vt_fragment(c_s.index(k), vt_l, VT_PRMT)
             fence_async_shared()
             gl.thread_barrier()
-            o_tok = warpgroup_mma(vt, p_s.index(0).permute((1, 0)), acc, is_async=True)
-            o_tok = warpgroup_mma(vt, p_s.index(1).permute((1, 0)), o_tok, is_async=True)
+            o_tok = warpgroup_mma(vt, ph_s.permute((1, 0)), acc, is_async=True)
+            o_tok = warpgroup_mma(vt, pl_s.permute((1, 0)), o_tok, is_async=True)
             # (the wait cannot list vt, 8-bit, among its deps: nothing touches vt before it)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
         async_copy.wait_group(0)  # no copy may land after the program ends
@@ -307,7 +317,8 @@ def mla_decode_fp8_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
                      plse_strides, scale, kv_scale, cfg.p_scale(), H, num_splits, q_len, dcp_size, dcp_rank),
         PAGE=page, STAGES=cfg.num_stages, DIRECT=direct, HAS_POS=q_pos is not None, LAZY=cfg.lazy_rescale,
         TAU=LAZY_TAU, P_SCALE=cfg.p_scale(), QK_PROMOTE=cfg.qk_promote, VT_EARLY=cfg.vt_early,
-        VT_PRMT=cfg.vt_prmt, P_HW_DECODE=cfg.p_hw_decode, num_warps=4)
+        VT_PRMT=cfg.vt_prmt, P_HW_DECODE=cfg.p_hw_decode,
+        FENCE_FIRST=cfg.fence_first, num_warps=4)
     if not direct:
         reduce_splits(po, plse, o, lse, num_splits, po_strides, plse_strides)
     return o, lse

@@ -31,6 +31,7 @@ class Fp8DecodeConfig:
     vt_early: bool = False  # load V^T's fragment under QK^T instead of after the softmax
     vt_prmt: bool = False  # V^T's byte transposes by 8 explicit byte permutes a 4 x 4 block (not yet run on a GPU)
     p_hw_decode: bool = False  # P's hi term back to fp32 by the hardware convert (not yet run on a GPU)
+    fence_first: bool = False  # the proxy fence before the refill's issue, not after (5 barriers a tile, not 4)
     programs_per_sm: int = 2  # for the split heuristic (smem_bytes() must allow it)
     min_split_tokens: int = 128
     max_splits: int = 128

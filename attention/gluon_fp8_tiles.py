@@ -42,24 +42,35 @@ if _ERROR is None:
                                 [2, 1, 0])
 
     @gluon.jit
-    def _page_ids(bt_row, t0, end, PAGE: gl.constexpr, BN: gl.constexpr):
-        """Block ids of the pages of cache rows [t0, t0 + BN) (t0 a BN multiple): [NP] (NP =
-        BN // PAGE, or 1 when a page holds the tile), 0 for pages past `end` (not read)."""
+    def _page_ids_for(bt_row, t0, end, PAGE: gl.constexpr, BN: gl.constexpr, W: gl.constexpr):
+        """Block ids of the pages of cache rows [t0, t0 + BN) (t0 a BN multiple) in the layout of
+        the copy of W-byte rows (`_copy_part`): [NP] (NP = BN // PAGE, or 1 when a page holds the
+        tile), 0 for pages past `end` (not read)."""
         NP: gl.constexpr = BN // PAGE if PAGE < BN else 1
         RP: gl.constexpr = PAGE if PAGE < BN else BN
-        id_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, _copy_layout(NP, RP, 512)))
+        id_l: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, _copy_layout(NP, RP, W)))
         pg = gl.arange(0, NP, layout=id_l)
         return gl.load(bt_row + t0 // PAGE + pg, mask=t0 + pg * RP < end, other=0)
 
     @gluon.jit
+    def _page_ids(bt_row, t0, end, PAGE: gl.constexpr, BN: gl.constexpr):
+        """The tile's page ids twice, in the layouts of its latent (512-byte) and rope (64-byte)
+        copies: two loads of a few ids (cached) instead of a layout conversion, which went
+        through shared memory and cost a barrier a tile."""
+        return (_page_ids_for(bt_row, t0, end, PAGE, BN, 512),
+                _page_ids_for(bt_row, t0, end, PAGE, BN, 64))
+
+    @gluon.jit
     def _copy_part(kv_ptr, ids, dst, t0, end, stride_kvb, stride_kvs, PAGE: gl.constexpr,
                    NP: gl.constexpr, RP: gl.constexpr, COL0: gl.constexpr, W: gl.constexpr):
-        """cp.async of columns [COL0, COL0 + W) of the tile's rows into dst, viewed as [NP, RP, W]."""
+        """cp.async of columns [COL0, COL0 + W) of the tile's rows into dst, viewed as [NP, RP, W];
+        ids in this copy's layout (`_page_ids_for`)."""
         ld: gl.constexpr = _copy_layout(NP, RP, W)
         pg = gl.arange(0, NP, layout=gl.SliceLayout(1, gl.SliceLayout(2, ld)))
         rr = gl.arange(0, RP, layout=gl.SliceLayout(0, gl.SliceLayout(2, ld)))
         cc = COL0 + gl.arange(0, W, layout=gl.SliceLayout(0, gl.SliceLayout(1, ld)))
-        base = gl.convert_layout(ids, gl.SliceLayout(1, gl.SliceLayout(2, ld))).to(gl.int64) * stride_kvb
+        base = gl.convert_layout(ids, gl.SliceLayout(1, gl.SliceLayout(2, ld)), assert_trivial=True)
+        base = base.to(gl.int64) * stride_kvb
         rows = (t0 % PAGE + rr) * stride_kvs  # t0 % PAGE: 0 unless a page holds several tiles
         ptrs = kv_ptr + base[:, None, None] + rows[None, :, None] + cc[None, None, :]
         valid = (t0 + pg[:, None] * RP + rr[None, :] < end)[:, :, None]
@@ -70,13 +81,13 @@ if _ERROR is None:
                    PAGE: gl.constexpr, BN: gl.constexpr):
         """cp.async of cache rows [t0, t0 + BN) into c_buf [BN, 512] and r_buf [BN, 64] (rows >= end
         zero-filled, not read), 16 bytes a thread. The tile is viewed as [NP pages, RP rows]: each
-        thread's page bases come from `ids` (`_page_ids`); its rows' offsets within a page are the
-        same every tile where a tile holds whole pages (pages of up to 64 rows), and move by
-        t0 % PAGE within a larger page."""
+        thread's page bases come from `ids` (`_page_ids`: latent and rope layouts); its rows'
+        offsets within a page are the same every tile where a tile holds whole pages (pages of up
+        to 64 rows), and move by t0 % PAGE within a larger page."""
         NP: gl.constexpr = BN // PAGE if PAGE < BN else 1
         RP: gl.constexpr = PAGE if PAGE < BN else BN
-        _copy_part(kv_ptr, ids, c_buf, t0, end, stride_kvb, stride_kvs, PAGE, NP, RP, 0, 512)
-        _copy_part(kv_ptr, ids, r_buf, t0, end, stride_kvb, stride_kvs, PAGE, NP, RP, 512, 64)
+        _copy_part(kv_ptr, ids[0], c_buf, t0, end, stride_kvb, stride_kvs, PAGE, NP, RP, 0, 512)
+        _copy_part(kv_ptr, ids[1], r_buf, t0, end, stride_kvb, stride_kvs, PAGE, NP, RP, 512, 64)
 
     @gluon.jit
     def _e4m3_round(x):

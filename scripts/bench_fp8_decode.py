@@ -33,6 +33,8 @@ CONFIGS = {"s2": Fp8DecodeConfig(), "p0": Fp8DecodeConfig(qk_promote=0),
            "lazy": Fp8DecodeConfig(lazy_rescale=True), "prmt": Fp8DecodeConfig(vt_prmt=True),
            "prmt_early": Fp8DecodeConfig(vt_prmt=True, vt_early=True),
            "hwdec": Fp8DecodeConfig(p_hw_decode=True), "prmt_hwdec": Fp8DecodeConfig(vt_prmt=True, p_hw_decode=True),
+           "ff": Fp8DecodeConfig(fence_first=True),
+           "prmt_hwdec_ff": Fp8DecodeConfig(vt_prmt=True, p_hw_decode=True, fence_first=True),
            "s4x1": Fp8DecodeConfig(num_stages=4, programs_per_sm=1)}
 
 

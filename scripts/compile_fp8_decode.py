@@ -62,7 +62,8 @@ def loop_opcodes(sass: str) -> Counter:
 
 def compile_report(page: int = 16, stages: int = 2, direct: bool = False, has_pos: bool = False,
                    dump: str | None = None, lazy: bool = False, qk_promote: int | None = None,
-                   vt_early: bool = False, vt_prmt: bool = False, p_hw_decode: bool = False) -> dict:
+                   vt_early: bool = False, vt_prmt: bool = False, p_hw_decode: bool = False,
+                   fence_first: bool = False) -> dict:
     """Compile for sm_90 and read registers, spills, shared memory and the KV-tile loop's opcodes;
     qk_promote None: Fp8DecodeConfig's default."""
     if gf._GLUON_ERROR is not None:
@@ -71,10 +72,10 @@ def compile_report(page: int = 16, stages: int = 2, direct: bool = False, has_po
     if qk_promote is None:
         qk_promote = gf.Fp8DecodeConfig().qk_promote
     cfg = gf.Fp8DecodeConfig(num_stages=stages, lazy_rescale=lazy, qk_promote=qk_promote, vt_early=vt_early,
-                             vt_prmt=vt_prmt, p_hw_decode=p_hw_decode)
+                             vt_prmt=vt_prmt, p_hw_decode=p_hw_decode, fence_first=fence_first)
     constexprs = dict(PAGE=page, STAGES=stages, DIRECT=bool(direct), HAS_POS=bool(has_pos), LAZY=lazy,
                       TAU=gf.LAZY_TAU, P_SCALE=cfg.p_scale(), QK_PROMOTE=qk_promote, VT_EARLY=vt_early,
-                      VT_PRMT=vt_prmt, P_HW_DECODE=p_hw_decode)
+                      VT_PRMT=vt_prmt, P_HW_DECODE=p_hw_decode, FENCE_FIRST=fence_first)
     sig.update({k: "constexpr" for k in constexprs})
     names = [n for n, _ in SIGNATURE]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
@@ -110,10 +111,12 @@ def main() -> int:
     ap.add_argument("--vt-early", type=int, default=0, help="Fp8DecodeConfig.vt_early")
     ap.add_argument("--vt-prmt", type=int, default=0, help="Fp8DecodeConfig.vt_prmt")
     ap.add_argument("--p-hw-decode", type=int, default=0, help="Fp8DecodeConfig.p_hw_decode")
+    ap.add_argument("--fence-first", type=int, default=0, help="Fp8DecodeConfig.fence_first")
     ap.add_argument("--dump", help="write the TTGIR, PTX and SASS here")
     args = ap.parse_args()
-    rep = compile_report(args.page, args.stages, bool(args.direct), bool(args.has_pos), args.dump, bool(args.lazy), args.qk_promote, bool(args.vt_early),
-                         bool(args.vt_prmt), bool(args.p_hw_decode))
+    rep = compile_report(args.page, args.stages, bool(args.direct), bool(args.has_pos), args.dump, bool(args.lazy),
+                         args.qk_promote, bool(args.vt_early), bool(args.vt_prmt), bool(args.p_hw_decode),
+                         bool(args.fence_first))
     print(f"shared memory {rep['smem']} bytes, {rep['regs']} registers, spills {rep['spill_bytes']} bytes")
     loop = rep["loop"]
     print(f"KV-tile loop: {sum(loop.values())} instructions a warp; top: {loop.most_common(24)}")

@@ -190,6 +190,7 @@ GPU_CASES = {
                                                 cfg=Fp8DecodeConfig(p_hw_decode=True)),
     "H16_vt_prmt_p_hw_decode_batch128": lambda: check_fp8_decode(
         16, 16, [(37 * i) % 4097 for i in range(128)], cfg=Fp8DecodeConfig(vt_prmt=True, p_hw_decode=True)),
+    "H16_fence_first": lambda: check_fp8_decode(16, 64, _LENS, num_splits=2, cfg=Fp8DecodeConfig(fence_first=True)),
 }
 
 
