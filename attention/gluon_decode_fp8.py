@@ -148,6 +148,54 @@ if _GLUON_ERROR is None:
         ph_s.store(gl.permute(p_hi, [1, 0]))
         pl_s.store(gl.permute(p_lo, [1, 0]))
 
+    @gluon.jit
+    def _kv_step(j, kv_ptr, ids, bt_row, start, end, stride_kvb, stride_kvs, c_cur, r_cur, c_nxt, r_nxt,
+                 q_s, qr_s, ph_s, pl_s, red_s, s_zero, m_i, l_part, acc, col_scale, visible,
+                 PAGE: gl.constexpr, STAGES: gl.constexpr, HAS_POS: gl.constexpr, LAZY: gl.constexpr,
+                 TAU: gl.constexpr, P_SCALE: gl.constexpr, QK_PROMOTE: gl.constexpr, VT_EARLY: gl.constexpr,
+                 VT_PRMT: gl.constexpr, P_HW_DECODE: gl.constexpr, FENCE_FIRST: gl.constexpr):
+        """KV tile j (in c_cur / r_cur) into the softmax state and O^T, with the refill of tile
+        j + STAGES - 1 into c_nxt / r_nxt issued at its start: (m_i, l_part, acc, the page ids of
+        the refill after). With FENCE_FIRST the proxy fence comes before the refill's issue, and
+        Triton adds a barrier of its own between the refill and QK^T (it cannot tell the stages
+        apart): 5 barriers a tile instead of 4."""
+        BN: gl.constexpr = 64
+        s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 16, 32])
+        vt_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=4)
+        async_copy.wait_group(STAGES - 2)  # this thread's copies of tile j are in
+        if FENCE_FIRST:
+            fence_async_shared()
+        gl.thread_barrier()  # every warp is past tile j-1: its stage is free for the refill
+        nxt = j + STAGES - 1
+        _copy_tile(kv_ptr, ids, c_nxt, r_nxt, start + nxt * BN, end, stride_kvb, stride_kvs, PAGE, BN)
+        async_copy.commit_group()
+        if not FENCE_FIRST:
+            # tile j's cp.async writes and q's stores (generic proxy) before wgmma reads them
+            # (async proxy), in every thread; the barrier also orders the refill's issue before
+            # the reads, as Triton's shared-memory analysis wants
+            fence_async_shared()
+            gl.thread_barrier()
+        ids = _page_ids(bt_row, start + (nxt + 1) * BN, end, PAGE, BN)
+        s_tok = _issue_qk(c_cur, r_cur, q_s, qr_s, s_zero, QK_PROMOTE)
+        if VT_EARLY:  # V^T's fragment (below) while QK^T runs
+            vt = _vt_fragment(c_cur, vt_l, VT_PRMT)
+        s2 = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
+        m_i, l_part, p, alpha, moved = _softmax_step(s2, m_i, l_part, col_scale, start + j * BN, end,
+                                                    visible, red_s, s_l, HAS_POS, LAZY, TAU)
+        if moved > 0:
+            acc = acc * alpha[None, :]
+        _store_p(p, ph_s, pl_s, P_SCALE, P_HW_DECODE)
+        if not VT_EARLY:  # here its 64 registers are not live across the softmax
+            vt = _vt_fragment(c_cur, vt_l, VT_PRMT)
+        fence_async_shared()
+        gl.thread_barrier()
+        o_tok = warpgroup_mma(vt, ph_s.permute((1, 0)), acc, is_async=True)
+        o_tok = warpgroup_mma(vt, pl_s.permute((1, 0)), o_tok, is_async=True)
+        # (the wait cannot list vt, 8-bit, among its deps: nothing touches vt before it)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+        return m_i, l_part, acc, ids
+
     @gluon.jit(do_not_specialize=["num_splits", "stride_btb"])
     def _mla_decode_fp8_kernel(q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr, lse_ptr,
                                qk_scale_log2, o_scale, H, num_splits, q_len, dcp_size, dcp_rank,
@@ -163,7 +211,6 @@ if _GLUON_ERROR is None:
                                                        instr_shape=[16, 2 * BH, 32])
         s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BH, 32])
-        vt_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_l, k_width=4)
         ld_q: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
         col_l: gl.constexpr = gl.SliceLayout(0, s_l)  # per head column of S^T and O^T
         c_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, 512], gl.float8e4nv)
@@ -225,39 +272,12 @@ if _GLUON_ERROR is None:
         s_zero = gl.zeros([BN, 2 * BH], gl.float32, layout=s2_l)
         for j in range(0, n_tiles):
             k = j % STAGES
-            async_copy.wait_group(STAGES - 2)  # this thread's copies of tile j are in
-            if FENCE_FIRST:
-                fence_async_shared()
-            gl.thread_barrier()  # every warp is past tile j-1: its stage is free for the refill
-            nxt = j + STAGES - 1
-            _copy_tile(kv_ptr, ids, c_s.index(nxt % STAGES), r_s.index(nxt % STAGES), start + nxt * BN,
-                       end, stride_kvb, stride_kvs, PAGE, BN)
-            async_copy.commit_group()
-            if not FENCE_FIRST:
-                # tile j's cp.async writes and q's stores (generic proxy) before wgmma reads them
-                # (async proxy), in every thread; the barrier also orders the refill's issue before
-                # the reads, as Triton's shared-memory analysis wants (it cannot tell the stages
-                # apart; with FENCE_FIRST it inserts that barrier itself: 5 a tile instead of 4)
-                fence_async_shared()
-                gl.thread_barrier()
-            ids = _page_ids(bt_row, start + (nxt + 1) * BN, end, PAGE, BN)
-            s_tok = _issue_qk(c_s.index(k), r_s.index(k), q_s, qr_s, s_zero, QK_PROMOTE)
-            if VT_EARLY:  # V^T's fragment (below) while QK^T runs
-                vt = _vt_fragment(c_s.index(k), vt_l, VT_PRMT)
-            s2 = warpgroup_mma_wait(num_outstanding=0, deps=[s_tok])
-            m_i, l_part, p, alpha, moved = _softmax_step(s2, m_i, l_part, col_scale, start + j * BN, end,
-                                                        visible, red_s, s_l, HAS_POS, LAZY, TAU)
-            if moved > 0:
-                acc = acc * alpha[None, :]
-            _store_p(p, ph_s, pl_s, P_SCALE, P_HW_DECODE)
-            if not VT_EARLY:  # here its 64 registers are not live across the softmax
-                vt = _vt_fragment(c_s.index(k), vt_l, VT_PRMT)
-            fence_async_shared()
-            gl.thread_barrier()
-            o_tok = warpgroup_mma(vt, ph_s.permute((1, 0)), acc, is_async=True)
-            o_tok = warpgroup_mma(vt, pl_s.permute((1, 0)), o_tok, is_async=True)
-            # (the wait cannot list vt, 8-bit, among its deps: nothing touches vt before it)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
+            m_i, l_part, acc, ids = _kv_step(
+                j, kv_ptr, ids, bt_row, start, end, stride_kvb, stride_kvs, c_s.index(k), r_s.index(k),
+                c_s.index((j + STAGES - 1) % STAGES), r_s.index((j + STAGES - 1) % STAGES),
+                q_s, qr_s, ph_s, pl_s, red_s, s_zero, m_i, l_part, acc, col_scale, visible,
+                PAGE, STAGES, HAS_POS, LAZY, TAU, P_SCALE, QK_PROMOTE, VT_EARLY, VT_PRMT, P_HW_DECODE,
+                FENCE_FIRST)
         async_copy.wait_group(0)  # no copy may land after the program ends
 
         l_i = gl.sum(l_part, axis=0)
