@@ -28,13 +28,23 @@ from attention.triton_decode import mla_decode  # noqa: E402
 from bench_mla_decode import decode_inputs, graph_ms  # noqa: E402
 
 LKV, R = 512, 64
-CONFIGS = {"s2": Fp8DecodeConfig(), "p0": Fp8DecodeConfig(qk_promote=0),
-           "early": Fp8DecodeConfig(vt_early=True), "p0early": Fp8DecodeConfig(qk_promote=0, vt_early=True),
-           "lazy": Fp8DecodeConfig(lazy_rescale=True), "prmt": Fp8DecodeConfig(vt_prmt=True),
-           "prmt_early": Fp8DecodeConfig(vt_prmt=True, vt_early=True),
-           "hwdec": Fp8DecodeConfig(p_hw_decode=True), "prmt_hwdec": Fp8DecodeConfig(vt_prmt=True, p_hw_decode=True),
-           "ff": Fp8DecodeConfig(fence_first=True),
-           "prmt_hwdec_ff": Fp8DecodeConfig(vt_prmt=True, p_hw_decode=True, fence_first=True),
+# names after their options on top of the first kernel's order (all four off: "s2"); "default" is
+# Fp8DecodeConfig() as the engine runs it
+_FIRST = dict(vt_early=False, vt_prmt=False, p_hw_decode=False, fence_first=False)
+
+
+def _cfg(**on) -> Fp8DecodeConfig:
+    return Fp8DecodeConfig(**{**_FIRST, **on})
+
+
+CONFIGS = {"default": Fp8DecodeConfig(), "s2": _cfg(), "p0": _cfg(qk_promote=0),
+           "early": _cfg(vt_early=True), "p0early": _cfg(qk_promote=0, vt_early=True),
+           "lazy": _cfg(lazy_rescale=True), "prmt": _cfg(vt_prmt=True), "prmt_early": _cfg(vt_prmt=True, vt_early=True),
+           "hwdec": _cfg(p_hw_decode=True), "prmt_hwdec": _cfg(vt_prmt=True, p_hw_decode=True),
+           "ff": _cfg(fence_first=True), "prmt_hwdec_ff": _cfg(vt_prmt=True, p_hw_decode=True, fence_first=True),
+           "prmt_hwdec_ff_early": _cfg(vt_prmt=True, p_hw_decode=True, fence_first=True, vt_early=True),
+           "hwdec_ff": _cfg(p_hw_decode=True, fence_first=True),
+           "hwdec_ff_early": _cfg(p_hw_decode=True, fence_first=True, vt_early=True),
            "s4x1": Fp8DecodeConfig(num_stages=4, programs_per_sm=1)}
 
 
@@ -43,7 +53,7 @@ def main() -> int:
     ap.add_argument("--shapes", default="128x16384,128x4096,32x4096,8x4096", metavar="BxS,...",
                     help="batch x sequence length, every sequence at that length")
     ap.add_argument("--heads", type=int, default=16, help="query heads (a multiple of 16)")
-    ap.add_argument("--configs", default="s2", help=f"Gluon configs, from {', '.join(CONFIGS)}")
+    ap.add_argument("--configs", default="default", help=f"Gluon configs, from {', '.join(CONFIGS)}")
     args = ap.parse_args()
     dev = torch.device("cuda")
     check_available(dev)

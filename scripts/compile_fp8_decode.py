@@ -61,21 +61,16 @@ def loop_opcodes(sass: str) -> Counter:
 
 
 def compile_report(page: int = 16, stages: int = 2, direct: bool = False, has_pos: bool = False,
-                   dump: str | None = None, lazy: bool = False, qk_promote: int | None = None,
-                   vt_early: bool = False, vt_prmt: bool = False, p_hw_decode: bool = False,
-                   fence_first: bool = False) -> dict:
+                   dump: str | None = None, **options) -> dict:
     """Compile for sm_90 and read registers, spills, shared memory and the KV-tile loop's opcodes;
-    qk_promote None: Fp8DecodeConfig's default."""
+    `options` are Fp8DecodeConfig fields (lazy_rescale, vt_prmt, ...) over its defaults."""
     if gf._GLUON_ERROR is not None:
         raise RuntimeError(f"gluon import failed: {gf._GLUON_ERROR!r}")
     sig = {name: ty or ("*bf16" if direct else "*fp32") for name, ty in SIGNATURE}
-    if qk_promote is None:
-        qk_promote = gf.Fp8DecodeConfig().qk_promote
-    cfg = gf.Fp8DecodeConfig(num_stages=stages, lazy_rescale=lazy, qk_promote=qk_promote, vt_early=vt_early,
-                             vt_prmt=vt_prmt, p_hw_decode=p_hw_decode, fence_first=fence_first)
-    constexprs = dict(PAGE=page, STAGES=stages, DIRECT=bool(direct), HAS_POS=bool(has_pos), LAZY=lazy,
-                      TAU=gf.LAZY_TAU, P_SCALE=cfg.p_scale(), QK_PROMOTE=qk_promote, VT_EARLY=vt_early,
-                      VT_PRMT=vt_prmt, P_HW_DECODE=p_hw_decode, FENCE_FIRST=fence_first)
+    cfg = gf.Fp8DecodeConfig(num_stages=stages, **options)
+    constexprs = dict(PAGE=page, STAGES=stages, DIRECT=bool(direct), HAS_POS=bool(has_pos), LAZY=cfg.lazy_rescale,
+                      TAU=gf.LAZY_TAU, P_SCALE=cfg.p_scale(), QK_PROMOTE=cfg.qk_promote, VT_EARLY=cfg.vt_early,
+                      VT_PRMT=cfg.vt_prmt, P_HW_DECODE=cfg.p_hw_decode, FENCE_FIRST=cfg.fence_first)
     sig.update({k: "constexpr" for k in constexprs})
     names = [n for n, _ in SIGNATURE]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
@@ -106,17 +101,16 @@ def main() -> int:
     ap.add_argument("--stages", type=int, default=2, help="Fp8DecodeConfig.num_stages")
     ap.add_argument("--direct", type=int, default=0, help="1: one split, the final bf16 output (else fp32 partials)")
     ap.add_argument("--has-pos", type=int, default=0, help="1: with query positions (MTP / DCP)")
-    ap.add_argument("--lazy", type=int, default=0, help="Fp8DecodeConfig.lazy_rescale")
-    ap.add_argument("--qk-promote", type=int, default=None, help="Fp8DecodeConfig.qk_promote (default: the config's)")
-    ap.add_argument("--vt-early", type=int, default=0, help="Fp8DecodeConfig.vt_early")
-    ap.add_argument("--vt-prmt", type=int, default=0, help="Fp8DecodeConfig.vt_prmt")
-    ap.add_argument("--p-hw-decode", type=int, default=0, help="Fp8DecodeConfig.p_hw_decode")
-    ap.add_argument("--fence-first", type=int, default=0, help="Fp8DecodeConfig.fence_first")
+    options = {"lazy": "lazy_rescale", "qk_promote": "qk_promote", "vt_early": "vt_early", "vt_prmt": "vt_prmt",
+               "p_hw_decode": "p_hw_decode", "fence_first": "fence_first"}
+    for opt, field in options.items():
+        ap.add_argument("--" + opt.replace("_", "-"), type=int, default=None,
+                        help=f"Fp8DecodeConfig.{field} (default: the config's)")
     ap.add_argument("--dump", help="write the TTGIR, PTX and SASS here")
     args = ap.parse_args()
-    rep = compile_report(args.page, args.stages, bool(args.direct), bool(args.has_pos), args.dump, bool(args.lazy),
-                         args.qk_promote, bool(args.vt_early), bool(args.vt_prmt), bool(args.p_hw_decode),
-                         bool(args.fence_first))
+    given = {field: (getattr(args, opt) if field == "qk_promote" else bool(getattr(args, opt)))
+             for opt, field in options.items() if getattr(args, opt) is not None}
+    rep = compile_report(args.page, args.stages, bool(args.direct), bool(args.has_pos), args.dump, **given)
     print(f"shared memory {rep['smem']} bytes, {rep['regs']} registers, spills {rep['spill_bytes']} bytes")
     loop = rep["loop"]
     print(f"KV-tile loop: {sum(loop.values())} instructions a warp; top: {loop.most_common(24)}")

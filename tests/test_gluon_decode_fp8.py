@@ -125,14 +125,14 @@ def _triton_36():
 def test_compiles_for_sm90_without_spills(page, direct, has_pos, stages, vt_prmt):
     """The sm_90 compile (Triton 3.6, no GPU): no spills, shared memory for 2 programs an SM (1 with
     4 stages), the wgmma and shared-load counts of the design, no byte-wise shared loads; with
-    vt_prmt (and p_hw_decode, its companion option) 8 byte permutes a 4 x 4 block of V^T."""
+    vt_prmt 8 byte permutes a 4 x 4 block of V^T."""
     import importlib.util
     from pathlib import Path
     path = Path(__file__).resolve().parents[1] / "scripts" / "compile_fp8_decode.py"
     spec = importlib.util.spec_from_file_location("compile_fp8_decode", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rep = mod.compile_report(page, stages, direct, has_pos, vt_prmt=vt_prmt, p_hw_decode=vt_prmt)
+    rep = mod.compile_report(page, stages, direct, has_pos, vt_prmt=vt_prmt)
     assert rep["spill_bytes"] == 0 and rep["regs"] is not None, rep["ptxas"]
     assert rep["smem"] <= gf.SMEM_LIMIT // (2 if stages == 2 else 1)
     loop = rep["loop"]
@@ -176,21 +176,23 @@ GPU_CASES = {
     "H16_qlen2_dcp": lambda: check_fp8_decode(16, 64, _LENS, q_len=2, with_pos=True, dcp=(2, 0), num_splits=5),
     "H8_qlen2_pos_dcp_rank1": lambda: check_fp8_decode(8, 16, [0, 9, 300], q_len=2, with_pos=True, dcp=(2, 1)),
     "H16_stages4": lambda: check_fp8_decode(16, 16, _LENS, cfg=Fp8DecodeConfig(num_stages=4, programs_per_sm=1)),
-    # not yet run on a GPU (added after the device time of the session that wrote the kernel)
     "H16_page1": lambda: check_fp8_decode(16, 1, [1, 0, 777, 300], num_splits=3),
     "H16_page32": lambda: check_fp8_decode(16, 32, _LENS, num_splits=5),
     "H16_page256": lambda: check_fp8_decode(16, 256, [1, 0, 777, 4096, 3000], num_splits=3),
     "H16_qlen3_pos_dcp": lambda: check_fp8_decode(16, 64, _LENS, q_len=3, with_pos=True, dcp=(2, 1), num_splits=4),
     "H16_lazy": lambda: check_fp8_decode(16, 16, _LENS, cfg=Fp8DecodeConfig(lazy_rescale=True)),
-    "H16_vt_early": lambda: check_fp8_decode(16, 64, _LENS, cfg=Fp8DecodeConfig(vt_early=True)),
+    # each option off the default (Fp8DecodeConfig) once
+    "H16_vt_late": lambda: check_fp8_decode(16, 64, _LENS, cfg=Fp8DecodeConfig(vt_early=False)),
     "H16_vt_prmt": lambda: check_fp8_decode(16, 16, _LENS, num_splits=3, cfg=Fp8DecodeConfig(vt_prmt=True)),
     "H128_vt_prmt_qlen2": lambda: check_fp8_decode(128, 64, [1, 0, 777, 4096], q_len=2, with_pos=True, dcp=(2, 0),
                                                    cfg=Fp8DecodeConfig(vt_prmt=True)),
-    "H16_p_hw_decode": lambda: check_fp8_decode(16, 16, _LENS, num_splits=3, scale=0.5,
-                                                cfg=Fp8DecodeConfig(p_hw_decode=True)),
-    "H16_vt_prmt_p_hw_decode_batch128": lambda: check_fp8_decode(
-        16, 16, [(37 * i) % 4097 for i in range(128)], cfg=Fp8DecodeConfig(vt_prmt=True, p_hw_decode=True)),
-    "H16_fence_first": lambda: check_fp8_decode(16, 64, _LENS, num_splits=2, cfg=Fp8DecodeConfig(fence_first=True)),
+    "H16_p_sw_decode": lambda: check_fp8_decode(16, 16, _LENS, num_splits=3, scale=0.5,
+                                                cfg=Fp8DecodeConfig(p_hw_decode=False)),
+    "H16_vt_prmt_batch128": lambda: check_fp8_decode(
+        16, 16, [(37 * i) % 4097 for i in range(128)], cfg=Fp8DecodeConfig(vt_prmt=True)),
+    "H16_fence_after": lambda: check_fp8_decode(16, 64, _LENS, num_splits=2, cfg=Fp8DecodeConfig(fence_first=False)),
+    "H16_s2_old_default": lambda: check_fp8_decode(16, 16, _LENS, num_splits=3, cfg=Fp8DecodeConfig(
+        vt_early=False, p_hw_decode=False, fence_first=False)),
 }
 
 
@@ -268,18 +270,18 @@ def test_default_plan_takes_it_only_where_it_fits():
 
 
 def test_engine_fit_problems_name_the_reason():
-    """The engine's check: the cache, widths, dtype, heads per rank (1-3 tiles of 16), page size
+    """The engine's check: the cache, widths, dtype, heads per rank (1-8 tiles of 16), page size
     (the GPU-tested 16 and 64), then Triton and the GPU, each refusal saying which."""
     cpu = torch.device("cpu")
     fit = gf.engine_fit_problem
     assert "--kv-cache-dtype fp8" in fit(cpu, bf16, bf16, LKV, R, 16, 16)
     assert "kv_lora_rank 512" in fit(cpu, bf16, FP8_DTYPE, 128, 16, 16, 16)
     assert "bf16 model" in fit(cpu, torch.float16, FP8_DTYPE, LKV, R, 16, 16)
-    for heads in (8, 24, 64, 128):
+    for heads in (8, 24, 144, 256):
         assert f"this rank decodes {heads}" in fit(cpu, bf16, FP8_DTYPE, LKV, R, heads, 16)
     for page in (1, 32, 256):
         assert f"not {page}" in fit(cpu, bf16, FP8_DTYPE, LKV, R, 16, page)
-    for heads, page in ((16, 16), (48, 64)):  # past those checks: Triton 3.6, then CUDA sm_90
+    for heads, page in ((16, 16), (48, 64), (128, 16)):  # past those checks: Triton 3.6, then CUDA sm_90
         assert re.search(r"Triton|sm_90", fit(cpu, bf16, FP8_DTYPE, LKV, R, heads, page))
 
 
