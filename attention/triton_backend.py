@@ -80,16 +80,19 @@ class TritonAttentionOps:
     heads run on the Gluon wgmma kernel (attention/gluon_decode.py); 0: never. `qk_fp8` (the plan's
     decode_qk_fp8): over an FP8 cache the decode's QK^T runs on e4m3 operands (DecodeConfig.qk_fp8).
     `wgmma_producer` (the plan's decode_wgmma_producer): the Gluon decode with its producer warpgroup.
-    `fp8_wgmma` (the plan's decode_fp8_wgmma): decodes over an FP8 cache run on the Gluon e4m3 kernel
-    (attention/gluon_decode_fp8.py)."""
+    `fp8_wgmma` (the plan's decode_fp8_wgmma): decodes over an FP8 cache of at least
+    `fp8_wgmma_min_rows` query rows (decode_fp8_wgmma_min_rows; tokens x heads) run on the Gluon e4m3
+    kernel (attention/gluon_decode_fp8.py), smaller ones on the Triton kernel."""
 
     name = "triton"
 
     def __init__(self, decode_config: DecodeConfig | None = None,
                  prefill_config: PrefillConfig | None = None, kv_scale: float = 1.0, wgmma_min_heads: int = 0,
-                 qk_fp8: bool = False, wgmma_producer: bool = False, fp8_wgmma: bool = False):
+                 qk_fp8: bool = False, wgmma_producer: bool = False, fp8_wgmma: bool = False,
+                 fp8_wgmma_min_rows: int = 0):
         self.kv_scale = kv_scale
         self.fp8_wgmma = fp8_wgmma
+        self.fp8_wgmma_min_rows = fp8_wgmma_min_rows
         self.wgmma_cfg = GluonDecodeConfig(producer=True) if wgmma_producer else None
         self.qk_fp8 = qk_fp8
         self.decode_config = decode_config
@@ -141,7 +144,7 @@ class TritonAttentionOps:
                   dcp_rank=dcp_rank, num_sms=self._sm_count(q.device))
         if self.wgmma_min_heads and q.shape[1] >= self.wgmma_min_heads:
             return _wgmma_decode(self.wgmma_min_heads, *args, **kw, cfg=self.wgmma_cfg)
-        if self.fp8_wgmma and kv_cache.dtype == FP8_DTYPE:
+        if self.fp8_wgmma and kv_cache.dtype == FP8_DTYPE and q.shape[0] * q.shape[1] >= self.fp8_wgmma_min_rows:
             return _fp8_wgmma_decode(*args, **kw, kv_scale=self.kv_scale)
         return mla_decode(*args, **kw, cfg=self.decode_config, kv_scale=self.kv_scale, qk_fp8=self.qk_fp8)
 

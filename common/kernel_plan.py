@@ -25,6 +25,10 @@ TRITON, TORCH = "triton", "torch"
 # On the H200 it beat the Triton decode at every 64- and 128-head shape timed (B 1..128, S 1k..16k:
 # 1.15-1.41x; RESULTS.md)
 WGMMA_MIN_HEADS = 64
+# decode_fp8_wgmma_min_rows under base triton: 16 tiles of 16 query rows (B 16 at 16 heads, B 2 at
+# 128), where the two FP8 decodes were level on the H200 (16 heads, S 4k: 38.0 us Triton, 39.3
+# Gluon; 128 heads, B 1: 28.2 against 34.1; B 8: 76.4 against 67.7; RESULTS.md)
+FP8_WGMMA_MIN_ROWS = 256
 # pdl_graph_max_batch under base triton on sm_90+: PDL in the decode graphs of up to 4 sequences.
 # On the H200 (V2-Lite, scripts/profile_graphs.py, three runs on three trees) PDL took 2.9%, 2.7%
 # and 4.7% off batch 1's TPOT, and moved batch 8 by -1.5% / +2.2% / -1.6%, 32 by +0.2% / +0.4% /
@@ -130,6 +134,10 @@ CHOICES: tuple[Choice, ...] = (
            "fewer per MoE layer; needs moe and norm triton; one TP rank only (under TP the sum precedes the "
            "all-reduce)", ("common.triton_norm",), triton=True, torch=False,
            triton_help="1 where norm is triton, else 0"),
+    Choice("moe_shared_stream", (bool,), "steps of up to moe_fused_max_tokens tokens (the pair-parallel fused "
+           "MoE) run the shared experts' pairs on a second CUDA stream, concurrently with the router and the "
+           "routed pairs (models/fused_moe.py fused_moe_small_overlapped; the same output bits)",
+           ("models.fused_moe",), triton=False, torch=False),
     Choice("gemm_skinny_max_tokens", (int,), "projections (bf16/fp16/fp32 weights) of steps with up to this "
            "many tokens run on a Triton weight-streaming GEMM (models/skinny_gemm.py) instead of cuBLAS "
            "(0: never)", ("models.skinny_gemm",), triton=0, torch=0),
@@ -152,10 +160,15 @@ CHOICES: tuple[Choice, ...] = (
            "heads, S 4096, B 8 / 32 / 128: 36.6 / 104.3 / 377.2 us against 38.9 / 111.8 / 396.8 (S 16k, B 128: "
            "1,529 against 1,501)", ("attention.gluon_copies",), triton=False, torch=False),
     Choice("decode_fp8_wgmma", (bool,), "with --kv-cache-dtype fp8, the MLA decode on the Gluon e4m3-wgmma kernel "
-           "(attention/gluon_decode_fp8.py: sm_90, bf16 model, kv_lora_rank 512, rope 64, 16, 32 or 48 heads per "
-           "rank, --block-size 16 or 64, Triton 3.6): the cache's bytes are the products' operands, never "
-           "converted, instead of the Triton kernel's conversions to fp16", ("attention.gluon_decode_fp8",),
+           "(attention/gluon_decode_fp8.py: sm_90, bf16 model, kv_lora_rank 512, rope 64, a multiple of 16 heads "
+           "per rank up to 128, --block-size 16 or 64, Triton 3.6): the cache's bytes are the products' operands, "
+           "never converted, instead of the Triton kernel's conversions to fp16", ("attention.gluon_decode_fp8",),
            triton=False, torch=False, triton_help="1 where all of that holds, else 0"),
+    Choice("decode_fp8_wgmma_min_rows", (int,), "with decode_fp8_wgmma, decodes of fewer query rows (sequences x "
+           "query tokens x heads) stay on the Triton FP8 kernel, whose programs start faster: on the H200 at 16 "
+           "heads, S 4k, B 1 / 4 / 8 / 16 / 32 it took 14.0 / 18.6 / 25.3 / 38.0 / 59.9 us against the Gluon "
+           "kernel's 19.2 / 22.8 / 34.1 / 39.3 / 51.5 (0: every FP8 decode on the Gluon kernel)",
+           triton=FP8_WGMMA_MIN_ROWS, torch=0),
     Choice("decode_fuse_q_kv", (bool,), "pure decode steps run absorb_q and kv_finish (the new tokens' cache "
            "rows) as one launch (attention/triton_absorb.py absorb_q_kv_finish): one kernel fewer per layer; "
            "needs absorb and finish_kv triton", ("attention.triton_absorb",), triton=True, torch=False,
@@ -209,12 +222,14 @@ class KernelPlan:
     moe_fp8_w8a8: bool = False
     moe_large: str = "loop"
     moe_sum_in_norm: bool = False
+    moe_shared_stream: bool = False
     gemm_skinny_max_tokens: int = 0
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False
     decode_wgmma_min_heads: int = 0
     decode_wgmma_producer: bool = False
     decode_fp8_wgmma: bool = False
+    decode_fp8_wgmma_min_rows: int = 0
     decode_fuse_q_kv: bool = False
     decode_qk_fp8: bool = False
     pdl: bool = False

@@ -48,29 +48,33 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
-def _pair(pair, ids_ptr, E_R, K_TOP: tl.constexpr, NS: tl.constexpr):
-    """(token, expert) of a pair: each token has K_TOP routed pairs, then NS shared-expert pairs
-    (experts E_R.. E_R+NS-1, weight 1) when shared experts are folded into the weights."""
-    tok = pair // (K_TOP + NS)
-    j = pair % (K_TOP + NS)
+def _pair(pid, ids_ptr, E_R, K_TOP: tl.constexpr, NS: tl.constexpr, J0: tl.constexpr, JN: tl.constexpr):
+    """(token, pair slot, expert, row) of program `pid`: each token has K_TOP routed pairs, then
+    NS shared-expert pairs (experts E_R.. E_R+NS-1, weight 1) when shared experts are folded into
+    the weights. A launch covers slots J0.. J0+JN-1 of every token (all K_TOP + NS of them, or the
+    routed and the shared ones apart); `row` (token * (K_TOP + NS) + slot) indexes h and the pair
+    rows whichever launch writes them."""
+    tok = pid // JN
+    j = J0 + pid % JN
+    row = tok * (K_TOP + NS) + j
     if NS > 0:
         e = tl.where(j < K_TOP, tl.load(ids_ptr + tok * K_TOP + j, mask=j < K_TOP, other=0), E_R + j - K_TOP)
     else:
-        e = tl.load(ids_ptr + pair)
-    return tok, j, e.to(tl.int64)
+        e = tl.load(ids_ptr + row)
+    return tok, j, e.to(tl.int64), row
 
 
 @triton.jit
 def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BUCKET, S_ROWS, S_COLS,
-                        K_TOP: tl.constexpr, NS: tl.constexpr, QB: tl.constexpr, SCALED: tl.constexpr,
-                        IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        K_TOP: tl.constexpr, NS: tl.constexpr, J0: tl.constexpr, JN: tl.constexpr,
+                        QB: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """The gate/up GEMV as tensor-core products: the token's row padded to 16 (rows 1-15 zero).
     The padding costs compute nobody waits for; what it buys is the compiler's software
     pipeline for loads that feed a dot (num_stages tiles in flight per program)."""
     pdl_prologue(PDL)
-    pair = tl.program_id(0)
     nb = tl.program_id(1)
-    tok, _, e = _pair(pair, ids_ptr, E_R, K_TOP, NS)
+    tok, _, e, row = _pair(tl.program_id(0), ids_ptr, E_R, K_TOP, NS, J0, JN)
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
     row0 = (tl.arange(0, 16) == 0)[:, None]
@@ -94,33 +98,33 @@ def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BU
         acc_u = _mma(xv, tl.trans(wu), acc_u, IEEE)
     g = tl.sum(acc_g, axis=0)
     h = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=0)
-    tl.store(h_ptr + pair * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=mask_n)
+    tl.store(h_ptr + row * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
 def _down_dot_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E_R, T_BUCKET, S_ROWS, S_COLS,
-                     K_TOP: tl.constexpr, NS: tl.constexpr, QB: tl.constexpr, SCALED: tl.constexpr,
-                     IEEE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     K_TOP: tl.constexpr, NS: tl.constexpr, J0: tl.constexpr, JN: tl.constexpr,
+                     QB: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
-    pair = tl.program_id(0)
     db = tl.program_id(1)
     offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
-    tok, j, e = _pair(pair, ids_ptr, E_R, K_TOP, NS)
+    tok, j, e, row = _pair(tl.program_id(0), ids_ptr, E_R, K_TOP, NS, J0, JN)
     wt = tl.load(wts_ptr + tok * K_TOP + j, mask=j < K_TOP, other=1.0).to(tl.float32)
     row0 = (tl.arange(0, 16) == 0)[:, None]
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < I
-        hv = tl.load(h_ptr + pair * I + offs_k[None, :] + 0 * row0, mask=row0 & mask_k[None, :], other=0.0)
+        hv = tl.load(h_ptr + row * I + offs_k[None, :] + 0 * row0, mask=row0 & mask_k[None, :], other=0.0)
         m = mask_n[:, None] & mask_k[None, :]
         w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :], mask=m, other=0.0)
         if SCALED:
             w = (w.to(tl.float32) * tl.load(s2_ptr + e * S_ROWS * S_COLS + (offs_n // QB)[:, None] * S_COLS
                                             + (offs_k // QB)[None, :], mask=m, other=0.0)).to(hv.dtype)
         acc = _mma(hv, tl.trans(w), acc, IEEE)
-    tl.store(part_ptr + pair * D + offs_n, wt * tl.sum(acc, axis=0), mask=mask_n)
+    tl.store(part_ptr + row * D + offs_n, wt * tl.sum(acc, axis=0), mask=mask_n)
 
 
 @fast_launch
@@ -151,7 +155,7 @@ _FIXED_TILES_FP8 = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 _DOT_TILES = [(16, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (32, 128, 4, 6), (32, 256, 4, 3),
               (64, 64, 4, 6), (64, 128, 4, 4), (64, 128, 8, 5), (128, 64, 4, 5), (128, 128, 8, 3)]
 _DOT_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st) for n, k, w, st in _DOT_TILES]
-_DOT_KEY = ["D", "I", "T_BUCKET", "K_TOP", "NS", "SCALED", "IEEE"]
+_DOT_KEY = ["D", "I", "T_BUCKET", "K_TOP", "NS", "JN", "SCALED", "IEEE"]
 _gate_up_dot_tuned = triton.autotune(configs=_DOT_CONFIGS, key=_DOT_KEY)(_gate_up_dot_kernel)
 _down_dot_tuned = triton.autotune(configs=_DOT_CONFIGS, key=_DOT_KEY)(_down_dot_kernel)
 
@@ -191,34 +195,81 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     `defer_sum`: the pair rows unsummed (`PairRows`, for the next add + RMSNorm to sum), no
     pair-sum launch.
     """
-    T, D = x.shape
     k = ids.shape[1]
-    I = w2.shape[-1]
-    E = w13.shape[0]
-    if w13.shape[-2:] != (2 * I, D) or w2.shape[-2:] != (D, I) or not 0 <= n_shared < E:
-        raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match x {tuple(x.shape)} "
-                         f"with {n_shared} shared experts")
-    scaled, s13, s2 = _expert_scales(x, w13, w2, w13_scale, w2_scale, block)
-    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    kt = k + n_shared  # pairs per token
-    h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
-    part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
-    bucket = triton.next_power_of_2(T)
-    r13, c13 = (s13.shape[1], s13.shape[2]) if scaled else (1, 1)
-    r2, c2 = (s2.shape[1], s2.shape[2]) if scaled else (1, 1)
-    e_r = E - n_shared
-    up_args = (x, ids, w13, s13, h, D, I, e_r, bucket, r13, c13)
-    down_args = (h, ids, weights, w2, s2, part, D, I, e_r, bucket, r2, c2)
-    # fp32 models (the tiny test models on CUDA): exact products, not TF32
-    const = dict(K_TOP=k, NS=n_shared, QB=block, SCALED=scaled, IEEE=x.dtype == torch.float32, **pdl_launch())
-    if not autotuning():
-        t = _INTERPRET_TILES if interpreting() else _FIXED_TILES_FP8 if scaled else _FIXED_TILES
-        _gate_up_dot_kernel[(T * kt, triton.cdiv(I, t["BLOCK_N"]))](*up_args, **const, **t)
-        _down_dot_kernel[(T * kt, triton.cdiv(D, t["BLOCK_N"]))](*down_args, **const, **t)
-    else:
-        _gate_up_dot_tuned[lambda m: (T * kt, triton.cdiv(I, m["BLOCK_N"]))](*up_args, **const)
-        _down_dot_tuned[lambda m: (T * kt, triton.cdiv(D, m["BLOCK_N"]))](*down_args, **const)
-    return sum_pairs(part, x.dtype, kt, defer_sum)
+    run = _SmallMoE(x, w13, w2, w13_scale, w2_scale, block, k, n_shared)
+    run.launch(weights, ids, 0, k + n_shared)
+    return sum_pairs(run.part, run.x.dtype, k + n_shared, defer_sum)
+
+
+def fused_moe_small_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route, k: int,
+                               shared: tuple[torch.Tensor, torch.Tensor], stream: torch.cuda.Stream,
+                               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                               block: int = 128, n_shared: int = 1,
+                               defer_sum: bool = False) -> torch.Tensor | PairRows:
+    """`fused_moe_small` with the routing done here and the shared experts' pairs off its path:
+    their two kernels go to `stream` first, then `route()` -> (weights, ids) `[T, k]` and the
+    routed pairs' kernels run on the current stream meanwhile, which waits for `stream` before the
+    sum. `shared` is (ids, weights) `[1, n_shared]` of the shared experts (the kernels read
+    neither for a shared pair: any int ids and float weights tensors). Every pair row is computed
+    as fused_moe_small computes it and summed in the same order: the output is the same bits.
+
+    Nothing is allocated on `stream` (h and the pair rows are the current stream's, which waits
+    for `stream` before it uses or frees them), so this is CUDA-graph capture safe."""
+    if n_shared < 1:
+        raise ValueError(f"fused_moe_small_overlapped needs shared experts (n_shared {n_shared})")
+    run = _SmallMoE(x, w13, w2, w13_scale, w2_scale, block, k, n_shared)
+    main = torch.cuda.current_stream(x.device)
+    stream.wait_stream(main)  # x (and h / part's memory) ready
+    with torch.cuda.stream(stream):
+        run.launch(shared[1], shared[0], k, n_shared)
+    weights, ids = route()
+    if ids.shape != (x.shape[0], k):
+        raise ValueError(f"route() gave ids {tuple(ids.shape)}, expected [{x.shape[0]}, {k}]")
+    run.launch(weights, ids, 0, k)
+    main.wait_stream(stream)
+    return sum_pairs(run.part, run.x.dtype, k + n_shared, defer_sum)
+
+
+class _SmallMoE:
+    """The pair-parallel fused MoE's checks, scales and buffers for one call: h `[T*kt, I]` and
+    the fp32 pair rows `[T*kt, D]` (kt = k + n_shared pairs a token); `launch` runs its two
+    kernels over pair slots j0.. j0+jn-1 of every token."""
+
+    def __init__(self, x, w13, w2, w13_scale, w2_scale, block: int, k: int, n_shared: int):
+        T, D = x.shape
+        I = w2.shape[-1]
+        E = w13.shape[0]
+        if w13.shape[-2:] != (2 * I, D) or w2.shape[-2:] != (D, I) or not 0 <= n_shared < E:
+            raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match x "
+                             f"{tuple(x.shape)} with {n_shared} shared experts")
+        self.scaled, self.s13, self.s2 = _expert_scales(x, w13, w2, w13_scale, w2_scale, block)
+        self.x, self.w13, self.w2 = x.contiguous(), w13, w2
+        self.k, self.n_shared, self.block = k, n_shared, block
+        kt = k + n_shared  # pairs per token
+        self.h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
+        self.part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
+
+    def launch(self, weights: torch.Tensor, ids: torch.Tensor, j0: int, jn: int) -> None:
+        x, w13, w2, s13, s2 = self.x, self.w13, self.w2, self.s13, self.s2
+        T, D = x.shape
+        I, E = w2.shape[-1], w13.shape[0]
+        ids, weights = ids.contiguous(), weights.contiguous()
+        bucket = triton.next_power_of_2(T)
+        r13, c13 = (s13.shape[1], s13.shape[2]) if self.scaled else (1, 1)
+        r2, c2 = (s2.shape[1], s2.shape[2]) if self.scaled else (1, 1)
+        e_r = E - self.n_shared
+        up_args = (x, ids, w13, s13, self.h, D, I, e_r, bucket, r13, c13)
+        down_args = (self.h, ids, weights, w2, s2, self.part, D, I, e_r, bucket, r2, c2)
+        # fp32 models (the tiny test models on CUDA): exact products, not TF32
+        const = dict(K_TOP=self.k, NS=self.n_shared, J0=j0, JN=jn, QB=self.block, SCALED=self.scaled,
+                     IEEE=x.dtype == torch.float32, **pdl_launch())
+        if not autotuning():
+            t = _INTERPRET_TILES if interpreting() else _FIXED_TILES_FP8 if self.scaled else _FIXED_TILES
+            _gate_up_dot_kernel[(T * jn, triton.cdiv(I, t["BLOCK_N"]))](*up_args, **const, **t)
+            _down_dot_kernel[(T * jn, triton.cdiv(D, t["BLOCK_N"]))](*down_args, **const, **t)
+        else:
+            _gate_up_dot_tuned[lambda m: (T * jn, triton.cdiv(I, m["BLOCK_N"]))](*up_args, **const)
+            _down_dot_tuned[lambda m: (T * jn, triton.cdiv(D, m["BLOCK_N"]))](*down_args, **const)
 
 
 def sum_pairs(part: torch.Tensor, dtype: torch.dtype, kt: int, defer: bool) -> torch.Tensor | PairRows:

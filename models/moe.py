@@ -50,6 +50,18 @@ def block_rows(T: int, fp8: bool = False) -> int:
 # 2048 and 2487 to 2398 at 8192; at 512 and below, on the block kernels, it did not win.
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second CUDA stream of `device` (one for all layers) that the plan's moe_shared_stream
+    runs the shared experts on; made at load (a stream made during a graph capture is avoided)."""
+    got = _SIDE_STREAMS.get(device)
+    if got is None:
+        got = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return got
+
+
 def _capturing(device: torch.device) -> bool:
     """Whether CUDA-graph capture is recording on `device`'s current stream."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -222,6 +234,8 @@ class MoE(nn.Module):
     def process_weights_after_loading(self) -> None:
         """FP8 experts: kept for the fused kernel with `keep_fp8`, else dequantized to the compute
         dtype once."""
+        if self.plan.moe_shared_stream and self.n_shared and self.w13.device.type == "cuda":
+            side_stream(self.w13.device)
         q = self.cfg.fp8_block
         if q is None:
             return
@@ -272,8 +286,17 @@ class MoE(nn.Module):
         # the block and large paths take the shared experts as pairs of every token: the Triton
         # router writes their columns beside its choices (two cats fewer per layer)
         fold = not small and not dense and bool(self.n_shared) and self.gate.appends_shared
-        weights, ids = self.gate(x, self.n_shared if fold else 0)
         defer = defer_sum and self.shared_experts is None and pd.tp().size == 1
+        if small and p.moe_shared_stream and self.n_shared and x.device.type == "cuda":
+            # the shared experts' pairs on the side stream while the router and the routed pairs run
+            from models.fused_moe import fused_moe_small_overlapped
+            block = self.fp8_block[0] if self.fp8_block else 128
+            out = fused_moe_small_overlapped(
+                x, self.w13, self.w2, lambda: self.gate(x, 0), self.cfg.num_experts_per_tok,
+                self._shared_choice(x.device, torch.int32, torch.float32), side_stream(x.device),
+                self.w13_scale, self.w2_scale, block, self.n_shared, defer_sum=defer)
+            return out if isinstance(out, PairRows) else pd.tp_all_reduce(out)
+        weights, ids = self.gate(x, self.n_shared if fold else 0)
         if small:
             block = self.fp8_block[0] if self.fp8_block else 128
             out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,

@@ -45,7 +45,9 @@ CONFIGS = {"default": Fp8DecodeConfig(), "s2": _cfg(), "p0": _cfg(qk_promote=0),
            "prmt_hwdec_ff_early": _cfg(vt_prmt=True, p_hw_decode=True, fence_first=True, vt_early=True),
            "hwdec_ff": _cfg(p_hw_decode=True, fence_first=True),
            "hwdec_ff_early": _cfg(p_hw_decode=True, fence_first=True, vt_early=True),
-           "s4x1": Fp8DecodeConfig(num_stages=4, programs_per_sm=1)}
+           "s4x1": Fp8DecodeConfig(num_stages=4, programs_per_sm=1),
+           "m256": Fp8DecodeConfig(min_split_tokens=256), "m512": Fp8DecodeConfig(min_split_tokens=512),
+           "m1024": Fp8DecodeConfig(min_split_tokens=1024)}
 
 
 def main() -> int:

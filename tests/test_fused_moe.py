@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from models.config import ModelConfig
-from models.fused_moe import fused_moe_small
+from models.fused_moe import _SmallMoE, fused_moe_small, fused_moe_small_overlapped, sum_pairs
 from models.moe import MoE
 
 
@@ -39,6 +39,19 @@ def check(cfg_overrides, T, dtype, device, tol):
         pairs = fused_moe_small(x, moe.w13, moe.w2, w, ids, n_shared=moe.n_shared, defer_sum=True)
         assert pairs.part.shape == (T, ids.shape[1] + moe.n_shared, x.shape[1]) and pairs.dtype == x.dtype
         assert torch.equal(pairs.sum(), out_all)
+        # the shared and the routed pairs launched apart (moe_shared_stream; the shared ones on a
+        # second stream on CUDA): the same pair rows, the same output bits
+        k, ns = ids.shape[1], moe.n_shared
+        shared = torch.zeros(1, ns, dtype=torch.int32), torch.ones(1, ns)
+        if device == "cuda":
+            split = fused_moe_small_overlapped(x, moe.w13, moe.w2, lambda: (w, ids), k, shared, torch.cuda.Stream(),
+                                               n_shared=ns)
+        else:
+            run = _SmallMoE(x, moe.w13, moe.w2, None, None, 128, k, ns)
+            run.launch(shared[1], shared[0], k, ns)
+            run.launch(w, ids, 0, k)
+            split = sum_pairs(run.part, x.dtype, k + ns, False)
+        assert torch.equal(split, out_all)
         sh = moe.w13[-moe.n_shared:], moe.w2[-moe.n_shared:]
         I = moe.w2.shape[-1]
         shared = sum(F.linear(F.silu(x @ a[:I].T) * (x @ a[I:].T), b) for a, b in zip(*sh)).double()

@@ -216,7 +216,7 @@ def test_plan_setting_routes_fp8_cache_decodes(monkeypatch):
     mla_decode (both recorded here: neither runs on the CPU); off, FP8 decodes go to Triton too."""
     from attention import triton_backend as tb
     from attention.mla import make_attention_ops
-    from common.kernel_plan import KernelPlan, parse_kernels
+    from common.kernel_plan import FP8_WGMMA_MIN_ROWS, KernelPlan, parse_kernels, resolve_plan
     assert parse_kernels("triton,decode_fp8_wgmma=1")[1] == {"decode_fp8_wgmma": True}
     calls = []
     monkeypatch.setattr(gf, "mla_decode_fp8_wgmma", _record(calls, "gluon"))
@@ -228,6 +228,16 @@ def test_plan_setting_routes_fp8_cache_decodes(monkeypatch):
             a = _args(cache_dtype=cache_dtype)
             ops.decode(a["q"], a["kv_cache"], a["block_table"], a["seq_lens"], 0.1, LKV)
     assert calls == [("gluon", 0.5), ("triton", 0.5), ("triton", 0.5), ("triton", 0.5)]
+    # decode_fp8_wgmma_min_rows: 2 sequences x 16 heads = 32 rows go to Gluon from 32 rows on, q_len 2
+    # (64 rows) from 64
+    calls.clear()
+    ops = make_attention_ops(KernelPlan(attention="triton", decode_fp8_wgmma=True, decode_fp8_wgmma_min_rows=64))
+    for q_len in (1, 2):
+        a = _args(q_len=q_len)
+        ops.decode(a["q"], a["kv_cache"], a["block_table"], a["seq_lens"], 0.1, LKV, q_len=q_len)
+    assert [c[0] for c in calls] == ["triton", "gluon"]
+    assert resolve_plan("auto", "auto", "cuda", "bfloat16", True, True, fp8_wgmma_fit=True)[0].decode_fp8_wgmma_min_rows \
+        == FP8_WGMMA_MIN_ROWS == 256
 
 
 def test_failure_names_the_plan_setting(monkeypatch):

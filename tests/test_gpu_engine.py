@@ -69,6 +69,22 @@ def test_pdl_equals_no_pdl(gpu_v2):
         use_pdl(False)  # a process setting: kernels called directly by later tests launch without it
 
 
+def test_moe_shared_stream_equals_one_stream(gpu_v2):
+    """`moe_shared_stream=1`: the fused MoE's shared-expert pairs on a second stream (batches of
+    1-4 sequences, so every decode step takes that path), in CUDA graphs with and without PDL and
+    eagerly: the same greedy tokens as on one stream (the same pair rows, summed alike)."""
+    from common.kernel_plan import use_pdl
+    path, _ = gpu_v2
+    for prompts in (_prompts()[:1], _prompts()[:4]):
+        ref = _run(path, prompts)
+        try:
+            for extra in ("", ",pdl=1"):
+                assert _run(path, prompts, kernels="auto,warmup=0,moe_shared_stream=1" + extra) == ref, extra
+            assert _run(path, prompts, kernels="auto,warmup=0,moe_shared_stream=1", enforce_eager=True) == ref
+        finally:
+            use_pdl(False)
+
+
 def _greedy_top(llm, prompts):
     """Greedy continuations, per prompt: (token ids, each generated token's log-probability, each
     step's two most likely tokens {token: logprob})."""
