@@ -76,7 +76,7 @@ def test_moe_shared_stream_equals_one_stream(gpu_v2):
     from common.kernel_plan import use_pdl
     path, _ = gpu_v2
     for prompts in (_prompts()[:1], _prompts()[:4]):
-        ref = _run(path, prompts)
+        ref = _run(path, prompts, kernels="auto,warmup=0,moe_shared_stream=0")
         try:
             for extra in ("", ",pdl=1"):
                 assert _run(path, prompts, kernels="auto,warmup=0,moe_shared_stream=1" + extra) == ref, extra
