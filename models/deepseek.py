@@ -7,7 +7,6 @@ and the per-step metadata live in `attention/`. Notation as in attention/mla.py.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from attention.backend import AttentionOps
