@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from attention.metadata import build_mla_metadata, local_len
 

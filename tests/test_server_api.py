@@ -8,7 +8,6 @@ itself (a greedy run, a non-streamed run), never from constants.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import time
 

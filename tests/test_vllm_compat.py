@@ -299,7 +299,7 @@ def test_vllm_metric_names_with_model_name_label():
     assert delta(f"vllm:inter_token_latency_seconds_count{lab}") == 4
     assert delta(f"vllm:request_queue_time_seconds_count{lab}") == 1
     assert 0 <= delta(f"vllm:request_queue_time_seconds_sum{lab}") < 5
-    assert _sample(after, f'vllm:request_success_total{{finished_reason="length",model_name="tiny"}}') == 1
+    assert _sample(after, 'vllm:request_success_total{finished_reason="length",model_name="tiny"}') == 1
     for g in ("num_requests_running", "num_requests_waiting"):
         assert _sample(after, f"vllm:{g}{lab}") == 0 == _sample(after, f"mla_serve_{g}")
     assert 0 <= _sample(after, f"vllm:kv_cache_usage_perc{lab}") <= 1
