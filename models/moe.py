@@ -220,10 +220,12 @@ class MoE(nn.Module):
                   for sh in w2]
             self.w13_scale = packed_param((n, 2 * cb, db), torch.float32, s13)
             self.w2_scale = packed_param((n, db, cb), torch.float32, s2)
-        self.fused_small = self.fused_blocked = self.triton_glue = self.sort_by_expert = None
+        self.fused_small = self.fused_small_overlapped = self.fused_blocked = None
+        self.triton_glue = self.sort_by_expert = None
         if plan.moe == TRITON:
             from models import blocked_moe, expert_sort, fused_moe  # triton: CUDA installs only
             self.fused_small, self.fused_blocked = fused_moe.fused_moe_small, blocked_moe.fused_moe_blocked
+            self.fused_small_overlapped = fused_moe.fused_moe_small_overlapped
             self.triton_glue = fused_moe  # the grouped path's gather, SwiGLU and un-permute kernels
             self.sort_by_expert = expert_sort.sort_by_expert
         self._shared_cache: dict = {}  # _shared_choice's tensors by (device, dtypes)
@@ -287,18 +289,16 @@ class MoE(nn.Module):
         # router writes their columns beside its choices (two cats fewer per layer)
         fold = not small and not dense and bool(self.n_shared) and self.gate.appends_shared
         defer = defer_sum and self.shared_experts is None and pd.tp().size == 1
+        block = self.fp8_block[0] if self.fp8_block else 128
         if small and p.moe_shared_stream and self.n_shared and x.device.type == "cuda":
             # the shared experts' pairs on the side stream while the router and the routed pairs run
-            from models.fused_moe import fused_moe_small_overlapped
-            block = self.fp8_block[0] if self.fp8_block else 128
-            out = fused_moe_small_overlapped(
+            out = self.fused_small_overlapped(
                 x, self.w13, self.w2, lambda: self.gate(x, 0), self.cfg.num_experts_per_tok,
                 self._shared_choice(x.device, torch.int32, torch.float32), side_stream(x.device),
                 self.w13_scale, self.w2_scale, block, self.n_shared, defer_sum=defer)
             return out if isinstance(out, PairRows) else pd.tp_all_reduce(out)
         weights, ids = self.gate(x, self.n_shared if fold else 0)
         if small:
-            block = self.fp8_block[0] if self.fp8_block else 128
             out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
                                    self.n_shared, defer_sum=defer)
         else:
