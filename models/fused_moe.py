@@ -17,8 +17,8 @@ expert weights with 128 x 128 block scales are dequantized tile by tile inside t
 
 Both kernels are weight-streaming GEMVs: the time is the chosen experts' bytes over the memory
 bandwidth if enough bytes are in flight. At batch 1 there are only k pairs, so the tile shapes
-decide how many programs cover the SMs; on CUDA they are autotuned per (D, I, k, batch bucket)
-on first use (outside CUDA-graph capture: the graph warm-up runs each bucket eagerly first). The
+decide how many programs cover the SMs; on CUDA they are autotuned per (D, I, k, batch bucket,
+pair slots a launch) on first use (outside CUDA-graph capture: the graph warm-up runs each bucket eagerly first). The
 interpreter (CPU tests) uses one fixed tile set.
 
 Medium batches take the expert-sorted block kernels of models/blocked_moe.py; the grouped-GEMM
@@ -149,8 +149,8 @@ _FIXED_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)  # autot
 _FIXED_TILES_FP8 = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 
 
-# Candidate tiles (BLOCK_N, BLOCK_K, warps, stages), autotuned per (D, I, k, batch bucket);
-# bench_fused_moe.py prints the choice. Deep pipelines of moderate tiles: at T = 1 the
+# Candidate tiles (BLOCK_N, BLOCK_K, warps, stages), autotuned per (D, I, k, batch bucket, pair
+# slots a launch); bench_fused_moe.py prints the choice. Deep pipelines of moderate tiles: at T = 1 the
 # gate/up grid is k * I / BLOCK_N programs (6 * 22 = 132 at BLOCK_N 64 on V2-Lite).
 _DOT_TILES = [(16, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 4), (32, 128, 4, 6), (32, 256, 4, 3),
               (64, 64, 4, 6), (64, 128, 4, 4), (64, 128, 8, 5), (128, 64, 4, 5), (128, 128, 8, 3)]
@@ -204,29 +204,36 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
 def fused_moe_small_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route, k: int,
                                shared: tuple[torch.Tensor, torch.Tensor], stream: torch.cuda.Stream,
                                w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                               block: int = 128, n_shared: int = 1,
-                               defer_sum: bool = False) -> torch.Tensor | PairRows:
+                               block: int = 128, defer_sum: bool = False) -> torch.Tensor | PairRows:
     """`fused_moe_small` with the routing done here and the shared experts' pairs off its path:
     their two kernels go to `stream` first, then `route()` -> (weights, ids) `[T, k]` and the
     routed pairs' kernels run on the current stream meanwhile, which waits for `stream` before the
-    sum. `shared` is (ids, weights) `[1, n_shared]` of the shared experts (the kernels read
-    neither for a shared pair: any int ids and float weights tensors). Every pair row is computed
-    as fused_moe_small computes it and summed in the same order: the output is the same bits.
+    sum. `shared` is (ids, weights) `[1, n_shared]` of the shared experts, the last n_shared of
+    w13 / w2 (the kernels read neither tensor for a shared pair: any int ids and float weights).
+    Every pair row is computed as fused_moe_small computes it and summed in the same order: the
+    output is the same bits where both launches take the same tiles (the fixed tiles always; the
+    autotuner keys on the slots a launch covers, and its tiles differ only in how K is split
+    into steps, which the tests' bit equality covers on the GPU).
 
     Nothing is allocated on `stream` (h and the pair rows are the current stream's, which waits
-    for `stream` before it uses or frees them), so this is CUDA-graph capture safe."""
-    if n_shared < 1:
-        raise ValueError(f"fused_moe_small_overlapped needs shared experts (n_shared {n_shared})")
+    for `stream` before it uses or frees them, also when the router or a launch raises), so this
+    is CUDA-graph capture safe."""
+    n_shared = shared[0].shape[1]
+    if n_shared < 1 or shared[1].shape != shared[0].shape:
+        raise ValueError(f"fused_moe_small_overlapped needs the shared experts' ids and weights [1, n_shared >= 1], "
+                         f"got {tuple(shared[0].shape)} and {tuple(shared[1].shape)}")
     run = _SmallMoE(x, w13, w2, w13_scale, w2_scale, block, k, n_shared)
     main = torch.cuda.current_stream(x.device)
     stream.wait_stream(main)  # x (and h / part's memory) ready
     with torch.cuda.stream(stream):
         run.launch(shared[1], shared[0], k, n_shared)
-    weights, ids = route()
-    if ids.shape != (x.shape[0], k):
-        raise ValueError(f"route() gave ids {tuple(ids.shape)}, expected [{x.shape[0]}, {k}]")
-    run.launch(weights, ids, 0, k)
-    main.wait_stream(stream)
+    try:
+        weights, ids = route()
+        if ids.shape != (x.shape[0], k):
+            raise ValueError(f"route() gave ids {tuple(ids.shape)}, expected [{x.shape[0]}, {k}]")
+        run.launch(weights, ids, 0, k)
+    finally:
+        main.wait_stream(stream)  # joined on every path: h / part outlive the side stream's kernels
     return sum_pairs(run.part, run.x.dtype, k + n_shared, defer_sum)
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from common import distributed as pd
 from common.fused import EAGER, Glue, PairRows, glue_for
-from common.kernel_plan import TRITON, KernelPlan
+from common.kernel_plan import TRITON, KernelPlan, charged_key
 from models.config import ModelConfig
 from models.fp8 import FP8, dequantize
 from models.layers import Linear, PackedLinear, Shard, packed_param, shard_param
@@ -55,7 +55,8 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:
     """The second CUDA stream of `device` (one for all layers) that the plan's moe_shared_stream
-    runs the shared experts on; made at load (a stream made during a graph capture is avoided)."""
+    runs the shared experts on; made at load by `MoE.process_weights_after_loading` (CUDA weights),
+    so that no stream is made during a graph capture, else on first use."""
     got = _SIDE_STREAMS.get(device)
     if got is None:
         got = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
@@ -292,10 +293,15 @@ class MoE(nn.Module):
         block = self.fp8_block[0] if self.fp8_block else 128
         if small and p.moe_shared_stream and self.n_shared and x.device.type == "cuda":
             # the shared experts' pairs on the side stream while the router and the routed pairs run
-            out = self.fused_small_overlapped(
-                x, self.w13, self.w2, lambda: self.gate(x, 0), self.cfg.num_experts_per_tok,
-                self._shared_choice(x.device, torch.int32, torch.float32), side_stream(x.device),
-                self.w13_scale, self.w2_scale, block, self.n_shared, defer_sum=defer)
+            try:
+                out = self.fused_small_overlapped(
+                    x, self.w13, self.w2, lambda: self.gate(x, 0), self.cfg.num_experts_per_tok,
+                    self._shared_choice(x.device, torch.int32, torch.float32), side_stream(x.device),
+                    self.w13_scale, self.w2_scale, block, defer_sum=defer)
+            except Exception as e:
+                if charged_key(e) in (None, "moe"):  # the split launches, not the router inside them
+                    e.plan_key = "moe_shared_stream"
+                raise
             return out if isinstance(out, PairRows) else pd.tp_all_reduce(out)
         weights, ids = self.gate(x, self.n_shared if fold else 0)
         if small:

@@ -28,8 +28,9 @@ from attention.triton_decode import mla_decode  # noqa: E402
 from bench_mla_decode import decode_inputs, graph_ms  # noqa: E402
 
 LKV, R = 512, 64
-# names after their options on top of the first kernel's order (all four off: "s2"); "default" is
-# Fp8DecodeConfig() as the engine runs it
+# names after their options on top of the first kernel's order (all four off: "s2"), except "s4x1"
+# and "m256".."m1024" (stages and split sizes over the defaults); "default" is Fp8DecodeConfig() as
+# the engine runs it
 _FIRST = dict(vt_early=False, vt_prmt=False, p_hw_decode=False, fence_first=False)
 
 

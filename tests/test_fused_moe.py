@@ -42,10 +42,9 @@ def check(cfg_overrides, T, dtype, device, tol):
         # the shared and the routed pairs launched apart (moe_shared_stream; the shared ones on a
         # second stream on CUDA): the same pair rows, the same output bits
         k, ns = ids.shape[1], moe.n_shared
-        shared = torch.zeros(1, ns, dtype=torch.int32), torch.ones(1, ns)
+        shared = torch.zeros(1, ns, dtype=torch.int32), torch.full((1, ns), float("nan"))  # never read
         if device == "cuda":
-            split = fused_moe_small_overlapped(x, moe.w13, moe.w2, lambda: (w, ids), k, shared, torch.cuda.Stream(),
-                                               n_shared=ns)
+            split = fused_moe_small_overlapped(x, moe.w13, moe.w2, lambda: (w, ids), k, shared, torch.cuda.Stream())
         else:
             run = _SmallMoE(x, moe.w13, moe.w2, None, None, 128, k, ns)
             run.launch(shared[1], shared[0], k, ns)

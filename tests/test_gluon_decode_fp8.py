@@ -228,8 +228,8 @@ def test_plan_setting_routes_fp8_cache_decodes(monkeypatch):
             a = _args(cache_dtype=cache_dtype)
             ops.decode(a["q"], a["kv_cache"], a["block_table"], a["seq_lens"], 0.1, LKV)
     assert calls == [("gluon", 0.5), ("triton", 0.5), ("triton", 0.5), ("triton", 0.5)]
-    # decode_fp8_wgmma_min_rows: 2 sequences x 16 heads = 32 rows go to Gluon from 32 rows on, q_len 2
-    # (64 rows) from 64
+    # decode_fp8_wgmma_min_rows 64: 2 sequences x 16 heads (32 rows) stay on Triton, with q_len 2 (64
+    # rows) they go to Gluon
     calls.clear()
     ops = make_attention_ops(KernelPlan(attention="triton", decode_fp8_wgmma=True, decode_fp8_wgmma_min_rows=64))
     for q_len in (1, 2):
