@@ -318,52 +318,146 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     tile's product scaled per row by the activation scales and per column by the weight scales.
     `defer_sum`: the pair rows unsummed, as `fused_moe_small`'s.
     `group_b`: the programs' order (`_block_tile`'s GROUP_B); None: `block_group(T)`."""
-    T, D = x.shape
-    kt, I, E = ids.shape[1], w2.shape[-1], w13.shape[0]
-    scaled, s13, s2 = _expert_scales(x, w13, w2, w13_scale, w2_scale, block)
-    wdt = FP8 if scaled else x.dtype
-    if w13.shape[-2:] != (2 * I, D) or w2.shape[-2:] != (D, I) or w13.dtype != wdt or w2.dtype != wdt:
-        raise ValueError(f"expert weights {tuple(w13.shape)} {w13.dtype} / {tuple(w2.shape)} {w2.dtype} do not "
-                         f"match x {tuple(x.shape)} {x.dtype} (expected {wdt} weights)")
-    if a8 and not scaled:
-        raise ValueError("fused_moe_blocked(a8=True) needs FP8 experts (w13_scale / w2_scale); "
-                         "experts in x's dtype take a8=False")
-    if a8 and block != ACT_GROUP:
-        raise ValueError(f"fused_moe_blocked(a8=True): the activations are quantized in {ACT_GROUP}-wide "
-                         f"groups, so the weights' blocks must be {ACT_GROUP}x{ACT_GROUP}, not {block}x{block}")
-    if scaled and any(block % bk for bk in _BLOCKED_K_FP8):
-        raise ValueError(f"FP8 experts with {block}x{block} blocks: the block kernels' k tiles {_BLOCKED_K_FP8} "
-                         f"must divide the block")
-    rows, bexp = align_pairs(ids, E, block_m)
-    x, pw = x.contiguous(), weights.contiguous().flatten()
-    h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
-    part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
-    nb = bexp.numel()
-    r13, c13 = (s13.shape[1], s13.shape[2]) if scaled else (1, 1)
-    r2, c2 = (s2.shape[1], s2.shape[2]) if scaled else (1, 1)
-    xq, sx = act_quant(x) if a8 else (x, x)  # sx [T, D/128], any strides (M-major from the CUDA kernel)
-    sx_strides = (sx.stride(0), sx.stride(1)) if a8 else (0, 0)
-    up_args = (xq, sx, rows, bexp, w13, s13, h, D, I, E, kt, triton.next_power_of_2(T), r13, c13, *sx_strides, nb)
-    group_b = block_group(T) if group_b is None else group_b
-    const = dict(QB=block, SCALED=scaled, A8=a8, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, GROUP_B=group_b,
-                 **pdl_launch())
-    if not autotuning():
-        t = _BLOCKED_INTERPRET if interpreting() else _BLOCKED_FIXED
-        up = _blocked_gate_up_kernel[(nb * triton.cdiv(I, t["BLOCK_N"]),)]
-        down = _blocked_down_kernel[(nb * triton.cdiv(D, t["BLOCK_N"]),)]
+    run = _BlockedMoE(x, w13, w2, ids.shape[1], block_m, w13_scale, w2_scale, block, a8, group_b)
+    rows, bexp = align_pairs(ids, w13.shape[0], block_m)
+    run.launch(rows, bexp, weights.contiguous().flatten(), w13.shape[0])
+    return sum_pairs(run.part, run.x.dtype, run.kt, defer_sum)
+
+
+def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route, k: int,
+                                 n_shared: int, stream: torch.cuda.Stream | None, block_m: int = 16,
+                                 w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                                 block: int = 128, defer_sum: bool = False,
+                                 group_b: int | None = None) -> torch.Tensor | PairRows:
+    """`fused_moe_blocked` with the routing done here and the shared experts' blocks off its path.
+    The shared experts are the last n_shared of w13 / w2, and every token takes them, so their
+    blocks need no sort: one small kernel writes them (`_shared_blocks_kernel`), and it and the
+    shared blocks' two product kernels go to `stream` first. Meanwhile the current stream runs
+    `route()` -> (weights, ids) `[T, k + n_shared]` (the shared columns last, as the Triton router
+    appends them; their weights are not read), sorts the routed pairs alone into blocks and runs
+    their product kernels; it waits for `stream` before the pair sum.
+
+    Every pair row is computed as `fused_moe_blocked` computes it (the shared experts' blocks
+    hold the same pairs in the same order as its sort gives them, and both launches key the
+    autotuner alike), and the rows are summed in the same order: the same output bits.
+    Not for W8A8 (`a8`): its activation pass quantizes all pair rows of h at once.
+    Nothing is allocated on `stream` (the shared blocks, h and the pair rows are the current
+    stream's, which waits for `stream` before it uses or frees them, also when the router or a
+    launch raises), so this is CUDA-graph capture safe. `stream` None (CPU tests): everything on
+    the current stream, the shared blocks first."""
+    E = w13.shape[0]
+    if not 1 <= n_shared < E:
+        raise ValueError(f"fused_moe_blocked_overlapped needs 1 <= n_shared < {E} experts, got {n_shared}")
+    T, kt = x.shape[0], k + n_shared
+    run = _BlockedMoE(x, w13, w2, kt, block_m, w13_scale, w2_scale, block, False, group_b)
+    nbt = triton.cdiv(T, block_m)
+    s_rows = torch.empty(n_shared * nbt * block_m, dtype=torch.int64, device=x.device)
+    s_bexp = torch.empty(n_shared * nbt, dtype=torch.int64, device=x.device)
+    s_pw = torch.empty(T * kt, dtype=torch.float32, device=x.device)  # only the shared slots are written and read
+
+    def shared() -> None:
+        if nbt:
+            _shared_blocks_kernel[(n_shared * nbt,)](s_rows, s_bexp, s_pw, T, kt, k, E - n_shared, nbt,
+                                                     BLOCK_M=block_m, **pdl_launch())
+        run.launch(s_rows, s_bexp, s_pw, E)
+
+    if stream is None:
+        main = None
+        shared()
     else:
-        t = {}
-        tuned_up, tuned_down = ((_blocked_gate_up_w8a8_tuned, _blocked_down_w8a8_tuned) if a8 else
-                                (_blocked_gate_up_fp8_tuned, _blocked_down_fp8_tuned) if scaled else
-                                (_blocked_gate_up_tuned, _blocked_down_tuned))
-        up = tuned_up[lambda m: (nb * triton.cdiv(I, m["BLOCK_N"]),)]
-        down = tuned_down[lambda m: (nb * triton.cdiv(D, m["BLOCK_N"]),)]
-    up(*up_args, **const, **t)
-    hq, sh = act_quant(h) if a8 else (h, h)  # per pair row (the gate/up kernel wrote every pair's row)
-    sh_strides = (sh.stride(0), sh.stride(1)) if a8 else (0, 0)
-    down_args = (hq, sh, rows, bexp, pw, w2, s2, part, D, I, E, triton.next_power_of_2(T), r2, c2, *sh_strides, nb)
-    down(*down_args, **const, **t)
-    return sum_pairs(part, x.dtype, kt, defer_sum)
+        main = torch.cuda.current_stream(x.device)
+        stream.wait_stream(main)  # x (and the buffers' memory) ready
+        with torch.cuda.stream(stream):
+            shared()
+    try:
+        weights, ids = route()
+        if ids.shape != (T, kt) or weights.shape != (T, kt):
+            raise ValueError(f"route() gave weights {tuple(weights.shape)} and ids {tuple(ids.shape)}, "
+                             f"expected [{T}, {kt}] (k routed choices, then the {n_shared} shared experts)")
+        rows, bexp = align_pairs(ids, E - n_shared, block_m)  # the shared ids land past the bins: not sorted
+        run.launch(rows, bexp, weights.contiguous().flatten(), E - n_shared)
+    finally:
+        if main is not None:
+            main.wait_stream(stream)  # joined on every path: the buffers outlive the side stream's kernels
+    return sum_pairs(run.part, run.x.dtype, kt, defer_sum)
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["T"])
+def _shared_blocks_kernel(rows_ptr, bexp_ptr, pw_ptr, T, KT, K, E_FIRST, NBT, BLOCK_M: tl.constexpr,
+                          PDL: tl.constexpr):
+    """Block b of the shared experts' blocks (NBT per shared expert, shared expert s = b // NBT):
+    the pairs t * KT + K + s of its BLOCK_M tokens, ascending (-1 past T), as `align_pairs` sorts
+    them; its expert E_FIRST + s; weight 1 in those pairs' slots of pw."""
+    pdl_prologue(PDL)
+    b = tl.program_id(0)
+    s = b // NBT
+    t = (b % NBT) * BLOCK_M + tl.arange(0, BLOCK_M)
+    real = t < T
+    pair = t.to(tl.int64) * KT + K + s
+    tl.store(rows_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M), tl.where(real, pair, -1))
+    tl.store(bexp_ptr + b, (E_FIRST + s).to(tl.int64))
+    tl.store(pw_ptr + pair, tl.full([BLOCK_M], 1.0, tl.float32), mask=real)
+
+
+class _BlockedMoE:
+    """The block MoE's checks, scales and buffers for one call: h `[T*kt, I]` and the fp32 pair
+    rows `[T*kt, D]`, indexed by pair t*kt + j; `launch` runs the two product kernels over the
+    blocks it is given, writing those blocks' pairs' rows."""
+
+    def __init__(self, x, w13, w2, kt: int, block_m: int, w13_scale, w2_scale, block: int, a8: bool,
+                 group_b: int | None):
+        T, D = x.shape
+        I = w2.shape[-1]
+        scaled, self.s13, self.s2 = _expert_scales(x, w13, w2, w13_scale, w2_scale, block)
+        wdt = FP8 if scaled else x.dtype
+        if w13.shape[-2:] != (2 * I, D) or w2.shape[-2:] != (D, I) or w13.dtype != wdt or w2.dtype != wdt:
+            raise ValueError(f"expert weights {tuple(w13.shape)} {w13.dtype} / {tuple(w2.shape)} {w2.dtype} do not "
+                             f"match x {tuple(x.shape)} {x.dtype} (expected {wdt} weights)")
+        if a8 and not scaled:
+            raise ValueError("fused_moe_blocked(a8=True) needs FP8 experts (w13_scale / w2_scale); "
+                             "experts in x's dtype take a8=False")
+        if a8 and block != ACT_GROUP:
+            raise ValueError(f"fused_moe_blocked(a8=True): the activations are quantized in {ACT_GROUP}-wide "
+                             f"groups, so the weights' blocks must be {ACT_GROUP}x{ACT_GROUP}, not {block}x{block}")
+        if scaled and any(block % bk for bk in _BLOCKED_K_FP8):
+            raise ValueError(f"FP8 experts with {block}x{block} blocks: the block kernels' k tiles {_BLOCKED_K_FP8} "
+                             f"must divide the block")
+        self.x, self.w13, self.w2, self.kt, self.scaled, self.a8 = x.contiguous(), w13, w2, kt, scaled, a8
+        self.h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
+        self.part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
+        self.xq, self.sx = act_quant(self.x) if a8 else (self.x, self.x)  # sx [T, D/128], any strides
+        self.const = dict(QB=block, SCALED=scaled, A8=a8, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
+                          GROUP_B=block_group(T) if group_b is None else group_b, **pdl_launch())
+
+    def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int) -> None:
+        """The product kernels over the blocks `rows` / `bexp` (`align_pairs`' layout; blocks of
+        expert >= e_limit are skipped), pair weights `pw` by pair index."""
+        x, w13, w2, s13, s2 = self.x, self.w13, self.w2, self.s13, self.s2
+        T, D = x.shape
+        I, nb, a8 = w2.shape[-1], bexp.numel(), self.a8
+        r13, c13 = (s13.shape[1], s13.shape[2]) if self.scaled else (1, 1)
+        r2, c2 = (s2.shape[1], s2.shape[2]) if self.scaled else (1, 1)
+        sx_strides = (self.sx.stride(0), self.sx.stride(1)) if a8 else (0, 0)
+        bucket = triton.next_power_of_2(T)
+        up_args = (self.xq, self.sx, rows, bexp, w13, s13, self.h, D, I, e_limit, self.kt, bucket, r13, c13,
+                   *sx_strides, nb)
+        if not autotuning():
+            t = _BLOCKED_INTERPRET if interpreting() else _BLOCKED_FIXED
+            up = _blocked_gate_up_kernel[(nb * triton.cdiv(I, t["BLOCK_N"]),)]
+            down = _blocked_down_kernel[(nb * triton.cdiv(D, t["BLOCK_N"]),)]
+        else:
+            t = {}
+            tuned_up, tuned_down = ((_blocked_gate_up_w8a8_tuned, _blocked_down_w8a8_tuned) if a8 else
+                                    (_blocked_gate_up_fp8_tuned, _blocked_down_fp8_tuned) if self.scaled else
+                                    (_blocked_gate_up_tuned, _blocked_down_tuned))
+            up = tuned_up[lambda m: (nb * triton.cdiv(I, m["BLOCK_N"]),)]
+            down = tuned_down[lambda m: (nb * triton.cdiv(D, m["BLOCK_N"]),)]
+        up(*up_args, **self.const, **t)
+        hq, sh = act_quant(self.h) if a8 else (self.h, self.h)  # per pair row (every pair's row is written)
+        sh_strides = (sh.stride(0), sh.stride(1)) if a8 else (0, 0)
+        down_args = (hq, sh, rows, bexp, pw, w2, s2, self.part, D, I, e_limit, bucket, r2, c2, *sh_strides, nb)
+        down(*down_args, **self.const, **t)
 
 
 # the autotuned kernels, by name, for fused_moe.tuned_configs

@@ -221,11 +221,12 @@ class MoE(nn.Module):
                   for sh in w2]
             self.w13_scale = packed_param((n, 2 * cb, db), torch.float32, s13)
             self.w2_scale = packed_param((n, db, cb), torch.float32, s2)
-        self.fused_small = self.fused_small_overlapped = self.fused_blocked = None
+        self.fused_small = self.fused_small_overlapped = self.fused_blocked = self.fused_blocked_overlapped = None
         self.triton_glue = self.sort_by_expert = None
         if plan.moe == TRITON:
             from models import blocked_moe, expert_sort, fused_moe  # triton: CUDA installs only
             self.fused_small, self.fused_blocked = fused_moe.fused_moe_small, blocked_moe.fused_moe_blocked
+            self.fused_blocked_overlapped = blocked_moe.fused_moe_blocked_overlapped
             self.fused_small_overlapped = fused_moe.fused_moe_small_overlapped
             self.triton_glue = fused_moe  # the grouped path's gather, SwiGLU and un-permute kernels
             self.sort_by_expert = expert_sort.sort_by_expert
@@ -286,18 +287,28 @@ class MoE(nn.Module):
         fused_max = p.moe_fused_max_tokens_fp8 if self.fp8_block is not None else p.moe_fused_max_tokens
         small = self.fused_small is not None and T <= fused_max
         dense = not small and bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
+        blocked = self.fused_blocked is not None and (self.fp8_block is not None or T <= p.moe_blocked_max_tokens)
         # the block and large paths take the shared experts as pairs of every token: the Triton
         # router writes their columns beside its choices (two cats fewer per layer)
         fold = not small and not dense and bool(self.n_shared) and self.gate.appends_shared
         defer = defer_sum and self.shared_experts is None and pd.tp().size == 1
         block = self.fp8_block[0] if self.fp8_block else 128
-        if small and p.moe_shared_stream and self.n_shared and x.device.type == "cuda":
-            # the shared experts' pairs on the side stream while the router and the routed pairs run
+        # moe_shared_stream: the shared experts' pairs on the side stream while the router and the
+        # routed pairs run (the fused and the block paths; n_shared > 0 means the experts are not
+        # kept in FP8, so never W8A8)
+        if p.moe_shared_stream and self.n_shared and x.device.type == "cuda" and (small or (blocked and not dense)):
             try:
-                out = self.fused_small_overlapped(
-                    x, self.w13, self.w2, lambda: self.gate(x, 0), self.cfg.num_experts_per_tok,
-                    self._shared_choice(x.device, torch.int32, torch.float32), side_stream(x.device),
-                    self.w13_scale, self.w2_scale, block, defer_sum=defer)
+                if small:
+                    out = self.fused_small_overlapped(
+                        x, self.w13, self.w2, lambda: self.gate(x, 0), self.cfg.num_experts_per_tok,
+                        self._shared_choice(x.device, torch.int32, torch.float32), side_stream(x.device),
+                        self.w13_scale, self.w2_scale, block, defer_sum=defer)
+                else:
+                    route = (lambda: self.gate(x, self.n_shared)) if fold else (lambda: self._with_shared(*self.gate(x)))
+                    out = self.fused_blocked_overlapped(
+                        x, self.w13, self.w2, route, self.cfg.num_experts_per_tok, self.n_shared, side_stream(x.device),
+                        block_rows(T, fp8=self.fp8_block is not None), self.w13_scale, self.w2_scale, block,
+                        defer_sum=defer)
             except Exception as e:
                 if charged_key(e) in (None, "moe"):  # the split launches, not the router inside them
                     e.plan_key = "moe_shared_stream"
@@ -309,7 +320,7 @@ class MoE(nn.Module):
                                    self.n_shared, defer_sum=defer)
         else:
             pairs = (weights, ids) if dense or fold else self._with_shared(weights, ids)
-            if self.fused_blocked is not None and self.fp8_block is not None:  # FP8 experts: any size
+            if blocked and self.fp8_block is not None:  # FP8 experts: any size
                 try:
                     out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T, fp8=True), self.w13_scale,
                                              self.w2_scale, self.fp8_block[0], a8=p.moe_fp8_w8a8,
@@ -318,7 +329,7 @@ class MoE(nn.Module):
                     if p.moe_fp8_w8a8:  # its kernels and act_quant: the plan names moe_fp8_w8a8=0
                         e.plan_key = "moe_fp8_w8a8"
                     raise
-            elif self.fused_blocked is not None and T <= p.moe_blocked_max_tokens:
+            elif blocked:
                 out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T), defer_sum=defer and not dense)
             else:
                 out = self.routed_large(x, *pairs)

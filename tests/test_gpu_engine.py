@@ -70,12 +70,13 @@ def test_pdl_equals_no_pdl(gpu_v2):
 
 
 def test_moe_shared_stream_equals_one_stream(gpu_v2):
-    """`moe_shared_stream=1`: the fused MoE's shared-expert pairs on a second stream (batches of
-    1-4 sequences, so every decode step takes that path), in CUDA graphs with and without PDL and
-    eagerly: the same greedy tokens as on one stream (the same pair rows, summed alike)."""
+    """`moe_shared_stream=1`: the shared experts' pairs on a second stream, in the fused MoE
+    (decode steps of 1-4 sequences) and in the block kernels (the prefill steps, and decode steps
+    of 5-8 sequences with all 8 prompts), in CUDA graphs with and without PDL and eagerly: the
+    same greedy tokens as on one stream (the same pair rows, summed alike)."""
     from common.kernel_plan import use_pdl
     path, _ = gpu_v2
-    for prompts in (_prompts()[:1], _prompts()[:4]):
+    for prompts in (_prompts()[:1], _prompts()[:4], _prompts()):
         ref = _run(path, prompts, kernels="auto,warmup=0,moe_shared_stream=0")
         try:
             for extra in ("", ",pdl=1"):

@@ -1,13 +1,13 @@
 """The fused MoE kernels (small-batch, expert-sorted blocks, their glue) on small CPU shapes
-against the torch experts loop: the checks of tests/test_fused_moe.py."""
+against the torch experts loop: the checks of tests/moe_checks.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_fused_moe import (SMALL_FP8_MOE, check, check_blocked, check_expert_sort, check_fp8, check_fp8_blocked,
-                            check_fp8_blocked_a8, check_fp8_moe, check_glue, check_shared_dense, expert_sort_ids,
-                            fp8_moe_pair, w8a8_reference)
+from moe_checks import (SMALL_FP8_MOE, check, check_blocked, check_expert_sort, check_fp8, check_fp8_blocked,
+                        check_fp8_blocked_a8, check_fp8_moe, check_glue, check_shared_dense, expert_sort_ids,
+                        fp8_moe_pair, w8a8_reference)
 
 
 def test_fused_moe_interpreter():
