@@ -318,17 +318,18 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     tile's product scaled per row by the activation scales and per column by the weight scales.
     `defer_sum`: the pair rows unsummed, as `fused_moe_small`'s.
     `group_b`: the programs' order (`_block_tile`'s GROUP_B); None: `block_group(T)`."""
-    run = _BlockedMoE(x, w13, w2, ids.shape[1], block_m, w13_scale, w2_scale, block, a8, group_b)
+    run = _BlockedMoE(x, w13, w2, ids.shape[1], w13_scale, w2_scale, block, a8, group_b)
     rows, bexp = align_pairs(ids, w13.shape[0], block_m)
-    run.launch(rows, bexp, weights.contiguous().flatten(), w13.shape[0])
+    run.launch(rows, bexp, weights.contiguous().flatten(), w13.shape[0], block_m)
     return sum_pairs(run.part, run.x.dtype, run.kt, defer_sum)
 
 
 def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route, k: int,
                                  n_shared: int, stream: torch.cuda.Stream | None, block_m: int = 16,
                                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                                 block: int = 128, defer_sum: bool = False,
-                                 group_b: int | None = None) -> torch.Tensor | PairRows:
+                                 block: int = 128, defer_sum: bool = False, group_b: int | None = None,
+                                 shared_block_m: int | None = None, shared_tiles_apart: bool = False
+                                 ) -> torch.Tensor | PairRows:
     """`fused_moe_blocked` with the routing done here and the shared experts' blocks off its path.
     The shared experts are the last n_shared of w13 / w2, and every token takes them, so their
     blocks need no sort: one small kernel writes them (`_shared_blocks_kernel`), and it and the
@@ -344,22 +345,27 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
     Nothing is allocated on `stream` (the shared blocks, h and the pair rows are the current
     stream's, which waits for `stream` before it uses or frees them, also when the router or a
     launch raises), so this is CUDA-graph capture safe. `stream` None (CPU tests): everything on
-    the current stream, the shared blocks first."""
+    the current stream, the shared blocks first.
+    `shared_block_m` (default block_m): the shared experts' block rows; `shared_tiles_apart`: the
+    autotuner picks the shared launch's tiles apart from the routed one's (its own key). Either
+    changes how the shared rows' products are tiled, so the output is then close to, not the
+    same bits as, `fused_moe_blocked`'s."""
     E = w13.shape[0]
     if not 1 <= n_shared < E:
         raise ValueError(f"fused_moe_blocked_overlapped needs 1 <= n_shared < {E} experts, got {n_shared}")
     T, kt = x.shape[0], k + n_shared
-    run = _BlockedMoE(x, w13, w2, kt, block_m, w13_scale, w2_scale, block, False, group_b)
-    nbt = triton.cdiv(T, block_m)
-    s_rows = torch.empty(n_shared * nbt * block_m, dtype=torch.int64, device=x.device)
+    run = _BlockedMoE(x, w13, w2, kt, w13_scale, w2_scale, block, False, group_b)
+    sbm = shared_block_m or block_m
+    nbt = triton.cdiv(T, sbm)
+    s_rows = torch.empty(n_shared * nbt * sbm, dtype=torch.int64, device=x.device)
     s_bexp = torch.empty(n_shared * nbt, dtype=torch.int64, device=x.device)
     s_pw = torch.empty(T * kt, dtype=torch.float32, device=x.device)  # only the shared slots are written and read
 
     def shared() -> None:
         if nbt:
             _shared_blocks_kernel[(n_shared * nbt,)](s_rows, s_bexp, s_pw, T, kt, k, E - n_shared, nbt,
-                                                     BLOCK_M=block_m, **pdl_launch())
-        run.launch(s_rows, s_bexp, s_pw, E)
+                                                     BLOCK_M=sbm, **pdl_launch())
+        run.launch(s_rows, s_bexp, s_pw, E, sbm, apart=shared_tiles_apart)
 
     if stream is None:
         main = None
@@ -375,7 +381,7 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
             raise ValueError(f"route() gave weights {tuple(weights.shape)} and ids {tuple(ids.shape)}, "
                              f"expected [{T}, {kt}] (k routed choices, then the {n_shared} shared experts)")
         rows, bexp = align_pairs(ids, E - n_shared, block_m)  # the shared ids land past the bins: not sorted
-        run.launch(rows, bexp, weights.contiguous().flatten(), E - n_shared)
+        run.launch(rows, bexp, weights.contiguous().flatten(), E - n_shared, block_m)
     finally:
         if main is not None:
             main.wait_stream(stream)  # joined on every path: the buffers outlive the side stream's kernels
@@ -405,8 +411,7 @@ class _BlockedMoE:
     rows `[T*kt, D]`, indexed by pair t*kt + j; `launch` runs the two product kernels over the
     blocks it is given, writing those blocks' pairs' rows."""
 
-    def __init__(self, x, w13, w2, kt: int, block_m: int, w13_scale, w2_scale, block: int, a8: bool,
-                 group_b: int | None):
+    def __init__(self, x, w13, w2, kt: int, w13_scale, w2_scale, block: int, a8: bool, group_b: int | None):
         T, D = x.shape
         I = w2.shape[-1]
         scaled, self.s13, self.s2 = _expert_scales(x, w13, w2, w13_scale, w2_scale, block)
@@ -427,19 +432,22 @@ class _BlockedMoE:
         self.h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
         self.part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
         self.xq, self.sx = act_quant(self.x) if a8 else (self.x, self.x)  # sx [T, D/128], any strides
-        self.const = dict(QB=block, SCALED=scaled, A8=a8, IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
+        self.const = dict(QB=block, SCALED=scaled, A8=a8, IEEE=x.dtype == torch.float32,
                           GROUP_B=block_group(T) if group_b is None else group_b, **pdl_launch())
 
-    def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int) -> None:
-        """The product kernels over the blocks `rows` / `bexp` (`align_pairs`' layout; blocks of
-        expert >= e_limit are skipped), pair weights `pw` by pair index."""
+    def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int, block_m: int,
+               apart: bool = False) -> None:
+        """The product kernels over the blocks of block_m rows `rows` / `bexp` (`align_pairs`'
+        layout; blocks of expert >= e_limit are skipped), pair weights `pw` by pair index.
+        `apart`: the autotuner keys this launch apart from others of its size (T_BUCKET, which
+        the kernels do not read, passed negated)."""
         x, w13, w2, s13, s2 = self.x, self.w13, self.w2, self.s13, self.s2
         T, D = x.shape
         I, nb, a8 = w2.shape[-1], bexp.numel(), self.a8
         r13, c13 = (s13.shape[1], s13.shape[2]) if self.scaled else (1, 1)
         r2, c2 = (s2.shape[1], s2.shape[2]) if self.scaled else (1, 1)
         sx_strides = (self.sx.stride(0), self.sx.stride(1)) if a8 else (0, 0)
-        bucket = triton.next_power_of_2(T)
+        bucket = -triton.next_power_of_2(T) if apart else triton.next_power_of_2(T)
         up_args = (self.xq, self.sx, rows, bexp, w13, s13, self.h, D, I, e_limit, self.kt, bucket, r13, c13,
                    *sx_strides, nb)
         if not autotuning():
@@ -453,11 +461,12 @@ class _BlockedMoE:
                                     (_blocked_gate_up_tuned, _blocked_down_tuned))
             up = tuned_up[lambda m: (nb * triton.cdiv(I, m["BLOCK_N"]),)]
             down = tuned_down[lambda m: (nb * triton.cdiv(D, m["BLOCK_N"]),)]
-        up(*up_args, **self.const, **t)
+        const = dict(self.const, BLOCK_M=block_m)
+        up(*up_args, **const, **t)
         hq, sh = act_quant(self.h) if a8 else (self.h, self.h)  # per pair row (every pair's row is written)
         sh_strides = (sh.stride(0), sh.stride(1)) if a8 else (0, 0)
         down_args = (hq, sh, rows, bexp, pw, w2, s2, self.part, D, I, e_limit, bucket, r2, c2, *sh_strides, nb)
-        down(*down_args, **self.const, **t)
+        down(*down_args, **const, **t)
 
 
 # the autotuned kernels, by name, for fused_moe.tuned_configs

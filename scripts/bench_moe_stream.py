@@ -7,6 +7,8 @@ weights (as a decode step streams them from HBM).
 Rows, µs per layer (V2-Lite shapes, bf16, random weights, the Triton plan's router):
 - `one stream` / `two streams`: `MoE.forward` (router, sort, block kernels, pair sum) with
   moe_shared_stream off / on;
+- `two streams, shared blocks of N[, own tiles]`: `fused_moe_blocked_overlapped` with the shared
+  experts in blocks of N rows (`shared_block_m`), their tiles autotuned apart or not;
 - `router + sort`: the router (logits and choice kernels, the shared columns appended) and the
   sort of the routed pairs into blocks, the chain the side stream is meant to hide;
 - `routed blocks`: the two product kernels over the routed pairs' blocks alone;
@@ -30,7 +32,7 @@ from models import blocked_moe as bm
 from models.config import ModelConfig
 from models.fused_moe import tuned_configs
 from models.loader import init_dummy_weights
-from models.moe import MoE, block_rows
+from models.moe import MoE, block_rows, side_stream
 
 
 def shared_launch(moe: MoE, x: torch.Tensor, tile: dict | None) -> None:
@@ -38,17 +40,17 @@ def shared_launch(moe: MoE, x: torch.Tensor, tile: dict | None) -> None:
     `tile` (BLOCK_N, BLOCK_K, num_warps, num_stages) or the autotuned one (None)."""
     T, E, S, k = x.shape[0], moe.w13.shape[0], moe.n_shared, moe.cfg.num_experts_per_tok
     kt, block_m = k + S, block_rows(T)
-    run = bm._BlockedMoE(x, moe.w13, moe.w2, kt, block_m, None, None, 128, False, None)
+    run = bm._BlockedMoE(x, moe.w13, moe.w2, kt, None, None, 128, False, None)
     nbt = triton.cdiv(T, block_m)
     rows = torch.empty(S * nbt * block_m, dtype=torch.int64, device=x.device)
     bexp = torch.empty(S * nbt, dtype=torch.int64, device=x.device)
     pw = torch.empty(T * kt, dtype=torch.float32, device=x.device)
     bm._shared_blocks_kernel[(S * nbt,)](rows, bexp, pw, T, kt, k, E - S, nbt, BLOCK_M=block_m, PDL=False)
     if tile is None:
-        run.launch(rows, bexp, pw, E)
+        run.launch(rows, bexp, pw, E, block_m)
         return
     D, I = x.shape[1], moe.w2.shape[-1]
-    const = dict(run.const, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], num_warps=tile["num_warps"],
+    const = dict(run.const, BLOCK_M=block_m, BLOCK_N=tile["BLOCK_N"], BLOCK_K=tile["BLOCK_K"], num_warps=tile["num_warps"],
                  num_stages=tile["num_stages"])
     bucket = triton.next_power_of_2(T)
     bm._blocked_gate_up_kernel[(S * nbt * triton.cdiv(I, tile["BLOCK_N"]),)](
@@ -59,9 +61,9 @@ def shared_launch(moe: MoE, x: torch.Tensor, tile: dict | None) -> None:
 
 def routed_launch(moe: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> None:
     T, E, S = x.shape[0], moe.w13.shape[0], moe.n_shared
-    run = bm._BlockedMoE(x, moe.w13, moe.w2, ids.shape[1], block_rows(T), None, None, 128, False, None)
+    run = bm._BlockedMoE(x, moe.w13, moe.w2, ids.shape[1], None, None, 128, False, None)
     rows, bexp = bm.align_pairs(ids, E - S, block_rows(T))
-    run.launch(rows, bexp, w.flatten(), E - S)
+    run.launch(rows, bexp, w.flatten(), E - S, block_rows(T))
 
 
 def main() -> None:
@@ -97,6 +99,15 @@ def main() -> None:
                 ("one stream, again", lambda m, x: fwd(m, x, off)), ("two streams, again", lambda m, x: fwd(m, x, on)),
                 ("router + sort", lambda m, x: bm.align_pairs(m.gate(x, m.n_shared)[1], m.w13.shape[0] - m.n_shared,
                                                               block_rows(T)))]
+        for sbm in sorted({block_rows(T), 32, 64, 128}):
+            if sbm < block_rows(T):
+                continue
+            for apart in (False, True):
+                def ovl(m, x, sbm=sbm, apart=apart):
+                    return bm.fused_moe_blocked_overlapped(
+                        x, m.w13, m.w2, lambda: m.gate(x, m.n_shared), m.cfg.num_experts_per_tok, m.n_shared,
+                        side_stream(x.device), block_rows(T), shared_block_m=sbm, shared_tiles_apart=apart)
+                rows.append((f"two streams, shared blocks of {sbm}{', own tiles' if apart else ''}", ovl))
         routed = [m.gate(x, m.n_shared) for m, x in calls]
         for name, fn in rows:
             print(f"| {T} | {name} | {graph_us(fn, calls):.1f} |", flush=True)
