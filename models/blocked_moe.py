@@ -324,12 +324,21 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     return sum_pairs(run.part, run.x.dtype, run.kt, defer_sum)
 
 
+# The shared experts' block depth in `fused_moe_blocked_overlapped`: every token takes them, so
+# their blocks are full, and deeper blocks read each tile of their weights fewer times. On the H200
+# (scripts/bench_moe_stream.py, V2-Lite, CUDA graphs over 6 layers, µs per MoE layer, one stream
+# against two with the shared experts in blocks of the routed block_m / 32 / 64 / 128 rows):
+# 8 tokens 159.8-161.7 against 159.0 / 160.6 / 158.3 / 160.0; 32: 263.7-263.9 against 259.9 /
+# 260.9 / 258.3 / 261.1; 128: 296.0 against 302.5 / 289.4 / 287.7 / 287.4; 256: 312.0 against
+# 317.2 / 317.6 (32 = block_m) / 303.4 / 304.8.
+SHARED_BLOCK_M = 64
+
+
 def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route, k: int,
                                  n_shared: int, stream: torch.cuda.Stream | None, block_m: int = 16,
                                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                                  block: int = 128, defer_sum: bool = False, group_b: int | None = None,
-                                 shared_block_m: int | None = None, shared_tiles_apart: bool = False
-                                 ) -> torch.Tensor | PairRows:
+                                 shared_block_m: int = SHARED_BLOCK_M) -> torch.Tensor | PairRows:
     """`fused_moe_blocked` with the routing done here and the shared experts' blocks off its path.
     The shared experts are the last n_shared of w13 / w2, and every token takes them, so their
     blocks need no sort: one small kernel writes them (`_shared_blocks_kernel`), and it and the
@@ -338,24 +347,23 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
     appends them; their weights are not read), sorts the routed pairs alone into blocks and runs
     their product kernels; it waits for `stream` before the pair sum.
 
-    Every pair row is computed as `fused_moe_blocked` computes it (the shared experts' blocks
-    hold the same pairs in the same order as its sort gives them, and both launches key the
-    autotuner alike), and the rows are summed in the same order: the same output bits.
+    The shared experts' blocks are `shared_block_m` rows deep (SHARED_BLOCK_M, below). With
+    `shared_block_m` = block_m every pair row is computed as `fused_moe_blocked` computes it (the
+    shared blocks then hold the same pairs in the same order as its sort gives them, and both
+    launches key the autotuner alike) and the rows are summed in the same order: the same output
+    bits. With other depths the shared rows' products are tiled otherwise (on the tensor cores,
+    possibly another rounding of the same sums).
     Not for W8A8 (`a8`): its activation pass quantizes all pair rows of h at once.
     Nothing is allocated on `stream` (the shared blocks, h and the pair rows are the current
     stream's, which waits for `stream` before it uses or frees them, also when the router or a
     launch raises), so this is CUDA-graph capture safe. `stream` None (CPU tests): everything on
-    the current stream, the shared blocks first.
-    `shared_block_m` (default block_m): the shared experts' block rows; `shared_tiles_apart`: the
-    autotuner picks the shared launch's tiles apart from the routed one's (its own key). Either
-    changes how the shared rows' products are tiled, so the output is then close to, not the
-    same bits as, `fused_moe_blocked`'s."""
+    the current stream, the shared blocks first."""
     E = w13.shape[0]
     if not 1 <= n_shared < E:
         raise ValueError(f"fused_moe_blocked_overlapped needs 1 <= n_shared < {E} experts, got {n_shared}")
     T, kt = x.shape[0], k + n_shared
     run = _BlockedMoE(x, w13, w2, kt, w13_scale, w2_scale, block, False, group_b)
-    sbm = shared_block_m or block_m
+    sbm = shared_block_m
     nbt = triton.cdiv(T, sbm)
     s_rows = torch.empty(n_shared * nbt * sbm, dtype=torch.int64, device=x.device)
     s_bexp = torch.empty(n_shared * nbt, dtype=torch.int64, device=x.device)
@@ -365,7 +373,7 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
         if nbt:
             _shared_blocks_kernel[(n_shared * nbt,)](s_rows, s_bexp, s_pw, T, kt, k, E - n_shared, nbt,
                                                      BLOCK_M=sbm, **pdl_launch())
-        run.launch(s_rows, s_bexp, s_pw, E, sbm, apart=shared_tiles_apart)
+        run.launch(s_rows, s_bexp, s_pw, E, sbm)
 
     if stream is None:
         main = None
@@ -435,19 +443,16 @@ class _BlockedMoE:
         self.const = dict(QB=block, SCALED=scaled, A8=a8, IEEE=x.dtype == torch.float32,
                           GROUP_B=block_group(T) if group_b is None else group_b, **pdl_launch())
 
-    def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int, block_m: int,
-               apart: bool = False) -> None:
+    def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int, block_m: int) -> None:
         """The product kernels over the blocks of block_m rows `rows` / `bexp` (`align_pairs`'
-        layout; blocks of expert >= e_limit are skipped), pair weights `pw` by pair index.
-        `apart`: the autotuner keys this launch apart from others of its size (T_BUCKET, which
-        the kernels do not read, passed negated)."""
+        layout; blocks of expert >= e_limit are skipped), pair weights `pw` by pair index."""
         x, w13, w2, s13, s2 = self.x, self.w13, self.w2, self.s13, self.s2
         T, D = x.shape
         I, nb, a8 = w2.shape[-1], bexp.numel(), self.a8
         r13, c13 = (s13.shape[1], s13.shape[2]) if self.scaled else (1, 1)
         r2, c2 = (s2.shape[1], s2.shape[2]) if self.scaled else (1, 1)
         sx_strides = (self.sx.stride(0), self.sx.stride(1)) if a8 else (0, 0)
-        bucket = -triton.next_power_of_2(T) if apart else triton.next_power_of_2(T)
+        bucket = triton.next_power_of_2(T)
         up_args = (self.xq, self.sx, rows, bexp, w13, s13, self.h, D, I, e_limit, self.kt, bucket, r13, c13,
                    *sx_strides, nb)
         if not autotuning():

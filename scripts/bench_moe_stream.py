@@ -7,8 +7,8 @@ weights (as a decode step streams them from HBM).
 Rows, µs per layer (V2-Lite shapes, bf16, random weights, the Triton plan's router):
 - `one stream` / `two streams`: `MoE.forward` (router, sort, block kernels, pair sum) with
   moe_shared_stream off / on;
-- `two streams, shared blocks of N[, own tiles]`: `fused_moe_blocked_overlapped` with the shared
-  experts in blocks of N rows (`shared_block_m`), their tiles autotuned apart or not;
+- `two streams, shared blocks of N`: `fused_moe_blocked_overlapped` with the shared experts in
+  blocks of N rows (`shared_block_m`; the default, SHARED_BLOCK_M, is what `two streams` runs);
 - `router + sort`: the router (logits and choice kernels, the shared columns appended) and the
   sort of the routed pairs into blocks, the chain the side stream is meant to hide;
 - `routed blocks`: the two product kernels over the routed pairs' blocks alone;
@@ -102,12 +102,12 @@ def main() -> None:
         for sbm in sorted({block_rows(T), 32, 64, 128}):
             if sbm < block_rows(T):
                 continue
-            for apart in (False, True):
-                def ovl(m, x, sbm=sbm, apart=apart):
-                    return bm.fused_moe_blocked_overlapped(
-                        x, m.w13, m.w2, lambda: m.gate(x, m.n_shared), m.cfg.num_experts_per_tok, m.n_shared,
-                        side_stream(x.device), block_rows(T), shared_block_m=sbm, shared_tiles_apart=apart)
-                rows.append((f"two streams, shared blocks of {sbm}{', own tiles' if apart else ''}", ovl))
+
+            def ovl(m, x, sbm=sbm):
+                return bm.fused_moe_blocked_overlapped(
+                    x, m.w13, m.w2, lambda: m.gate(x, m.n_shared), m.cfg.num_experts_per_tok, m.n_shared,
+                    side_stream(x.device), block_rows(T), shared_block_m=sbm)
+            rows.append((f"two streams, shared blocks of {sbm}", ovl))
         routed = [m.gate(x, m.n_shared) for m, x in calls]
         for name, fn in rows:
             print(f"| {T} | {name} | {graph_us(fn, calls):.1f} |", flush=True)

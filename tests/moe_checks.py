@@ -85,11 +85,21 @@ def check_blocked(cfg_overrides, T, dtype, device, tol, block_m):
     ids_all = moe._with_shared(w, ids)[1]
     w_all = torch.cat([w, torch.full((T, ns), float("nan"), dtype=w.dtype, device=w.device)], dim=1)
     stream = torch.cuda.Stream() if device == "cuda" else None
-    split = fused_moe_blocked_overlapped(x, moe.w13, moe.w2, lambda: (w_all, ids_all), k, ns, stream, block_m)
+
+    def route():
+        return w_all, ids_all
+
+    split = fused_moe_blocked_overlapped(x, moe.w13, moe.w2, route, k, ns, stream, block_m, shared_block_m=block_m)
     assert torch.equal(split, out)
-    deferred = fused_moe_blocked_overlapped(x, moe.w13, moe.w2, lambda: (w_all, ids_all), k, ns, stream, block_m,
-                                            defer_sum=True)
+    deferred = fused_moe_blocked_overlapped(x, moe.w13, moe.w2, route, k, ns, stream, block_m, defer_sum=True,
+                                            shared_block_m=block_m)
     assert torch.equal(deferred.part, pairs.part)
+    # the default: the shared experts in deeper blocks (SHARED_BLOCK_M), tiled otherwise; the
+    # routed pairs' rows are still the same bits
+    deep = fused_moe_blocked_overlapped(x, moe.w13, moe.w2, route, k, ns, stream, block_m, defer_sum=True)
+    assert torch.equal(deep.part[:, :k], pairs.part[:, :k])
+    err_deep = ((deep.sum().double() - ref).norm() / ref.norm()).item()
+    assert err_deep < tol, (cfg_overrides, T, dtype, block_m, err_deep)
     return err
 
 
