@@ -138,10 +138,11 @@ CHOICES: tuple[Choice, ...] = (
            "when --fp8-gemm keeps them in FP8: nothing to overlap, the setting is then unused), steps that take "
            "the pair-parallel fused MoE (moe_fused_max_tokens) or the block kernels (moe_blocked_max_tokens) run "
            "the shared experts' pairs on a second CUDA stream, concurrently with the router, the expert sort and "
-           "the routed pairs (models/fused_moe.py fused_moe_small_overlapped, models/blocked_moe.py "
-           "fused_moe_blocked_overlapped; the same output bits); on the H200 (V2-Lite, profile_graphs.py) TPOT "
-           "at batch 4 3.870 ms against 3.950 / 3.952 on one stream, batch 1 level (2.144 against 2.138 / 2.183); "
-           "a failure there is charged to this key by MoE.forward",
+           "the routed pairs (models/fused_moe.py fused_moe_small_overlapped, the same output bits; "
+           "models/blocked_moe.py fused_moe_blocked_overlapped, the shared experts in 64-row blocks); on the H200 "
+           "(V2-Lite) TPOT at batch 4 3.870 ms against 3.950 / 3.952 on one stream (profile_graphs.py), an MoE "
+           "layer at 8 / 32 / 128 / 256 tokens 158.3 / 258.3 / 287.7 / 303.4 us against 159.8 / 263.7 / 296.0 / "
+           "312.0 (bench_moe_stream.py); a failure there is charged to this key by MoE.forward",
            triton=True, torch=False),
     Choice("gemm_skinny_max_tokens", (int,), "projections (bf16/fp16/fp32 weights) of steps with up to this "
            "many tokens run on a Triton weight-streaming GEMM (models/skinny_gemm.py) instead of cuBLAS "

@@ -48,6 +48,9 @@ def block_rows(T: int, fp8: bool = False) -> int:
 # see k pairs per token instead of k + n_shared (fewer blocks, gathered rows and pair sums). On the
 # H200 (V2-Lite bf16, grouped GEMM, µs per layer) that took 542 to 524 at 1024 tokens, 805 to 771 at
 # 2048 and 2487 to 2398 at 8192; at 512 and below, on the block kernels, it did not win.
+# With moe_shared_stream (CUDA, the fused and the block paths) the shared experts' pairs run on a
+# second stream while the router and the routed pairs run (`fused_moe_small_overlapped`,
+# `fused_moe_blocked_overlapped`): their work does not wait for the router's chain of small kernels.
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
