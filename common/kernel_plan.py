@@ -136,7 +136,8 @@ CHOICES: tuple[Choice, ...] = (
            triton_help="1 where norm is triton, else 0"),
     Choice("moe_shared_stream", (bool,), "with moe triton and the shared experts folded into the experts (not "
            "when --fp8-gemm keeps them in FP8: nothing to overlap, the setting is then unused), steps that take "
-           "the pair-parallel fused MoE (moe_fused_max_tokens) or the block kernels (moe_blocked_max_tokens) run "
+           "the pair-parallel fused MoE (moe_fused_max_tokens) or the block kernels (moe_blocked_max_tokens; not "
+           "where moe_shared_dense_min_tokens makes the shared experts GEMMs of their own) run "
            "the shared experts' pairs on a second CUDA stream, concurrently with the router, the expert sort and "
            "the routed pairs (models/fused_moe.py fused_moe_small_overlapped, the same output bits; "
            "models/blocked_moe.py fused_moe_blocked_overlapped, the shared experts in 64-row blocks); on the H200 "

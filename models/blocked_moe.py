@@ -1,4 +1,4 @@
-"""Expert-sorted block MoE for medium batches (9-512 tokens; FP8 experts at any size past the
+"""Expert-sorted block MoE for medium batches (5-512 tokens; FP8 experts at any size past the
 small-batch bound): the (token, expert) pairs sorted by expert into blocks, each expert's
 weights read once per block. The small-batch kernels and the shared pieces (the product helper,
 the pair sum, the FP8 scale checks) are in models/fused_moe.py.
@@ -171,7 +171,7 @@ _BLOCKED_KEY = ["D", "I", "T_BUCKET", "IEEE", "BLOCK_M"]
 _BLOCKED_FIXED = dict(BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=4)
 _BLOCKED_INTERPRET = dict(BLOCK_N=32, BLOCK_K=64)
 # FP8 experts (SCALED) need BLOCK_K to divide the 128-wide quantization block (one scale column
-# per k tile); fused_moe_blocked checks the block it is given against these tiles. Shared memory
+# per k tile); _BlockedMoE checks the block it is given against these tiles. Shared memory
 # per program on the H200 (227 KB), the gate/up kernel at BLOCK_M 64 (the largest): num_stages x
 # (x tile 2*BLOCK_M*BLOCK_K + two FP8 weight tiles 2*BLOCK_N*BLOCK_K bytes) + the two weight tiles
 # converted to bf16 for the tensor cores (4*BLOCK_N*BLOCK_K bytes, one buffer): 80, 128, 104, 112
@@ -206,24 +206,31 @@ _blocked_down_w8a8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TIL
     _blocked_down_kernel)
 
 
-def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
+                           max_pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, block_expert) for ids `[T, kt]`: `rows [NB * block_m]` holds pair indices t*kt+j
     grouped by expert (ascending within an expert), each expert's run padded to a multiple of
     block_m with -1; `block_expert [NB]` the expert of each block, `num_experts` for unused
-    blocks. NB is a bound known without a host sync: ceil(T*kt / block_m) + num_experts.
-    Torch ops; `align_pairs` is the one-kernel version the blocked MoE runs."""
+    blocks. Pairs of ids >= num_experts are left out (`fused_moe_blocked_overlapped` passes its
+    shared experts' ids so and runs them apart). NB is a bound known without a host sync:
+    ceil(max_pairs / block_m) + num_experts, max_pairs (default T*kt) bounding the pairs of ids
+    below num_experts. Torch ops; `align_pairs` is the one-kernel version the blocked MoE runs."""
     flat = ids.flatten()
     P = flat.numel()
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
-    counts.index_add_(0, flat, torch.ones_like(flat))
+    key = torch.where(flat < num_experts, flat, num_experts)  # pairs left out: a bin of their own, last
+    order = key.argsort(stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.index_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = padded.cumsum(0)
-    sorted_e = flat[order]
-    rank = torch.arange(P, device=ids.device) - (counts.cumsum(0) - counts)[sorted_e]
-    nb = -(-P // block_m) + num_experts
+    sorted_e = key[order]
+    kept = sorted_e < num_experts
+    e_kept = sorted_e[kept]
+    rank = torch.arange(P, device=ids.device)[kept] - (counts.cumsum(0) - counts)[e_kept]
+    nb = -(-(P if max_pairs is None else max_pairs) // block_m) + num_experts
     rows = torch.full((nb * block_m,), -1, dtype=torch.int64, device=ids.device)
-    rows[(pad_end - padded)[sorted_e] + rank] = order
+    rows[(pad_end - padded)[e_kept] + rank] = order[kept]
     starts = torch.arange(nb, device=ids.device) * block_m
     block_expert = torch.searchsorted(pad_end, starts, right=True)  # == num_experts past the last run
     return rows, block_expert
@@ -235,7 +242,8 @@ def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB, BLOCK_M: tl.constexpr, 
                   BINS: tl.constexpr, PDL: tl.constexpr):
     """Program e < E writes expert e's run of `rows` and its blocks' `bexp`; program E the unused
     tail. Every program histograms all P pair ids (they are few, and read from L2) to find
-    where its run starts: the padded counts of the experts before it."""
+    where its run starts: the padded counts of the experts before it. Ids >= E land in no run:
+    their bins are masked (BINS > E), and past BINS the histogram drops them."""
     pdl_prologue(PDL)
     e = tl.program_id(0)
     offs = tl.arange(0, BLOCK_P)
@@ -270,14 +278,16 @@ def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB, BLOCK_M: tl.constexpr, 
 ALIGN_KERNEL_MAX_PAIRS = 8192
 
 
-def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sort_pairs_into_blocks` in one Triton launch (the same outputs, element for element), up to
-    ALIGN_KERNEL_MAX_PAIRS pairs; `sort_pairs_into_blocks` itself beyond."""
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int,
+                max_pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sort_pairs_into_blocks` in one Triton launch (the same outputs, element for element, ids
+    >= num_experts left out alike), up to ALIGN_KERNEL_MAX_PAIRS pairs; `sort_pairs_into_blocks`
+    itself beyond."""
     flat = ids.contiguous().flatten()
     P = flat.numel()
     if P > ALIGN_KERNEL_MAX_PAIRS:
-        return sort_pairs_into_blocks(ids, num_experts, block_m)
-    nb = -(-P // block_m) + num_experts
+        return sort_pairs_into_blocks(ids, num_experts, block_m, max_pairs)
+    nb = -(-(P if max_pairs is None else max_pairs) // block_m) + num_experts
     rows = torch.empty(nb * block_m, dtype=torch.int64, device=ids.device)
     bexp = torch.empty(nb, dtype=torch.int64, device=ids.device)
     _align_kernel[(num_experts + 1,)](flat, rows, bexp, P, num_experts, nb, BLOCK_M=block_m,
@@ -347,7 +357,7 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
     appends them; their weights are not read), sorts the routed pairs alone into blocks and runs
     their product kernels; it waits for `stream` before the pair sum.
 
-    The shared experts' blocks are `shared_block_m` rows deep (SHARED_BLOCK_M, below). With
+    The shared experts' blocks are `shared_block_m` rows deep (SHARED_BLOCK_M, above). With
     `shared_block_m` = block_m every pair row is computed as `fused_moe_blocked` computes it (the
     shared blocks then hold the same pairs in the same order as its sort gives them, and both
     launches key the autotuner alike) and the rows are summed in the same order: the same output
@@ -356,7 +366,8 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
     Not for W8A8 (`a8`): its activation pass quantizes all pair rows of h at once.
     Nothing is allocated on `stream` (the shared blocks, h and the pair rows are the current
     stream's, which waits for `stream` before it uses or frees them, also when the router or a
-    launch raises), so this is CUDA-graph capture safe. `stream` None (CPU tests): everything on
+    launch raises; only the autotuner's first, eager timing runs allocate there), so this is
+    CUDA-graph capture safe. `stream` None (CPU tests): everything on
     the current stream, the shared blocks first."""
     E = w13.shape[0]
     if not 1 <= n_shared < E:
@@ -375,20 +386,20 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
                                                      BLOCK_M=sbm, **pdl_launch())
         run.launch(s_rows, s_bexp, s_pw, E, sbm)
 
-    if stream is None:
-        main = None
-        shared()
-    else:
-        main = torch.cuda.current_stream(x.device)
-        stream.wait_stream(main)  # x (and the buffers' memory) ready
-        with torch.cuda.stream(stream):
-            shared()
+    main = None if stream is None else torch.cuda.current_stream(x.device)
     try:
+        if main is None:
+            shared()
+        else:
+            stream.wait_stream(main)  # x (and the buffers' memory) ready
+            with torch.cuda.stream(stream):
+                shared()
         weights, ids = route()
         if ids.shape != (T, kt) or weights.shape != (T, kt):
             raise ValueError(f"route() gave weights {tuple(weights.shape)} and ids {tuple(ids.shape)}, "
                              f"expected [{T}, {kt}] (k routed choices, then the {n_shared} shared experts)")
-        rows, bexp = align_pairs(ids, E - n_shared, block_m)  # the shared ids land past the bins: not sorted
+        # the shared ids land past the bins: not sorted, and no blocks are bounded for them
+        rows, bexp = align_pairs(ids, E - n_shared, block_m, max_pairs=T * k)
         run.launch(rows, bexp, weights.contiguous().flatten(), E - n_shared, block_m)
     finally:
         if main is not None:

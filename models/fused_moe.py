@@ -224,10 +224,10 @@ def fused_moe_small_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
                          f"got {tuple(shared[0].shape)} and {tuple(shared[1].shape)}")
     run = _SmallMoE(x, w13, w2, w13_scale, w2_scale, block, k, n_shared)
     main = torch.cuda.current_stream(x.device)
-    stream.wait_stream(main)  # x (and h / part's memory) ready
-    with torch.cuda.stream(stream):
-        run.launch(shared[1], shared[0], k, n_shared)
     try:
+        stream.wait_stream(main)  # x (and h / part's memory) ready
+        with torch.cuda.stream(stream):
+            run.launch(shared[1], shared[0], k, n_shared)
         weights, ids = route()
         if ids.shape != (x.shape[0], k):
             raise ValueError(f"route() gave ids {tuple(ids.shape)}, expected [{x.shape[0]}, {k}]")

@@ -12,8 +12,9 @@ Rows, µs per layer (V2-Lite shapes, bf16, random weights, the Triton plan's rou
 - `router + sort`: the router (logits and choice kernels, the shared columns appended) and the
   sort of the routed pairs into blocks, the chain the side stream is meant to hide;
 - `routed blocks`: the two product kernels over the routed pairs' blocks alone;
-- `shared blocks, BLOCK_N x BLOCK_K, warps, stages`: the shared experts' blocks alone
-  (`_shared_blocks_kernel` and the two product kernels) with the autotuned tile and with each
+- `shared blocks, BLOCK_N x BLOCK_K, warps, stages`: the shared experts' blocks alone, as deep as
+  the overlapped path makes them (`_shared_blocks_kernel` and the two product kernels), with the
+  autotuned tile and with each
   candidate tile, to see how fast the side stream can stream the shared experts by itself.
 The autotuned tiles per kernel and key are printed last.
 """
@@ -36,10 +37,11 @@ from models.moe import MoE, block_rows, side_stream
 
 
 def shared_launch(moe: MoE, x: torch.Tensor, tile: dict | None) -> None:
-    """The shared experts' blocks of `fused_moe_blocked_overlapped`, on the current stream, with
-    `tile` (BLOCK_N, BLOCK_K, num_warps, num_stages) or the autotuned one (None)."""
+    """The shared experts' blocks of `fused_moe_blocked_overlapped` (SHARED_BLOCK_M rows deep),
+    on the current stream, with `tile` (BLOCK_N, BLOCK_K, num_warps, num_stages) or the
+    autotuned one (None)."""
     T, E, S, k = x.shape[0], moe.w13.shape[0], moe.n_shared, moe.cfg.num_experts_per_tok
-    kt, block_m = k + S, block_rows(T)
+    kt, block_m = k + S, bm.SHARED_BLOCK_M
     run = bm._BlockedMoE(x, moe.w13, moe.w2, kt, None, None, 128, False, None)
     nbt = triton.cdiv(T, block_m)
     rows = torch.empty(S * nbt * block_m, dtype=torch.int64, device=x.device)

@@ -122,6 +122,21 @@ def check_shared_dense(cfg_overrides, T, dtype, device, tol, **plan):
     return err
 
 
+def check_align_leaves_out(ids, E, block_m, n_out=2, kernel=True):
+    # the overlapped block path's sort: n_out columns of ids past the experts (its shared experts)
+    # appended to ids [T, k]; both sorts leave their pairs out and bound the blocks by the T*k
+    # others: the layout of ids alone, each pair t*k+j renumbered t*(k+n_out)+j
+    from models.blocked_moe import align_pairs, sort_pairs_into_blocks
+    T, k = ids.shape
+    extra = torch.arange(E, E + n_out, device=ids.device, dtype=ids.dtype).expand(T, -1)
+    wide = torch.cat([ids, extra], dim=1)
+    rows, bexp = sort_pairs_into_blocks(ids, E, block_m)
+    want = torch.where(rows >= 0, rows // k * (k + n_out) + rows % k, -1)
+    sorts = [sort_pairs_into_blocks] + ([align_pairs] if kernel else [])  # the kernel: CUDA or the interpreter
+    for got in (sort(wide, E, block_m, T * k) for sort in sorts):
+        assert torch.equal(got[0], want) and torch.equal(got[1], bexp), (T, k, E, block_m, got, want)
+
+
 def check_glue(T, kt, E, block_m, device, seed=0):
     # the blocked path's one-kernel alignment equals the torch reference element for element;
     # the grouped path's row gather, SwiGLU and weighted un-permute equal their torch forms
@@ -133,6 +148,7 @@ def check_glue(T, kt, E, block_m, device, seed=0):
     want = sort_pairs_into_blocks(ids, E, block_m)
     got = align_pairs(ids, E, block_m)
     assert all(torch.equal(a, b) for a, b in zip(got, want)), (T, kt, E, block_m, got, want)
+    check_align_leaves_out(ids, E, block_m)
     D = 96
     x = torch.randn(T, 300, generator=g).to(device)  # 300 columns: a partial 256-wide tile
     order = ids.flatten().argsort(stable=True)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moe_checks import (SMALL_FP8_MOE, check, check_blocked, check_expert_sort, check_fp8, check_fp8_blocked,
-                        check_fp8_blocked_a8, check_fp8_moe, check_glue, check_shared_dense, expert_sort_ids,
-                        fp8_experts, fp8_moe_pair, routed_reference)
+from moe_checks import (SMALL_FP8_MOE, check, check_align_leaves_out, check_blocked, check_expert_sort, check_fp8,
+                        check_fp8_blocked, check_fp8_blocked_a8, check_fp8_moe, check_glue, check_shared_dense,
+                        expert_sort_ids, fp8_experts, fp8_moe_pair, routed_reference)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("I", [2048, 256])
@@ -111,6 +111,19 @@ def test_sort_pairs_into_blocks_layout():
     assert rows.view(-1, 4).tolist() == [[1, 4, -1, -1], [3, -1, -1, -1], [0, 2, 5, -1],
                                          [-1] * 4, [-1] * 4, [-1] * 4]
     assert experts.tolist() == [0, 1, 2, 4, 4, 4]
+
+
+def test_sort_pairs_into_blocks_leaves_out_ids_past_the_experts():
+    """The torch sort with the overlapped path's shared ids appended (ids >= E): their pairs get no
+    run, and the blocks are bounded by the others (the kernel's equality: the interpreter suite)."""
+    from models.blocked_moe import sort_pairs_into_blocks
+    rows, experts = sort_pairs_into_blocks(torch.tensor([[2, 0, 4], [2, 1, 5], [0, 2, 4]]), 4, 4, max_pairs=6)
+    assert rows.view(-1, 4).tolist() == [[1, 6, -1, -1], [4, -1, -1, -1], [0, 3, 7, -1],
+                                         [-1] * 4, [-1] * 4, [-1] * 4]
+    assert experts.tolist() == [0, 1, 2, 4, 4, 4]
+    g = torch.Generator().manual_seed(0)
+    for T, k, E, bm in ((5, 3, 8, 4), (40, 6, 64, 16)):
+        check_align_leaves_out(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]), E, bm, kernel=False)
 
 
 def test_fused_moe_blocked_fp8_refusals():

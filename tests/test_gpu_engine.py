@@ -73,7 +73,8 @@ def test_moe_shared_stream_equals_one_stream(gpu_v2):
     """`moe_shared_stream=1`: the shared experts' pairs on a second stream, in the fused MoE
     (decode steps of 1-4 sequences) and in the block kernels (the prefill steps, and decode steps
     of 5-8 sequences with all 8 prompts), in CUDA graphs with and without PDL and eagerly: the
-    same greedy tokens as on one stream (the same pair rows, summed alike)."""
+    same greedy tokens as on one stream (the fused path computes the same pair rows; the block
+    path the same routed rows, and the shared rows in deeper blocks: fp32 sums, IEEE products)."""
     from common.kernel_plan import use_pdl
     path, _ = gpu_v2
     for prompts in (_prompts()[:1], _prompts()[:4], _prompts()):
