@@ -1,171 +1,19 @@
-"""vLLM launch lines for DeepSeek models parse, and vLLM's server extras work (/version, /ping,
-CORS, several served model names, request logging, human-readable lengths)."""
+"""vLLM's server extras work: /version, /ping, CORS, several served model names, request logging,
+vLLM's metric names, a --chat-template and a --generation-config in requests, the Grafana
+dashboard's series (the launch lines and flags themselves: tests/test_vllm_cli.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import shlex
 
 import httpx
 import pytest
 
-from common.args import EngineArgs, human_readable_int
-from server.cli import build_parser, engine_args_from
+from common.args import EngineArgs
+from server.cli import build_parser
 from tests.server_fixtures import TINY_MODEL
-
-# Real launch lines, copied from where they were published (the model is then replaced by the
-# tiny model's directory: these checkpoints are not on this machine).
-ACCEPTED = [
-    # DeepSeek-R1 model card, "Usage Recommendations" (as quoted by cloud.tencent.com/developer/article/2493720)
-    ("vllm serve deepseek-ai/DeepSeek-R1-Distill-Qwen-32B --tensor-parallel-size 2 "
-     "--max-model-len 32768 --enforce-eager",
-     dict(tensor_parallel_size=2, max_model_len=32768, enforce_eager=True)),
-    # huggingface.co/deepseek-ai/DeepSeek-V3, "Use this model" -> vLLM
-    ('vllm serve "deepseek-ai/DeepSeek-V3"', {}),
-    # huggingface.co/deepseek-ai/DeepSeek-V3.2, "Use this model" -> vLLM
-    ('vllm serve "deepseek-ai/DeepSeek-V3.2"', {}),
-    # gitee.com/learnllms/all-about-llms/pulls/1: docker run ... vllm/vllm-openai:latest <args>
-    ("--model /models/70b --served-model-name deepseek-r1:70b --tensor-parallel-size 2 "
-     "--gpu-memory-utilization 0.9 --trust-remote-code --dtype bfloat16 --max-model-len 8192 "
-     "--api-key 123456 --host 0.0.0.0 --port 10001",
-     dict(served_model_name=["deepseek-r1:70b"], tensor_parallel_size=2, gpu_memory_utilization=0.9,
-          dtype="bfloat16", max_model_len=8192)),
-    # docs.vllm.ai recipes, DeepSeek-V3 (R1) "Additional flags" on top of the TP line's model
-    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --tensor-parallel-size 8 "
-     "--max-model-len=65536 --max-num-batched-tokens=32768 --gpu-memory-utilization=0.95",
-     dict(tensor_parallel_size=8, max_model_len=65536, max_num_batched_tokens=32768,
-          gpu_memory_utilization=0.95)),
-    # a vLLM bug report ("'_moe_C' object has no attribute 'moe_align_block_size'"), DeepSeek-V3
-    ("vllm serve xxx --served-model-name deepseek-v3 -tp 8 --gpu-memory-utilization 0.85 "
-     "--max-model-len 65536 --enable-auto-tool-choice --tool-call-parser deepseek_v3",
-     dict(served_model_name=["deepseek-v3"], tensor_parallel_size=8, max_model_len=65536)),
-]
-REJECTED = [
-    # docs.vllm.ai recipes, DeepSeek-V3 (R1), 8xH200: TP8+EP and DP8+EP
-    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --tensor-parallel-size 8 "
-     "--enable-expert-parallel", ["--enable-expert-parallel"]),
-    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8 "
-     "--enable-expert-parallel", ["--data-parallel-size", "--enable-expert-parallel"]),
-    # docs.vllm.ai recipes, DeepSeek-V3.2
-    ("vllm serve deepseek-ai/DeepSeek-V3.2 --tensor-parallel-size 8 --tokenizer-mode deepseek_v32 "
-     "--tool-call-parser deepseek_v32 --enable-auto-tool-choice --reasoning-parser deepseek_v3",
-     ["--tokenizer-mode"]),
-    # docs.vllm.ai/projects/ascend, context parallel guide (DeepSeek-V2-Lite)
-    ("vllm serve deepseek-ai/DeepSeek-V2-Lite --tensor-parallel-size 2 "
-     "--decode-context-parallel-size 2 --prefill-context-parallel-size 2",
-     ["--prefill-context-parallel-size"]),
-    # deepseek.csdn.net/6805bfcfda5d787fd5d0ee89.html (underscored flag names, as vLLM allows)
-    ("vllm serve /home/ca2/models/DeepSeek-R1-Distill-Qwen-32B --dtype bfloat16 --max_model_len 32384 "
-     "--gpu_memory_utilization 0.8 --host 0.0.0.0 --port 5000 --quantization fp8 --enforce-eager",
-     ["--quantization"]),
-    # docs.vultr.com inference cookbook, DeepSeek V3.2 page (vllm serve, then the docker form)
-    ("vllm serve deepseek-ai/DeepSeek-V3-0324 --tensor-parallel-size 8 --max-model-len 32768 "
-     "--gpu-memory-utilization 0.90 --trust-remote-code --quantization fp8 --block-size 1",
-     ["--quantization"]),
-    ("--model deepseek-ai/DeepSeek-V3-0324 --tensor-parallel-size 8 --max-model-len 32768 "
-     "--gpu-memory-utilization 0.90 --trust-remote-code --quantization fp8 --block-size 1",
-     ["--quantization"]),
-    # github.com/vllm-project/vllm/issues/40778
-    ("vllm serve /data/pretrained/DeepSeek-V4-Flash --served-model-name DeepSeek-V4-Flash "
-     "--trust-remote-code --kv-cache-dtype fp8 --block-size 256 --enable-expert-parallel "
-     "--data-parallel-size 8 --gpu-memory-utilization 0.85 "
-     "--compilation-config '{\"cudagraph_mode\":\"FULL_AND_PIECEWISE\", \"custom_ops\":[\"all\"]}' "
-     "--attention_config.use_fp4_indexer_cache=True --tokenizer-mode deepseek_v4 "
-     "--tool-call-parser deepseek_v4 --enable-auto-tool-choice --reasoning-parser deepseek_v4",
-     ["--enable-expert-parallel", "--data-parallel-size", "--compilation-config",
-      "--attention_config.use_fp4_indexer_cache", "--tokenizer-mode"]),
-]
-
-
-def _argv(line: str) -> list[str]:
-    argv = shlex.split(line)
-    return argv[2:] if argv[:2] == ["vllm", "serve"] else argv
-
-
-def _local(ns):
-    """The parsed line with its model replaced by the tiny model's directory."""
-    if ns.model_tag is not None:
-        ns.model_tag = str(TINY_MODEL)
-    else:
-        ns.model = str(TINY_MODEL)
-    return ns
-
-
-@pytest.mark.parametrize("line,want", ACCEPTED, ids=[f"ok{i}" for i in range(len(ACCEPTED))])
-def test_vllm_launch_lines_parse(line, want):
-    ns = build_parser().parse_args(_argv(line))
-    a = engine_args_from(_local(ns))
-    assert a.model == str(TINY_MODEL)
-    for field, value in want.items():
-        assert getattr(a, field) == value, field
-
-
-@pytest.mark.parametrize("line,flags", REJECTED, ids=[f"refused{i}" for i in range(len(REJECTED))])
-def test_unsupported_vllm_flags_are_named(line, flags, capsys):
-    with pytest.raises(SystemExit) as e:
-        build_parser().parse_args(_argv(line))
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("serve: error: unsupported flag"), err
-    named = err[0].split(": ", 3)[3].split(" (")[0].split(", ")
-    assert named == flags
-
-
-def test_positional_model_and_model_flag():
-    p = build_parser()
-    assert engine_args_from(p.parse_args([str(TINY_MODEL), "-tp", "2"])).model == str(TINY_MODEL)
-    assert engine_args_from(p.parse_args(["-tp", "2", str(TINY_MODEL)])).model == str(TINY_MODEL)
-    assert engine_args_from(p.parse_args(["--model", str(TINY_MODEL)])).model == str(TINY_MODEL)
-    assert engine_args_from(p.parse_args([str(TINY_MODEL), "--model", str(TINY_MODEL)])).model == str(TINY_MODEL)
-    with pytest.raises(ValueError, match="named twice"):
-        engine_args_from(p.parse_args(["/a", "--model", str(TINY_MODEL)]))
-
-
-@pytest.mark.parametrize("text,want", [("32768", 32768), ("32k", 32000), ("32K", 32768),
-                                       ("1.5k", 1500), ("128K", 131072), ("1m", 1_000_000),
-                                       ("2M", 2 * 2**20), (" 8k ", 8000)])
-def test_human_readable_lengths(text, want):
-    assert human_readable_int(text) == want
-    ns = build_parser().parse_args(["--max-model-len", text, "--max-num-batched-tokens", text])
-    assert ns.max_model_len == ns.max_num_batched_tokens == want
-
-
-@pytest.mark.parametrize("text", ["1.5K", "32kb", "k", "-", "auto"])
-def test_bad_lengths_are_refused(text, capsys):
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--max-model-len", text])
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--max-model-len" in err[0]
-
-
-@pytest.mark.parametrize("spelling,want", [("half", "float16"), ("float16", "float16"),
-                                           ("bfloat16", "bfloat16"), ("bf16", "bfloat16"),
-                                           ("float32", "float32"), ("float", "float32"), ("auto", "auto")])
-def test_dtype_spellings(spelling, want):
-    ns = build_parser().parse_args(["--model", str(TINY_MODEL), "--dtype", spelling])
-    assert engine_args_from(ns).dtype == want
-    assert EngineArgs(model=str(TINY_MODEL), dtype=spelling).dtype == want
-
-
-def test_log_request_flags():
-    p = build_parser()
-    base = ["--model", str(TINY_MODEL)]
-    assert not engine_args_from(p.parse_args(base)).enable_log_requests
-    assert engine_args_from(p.parse_args(base + ["--enable-log-requests"])).enable_log_requests
-    assert not engine_args_from(p.parse_args(base + ["--disable-log-requests"])).enable_log_requests
-    assert not engine_args_from(p.parse_args(base + ["--no-enable-log-requests"])).enable_log_requests
-    assert p.parse_args(base).uvicorn_log_level is None
-    assert p.parse_args(base + ["--uvicorn-log-level", "warning"]).uvicorn_log_level == "warning"
-
-
-def test_served_model_names():
-    ns = build_parser().parse_args(["--model", str(TINY_MODEL), "--served-model-name", "a", "b"])
-    a = engine_args_from(ns)
-    assert a.model_name == "a" and a.model_names == ["a", "b"]
-    assert EngineArgs(model=str(TINY_MODEL), served_model_name="x").model_names == ["x"]
-
 
 # ---- the HTTP side, on the fake engine ----
 
@@ -307,32 +155,7 @@ def test_vllm_metric_names_with_model_name_label():
         assert f"vllm:{c}_total{lab}" in after, c
 
 
-# ---- --chat-template and --generation-config ----
-
-def test_tool_launch_line_with_a_chat_template_file(tmp_path, monkeypatch):
-    """The DeepSeek-V3.1 model card's vLLM line (the template file stands in for vLLM's)."""
-    line = ("vllm serve ... --enable-auto-tool-choice --tool-call-parser deepseek_v31 "
-            "--chat-template examples/tool_chat_template_deepseekv31.jinja")
-    (tmp_path / "examples").mkdir()
-    (tmp_path / "examples" / "tool_chat_template_deepseekv31.jinja").write_text("{{ 'T' }}")
-    monkeypatch.chdir(tmp_path)
-    ns = build_parser().parse_args(_argv(line))
-    assert (ns.tool_call_parser, ns.enable_auto_tool_choice) == ("deepseek_v31", True)
-    engine_args_from(_local(ns))
-    from server.overrides import load_chat_template
-    assert load_chat_template(ns.chat_template) == "{{ 'T' }}"
-
-
-@pytest.mark.parametrize("argv,needle", [
-    (["--chat-template", "/no/such/template.jinja"], "--chat-template: no such file"),
-    (["--generation-config", "/no/such/dir"], "--generation-config: no generation_config.json"),
-])
-def test_template_and_generation_config_errors_name_the_flag(argv, needle, capsys):
-    from server.cli import main
-
-    assert main([*argv, "--device", "cpu"]) == 2
-    assert needle in capsys.readouterr().err
-
+# ---- --chat-template and --generation-config in requests ----
 
 def _recording(engine):
     """Record the SamplingParams of every request the fake engine gets."""
