@@ -16,6 +16,7 @@ from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 from models.fp8 import FP8
 from models.fp8_gemm import GROUP as ACT_GROUP, act_quant
+from models.expert_sort import align_pairs
 from models.fused_moe import _expert_scales, _mma, sum_pairs
 
 # From ~16 tokens on, pairs share experts and the pair-parallel kernels (models/fused_moe.py) would read an
@@ -206,97 +207,6 @@ _blocked_down_w8a8_tuned = triton.autotune(configs=_blocked_configs(_BLOCKED_TIL
     _blocked_down_kernel)
 
 
-def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
-                           max_pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, block_expert) for ids `[T, kt]`: `rows [NB * block_m]` holds pair indices t*kt+j
-    grouped by expert (ascending within an expert), each expert's run padded to a multiple of
-    block_m with -1; `block_expert [NB]` the expert of each block, `num_experts` for unused
-    blocks. Pairs of ids >= num_experts are left out (`fused_moe_blocked_overlapped` passes its
-    shared experts' ids so and runs them apart). NB is a bound known without a host sync:
-    ceil(max_pairs / block_m) + num_experts, max_pairs (default T*kt) bounding the pairs of ids
-    below num_experts. Torch ops; `align_pairs` is the one-kernel version the blocked MoE runs."""
-    flat = ids.flatten()
-    P = flat.numel()
-    key = torch.where(flat < num_experts, flat, num_experts)  # pairs left out: a bin of their own, last
-    order = key.argsort(stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
-    counts.index_add_(0, key, torch.ones_like(key))
-    counts = counts[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = padded.cumsum(0)
-    sorted_e = key[order]
-    kept = sorted_e < num_experts
-    e_kept = sorted_e[kept]
-    rank = torch.arange(P, device=ids.device)[kept] - (counts.cumsum(0) - counts)[e_kept]
-    nb = -(-(P if max_pairs is None else max_pairs) // block_m) + num_experts
-    rows = torch.full((nb * block_m,), -1, dtype=torch.int64, device=ids.device)
-    rows[(pad_end - padded)[e_kept] + rank] = order[kept]
-    starts = torch.arange(nb, device=ids.device) * block_m
-    block_expert = torch.searchsorted(pad_end, starts, right=True)  # == num_experts past the last run
-    return rows, block_expert
-
-
-@fast_launch
-@triton.jit(do_not_specialize=["P", "NB"])
-def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BINS: tl.constexpr, PDL: tl.constexpr):
-    """Program e < E writes expert e's run of `rows` and its blocks' `bexp`; program E the unused
-    tail. Every program histograms all P pair ids (they are few, and read from L2) to find
-    where its run starts: the padded counts of the experts before it. Ids >= E land in no run:
-    their bins are masked (BINS > E), and past BINS the histogram drops them."""
-    pdl_prologue(PDL)
-    e = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_P)
-    in_p = offs < P
-    flat = tl.load(ids_ptr + offs, mask=in_p, other=E).to(tl.int32)  # padding lands in bin E
-    bins = tl.arange(0, BINS)
-    counts = tl.where(bins < E, tl.histogram(flat, BINS), 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    pad_start = tl.cumsum(padded, 0) - padded
-    if e < E:
-        start = tl.sum(tl.where(bins == e, pad_start, 0))
-        count = tl.sum(tl.where(bins == e, counts, 0))
-        mine = flat == e
-        rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # ascending pair index within the expert
-        tl.store(rows_ptr + start + rank, offs.to(tl.int64), mask=mine)
-        n_pad = tl.sum(tl.where(bins == e, padded, 0))
-        tail = tl.arange(0, BLOCK_M)
-        tl.store(rows_ptr + start + count + tail, tl.full([BLOCK_M], -1, tl.int64), mask=count + tail < n_pad)
-        for b in range(start // BLOCK_M, (start + n_pad) // BLOCK_M):
-            tl.store(bexp_ptr + b, e.to(tl.int64))
-    else:
-        used = tl.sum(padded) // BLOCK_M
-        lane = tl.arange(0, BLOCK_M)
-        for b in range(used, NB):
-            tl.store(bexp_ptr + b, E.to(tl.int64))
-            tl.store(rows_ptr + b * BLOCK_M + lane, tl.full([BLOCK_M], -1, tl.int64))
-
-
-# Up to this many pairs align_pairs is one kernel, each of whose E + 1 programs holds all pair ids
-# in registers (tests/test_fused_moe.py checks it on CUDA up to 4608 pairs); past it (prefill with
-# FP8 experts) the torch sort: a few launches, against expert GEMMs of milliseconds at such sizes.
-ALIGN_KERNEL_MAX_PAIRS = 8192
-
-
-def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int,
-                max_pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sort_pairs_into_blocks` in one Triton launch (the same outputs, element for element, ids
-    >= num_experts left out alike), up to ALIGN_KERNEL_MAX_PAIRS pairs; `sort_pairs_into_blocks`
-    itself beyond."""
-    flat = ids.contiguous().flatten()
-    P = flat.numel()
-    if P > ALIGN_KERNEL_MAX_PAIRS:
-        return sort_pairs_into_blocks(ids, num_experts, block_m, max_pairs)
-    nb = -(-(P if max_pairs is None else max_pairs) // block_m) + num_experts
-    rows = torch.empty(nb * block_m, dtype=torch.int64, device=ids.device)
-    bexp = torch.empty(nb, dtype=torch.int64, device=ids.device)
-    _align_kernel[(num_experts + 1,)](flat, rows, bexp, P, num_experts, nb, BLOCK_M=block_m,
-                                      BLOCK_P=max(16, triton.next_power_of_2(P)),
-                                      BINS=max(16, triton.next_power_of_2(num_experts + 1)), num_warps=4,
-                                      **pdl_launch())
-    return rows, bexp
-
-
 # From this many tokens the block kernels run their programs in groups of BLOCK_GROUP blocks
 # (`_block_tile`). On the H200 (bench_fused_moe.py --groups, CUDA graphs, µs per layer): V2-Lite
 # bf16 with 128-row blocks 500.9 -> 467.5 at 1024 tokens, 997.0 -> 923.1 at 2048, 3085.8 -> 2761.2
@@ -367,8 +277,8 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
     Nothing is allocated on `stream` (the shared blocks, h and the pair rows are the current
     stream's, which waits for `stream` before it uses or frees them, also when the router or a
     launch raises; only the autotuner's first, eager timing runs allocate there), so this is
-    CUDA-graph capture safe. `stream` None (CPU tests): everything on
-    the current stream, the shared blocks first."""
+    CUDA-graph capture safe. `stream` None (CPU tests): everything on the current stream, the
+    shared blocks first."""
     E = w13.shape[0]
     if not 1 <= n_shared < E:
         raise ValueError(f"fused_moe_blocked_overlapped needs 1 <= n_shared < {E} experts, got {n_shared}")

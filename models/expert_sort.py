@@ -1,4 +1,6 @@
-"""(token, expert) pairs sorted by expert for the grouped GEMM: a counting sort in three launches.
+"""(token, expert) pairs sorted by expert: for the grouped GEMM, a counting sort in three launches;
+for the block kernels (models/blocked_moe.py), each expert's run padded to whole blocks, in one
+launch (`align_pairs`, at the end of this file).
 
 The grouped MoE path (`MoE._routed_grouped`) needs, for the P = T * k pairs of a batch:
 - `token_of [P]`: the token of each pair, in expert order (the rows the GEMMs gather);
@@ -20,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 
 
@@ -105,3 +108,97 @@ def sort_by_expert(ids: torch.Tensor, num_experts: int,
     _scan_kernel[(1,)](counts, dest, offs, nb, num_experts, BINS=bins, CH=max(1, 8192 // bins), num_warps=8)
     _scatter_kernel[(nb,)](flat, dest, token_of, pos, P, k, pad, BINS=bins, BLOCK=block, num_warps=4)
     return token_of, pos, offs
+
+
+# --- The block kernels' alignment (models/blocked_moe.py): pairs by expert, runs padded to blocks ---
+
+
+def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
+                           max_pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, block_expert) for ids `[T, kt]`: `rows [NB * block_m]` holds pair indices t*kt+j
+    grouped by expert (ascending within an expert), each expert's run padded to a multiple of
+    block_m with -1; `block_expert [NB]` the expert of each block, `num_experts` for unused
+    blocks. Pairs of ids >= num_experts are left out (`fused_moe_blocked_overlapped` passes its
+    shared experts' ids so and runs them apart). NB is a bound known without a host sync:
+    ceil(max_pairs / block_m) + num_experts, max_pairs (default T*kt) bounding the pairs of ids
+    below num_experts. Torch ops; `align_pairs` is the one-kernel version the blocked MoE runs."""
+    flat = ids.flatten()
+    P = flat.numel()
+    key = torch.where(flat < num_experts, flat, num_experts)  # pairs left out: a bin of their own, last
+    order = key.argsort(stable=True)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.index_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = padded.cumsum(0)
+    sorted_e = key[order]
+    kept = sorted_e < num_experts
+    e_kept = sorted_e[kept]
+    rank = torch.arange(P, device=ids.device)[kept] - (counts.cumsum(0) - counts)[e_kept]
+    nb = -(-(P if max_pairs is None else max_pairs) // block_m) + num_experts
+    rows = torch.full((nb * block_m,), -1, dtype=torch.int64, device=ids.device)
+    rows[(pad_end - padded)[e_kept] + rank] = order[kept]
+    starts = torch.arange(nb, device=ids.device) * block_m
+    block_expert = torch.searchsorted(pad_end, starts, right=True)  # == num_experts past the last run
+    return rows, block_expert
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["P", "NB"])
+def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BINS: tl.constexpr, PDL: tl.constexpr):
+    """Program e < E writes expert e's run of `rows` and its blocks' `bexp`; program E the unused
+    tail. Every program histograms all P pair ids (they are few, and read from L2) to find
+    where its run starts: the padded counts of the experts before it. Ids >= E land in no run:
+    their bins are masked (BINS > E), and past BINS the histogram drops them."""
+    pdl_prologue(PDL)
+    e = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_P)
+    in_p = offs < P
+    flat = tl.load(ids_ptr + offs, mask=in_p, other=E).to(tl.int32)  # padding lands in bin E
+    bins = tl.arange(0, BINS)
+    counts = tl.where(bins < E, tl.histogram(flat, BINS), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    pad_start = tl.cumsum(padded, 0) - padded
+    if e < E:
+        start = tl.sum(tl.where(bins == e, pad_start, 0))
+        count = tl.sum(tl.where(bins == e, counts, 0))
+        mine = flat == e
+        rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # ascending pair index within the expert
+        tl.store(rows_ptr + start + rank, offs.to(tl.int64), mask=mine)
+        n_pad = tl.sum(tl.where(bins == e, padded, 0))
+        tail = tl.arange(0, BLOCK_M)
+        tl.store(rows_ptr + start + count + tail, tl.full([BLOCK_M], -1, tl.int64), mask=count + tail < n_pad)
+        for b in range(start // BLOCK_M, (start + n_pad) // BLOCK_M):
+            tl.store(bexp_ptr + b, e.to(tl.int64))
+    else:
+        used = tl.sum(padded) // BLOCK_M
+        lane = tl.arange(0, BLOCK_M)
+        for b in range(used, NB):
+            tl.store(bexp_ptr + b, E.to(tl.int64))
+            tl.store(rows_ptr + b * BLOCK_M + lane, tl.full([BLOCK_M], -1, tl.int64))
+
+
+# Up to this many pairs align_pairs is one kernel, each of whose E + 1 programs holds all pair ids
+# in registers (tests/test_fused_moe.py checks it on CUDA up to 4608 pairs); past it (prefill with
+# FP8 experts) the torch sort: a few launches, against expert GEMMs of milliseconds at such sizes.
+ALIGN_KERNEL_MAX_PAIRS = 8192
+
+
+def align_pairs(ids: torch.Tensor, num_experts: int, block_m: int,
+                max_pairs: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sort_pairs_into_blocks` in one Triton launch (the same outputs, element for element, ids
+    >= num_experts left out alike), up to ALIGN_KERNEL_MAX_PAIRS pairs; `sort_pairs_into_blocks`
+    itself beyond."""
+    flat = ids.contiguous().flatten()
+    P = flat.numel()
+    if P > ALIGN_KERNEL_MAX_PAIRS:
+        return sort_pairs_into_blocks(ids, num_experts, block_m, max_pairs)
+    nb = -(-(P if max_pairs is None else max_pairs) // block_m) + num_experts
+    rows = torch.empty(nb * block_m, dtype=torch.int64, device=ids.device)
+    bexp = torch.empty(nb, dtype=torch.int64, device=ids.device)
+    _align_kernel[(num_experts + 1,)](flat, rows, bexp, P, num_experts, nb, BLOCK_M=block_m,
+                                      BLOCK_P=max(16, triton.next_power_of_2(P)),
+                                      BINS=max(16, triton.next_power_of_2(num_experts + 1)), num_warps=4,
+                                      **pdl_launch())
+    return rows, bexp

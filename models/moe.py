@@ -310,8 +310,7 @@ class MoE(nn.Module):
                     route = (lambda: self.gate(x, self.n_shared)) if fold else (lambda: self._with_shared(*self.gate(x)))
                     out = self.fused_blocked_overlapped(
                         x, self.w13, self.w2, route, self.cfg.num_experts_per_tok, self.n_shared, side_stream(x.device),
-                        block_rows(T), self.w13_scale, self.w2_scale, block,
-                        defer_sum=defer)
+                        block_rows(T), defer_sum=defer)
             except Exception as e:
                 if charged_key(e) in (None, "moe"):  # the split launches, not the router inside them
                     e.plan_key = "moe_shared_stream"

@@ -31,6 +31,7 @@ from bench_common import graph_us
 from common.kernel_plan import KernelPlan, use_autotune
 from models import blocked_moe as bm
 from models.config import ModelConfig
+from models.expert_sort import align_pairs
 from models.fused_moe import tuned_configs
 from models.loader import init_dummy_weights
 from models.moe import MoE, block_rows, side_stream
@@ -64,7 +65,7 @@ def shared_launch(moe: MoE, x: torch.Tensor, tile: dict | None) -> None:
 def routed_launch(moe: MoE, x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> None:
     T, E, S = x.shape[0], moe.w13.shape[0], moe.n_shared
     run = bm._BlockedMoE(x, moe.w13, moe.w2, ids.shape[1], None, None, 128, False, None)
-    rows, bexp = bm.align_pairs(ids, E - S, block_rows(T))
+    rows, bexp = align_pairs(ids, E - S, block_rows(T))
     run.launch(rows, bexp, w.flatten(), E - S, block_rows(T))
 
 
@@ -99,7 +100,7 @@ def main() -> None:
 
         rows = [("one stream", lambda m, x: fwd(m, x, off)), ("two streams", lambda m, x: fwd(m, x, on)),
                 ("one stream, again", lambda m, x: fwd(m, x, off)), ("two streams, again", lambda m, x: fwd(m, x, on)),
-                ("router + sort", lambda m, x: bm.align_pairs(m.gate(x, m.n_shared)[1], m.w13.shape[0] - m.n_shared,
+                ("router + sort", lambda m, x: align_pairs(m.gate(x, m.n_shared)[1], m.w13.shape[0] - m.n_shared,
                                                               block_rows(T)))]
         for sbm in sorted({block_rows(T), 32, 64, 128}):
             if sbm < block_rows(T):

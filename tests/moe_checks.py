@@ -126,7 +126,7 @@ def check_align_leaves_out(ids, E, block_m, n_out=2, kernel=True):
     # the overlapped block path's sort: n_out columns of ids past the experts (its shared experts)
     # appended to ids [T, k]; both sorts leave their pairs out and bound the blocks by the T*k
     # others: the layout of ids alone, each pair t*k+j renumbered t*(k+n_out)+j
-    from models.blocked_moe import align_pairs, sort_pairs_into_blocks
+    from models.expert_sort import align_pairs, sort_pairs_into_blocks
     T, k = ids.shape
     extra = torch.arange(E, E + n_out, device=ids.device, dtype=ids.dtype).expand(T, -1)
     wide = torch.cat([ids, extra], dim=1)
@@ -140,7 +140,7 @@ def check_align_leaves_out(ids, E, block_m, n_out=2, kernel=True):
 def check_glue(T, kt, E, block_m, device, seed=0):
     # the blocked path's one-kernel alignment equals the torch reference element for element;
     # the grouped path's row gather, SwiGLU and weighted un-permute equal their torch forms
-    from models.blocked_moe import align_pairs, sort_pairs_into_blocks
+    from models.expert_sort import align_pairs, sort_pairs_into_blocks
     from models.fused_moe import gather_rows, silu_mul, unpermute_sum
     from common.fused import silu_mul as silu_ref
     g = torch.Generator().manual_seed(seed)

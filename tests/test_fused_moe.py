@@ -106,7 +106,7 @@ def test_shared_experts_dense_real_shapes(T):
 def test_sort_pairs_into_blocks_layout():
     """Pairs t*kt+j grouped by expert, each run padded to the block with -1; unused blocks get
     expert id E (the kernels skip them)."""
-    from models.blocked_moe import sort_pairs_into_blocks
+    from models.expert_sort import sort_pairs_into_blocks
     rows, experts = sort_pairs_into_blocks(torch.tensor([[2, 0], [2, 1], [0, 2]]), 4, 4)
     assert rows.view(-1, 4).tolist() == [[1, 4, -1, -1], [3, -1, -1, -1], [0, 2, 5, -1],
                                          [-1] * 4, [-1] * 4, [-1] * 4]
@@ -116,7 +116,7 @@ def test_sort_pairs_into_blocks_layout():
 def test_sort_pairs_into_blocks_leaves_out_ids_past_the_experts():
     """The torch sort with the overlapped path's shared ids appended (ids >= E): their pairs get no
     run, and the blocks are bounded by the others (the kernel's equality: the interpreter suite)."""
-    from models.blocked_moe import sort_pairs_into_blocks
+    from models.expert_sort import sort_pairs_into_blocks
     rows, experts = sort_pairs_into_blocks(torch.tensor([[2, 0, 4], [2, 1, 5], [0, 2, 4]]), 4, 4, max_pairs=6)
     assert rows.view(-1, 4).tolist() == [[1, 6, -1, -1], [4, -1, -1, -1], [0, 3, 7, -1],
                                          [-1] * 4, [-1] * 4, [-1] * 4]
