@@ -145,6 +145,15 @@ CHOICES: tuple[Choice, ...] = (
            "layer at 8 / 32 / 128 / 256 tokens 158.3 / 258.3 / 287.7 / 303.4 us against 159.8 / 263.7 / 296.0 / "
            "312.0 (bench_moe_stream.py); a failure there is charged to this key by MoE.forward",
            triton=True, torch=False),
+    Choice("moe_shared_prefetch_mb", (int,), "with moe_shared_stream, a step whose MoE runs the shared experts on "
+           "the side stream first asks L2 for up to this many MB of their weights (gate/up rows, then down) on that "
+           "stream, from the start of the layer's attention core, whose small kernels leave HBM mostly idle "
+           "(models/l2_prefetch.py): the MoE then streams only the routed experts from HBM. 0: never; opt-in, "
+           "not yet timed on a GPU", ("models.l2_prefetch",), triton=0, torch=0),
+    Choice("moe_shared_prefetch_policy", ("evict_last", "evict_normal", "bulk"), "how moe_shared_prefetch_mb "
+           "asks: one prefetch per 128-byte line with L2's evict-last priority (kept over the attention's "
+           "streamed reads) or the normal one, or one bulk prefetch (sm_90) per 4 KB (a failure is charged to "
+           "moe_shared_prefetch_mb)", triton="evict_last", torch="evict_last"),
     Choice("gemm_skinny_max_tokens", (int,), "projections (bf16/fp16/fp32 weights) of steps with up to this "
            "many tokens run on a Triton weight-streaming GEMM (models/skinny_gemm.py) instead of cuBLAS "
            "(0: never)", ("models.skinny_gemm",), triton=0, torch=0),
@@ -230,6 +239,8 @@ class KernelPlan:
     moe_large: str = "loop"
     moe_sum_in_norm: bool = False
     moe_shared_stream: bool = False
+    moe_shared_prefetch_mb: int = 0
+    moe_shared_prefetch_policy: str = "evict_last"
     gemm_skinny_max_tokens: int = 0
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False
@@ -376,6 +387,11 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
                              f"RMSNorm kernel; this plan has moe={values['moe']} norm={values['norm']} (set "
                              f"moe_sum_in_norm=0, or moe and norm triton)")
         values["moe_sum_in_norm"] = False
+    if values["moe_shared_prefetch_mb"] and not (values["moe"] == TRITON and values["moe_shared_stream"]):
+        raise ValueError(f"--kernels ...,moe_shared_prefetch_mb={values['moe_shared_prefetch_mb']} prefetches on "
+                         f"the shared experts' side stream; this plan has moe={values['moe']} moe_shared_stream="
+                         f"{int(values['moe_shared_stream'])} (set moe_shared_prefetch_mb=0, or moe triton and "
+                         f"moe_shared_stream=1)")
     if base == TRITON and wgmma_fit and values["attention"] == TRITON and "decode_wgmma_min_heads" not in over:
         values["decode_wgmma_min_heads"] = WGMMA_MIN_HEADS
     if (base == TRITON and fp8_wgmma_fit and values["attention"] == TRITON and "decode_fp8_wgmma" not in over

@@ -115,10 +115,17 @@ class DeepseekDecoderLayer(nn.Module):
             return self.mlp(h, defer_sum=True), residual
         return self.mlp(h), residual
 
+    def prefetch_mlp(self, T: int, device: torch.device) -> None:
+        """Before the attention core of a step whose MLP runs T tokens: the MoE's L2 prefetch of
+        its shared experts (moe_shared_prefetch_mb; nothing otherwise)."""
+        if isinstance(self.mlp, MoE):
+            self.mlp.prefetch_shared(T, device)
+
     def forward(self, x, residual, cos_sin, kv_cache, meta):
         """(x, residual) -> (mlp output, residual); residual None on the first layer, where x is the
         embedding."""
         residual, q, kv = self.pre_attention(x, residual)
+        self.prefetch_mlp(q.shape[0], q.device)
         o = self.self_attn.attend(q, kv, cos_sin, kv_cache, meta)
         return self.post_attention(o, residual)
 
@@ -157,6 +164,7 @@ class DeepseekModel(nn.Module):
         out = self.first(input_ids)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             residual, q, kv = out
+            layer.prefetch_mlp(q.shape[0], q.device)
             out = self.after(i, layer.self_attn.attend(q, kv, cos_sin, cache, meta), residual)
         return out
 

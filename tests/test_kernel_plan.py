@@ -156,3 +156,28 @@ def test_moe_sum_in_norm_where_moe_and_norm_are_triton():
     assert not _resolve("auto,norm=torch").moe_sum_in_norm and not _resolve("auto,moe=torch").moe_sum_in_norm
     with pytest.raises(ValueError, match=r"moe_sum_in_norm=1 sums the Triton MoE's pair rows .* moe=triton norm=torch"):
         _resolve("auto,norm=torch,moe_sum_in_norm=1")
+
+
+def test_moe_shared_prefetch_needs_the_shared_stream():
+    """moe_shared_prefetch_mb is off by default; it prefetches on the shared experts' side stream,
+    so asked for without it (or with the torch MoE) it is refused, naming both settings; a
+    failure in its kernel is charged to it, and the policy takes only its three values."""
+    plan = _resolve("auto")
+    assert (plan.moe_shared_prefetch_mb, plan.moe_shared_prefetch_policy) == (0, "evict_last")
+    plan = _resolve("auto,moe_shared_prefetch_mb=24,moe_shared_prefetch_policy=bulk")
+    assert (plan.moe_shared_prefetch_mb, plan.moe_shared_prefetch_policy) == (24, "bulk")
+    with pytest.raises(ValueError, match=r"moe_shared_prefetch_mb=24 prefetches .* moe_shared_stream=0 "
+                                         r"\(set moe_shared_prefetch_mb=0"):
+        _resolve("auto,moe_shared_stream=0,moe_shared_prefetch_mb=24")
+    with pytest.raises(ValueError, match=r"moe=torch"):
+        _resolve("auto,moe=torch,moe_shared_prefetch_mb=24")
+    with pytest.raises(ValueError, match="expected one of evict_last, evict_normal, bulk"):
+        parse_kernels("auto,moe_shared_prefetch_policy=lru")
+
+    import torch
+
+    from models.l2_prefetch import l2_prefetch
+    with pytest.raises(ValueError) as info:
+        l2_prefetch(torch.zeros(64), policy="nope")
+    assert charged_key(info.value) == "moe_shared_prefetch_mb"
+    assert "--kernels auto,moe_shared_prefetch_mb=0" in plan.avoid(charged_key(info.value))
