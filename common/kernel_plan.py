@@ -150,6 +150,11 @@ CHOICES: tuple[Choice, ...] = (
            "stream, from the start of the layer's attention core, whose small kernels leave HBM mostly idle "
            "(models/l2_prefetch.py): the MoE then streams only the routed experts from HBM. 0: never; opt-in, "
            "not yet timed on a GPU", ("models.l2_prefetch",), triton=0, torch=0),
+    Choice("prefetch_o_proj", (bool,), "with moe_shared_stream, a step whose MoE runs the shared experts on the "
+           "side stream first asks L2 for the layer's o_proj and kv_b_proj weights (W_UK / W_UV) on that stream, "
+           "ahead of moe_shared_prefetch_mb's bytes, from the start of the attention core: absorb_o and o_proj "
+           "then read them from L2 (models/l2_prefetch.py); opt-in, not yet timed on a GPU", ("models.l2_prefetch",),
+           triton=False, torch=False),
     Choice("moe_shared_prefetch_policy", ("evict_last", "evict_normal", "bulk"), "how moe_shared_prefetch_mb "
            "asks: one prefetch per 128-byte line with L2's evict-last priority (kept over the attention's "
            "streamed reads) or the normal one, or one bulk prefetch (sm_90) per 4 KB (a failure is charged to "
@@ -240,6 +245,7 @@ class KernelPlan:
     moe_sum_in_norm: bool = False
     moe_shared_stream: bool = False
     moe_shared_prefetch_mb: int = 0
+    prefetch_o_proj: bool = False
     moe_shared_prefetch_policy: str = "evict_last"
     gemm_skinny_max_tokens: int = 0
     fp8_gemm: str = "auto"
@@ -387,11 +393,12 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
                              f"RMSNorm kernel; this plan has moe={values['moe']} norm={values['norm']} (set "
                              f"moe_sum_in_norm=0, or moe and norm triton)")
         values["moe_sum_in_norm"] = False
-    if values["moe_shared_prefetch_mb"] and not (values["moe"] == TRITON and values["moe_shared_stream"]):
-        raise ValueError(f"--kernels ...,moe_shared_prefetch_mb={values['moe_shared_prefetch_mb']} prefetches on "
-                         f"the shared experts' side stream; this plan has moe={values['moe']} moe_shared_stream="
-                         f"{int(values['moe_shared_stream'])} (set moe_shared_prefetch_mb=0, or moe triton and "
-                         f"moe_shared_stream=1)")
+    for key in ("moe_shared_prefetch_mb", "prefetch_o_proj"):
+        if values[key] and not (values["moe"] == TRITON and values["moe_shared_stream"]):
+            raise ValueError(f"--kernels ...,{key}={int(values[key])} prefetches on the shared experts' side "
+                             f"stream; this plan has moe={values['moe']} moe_shared_stream="
+                             f"{int(values['moe_shared_stream'])} (set {key}=0, or moe triton and "
+                             f"moe_shared_stream=1)")
     if base == TRITON and wgmma_fit and values["attention"] == TRITON and "decode_wgmma_min_heads" not in over:
         values["decode_wgmma_min_heads"] = WGMMA_MIN_HEADS
     if (base == TRITON and fp8_wgmma_fit and values["attention"] == TRITON and "decode_fp8_wgmma" not in over

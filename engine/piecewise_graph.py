@@ -120,7 +120,7 @@ class PiecewiseGraphs:
         chain[0][0].replay()
         for i, (layer, cache) in enumerate(zip(self.inner.layers, self.kv_caches)):
             _, q, kv = chain[i][1]
-            layer.prefetch_mlp(size, q.device)  # the MoE runs the captured size in the next piece
+            layer.prefetch(size, q.device)  # the MoE runs the captured size in the next piece
             layer.self_attn.attend(q[:T], kv[:T], cos_sin, cache, meta, out=o)
             chain[i + 1][0].replay()
         return chain[-1][1][:T]

@@ -89,6 +89,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # the MoE's pair rows summed by the next layer's add + RMSNorm (or the final norm)
         self.defer_sum = plan.moe_sum_in_norm and isinstance(self.mlp, MoE)
+        self.prefetch_o = plan.prefetch_o_proj
 
     def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None):
         """(residual, q, kv): the residual stream's add and the input norm (x alone, the embedding,
@@ -115,17 +116,19 @@ class DeepseekDecoderLayer(nn.Module):
             return self.mlp(h, defer_sum=True), residual
         return self.mlp(h), residual
 
-    def prefetch_mlp(self, T: int, device: torch.device) -> None:
-        """Before the attention core of a step whose MLP runs T tokens: the MoE's L2 prefetch of
-        its shared experts (moe_shared_prefetch_mb; nothing otherwise)."""
+    def prefetch(self, T: int, device: torch.device) -> None:
+        """Before the attention core of a step whose MLP runs T tokens: the L2 prefetch, on the
+        MoE's side stream, of o_proj's and kv_b_proj's weights (prefetch_o_proj) and of the shared
+        experts (moe_shared_prefetch_mb); nothing otherwise."""
         if isinstance(self.mlp, MoE):
-            self.mlp.prefetch_shared(T, device)
+            a = self.self_attn
+            self.mlp.prefetch(T, device, (a.o_proj.weight, a.kv_b_proj.weight) if self.prefetch_o else ())
 
     def forward(self, x, residual, cos_sin, kv_cache, meta):
         """(x, residual) -> (mlp output, residual); residual None on the first layer, where x is the
         embedding."""
         residual, q, kv = self.pre_attention(x, residual)
-        self.prefetch_mlp(q.shape[0], q.device)
+        self.prefetch(q.shape[0], q.device)
         o = self.self_attn.attend(q, kv, cos_sin, kv_cache, meta)
         return self.post_attention(o, residual)
 
@@ -164,7 +167,7 @@ class DeepseekModel(nn.Module):
         out = self.first(input_ids)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             residual, q, kv = out
-            layer.prefetch_mlp(q.shape[0], q.device)
+            layer.prefetch(q.shape[0], q.device)
             out = self.after(i, layer.self_attn.attend(q, kv, cos_sin, cache, meta), residual)
         return out
 

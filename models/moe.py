@@ -246,7 +246,7 @@ class MoE(nn.Module):
             self.triton_glue = fused_moe  # the grouped path's gather, SwiGLU and un-permute kernels
             self.sort_by_expert = expert_sort.sort_by_expert
         self._shared_cache: dict = {}  # _shared_choice's tensors by (device, dtypes)
-        self._prefetch_ranges: tuple | None = None  # prefetch_shared's byte ranges, made on first use
+        self._prefetch_ranges: tuple | None = None  # prefetch's shared-expert byte ranges, made on first use
         self._expert_ends: dict = {}  # _routed_grouped's expert end keys by device
         self.routed_large = {"grouped": self._routed_grouped, "dense": self._routed_dense,
                              "loop": self._routed}[plan.moe_large]
@@ -314,26 +314,31 @@ class MoE(nn.Module):
         small, dense, blocked = self._paths(T)
         return small or (blocked and not dense)
 
-    def prefetch_shared(self, T: int, device: torch.device) -> None:
-        """moe_shared_prefetch_mb: where this step's MoE will run the shared experts on the side
-        stream, ask L2 for (up to that many MB of) their weights on that stream now, before the
-        layer's attention core (models/l2_prefetch.py). The stream's order puts the shared
-        experts' kernels after it, and the MoE's join brings it back into the main stream (a
-        CUDA-graph capture needs that); the prefetch writes nothing, so nothing else waits for
-        it. Nothing when the setting is off or the step's MoE does not overlap."""
+    def prefetch(self, T: int, device: torch.device, first: tuple[torch.Tensor, ...] = ()) -> None:
+        """Where this step's MoE will run the shared experts on the side stream, ask L2 on that
+        stream now, before the layer's attention core (models/l2_prefetch.py), for the tensors
+        `first` (prefetch_o_proj: weights the attention core reads last), then (up to
+        moe_shared_prefetch_mb MB of) the shared experts' weights. The stream's order puts the
+        shared experts' kernels after it, and the MoE's join brings it back into the main stream
+        (a CUDA-graph capture needs that); the prefetch writes nothing, so nothing else waits for
+        it. Nothing when there is nothing to ask for or the step's MoE does not overlap."""
         mb = self.plan.moe_shared_prefetch_mb
-        if not mb or not self.overlaps_shared(T, device):
+        if not (mb or first) or not self.overlaps_shared(T, device):
             return
-        if self._prefetch_ranges is None:
+        if mb and self._prefetch_ranges is None:
             self._prefetch_ranges = shared_prefetch_ranges(self.w13, self.w2, self.n_shared, mb << 20)
         from models.l2_prefetch import l2_prefetch  # triton: CUDA installs only
         main, side = torch.cuda.current_stream(device), side_stream(device)
         side.wait_stream(main)  # after the previous layer's MoE: not competing with its streaming
+        policy = self.plan.moe_shared_prefetch_policy
         try:
             with torch.cuda.stream(side):
-                l2_prefetch(*self._prefetch_ranges, policy=self.plan.moe_shared_prefetch_policy)
+                for i in range(0, len(first), 2):
+                    l2_prefetch(*first[i:i + 2], policy=policy)
+                if mb:
+                    l2_prefetch(*self._prefetch_ranges, policy=policy)
         except Exception as e:
-            e.plan_key = "moe_shared_prefetch_mb"
+            e.plan_key = "moe_shared_prefetch_mb" if mb else "prefetch_o_proj"
             raise
 
     def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor | PairRows:

@@ -159,8 +159,9 @@ def test_moe_sum_in_norm_where_moe_and_norm_are_triton():
 
 
 def test_moe_shared_prefetch_needs_the_shared_stream():
-    """moe_shared_prefetch_mb is off by default; it prefetches on the shared experts' side stream,
-    so asked for without it (or with the torch MoE) it is refused, naming both settings; a
+    """moe_shared_prefetch_mb and prefetch_o_proj are off by default; they prefetch on the shared
+    experts' side stream, so asked for without it (or with the torch MoE) they are refused, naming
+    both settings; a
     failure in its kernel is charged to it, and the policy takes only its three values."""
     plan = _resolve("auto")
     assert (plan.moe_shared_prefetch_mb, plan.moe_shared_prefetch_policy) == (0, "evict_last")
@@ -171,6 +172,9 @@ def test_moe_shared_prefetch_needs_the_shared_stream():
         _resolve("auto,moe_shared_stream=0,moe_shared_prefetch_mb=24")
     with pytest.raises(ValueError, match=r"moe=torch"):
         _resolve("auto,moe=torch,moe_shared_prefetch_mb=24")
+    assert not plan.prefetch_o_proj and _resolve("auto,prefetch_o_proj=1").prefetch_o_proj
+    with pytest.raises(ValueError, match=r"prefetch_o_proj=1 prefetches .* \(set prefetch_o_proj=0"):
+        _resolve("auto,moe_shared_stream=0,prefetch_o_proj=1")
     with pytest.raises(ValueError, match="expected one of evict_last, evict_normal, bulk"):
         parse_kernels("auto,moe_shared_prefetch_policy=lru")
 

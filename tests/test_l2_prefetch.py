@@ -1,4 +1,4 @@
-"""moe_shared_prefetch_mb: the byte ranges it asks L2 for, the kernel's PTX prefetches on the GPU
+"""moe_shared_prefetch_mb and prefetch_o_proj: the byte ranges it asks L2 for, the kernel's PTX prefetches on the GPU
 (every policy, addresses checked by the probe mode at real sizes), and the engine's greedy tokens
 with it equal to those without (it writes nothing; what the test guards is the side stream's
 fork and join inside CUDA graphs)."""
@@ -62,9 +62,9 @@ def gpu_v2(tmp_path_factory):
 
 @pytest.mark.gpu
 def test_moe_shared_prefetch_equals_no_prefetch(gpu_v2):
-    """The engine with the prefetch (each policy; the fused path at 1-4 sequences, the block
-    kernels at 8, CUDA graphs with and without PDL, and eagerly) gives the greedy tokens of the
-    default plan."""
+    """The engine with the prefetch (each policy, the shared experts and / or o_proj and kv_b_proj;
+    the fused path at 1 sequence, the block kernels at 8, CUDA graphs with and without PDL, and
+    eagerly) gives the greedy tokens of the default plan."""
     from common.kernel_plan import use_pdl
     from test_gpu_engine import _prompts, _run
     path, _ = gpu_v2
@@ -72,8 +72,77 @@ def test_moe_shared_prefetch_equals_no_prefetch(gpu_v2):
         ref = _run(path, prompts, kernels="auto,warmup=0")
         try:
             for extra in (",moe_shared_prefetch_mb=40", ",moe_shared_prefetch_mb=16,moe_shared_prefetch_policy=bulk",
-                          ",moe_shared_prefetch_mb=40,moe_shared_prefetch_policy=evict_normal,pdl=1"):
+                          ",moe_shared_prefetch_mb=40,moe_shared_prefetch_policy=evict_normal,pdl=1",
+                          ",prefetch_o_proj=1", ",prefetch_o_proj=1,moe_shared_prefetch_mb=40"):
                 assert _run(path, prompts, kernels="auto,warmup=0" + extra) == ref, extra
             assert _run(path, prompts, kernels="auto,warmup=0,moe_shared_prefetch_mb=40", enforce_eager=True) == ref
         finally:
             use_pdl(False)
+
+
+def test_layers_ask_for_o_proj_kv_b_then_the_shared_experts_on_the_side_stream(monkeypatch):
+    """The model's plumbing on the CPU, with the CUDA stream calls and the kernel replaced by
+    recorders: a MoE layer whose step overlaps asks, on the side stream after it waited for the
+    main one, for o_proj's and kv_b_proj's weights, then the shared experts' bytes under the
+    budget, with the plan's policy; a dense layer and a step that does not overlap ask nothing."""
+    import contextlib
+    import json
+
+    import models.l2_prefetch
+    import models.moe as moe
+    from common.args import DEFAULT_MODEL
+    from common.kernel_plan import KernelPlan
+    from models.config import ModelConfig
+    from models.deepseek import DeepseekForCausalLM
+
+    cfg = ModelConfig.from_dict(json.load(open(f"{DEFAULT_MODEL}/config.json")))
+    plan = KernelPlan(moe_shared_stream=True, moe_shared_prefetch_mb=1, prefetch_o_proj=True,
+                      moe_shared_prefetch_policy="bulk")
+    model = DeepseekForCausalLM(cfg, torch.float32, plan)
+    events = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def wait_stream(self, other):
+            events.append(("wait", self.name, other.name))
+
+    side, main = Stream("side"), Stream("main")
+    monkeypatch.setattr(moe, "side_stream", lambda device: side)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+
+    @contextlib.contextmanager
+    def on(stream):
+        events.append(("enter", stream.name))
+        yield
+        events.append(("exit", stream.name))
+
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(models.l2_prefetch, "l2_prefetch",
+                        lambda a, b=None, policy=None: events.append(("prefetch", a, b, policy)))
+    layers = model.model.layers
+    dense = [i for i, layer in enumerate(layers) if not isinstance(layer.mlp, moe.MoE)]
+    sparse = [i for i, layer in enumerate(layers) if isinstance(layer.mlp, moe.MoE)]
+    assert dense and sparse
+    cpu = torch.device("cpu")
+    layers[sparse[0]].prefetch(8, cpu)  # the real overlap test: a CPU step never overlaps
+    layers[dense[0]].prefetch(8, cpu)
+    assert events == []
+    monkeypatch.setattr(moe.MoE, "overlaps_shared", lambda self, T, device: T == 8)
+    layers[dense[0]].prefetch(8, cpu)
+    layers[sparse[0]].prefetch(9, cpu)
+    assert events == []
+    layer = layers[sparse[0]]
+    layer.prefetch(8, cpu)
+    a = layer.self_attn
+    assert events[:2] == [("wait", "side", "main"), ("enter", "side")] and events[-1] == ("exit", "side")
+    calls = events[2:-1]
+    assert len(calls) == 2 and all(c[0] == "prefetch" and c[3] == "bulk" for c in calls)
+    assert calls[0][1] is a.o_proj.weight and calls[0][2] is a.kv_b_proj.weight
+    want = shared_prefetch_ranges(layer.mlp.w13, layer.mlp.w2, layer.mlp.n_shared, 1 << 20)
+    assert layer.mlp.n_shared > 0
+    for got, ref in zip(calls[1][1:3], want):
+        assert (got is None) == (ref is None)
+        if ref is not None:
+            assert got.data_ptr() == ref.data_ptr() and got.numel() == ref.numel()
