@@ -145,20 +145,20 @@ CHOICES: tuple[Choice, ...] = (
            "layer at 8 / 32 / 128 / 256 tokens 158.3 / 258.3 / 287.7 / 303.4 us against 159.8 / 263.7 / 296.0 / "
            "312.0 (bench_moe_stream.py); a failure there is charged to this key by MoE.forward",
            triton=True, torch=False),
-    Choice("moe_shared_prefetch_mb", (int,), "with moe_shared_stream, a step whose MoE runs the shared experts on "
-           "the side stream first asks L2 for up to this many MB of their weights (gate/up rows, then down) on that "
-           "stream, from the start of the layer's attention core, whose small kernels leave HBM mostly idle "
-           "(models/l2_prefetch.py): the MoE then streams only the routed experts from HBM. 0: never; opt-in, "
-           "not yet timed on a GPU", ("models.l2_prefetch",), triton=0, torch=0),
-    Choice("prefetch_o_proj", (bool,), "with moe_shared_stream, a step whose MoE runs the shared experts on the "
-           "side stream first asks L2 for the layer's o_proj and kv_b_proj weights (W_UK / W_UV) on that stream, "
-           "ahead of moe_shared_prefetch_mb's bytes, from the start of the attention core: absorb_o and o_proj "
-           "then read them from L2 (models/l2_prefetch.py); opt-in, not yet timed on a GPU", ("models.l2_prefetch",),
-           triton=False, torch=False),
-    Choice("moe_shared_prefetch_policy", ("evict_last", "evict_normal", "bulk"), "how moe_shared_prefetch_mb "
-           "asks: one prefetch per 128-byte line with L2's evict-last priority (kept over the attention's "
-           "streamed reads) or the normal one, or one bulk prefetch (sm_90) per 4 KB (a failure is charged to "
-           "moe_shared_prefetch_mb)", triton="evict_last", torch="evict_last"),
+    Choice("moe_shared_prefetch_mb", (int,), "with moe_shared_stream, a decode step captured whole (not the "
+           "piecewise graphs of steps with prefill) whose MoE runs the shared experts on the side stream first "
+           "asks L2 for up to this many MB of their weights (gate/up rows, then down) on that stream, from the "
+           "start of the layer's attention core, whose small kernels leave HBM mostly idle (models/l2_prefetch.py): "
+           "the MoE then streams only the routed experts from HBM. Unused under --fp8-gemm (no folded shared "
+           "experts). 0: never; opt-in, not yet timed on a GPU", ("models.l2_prefetch",), triton=0, torch=0),
+    Choice("prefetch_o_proj", (bool,), "with moe_shared_stream, where moe_shared_prefetch_mb would prefetch (set or "
+           "not), first ask L2 on the side stream for the layer's o_proj weight, the attention core's last read: "
+           "o_proj then reads it from L2 (models/l2_prefetch.py); opt-in, not yet timed on a GPU",
+           ("models.l2_prefetch",), triton=False, torch=False),
+    Choice("moe_shared_prefetch_policy", ("evict_normal", "evict_last", "bulk"), "how the prefetches ask: one "
+           "prefetch per 128-byte line at L2's normal priority, or at its evict-last priority (which the CUDA "
+           "guide ties to a persisting-L2 set-aside this engine does not make), or one bulk prefetch per 4 KB "
+           "(sm_90+; normal priority)", ("models.l2_prefetch",), triton="evict_normal", torch="evict_normal"),
     Choice("gemm_skinny_max_tokens", (int,), "projections (bf16/fp16/fp32 weights) of steps with up to this "
            "many tokens run on a Triton weight-streaming GEMM (models/skinny_gemm.py) instead of cuBLAS "
            "(0: never)", ("models.skinny_gemm",), triton=0, torch=0),
@@ -246,7 +246,7 @@ class KernelPlan:
     moe_shared_stream: bool = False
     moe_shared_prefetch_mb: int = 0
     prefetch_o_proj: bool = False
-    moe_shared_prefetch_policy: str = "evict_last"
+    moe_shared_prefetch_policy: str = "evict_normal"
     gemm_skinny_max_tokens: int = 0
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False
@@ -393,6 +393,10 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
                              f"RMSNorm kernel; this plan has moe={values['moe']} norm={values['norm']} (set "
                              f"moe_sum_in_norm=0, or moe and norm triton)")
         values["moe_sum_in_norm"] = False
+    if (values["moe_shared_prefetch_policy"] == "bulk" and not hopper
+            and (values["moe_shared_prefetch_mb"] or values["prefetch_o_proj"])):
+        raise ValueError("--kernels ...,moe_shared_prefetch_policy=bulk issues sm_90 bulk prefetches; this GPU is "
+                         "older (set moe_shared_prefetch_policy=evict_normal)")
     for key in ("moe_shared_prefetch_mb", "prefetch_o_proj"):
         if values[key] and not (values["moe"] == TRITON and values["moe_shared_stream"]):
             raise ValueError(f"--kernels ...,{key}={int(values[key])} prefetches on the shared experts' side "

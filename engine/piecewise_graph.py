@@ -112,15 +112,13 @@ class PiecewiseGraphs:
         size): the pieces of the smallest size >= T replayed, the attention cores run eagerly on
         the real rows between them."""
         T = input_ids.shape[0]
-        size = self.size_for(T)
-        chain = self.chains[size]
+        chain = self.chains[self.size_for(T)]
         self.input_ids[:T].copy_(input_ids, non_blocking=True)
         cos_sin = self.inner.rotary_emb.at(positions)
         o = self.o[:T]
         chain[0][0].replay()
         for i, (layer, cache) in enumerate(zip(self.inner.layers, self.kv_caches)):
             _, q, kv = chain[i][1]
-            layer.prefetch(size, q.device)  # the MoE runs the captured size in the next piece
             layer.self_attn.attend(q[:T], kv[:T], cos_sin, cache, meta, out=o)
             chain[i + 1][0].replay()
         return chain[-1][1][:T]

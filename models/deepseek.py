@@ -116,21 +116,27 @@ class DeepseekDecoderLayer(nn.Module):
             return self.mlp(h, defer_sum=True), residual
         return self.mlp(h), residual
 
-    def prefetch(self, T: int, device: torch.device) -> None:
+    def prefetch(self, T: int, device: torch.device) -> bool:
         """Before the attention core of a step whose MLP runs T tokens: the L2 prefetch, on the
-        MoE's side stream, of o_proj's and kv_b_proj's weights (prefetch_o_proj) and of the shared
-        experts (moe_shared_prefetch_mb); nothing otherwise."""
-        if isinstance(self.mlp, MoE):
-            a = self.self_attn
-            self.mlp.prefetch(T, device, (a.o_proj.weight, a.kv_b_proj.weight) if self.prefetch_o else ())
+        MoE's side stream, of o_proj's weight (prefetch_o_proj) and of the shared experts
+        (moe_shared_prefetch_mb). Returns whether it forked the side stream (then the MoE joins
+        it, or `MoE.join_prefetch` when the layer fails first)."""
+        if not isinstance(self.mlp, MoE):
+            return False
+        return self.mlp.prefetch(T, device, self.self_attn.o_proj.weight if self.prefetch_o else None)
 
     def forward(self, x, residual, cos_sin, kv_cache, meta):
         """(x, residual) -> (mlp output, residual); residual None on the first layer, where x is the
         embedding."""
         residual, q, kv = self.pre_attention(x, residual)
-        self.prefetch(q.shape[0], q.device)
-        o = self.self_attn.attend(q, kv, cos_sin, kv_cache, meta)
-        return self.post_attention(o, residual)
+        forked = self.prefetch(q.shape[0], q.device)
+        try:
+            o = self.self_attn.attend(q, kv, cos_sin, kv_cache, meta)
+            return self.post_attention(o, residual)
+        except Exception:
+            if forked:
+                MoE.join_prefetch(q.device)
+            raise
 
 
 class DeepseekModel(nn.Module):
@@ -167,8 +173,13 @@ class DeepseekModel(nn.Module):
         out = self.first(input_ids)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             residual, q, kv = out
-            layer.prefetch(q.shape[0], q.device)
-            out = self.after(i, layer.self_attn.attend(q, kv, cos_sin, cache, meta), residual)
+            forked = layer.prefetch(q.shape[0], q.device)
+            try:
+                out = self.after(i, layer.self_attn.attend(q, kv, cos_sin, cache, meta), residual)
+            except Exception:
+                if forked:
+                    MoE.join_prefetch(q.device)
+                raise
         return out
 
 

@@ -314,32 +314,42 @@ class MoE(nn.Module):
         small, dense, blocked = self._paths(T)
         return small or (blocked and not dense)
 
-    def prefetch(self, T: int, device: torch.device, first: tuple[torch.Tensor, ...] = ()) -> None:
+    def prefetch(self, T: int, device: torch.device, o_proj: torch.Tensor | None = None) -> bool:
         """Where this step's MoE will run the shared experts on the side stream, ask L2 on that
-        stream now, before the layer's attention core (models/l2_prefetch.py), for the tensors
-        `first` (prefetch_o_proj: weights the attention core reads last), then (up to
+        stream now, before the layer's attention core (models/l2_prefetch.py), for `o_proj` (the
+        attention's o_proj weight, read last by the core: prefetch_o_proj), then for (up to
         moe_shared_prefetch_mb MB of) the shared experts' weights. The stream's order puts the
         shared experts' kernels after it, and the MoE's join brings it back into the main stream
-        (a CUDA-graph capture needs that); the prefetch writes nothing, so nothing else waits for
-        it. Nothing when there is nothing to ask for or the step's MoE does not overlap."""
+        (a CUDA-graph capture needs that; `join_prefetch` does it when something fails before);
+        the prefetch writes nothing, so nothing else waits for it. Returns whether it forked:
+        not when there is nothing to ask for or the step's MoE does not overlap."""
         mb = self.plan.moe_shared_prefetch_mb
-        if not (mb or first) or not self.overlaps_shared(T, device):
-            return
+        if not (mb or o_proj is not None) or not self.overlaps_shared(T, device):
+            return False
         if mb and self._prefetch_ranges is None:
             self._prefetch_ranges = shared_prefetch_ranges(self.w13, self.w2, self.n_shared, mb << 20)
         from models.l2_prefetch import l2_prefetch  # triton: CUDA installs only
         main, side = torch.cuda.current_stream(device), side_stream(device)
         side.wait_stream(main)  # after the previous layer's MoE: not competing with its streaming
-        policy = self.plan.moe_shared_prefetch_policy
+        policy, key = self.plan.moe_shared_prefetch_policy, "prefetch_o_proj"
         try:
             with torch.cuda.stream(side):
-                for i in range(0, len(first), 2):
-                    l2_prefetch(*first[i:i + 2], policy=policy)
+                if o_proj is not None:
+                    l2_prefetch(o_proj, policy=policy)
+                key = "moe_shared_prefetch_mb"
                 if mb:
                     l2_prefetch(*self._prefetch_ranges, policy=policy)
         except Exception as e:
-            e.plan_key = "moe_shared_prefetch_mb" if mb else "prefetch_o_proj"
+            self.join_prefetch(device)
+            e.plan_key = key
             raise
+        return True
+
+    @staticmethod
+    def join_prefetch(device: torch.device) -> None:
+        """The main stream waits for the side stream: closes a prefetch's fork when the layer fails
+        before its MoE joins it (a capture left forked would fail on that, hiding the error)."""
+        torch.cuda.current_stream(device).wait_stream(side_stream(device))
 
     def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor | PairRows:
         """The layer's output `[T, D]`; with `defer_sum` (the plan's moe_sum_in_norm, one TP rank,

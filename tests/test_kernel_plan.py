@@ -161,26 +161,32 @@ def test_moe_sum_in_norm_where_moe_and_norm_are_triton():
 def test_moe_shared_prefetch_needs_the_shared_stream():
     """moe_shared_prefetch_mb and prefetch_o_proj are off by default; they prefetch on the shared
     experts' side stream, so asked for without it (or with the torch MoE) they are refused, naming
-    both settings; a
-    failure in its kernel is charged to it, and the policy takes only its three values."""
+    both settings; bulk prefetches need sm_90; a failure in the kernel's module is charged to the
+    amount, and the policy takes only its three values."""
+    import torch
+
+    from models.l2_prefetch import l2_prefetch
+
+    def hopper(spec):
+        return resolve_plan(spec, "auto", "cuda", "bfloat16", True, True, False, True)[0]
+
     plan = _resolve("auto")
-    assert (plan.moe_shared_prefetch_mb, plan.moe_shared_prefetch_policy) == (0, "evict_last")
-    plan = _resolve("auto,moe_shared_prefetch_mb=24,moe_shared_prefetch_policy=bulk")
+    assert (plan.moe_shared_prefetch_mb, plan.prefetch_o_proj, plan.moe_shared_prefetch_policy) == (0, False, "evict_normal")
+    plan = hopper("auto,moe_shared_prefetch_mb=24,moe_shared_prefetch_policy=bulk")
     assert (plan.moe_shared_prefetch_mb, plan.moe_shared_prefetch_policy) == (24, "bulk")
+    assert _resolve("auto,prefetch_o_proj=1,moe_shared_prefetch_policy=evict_last").prefetch_o_proj
+    with pytest.raises(ValueError, match=r"policy=bulk issues sm_90 bulk prefetches; .* \(set moe_shared_prefetch_policy=evict_normal"):
+        _resolve("auto,moe_shared_prefetch_mb=24,moe_shared_prefetch_policy=bulk")
+    assert _resolve("auto,moe_shared_prefetch_policy=bulk").moe_shared_prefetch_policy == "bulk"  # nothing prefetched
     with pytest.raises(ValueError, match=r"moe_shared_prefetch_mb=24 prefetches .* moe_shared_stream=0 "
                                          r"\(set moe_shared_prefetch_mb=0"):
         _resolve("auto,moe_shared_stream=0,moe_shared_prefetch_mb=24")
     with pytest.raises(ValueError, match=r"moe=torch"):
         _resolve("auto,moe=torch,moe_shared_prefetch_mb=24")
-    assert not plan.prefetch_o_proj and _resolve("auto,prefetch_o_proj=1").prefetch_o_proj
     with pytest.raises(ValueError, match=r"prefetch_o_proj=1 prefetches .* \(set prefetch_o_proj=0"):
         _resolve("auto,moe_shared_stream=0,prefetch_o_proj=1")
-    with pytest.raises(ValueError, match="expected one of evict_last, evict_normal, bulk"):
+    with pytest.raises(ValueError, match="expected one of evict_normal, evict_last, bulk"):
         parse_kernels("auto,moe_shared_prefetch_policy=lru")
-
-    import torch
-
-    from models.l2_prefetch import l2_prefetch
     with pytest.raises(ValueError) as info:
         l2_prefetch(torch.zeros(64), policy="nope")
     assert charged_key(info.value) == "moe_shared_prefetch_mb"

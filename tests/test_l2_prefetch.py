@@ -1,7 +1,9 @@
-"""moe_shared_prefetch_mb and prefetch_o_proj: the byte ranges it asks L2 for, the kernel's PTX prefetches on the GPU
-(every policy, addresses checked by the probe mode at real sizes), and the engine's greedy tokens
-with it equal to those without (it writes nothing; what the test guards is the side stream's
-fork and join inside CUDA graphs)."""
+"""moe_shared_prefetch_mb and prefetch_o_proj: the byte ranges they ask L2 for, the kernel's
+machine code for sm_90 (compiled on the CPU), the model's prefetch plumbing on the CPU (the CUDA
+stream calls recorded), and on the GPU the prefetches over real sizes (every policy, addresses and
+byte counts checked by the probe mode) and the engine's greedy tokens with them equal to those
+without (the prefetch writes nothing; what that test guards is the side stream's fork and join
+inside CUDA graphs)."""
 
 from __future__ import annotations
 
@@ -26,29 +28,62 @@ def test_shared_prefetch_ranges_take_the_shared_experts_gate_up_then_down_within
     assert a.numel() == 4992 and b is None
 
 
+@pytest.mark.parametrize("policy,opcode", [("evict_normal", "CCTL.E.PF2"), ("evict_last", "CCTL.E.PML2"),
+                                           ("bulk", "UBLKPF.L2")])
+def test_the_kernel_issues_its_prefetch_instructions_on_sm90(policy, opcode, tmp_path):
+    """Compiled for sm_90 on the CPU (Triton's bundled ptxas and cuobjdump): the inline assembly is
+    kept (nothing reads its result) and becomes the policy's prefetch instruction, and the kernel
+    issues no load (a prefetch that became a load would stall on every line)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from models import l2_prefetch as lp
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (tools / "ptxas").exists() or not (tools / "cuobjdump").exists():
+        pytest.skip("this Triton install has no bundled ptxas / cuobjdump")
+    sig = {"a_ptr": "*u8", "a_bytes": "i64", "b_ptr": "*u8", "b_bytes": "i64", "count_ptr": "*u8",
+           "head_ptr": "*u8", "size_ptr": "*u8", "UNIT": "constexpr", "BLOCK": "constexpr", "ASM": "constexpr",
+           "PROBE": "constexpr"}
+    const = dict(UNIT=lp.BULK if policy == "bulk" else lp.LINE, BLOCK=256, ASM=lp._ASM[policy], PROBE=False)
+    kernel = triton.compile(ASTSource(lp._l2_prefetch_kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4})
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(kernel.asm["cubin"])
+    sass = subprocess.run([str(tools / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    ops = set(re.findall(r"\b(CCTL\.E\.\w+|UBLKPF\.L2|LDG\S*)", sass))
+    assert ops == {opcode}, ops
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("policy", ["evict_last", "evict_normal", "bulk"])
+@pytest.mark.parametrize("policy", ["evict_normal", "evict_last", "bulk"])
 def test_l2_prefetch_on_the_gpu(policy):
     """The PTX prefetches run over V2-Lite's shared experts' bytes (34.6 MB, and a range cut
     mid-unit) without a fault and leave the weights as they were; the probe mode, compiled for the
-    GPU, visits each unit once at its address."""
+    GPU, visits each unit once at its address, with byte counts that cover the ranges exactly."""
     from models.l2_prefetch import BULK, LINE, l2_prefetch
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(66, 2816, 2048, device="cuda", dtype=torch.bfloat16, generator=g)
     w2 = torch.randn(66, 2048, 1408, device="cuda", dtype=torch.bfloat16, generator=g)
     a, b = shared_prefetch_ranges(w13, w2, 2, 40 << 20)
     before = (w13[64:].clone(), w2[64:].clone())
+    unit = BULK if policy == "bulk" else LINE
     for ranges in ((a, b), (a[:BULK * 3 + 48], None)):
-        l2_prefetch(*ranges, policy=policy)
+        assert l2_prefetch(*ranges, policy=policy) is None
         torch.cuda.synchronize()
-        unit = BULK if policy == "bulk" else LINE
-        count, head = l2_prefetch(*ranges, policy=policy, probe=True)
-        n = sum(-(-r.numel() // unit) for r in ranges if r is not None)
-        assert count.numel() == n and bool((count == 1).all())
-        flat = torch.cat([r for r in ranges if r is not None])
-        starts = torch.cat([torch.arange(0, r.numel(), unit, device="cuda") + off for r, off in
-                            zip([r for r in ranges if r is not None], (0, ranges[0].numel()))])
-        want = flat.view(-1)[starts[:, None] + torch.arange(4, device="cuda")].contiguous().view(torch.int32).view(-1)
+        count, head, size = l2_prefetch(*ranges, policy=policy, probe=True)
+        parts = [r for r in ranges if r is not None]
+        assert count.numel() == sum(-(-r.numel() // unit) for r in parts) and bool((count == 1).all())
+        assert int(size.sum()) == sum(r.numel() for r in parts) and bool((size <= unit).all())
+        flat = torch.cat(parts)
+        starts = torch.cat([torch.arange(0, r.numel(), unit, device="cuda") + off
+                            for r, off in zip(parts, (0, parts[0].numel()))])
+        want = flat[starts[:, None] + torch.arange(4, device="cuda")].contiguous().view(torch.int32).view(-1)
         assert torch.equal(head, want)
     assert torch.equal(w13[64:], before[0]) and torch.equal(w2[64:], before[1])
 
@@ -61,45 +96,45 @@ def gpu_v2(tmp_path_factory):
 
 
 @pytest.mark.gpu
-def test_moe_shared_prefetch_equals_no_prefetch(gpu_v2):
-    """The engine with the prefetch (each policy, the shared experts and / or o_proj and kv_b_proj;
-    the fused path at 1 sequence, the block kernels at 8, CUDA graphs with and without PDL, and
-    eagerly) gives the greedy tokens of the default plan."""
+def test_moe_shared_prefetch_equals_no_prefetch(gpu_v2, monkeypatch):
+    """The engine with the prefetch (each policy, the shared experts and / or o_proj; the fused
+    path at 1 sequence, the block kernels at 8, CUDA graphs with and without PDL, and eagerly)
+    gives the greedy tokens of the default plan, and did prefetch."""
+    import models.l2_prefetch
     from common.kernel_plan import use_pdl
     from test_gpu_engine import _prompts, _run
+    real, calls = models.l2_prefetch.l2_prefetch, []
+
+    def counted(*args, **kw):
+        calls.append(kw.get("policy"))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(models.l2_prefetch, "l2_prefetch", counted)
     path, _ = gpu_v2
     for prompts in (_prompts()[:1], _prompts()):
         ref = _run(path, prompts, kernels="auto,warmup=0")
+        assert not calls
         try:
-            for extra in (",moe_shared_prefetch_mb=40", ",moe_shared_prefetch_mb=16,moe_shared_prefetch_policy=bulk",
-                          ",moe_shared_prefetch_mb=40,moe_shared_prefetch_policy=evict_normal,pdl=1",
-                          ",prefetch_o_proj=1", ",prefetch_o_proj=1,moe_shared_prefetch_mb=40"):
+            for extra, policy in ((",moe_shared_prefetch_mb=40", "evict_normal"),
+                                  (",moe_shared_prefetch_mb=16,moe_shared_prefetch_policy=bulk", "bulk"),
+                                  (",moe_shared_prefetch_mb=40,moe_shared_prefetch_policy=evict_last,pdl=1", "evict_last"),
+                                  (",prefetch_o_proj=1", "evict_normal"),
+                                  (",prefetch_o_proj=1,moe_shared_prefetch_mb=40", "evict_normal")):
                 assert _run(path, prompts, kernels="auto,warmup=0" + extra) == ref, extra
+                assert calls and set(calls) == {policy}, extra
+                calls.clear()
             assert _run(path, prompts, kernels="auto,warmup=0,moe_shared_prefetch_mb=40", enforce_eager=True) == ref
+            assert calls
+            calls.clear()
         finally:
             use_pdl(False)
 
 
-def test_layers_ask_for_o_proj_kv_b_then_the_shared_experts_on_the_side_stream(monkeypatch):
-    """The model's plumbing on the CPU, with the CUDA stream calls and the kernel replaced by
-    recorders: a MoE layer whose step overlaps asks, on the side stream after it waited for the
-    main one, for o_proj's and kv_b_proj's weights, then the shared experts' bytes under the
-    budget, with the plan's policy; a dense layer and a step that does not overlap ask nothing."""
+def _recording_streams(monkeypatch, events):
+    """torch.cuda's stream calls replaced by recorders: (side, main) stand-ins."""
     import contextlib
-    import json
 
-    import models.l2_prefetch
     import models.moe as moe
-    from common.args import DEFAULT_MODEL
-    from common.kernel_plan import KernelPlan
-    from models.config import ModelConfig
-    from models.deepseek import DeepseekForCausalLM
-
-    cfg = ModelConfig.from_dict(json.load(open(f"{DEFAULT_MODEL}/config.json")))
-    plan = KernelPlan(moe_shared_stream=True, moe_shared_prefetch_mb=1, prefetch_o_proj=True,
-                      moe_shared_prefetch_policy="bulk")
-    model = DeepseekForCausalLM(cfg, torch.float32, plan)
-    events = []
 
     class Stream:
         def __init__(self, name):
@@ -119,6 +154,32 @@ def test_layers_ask_for_o_proj_kv_b_then_the_shared_experts_on_the_side_stream(m
         events.append(("exit", stream.name))
 
     monkeypatch.setattr(torch.cuda, "stream", on)
+
+
+def _bundled_model(plan):
+    import json
+
+    from common.args import DEFAULT_MODEL
+    from models.config import ModelConfig
+    from models.deepseek import DeepseekForCausalLM
+    cfg = ModelConfig.from_dict(json.load(open(f"{DEFAULT_MODEL}/config.json")))
+    return DeepseekForCausalLM(cfg, torch.float32, plan)
+
+
+def test_layers_ask_for_o_proj_then_the_shared_experts_on_the_side_stream(monkeypatch):
+    """The model's plumbing on the CPU, with the CUDA stream calls and the kernel replaced by
+    recorders: a MoE layer whose step overlaps asks, on the side stream after it waited for the
+    main one, for o_proj's weight, then the shared experts' bytes under the budget, with the plan's
+    policy; a dense layer and a step that does not overlap ask nothing; a failing prefetch joins
+    the side stream back and is charged to the key of the launch that failed."""
+    import models.l2_prefetch
+    import models.moe as moe
+    from common.kernel_plan import KernelPlan, charged_key
+
+    model = _bundled_model(KernelPlan(moe_shared_stream=True, moe_shared_prefetch_mb=1, prefetch_o_proj=True,
+                                      moe_shared_prefetch_policy="bulk"))
+    events = []
+    _recording_streams(monkeypatch, events)
     monkeypatch.setattr(models.l2_prefetch, "l2_prefetch",
                         lambda a, b=None, policy=None: events.append(("prefetch", a, b, policy)))
     layers = model.model.layers
@@ -126,23 +187,81 @@ def test_layers_ask_for_o_proj_kv_b_then_the_shared_experts_on_the_side_stream(m
     sparse = [i for i, layer in enumerate(layers) if isinstance(layer.mlp, moe.MoE)]
     assert dense and sparse
     cpu = torch.device("cpu")
-    layers[sparse[0]].prefetch(8, cpu)  # the real overlap test: a CPU step never overlaps
-    layers[dense[0]].prefetch(8, cpu)
+    assert not layers[sparse[0]].prefetch(8, cpu)  # the real overlap test: a CPU step never overlaps
+    assert not layers[dense[0]].prefetch(8, cpu)
     assert events == []
     monkeypatch.setattr(moe.MoE, "overlaps_shared", lambda self, T, device: T == 8)
-    layers[dense[0]].prefetch(8, cpu)
-    layers[sparse[0]].prefetch(9, cpu)
+    assert not layers[dense[0]].prefetch(8, cpu)
+    assert not layers[sparse[0]].prefetch(9, cpu)
     assert events == []
     layer = layers[sparse[0]]
-    layer.prefetch(8, cpu)
-    a = layer.self_attn
+    assert layer.prefetch(8, cpu)
     assert events[:2] == [("wait", "side", "main"), ("enter", "side")] and events[-1] == ("exit", "side")
     calls = events[2:-1]
     assert len(calls) == 2 and all(c[0] == "prefetch" and c[3] == "bulk" for c in calls)
-    assert calls[0][1] is a.o_proj.weight and calls[0][2] is a.kv_b_proj.weight
+    assert calls[0][1] is layer.self_attn.o_proj.weight and calls[0][2] is None
     want = shared_prefetch_ranges(layer.mlp.w13, layer.mlp.w2, layer.mlp.n_shared, 1 << 20)
     assert layer.mlp.n_shared > 0
     for got, ref in zip(calls[1][1:3], want):
         assert (got is None) == (ref is None)
         if ref is not None:
             assert got.data_ptr() == ref.data_ptr() and got.numel() == ref.numel()
+
+    for failing, key in ((1, "prefetch_o_proj"), (2, "moe_shared_prefetch_mb")):
+        events.clear()
+        n = []
+
+        def fails(a, b=None, policy=None):
+            n.append(a)
+            if len(n) == failing:
+                raise RuntimeError("launch failed")
+
+        monkeypatch.setattr(models.l2_prefetch, "l2_prefetch", fails)
+        with pytest.raises(RuntimeError) as info:
+            layer.prefetch(8, cpu)
+        assert charged_key(info.value) == key
+        assert events[-1] == ("wait", "main", "side")  # joined before the error left
+
+
+def test_the_prefetch_and_the_moe_see_the_same_token_count(monkeypatch):
+    """At the real call sites (the engine's steps on the CPU: prefills, decodes, a mixed step),
+    each MoE layer's prefetch is asked with the token count its MoE then runs: the overlap test
+    decides both the fork and the join, so they must agree. A failing attention core after a fork
+    joins the side stream before its error leaves the layer."""
+    from engine import LLM, SamplingParams
+    from common.args import DEFAULT_MODEL
+    import models.moe as moe
+
+    seen = []
+    real_prefetch, real_forward = moe.MoE.prefetch, moe.MoE.forward
+
+    def prefetch(self, T, device, o_proj=None):
+        seen.append(("prefetch", id(self), T))
+        return real_prefetch(self, T, device, o_proj)
+
+    def forward(self, x, defer_sum=False):
+        seen.append(("moe", id(self), x.shape[0]))
+        return real_forward(self, x, defer_sum)
+
+    monkeypatch.setattr(moe.MoE, "prefetch", prefetch)
+    monkeypatch.setattr(moe.MoE, "forward", forward)
+    llm = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
+    llm.generate([[5] * 30, [7] * 3, [9] * 11], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(seen) > 20 and len(seen) % 2 == 0
+    for (k1, m1, t1), (k2, m2, t2) in zip(seen[::2], seen[1::2]):
+        assert (k1, k2) == ("prefetch", "moe") and m1 == m2 and t1 == t2
+    assert len({t for _, _, t in seen}) > 1  # steps of several sizes
+
+    events = []
+    _recording_streams(monkeypatch, events)
+    monkeypatch.setattr(moe.MoE, "prefetch", lambda self, T, device, o_proj=None: True)  # as if it forked
+    layer = next(layer for layer in _bundled_model(moe.TORCH_PLAN).model.layers if isinstance(layer.mlp, moe.MoE))
+
+    def broken(*args, **kw):
+        raise RuntimeError("attention failed")
+
+    monkeypatch.setattr(layer.self_attn, "attend", broken)
+    x = torch.zeros(2, layer.self_attn.o_proj.weight.shape[0])
+    with pytest.raises(RuntimeError, match="attention failed"):
+        layer(x, None, None, None, None)
+    assert events == [("wait", "main", "side")]
