@@ -75,6 +75,22 @@ def use_pdl(on: bool) -> None:
     _pdl = on and not interpreting()
 
 
+_evict_first_max_tokens = 0
+
+
+def moe_evict_first(tokens: int) -> str:
+    """The L2 eviction priority of the Triton MoE kernels' expert-weight loads in a step of
+    `tokens` tokens: "evict_first" up to the plan's moe_evict_first_max_tokens (a process setting,
+    set by `use_moe_evict_first` when a worker builds its model; 0, none, by default and for
+    kernels called directly), else "" (the normal one). Read at each launch."""
+    return "evict_first" if tokens <= _evict_first_max_tokens else ""
+
+
+def use_moe_evict_first(max_tokens: int) -> None:
+    global _evict_first_max_tokens
+    _evict_first_max_tokens = max_tokens
+
+
 @dataclass(frozen=True)
 class Choice:
     key: str
@@ -159,6 +175,10 @@ CHOICES: tuple[Choice, ...] = (
            "prefetch per 128-byte line at L2's normal priority, or at its evict-last priority (which the CUDA "
            "guide ties to a persisting-L2 set-aside this engine does not make), or one bulk prefetch per 4 KB "
            "(sm_90+; normal priority)", ("models.l2_prefetch",), triton="evict_normal", torch="evict_normal"),
+    Choice("moe_evict_first_max_tokens", (int,), "steps of up to this many tokens load the expert weights in the "
+           "Triton MoE kernels (fused and block) with L2's evict-first priority: a decode step reads each touched "
+           "expert once, so its streamed weights need not push out what L2 holds for later (the attention's data, "
+           "what moe_shared_prefetch_mb asked for); 0: never; opt-in, not yet timed on a GPU", triton=0, torch=0),
     Choice("gemm_skinny_max_tokens", (int,), "projections (bf16/fp16/fp32 weights) of steps with up to this "
            "many tokens run on a Triton weight-streaming GEMM (models/skinny_gemm.py) instead of cuBLAS "
            "(0: never)", ("models.skinny_gemm",), triton=0, torch=0),
@@ -247,6 +267,7 @@ class KernelPlan:
     moe_shared_prefetch_mb: int = 0
     prefetch_o_proj: bool = False
     moe_shared_prefetch_policy: str = "evict_normal"
+    moe_evict_first_max_tokens: int = 0
     gemm_skinny_max_tokens: int = 0
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False

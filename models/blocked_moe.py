@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from common.fused import PairRows
-from common.kernel_plan import autotuning, interpreting
+from common.kernel_plan import autotuning, interpreting, moe_evict_first
 from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 from models.fp8 import FP8
@@ -65,7 +65,7 @@ def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr,
                             S_ROWS, S_COLS, SX_M, SX_K, NB, QB: tl.constexpr, SCALED: tl.constexpr,
                             A8: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_B: tl.constexpr,
-                            PDL: tl.constexpr):
+                            PDL: tl.constexpr, EVICT_W: tl.constexpr = ""):
     """h = silu(x W_gate^T) * (x W_up^T) for one block of an expert's pairs and one tile of I.
     SCALED (FP8 weights, QB x QB block scales, BLOCK_K dividing QB): a k tile lies in one scale
     column and each weight row in one scale row, so the tile's product of x with the FP8 tile
@@ -100,8 +100,9 @@ def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr,
             xv = tl.load(x_ptr + tok[:, None].to(tl.int64) * D + offs_k[None, :],
                          mask=valid[:, None] & mask_k[None, :], other=0.0)
             m = mask_n[:, None] & mask_k[None, :]
-            wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0)
-            wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0)
+            wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0, eviction_policy=EVICT_W)
+            wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0,
+                         eviction_policy=EVICT_W)
             if A8:
                 sxv = tl.load(sx_ptr + tok * SX_M + (k0 // QB) * SX_K, mask=valid, other=0.0)[None, :]
                 pg = tl.dot(wg, tl.trans(xv))  # [BLOCK_N, BLOCK_M]
@@ -129,7 +130,7 @@ def _blocked_down_kernel(h_ptr, sh_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_p
                          S_ROWS, S_COLS, SH_M, SH_K, NB, QB: tl.constexpr, SCALED: tl.constexpr,
                          A8: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_B: tl.constexpr,
-                         PDL: tl.constexpr):
+                         PDL: tl.constexpr, EVICT_W: tl.constexpr = ""):
     """part = w * (h W2^T) (fp32) for one block of an expert's pairs and one tile of D; SCALED
     and A8 as in the gate/up kernel (A8: h FP8 per pair row, scales sh[pair, k // QB])."""
     pdl_prologue(PDL)
@@ -150,7 +151,7 @@ def _blocked_down_kernel(h_ptr, sh_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_p
             mask_k = offs_k < I
             hv = tl.load(h_ptr + safe[:, None] * I + offs_k[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :],
-                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy=EVICT_W)
             if A8:
                 shv = tl.load(sh_ptr + safe * SH_M + (k0 // QB) * SH_K, mask=valid, other=0.0)
                 p = tl.dot(w, tl.trans(hv))  # [BLOCK_N, BLOCK_M]
@@ -362,7 +363,8 @@ class _BlockedMoE:
         self.part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
         self.xq, self.sx = act_quant(self.x) if a8 else (self.x, self.x)  # sx [T, D/128], any strides
         self.const = dict(QB=block, SCALED=scaled, A8=a8, IEEE=x.dtype == torch.float32,
-                          GROUP_B=block_group(T) if group_b is None else group_b, **pdl_launch())
+                          GROUP_B=block_group(T) if group_b is None else group_b, EVICT_W=moe_evict_first(T),
+                          **pdl_launch())
 
     def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int, block_m: int) -> None:
         """The product kernels over the blocks of block_m rows `rows` / `bexp` (`align_pairs`'

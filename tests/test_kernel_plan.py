@@ -171,11 +171,14 @@ def test_moe_shared_prefetch_needs_the_shared_stream():
         return resolve_plan(spec, "auto", "cuda", "bfloat16", True, True, False, True)[0]
 
     plan = _resolve("auto")
-    assert (plan.moe_shared_prefetch_mb, plan.prefetch_o_proj, plan.moe_shared_prefetch_policy) == (0, False, "evict_normal")
+    assert (plan.moe_shared_prefetch_mb, plan.prefetch_o_proj, plan.moe_shared_prefetch_policy,
+            plan.moe_evict_first_max_tokens) == (0, False, "evict_normal", 0)
+    assert _resolve("auto,moe_evict_first_max_tokens=128").moe_evict_first_max_tokens == 128
     plan = hopper("auto,moe_shared_prefetch_mb=24,moe_shared_prefetch_policy=bulk")
     assert (plan.moe_shared_prefetch_mb, plan.moe_shared_prefetch_policy) == (24, "bulk")
     assert _resolve("auto,prefetch_o_proj=1,moe_shared_prefetch_policy=evict_last").prefetch_o_proj
-    with pytest.raises(ValueError, match=r"policy=bulk issues sm_90 bulk prefetches; .* \(set moe_shared_prefetch_policy=evict_normal"):
+    with pytest.raises(ValueError, match=r"policy=bulk issues sm_90 bulk prefetches; .* "
+                                         r"\(set moe_shared_prefetch_policy=evict_normal"):
         _resolve("auto,moe_shared_prefetch_mb=24,moe_shared_prefetch_policy=bulk")
     assert _resolve("auto,moe_shared_prefetch_policy=bulk").moe_shared_prefetch_policy == "bulk"  # nothing prefetched
     with pytest.raises(ValueError, match=r"moe_shared_prefetch_mb=24 prefetches .* moe_shared_stream=0 "

@@ -1,5 +1,6 @@
 """moe_shared_prefetch_mb and prefetch_o_proj: the byte ranges they ask L2 for, the kernel's
-machine code for sm_90 (compiled on the CPU), the model's prefetch plumbing on the CPU (the CUDA
+machine code for sm_90 (compiled on the CPU; and moe_evict_first_max_tokens' hints in the MoE
+kernels' PTX), the model's prefetch plumbing on the CPU (the CUDA
 stream calls recorded), and on the GPU the prefetches over real sizes (every policy, addresses and
 byte counts checked by the probe mode) and the engine's greedy tokens with them equal to those
 without (the prefetch writes nothing; what that test guards is the side stream's fork and join
@@ -15,8 +16,9 @@ from models.moe import shared_prefetch_ranges
 
 def test_shared_prefetch_ranges_take_the_shared_experts_gate_up_then_down_within_the_budget():
     E, S, I, D = 6, 2, 48, 32
-    w13 = torch.arange(E + S, dtype=torch.float32)[:, None, None].expand(E + S, 2 * I, D).to(torch.bfloat16).contiguous()
-    w2 = (100 + torch.arange(E + S, dtype=torch.float32))[:, None, None].expand(E + S, D, I).to(torch.bfloat16).contiguous()
+    ids = torch.arange(E + S, dtype=torch.float32)[:, None, None]
+    w13 = ids.expand(E + S, 2 * I, D).to(torch.bfloat16).contiguous()
+    w2 = (100 + ids).expand(E + S, D, I).to(torch.bfloat16).contiguous()
     shared13, shared2 = S * 2 * I * D * 2, S * D * I * 2  # bytes
     a, b = shared_prefetch_ranges(w13, w2, S, 1 << 30)  # all of both
     assert a.numel() == shared13 and b.numel() == shared2
@@ -60,6 +62,46 @@ def test_the_kernel_issues_its_prefetch_instructions_on_sm90(policy, opcode, tmp
     assert ops == {opcode}, ops
 
 
+@pytest.mark.parametrize("kernel", ["blocked_gate_up", "blocked_down", "gate_up_dot", "down_dot"])
+def test_moe_weight_loads_take_the_evict_first_hint_on_sm90(kernel):
+    """moe_evict_first_max_tokens: compiled for sm_90 on the CPU, the MoE kernels' expert-weight
+    loads carry an L2 evict-first cache policy when asked (EVICT_W), their other loads (the
+    activations, the pair ids) none, and without it no load carries one."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from models import blocked_moe as bm
+    from models import fused_moe as fm
+    common = dict(QB=128, SCALED=False, IEEE=False, BLOCK_N=64, BLOCK_K=64, PDL=False)
+    fn, const, ptrs = {
+        "blocked_gate_up": (bm._blocked_gate_up_kernel, dict(common, A8=False, BLOCK_M=16, GROUP_B=1),
+                            {"rows_ptr": "*i32", "bexp_ptr": "*i32", "s13_ptr": "*fp32"}),
+        "blocked_down": (bm._blocked_down_kernel, dict(common, A8=False, BLOCK_M=16, GROUP_B=1),
+                         {"rows_ptr": "*i32", "bexp_ptr": "*i32", "s2_ptr": "*fp32", "pw_ptr": "*fp32",
+                          "part_ptr": "*fp32"}),
+        "gate_up_dot": (fm._gate_up_dot_kernel, dict(common, K_TOP=6, NS=2, J0=0, JN=8),
+                        {"ids_ptr": "*i32", "s13_ptr": "*fp32"}),
+        "down_dot": (fm._down_dot_kernel, dict(common, K_TOP=6, NS=2, J0=0, JN=8),
+                     {"ids_ptr": "*i32", "s2_ptr": "*fp32", "wts_ptr": "*fp32", "part_ptr": "*fp32"}),
+    }[kernel]
+    for evict in ("evict_first", ""):
+        c = dict(const, EVICT_W=evict)
+        sig = {n: "constexpr" if n in c else ptrs.get(n, "*bf16") if n.endswith("_ptr") else "i32"
+               for n in fn.arg_names}
+        ptx = triton.compile(ASTSource(fn, sig, c), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": 4}).asm["ptx"]
+        loads = re.findall(r"ld\.global[\w.:]*", ptx)
+        hinted = [ld for ld in loads if "L2::cache_hint" in ld]
+        if evict:
+            assert hinted and len(hinted) < len(loads)
+            assert "createpolicy.fractional.L2::evict_first" in ptx
+        else:
+            assert loads and not hinted
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("policy", ["evict_normal", "evict_last", "bulk"])
 def test_l2_prefetch_on_the_gpu(policy):
@@ -97,11 +139,12 @@ def gpu_v2(tmp_path_factory):
 
 @pytest.mark.gpu
 def test_moe_shared_prefetch_equals_no_prefetch(gpu_v2, monkeypatch):
-    """The engine with the prefetch (each policy, the shared experts and / or o_proj; the fused
-    path at 1 sequence, the block kernels at 8, CUDA graphs with and without PDL, and eagerly)
-    gives the greedy tokens of the default plan, and did prefetch."""
+    """The engine with the prefetch (each policy, the shared experts and / or o_proj, with the
+    MoE's weight loads evict-first; the fused path at 1 sequence, the block kernels at 8, CUDA
+    graphs with and without PDL, and eagerly) gives the greedy tokens of the default plan, and did
+    prefetch."""
     import models.l2_prefetch
-    from common.kernel_plan import use_pdl
+    from common.kernel_plan import use_moe_evict_first, use_pdl
     from test_gpu_engine import _prompts, _run
     real, calls = models.l2_prefetch.l2_prefetch, []
 
@@ -117,7 +160,9 @@ def test_moe_shared_prefetch_equals_no_prefetch(gpu_v2, monkeypatch):
         try:
             for extra, policy in ((",moe_shared_prefetch_mb=40", "evict_normal"),
                                   (",moe_shared_prefetch_mb=16,moe_shared_prefetch_policy=bulk", "bulk"),
-                                  (",moe_shared_prefetch_mb=40,moe_shared_prefetch_policy=evict_last,pdl=1", "evict_last"),
+                                  (",moe_shared_prefetch_mb=40,moe_shared_prefetch_policy=evict_last,pdl=1",
+                                   "evict_last"),
+                                  (",moe_shared_prefetch_mb=40,moe_evict_first_max_tokens=128", "evict_normal"),
                                   (",prefetch_o_proj=1", "evict_normal"),
                                   (",prefetch_o_proj=1,moe_shared_prefetch_mb=40", "evict_normal")):
                 assert _run(path, prompts, kernels="auto,warmup=0" + extra) == ref, extra
@@ -127,7 +172,8 @@ def test_moe_shared_prefetch_equals_no_prefetch(gpu_v2, monkeypatch):
             assert calls
             calls.clear()
         finally:
-            use_pdl(False)
+            use_pdl(False)  # process settings: kernels called directly by later tests launch without them
+            use_moe_evict_first(0)
 
 
 def _recording_streams(monkeypatch, events):
