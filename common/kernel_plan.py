@@ -171,6 +171,12 @@ CHOICES: tuple[Choice, ...] = (
            "not), first ask L2 on the side stream for the layer's o_proj weight, the attention core's last read: "
            "o_proj then reads it from L2 (models/l2_prefetch.py); opt-in, not yet timed on a GPU",
            ("models.l2_prefetch",), triton=False, torch=False),
+    Choice("moe_shared_prefetch_at", ("attention", "o_proj"), "where the prefetches of moe_shared_prefetch_mb fork "
+           "the side stream: before the layer's attention core (the longest window), or after it, before o_proj: "
+           "the MLA decode's cache reads, which Triton's pipeliner issues without a cache hint, stream the "
+           "sequences' whole context through L2 (~155 MB a layer at 128 x 1k tokens) and would push out lines "
+           "prefetched before them; with o_proj, prefetch_o_proj has nothing to gain and is refused",
+           triton="attention", torch="attention"),
     Choice("moe_shared_prefetch_policy", ("evict_normal", "evict_last", "bulk"), "how the prefetches ask: one "
            "prefetch per 128-byte line at L2's normal priority, or at its evict-last priority (which the CUDA "
            "guide ties to a persisting-L2 set-aside this engine does not make), or one bulk prefetch per 4 KB "
@@ -266,6 +272,7 @@ class KernelPlan:
     moe_shared_stream: bool = False
     moe_shared_prefetch_mb: int = 0
     prefetch_o_proj: bool = False
+    moe_shared_prefetch_at: str = "attention"
     moe_shared_prefetch_policy: str = "evict_normal"
     moe_evict_first_max_tokens: int = 0
     gemm_skinny_max_tokens: int = 0
@@ -418,6 +425,9 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
             and (values["moe_shared_prefetch_mb"] or values["prefetch_o_proj"])):
         raise ValueError("--kernels ...,moe_shared_prefetch_policy=bulk issues sm_90 bulk prefetches; this GPU is "
                          "older (set moe_shared_prefetch_policy=evict_normal)")
+    if values["prefetch_o_proj"] and values["moe_shared_prefetch_at"] == "o_proj":
+        raise ValueError("--kernels ...,prefetch_o_proj=1 with moe_shared_prefetch_at=o_proj would ask for o_proj's "
+                         "weight as o_proj reads it (set prefetch_o_proj=0, or moe_shared_prefetch_at=attention)")
     for key in ("moe_shared_prefetch_mb", "prefetch_o_proj"):
         if values[key] and not (values["moe"] == TRITON and values["moe_shared_stream"]):
             raise ValueError(f"--kernels ...,{key}={int(values[key])} prefetches on the shared experts' side "

@@ -89,7 +89,7 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # the MoE's pair rows summed by the next layer's add + RMSNorm (or the final norm)
         self.defer_sum = plan.moe_sum_in_norm and isinstance(self.mlp, MoE)
-        self.prefetch_o = plan.prefetch_o_proj
+        self.prefetch_o, self.prefetch_at = plan.prefetch_o_proj, plan.moe_shared_prefetch_at
 
     def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None):
         """(residual, q, kv): the residual stream's add and the input norm (x alone, the embedding,
@@ -109,19 +109,26 @@ class DeepseekDecoderLayer(nn.Module):
         `defer_sum` (a caller whose next op is the glue's add + RMSNorm) and the plan's
         moe_sum_in_norm, an MoE's output may come as its unsummed pair rows (`PairRows`),
         which that Triton kernel sums."""
-        h = self.self_attn.o_proj(o.flatten(1))
-        n = self.post_attention_layernorm
-        residual, h = self.glue.add_rms_norm(residual, h, n.weight, n.eps)
-        if defer_sum and self.defer_sum:
-            return self.mlp(h, defer_sum=True), residual
-        return self.mlp(h), residual
+        forked = self.prefetch(o.shape[0], o.device, at="o_proj")
+        try:
+            h = self.self_attn.o_proj(o.flatten(1))
+            n = self.post_attention_layernorm
+            residual, h = self.glue.add_rms_norm(residual, h, n.weight, n.eps)
+            if defer_sum and self.defer_sum:
+                return self.mlp(h, defer_sum=True), residual
+            return self.mlp(h), residual
+        except Exception:
+            if forked:
+                MoE.join_prefetch(o.device)
+            raise
 
-    def prefetch(self, T: int, device: torch.device) -> bool:
-        """Before the attention core of a step whose MLP runs T tokens: the L2 prefetch, on the
-        MoE's side stream, of o_proj's weight (prefetch_o_proj) and of the shared experts
-        (moe_shared_prefetch_mb). Returns whether it forked the side stream (then the MoE joins
-        it, or `MoE.join_prefetch` when the layer fails first)."""
-        if not isinstance(self.mlp, MoE):
+    def prefetch(self, T: int, device: torch.device, at: str = "attention") -> bool:
+        """At `at` of a step whose MLP runs T tokens ("attention": before the attention core;
+        "o_proj": after it), where the plan's moe_shared_prefetch_at names that point: the L2
+        prefetch, on the MoE's side stream, of o_proj's weight (prefetch_o_proj) and of the shared
+        experts (moe_shared_prefetch_mb). Returns whether it forked the side stream (then the MoE
+        joins it, or `MoE.join_prefetch` when the layer fails first)."""
+        if not isinstance(self.mlp, MoE) or at != self.prefetch_at:
             return False
         return self.mlp.prefetch(T, device, self.self_attn.o_proj.weight if self.prefetch_o else None)
 

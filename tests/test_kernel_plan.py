@@ -188,6 +188,11 @@ def test_moe_shared_prefetch_needs_the_shared_stream():
         _resolve("auto,moe=torch,moe_shared_prefetch_mb=24")
     with pytest.raises(ValueError, match=r"prefetch_o_proj=1 prefetches .* \(set prefetch_o_proj=0"):
         _resolve("auto,moe_shared_stream=0,prefetch_o_proj=1")
+    assert plan.moe_shared_prefetch_at == "attention"
+    assert _resolve("auto,moe_shared_prefetch_mb=40,moe_shared_prefetch_at=o_proj").moe_shared_prefetch_at == "o_proj"
+    with pytest.raises(ValueError, match=r"prefetch_o_proj=1 with moe_shared_prefetch_at=o_proj .* "
+                                         r"\(set prefetch_o_proj=0, or moe_shared_prefetch_at=attention\)"):
+        _resolve("auto,prefetch_o_proj=1,moe_shared_prefetch_at=o_proj")
     with pytest.raises(ValueError, match="expected one of evict_normal, evict_last, bulk"):
         parse_kernels("auto,moe_shared_prefetch_policy=lru")
     with pytest.raises(ValueError) as info:

@@ -139,10 +139,10 @@ def gpu_v2(tmp_path_factory):
 
 @pytest.mark.gpu
 def test_moe_shared_prefetch_equals_no_prefetch(gpu_v2, monkeypatch):
-    """The engine with the prefetch (each policy, the shared experts and / or o_proj, with the
-    MoE's weight loads evict-first; the fused path at 1 sequence, the block kernels at 8, CUDA
-    graphs with and without PDL, and eagerly) gives the greedy tokens of the default plan, and did
-    prefetch."""
+    """The engine with the prefetch (each policy, the shared experts and / or o_proj, forked
+    before the attention core or before o_proj, with the MoE's weight loads evict-first; the fused
+    path at 1 sequence, the block kernels at 8, CUDA graphs with and without PDL, and eagerly)
+    gives the greedy tokens of the default plan, and did prefetch."""
     import models.l2_prefetch
     from common.kernel_plan import use_moe_evict_first, use_pdl
     from test_gpu_engine import _prompts, _run
@@ -163,6 +163,7 @@ def test_moe_shared_prefetch_equals_no_prefetch(gpu_v2, monkeypatch):
                                   (",moe_shared_prefetch_mb=40,moe_shared_prefetch_policy=evict_last,pdl=1",
                                    "evict_last"),
                                   (",moe_shared_prefetch_mb=40,moe_evict_first_max_tokens=128", "evict_normal"),
+                                  (",moe_shared_prefetch_mb=40,moe_shared_prefetch_at=o_proj", "evict_normal"),
                                   (",prefetch_o_proj=1", "evict_normal"),
                                   (",prefetch_o_proj=1,moe_shared_prefetch_mb=40", "evict_normal")):
                 assert _run(path, prompts, kernels="auto,warmup=0" + extra) == ref, extra
@@ -269,11 +270,13 @@ def test_layers_ask_for_o_proj_then_the_shared_experts_on_the_side_stream(monkey
         assert events[-1] == ("wait", "main", "side")  # joined before the error left
 
 
-def test_the_prefetch_and_the_moe_see_the_same_token_count(monkeypatch):
-    """At the real call sites (the engine's steps on the CPU: prefills, decodes, a mixed step),
-    each MoE layer's prefetch is asked with the token count its MoE then runs: the overlap test
-    decides both the fork and the join, so they must agree. A failing attention core after a fork
-    joins the side stream before its error leaves the layer."""
+@pytest.mark.parametrize("at", ["attention", "o_proj"])
+def test_the_prefetch_and_the_moe_see_the_same_token_count(monkeypatch, at):
+    """At the real call sites (the engine's steps on the CPU: prefills, decodes, a mixed step; the
+    fork before the attention core or before o_proj), each MoE layer's prefetch is asked with the
+    token count its MoE then runs: the overlap test decides both the fork and the join, so they
+    must agree. A layer failing after a fork (in the attention core, or in o_proj) joins the side
+    stream before its error leaves the layer."""
     from engine import LLM, SamplingParams
     from common.args import DEFAULT_MODEL
     import models.moe as moe
@@ -292,6 +295,8 @@ def test_the_prefetch_and_the_moe_see_the_same_token_count(monkeypatch):
     monkeypatch.setattr(moe.MoE, "prefetch", prefetch)
     monkeypatch.setattr(moe.MoE, "forward", forward)
     llm = LLM(DEFAULT_MODEL, device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=24)
+    for layer in llm.engine.executor.worker.model.model.layers:
+        layer.prefetch_at = at
     llm.generate([[5] * 30, [7] * 3, [9] * 11], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(seen) > 20 and len(seen) % 2 == 0
     for (k1, m1, t1), (k2, m2, t2) in zip(seen[::2], seen[1::2]):
@@ -302,12 +307,17 @@ def test_the_prefetch_and_the_moe_see_the_same_token_count(monkeypatch):
     _recording_streams(monkeypatch, events)
     monkeypatch.setattr(moe.MoE, "prefetch", lambda self, T, device, o_proj=None: True)  # as if it forked
     layer = next(layer for layer in _bundled_model(moe.TORCH_PLAN).model.layers if isinstance(layer.mlp, moe.MoE))
+    layer.prefetch_at = at
 
     def broken(*args, **kw):
-        raise RuntimeError("attention failed")
+        raise RuntimeError("layer failed")
 
     monkeypatch.setattr(layer.self_attn, "attend", broken)
-    x = torch.zeros(2, layer.self_attn.o_proj.weight.shape[0])
-    with pytest.raises(RuntimeError, match="attention failed"):
-        layer(x, None, None, None, None)
+    monkeypatch.setattr(layer.self_attn.o_proj, "forward", broken)
+    x = torch.zeros(2, layer.input_layernorm.weight.shape[0])
+    with pytest.raises(RuntimeError, match="layer failed"):
+        if at == "attention":
+            layer(x, None, None, None, None)  # fails in the attention core
+        else:
+            layer.post_attention(torch.zeros(2, 1, 1), x)  # fails in o_proj
     assert events == [("wait", "main", "side")]
