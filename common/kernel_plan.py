@@ -171,6 +171,11 @@ CHOICES: tuple[Choice, ...] = (
            "not), first ask L2 on the side stream for the layer's o_proj weight, the attention core's last read: "
            "o_proj then reads it from L2 (models/l2_prefetch.py); opt-in, not yet timed on a GPU",
            ("models.l2_prefetch",), triton=False, torch=False),
+    Choice("prefetch_next_qkv", (bool,), "with moe_shared_stream, where moe_shared_prefetch_mb would prefetch (set "
+           "or not), last ask L2 on the side stream for the next layer's first projection (q / q_a and kv_a as one "
+           "weight, read right after this layer's MoE; pair it with moe_evict_first_max_tokens, or the MoE's "
+           "stream pushes it out); opt-in, not yet timed on a GPU", ("models.l2_prefetch",), triton=False,
+           torch=False),
     Choice("moe_shared_prefetch_at", ("attention", "o_proj"), "where the prefetches of moe_shared_prefetch_mb fork "
            "the side stream: before the layer's attention core (the longest window), or after it, before o_proj: "
            "the MLA decode's cache reads, which Triton's pipeliner issues without a cache hint, stream the "
@@ -272,6 +277,7 @@ class KernelPlan:
     moe_shared_stream: bool = False
     moe_shared_prefetch_mb: int = 0
     prefetch_o_proj: bool = False
+    prefetch_next_qkv: bool = False
     moe_shared_prefetch_at: str = "attention"
     moe_shared_prefetch_policy: str = "evict_normal"
     moe_evict_first_max_tokens: int = 0
@@ -428,7 +434,7 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
     if values["prefetch_o_proj"] and values["moe_shared_prefetch_at"] == "o_proj":
         raise ValueError("--kernels ...,prefetch_o_proj=1 with moe_shared_prefetch_at=o_proj would ask for o_proj's "
                          "weight as o_proj reads it (set prefetch_o_proj=0, or moe_shared_prefetch_at=attention)")
-    for key in ("moe_shared_prefetch_mb", "prefetch_o_proj"):
+    for key in ("moe_shared_prefetch_mb", "prefetch_o_proj", "prefetch_next_qkv"):
         if values[key] and not (values["moe"] == TRITON and values["moe_shared_stream"]):
             raise ValueError(f"--kernels ...,{key}={int(values[key])} prefetches on the shared experts' side "
                              f"stream; this plan has moe={values['moe']} moe_shared_stream="

@@ -90,6 +90,7 @@ class DeepseekDecoderLayer(nn.Module):
         # the MoE's pair rows summed by the next layer's add + RMSNorm (or the final norm)
         self.defer_sum = plan.moe_sum_in_norm and isinstance(self.mlp, MoE)
         self.prefetch_o, self.prefetch_at = plan.prefetch_o_proj, plan.moe_shared_prefetch_at
+        self.next_qkv: torch.Tensor | None = None  # prefetch_next_qkv: the next layer's qkv_a weight, set at load
 
     def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None):
         """(residual, q, kv): the residual stream's add and the input norm (x alone, the embedding,
@@ -126,11 +127,13 @@ class DeepseekDecoderLayer(nn.Module):
         """At `at` of a step whose MLP runs T tokens ("attention": before the attention core;
         "o_proj": after it), where the plan's moe_shared_prefetch_at names that point: the L2
         prefetch, on the MoE's side stream, of o_proj's weight (prefetch_o_proj) and of the shared
-        experts (moe_shared_prefetch_mb). Returns whether it forked the side stream (then the MoE
-        joins it, or `MoE.join_prefetch` when the layer fails first)."""
+        experts (moe_shared_prefetch_mb), and of the next layer's qkv_a weight (prefetch_next_qkv).
+        Returns whether it forked the side stream (then the MoE joins it, or `MoE.join_prefetch`
+        when the layer fails first)."""
         if not isinstance(self.mlp, MoE) or at != self.prefetch_at:
             return False
-        return self.mlp.prefetch(T, device, self.self_attn.o_proj.weight if self.prefetch_o else None)
+        return self.mlp.prefetch(T, device, self.self_attn.o_proj.weight if self.prefetch_o else None,
+                                 self.next_qkv)
 
     def forward(self, x, residual, cos_sin, kv_cache, meta):
         """(x, residual) -> (mlp output, residual); residual None on the first layer, where x is the
@@ -242,3 +245,7 @@ class DeepseekForCausalLM(nn.Module):
             if isinstance(layer.mlp, MoE):
                 layer.mlp.gate.keep_bf16_weight()
                 layer.mlp.process_weights_after_loading()
+        if self.plan.prefetch_next_qkv:  # the weights as they stay (dequantized above where they are)
+            layers = self.model.layers
+            for layer, nxt in zip(layers, layers[1:]):
+                layer.next_qkv = nxt.self_attn.qkv_a_proj.weight

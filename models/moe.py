@@ -314,17 +314,19 @@ class MoE(nn.Module):
         small, dense, blocked = self._paths(T)
         return small or (blocked and not dense)
 
-    def prefetch(self, T: int, device: torch.device, o_proj: torch.Tensor | None = None) -> bool:
+    def prefetch(self, T: int, device: torch.device, o_proj: torch.Tensor | None = None,
+                 next_qkv: torch.Tensor | None = None) -> bool:
         """Where this step's MoE will run the shared experts on the side stream, ask L2 on that
-        stream now, before the layer's attention core (models/l2_prefetch.py), for `o_proj` (the
-        attention's o_proj weight, read last by the core: prefetch_o_proj), then for (up to
-        moe_shared_prefetch_mb MB of) the shared experts' weights. The stream's order puts the
-        shared experts' kernels after it, and the MoE's join brings it back into the main stream
-        (a CUDA-graph capture needs that; `join_prefetch` does it when something fails before);
-        the prefetch writes nothing, so nothing else waits for it. Returns whether it forked:
-        not when there is nothing to ask for or the step's MoE does not overlap."""
+        stream now (models/l2_prefetch.py), in the order of their reads' distance, for `o_proj`
+        (the attention's o_proj weight, read last by the core: prefetch_o_proj), (up to
+        moe_shared_prefetch_mb MB of) the shared experts' weights, and `next_qkv` (the next
+        layer's first projection, read after this MoE: prefetch_next_qkv). The stream's order
+        puts the shared experts' kernels after it, and the MoE's join brings it back into the
+        main stream (a CUDA-graph capture needs that; `join_prefetch` does it when something
+        fails before); the prefetch writes nothing, so nothing else waits for it. Returns whether
+        it forked: not when there is nothing to ask for or the step's MoE does not overlap."""
         mb = self.plan.moe_shared_prefetch_mb
-        if not (mb or o_proj is not None) or not self.overlaps_shared(T, device):
+        if not (mb or o_proj is not None or next_qkv is not None) or not self.overlaps_shared(T, device):
             return False
         if mb and self._prefetch_ranges is None:
             self._prefetch_ranges = shared_prefetch_ranges(self.w13, self.w2, self.n_shared, mb << 20)
@@ -339,6 +341,9 @@ class MoE(nn.Module):
                 key = "moe_shared_prefetch_mb"
                 if mb:
                     l2_prefetch(*self._prefetch_ranges, policy=policy)
+                key = "prefetch_next_qkv"
+                if next_qkv is not None:
+                    l2_prefetch(next_qkv, policy=policy)
         except Exception as e:
             self.join_prefetch(device)
             e.plan_key = key

@@ -188,6 +188,9 @@ def test_moe_shared_prefetch_needs_the_shared_stream():
         _resolve("auto,moe=torch,moe_shared_prefetch_mb=24")
     with pytest.raises(ValueError, match=r"prefetch_o_proj=1 prefetches .* \(set prefetch_o_proj=0"):
         _resolve("auto,moe_shared_stream=0,prefetch_o_proj=1")
+    with pytest.raises(ValueError, match=r"prefetch_next_qkv=1 prefetches .* \(set prefetch_next_qkv=0"):
+        _resolve("auto,moe_shared_stream=0,prefetch_next_qkv=1")
+    assert not plan.prefetch_next_qkv and _resolve("auto,prefetch_next_qkv=1").prefetch_next_qkv
     assert plan.moe_shared_prefetch_at == "attention"
     assert _resolve("auto,moe_shared_prefetch_mb=40,moe_shared_prefetch_at=o_proj").moe_shared_prefetch_at == "o_proj"
     with pytest.raises(ValueError, match=r"prefetch_o_proj=1 with moe_shared_prefetch_at=o_proj .* "

@@ -165,7 +165,8 @@ def test_moe_shared_prefetch_equals_no_prefetch(gpu_v2, monkeypatch):
                                   (",moe_shared_prefetch_mb=40,moe_evict_first_max_tokens=128", "evict_normal"),
                                   (",moe_shared_prefetch_mb=40,moe_shared_prefetch_at=o_proj", "evict_normal"),
                                   (",prefetch_o_proj=1", "evict_normal"),
-                                  (",prefetch_o_proj=1,moe_shared_prefetch_mb=40", "evict_normal")):
+                                  (",prefetch_o_proj=1,moe_shared_prefetch_mb=40", "evict_normal"),
+                                  (",prefetch_next_qkv=1,moe_evict_first_max_tokens=128", "evict_normal")):
                 assert _run(path, prompts, kernels="auto,warmup=0" + extra) == ref, extra
                 assert calls and set(calls) == {policy}, extra
                 calls.clear()
@@ -213,18 +214,20 @@ def _bundled_model(plan):
     return DeepseekForCausalLM(cfg, torch.float32, plan)
 
 
-def test_layers_ask_for_o_proj_then_the_shared_experts_on_the_side_stream(monkeypatch):
+def test_layers_ask_for_o_proj_the_shared_experts_then_the_next_qkv_on_the_side_stream(monkeypatch):
     """The model's plumbing on the CPU, with the CUDA stream calls and the kernel replaced by
     recorders: a MoE layer whose step overlaps asks, on the side stream after it waited for the
-    main one, for o_proj's weight, then the shared experts' bytes under the budget, with the plan's
-    policy; a dense layer and a step that does not overlap ask nothing; a failing prefetch joins
-    the side stream back and is charged to the key of the launch that failed."""
+    main one, for o_proj's weight, the shared experts' bytes under the budget, then the next
+    layer's qkv_a weight (the last layer has none), with the plan's policy; a dense layer and a
+    step that does not overlap ask nothing; a failing prefetch joins the side stream back and is
+    charged to the key of the launch that failed."""
     import models.l2_prefetch
     import models.moe as moe
     from common.kernel_plan import KernelPlan, charged_key
 
     model = _bundled_model(KernelPlan(moe_shared_stream=True, moe_shared_prefetch_mb=1, prefetch_o_proj=True,
-                                      moe_shared_prefetch_policy="bulk"))
+                                      prefetch_next_qkv=True, moe_shared_prefetch_policy="bulk"))
+    model.process_weights_after_loading()
     events = []
     _recording_streams(monkeypatch, events)
     monkeypatch.setattr(models.l2_prefetch, "l2_prefetch",
@@ -245,8 +248,10 @@ def test_layers_ask_for_o_proj_then_the_shared_experts_on_the_side_stream(monkey
     assert layer.prefetch(8, cpu)
     assert events[:2] == [("wait", "side", "main"), ("enter", "side")] and events[-1] == ("exit", "side")
     calls = events[2:-1]
-    assert len(calls) == 2 and all(c[0] == "prefetch" and c[3] == "bulk" for c in calls)
+    assert len(calls) == 3 and all(c[0] == "prefetch" and c[3] == "bulk" for c in calls)
     assert calls[0][1] is layer.self_attn.o_proj.weight and calls[0][2] is None
+    assert calls[2][1] is layers[sparse[0] + 1].self_attn.qkv_a_proj.weight and calls[2][2] is None
+    assert layers[-1].next_qkv is None
     want = shared_prefetch_ranges(layer.mlp.w13, layer.mlp.w2, layer.mlp.n_shared, 1 << 20)
     assert layer.mlp.n_shared > 0
     for got, ref in zip(calls[1][1:3], want):
@@ -254,7 +259,7 @@ def test_layers_ask_for_o_proj_then_the_shared_experts_on_the_side_stream(monkey
         if ref is not None:
             assert got.data_ptr() == ref.data_ptr() and got.numel() == ref.numel()
 
-    for failing, key in ((1, "prefetch_o_proj"), (2, "moe_shared_prefetch_mb")):
+    for failing, key in ((1, "prefetch_o_proj"), (2, "moe_shared_prefetch_mb"), (3, "prefetch_next_qkv")):
         events.clear()
         n = []
 
@@ -284,9 +289,9 @@ def test_the_prefetch_and_the_moe_see_the_same_token_count(monkeypatch, at):
     seen = []
     real_prefetch, real_forward = moe.MoE.prefetch, moe.MoE.forward
 
-    def prefetch(self, T, device, o_proj=None):
+    def prefetch(self, T, device, o_proj=None, next_qkv=None):
         seen.append(("prefetch", id(self), T))
-        return real_prefetch(self, T, device, o_proj)
+        return real_prefetch(self, T, device, o_proj, next_qkv)
 
     def forward(self, x, defer_sum=False):
         seen.append(("moe", id(self), x.shape[0]))
@@ -305,7 +310,7 @@ def test_the_prefetch_and_the_moe_see_the_same_token_count(monkeypatch, at):
 
     events = []
     _recording_streams(monkeypatch, events)
-    monkeypatch.setattr(moe.MoE, "prefetch", lambda self, T, device, o_proj=None: True)  # as if it forked
+    monkeypatch.setattr(moe.MoE, "prefetch", lambda self, T, device, o_proj=None, next_qkv=None: True)  # forked
     layer = next(layer for layer in _bundled_model(moe.TORCH_PLAN).model.layers if isinstance(layer.mlp, moe.MoE))
     layer.prefetch_at = at
 
