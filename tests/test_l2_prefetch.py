@@ -154,19 +154,20 @@ def test_moe_shared_prefetch_equals_no_prefetch(gpu_v2, monkeypatch):
 
     monkeypatch.setattr(models.l2_prefetch, "l2_prefetch", counted)
     path, _ = gpu_v2
-    for prompts in (_prompts()[:1], _prompts()):
+    every = ((",moe_shared_prefetch_mb=40", "evict_normal"),
+             (",moe_shared_prefetch_mb=16,moe_shared_prefetch_policy=bulk", "bulk"),
+             (",moe_shared_prefetch_mb=40,moe_shared_prefetch_policy=evict_last,pdl=1", "evict_last"),
+             (",moe_shared_prefetch_mb=40,moe_evict_first_max_tokens=128", "evict_normal"),
+             (",moe_shared_prefetch_mb=40,moe_shared_prefetch_at=o_proj", "evict_normal"),
+             (",prefetch_o_proj=1", "evict_normal"),
+             (",prefetch_o_proj=1,moe_shared_prefetch_mb=40", "evict_normal"),
+             (",prefetch_next_qkv=1,moe_evict_first_max_tokens=128", "evict_normal"))
+    # the fused path (1 sequence) with two of them, the block kernels (8) with every one
+    for prompts, extras in ((_prompts()[:1], every[3:5]), (_prompts(), every)):
         ref = _run(path, prompts, kernels="auto,warmup=0")
         assert not calls
         try:
-            for extra, policy in ((",moe_shared_prefetch_mb=40", "evict_normal"),
-                                  (",moe_shared_prefetch_mb=16,moe_shared_prefetch_policy=bulk", "bulk"),
-                                  (",moe_shared_prefetch_mb=40,moe_shared_prefetch_policy=evict_last,pdl=1",
-                                   "evict_last"),
-                                  (",moe_shared_prefetch_mb=40,moe_evict_first_max_tokens=128", "evict_normal"),
-                                  (",moe_shared_prefetch_mb=40,moe_shared_prefetch_at=o_proj", "evict_normal"),
-                                  (",prefetch_o_proj=1", "evict_normal"),
-                                  (",prefetch_o_proj=1,moe_shared_prefetch_mb=40", "evict_normal"),
-                                  (",prefetch_next_qkv=1,moe_evict_first_max_tokens=128", "evict_normal")):
+            for extra, policy in extras:
                 assert _run(path, prompts, kernels="auto,warmup=0" + extra) == ref, extra
                 assert calls and set(calls) == {policy}, extra
                 calls.clear()
