@@ -1,4 +1,4 @@
-"""Dense MLP, routers (V2 softmax, V3 sigmoid + bias + group top-k) and the MoE block."""
+"""Dense MLP and the MoE block (its router: models/router.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from common.fused import EAGER, Glue, PairRows, glue_for
 from common.kernel_plan import TRITON, KernelPlan, charged_key
 from models.config import ModelConfig
 from models.fp8 import FP8, dequantize
-from models.layers import Linear, PackedLinear, Shard, packed_param, shard_param
+from models.layers import Linear, PackedLinear, Shard, packed_param
+from models.router import Router
 
 TORCH_PLAN = KernelPlan()
 
@@ -85,84 +86,6 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.glue.silu_mul(self.gate_up_proj(x)))
-
-
-class Router(nn.Module):
-    """Picks `top_k` experts per token and their weights, by the checkpoint's rule (fp32)."""
-
-    def __init__(self, cfg: ModelConfig, plan: KernelPlan = TORCH_PLAN):
-        super().__init__()
-        self.cfg = cfg
-        self.kernel = route
-        if plan.router == TRITON:  # logits (Triton at decode sizes, else cuBLAS) + the choice kernel
-            from models.triton_route import route_triton  # triton: CUDA installs only
-            self.kernel = route_triton
-        E = cfg.n_routed_experts
-        self.weight = shard_param((E, cfg.hidden_size), None, torch.float32)
-        if cfg.scoring_func == "sigmoid":
-            self.e_score_correction_bias = shard_param((E,), None, torch.float32)
-        else:
-            self.e_score_correction_bias = None
-        self.weight_bf16: torch.Tensor | None = None
-
-    def keep_bf16_weight(self) -> None:
-        """Post-load: a bf16 copy of the weight when it holds it exactly (checkpoints store the
-        router in bf16). bf16 x bf16 products are exact in fp32, so a tensor-core GEMM with fp32
-        accumulation and output computes the same sums as the fp32 GEMM (in another order) from
-        half the weight bytes and without an fp32 copy of x."""
-        w = self.weight.detach()
-        lp = w.to(torch.bfloat16)
-        self.weight_bf16 = lp if torch.equal(lp.float(), w) else None
-
-    @property
-    def appends_shared(self) -> bool:
-        """Whether forward(x, n_shared) writes the folded shared experts' columns itself (the
-        Triton choice kernel); else the caller appends them."""
-        return self.kernel is not route
-
-    def forward(self, x: torch.Tensor, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, ids) `[T, k]`; with `n_shared` (only where `appends_shared`) `[T, k + n_shared]`,
-        the shared experts E.. with weight 1 last."""
-        c = self.cfg
-        args = (x, self.weight, self.e_score_correction_bias, c.scoring_func, c.topk_method,
-                c.n_group, c.topk_group, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor)
-        if self.kernel is route:
-            if n_shared:
-                raise ValueError("Router.forward(n_shared): the torch router does not append the shared experts")
-            return route(*args)
-        return self.kernel(*args, self.weight_bf16, n_shared)
-
-
-def _group_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:
-    top_groups = group_scores.topk(topk_group, dim=-1).indices  # [T, topk_group]
-    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, top_groups, True)
-    return mask.repeat_interleave(per_group, dim=1)  # [T, E]
-
-
-def route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str,
-          topk_method: str, n_group: int, topk_group: int, top_k: int, norm: bool,
-          scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Expert choice of DeepSeek's routers (fp32): weights [T, k], ids [T, k]."""
-    logits = F.linear(x.float(), weight)  # [T, E]
-    T, E = logits.shape
-    if scoring == "softmax":
-        scores = logits.softmax(dim=-1)
-        if topk_method == "group_limited_greedy":
-            group_scores = scores.view(T, n_group, -1).amax(dim=-1)
-            scores = scores.masked_fill(~_group_mask(group_scores, topk_group, E // n_group), 0.0)
-        weights, ids = scores.topk(top_k, dim=-1)
-    else:
-        scores = logits.sigmoid()
-        choice = scores + bias
-        if n_group > 1:
-            group_scores = choice.view(T, n_group, -1).topk(2, dim=-1).values.sum(-1)
-            choice = choice.masked_fill(~_group_mask(group_scores, topk_group, E // n_group), float("-inf"))
-        ids = choice.topk(top_k, dim=-1).indices
-        weights = scores.gather(1, ids)
-    if top_k > 1 and norm:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scale, ids
-
 
 
 def shared_prefetch_ranges(w13: torch.Tensor, w2: torch.Tensor, n_shared: int,

@@ -1,6 +1,6 @@
 """DeepSeek's expert choice after the router GEMM, as one Triton kernel per token row.
 
-On CUDA the torch version (`models.moe.route`) costs five kernels per layer at decode (softmax or
+On CUDA the torch version (`models.router.route`) costs five kernels per layer at decode (softmax or
 sigmoid, a radix top-k, its sort, a reduction, the gathers): ~14 µs of a 1-token step on an H200,
 about as long as reading the layer's six experts. Here one program per token takes the fp32
 logits `[T, E]` and does scoring, the group limit, top-k, normalisation and scaling in registers
@@ -149,7 +149,7 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  topk_method: str, n_group: int, topk_group: int, top_k: int, norm: bool,
                  scale: float, weight_bf16: torch.Tensor | None = None,
                  n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """`models.moe.route` as two Triton kernels (`router_logits`, cuBLAS beyond decode sizes,
+    """`models.router.route` as two Triton kernels (`router_logits`, cuBLAS beyond decode sizes,
     then the expert choice): weights fp32 [T, k], ids int64 [T, k]. With `n_shared`, `[T, k +
     n_shared]`: the folded shared experts E.. E+n_shared-1 with weight 1 after the k choices, as
     `MoE._with_shared` appends them (written by the choice kernel: no cat)."""

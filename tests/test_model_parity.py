@@ -83,7 +83,7 @@ def test_routing_rules_differ(tiny_v2, tiny_v2_grouped):
     """The group-limited model must route differently, or its parity test proves nothing."""
     cfg = ModelConfig.from_pretrained(tiny_v2_grouped[0])
     assert cfg.topk_method == "group_limited_greedy" and cfg.topk_group == 1
-    from models.moe import Router
+    from models.router import Router
     torch.manual_seed(0)
     r_g, r = Router(cfg), Router(ModelConfig.from_pretrained(tiny_v2[0]))
     with torch.no_grad():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from models.moe import route
+from models.router import route
 from models.triton_route import LOGITS_MAX_TOKENS, route_triton, router_logits
 
 
@@ -86,7 +86,7 @@ def test_router_logits_bf16_gemm_equals_fp32_gemm(T):
     """Beyond the Triton kernel's envelope, bf16 activations against a bf16 copy of a
     bf16-representable fp32 weight: the cuBLAS bf16 GEMM with fp32 output gives fp32-class logits
     (the products are exact) and the float64 expert choice."""
-    from models.moe import Router
+    from models.router import Router
     from models.triton_route import router_logits
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, 2048, generator=g).to("cuda", torch.bfloat16)
