@@ -161,12 +161,13 @@ CHOICES: tuple[Choice, ...] = (
            "layer at 8 / 32 / 128 / 256 tokens 158.3 / 258.3 / 287.7 / 303.4 us against 159.8 / 263.7 / 296.0 / "
            "312.0 (bench_moe_stream.py); a failure there is charged to this key by MoE.forward",
            triton=True, torch=False),
-    Choice("moe_shared_prefetch_mb", (int,), "with moe_shared_stream, a decode step captured whole (not the "
-           "piecewise graphs of steps with prefill) whose MoE runs the shared experts on the side stream first "
-           "asks L2 for up to this many MB of their weights (gate/up rows, then down) on that stream, from the "
-           "start of the layer's attention core, whose small kernels leave HBM mostly idle (models/l2_prefetch.py): "
-           "the MoE then streams only the routed experts from HBM. Unused under --fp8-gemm (no folded shared "
-           "experts). 0: never; opt-in, not yet timed on a GPU", ("models.l2_prefetch",), triton=0, torch=0),
+    Choice("moe_shared_prefetch_mb", (int,), "with moe_shared_stream, a step whose MoE runs the shared experts on "
+           "the side stream first asks L2 for up to this many MB of their weights (gate/up rows, then down) on that "
+           "stream, from the start of the layer's attention core, whose small kernels leave HBM mostly idle "
+           "(models/l2_prefetch.py; moe_shared_prefetch_at; the piecewise graphs of steps with prefill, whose "
+           "attention cores run between graphs, prefetch only at o_proj): the MoE then streams only the routed "
+           "experts from HBM. Unused under --fp8-gemm (no folded shared experts). 0: never; opt-in, not yet "
+           "timed on a GPU", ("models.l2_prefetch",), triton=0, torch=0),
     Choice("prefetch_o_proj", (bool,), "with moe_shared_stream, where moe_shared_prefetch_mb would prefetch (set or "
            "not), first ask L2 on the side stream for the layer's o_proj weight, the attention core's last read: "
            "o_proj then reads it from L2 (models/l2_prefetch.py); opt-in, not yet timed on a GPU",
@@ -427,8 +428,8 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
                              f"RMSNorm kernel; this plan has moe={values['moe']} norm={values['norm']} (set "
                              f"moe_sum_in_norm=0, or moe and norm triton)")
         values["moe_sum_in_norm"] = False
-    if (values["moe_shared_prefetch_policy"] == "bulk" and not hopper
-            and (values["moe_shared_prefetch_mb"] or values["prefetch_o_proj"])):
+    prefetching = any(values[k] for k in ("moe_shared_prefetch_mb", "prefetch_o_proj", "prefetch_next_qkv"))
+    if values["moe_shared_prefetch_policy"] == "bulk" and not hopper and prefetching:
         raise ValueError("--kernels ...,moe_shared_prefetch_policy=bulk issues sm_90 bulk prefetches; this GPU is "
                          "older (set moe_shared_prefetch_policy=evict_normal)")
     if values["prefetch_o_proj"] and values["moe_shared_prefetch_at"] == "o_proj":

@@ -88,7 +88,7 @@ def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BU
         m = mask_n[:, None] & mask_k[None, :]
         wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0, eviction_policy=EVICT_W)
         wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0,
-                         eviction_policy=EVICT_W)
+                     eviction_policy=EVICT_W)
         if SCALED:
             s_base = s13_ptr + e * S_ROWS * S_COLS + (offs_k // QB)[None, :]
             wg = (wg.to(tl.float32) * tl.load(s_base + (offs_n // QB)[:, None] * S_COLS, mask=m, other=0.0))
