@@ -80,10 +80,11 @@ _evict_first_max_tokens = 0
 
 def moe_evict_first(tokens: int) -> str:
     """The L2 eviction priority of the Triton MoE kernels' expert-weight loads in a step of
-    `tokens` tokens: "evict_first" up to the plan's moe_evict_first_max_tokens (a process setting,
-    set by `use_moe_evict_first` when a worker builds its model; 0, none, by default and for
-    kernels called directly), else "" (the normal one). Read at each launch."""
-    return "evict_first" if tokens <= _evict_first_max_tokens else ""
+    `tokens` tokens: "evict_first" up to the plan's moe_evict_first_max_tokens, else "" (the
+    normal one). Read at each launch. A process setting, as PDL's: `use_moe_evict_first` when a
+    worker builds its model (the last worker built sets it for the process; a captured graph keeps
+    the hints it was captured with), 0 by default; the hint never changes a result."""
+    return "evict_first" if 0 < tokens <= _evict_first_max_tokens else ""
 
 
 def use_moe_evict_first(max_tokens: int) -> None:
@@ -187,10 +188,12 @@ CHOICES: tuple[Choice, ...] = (
            "prefetch per 128-byte line at L2's normal priority, or at its evict-last priority (which the CUDA "
            "guide ties to a persisting-L2 set-aside this engine does not make), or one bulk prefetch per 4 KB "
            "(sm_90+; normal priority)", ("models.l2_prefetch",), triton="evict_normal", torch="evict_normal"),
-    Choice("moe_evict_first_max_tokens", (int,), "steps of up to this many tokens load the expert weights in the "
-           "Triton MoE kernels (fused and block) with L2's evict-first priority: a decode step reads each touched "
-           "expert once, so its streamed weights need not push out what L2 holds for later (the attention's data, "
-           "what moe_shared_prefetch_mb asked for); 0: never; opt-in, not yet timed on a GPU", triton=0, torch=0),
+    Choice("moe_evict_first_max_tokens", (int,), "steps of up to this many tokens load the routed experts' weights "
+           "in the Triton MoE kernels (fused and block) with L2's evict-first priority: a decode step reads each "
+           "touched expert in a few blocks close together, so its ~0.6-1.1 GB a layer of streamed weights need not "
+           "push out what L2 holds for later (what moe_shared_prefetch_mb and prefetch_next_qkv asked for; the "
+           "shared experts' own launch keeps the normal priority); needs moe triton; 0: never; opt-in, not yet "
+           "timed on a GPU", triton=0, torch=0),
     Choice("gemm_skinny_max_tokens", (int,), "projections (bf16/fp16/fp32 weights) of steps with up to this "
            "many tokens run on a Triton weight-streaming GEMM (models/skinny_gemm.py) instead of cuBLAS "
            "(0: never)", ("models.skinny_gemm",), triton=0, torch=0),
@@ -435,6 +438,10 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
     if values["prefetch_o_proj"] and values["moe_shared_prefetch_at"] == "o_proj":
         raise ValueError("--kernels ...,prefetch_o_proj=1 with moe_shared_prefetch_at=o_proj would ask for o_proj's "
                          "weight as o_proj reads it (set prefetch_o_proj=0, or moe_shared_prefetch_at=attention)")
+    if values["moe_evict_first_max_tokens"] and values["moe"] != TRITON:
+        raise ValueError(f"--kernels ...,moe_evict_first_max_tokens={values['moe_evict_first_max_tokens']} sets a "
+                         f"cache hint in the Triton MoE kernels; this plan has moe={values['moe']} (set "
+                         f"moe_evict_first_max_tokens=0, or moe triton)")
     for key in ("moe_shared_prefetch_mb", "prefetch_o_proj", "prefetch_next_qkv"):
         if values[key] and not (values["moe"] == TRITON and values["moe_shared_stream"]):
             raise ValueError(f"--kernels ...,{key}={int(values[key])} prefetches on the shared experts' side "

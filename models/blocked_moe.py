@@ -295,7 +295,7 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
         if nbt:
             _shared_blocks_kernel[(n_shared * nbt,)](s_rows, s_bexp, s_pw, T, kt, k, E - n_shared, nbt,
                                                      BLOCK_M=sbm, **pdl_launch())
-        run.launch(s_rows, s_bexp, s_pw, E, sbm)
+        run.launch(s_rows, s_bexp, s_pw, E, sbm, shared_only=True)
 
     main = None if stream is None else torch.cuda.current_stream(x.device)
     try:
@@ -366,9 +366,13 @@ class _BlockedMoE:
                           GROUP_B=block_group(T) if group_b is None else group_b, EVICT_W=moe_evict_first(T),
                           **pdl_launch())
 
-    def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int, block_m: int) -> None:
+    def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int, block_m: int,
+               shared_only: bool = False) -> None:
         """The product kernels over the blocks of block_m rows `rows` / `bexp` (`align_pairs`'
-        layout; blocks of expert >= e_limit are skipped), pair weights `pw` by pair index."""
+        layout; blocks of expert >= e_limit are skipped), pair weights `pw` by pair index.
+        `shared_only` (the overlapped path's shared experts' blocks): their weights keep L2's
+        normal priority whatever moe_evict_first_max_tokens says, being what
+        moe_shared_prefetch_mb asked L2 for and, past 64 tokens, read by more than one block."""
         x, w13, w2, s13, s2 = self.x, self.w13, self.w2, self.s13, self.s2
         T, D = x.shape
         I, nb, a8 = w2.shape[-1], bexp.numel(), self.a8
@@ -389,7 +393,7 @@ class _BlockedMoE:
                                     (_blocked_gate_up_tuned, _blocked_down_tuned))
             up = tuned_up[lambda m: (nb * triton.cdiv(I, m["BLOCK_N"]),)]
             down = tuned_down[lambda m: (nb * triton.cdiv(D, m["BLOCK_N"]),)]
-        const = dict(self.const, BLOCK_M=block_m)
+        const = dict(self.const, BLOCK_M=block_m, **({"EVICT_W": ""} if shared_only else {}))
         up(*up_args, **const, **t)
         hq, sh = act_quant(self.h) if a8 else (self.h, self.h)  # per pair row (every pair's row is written)
         sh_strides = (sh.stride(0), sh.stride(1)) if a8 else (0, 0)

@@ -90,7 +90,9 @@ class DeepseekDecoderLayer(nn.Module):
         # the MoE's pair rows summed by the next layer's add + RMSNorm (or the final norm)
         self.defer_sum = plan.moe_sum_in_norm and isinstance(self.mlp, MoE)
         self.prefetch_o, self.prefetch_at = plan.prefetch_o_proj, plan.moe_shared_prefetch_at
-        self.next_qkv: torch.Tensor | None = None  # prefetch_next_qkv: the next layer's qkv_a weight, set at load
+        # prefetch_next_qkv: (the next layer's qkv_a_proj,), set at load; a tuple, so that the
+        # module registers neither it nor its weight a second time
+        self.next_qkv: tuple[nn.Module, ...] = ()
 
     def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None):
         """(residual, q, kv): the residual stream's add and the input norm (x alone, the embedding,
@@ -133,7 +135,7 @@ class DeepseekDecoderLayer(nn.Module):
         if not isinstance(self.mlp, MoE) or at != self.prefetch_at:
             return False
         return self.mlp.prefetch(T, device, self.self_attn.o_proj.weight if self.prefetch_o else None,
-                                 self.next_qkv)
+                                 self.next_qkv[0].weight if self.next_qkv else None)
 
     def forward(self, x, residual, cos_sin, kv_cache, meta):
         """(x, residual) -> (mlp output, residual); residual None on the first layer, where x is the
@@ -245,7 +247,7 @@ class DeepseekForCausalLM(nn.Module):
             if isinstance(layer.mlp, MoE):
                 layer.mlp.gate.keep_bf16_weight()
                 layer.mlp.process_weights_after_loading()
-        if self.plan.prefetch_next_qkv:  # the weights as they stay (dequantized above where they are)
+        if self.plan.prefetch_next_qkv:  # the module: its weight is read at each prefetch, as it stands then
             layers = self.model.layers
             for layer, nxt in zip(layers, layers[1:]):
-                layer.next_qkv = nxt.self_attn.qkv_a_proj.weight
+                layer.next_qkv = (nxt.self_attn.qkv_a_proj,)

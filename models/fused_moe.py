@@ -259,6 +259,10 @@ class _SmallMoE:
         self.part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
 
     def launch(self, weights: torch.Tensor, ids: torch.Tensor, j0: int, jn: int) -> None:
+        """The two kernels over pair slots j0..j0+jn-1; the shared experts' slots alone (j0 = k,
+        the overlapped path's side stream) keep L2's normal priority for their weights whatever
+        moe_evict_first_max_tokens says (what moe_shared_prefetch_mb asked L2 for, read once per
+        token)."""
         x, w13, w2, s13, s2 = self.x, self.w13, self.w2, self.s13, self.s2
         T, D = x.shape
         I, E = w2.shape[-1], w13.shape[0]
@@ -271,7 +275,8 @@ class _SmallMoE:
         down_args = (self.h, ids, weights, w2, s2, self.part, D, I, e_r, bucket, r2, c2)
         # fp32 models (the tiny test models on CUDA): exact products, not TF32
         const = dict(K_TOP=self.k, NS=self.n_shared, J0=j0, JN=jn, QB=self.block, SCALED=self.scaled,
-                     IEEE=x.dtype == torch.float32, EVICT_W=moe_evict_first(T), **pdl_launch())
+                     IEEE=x.dtype == torch.float32, EVICT_W="" if j0 >= self.k else moe_evict_first(T),
+                     **pdl_launch())
         if not autotuning():
             t = _INTERPRET_TILES if interpreting() else _FIXED_TILES_FP8 if self.scaled else _FIXED_TILES
             _gate_up_dot_kernel[(T * jn, triton.cdiv(I, t["BLOCK_N"]))](*up_args, **const, **t)

@@ -147,7 +147,7 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0, storage_dtype: tor
     With `storage_dtype` (the dtype a checkpoint stores its tensors in, e.g. bf16), parameters the
     model keeps in fp32 (the router's weight) hold values that dtype represents, as they would when
     loaded from such a checkpoint: the router then takes the same kernels as with real weights
-    (models/moe.py `Router.keep_bf16_weight`).
+    (models/router.py `Router.keep_bf16_weight`).
 
     Each parameter's value is a function of (seed, name, full shape) only: the full tensor is
     drawn on the parameter's device from a generator seeded by a hash of these, and this rank's

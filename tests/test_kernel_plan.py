@@ -174,6 +174,8 @@ def test_moe_shared_prefetch_needs_the_shared_stream():
     assert (plan.moe_shared_prefetch_mb, plan.prefetch_o_proj, plan.moe_shared_prefetch_policy,
             plan.moe_evict_first_max_tokens) == (0, False, "evict_normal", 0)
     assert _resolve("auto,moe_evict_first_max_tokens=128").moe_evict_first_max_tokens == 128
+    with pytest.raises(ValueError, match=r"moe_evict_first_max_tokens=128 sets a cache hint .* moe=torch"):
+        _resolve("auto,moe=torch,moe_evict_first_max_tokens=128")
     plan = hopper("auto,moe_shared_prefetch_mb=24,moe_shared_prefetch_policy=bulk")
     assert (plan.moe_shared_prefetch_mb, plan.moe_shared_prefetch_policy) == (24, "bulk")
     assert _resolve("auto,prefetch_o_proj=1,moe_shared_prefetch_policy=evict_last").prefetch_o_proj
