@@ -29,7 +29,7 @@ import triton.language as tl
 from attention.decode_config import LAZY_TAU, WIDE_ROWS, DecodeConfig, choose_num_splits, default_decode_config
 from attention.kv_quant import is_fp8
 from attention.triton_cache import fp8_store_value
-from common.kernel_plan import interpreting
+from common.launch_settings import interpreting
 from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 

@@ -17,8 +17,9 @@ the parser, the log line and the failure messages follow from the entry.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from common.launch_settings import interpreting
 
 TRITON, TORCH = "triton", "torch"
 # decode_wgmma_min_heads under base triton where the Gluon decode fits: one 64-row wgmma tile.
@@ -34,62 +35,6 @@ FP8_WGMMA_MIN_ROWS = 256
 # and 4.7% off batch 1's TPOT, and moved batch 8 by -1.5% / +2.2% / -1.6%, 32 by +0.2% / +0.4% /
 # +0.2% and 128 by +0.1% / +1.4% / +0.1%: a win at batch 1 only, level at 8 (2 and 4 not timed).
 PDL_GRAPH_MAX_BATCH = 4
-
-
-def interpreting() -> bool:
-    """True under TRITON_INTERPRET=1: Triton kernels run on the CPU (tests, fp32 only). The one
-    environment read of the kernel code: Triton itself reads it when imported, so it cannot be
-    a flag of ours."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-_autotune = True
-
-
-def autotuning() -> bool:
-    """Whether the Triton kernels tune their tiles per token bucket (else one fixed tile each).
-    Triton's autotuners cache per process, so this is a process setting: the plan's `autotune`,
-    set by `use_autotune` when a worker builds its model (on by default for kernels called
-    directly, as in benchmarks); never under the interpreter."""
-    return _autotune and not interpreting()
-
-
-def use_autotune(on: bool) -> None:
-    global _autotune
-    _autotune = on
-
-
-_pdl = False
-
-
-def pdl() -> bool:
-    """Whether the decode path's Triton kernels launch with programmatic dependent launch
-    (common/pdl.py): a process setting, the plan's `pdl`, set by `use_pdl` when a worker builds
-    its model (off by default, as for kernels called directly); never under the interpreter.
-    Read at every launch of those kernels: the setting is resolved once, in `use_pdl`."""
-    return _pdl
-
-
-def use_pdl(on: bool) -> None:
-    global _pdl
-    _pdl = on and not interpreting()
-
-
-_evict_first_max_tokens = 0
-
-
-def moe_evict_first(tokens: int) -> str:
-    """The L2 eviction priority of the Triton MoE kernels' expert-weight loads in a step of
-    `tokens` tokens: "evict_first" up to the plan's moe_evict_first_max_tokens, else "" (the
-    normal one). Read at each launch. A process setting, as PDL's: `use_moe_evict_first` when a
-    worker builds its model (the last worker built sets it for the process; a captured graph keeps
-    the hints it was captured with), 0 by default; the hint never changes a result."""
-    return "evict_first" if 0 < tokens <= _evict_first_max_tokens else ""
-
-
-def use_moe_evict_first(max_tokens: int) -> None:
-    global _evict_first_max_tokens
-    _evict_first_max_tokens = max_tokens
 
 
 @dataclass(frozen=True)

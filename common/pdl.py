@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from common.kernel_plan import pdl
+from common.launch_settings import pdl
 
 
 @triton.jit

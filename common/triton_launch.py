@@ -34,7 +34,7 @@ import inspect
 
 import torch
 
-from common.kernel_plan import interpreting
+from common.launch_settings import interpreting
 
 _fast = False
 

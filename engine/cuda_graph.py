@@ -19,7 +19,7 @@ import time
 import torch
 
 from attention.metadata import DecodeMetadata, MLAMetadata
-from common.kernel_plan import pdl, use_pdl
+from common.launch_settings import pdl, use_pdl
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ import torch
 from attention.kv_quant import is_fp8, resolve_kv_cache_dtype
 from common import distributed as pd
 from common.args import EngineArgs, piecewise_graph_sizes
-from common.kernel_plan import TRITON, KernelPlan, resolve_plan, use_autotune, use_moe_evict_first, use_pdl
+from common.kernel_plan import TRITON, KernelPlan, resolve_plan
+from common.launch_settings import use_autotune, use_moe_evict_first, use_pdl
 from common.triton_launch import use_fast_launch
 from engine.model_runner import ModelRunner
 from engine.weight_memory import resolve_fp8_gemm

@@ -35,7 +35,7 @@ import triton.language as tl
 from common.triton_launch import fast_launch
 from models.fp8 import FP8, FP8_MAX
 from models.fp8_gemm_splitk import SPLIT_MAX_M, _w8a8_splitk_kernel, choose_k_splits, splitk_reduce
-from common.kernel_plan import autotuning, interpreting
+from common.launch_settings import autotuning, interpreting
 
 GROUP = 128
 log = logging.getLogger(__name__)

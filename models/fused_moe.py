@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from common.fused import PairRows
-from common.kernel_plan import autotuning, interpreting, moe_evict_first
+from common.launch_settings import autotuning, interpreting, moe_evict_first
 from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 

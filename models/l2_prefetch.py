@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernel_plan import interpreting
+from common.launch_settings import interpreting
 
 LINE = 128  # bytes per L2 line request
 BULK = 4096  # bytes per bulk prefetch instruction

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from common.kernel_plan import autotuning, interpreting
+from common.launch_settings import autotuning, interpreting
 from common.pdl import pdl_launch, pdl_prologue
 
 

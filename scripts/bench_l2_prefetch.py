@@ -25,7 +25,8 @@ import dataclasses
 import torch
 from bench_common import graph_us
 
-from common.kernel_plan import KernelPlan, use_autotune, use_moe_evict_first
+from common.kernel_plan import KernelPlan
+from common.launch_settings import use_autotune, use_moe_evict_first
 from models.config import ModelConfig
 from models.loader import init_dummy_weights
 from models.moe import MoE

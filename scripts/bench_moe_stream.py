@@ -28,7 +28,8 @@ import torch
 import triton
 from bench_common import graph_us
 
-from common.kernel_plan import KernelPlan, use_autotune
+from common.kernel_plan import KernelPlan
+from common.launch_settings import use_autotune
 from models import blocked_moe as bm
 from models.config import ModelConfig
 from models.expert_sort import align_pairs

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from bench_common import graph_us
 
-from common.kernel_plan import use_autotune
+from common.launch_settings import use_autotune
 from models import skinny_gemm as sg
 
 SHAPES = {  # name: (N, K)

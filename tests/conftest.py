@@ -34,7 +34,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if config.getoption("--no-autotune"):
-        from common.kernel_plan import use_autotune
+        from common.launch_settings import use_autotune
         use_autotune(False)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.kernel_plan import autotuning
+from common.launch_settings import autotuning
 from engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.gpu
@@ -58,7 +58,7 @@ def test_pdl_equals_no_pdl(gpu_v2):
     """The decode path's kernels launched with programmatic dependent launch (`pdl=1`), in CUDA
     graphs and eagerly: the same greedy tokens as without it, over 64 prompts (the fused, block
     and grouped MoE paths, decode splits, mixed steps)."""
-    from common.kernel_plan import use_pdl
+    from common.launch_settings import use_pdl
     path, _ = gpu_v2
     prompts = _prompts64()
     ref = _run(path, prompts)
@@ -75,7 +75,7 @@ def test_moe_shared_stream_equals_one_stream(gpu_v2):
     of 5-8 sequences with all 8 prompts), in CUDA graphs with and without PDL and eagerly: the
     same greedy tokens as on one stream (the fused path computes the same pair rows; the block
     path the same routed rows, and the shared rows in deeper blocks: fp32 sums, IEEE products)."""
-    from common.kernel_plan import use_pdl
+    from common.launch_settings import use_pdl
     path, _ = gpu_v2
     for prompts in (_prompts()[:1], _prompts()[:4], _prompts()):
         ref = _run(path, prompts, kernels="auto,warmup=0,moe_shared_stream=0")

@@ -143,7 +143,7 @@ def test_moe_shared_prefetch_equals_no_prefetch(gpu_v2, monkeypatch):
     path at 1 sequence, the block kernels at 8, CUDA graphs with and without PDL, and eagerly)
     gives the greedy tokens of the default plan, and did prefetch."""
     import models.l2_prefetch
-    from common.kernel_plan import moe_evict_first, use_moe_evict_first, use_pdl
+    from common.launch_settings import moe_evict_first, use_moe_evict_first, use_pdl
     from test_gpu_engine import _prompts, _run
     real, calls = models.l2_prefetch.l2_prefetch, []
 

@@ -91,7 +91,7 @@ def test_unowned_views_memory_without_keeping_it():
 def gpu_v2_grouped(tmp_path_factory):
     """A tiny V2 engine in bf16 whose MoE takes the grouped GEMM past 4 tokens (as V2-Lite's steps
     with prefill do), with pieces captured at 64 and 128 tokens."""
-    from common.kernel_plan import autotuning
+    from common.launch_settings import autotuning
     from engine.llm import LLM
     from tiny_models import make_model
     path = tmp_path_factory.mktemp("pw_v2")
@@ -133,7 +133,7 @@ def test_piecewise_graphs_equal_eager(gpu_v2_grouped):
 def test_piecewise_graph_engine_equals_eager(gpu_v2_grouped, tmp_path):
     """64 prompts of 1-199 tokens under the 128-token budget (chunks beside decodes, padded
     steps): the same greedy tokens as the eager engine, but for near ties."""
-    from common.kernel_plan import autotuning
+    from common.launch_settings import autotuning
     from engine import LLM
     from test_gpu_engine import _assert_same_greedy, _greedy_top, _prompts64
     prompts = _prompts64()

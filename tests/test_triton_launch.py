@@ -227,7 +227,7 @@ def test_gpu_decode_and_prefill_equal_tritons_launch(on_gpu):
 def test_gpu_engine_fast_launch_equals_tritons(tmp_path):
     """A tiny V2 engine, eager (every Triton kernel launched from the host each step: prefill,
     mixed and decode steps), fp32: launch=fast and launch=triton give the same greedy tokens."""
-    from common.kernel_plan import autotuning
+    from common.launch_settings import autotuning
     from engine import LLM, SamplingParams
     from tiny_models import make_model
     make_model(tmp_path, "v2", qk_rope_head_dim=16)

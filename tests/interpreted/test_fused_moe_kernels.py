@@ -28,7 +28,7 @@ def test_fused_moe_with_evict_first_weight_loads():
     """moe_evict_first_max_tokens: the fused and block kernels with their expert-weight loads at
     L2's evict-first priority (a cache hint: the interpreter runs the same loads) give the same
     results; off again afterwards, as kernels called directly expect."""
-    from common.kernel_plan import moe_evict_first, use_moe_evict_first
+    from common.launch_settings import moe_evict_first, use_moe_evict_first
     small = {"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8, "num_experts_per_tok": 3}
     use_moe_evict_first(64)
     try:

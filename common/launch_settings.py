@@ -1,0 +1,65 @@
+"""Process-wide settings the Triton kernels read at launch: whether Triton interprets (tests on
+the CPU), autotunes, launches with programmatic dependent launch, and which L2 priority the MoE
+kernels' weight loads take. Each but the first is set from the kernel plan (common/kernel_plan.py)
+by the worker that builds the model, once, and read at every launch; kernels called directly
+(benchmarks, kernel tests) see the defaults."""
+
+from __future__ import annotations
+
+import os
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1: Triton kernels run on the CPU (tests, fp32 only). The one
+    environment read of the kernel code: Triton itself reads it when imported, so it cannot be
+    a flag of ours."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_autotune = True
+
+
+def autotuning() -> bool:
+    """Whether the Triton kernels tune their tiles per token bucket (else one fixed tile each).
+    Triton's autotuners cache per process, so this is a process setting: the plan's `autotune`,
+    set by `use_autotune` when a worker builds its model (on by default for kernels called
+    directly, as in benchmarks); never under the interpreter."""
+    return _autotune and not interpreting()
+
+
+def use_autotune(on: bool) -> None:
+    global _autotune
+    _autotune = on
+
+
+_pdl = False
+
+
+def pdl() -> bool:
+    """Whether the decode path's Triton kernels launch with programmatic dependent launch
+    (common/pdl.py): a process setting, the plan's `pdl`, set by `use_pdl` when a worker builds
+    its model (off by default, as for kernels called directly); never under the interpreter.
+    Read at every launch of those kernels: the setting is resolved once, in `use_pdl`."""
+    return _pdl
+
+
+def use_pdl(on: bool) -> None:
+    global _pdl
+    _pdl = on and not interpreting()
+
+
+_evict_first_max_tokens = 0
+
+
+def moe_evict_first(tokens: int) -> str:
+    """The L2 eviction priority of the Triton MoE kernels' expert-weight loads in a step of
+    `tokens` tokens: "evict_first" up to the plan's moe_evict_first_max_tokens, else "" (the
+    normal one). Read at each launch. A process setting, as PDL's: `use_moe_evict_first` when a
+    worker builds its model (the last worker built sets it for the process; a captured graph keeps
+    the hints it was captured with), 0 by default; the hint never changes a result."""
+    return "evict_first" if 0 < tokens <= _evict_first_max_tokens else ""
+
+
+def use_moe_evict_first(max_tokens: int) -> None:
+    global _evict_first_max_tokens
+    _evict_first_max_tokens = max_tokens
