@@ -68,6 +68,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # None: unconstrained
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    # the prompt (vLLM's request fields): keep its last k tokens (-1: the last max_model_len);
+    # a text prompt is tokenized with its special tokens (BOS) or without
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -127,6 +131,8 @@ class SamplingParams:
                 raise bad("logit_bias", b, f"values must be in [-{MAX_LOGIT_BIAS:g}, "
                           f"{MAX_LOGIT_BIAS:g}]")
         integer("seed", INT64_MIN, INT64_MAX, optional=True)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            integer("truncate_prompt_tokens", 1, INT64_MAX)
         if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
             # sample i of n is seeded with seed + i (OutputProcessor)
             raise bad("seed", self.seed, f"must be at most {INT64_MAX} - (n - 1) = "

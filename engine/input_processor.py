@@ -40,6 +40,17 @@ def load_tokenizer(path: str, required: bool = True):
         return None
 
 
+class ContextLengthError(ValueError):
+    """A prompt (with its max_tokens) longer than the context: OpenAI's wording, which clients
+    match on ("maximum context length"), its code, and the field to blame."""
+
+    code = "context_length_exceeded"
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class InputProcessor:
     def __init__(self, tokenizer, cfg: ModelConfig, max_model_len: int, capacity_tokens: int = 0):
         self.tokenizer, self.cfg, self.max_model_len = tokenizer, cfg, max_model_len
@@ -67,7 +78,7 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError("prompt: this server has no tokenizer; send token ids")
             self.check_text_length(prompt, "prompt")
-            text, ids = prompt, self.encode(prompt, "prompt", add_special_tokens=True)
+            text, ids = prompt, self.encode(prompt, "prompt", add_special_tokens=params.add_special_tokens)
         else:
             text, ids = None, list(prompt)
             if not ids:
@@ -78,18 +89,31 @@ class InputProcessor:
                 bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < V), None)
                 if bad is not None:
                     raise ValueError(f"prompt: token id {bad!r} is outside the vocabulary [0, {V})")
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = self.max_model_len if keep == -1 else keep
+            if keep > self.max_model_len:
+                raise ValueError(f"truncate_prompt_tokens {keep} is more than the context length "
+                                 f"(max_model_len) {self.max_model_len}")
+            if len(ids) > keep:  # left truncation: the prompt's end is what the output follows
+                text, ids = None, ids[-keep:]
         if self.capacity_tokens and len(ids) > self.capacity_tokens:
             raise ValueError(f"prompt has {len(ids)} tokens, more than the KV cache holds "
                              f"({self.capacity_tokens} tokens)")
         room = self.max_model_len - len(ids)
         if room < 1:
-            raise ValueError(f"prompt has {len(ids)} tokens; the context length (max_model_len) is "
-                             f"{self.max_model_len}, which leaves no room for output")
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens (max_model_len). "
+                f"However, your prompt has {len(ids)} tokens, which leaves no room for output. "
+                "Please reduce the length of the prompt.", "prompt")
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=room)
         elif params.max_tokens > room:
-            raise ValueError(f"max_tokens {params.max_tokens} + prompt {len(ids)} tokens exceeds "
-                             f"the context length (max_model_len) {self.max_model_len}")
+            raise ContextLengthError(
+                f"This model's maximum context length is {self.max_model_len} tokens (max_model_len). "
+                f"However, you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
+                f"prompt, {params.max_tokens} in the completion: max_tokens). Please reduce the "
+                "length of the prompt or max_tokens.", "max_tokens")
         if any(t >= self.vocab_size for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
         bad = next((t for t in params.logit_bias or {} if t >= self.vocab_size), None)

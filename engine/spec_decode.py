@@ -22,6 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 
 METHODS = ("ngram", "mtp")
+# vLLM's other names for these methods: "deepseek_mtp" is its name for the DeepSeek checkpoints'
+# MTP layer, "[ngram]" the old spelling of prompt lookup
+ALIASES = {"deepseek_mtp": "mtp", "[ngram]": "ngram"}
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
 
 
@@ -49,9 +52,10 @@ class SpeculativeConfig:
         unknown = sorted(set(value) - _KEYS)
         if unknown:
             raise ValueError(f"--speculative-config: unknown key(s) {unknown}; supported: {sorted(_KEYS)}")
-        method = value.get("method")
+        method = ALIASES.get(value.get("method"), value.get("method"))
         if method not in METHODS:
-            raise ValueError(f"--speculative-config: method must be one of {list(METHODS)}, got {method!r}")
+            raise ValueError(f"--speculative-config: method must be one of {list(METHODS)} (or vLLM's "
+                             f"{', '.join(ALIASES)}), got {method!r}")
         k = value.get("num_speculative_tokens")
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 15:
             raise ValueError(f"--speculative-config: num_speculative_tokens must be an integer in [1, 15], got {k!r}")

@@ -128,10 +128,12 @@ def build_app(engine, args=None) -> FastAPI:
                                         getattr(args, "tool_call_parser", None))
     model_dir = getattr(getattr(engine, "args", None), "model", None)
     defaults = load_generation_defaults(getattr(args, "generation_config", None) or "vllm",
-                                        model_dir if isinstance(model_dir, str) else None)
+                                        model_dir if isinstance(model_dir, str) else None,
+                                        getattr(args, "override_generation_config", None))
     if defaults:
-        logger.info("request defaults from generation_config.json: %s (a request's own values "
-                    "win; --generation-config vllm turns this off)", defaults)
+        logger.info("request defaults from generation_config.json and --override-generation-config: "
+                    "%s (a request's own values win; --generation-config vllm turns the file's off)",
+                    defaults)
     state = ServerState(engine, api_key=getattr(args, "api_key", None), limits=limits,
                         reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
                         chat_template=load_chat_template(getattr(args, "chat_template", None)),
@@ -189,9 +191,12 @@ def build_app(engine, args=None) -> FastAPI:
                 conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
+            # with messages, as in chat: no special tokens on top of the template's unless asked
+            add_special = "add_special_tokens" in req.model_fields_set and req.add_special_tokens
             ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
                                           req.add_generation_prompt, None,
-                                          req.chat_template_kwargs, tools, state.chat_template)
+                                          req.chat_template_kwargs, tools, state.chat_template,
+                                          req.continue_final_message, add_special)
         else:
             ids = await asyncio.to_thread(encode, state.tokenizer, req.prompt, "prompt",
                                           req.add_special_tokens)

@@ -6,7 +6,6 @@ import asyncio
 import dataclasses
 import inspect
 import logging
-import uuid
 from collections.abc import Iterator
 
 from fastapi import Request
@@ -16,7 +15,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
 from server.chat_protocol import ChatCompletionRequest
 from server.errors import APIError, param_of
-from server.handler import finite, respond, sampling_params
+from server.handler import finite, respond, response_id, sampling_params
 from server.reasoning import ThinkParser, split_reasoning, thinks
 from server.tool_calls import Delta, ToolCallParser, call_id, forced_calls, parse_tool_calls
 
@@ -40,13 +39,17 @@ def _reserved_template_kwargs(tokenizer) -> set[str]:
 
 def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool,
                     check_length=None, template_kwargs: dict | None = None,
-                    tools: list[dict] | None = None, chat_template: str | None = None) -> list[int]:
-    """Render the chat template and tokenize it without adding special tokens a second time.
+                    tools: list[dict] | None = None, chat_template: str | None = None,
+                    continue_final_message: bool = False, add_special_tokens: bool = False,
+                    ) -> list[int]:
+    """Render the chat template and tokenize it, by default without adding special tokens a
+    second time (the template writes its BOS; `add_special_tokens`: vLLM's field adds them).
 
     `template_kwargs` are extra template variables (chat_template_kwargs); `tools` the request's
     tools, which the template renders into the prompt; `chat_template` replaces the tokenizer's
-    (--chat-template). `check_length(text, field)` may refuse the rendered text (ValueError)
-    before tokenizing it. Blocking: call it off the event loop."""
+    (--chat-template); `continue_final_message` renders the last message without its end of
+    turn, so that the output continues it. `check_length(text, field)` may refuse the rendered
+    text (ValueError) before tokenizing it. Blocking: call it off the event loop."""
     if tokenizer is None:
         raise APIError(400, "this server has no tokenizer (--skip-tokenizer-init, or none in the "
                        "model directory): chat needs one; use /v1/completions with token ids",
@@ -60,6 +63,8 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: 
         raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set here "
                        "(a parameter of the chat template call itself)",
                        param="chat_template_kwargs")
+    if continue_final_message:  # passed only when asked: older tokenizers lack the parameter
+        template_kwargs = {**template_kwargs, "continue_final_message": True}
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
@@ -73,7 +78,7 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: 
             check_length(text, "messages")
         except ValueError as e:
             raise APIError(400, str(e), param="messages") from None
-    return encode(tokenizer, text, "messages", add_special_tokens=False)
+    return encode(tokenizer, text, "messages", add_special_tokens=add_special_tokens)
 
 
 class ChatBuilder:
@@ -142,7 +147,8 @@ class ChatBuilder:
             self._called.add(index)
         return {"index": index, "message": message,
                 "logprobs": self.logprobs(list(o.logprobs or [])),
-                "finish_reason": self._finish_reason(index, o.finish_reason)}
+                "finish_reason": self._finish_reason(index, o.finish_reason),
+                "stop_reason": o.stop_reason}
 
     def _delta(self, index: int, new_text: str, finished: bool) -> dict:
         """The message delta of new text: content, or reasoning then content when thinking;
@@ -210,7 +216,8 @@ class ChatBuilder:
             delta = self._delta(index, new_text, finish is not None)
             out.append({"index": index, "delta": delta,
                         "logprobs": self.logprobs(new_lps) if new_lps else None,
-                        "finish_reason": self._finish_reason(index, finish)})
+                        "finish_reason": self._finish_reason(index, finish),
+                        "stop_reason": None if finish is None else o.stop_reason})
         return out
 
     def choices(self, finals: list[RequestOutput]) -> list[dict]:
@@ -263,6 +270,7 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
                                          req.add_generation_prompt, state.check_text_length,
                                          req.template_kwargs(), req.tool_dicts(),
-                                         state.chat_template)
-    return await respond(state, raw, req, [prompt_ids], params, f"chatcmpl-{uuid.uuid4().hex}",
+                                         state.chat_template, req.continue_final_message,
+                                         req.add_special_tokens)
+    return await respond(state, raw, req, [prompt_ids], params, response_id("chatcmpl-", raw, req),
                          ChatBuilder(state, req), "chat.completion", "chat.completion.chunk")

@@ -66,6 +66,11 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: bounded(0, MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the last message stays open (no end-of-turn) and the output continues it; needs
+    # add_generation_prompt false
+    continue_final_message: bool = False
+    # vLLM's: special tokens added on top of the rendered template (its own BOS is in the text)
+    add_special_tokens: bool = False
     # extra variables of the chat template (e.g. {"thinking": true} for DeepSeek-V3.1)
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's field; handed to the chat template as `reasoning_effort` (DeepSeek's templates
@@ -76,6 +81,13 @@ class ChatCompletionRequest(SamplingFields):
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return self
+
+    @model_validator(mode="after")
+    def _continue_or_generation_prompt(self):
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: cannot be true together with "
+                             "add_generation_prompt (set add_generation_prompt to false)")
         return self
 
     @field_validator("tool_choice")
@@ -166,8 +178,9 @@ class TokenizeRequest(BaseRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # prompt: default true; messages: default false, as in chat
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # with messages, as in chat
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None  # with messages, as in chat completions
     tools: list[Tool] | None = None  # with messages: rendered by the template, as in chat
@@ -176,6 +189,9 @@ class TokenizeRequest(BaseRequest):
     def _exactly_one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.continue_final_message and self.add_generation_prompt and self.messages is not None:
+            raise ValueError("continue_final_message: cannot be true together with "
+                             "add_generation_prompt (set add_generation_prompt to false)")
         return self
 
 

@@ -11,7 +11,7 @@ import sys
 
 from common.args import EngineArgs
 from common.gc_tuning import freeze_startup_objects, thaw_frozen_objects
-from server.flags import build_parser, engine_args_from
+from server.flags import api_key_from, build_parser, engine_args_from
 
 logger = logging.getLogger("server")
 
@@ -128,6 +128,7 @@ def _interrupt(sig, frame):
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `serve` console script and `python -m server`."""
     ns = build_parser().parse_args(argv)
+    ns.api_key = api_key_from(ns.api_key)
     logging.basicConfig(level=ns.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

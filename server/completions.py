@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import Iterator
 
 from fastapi import Request
@@ -11,7 +10,7 @@ from fastapi.responses import Response
 
 from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
-from server.handler import finite, respond, sampling_params
+from server.handler import finite, respond, response_id, sampling_params
 from server.protocol import CompletionRequest
 
 logger = logging.getLogger(__name__)
@@ -101,11 +100,15 @@ class CompletionBuilder:
         entries = [(lp.token_id, lp) for lp in lps]
         if self.req.echo:
             text = self.prompt_text(out) + text
-            entries = self._prompt_entries(out) + entries
+            if self.req.logprobs is not None:  # the prompt's logprobs exist only when asked for
+                entries = self._prompt_entries(out) + entries
         logprobs = self.logprobs(entries, 0) if self.req.logprobs is not None else None
         choice = {"index": index, "text": text, "logprobs": logprobs,
-                  "finish_reason": _finish(o, self.drop_generated)}
-        if self.state.tokenizer is None:
+                  "finish_reason": _finish(o, self.drop_generated),
+                  "stop_reason": None if self.drop_generated else o.stop_reason}
+        if self.req.return_token_ids:
+            choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        if self.state.tokenizer is None or self.req.return_token_ids:
             choice["token_ids"] = [] if self.drop_generated else list(o.token_ids)
         if self.req.prompt_logprobs is not None:
             choice["prompt_logprobs"] = self.prompt_logprobs(out)
@@ -131,15 +134,17 @@ class CompletionBuilder:
         entries = [(lp.token_id, lp) for lp in lps]
         if self.req.echo and first:
             new_text = self.prompt_text(out) + new_text
-            entries = self._prompt_entries(out) + entries
+            if self.req.logprobs is not None:
+                entries = self._prompt_entries(out) + entries
         finish = _finish(o, self.drop_generated)
         if finish is not None:
             if index in self._finish_sent:
                 finish = None  # a finished sample stays in its request's later outputs
             self._finish_sent.add(index)
         owes_prompt_logprobs = first and self.req.prompt_logprobs is not None
+        owes_prompt_ids = first and self.req.return_token_ids
         if not new_text and not entries and not new_ids and finish is None \
-                and not owes_prompt_logprobs:
+                and not owes_prompt_logprobs and not owes_prompt_ids:
             return None
         logprobs = None
         if self.req.logprobs is not None:
@@ -147,8 +152,11 @@ class CompletionBuilder:
             logprobs = self.logprobs(entries, self._offset.get(index, 0))
             self._offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) \
                 if entries else self._offset.get(index, 0)
-        chunk = {"index": index, "text": new_text, "logprobs": logprobs, "finish_reason": finish}
-        if self.state.tokenizer is None:
+        chunk = {"index": index, "text": new_text, "logprobs": logprobs, "finish_reason": finish,
+                 "stop_reason": None if finish is None or self.drop_generated else o.stop_reason}
+        if owes_prompt_ids:  # once, in the choice's first chunk
+            chunk["prompt_token_ids"] = list(out.prompt_token_ids)
+        if self.state.tokenizer is None or self.req.return_token_ids:
             chunk["token_ids"] = list(new_ids)
         if owes_prompt_logprobs:  # once, in the choice's first chunk
             chunk["prompt_logprobs"] = self.prompt_logprobs(out)
@@ -187,5 +195,5 @@ async def create_completion(state, req: CompletionRequest, raw: Request) -> Resp
     req.apply_defaults(state.request_defaults)
     state.limits.check(len(req.prompts()), req.n, req.stop)
     params = await sampling_params(req)
-    return await respond(state, raw, req, req.prompts(), params, f"cmpl-{uuid.uuid4().hex}",
+    return await respond(state, raw, req, req.prompts(), params, response_id("cmpl-", raw, req),
                          CompletionBuilder(state, req), "text_completion", "text_completion")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 from common.args import DTYPE_ALIASES, KV_CACHE_DTYPES, EngineArgs, human_readable_int
@@ -114,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "min_p, repetition_penalty; max_new_tokens as max_tokens): auto reads the "
                         "model directory's generation_config.json, vllm uses none (the API's "
                         "defaults), DIR reads DIR/generation_config.json")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="request defaults as a JSON object of generation_config.json's keys "
+                        "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
+                        "over those --generation-config reads, e.g. '{\"temperature\": 0.6}'")
     g.add_argument("--max-model-len", type=_token_count, default=None,
                    help="longest prompt + completion in tokens, as a number or vLLM's "
                         "human-readable form (32k = 32000, 32K = 32768); default: the model's "
@@ -198,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to listen on; 0.0.0.0 listens on all interfaces")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
     g.add_argument("--api-key", default=None,
-                   help="if set, /v1 routes require the header 'Authorization: Bearer KEY'")
+                   help="if set, /v1 routes require the header 'Authorization: Bearer KEY'; "
+                        "default: the VLLM_API_KEY environment variable, as in vLLM")
     g.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                    help="logging level of the server and engine (debug also logs each HTTP request)")
     g.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -235,6 +241,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=15.0,
                    help="on SIGTERM or SIGINT, seconds to let running requests finish before "
                         "the engine and its workers are stopped")
+    g = p.add_argument_group("vLLM flags that ask for what this server does anyway (accepted so that "
+                             "vLLM launch lines run; any other value is an error naming the flag)")
+    for flag, kind, help_text in _VLLM_NOOPS:
+        if kind is bool:
+            g.add_argument(flag, action="store_true", help=help_text)
+        elif kind is BooleanOptional:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            g.add_argument(*flag.split("|"), type=kind[0], default=None, metavar=str(kind[1]).upper(),
+                           help=help_text)
     g = p.add_argument_group("limits (a shared server must not be held by one client)")
     lim = _LIMITS
     g.add_argument("--max-request-body-bytes", type=int, default=lim.max_request_body_bytes,
@@ -258,6 +274,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/health answers 503 once the engine holds requests and has finished "
                         "no step for this many seconds (a wedged worker or collective)")
     return p
+
+
+class BooleanOptional:
+    """Marks a no-op flag of `_VLLM_NOOPS` read as --flag / --no-flag."""
+
+
+# vLLM's flags whose only sensible value here is what this server always does:
+# (flags, bool (a switch) | BooleanOptional (must not be turned off) | (type, the one value), help)
+_VLLM_NOOPS = [
+    ("--enable-chunked-prefill", BooleanOptional,
+     "chunked prefill is always on (prompts longer than --max-num-batched-tokens are prefilled in "
+     "chunks); --no-enable-chunked-prefill is an error"),
+    ("-pp|--pipeline-parallel-size", (int, 1), "only 1: no pipeline parallelism (use -tp / -dcp)"),
+    ("-dp|--data-parallel-size", (int, 1),
+     "only 1: one engine per server (run a server per GPU group behind a load balancer)"),
+    ("--distributed-executor-backend", (str, "mp"), "only mp: the ranks are worker processes"),
+    ("--tokenizer-mode", (str, "auto"), "only auto: the Hugging Face tokenizer of the model"),
+    ("--scheduling-policy", (str, "fcfs"), "only fcfs: first come, first served"),
+    ("--disable-log-stats", bool, "accepted: this server logs no periodic stats (they are on /metrics)"),
+    ("--disable-fastapi-docs", bool, "accepted: this server serves no /docs or /openapi.json"),
+]
+
+
+def _check_noops(ns: argparse.Namespace) -> None:
+    """ValueError naming a no-op vLLM flag given a value this server does not do."""
+    if ns.enable_chunked_prefill is False:
+        raise ValueError("--no-enable-chunked-prefill: chunked prefill cannot be turned off here "
+                         "(the scheduler always chunks prompts under --max-num-batched-tokens)")
+    for flag, kind, _ in _VLLM_NOOPS:
+        if isinstance(kind, tuple):
+            name = flag.split("|")[-1]
+            value = getattr(ns, name[2:].replace("-", "_"))
+            if value is not None and value != kind[1]:
+                raise ValueError(f"{name} {value}: only {kind[1]} is supported")
+
+
+def api_key_from(flag: str | None) -> str | None:
+    """--api-key, else the VLLM_API_KEY environment variable (vLLM's fallback), else none."""
+    return flag or os.environ.get("VLLM_API_KEY") or None
 
 
 def _check_limits(ns: argparse.Namespace) -> None:
@@ -301,10 +356,11 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         master_addr=ns.master_addr, master_port=ns.master_port)
     if not 1 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
+    _check_noops(ns)
     check_parser_name(ns.reasoning_parser)
     check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
     load_chat_template(ns.chat_template)
-    load_generation_defaults(ns.generation_config, args.model)
+    load_generation_defaults(ns.generation_config, args.model, ns.override_generation_config)
     _check_limits(ns)
     _check_devices(args)
     return args

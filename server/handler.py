@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Protocol
 
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from common.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
 from server.errors import APIError, error_body, param_of
+from server.protocol import MAX_REQUEST_ID_CHARS
 from server.streams import ClientDisconnected, EngineStreams, until_disconnect
 
 logger = logging.getLogger(__name__)
@@ -70,21 +72,40 @@ async def start_streams(state, raw: Request, prompts, params, request_id: str) -
         await until_disconnect(raw, streams.prime())
     except ValueError as e:
         streams.close()
-        raise APIError(400, str(e), param=param_of(str(e))) from None
+        # a ContextLengthError names its field and OpenAI's code
+        raise APIError(400, str(e), param=getattr(e, "param", None) or param_of(str(e)),
+                       code=getattr(e, "code", None)) from None
     except BaseException:
         streams.close()
         raise
     return streams
 
 
-async def respond(state, raw: Request, req, prompts: list, params: SamplingParams, request_id: str,
+def response_id(prefix: str, raw: Request, req) -> tuple[str, str]:
+    """(the response's id, the base of its engine request ids): `prefix` + the client's id (the
+    X-Request-Id header, else the request's `request_id`, as in vLLM) or a random one. A client's
+    id need not be unique, so its engine ids get a random suffix."""
+    client = raw.headers.get("x-request-id") or req.request_id
+    if client is None:
+        rid = f"{prefix}{uuid.uuid4().hex}"
+        return rid, rid
+    if len(client) > MAX_REQUEST_ID_CHARS:
+        raise APIError(400, f"X-Request-Id / request_id: at most {MAX_REQUEST_ID_CHARS} characters, "
+                       f"got {len(client)}", param="request_id")
+    rid = f"{prefix}{client}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
+
+
+async def respond(state, raw: Request, req, prompts: list, params: SamplingParams, ids: tuple[str, str],
                   builder: Builder, obj: str, chunk_obj: str) -> Response:
     """Run `prompts` (n choices each) and answer: JSON `{id, object: obj, created, model, choices,
-    usage}`, or with `req.stream` SSE chunks `{id, object: chunk_obj, ..., choices: [delta], usage}`."""
+    usage}`, or with `req.stream` SSE chunks `{id, object: chunk_obj, ..., choices: [delta], usage}`.
+    `ids`: `response_id`'s (response id, engine id base)."""
+    request_id, engine_id = ids
     head = {"id": request_id, "object": obj, "created": int(time.time()), "model": state.model_name}
     tracker = state.metrics.tracker()
     try:
-        streams = await start_streams(state, raw, prompts, params, request_id)
+        streams = await start_streams(state, raw, prompts, params, engine_id)
     except ClientDisconnected:
         return Response(status_code=499)
     num_outputs = len(prompts) * req.n

@@ -32,9 +32,29 @@ def load_chat_template(value: str | None) -> str | None:
                      "Jinja markup)")
 
 
-def load_generation_defaults(value: str, model_dir: str | None) -> dict:
+def load_generation_defaults(value: str, model_dir: str | None, override: str | None = None) -> dict:
     """Request defaults from generation_config.json: `auto` reads the model directory's (none
-    there: no defaults), `vllm` uses none, anything else names a directory holding one."""
+    there: no defaults), `vllm` uses none, anything else names a directory holding one; then
+    `override` (--override-generation-config, a JSON object of the same keys) on top, as in vLLM."""
+    defaults = _file_defaults(value, model_dir)
+    if override is None:
+        return defaults
+    flag = "--override-generation-config"
+    try:
+        config = json.loads(override)
+    except ValueError as e:
+        raise ValueError(f"{flag}: not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f'{flag}: must be a JSON object, e.g. {{"temperature": 0.6}}')
+    unknown = sorted(set(config) - set(GENERATION_DEFAULTS))
+    if unknown:
+        raise ValueError(f"{flag}: unknown key(s) {unknown}; supported: {sorted(GENERATION_DEFAULTS)}")
+    merged = {**defaults, **_defaults_from(config, flag)}
+    _check_ranges(merged, flag)
+    return merged
+
+
+def _file_defaults(value: str, model_dir: str | None) -> dict:
     if value == "vllm":
         return {}
     if value == "auto":
@@ -53,19 +73,25 @@ def load_generation_defaults(value: str, model_dir: str | None) -> dict:
             config = json.load(f)
     except (OSError, ValueError) as e:
         raise ValueError(f"--generation-config: cannot read {path}: {e}") from None
-    defaults = {}
-    for key, field in GENERATION_DEFAULTS.items():
-        v = config.get(key) if isinstance(config, dict) else None
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"--generation-config: {path}: {key} must be a number, got {v!r}")
-        defaults[field] = int(v) if field in ("top_k", "max_tokens") else float(v)
-    _check_ranges(defaults, path)
+    defaults = _defaults_from(config if isinstance(config, dict) else {}, f"--generation-config: {path}")
+    _check_ranges(defaults, f"--generation-config: {path}")
     return defaults
 
 
-def _check_ranges(defaults: dict, path: str) -> None:
+def _defaults_from(config: dict, source: str) -> dict:
+    """The request fields a generation config's keys set (GENERATION_DEFAULTS)."""
+    defaults = {}
+    for key, field in GENERATION_DEFAULTS.items():
+        v = config.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ValueError(f"{source}: {key} must be a number, got {v!r}")
+        defaults[field] = int(v) if field in ("top_k", "max_tokens") else float(v)
+    return defaults
+
+
+def _check_ranges(defaults: dict, source: str) -> None:
     """The defaults must be values a request could send (the same limits, the same messages)."""
     from pydantic import ValidationError
 
@@ -75,5 +101,4 @@ def _check_ranges(defaults: dict, path: str) -> None:
     except ValidationError as e:
         err = e.errors()[0]
         field = ".".join(str(p) for p in err["loc"])
-        raise ValueError(f"--generation-config: {path}: {field}: {err['msg']} "
-                         f"(got {err.get('input')!r})") from None
+        raise ValueError(f"{source}: {field}: {err['msg']} (got {err.get('input')!r})") from None

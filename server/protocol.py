@@ -10,7 +10,10 @@ anything reaches the engine.
 
 from __future__ import annotations
 
+import functools
 import json
+import types
+import typing
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_validator,
@@ -20,6 +23,7 @@ from common.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LO
                                     SamplingParams, StructuredOutputs)
 
 MAX_N = 128  # OpenAI's cap on choices per prompt
+MAX_REQUEST_ID_CHARS = 256  # a client's request id (field or X-Request-Id header), echoed in ids
 # logit_bias entries per request: each one is host work in every step of the request
 MAX_LOGIT_BIAS_TOKENS = 1024
 
@@ -83,8 +87,33 @@ UNSUPPORTED: dict[str, dict[str, tuple]] = {
         "function_call": (lambda v: v is not None and v != "none", "function calls are not "
                           "supported; only \"none\""),
         "prompt_logprobs": (_set, "prompt logprobs are returned by /v1/completions only"),
+        "echo": (bool, "echoing the last message is not supported"),
+        "documents": (bool, "documents (retrieval-augmented templates) are not supported"),
+        "chat_template": (_set, "a per-request chat template is not supported; start the server "
+                          "with --chat-template"),
+        "return_token_ids": (bool, "token ids are returned by /v1/completions only"),
     },
 }
+# vLLM's extensions both routes refuse (their names, so that a request written for vLLM is told)
+_BOTH: dict[str, tuple] = {
+    "use_beam_search": (bool, "beam search is not supported"),
+    "length_penalty": (lambda v: v is not None and v != 1.0, "length_penalty applies to beam "
+                       "search, which is not supported; only 1.0"),
+    "bad_words": (bool, "bad_words is not supported; logit_bias bans single tokens"),
+    "allowed_token_ids": (_set, "allowed_token_ids is not supported; use logit_bias or "
+                          "guided_choice / structured_outputs"),
+    "spaces_between_special_tokens": (lambda v: v is False, "only true (the default) is supported"),
+    "priority": (lambda v: v not in (None, 0), "priority scheduling is not supported (the "
+                 "scheduler is first come, first served); only 0"),
+    "logits_processors": (bool, "custom logits processors are not supported"),
+    "prompt_embeds": (_set, "prompt embeddings are not supported; send text or token ids"),
+    "cache_salt": (_set, "cache_salt is not supported (prefix caching shares cached prompt "
+                   "blocks between all requests; --no-enable-prefix-caching turns it off)"),
+    "kv_transfer_params": (_set, "KV transfer (disaggregated prefill) is not supported"),
+    "vllm_xargs": (bool, "vllm_xargs (custom logits processors' arguments) is not supported"),
+}
+for _route in UNSUPPORTED.values():
+    _route.update(_BOTH)
 
 
 def refuse_unsupported(data: Any, route: str) -> None:
@@ -107,7 +136,8 @@ class BaseRequest(BaseModel):
 
 
 class StreamOptions(BaseRequest):
-    include_usage: bool = False
+    # vLLM's default: a stream_options object without include_usage still asks for the usage
+    include_usage: bool = True
     # vLLM: with include_usage, every chunk also carries the usage so far
     continuous_usage_stats: bool = False
 
@@ -159,6 +189,21 @@ def _json_spec(value: str | dict, field: str) -> str:
     return json.dumps(value)
 
 
+def _takes_none(annotation: Any) -> bool:
+    if annotation is Any or annotation is None or annotation is type(None):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return any(_takes_none(a) for a in typing.get_args(annotation))
+    return False
+
+
+@functools.cache
+def _non_nullable(cls: type) -> frozenset:
+    """The names (and aliases) of `cls`'s fields whose type does not take None."""
+    return frozenset(n for name, f in cls.model_fields.items() if not _takes_none(f.annotation)
+                     for n in (name, f.alias) if n)
+
+
 _SPEC_KINDS = ("regex", "choice", "grammar")  # constraints passed on as given (json is checked first)
 
 
@@ -197,6 +242,10 @@ class SamplingFields(BaseRequest):
     guided_whitespace_pattern: str | None = None
     # OpenAI: token id (a string key) -> bias in [-100, 100] added to its logit
     logit_bias: dict[str, float] | None = None
+    # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len)
+    truncate_prompt_tokens: bounded(-1, INT64_MAX) | None = None
+    # vLLM's: the response's id (`cmpl-<id>`, `chatcmpl-<id>`; an X-Request-Id header wins)
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
 
     @field_validator("logit_bias")
     @classmethod
@@ -215,6 +264,13 @@ class SamplingFields(BaseRequest):
             bias[int(key)] = float(b)
         return bias
 
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_not_zero(cls, v):
+        if v == 0:
+            raise ValueError("must be -1 (the context length) or a token count >= 1, got 0")
+        return v
+
     @field_validator("stop")
     @classmethod
     def _stop_nonempty(cls, v):
@@ -228,6 +284,20 @@ class SamplingFields(BaseRequest):
     def _unsupported(cls, data: Any) -> Any:
         refuse_unsupported(data, cls.endpoint)
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit null in a field that takes no null means "not set", as in vLLM (which
+        declares them Optional): the default applies, or --generation-config's. Clients built
+        on OpenAI's SDK types (LangChain, LiteLLM) send nulls for what they leave out. Fields
+        where null means something (`max_tokens`: up to the context) keep it."""
+        if not isinstance(data, dict):
+            return data
+        fields = _non_nullable(cls)
+        if not any(v is None and k in fields for k, v in data.items()):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in fields}
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -297,13 +367,14 @@ class SamplingFields(BaseRequest):
         return out
 
     def apply_defaults(self, defaults: dict) -> None:
-        """Fields this request did not set take the server's defaults (--generation-config:
-        temperature, top_p, top_k, min_p, repetition_penalty, max_tokens)."""
+        """Fields this request did not set, or set to null, take the server's defaults
+        (--generation-config: temperature, top_p, top_k, min_p, repetition_penalty, max_tokens),
+        as in vLLM: a null max_tokens then means the config's, not the whole context."""
         given = self.model_fields_set
         for name, value in defaults.items():
-            if name == "max_tokens" and "max_completion_tokens" in given:
+            if name == "max_tokens" and getattr(self, "max_completion_tokens", None) is not None:
                 continue
-            if name not in given:
+            if name not in given or getattr(self, name) is None:
                 setattr(self, name, value)
 
     @property
@@ -316,7 +387,8 @@ class SamplingFields(BaseRequest):
         return self.include_usage and self.stream_options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None, add_special_tokens: bool = True,
+                        ) -> SamplingParams:
         """The engine's view of this request; raises ValueError naming a field."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -328,7 +400,8 @@ class SamplingFields(BaseRequest):
             repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(),
-            logit_bias=self.logit_bias or None)
+            logit_bias=self.logit_bias or None, truncate_prompt_tokens=self.truncate_prompt_tokens,
+            add_special_tokens=add_special_tokens)
 
 
 Prompt = str | list[int]
@@ -343,6 +416,10 @@ class CompletionRequest(SamplingFields):
     # vLLM: the top-k logprobs of every prompt token, as `prompt_logprobs` on each choice
     prompt_logprobs: bounded(0, MAX_LOGPROBS) | None = None
     best_of: bounded(1, MAX_N) | None = None  # only best_of == n (no ranking of extra samples)
+    add_special_tokens: bool = True  # a text prompt's BOS (vLLM's field)
+    # vLLM's: each choice also carries its `token_ids` and the prompt's `prompt_token_ids` (in a
+    # stream: the new ids in every chunk, the prompt's in the first)
+    return_token_ids: bool = False
 
     @model_validator(mode="after")
     def _best_of_is_n(self):
@@ -373,7 +450,8 @@ class CompletionRequest(SamplingFields):
         wanted = [k for k in (self.prompt_logprobs,
                               self.logprobs if self.echo else None) if k is not None]
         prompt_logprobs = max(wanted) if wanted else None
-        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs,
+                                    add_special_tokens=self.add_special_tokens)
 
 
 def _normalize_prompt(v: Any) -> list[Prompt]:

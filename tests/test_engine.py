@@ -95,7 +95,7 @@ def test_n_samples_and_logprobs(tiny_v3):
 @pytest.mark.parametrize("prompt,params,field", [
     ("", SamplingParams(), "prompt"),
     ([5, 320], SamplingParams(), "token id 320"),
-    ([5] * 250, SamplingParams(max_tokens=10), "max_tokens 10"),
+    ([5] * 250, SamplingParams(max_tokens=10), "10 in the completion: max_tokens"),
 ])
 def test_bad_input_named_and_engine_keeps_serving(tiny_v3, prompt, params, field):
     llm = make_llm(tiny_v3[0])

@@ -46,11 +46,7 @@ REJECTED = [
     ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --tensor-parallel-size 8 "
      "--enable-expert-parallel", ["--enable-expert-parallel"]),
     ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8 "
-     "--enable-expert-parallel", ["--data-parallel-size", "--enable-expert-parallel"]),
-    # docs.vllm.ai recipes, DeepSeek-V3.2
-    ("vllm serve deepseek-ai/DeepSeek-V3.2 --tensor-parallel-size 8 --tokenizer-mode deepseek_v32 "
-     "--tool-call-parser deepseek_v32 --enable-auto-tool-choice --reasoning-parser deepseek_v3",
-     ["--tokenizer-mode"]),
+     "--enable-expert-parallel", ["--enable-expert-parallel"]),
     # docs.vllm.ai/projects/ascend, context parallel guide (DeepSeek-V2-Lite)
     ("vllm serve deepseek-ai/DeepSeek-V2-Lite --tensor-parallel-size 2 "
      "--decode-context-parallel-size 2 --prefill-context-parallel-size 2",
@@ -73,8 +69,19 @@ REJECTED = [
      "--compilation-config '{\"cudagraph_mode\":\"FULL_AND_PIECEWISE\", \"custom_ops\":[\"all\"]}' "
      "--attention_config.use_fp4_indexer_cache=True --tokenizer-mode deepseek_v4 "
      "--tool-call-parser deepseek_v4 --enable-auto-tool-choice --reasoning-parser deepseek_v4",
-     ["--enable-expert-parallel", "--data-parallel-size", "--compilation-config",
-      "--attention_config.use_fp4_indexer_cache", "--tokenizer-mode"]),
+     ["--enable-expert-parallel", "--compilation-config", "--attention_config.use_fp4_indexer_cache"]),
+]
+
+
+# flags this server takes with one value only (vLLM's no-ops here): another value is an error
+# naming the flag and the value it takes
+REFUSED_VALUES = [
+    # docs.vllm.ai recipes, DeepSeek-V3.2
+    ("vllm serve deepseek-ai/DeepSeek-V3.2 --tensor-parallel-size 8 --tokenizer-mode deepseek_v32 "
+     "--tool-call-parser deepseek_v32 --enable-auto-tool-choice --reasoning-parser deepseek_v3",
+     "--tokenizer-mode deepseek_v32: only auto is supported"),
+    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8",
+     "--data-parallel-size 8: only 1 is supported"),
 ]
 
 
@@ -110,6 +117,12 @@ def test_unsupported_vllm_flags_are_named(line, flags, capsys):
     assert len(err) == 1 and err[0].startswith("serve: error: unsupported flag"), err
     named = err[0].split(": ", 3)[3].split(" (")[0].split(", ")
     assert named == flags
+
+
+@pytest.mark.parametrize("line,message", REFUSED_VALUES, ids=[f"value{i}" for i in range(len(REFUSED_VALUES))])
+def test_no_op_flags_with_other_values_are_named(line, message):
+    with pytest.raises(ValueError, match=message):
+        engine_args_from(_local(build_parser().parse_args(_argv(line))))
 
 
 def test_positional_model_and_model_flag():

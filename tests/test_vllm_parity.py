@@ -1,0 +1,284 @@
+"""What a client or launch line written for vLLM gets here, beyond the basics (against the fake
+engine and the real InputProcessor): explicit nulls, stream_options' default, vLLM's fields this
+server refuses rather than drop, the client's request id, stop_reason, return_token_ids,
+add_special_tokens, truncate_prompt_tokens, continue_final_message, OpenAI's context-length
+error, and the flags vLLM launch lines pass."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+import httpx
+import pytest
+import transformers
+
+from common.sampling_params import SamplingParams
+from engine.input_processor import ContextLengthError, InputProcessor
+from engine.spec_decode import SpeculativeConfig
+from models.config import ModelConfig
+from server.api_server import build_app
+from server.flags import api_key_from, build_parser, engine_args_from
+from server.overrides import load_generation_defaults
+from server.protocol import CompletionRequest, _non_nullable
+from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, InProcessServer, assert_error
+
+os.environ.update(OFFLINE_ENV)
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+
+
+class ContextEngine(FakeEngine):
+    """The fake engine, but a prompt over the context fails as InputProcessor fails it."""
+
+    async def generate(self, prompt, params, request_id):
+        if params.max_tokens and params.max_tokens > 10_000:
+            raise ContextLengthError("This model's maximum context length is 256 tokens ...", "max_tokens")
+        async for out in super().generate(prompt, params, request_id):
+            yield out
+
+
+@pytest.fixture(scope="module")
+def server(tok):
+    with InProcessServer(build_app(ContextEngine(tok, max_model_len=MAX_LEN))) as s:
+        yield s
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+CMPL = {"prompt": "hi", "max_tokens": 4}
+
+
+# --- explicit nulls -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path,base", [("/v1/completions", CMPL), ("/v1/chat/completions", CHAT)])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "top_k", "min_p", "n", "stream",
+                                   "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                   "stop_token_ids", "ignore_eos", "skip_special_tokens", "seed"])
+def test_null_means_not_set(server, path, base, field):
+    r = post(server, path, {**base, field: None})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_null_where_it_means_something_keeps_its_meaning(server):
+    r = post(server, "/v1/completions", {**CMPL, "max_tokens": None, "echo": None, "logprobs": None})
+    assert r.status_code == 200, r.text
+    u = r.json()["usage"]
+    assert u["completion_tokens"] == MAX_LEN - u["prompt_tokens"]  # null max_tokens: up to the context
+    assert "max_tokens" not in _non_nullable(CompletionRequest)
+    assert {"temperature", "n", "echo"} <= _non_nullable(CompletionRequest)
+    r = post(server, "/v1/chat/completions", {"messages": None})
+    assert_error(r, 400, "messages")
+
+
+def test_null_takes_the_generation_config_default(tok):
+    class Args:
+        override_generation_config = '{"max_new_tokens": 3}'
+        generation_config = "vllm"
+    with InProcessServer(build_app(FakeEngine(tok, max_model_len=MAX_LEN), Args())) as s:
+        r = post(s, "/v1/completions", {"prompt": "hi", "max_tokens": None})
+        assert r.json()["usage"]["completion_tokens"] == 3  # the config's, as in vLLM
+        r = post(s, "/v1/chat/completions", {**CHAT, "max_tokens": None, "temperature": None})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
+# --- stream_options ---------------------------------------------------------------------------
+
+def _events(server, body):
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+        assert r.status_code == 200
+        return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("opts,usage", [({}, True), ({"continuous_usage_stats": True}, True),
+                                        ({"include_usage": False}, False), (None, False)])
+def test_stream_options_include_usage_defaults_to_true(server, opts, usage):
+    body = {**CMPL, "stream": True, **({} if opts is None else {"stream_options": opts})}
+    events = _events(server, body)
+    assert events[-1] == "[DONE]"
+    last = httpx.Response(200, content=events[-2]).json()
+    assert (last["choices"] == [] and last["usage"]["completion_tokens"] == 4) == usage
+
+
+# --- vLLM's fields that are refused, not dropped ----------------------------------------------
+
+REFUSED = [("use_beam_search", True), ("length_penalty", 0.5), ("bad_words", ["x"]),
+           ("allowed_token_ids", [5, 6]), ("spaces_between_special_tokens", False), ("priority", 3),
+           ("logits_processors", ["p"]), ("prompt_embeds", "AAAA"), ("cache_salt", "s"),
+           ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1})]
+CHAT_REFUSED = [("echo", True), ("documents", [{"text": "d"}]), ("chat_template", "{{ x }}"),
+                ("return_token_ids", True)]
+
+
+@pytest.mark.parametrize("path,base,field,value",
+                         [("/v1/completions", CMPL, f, v) for f, v in REFUSED]
+                         + [("/v1/chat/completions", CHAT, f, v) for f, v in REFUSED + CHAT_REFUSED])
+def test_vllm_fields_not_honoured_are_400s(server, path, base, field, value):
+    assert_error(post(server, path, {**base, field: value}), 400, field)
+
+
+@pytest.mark.parametrize("field,value", [("use_beam_search", False), ("length_penalty", 1.0),
+                                         ("bad_words", []), ("priority", 0), ("cache_salt", None),
+                                         ("spaces_between_special_tokens", True), ("echo", False)])
+def test_their_no_op_values_are_accepted(server, field, value):
+    assert post(server, "/v1/chat/completions", {**CHAT, field: value}).status_code == 200
+
+
+# --- ids, stop_reason, token ids ---------------------------------------------------------------
+
+def post(server, path: str, body: dict, headers: dict | None = None) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, headers=headers, timeout=30)
+
+
+def test_client_request_id(server):
+    r = post(server, "/v1/completions", CMPL, headers={"X-Request-Id": "trace-7"})
+    assert r.json()["id"] == "cmpl-trace-7"
+    r = post(server, "/v1/chat/completions", {**CHAT, "request_id": "abc"})
+    assert r.json()["id"] == "chatcmpl-abc"
+    r = post(server, "/v1/chat/completions", {**CHAT, "request_id": "abc"}, headers={"X-Request-Id": "hdr"})
+    assert r.json()["id"] == "chatcmpl-hdr"  # the header wins, as in vLLM
+
+    async def same_id_at_once():  # a client's id need not be unique
+        async with httpx.AsyncClient(timeout=30) as c:
+            return await asyncio.gather(*[c.post(f"{server.url}/v1/completions", json=CMPL,
+                                                 headers={"X-Request-Id": "dup"}) for _ in range(4)])
+    assert [r.status_code for r in asyncio.run(same_id_at_once())] == [200] * 4
+    assert_error(post(server, "/v1/completions", CMPL, headers={"X-Request-Id": "x" * 257}), 400,
+                 "request_id")
+
+
+def test_stop_reason_and_return_token_ids(server):
+    r = post(server, "/v1/completions", {**CMPL, "return_token_ids": True, "temperature": 0})
+    first = c = r.json()["choices"][0]
+    assert c["finish_reason"] == "length" and c["stop_reason"] is None
+    assert len(c["token_ids"]) == 4 and len(c["prompt_token_ids"]) == r.json()["usage"]["prompt_tokens"]
+    stop_id = c["token_ids"][2]
+    r = post(server, "/v1/completions", {**CMPL, "temperature": 0, "stop_token_ids": [stop_id]})
+    c = r.json()["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("stop", stop_id)
+    whole = post(server, "/v1/completions", {**CMPL, "temperature": 0, "stop_token_ids": [stop_id],
+                                             "return_token_ids": True}).json()["choices"][0]
+    events = _events(server, {**CMPL, "stream": True, "return_token_ids": True, "temperature": 0,
+                              "stop_token_ids": [stop_id]})
+    chunks = [httpx.Response(200, content=e).json()["choices"][0] for e in events[:-1]]
+    assert chunks[0]["prompt_token_ids"] == whole["prompt_token_ids"]
+    assert all("prompt_token_ids" not in ch for ch in chunks[1:])
+    assert [t for ch in chunks for t in ch["token_ids"]] == whole["token_ids"] == first["token_ids"][:3]
+    assert (chunks[-1]["finish_reason"], chunks[-1]["stop_reason"]) == ("stop", stop_id)
+    assert all(ch["stop_reason"] is None for ch in chunks[:-1])
+
+    text = post(server, "/v1/chat/completions", {**CHAT, "temperature": 0, "max_tokens": 8}
+                ).json()["choices"][0]["message"]["content"]
+    stop = text[len(text) // 2]
+    r = post(server, "/v1/chat/completions", {**CHAT, "temperature": 0, "max_tokens": 8, "stop": [stop]})
+    c = r.json()["choices"][0]
+    assert (c["finish_reason"], c["stop_reason"]) == ("stop", stop), c
+
+
+def test_context_length_error_is_openais(server):
+    err = assert_error(post(server, "/v1/completions", {**CMPL, "max_tokens": 20_000}), 400, None)
+    assert err["message"].startswith("This model's maximum context length is")
+    assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
+
+
+def test_echo_without_logprobs_logs_no_warning(server, caplog):
+    with caplog.at_level(logging.WARNING, logger="server.completions"):
+        r = post(server, "/v1/completions", {**CMPL, "echo": True})
+    assert r.json()["choices"][0]["text"].startswith("hi")
+    assert not [m for m in caplog.messages if "prompt logprobs" in m]
+
+
+# --- the prompt: add_special_tokens, truncate_prompt_tokens, the context -----------------------
+
+@pytest.fixture(scope="module")
+def inputs(tok):
+    return InputProcessor(tok, ModelConfig.from_pretrained(str(TINY_MODEL)), max_model_len=MAX_LEN)
+
+
+def test_add_special_tokens_and_truncation(inputs, tok):
+    with_bos = inputs.process("Question: a", SamplingParams(max_tokens=4))[1]
+    without = inputs.process("Question: a", SamplingParams(max_tokens=4, add_special_tokens=False))[1]
+    assert with_bos == [tok.bos_token_id] + without
+    text, ids, _ = inputs.process("Question: a", SamplingParams(max_tokens=4, truncate_prompt_tokens=3))
+    assert ids == with_bos[-3:] and text is None  # the text no longer matches the ids
+    ids = list(range(5, 5 + MAX_LEN + 10))
+    _, kept, p = inputs.process(ids, SamplingParams(max_tokens=None, truncate_prompt_tokens=MAX_LEN - 6))
+    assert kept == ids[-(MAX_LEN - 6):] and p.max_tokens == 6
+    with pytest.raises(ValueError, match="truncate_prompt_tokens 300 is more than the context length"):
+        inputs.process(ids, SamplingParams(truncate_prompt_tokens=300))
+    with pytest.raises(ContextLengthError, match="your prompt has 256 tokens"):  # -1: max_model_len
+        inputs.process(ids, SamplingParams(truncate_prompt_tokens=-1))
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
+    assert CompletionRequest(prompt="x", truncate_prompt_tokens=-1).to_sampling_params().truncate_prompt_tokens == -1
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        CompletionRequest(prompt="x", truncate_prompt_tokens=0)
+    assert CompletionRequest(prompt="x", add_special_tokens=False).to_sampling_params().add_special_tokens is False
+
+
+def test_context_length_message(inputs):
+    with pytest.raises(ContextLengthError) as e:
+        inputs.process([5] * 250, SamplingParams(max_tokens=10))
+    assert str(e.value).startswith("This model's maximum context length is 256 tokens")
+    assert "you requested 260 tokens (250 in the prompt, 10 in the completion" in str(e.value)
+    assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+
+
+def test_continue_final_message_and_chat_special_tokens(server, tok):
+    msgs = [{"role": "user", "content": "Question: x?"}, {"role": "assistant", "content": "The answer is"}]
+    ids = post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False,
+                                     "continue_final_message": True}).json()["tokens"]
+    assert tok.decode(ids).endswith("The answer is") and ids[-1] != tok.eos_token_id
+    closed = post(server, "/tokenize", {"messages": msgs, "add_generation_prompt": False}).json()["tokens"]
+    assert closed[-1] == tok.eos_token_id and closed[:len(ids)] == ids
+    for path, body in (("/tokenize", {"messages": msgs}), ("/v1/chat/completions", {**CHAT, "messages": msgs})):
+        assert_error(post(server, path, {**body, "continue_final_message": True}), 400, "continue_final_message")
+    r = post(server, "/v1/chat/completions", {**CHAT, "messages": msgs, "add_generation_prompt": False,
+                                              "continue_final_message": True})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(ids)
+    plain = post(server, "/tokenize", {"messages": msgs[:1]}).json()["tokens"]
+    doubled = post(server, "/tokenize", {"messages": msgs[:1], "add_special_tokens": True}).json()["tokens"]
+    assert doubled == [tok.bos_token_id] + plain  # the template's BOS, then the tokenizer's
+    r = post(server, "/v1/chat/completions", {**CHAT, "messages": msgs[:1], "add_special_tokens": True})
+    assert r.json()["usage"]["prompt_tokens"] == len(doubled)
+
+
+# --- launch lines -------------------------------------------------------------------------------
+
+def _engine_args(line: str):
+    return engine_args_from(build_parser().parse_args(["--model", str(TINY_MODEL), *line.split()]))
+
+
+def test_vllm_no_op_flags(monkeypatch):
+    _engine_args("--enable-chunked-prefill -pp 1 --data-parallel-size 1 --distributed-executor-backend mp "
+                 "--tokenizer-mode auto --scheduling-policy fcfs --disable-log-stats --disable-fastapi-docs")
+    for line, msg in (("--no-enable-chunked-prefill", "chunked prefill cannot be turned off"),
+                      ("-pp 2", "--pipeline-parallel-size 2: only 1"),
+                      ("-dp 8", "--data-parallel-size 8: only 1"),
+                      ("--distributed-executor-backend ray", "only mp"),
+                      ("--tokenizer-mode slow", "only auto"),
+                      ("--scheduling-policy priority", "only fcfs")):
+        with pytest.raises(ValueError, match=msg):
+            _engine_args(line)
+    monkeypatch.setenv("VLLM_API_KEY", "k1")
+    assert api_key_from(None) == "k1" and api_key_from("k2") == "k2"
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert api_key_from(None) is None
+
+
+def test_vllm_aliases_and_generation_overrides(tmp_path):
+    assert SpeculativeConfig.parse('{"method": "deepseek_mtp", "num_speculative_tokens": 1}').method == "mtp"
+    (tmp_path / "generation_config.json").write_text('{"temperature": 0.3, "top_k": 5}')
+    assert load_generation_defaults("auto", str(tmp_path), '{"temperature": 0.6, "max_new_tokens": 9}') == \
+        {"temperature": 0.6, "top_k": 5, "max_tokens": 9}
+    assert load_generation_defaults("vllm", str(tmp_path), '{"top_p": 0.5}') == {"top_p": 0.5}
+    for bad, msg in (('{"nope": 1}', "unknown key"), ("[1]", "JSON object"), ("{", "not valid JSON"),
+                     ('{"temperature": 9}', "temperature")):
+        with pytest.raises(ValueError, match=msg):
+            load_generation_defaults("vllm", None, bad)
+    assert _engine_args('--override-generation-config {"temperature":0.5}').model == str(TINY_MODEL)
