@@ -20,8 +20,10 @@ class CompletionOutput:
     text: str = ""  # cumulative; complete in the final output only
     token_ids: list[int] = field(default_factory=list)  # cumulative; final output only
     logprobs: list[TokenLogprobs] | None = None  # cumulative when requested; final output only
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None  # the stop string or token id that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    # the stop string or token id that ended it; with "error", what failed (the request's
+    # structured-output constraint could not be followed)
+    stop_reason: int | str | None = None
     delta_text: str = ""  # text new since the previous RequestOutput of this request
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] | None = None  # parallel to delta_token_ids, when requested

@@ -339,6 +339,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         # before it already does; the first token always survives (mass before it is 0 < top_p)
         mass_before = torch.cumsum(probs, dim=-1) - probs
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False  # also when top_p rounds to 0 in fp32 (a request's 1e-46 is > 0)
         sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
     return torch.full_like(logits, _NEG_INF).scatter_(1, order, sorted_logits)
 

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 PACKAGE = "llguidance"
 MAX_CACHED_GRAMMARS = 256
+MAX_ERROR_CHARS = 300  # of a matcher's error, as a request's answer carries it
 # threads that compute the bitmask rows of one step in parallel (llguidance's LLExecutor)
 MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 
@@ -104,14 +105,28 @@ class RequestGrammar:
         self.matcher = matcher  # llguidance.LLMatcher
 
     def accept(self, token_id: int) -> None:
-        if not self.matcher.consume_token(token_id):
-            log.warning("structured output: sampled token %d was not allowed (%s)", token_id,
-                        self.matcher.get_error())
+        # a refusal puts the matcher in its error state: `failed`, which ends the request
+        self.matcher.consume_token(token_id)
+
+    @property
+    def failed(self) -> bool:
+        """The matcher is in its error state (a limit of llguidance's hit while generating, e.g.
+        ParserTooComplex, or a token it did not allow): the request ends in an error."""
+        return self.matcher.is_error()
+
+    def error(self) -> str:
+        """The matcher's error, short: its first lines, at most MAX_ERROR_CHARS (llguidance's
+        messages can quote the whole grammar, as long as the request)."""
+        message = _first_lines(self.matcher.get_error() or "unknown error")
+        if len(message) > MAX_ERROR_CHARS:
+            message = message[:MAX_ERROR_CHARS] + "..."
+        return (f"structured output: the constraint could not be followed while generating "
+                f"({message}); a simpler grammar, fewer choices or a smaller schema avoids it")
 
     @property
     def terminated(self) -> bool:
-        """Nothing but the end may follow (or the matcher failed): the request stops."""
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        """Nothing but the end may follow: the request stops."""
+        return self.matcher.is_stopped()
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (int32 words, bit t % 32 of word
@@ -156,7 +171,9 @@ class GrammarCompiler:
         template = self._cache.get(key)
         if template is None:
             llg = _import()
-            template = llg.LLMatcher(self._ll_tokenizer(), grammar_text(so))
+            # log_level 0: llguidance's own warnings (which can quote the whole grammar) stay
+            # off stderr; its errors reach the request (RequestGrammar.error)
+            template = llg.LLMatcher(self._ll_tokenizer(), grammar_text(so), log_level=0)
             if template.is_error():
                 raise ValueError(f"structured_outputs: the {so.kind} constraint does not "
                                  f"compile: {_first_lines(template.get_error())}")

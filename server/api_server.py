@@ -194,10 +194,14 @@ def build_app(engine, args=None) -> FastAPI:
             # with messages, as in chat: no special tokens on top of the template's unless asked
             add_special = "add_special_tokens" in req.model_fields_set and req.add_special_tokens
             ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
-                                          req.add_generation_prompt, None,
+                                          req.add_generation_prompt, state.check_text_length,
                                           req.chat_template_kwargs, tools, state.chat_template,
                                           req.continue_final_message, add_special)
         else:
+            try:  # the bound completions use: no text that cannot fit the context is tokenized
+                state.check_text_length(req.prompt, "prompt")
+            except ValueError as e:
+                raise APIError(400, str(e), param="prompt") from None
             ids = await asyncio.to_thread(encode, state.tokenizer, req.prompt, "prompt",
                                           req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}

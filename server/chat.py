@@ -32,9 +32,11 @@ def encode(tokenizer, text: str, field: str, add_special_tokens: bool) -> list[i
 
 
 def _reserved_template_kwargs(tokenizer) -> set[str]:
-    """apply_chat_template's own parameters: a request's chat_template_kwargs may not set them
-    (`tokenize`, `chat_template`, `add_generation_prompt`, ...)."""
-    return set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    """What a request's chat_template_kwargs may not set: apply_chat_template's own parameters
+    (`tokenize`, `chat_template`, `add_generation_prompt`, ...) and the variables it hands the
+    template itself (`messages`, `tools`, `documents`, the special tokens such as `bos_token`)."""
+    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
+    return own | {"messages", "tools", "documents"} | set(getattr(tokenizer, "special_tokens_map", {}))
 
 
 def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool,

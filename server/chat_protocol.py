@@ -188,7 +188,7 @@ class TokenizeRequest(BaseRequest):
     @model_validator(mode="after")
     def _exactly_one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise ValueError("prompt: give exactly one of prompt or messages")
         if self.continue_final_message and self.add_generation_prompt and self.messages is not None:
             raise ValueError("continue_final_message: cannot be true together with "
                              "add_generation_prompt (set add_generation_prompt to false)")

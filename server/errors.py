@@ -73,8 +73,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status, exc.message, exc.param, exc.code)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         msg, param = _validation_message(exc)
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if param is None and ctype != "application/json" and any(
+                tuple(e.get("loc", ())) == ("body",) for e in exc.errors()):
+            # FastAPI reads a body of another type (curl -d's form encoding) as no JSON object
+            msg = (f"the request body must be a JSON object sent with Content-Type: application/json "
+                   f"(got Content-Type: {ctype or 'none'})")
         return error_response(400, msg, param)
 
     @app.exception_handler(StarletteHTTPException)

@@ -104,11 +104,12 @@ async def respond(state, raw: Request, req, prompts: list, params: SamplingParam
     request_id, engine_id = ids
     head = {"id": request_id, "object": obj, "created": int(time.time()), "model": state.model_name}
     tracker = state.metrics.tracker()
+    num_outputs = len(prompts) * req.n
     try:
         streams = await start_streams(state, raw, prompts, params, engine_id)
-    except ClientDisconnected:
+    except ClientDisconnected:  # gone while its prompts were still being accepted: aborted
+        tracker.close(num_outputs)
         return Response(status_code=499)
-    num_outputs = len(prompts) * req.n
     if req.stream:
         return StreamingResponse(_events(streams, builder, {**head, "object": chunk_obj}, tracker, req, num_outputs),
                                  media_type="text/event-stream")
@@ -116,10 +117,20 @@ async def respond(state, raw: Request, req, prompts: list, params: SamplingParam
         finals = await until_disconnect(raw, _collect(streams, tracker))
     except ClientDisconnected:
         return Response(status_code=499)
+    except ValueError as e:  # a sample failed (_check_failed)
+        raise APIError(400, str(e), param=param_of(str(e))) from None
     finally:
         streams.close()
         tracker.close(num_outputs)
     return JSONResponse({**head, "choices": builder.choices(finals), "usage": builder.usage(finals)})
+
+
+def _check_failed(out: RequestOutput) -> None:
+    """ValueError (a 400) when a sample ended in an error of the request's own making: its
+    structured-output constraint could not be followed (`stop_reason` says why)."""
+    for o in out.outputs:
+        if o.finish_reason == "error":
+            raise ValueError(str(o.stop_reason))
 
 
 async def _collect(streams: EngineStreams, tracker) -> list[RequestOutput]:
@@ -127,6 +138,7 @@ async def _collect(streams: EngineStreams, tracker) -> list[RequestOutput]:
     last: list[RequestOutput | None] = [None] * len(streams.request_ids)
     async for i, out in streams:
         tracker.observe(i, out)
+        _check_failed(out)
         last[i] = out
     if any(f is None or not f.finished for f in last):
         raise RuntimeError("engine stream ended without a finished output")
@@ -145,6 +157,7 @@ async def _events(streams: EngineStreams, builder: Builder, head: dict, tracker,
             async for batch in streams.batches():
                 for i, out in batch:
                     tracker.observe(i, out)
+                    _check_failed(out)  # reported in-band, below
                     finals[i] = out
                     for delta, usage in builder.chunks(i, out):
                         pieces.append(sse({**head, "choices": [delta],

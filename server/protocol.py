@@ -16,7 +16,7 @@ import types
 import typing
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_validator,
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator,
                       model_validator)
 
 from common.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K,
@@ -30,12 +30,18 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 
 def bounded(lo: int, hi: int):
     """An int field limited to [lo, hi]; the 400 names the whole range (Python ints are
-    unbounded, torch's are int64)."""
+    unbounded, torch's are int64). JSON's true and false are not integers here (pydantic would
+    read them as 1 and 0), as in prompts of token ids."""
+    def not_bool(v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError(f"must be an integer in [{lo}, {hi}], not a boolean")
+        return v
+
     def check(v: int) -> int:
         if not lo <= v <= hi:
             raise ValueError(f"must be an integer in [{lo}, {hi}]")
         return v
-    return Annotated[int, AfterValidator(check)]
+    return Annotated[int, BeforeValidator(not_bool), AfterValidator(check)]
 
 
 Int64 = bounded(INT64_MIN, INT64_MAX)
@@ -256,7 +262,7 @@ class SamplingFields(BaseRequest):
             raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {len(v)}")
         bias = {}
         for key, b in v.items():
-            if not key.strip().isdigit():
+            if not (key.strip().isascii() and key.strip().isdigit()):  # not "٣": int() reads it
                 raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
             if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                 raise ValueError(f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "

@@ -81,9 +81,10 @@ def test_top_k_1_equals_greedy():
         assert torch.equal(Sampler()(logits, batch).token_ids, logits.argmax(-1))
 
 
-def test_tiny_top_p_is_argmax():
+@pytest.mark.parametrize("top_p", [1e-6, 1e-46])  # 1e-46 > 0, but 0 in fp32
+def test_tiny_top_p_is_argmax(top_p):
     logits = random_logits(8, scale=0.5)
-    batch = batch_of([SamplingParams(temperature=1.0, top_p=1e-6)] * 8)
+    batch = batch_of([SamplingParams(temperature=1.0, top_p=top_p)] * 8)
     torch.manual_seed(2)
     for _ in range(5):
         assert torch.equal(Sampler()(logits, batch).token_ids, logits.argmax(-1))

@@ -257,14 +257,17 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tok):
 
 # ---- metrics, vocabulary, names, tokenizer files ----
 
+def _aborts(fake) -> float:
+    text = httpx.get(f"{fake.url}/metrics").text
+    try:
+        return metric(text.replace('{finished_reason="abort"}', "_abort"), "mla_serve_request_success_total_abort")
+    except KeyError:
+        return 0.0
+
+
 def test_aborted_requests_are_counted(fake):
     def aborts() -> float:
-        text = httpx.get(f"{fake.url}/metrics").text
-        try:
-            return metric(text.replace('{finished_reason="abort"}', "_abort"),
-                          "mla_serve_request_success_total_abort")
-        except KeyError:
-            return 0.0
+        return _aborts(fake)
 
     before = aborts()
     fake.engine.step_delay = 0.02
@@ -283,6 +286,23 @@ def test_aborted_requests_are_counted(fake):
     while aborts() < before + 3 and time.time() < deadline:
         time.sleep(0.05)
     assert aborts() == before + 3
+
+
+def test_a_client_gone_before_its_first_token_is_counted_aborted(fake):
+    """Gone while its prompts were still being accepted (a long prefill): aborted in the engine
+    and counted, like one gone mid-stream."""
+    before = _aborts(fake)
+    fake.engine.step_delay = 1.0  # the first output (the end of the "prefill") after 1 s
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{fake.url}/v1/completions", json={"prompt": "hi", "max_tokens": 5, "n": 2},
+                       timeout=httpx.Timeout(10, read=0.2))
+        deadline = time.time() + 5
+        while _aborts(fake) < before + 2 and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        fake.engine.step_delay = 0.0
+    assert _aborts(fake) == before + 2
 
 
 def test_prompt_ids_are_limited_to_what_the_tokenizer_decodes(tok):

@@ -234,6 +234,20 @@ def test_preemption_and_async_keep_matchers_in_step(llm, async_scheduling):
         jsonschema.validate(json.loads(r.outputs[0].text), schema)
 
 
+# compiles, then fails in the matcher while generating (llguidance: ParserTooComplex)
+TOO_MANY_CHOICES = [f"choice{i}" for i in range(3000)]
+
+
+def test_a_matcher_that_fails_while_generating_is_an_error(llm):
+    """Not a "stop" whose text breaks the constraint: finish_reason "error", and why."""
+    out = llm.generate(["Question: a"], constrained("choice", TOO_MANY_CHOICES, max_tokens=8))[0].outputs[0]
+    assert out.finish_reason == "error", (out.text, out.finish_reason)
+    assert out.stop_reason.startswith("structured output: the constraint could not be followed")
+    assert len(out.stop_reason) < 500
+    ok = llm.generate(["Question: a"], constrained("choice", ["yes", "no"]))[0].outputs[0]
+    assert ok.finish_reason == "stop" and ok.text in ("yes", "no")  # the engine goes on
+
+
 def test_offline_generate_checks_every_constraint_before_submitting(llm):
     bad = [constrained("choice", ["a"]), constrained("regex", "a(b")]
     with pytest.raises(ValueError, match=r"structured_outputs: .*unclosed group"):
@@ -325,6 +339,20 @@ def test_completions_guided_fields(client, server):
         r = client.completions.create(**kw, extra_body={"structured_outputs": so})
         if check is not None:
             check(r.choices[0].text)
+
+
+def test_a_failed_constraint_is_a_400_or_an_in_band_error(client, server):
+    kw = {"model": server.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+          "extra_body": {"guided_choice": TOO_MANY_CHOICES}}
+    with pytest.raises(openai.BadRequestError, match="constraint could not be followed"):
+        client.completions.create(**kw)
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                      json={**{k: v for k, v in kw.items() if k != "extra_body"}, **kw["extra_body"],
+                            "stream": True}) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert "constraint could not be followed" in json.loads(events[-2])["error"]["message"]
+    assert _chat(client, server, max_tokens=4).choices[0].finish_reason == "length"
 
 
 @pytest.mark.parametrize("body, field", [

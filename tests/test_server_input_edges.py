@@ -1,0 +1,66 @@
+"""Inputs at the edges, found by attacking the server (against the fake engine): each is a 400
+naming what is wrong, or is bounded, rather than read loosely or left unbounded."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import pytest
+import transformers
+
+from server.api_server import build_app
+from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, InProcessServer, assert_error, post
+
+os.environ.update(OFFLINE_ENV)
+
+
+class BoundedEngine(FakeEngine):
+    """The fake engine with the real engine's text bound (InputProcessor.check_text_length)."""
+
+    class inputs:  # noqa: N801 - stands in for the engine's InputProcessor
+        @staticmethod
+        def check_text_length(text: str, field: str) -> None:
+            if len(text) > 10_000:
+                raise ValueError(f"{field} has {len(text)} characters: more than the context ...")
+
+
+@pytest.fixture(scope="module")
+def server():
+    tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+    with InProcessServer(build_app(BoundedEngine(tok, max_model_len=256))) as s:
+        yield s
+
+
+def test_tokenize_is_bounded_as_completions_are(server):
+    assert post(server, "/tokenize", {"prompt": "x" * 9_000}).status_code == 200
+    assert_error(post(server, "/tokenize", {"prompt": "x" * 20_000}), 400, "prompt")
+    msgs = [{"role": "user", "content": "x" * 20_000}]
+    assert_error(post(server, "/tokenize", {"messages": msgs}), 400, "messages")
+    assert_error(post(server, "/tokenize", {}), 400, "prompt")  # named, not "give"
+
+
+@pytest.mark.parametrize("ctype", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_says_so(server, ctype):
+    headers = {} if ctype is None else {"content-type": ctype}
+    r = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "hi"}', headers=headers, timeout=30)
+    err = assert_error(r, 400)
+    assert "Content-Type: application/json" in err["message"], err
+
+
+@pytest.mark.parametrize("path,body,field", [
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "n": True}, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": False}, "logprobs"),
+    ("/detokenize", {"tokens": [True]}, "tokens"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"\u0663": 5}}, "logit_bias"),  # Arabic-Indic 3
+])
+def test_booleans_and_non_ascii_digits_are_not_integers(server, path, body, field):
+    assert_error(post(server, path, body), 400, field)
+
+
+@pytest.mark.parametrize("key", ["messages", "tools", "documents", "bos_token", "add_generation_prompt"])
+def test_template_variables_cannot_be_set_by_chat_template_kwargs(server, key):
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {key: []}}
+    err = assert_error(post(server, "/v1/chat/completions", body), 400, "chat_template_kwargs")
+    assert key in err["message"]
