@@ -9,6 +9,7 @@ import os
 import sys
 
 from common.args import DTYPE_ALIASES, KV_CACHE_DTYPES, EngineArgs, human_readable_int
+from common.hub import is_repo_id, resolve_model_dir
 from common.kernel_plan import kernels_help
 from server.limits import ServerLimits
 from server.overrides import load_chat_template, load_generation_defaults
@@ -84,12 +85,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model directory, as `vllm serve MODEL` takes it (same as --model)")
     g.add_argument("--model", default=None,
                    help="Hugging Face checkpoint directory (config.json, *.safetensors, tokenizer "
-                        "files). Defaults to the bundled tiny demo model.")
+                        "files), or a Hub repository id such as deepseek-ai/DeepSeek-V2-Lite-Chat, "
+                        "fetched into the Hub's cache as vLLM does (HF_HUB_OFFLINE=1: the cache "
+                        "only). Defaults to the bundled tiny demo model.")
+    g.add_argument("--revision", default=None,
+                   help="with a repository id: the branch, tag or commit to fetch (default: main)")
+    g.add_argument("--tokenizer-revision", default=None,
+                   help="with a --tokenizer repository id: its branch, tag or commit")
+    g.add_argument("--download-dir", default=None,
+                   help="with a repository id: the cache directory to fetch into and read from "
+                        "(default: the Hugging Face cache, HF_HOME)")
+    g.add_argument("--hf-token", default=None,
+                   help="with a repository id: the Hub token for gated or private repositories "
+                        "(default: HF_TOKEN or the stored login)")
     g.add_argument("--trust-remote-code", action="store_true",
                    help="accepted for vLLM compatibility and ignored: the DeepSeek V2/V3 model "
                         "code is built in; no code from a model directory is ever run")
     g.add_argument("--tokenizer", default=None,
-                   help="tokenizer directory, when it is not the model directory")
+                   help="tokenizer directory (or Hub repository id), when it is not the model's")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: prompts must be token ids, completions carry "
                         "`token_ids` and empty text; /tokenize, /detokenize and /tokenizer_info "
@@ -337,8 +350,17 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
         raise ValueError(f"the model is named twice: {ns.model_tag} (positional) and --model {ns.model}")
     model = ns.model_tag or ns.model or _DEFAULTS["model"]
+    served = ns.served_model_name
+    if is_repo_id(model):
+        served = served or [model]  # vLLM's default name: the repository id as given
+        model = resolve_model_dir(model, "--model", ns.revision, ns.download_dir, ns.hf_token,
+                                  weights=ns.load_format != "dummy")
+    tokenizer = ns.tokenizer
+    if tokenizer is not None and not ns.skip_tokenizer_init:
+        tokenizer = resolve_model_dir(tokenizer, "--tokenizer", ns.tokenizer_revision, ns.download_dir,
+                                      ns.hf_token, weights=False)
     args = EngineArgs(
-        model=model, tokenizer=ns.tokenizer, served_model_name=ns.served_model_name,
+        model=model, tokenizer=tokenizer, served_model_name=served,
         skip_tokenizer_init=ns.skip_tokenizer_init,
         tensor_parallel_size=ns.tensor_parallel_size,
         decode_context_parallel_size=ns.decode_context_parallel_size,

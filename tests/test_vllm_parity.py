@@ -282,3 +282,28 @@ def test_vllm_aliases_and_generation_overrides(tmp_path):
         with pytest.raises(ValueError, match=msg):
             load_generation_defaults("vllm", None, bad)
     assert _engine_args('--override-generation-config {"temperature":0.5}').model == str(TINY_MODEL)
+
+
+def _hub_cache(root, repo: str, files_from) -> str:
+    """A Hugging Face cache holding `repo` at main: files_from's files in snapshots/<commit>."""
+    import shutil
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    base = root / f"models--{repo.replace('/', '--')}"
+    (base / "refs").mkdir(parents=True)
+    (base / "refs" / "main").write_text(commit)
+    shutil.copytree(files_from, base / "snapshots" / commit)
+    return str(base / "snapshots" / commit)
+
+
+def test_a_hub_repository_id_is_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the cache only: no network here
+    snapshot = _hub_cache(tmp_path, "org/tiny-v3", TINY_MODEL)
+    ns = build_parser().parse_args(["org/tiny-v3", "--download-dir", str(tmp_path)])
+    a = engine_args_from(ns)
+    assert a.model == snapshot and a.model_name == "org/tiny-v3"  # vLLM's default name
+    a = engine_args_from(build_parser().parse_args([
+        "--model", str(TINY_MODEL), "--tokenizer", "org/tiny-v3", "--download-dir", str(tmp_path)]))
+    assert a.tokenizer == snapshot
+    with pytest.raises(ValueError, match="--model org/missing: not a local directory, and fetching it "
+                                         "from the Hugging Face Hub failed \\(HF_HUB_OFFLINE is set"):
+        engine_args_from(build_parser().parse_args(["org/missing", "--download-dir", str(tmp_path)]))
