@@ -138,7 +138,10 @@ def build_app(engine, args=None) -> FastAPI:
                         reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
                         chat_template=load_chat_template(getattr(args, "chat_template", None)),
                         request_defaults=defaults)
-    app = FastAPI(title="mla-serve", docs_url=None, redoc_url=None, openapi_url=None)
+    # /docs, /redoc and /openapi.json as vLLM serves them, unless --disable-fastapi-docs
+    docs = not getattr(args, "disable_fastapi_docs", False)
+    app = FastAPI(title="mla-serve", docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = state
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_request_body_bytes,

@@ -267,7 +267,7 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
         # The parser reads the tool-call markers from the decoded text, and a tokenizer may mark
         # those added tokens special: keep them in the text, as vLLM does for tool requests.
         params = dataclasses.replace(params, skip_special_tokens=False)
-    state.limits.check(1, req.n, req.stop)
+    state.limits.check(1, req.n, req.stop, {"top_logprobs": req.top_logprobs})
     # template + tokenizer off the event loop: a long conversation must not stall other requests
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
                                          req.add_generation_prompt, state.check_text_length,

@@ -193,7 +193,8 @@ async def create_completion(state, req: CompletionRequest, raw: Request) -> Resp
     """Handle one completions request end to end (server/handler.py)."""
     state.check_model(req.model)
     req.apply_defaults(state.request_defaults)
-    state.limits.check(len(req.prompts()), req.n, req.stop)
+    state.limits.check(len(req.prompts()), req.n, req.stop,
+                       {"logprobs": req.logprobs, "prompt_logprobs": req.prompt_logprobs})
     params = await sampling_params(req)
     return await respond(state, raw, req, req.prompts(), params, response_id("cmpl-", raw, req),
                          CompletionBuilder(state, req), "text_completion", "text_completion")

@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model's tool-call markup: deepseek_v3 (V3, R1) or deepseek_v31 "
                         "(V3.1 and later); tool_choice \"required\" or a named function "
                         "constrains the output to the tools' schemas with or without it")
+    g.add_argument("--disable-fastapi-docs", action="store_true",
+                   help="serve no /docs, /redoc or /openapi.json (served by default, as in vLLM)")
     g.add_argument("--shutdown-timeout", type=float, default=15.0,
                    help="on SIGTERM or SIGINT, seconds to let running requests finish before "
                         "the engine and its workers are stopped")
@@ -283,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most stop strings in one request")
     g.add_argument("--max-stop-str-len", type=int, default=lim.max_stop_str_len,
                    help="longest stop string, in characters")
+    g.add_argument("--max-logprobs", type=int, default=lim.max_logprobs,
+                   help=f"most alternatives per token a request may ask for (logprobs, "
+                        f"top_logprobs, prompt_logprobs), in [0, {lim.max_logprobs}] (vLLM's flag)")
     g.add_argument("--engine-stall-timeout", type=float, default=lim.engine_stall_timeout,
                    help="/health answers 503 once the engine holds requests and has finished "
                         "no step for this many seconds (a wedged worker or collective)")
@@ -306,7 +311,6 @@ _VLLM_NOOPS = [
     ("--tokenizer-mode", (str, "auto"), "only auto: the Hugging Face tokenizer of the model"),
     ("--scheduling-policy", (str, "fcfs"), "only fcfs: first come, first served"),
     ("--disable-log-stats", bool, "accepted: this server logs no periodic stats (they are on /metrics)"),
-    ("--disable-fastapi-docs", bool, "accepted: this server serves no /docs or /openapi.json"),
 ]
 
 
@@ -333,6 +337,9 @@ def _check_limits(ns: argparse.Namespace) -> None:
                  "max_stop_strings", "max_stop_str_len"):
         if getattr(ns, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
+    if not 0 <= ns.max_logprobs <= _LIMITS.max_logprobs:
+        raise ValueError(f"--max-logprobs must be in [0, {_LIMITS.max_logprobs}] (the engine's "
+                         f"cap), got {ns.max_logprobs}")
     for flag in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout",
                  "engine_stall_timeout", "shutdown_timeout"):
         if not getattr(ns, flag) > 0:

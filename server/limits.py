@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from common.sampling_params import MAX_LOGPROBS
 from server.errors import APIError
 
 
@@ -24,6 +25,9 @@ class ServerLimits:
     max_stop_strings: int = 16
     max_stop_str_len: int = 128  # characters
     engine_stall_timeout: float = 60.0  # /health 503 after this long without a finished step
+    # alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs): vLLM's
+    # --max-logprobs, whose default is also the engine's cap (MAX_LOGPROBS)
+    max_logprobs: int = MAX_LOGPROBS
 
     @classmethod
     def from_args(cls, args) -> ServerLimits:
@@ -32,8 +36,14 @@ class ServerLimits:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)
                       if getattr(args, f.name, None) is not None})
 
-    def check(self, num_prompts: int, n: int, stop: str | list[str] | None) -> None:
-        """400 naming the field and the limit for a request over one of them."""
+    def check(self, num_prompts: int, n: int, stop: str | list[str] | None,
+              logprobs: dict[str, int | None] | None = None) -> None:
+        """400 naming the field and the limit for a request over one of them (`logprobs`: the
+        request's fields of alternatives per token, by name)."""
+        for field, k in (logprobs or {}).items():
+            if k is not None and k > self.max_logprobs:
+                raise APIError(400, f"{field}: {k} alternatives per token; at most "
+                               f"{self.max_logprobs} (--max-logprobs)", param=field)
         if num_prompts > self.max_prompts_per_request:
             raise APIError(400, f"prompt: {num_prompts} prompts in one request; at most "
                            f"{self.max_prompts_per_request} (--max-prompts-per-request)",

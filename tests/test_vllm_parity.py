@@ -256,13 +256,15 @@ def _engine_args(line: str):
 
 def test_vllm_no_op_flags(monkeypatch):
     _engine_args("--enable-chunked-prefill -pp 1 --data-parallel-size 1 --distributed-executor-backend mp "
-                 "--tokenizer-mode auto --scheduling-policy fcfs --disable-log-stats --disable-fastapi-docs")
+                 "--tokenizer-mode auto --scheduling-policy fcfs --disable-log-stats --disable-fastapi-docs "
+                 "--max-logprobs 5")
     for line, msg in (("--no-enable-chunked-prefill", "chunked prefill cannot be turned off"),
                       ("-pp 2", "--pipeline-parallel-size 2: only 1"),
                       ("-dp 8", "--data-parallel-size 8: only 1"),
                       ("--distributed-executor-backend ray", "only mp"),
                       ("--tokenizer-mode slow", "only auto"),
-                      ("--scheduling-policy priority", "only fcfs")):
+                      ("--scheduling-policy priority", "only fcfs"),
+                      ("--max-logprobs 21", "--max-logprobs must be in \\[0, 20\\]")):
         with pytest.raises(ValueError, match=msg):
             _engine_args(line)
     monkeypatch.setenv("VLLM_API_KEY", "k1")
@@ -307,3 +309,22 @@ def test_a_hub_repository_id_is_read_from_the_cache(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--model org/missing: not a local directory, and fetching it "
                                          "from the Hugging Face Hub failed \\(HF_HUB_OFFLINE is set"):
         engine_args_from(build_parser().parse_args(["org/missing", "--download-dir", str(tmp_path)]))
+
+
+def test_max_logprobs_and_fastapi_docs(tok):
+    class Args:
+        max_logprobs = 2
+        disable_fastapi_docs = False
+    with InProcessServer(build_app(FakeEngine(tok, max_model_len=MAX_LEN), Args())) as s:
+        assert post(s, "/v1/completions", {**CMPL, "logprobs": 2}).status_code == 200
+        for path, body, field in (("/v1/completions", {**CMPL, "logprobs": 3}, "logprobs"),
+                                  ("/v1/completions", {**CMPL, "prompt_logprobs": 3}, "prompt_logprobs"),
+                                  ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3},
+                                   "top_logprobs")):
+            err = assert_error(post(s, path, body), 400, field)
+            assert "--max-logprobs" in err["message"]
+        assert httpx.get(f"{s.url}/openapi.json").json()["paths"]["/v1/completions"]
+        assert httpx.get(f"{s.url}/docs").status_code == 200
+    Args.disable_fastapi_docs = True
+    with InProcessServer(build_app(FakeEngine(tok, max_model_len=MAX_LEN), Args())) as s:
+        assert httpx.get(f"{s.url}/openapi.json").status_code == 404
