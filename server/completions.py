@@ -195,6 +195,9 @@ async def create_completion(state, req: CompletionRequest, raw: Request) -> Resp
     req.apply_defaults(state.request_defaults)
     state.limits.check(len(req.prompts()), req.n, req.stop,
                        {"logprobs": req.logprobs, "prompt_logprobs": req.prompt_logprobs})
+    wanted = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None) if v is not None]
+    state.limits.check_prompt_logprobs(req.prompts(), max(wanted, default=None),
+                                       "prompt_logprobs" if req.prompt_logprobs is not None else "echo")
     params = await sampling_params(req)
     return await respond(state, raw, req, req.prompts(), params, response_id("cmpl-", raw, req),
                          CompletionBuilder(state, req), "text_completion", "text_completion")

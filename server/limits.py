@@ -28,6 +28,12 @@ class ServerLimits:
     # alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs): vLLM's
     # --max-logprobs, whose default is also the engine's cap (MAX_LOGPROBS)
     max_logprobs: int = MAX_LOGPROBS
+    # Prompt logprob entries (prompt tokens x (alternatives + 1), over the request's prompts) one
+    # completions request may ask for. Scoring a prompt is one cheap prefill, but its answer is
+    # built and serialised at once on the event loop: 64 prompts x 2000 tokens x 21 entries is a
+    # 258 MB body that held /health for ~8 s. One lm_eval loglikelihood request (echo,
+    # logprobs 1) of a 4k-token prompt is 8k entries.
+    max_prompt_logprob_entries: int = 1_000_000
 
     @classmethod
     def from_args(cls, args) -> ServerLimits:
@@ -60,3 +66,17 @@ class ServerLimits:
         if longest > self.max_stop_str_len:
             raise APIError(400, f"stop: a stop string of {longest} characters; at most "
                            f"{self.max_stop_str_len} (--max-stop-str-len)", param="stop")
+
+    def check_prompt_logprobs(self, prompts: list, k: int | None, field: str) -> None:
+        """400 when the prompts' logprob entries (tokens x (k + 1)) may exceed
+        max_prompt_logprob_entries; a text prompt counts one token per character (no tokenizer
+        yields more: an upper bound, exact for token ids)."""
+        if k is None:
+            return
+        tokens = sum(len(p) for p in prompts)
+        entries = tokens * (k + 1)
+        if entries > self.max_prompt_logprob_entries:
+            raise APIError(400, f"{field}: {tokens} prompt tokens (or characters) x {k + 1} logprob "
+                           f"entries each = {entries}; at most {self.max_prompt_logprob_entries} per "
+                           f"request (--max-prompt-logprob-entries): send fewer prompts per request",
+                           param=field)

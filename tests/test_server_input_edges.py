@@ -64,3 +64,20 @@ def test_template_variables_cannot_be_set_by_chat_template_kwargs(server, key):
     body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {key: []}}
     err = assert_error(post(server, "/v1/chat/completions", body), 400, "chat_template_kwargs")
     assert key in err["message"]
+
+
+def test_prompt_logprob_volume_is_bounded(server):
+    """One cheap prefill must not buy an answer so large that building it holds the event loop."""
+    body = {"prompt": [[7] * 100] * 4, "max_tokens": 1, "echo": True, "logprobs": 1}
+    assert post(server, "/v1/completions", body).status_code == 200
+    from server.limits import ServerLimits
+    limit = ServerLimits().max_prompt_logprob_entries
+    tokens = limit // 21 + 1  # x 21 entries each: one over
+    err = assert_error(post(server, "/v1/completions", {
+        "prompt": [[7] * (tokens // 2 + 1)] * 2, "max_tokens": 1, "prompt_logprobs": 20}), 400, "prompt_logprobs")
+    assert "--max-prompt-logprob-entries" in err["message"]
+    assert_error(post(server, "/v1/completions", {"prompt": ["x" * 8000] * 64, "max_tokens": 1, "echo": True,
+                                                 "logprobs": 1}), 400, "echo")
+    # without prompt logprobs the same prompts are only bounded by the other limits
+    assert post(server, "/v1/completions", {"prompt": ["x" * 100] * 4, "max_tokens": 1, "echo": True}
+                ).status_code == 200
