@@ -68,6 +68,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None  # None: unconstrained
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's); None: any
     # the prompt (vLLM's request fields): keep its last k tokens (-1: the last max_model_len);
     # a text prompt is tokenized with its special tokens (BOS) or without
     truncate_prompt_tokens: int | None = None
@@ -130,6 +131,11 @@ class SamplingParams:
             if not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                 raise bad("logit_bias", b, f"values must be in [-{MAX_LOGIT_BIAS:g}, "
                           f"{MAX_LOGIT_BIAS:g}]")
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, (list, tuple)) or not ids or any(
+                    not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT64_MAX for t in ids):
+                raise bad("allowed_token_ids", ids, f"must be a non-empty list of token ids in [0, {INT64_MAX}]")
         integer("seed", INT64_MIN, INT64_MAX, optional=True)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             integer("truncate_prompt_tokens", 1, INT64_MAX)

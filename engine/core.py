@@ -69,6 +69,8 @@ class EngineCore:
             raise ValueError(f"stop_token_ids must be in [0, {V})")
         if any(not 0 <= t < V for t in params.logit_bias or {}):  # the sampler indexes by them
             raise ValueError(f"logit_bias: token ids must be in [0, {V})")
+        if any(not 0 <= t < V for t in params.allowed_token_ids or ()):
+            raise ValueError(f"allowed_token_ids: token ids must be in [0, {V})")
         if self._in_flight is not None and request_id in self._in_flight[0].num_scheduled_tokens:
             # The id of a request that has ended but still has a step in flight: results are
             # matched by id, so that step must land before the new request can exist.

@@ -120,6 +120,10 @@ class InputProcessor:
         if bad is not None:
             raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary "
                              f"[0, {self.vocab_size})")
+        bad = next((t for t in params.allowed_token_ids or () if t >= self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"allowed_token_ids: token id {bad} is outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         return text, ids, params
 
     def check_text_length(self, text: str, field: str) -> None:

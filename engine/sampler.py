@@ -1,7 +1,8 @@
 """Token sampling: penalties, temperature, top-k / top-p / min-p, per-request seeded draws, logprobs.
 
-Order per step (vLLM semantics): min_tokens masking -> logit_bias -> repetition / frequency /
-presence penalties -> structured-output token bitmask -> (greedy rows: argmax here) ->
+Order per step (vLLM semantics): min_tokens masking -> allowed_token_ids -> logit_bias ->
+repetition / frequency / presence penalties -> structured-output token bitmask -> (greedy rows:
+argmax here) ->
 temperature -> top-k -> top-p -> min-p -> sample.
 Reported logprobs are taken from the RAW logits (log_softmax of what the model produced), as
 vLLM and OpenAI report them, not from the processed distribution that was sampled.
@@ -89,12 +90,16 @@ class SamplingBatch:
     # sparse logit_bias of the rows that have one: (rows [B] int64, token ids [B] int64,
     # biases [B] fp32); None when no row has a bias
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # allowed_token_ids of the rows that have them: (rows [R] int64, (row of R, token id) pairs as
+    # two [A] int64 columns); None when no row has them
+    allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def unmodified(self) -> bool:
         """Whether no row's logits are changed before sampling (no min_tokens mask, logit bias,
         penalty or token bitmask)."""
         return (not (self.min_tokens_masked_ids and any(self.min_tokens_masked_ids)) and self.logit_bias is None
+                and self.allowed is None
                 and self.presence_penalty is None and self.frequency_penalty is None
                 and self.repetition_penalty is None and self.token_bitmask is None)
 
@@ -154,6 +159,7 @@ class SamplingBatch:
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
             logit_bias=_logit_bias_entries(params, device),
+            allowed=_allowed_entries(params, device),
             temperature=temperature,
             all_greedy=all_greedy,
             top_p=top_p,
@@ -209,6 +215,7 @@ class Sampler:
     def _choose(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Each row's token from fp32 logits, after the rows' modifiers."""
         logits = _mask_min_tokens(logits, batch.min_tokens_masked_ids)
+        logits = _apply_allowed(logits, batch.allowed)
         logits = _apply_logit_bias(logits, batch.logit_bias)
         logits = _apply_penalties(logits, batch)
         logits = _apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
@@ -270,6 +277,34 @@ def _logit_bias_entries(params: Sequence[SamplingParams], device: torch.device |
         return None
     return (to_device(rows, torch.int64, device), to_device(ids, torch.int64, device),
             to_device(biases, torch.float32, device))
+
+
+def _allowed_entries(params: Sequence[SamplingParams], device: torch.device | str,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The rows with allowed_token_ids and their (row of those, token id) pairs; None when none."""
+    rows, which, ids = [], [], []
+    for i, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            which.extend([len(rows)] * len(p.allowed_token_ids))
+            ids.extend(p.allowed_token_ids)
+            rows.append(i)
+    if not rows:
+        return None
+    return (to_device(rows, torch.int64, device), to_device(which, torch.int64, device),
+            to_device(ids, torch.int64, device))
+
+
+def _apply_allowed(logits: torch.Tensor,
+                   allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """-inf for every token a row with allowed_token_ids does not list; other rows untouched."""
+    if allowed is None:
+        return logits
+    rows, which, ids = allowed
+    keep = torch.zeros(rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
+    keep[which, ids] = True
+    logits = logits.clone()
+    logits[rows] = logits[rows].masked_fill(~keep, _NEG_INF)
+    return logits
 
 
 def _apply_logit_bias(logits: torch.Tensor,

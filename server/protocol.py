@@ -26,6 +26,8 @@ MAX_N = 128  # OpenAI's cap on choices per prompt
 MAX_REQUEST_ID_CHARS = 256  # a client's request id (field or X-Request-Id header), echoed in ids
 # logit_bias entries per request: each one is host work in every step of the request
 MAX_LOGIT_BIAS_TOKENS = 1024
+# allowed_token_ids entries per request: a [rows, vocab] mask is built from them each step
+MAX_ALLOWED_TOKEN_IDS = 1 << 17
 
 
 def bounded(lo: int, hi: int):
@@ -106,8 +108,6 @@ _BOTH: dict[str, tuple] = {
     "length_penalty": (lambda v: v is not None and v != 1.0, "length_penalty applies to beam "
                        "search, which is not supported; only 1.0"),
     "bad_words": (bool, "bad_words is not supported; logit_bias bans single tokens"),
-    "allowed_token_ids": (_set, "allowed_token_ids is not supported; use logit_bias or "
-                          "guided_choice / structured_outputs"),
     "spaces_between_special_tokens": (lambda v: v is False, "only true (the default) is supported"),
     "priority": (lambda v: v not in (None, 0), "priority scheduling is not supported (the "
                  "scheduler is first come, first served); only 0"),
@@ -248,6 +248,8 @@ class SamplingFields(BaseRequest):
     guided_whitespace_pattern: str | None = None
     # OpenAI: token id (a string key) -> bias in [-100, 100] added to its logit
     logit_bias: dict[str, float] | None = None
+    # vLLM's: only these token ids may be sampled (at most MAX_ALLOWED_TOKEN_IDS)
+    allowed_token_ids: list[NonNegInt64] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len)
     truncate_prompt_tokens: bounded(-1, INT64_MAX) | None = None
     # vLLM's: the response's id (`cmpl-<id>`, `chatcmpl-<id>`; an X-Request-Id header wins)
@@ -406,7 +408,8 @@ class SamplingFields(BaseRequest):
             repetition_penalty=self.repetition_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(),
-            logit_bias=self.logit_bias or None, truncate_prompt_tokens=self.truncate_prompt_tokens,
+            logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             add_special_tokens=add_special_tokens)
 
 

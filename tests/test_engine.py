@@ -96,6 +96,7 @@ def test_n_samples_and_logprobs(tiny_v3):
     ("", SamplingParams(), "prompt"),
     ([5, 320], SamplingParams(), "token id 320"),
     ([5] * 250, SamplingParams(max_tokens=10), "10 in the completion: max_tokens"),
+    ([5, 6], SamplingParams(allowed_token_ids=[7, 10**6]), "allowed_token_ids"),
 ])
 def test_bad_input_named_and_engine_keeps_serving(tiny_v3, prompt, params, field):
     llm = make_llm(tiny_v3[0])
@@ -194,3 +195,13 @@ def test_warm_up_with_speculation_runs_a_multi_token_decode(tiny_v3):
     assert (mixed.num_decodes, mixed.num_prefills, mixed.prefill.num_context_prefills) == (8, 8, 8)
     assert mixed.num_decode_tokens == 8 and mixed.num_prefill_tokens == 32
     assert (multi.num_decodes, multi.num_decode_tokens, multi.prefill) == (16, 48, None)
+
+
+def test_allowed_token_ids(tiny_v3):
+    llm = make_llm(tiny_v3[0])
+    allowed = [11, 12, 13]
+    outs = llm.generate(["Hello", "Question"], [
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed)])
+    for out in outs:
+        assert set(out.outputs[0].token_ids) <= set(allowed), out.outputs[0].token_ids

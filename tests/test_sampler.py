@@ -358,3 +358,24 @@ def test_check_sampling_params_matches_what_torch_accepts():
     p.stop_token_ids = [5, 2**63]
     with pytest.raises(ValueError, match="stop_token_ids .* does not fit in int64"):
         check_sampling_params(p)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_constrain_only_their_rows(temperature):
+    logits = random_logits(4, scale=3.0)
+    allowed = [int(logits[0].argmin()), int(logits[0].argsort()[1])]  # two unlikely tokens
+    params = [SamplingParams(temperature=temperature, allowed_token_ids=allowed),
+              SamplingParams(temperature=temperature),
+              SamplingParams(temperature=temperature, allowed_token_ids=[3]),
+              SamplingParams(temperature=temperature, logprobs=1)]
+    batch = batch_of(params)
+    assert not batch.unmodified
+    torch.manual_seed(0)
+    for _ in range(20):
+        out = Sampler()(logits, batch)
+        ids = out.token_ids.tolist()
+        assert ids[0] in allowed and ids[2] == 3
+        if temperature == 0:
+            assert ids[1] == int(logits[1].argmax()) and ids[3] == int(logits[3].argmax())
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        SamplingParams(allowed_token_ids=[])

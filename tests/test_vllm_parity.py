@@ -108,7 +108,7 @@ def test_stream_options_include_usage_defaults_to_true(server, opts, usage):
 # --- vLLM's fields that are refused, not dropped ----------------------------------------------
 
 REFUSED = [("use_beam_search", True), ("length_penalty", 0.5), ("bad_words", ["x"]),
-           ("allowed_token_ids", [5, 6]), ("spaces_between_special_tokens", False), ("priority", 3),
+           ("spaces_between_special_tokens", False), ("priority", 3),
            ("logits_processors", ["p"]), ("prompt_embeds", "AAAA"), ("cache_salt", "s"),
            ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1})]
 CHAT_REFUSED = [("echo", True), ("documents", [{"text": "d"}]), ("chat_template", "{{ x }}"),
