@@ -69,6 +69,9 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None  # None: unconstrained
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     allowed_token_ids: list[int] | None = None  # only these may be sampled (vLLM's); None: any
+    # vLLM's bad_words as token sequences (the server tokenizes the words): a sequence's last
+    # token may not follow its other tokens (a one-token sequence: never sampled)
+    bad_words_token_ids: list[list[int]] | None = None
     # the prompt (vLLM's request fields): keep its last k tokens (-1: the last max_model_len);
     # a text prompt is tokenized with its special tokens (BOS) or without
     truncate_prompt_tokens: int | None = None
@@ -136,6 +139,10 @@ class SamplingParams:
             if not isinstance(ids, (list, tuple)) or not ids or any(
                     not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT64_MAX for t in ids):
                 raise bad("allowed_token_ids", ids, f"must be a non-empty list of token ids in [0, {INT64_MAX}]")
+        for seq in self.bad_words_token_ids or ():
+            if not isinstance(seq, (list, tuple)) or not seq or any(
+                    not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT64_MAX for t in seq):
+                raise bad("bad_words", seq, "must be non-empty token sequences")
         integer("seed", INT64_MIN, INT64_MAX, optional=True)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             integer("truncate_prompt_tokens", 1, INT64_MAX)
@@ -155,5 +162,6 @@ class SamplingParams:
 
     @property
     def reads_history(self) -> bool:
-        """Sampling reads the request's own tokens (penalties, min_tokens)."""
-        return self.needs_penalties or self.min_tokens > 0
+        """Sampling reads the request's own tokens (penalties, min_tokens, multi-token bad words)."""
+        return (self.needs_penalties or self.min_tokens > 0
+                or any(len(seq) > 1 for seq in self.bad_words_token_ids or ()))

@@ -69,6 +69,8 @@ class EngineCore:
             raise ValueError(f"stop_token_ids must be in [0, {V})")
         if any(not 0 <= t < V for t in params.logit_bias or {}):  # the sampler indexes by them
             raise ValueError(f"logit_bias: token ids must be in [0, {V})")
+        if any(not 0 <= t < V for seq in params.bad_words_token_ids or () for t in seq):
+            raise ValueError(f"bad_words: token ids must be in [0, {V})")
         if any(not 0 <= t < V for t in params.allowed_token_ids or ()):
             raise ValueError(f"allowed_token_ids: token ids must be in [0, {V})")
         if self._in_flight is not None and request_id in self._in_flight[0].num_scheduled_tokens:

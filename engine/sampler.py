@@ -1,6 +1,6 @@
 """Token sampling: penalties, temperature, top-k / top-p / min-p, per-request seeded draws, logprobs.
 
-Order per step (vLLM semantics): min_tokens masking -> allowed_token_ids -> logit_bias ->
+Order per step (vLLM semantics): min_tokens and bad_words masking -> allowed_token_ids -> logit_bias ->
 repetition / frequency / presence penalties -> structured-output token bitmask -> (greedy rows:
 argmax here) ->
 temperature -> top-k -> top-p -> min-p -> sample.
@@ -81,7 +81,8 @@ class SamplingBatch:
     prompt_token_ids: list[list[int]] | None = None  # [N][*], needed for repetition_penalty
     output_token_ids: list[list[int]] | None = None  # [N][*], needed for any penalty
     max_num_logprobs: int | None = None  # max over rows of params.logprobs; None: nobody wants them
-    # [N][*] token ids to forbid (eos / stop ids of rows still below min_tokens); None: none
+    # [N][*] token ids to forbid (eos / stop ids of rows still below min_tokens, the bad words'
+    # next tokens); None: none
     min_tokens_masked_ids: list[list[int]] | None = None
     # structured outputs: allowed-token bitmasks [G, ceil(V / 32)] int32 of the constrained rows
     # `bitmask_rows` [G] int64 (bit t % 32 of word t // 32: token t); None: no row constrained
@@ -150,11 +151,14 @@ class SamplingBatch:
 
         masked = None
         for i, (p, out) in enumerate(zip(params, output_token_ids)):
+            banned = []
             if len(out) < p.min_tokens:
-                stop_ids = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
-                if stop_ids:
-                    masked = masked or [[] for _ in range(n)]
-                    masked[i] = stop_ids
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+            if p.bad_words_token_ids:
+                banned += bad_word_bans(p.bad_words_token_ids, out)
+            if banned:
+                masked = masked or [[] for _ in range(n)]
+                masked[i] = banned
 
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
@@ -233,6 +237,17 @@ class Sampler:
             logits = _apply_min_p(logits, batch.min_p)
         probs = torch.softmax(logits, dim=-1)
         return _exponential_race(probs, batch.generators)
+
+
+def bad_word_bans(sequences: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens a row may not sample next: each bad word's last token where the output ends
+    with the word's other tokens (a one-token word: always)."""
+    bans = []
+    for seq in sequences:
+        k = len(seq) - 1
+        if k == 0 or (len(output) >= k and output[-k:] == seq[:-1]):
+            bans.append(seq[-1])
+    return bans
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:

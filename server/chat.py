@@ -255,7 +255,7 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
     """Handle one chat completions request end to end (server/handler.py)."""
     state.check_model(req.model)
     req.apply_defaults(state.request_defaults)
-    params = await sampling_params(req)
+    params = await sampling_params(req, state.tokenizer)
     try:
         conversation = req.conversation()
     except ValueError as e:

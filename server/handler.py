@@ -54,15 +54,38 @@ class Builder(Protocol):
         """(choice delta, usage so far of that choice) for each delta prompt i's output brings."""
 
 
-async def sampling_params(req) -> SamplingParams:
+async def sampling_params(req, tokenizer=None) -> SamplingParams:
     """The request's SamplingParams (a ValueError is a 400 naming the field); a structured-output
-    grammar is compiled off the event loop."""
+    grammar is compiled off the event loop, and bad_words are tokenized with `tokenizer`."""
     try:
         if req.asks_for_structure:
-            return await asyncio.to_thread(req.to_sampling_params)
-        return req.to_sampling_params()
+            params = await asyncio.to_thread(req.to_sampling_params)
+        else:
+            params = req.to_sampling_params()
     except ValueError as e:
         raise APIError(400, str(e), param=param_of(str(e))) from None
+    if req.bad_words:
+        if tokenizer is None:
+            raise APIError(400, "bad_words: this server has no tokenizer to read them with",
+                           param="bad_words")
+        params.bad_words_token_ids = bad_words_token_ids(tokenizer, req.bad_words)
+    return params
+
+
+def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """bad_words as token sequences: each word as it would start the text and as it would
+    follow a space (its prefix-space form), when that differs. vLLM keeps the spaced form only
+    when it has as many tokens as the plain one, so a word whose spaced form is one token
+    (" apples" here, against "app" "les") could still follow a space there; not here."""
+    seqs: list[list[int]] = []
+    for word in words:
+        plain = tokenizer(word.lstrip(), add_special_tokens=False)["input_ids"]
+        spaced = tokenizer(" " + word.lstrip(), add_special_tokens=False)["input_ids"]
+        if plain:
+            seqs.append(list(plain))
+        if spaced and spaced != plain:
+            seqs.append(list(spaced))
+    return seqs
 
 
 async def start_streams(state, raw: Request, prompts, params, request_id: str) -> EngineStreams:

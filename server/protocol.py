@@ -28,6 +28,8 @@ MAX_REQUEST_ID_CHARS = 256  # a client's request id (field or X-Request-Id heade
 MAX_LOGIT_BIAS_TOKENS = 1024
 # allowed_token_ids entries per request: a [rows, vocab] mask is built from them each step
 MAX_ALLOWED_TOKEN_IDS = 1 << 17
+# bad_words per request, and characters per word: each is matched against every output each step
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256
 
 
 def bounded(lo: int, hi: int):
@@ -107,7 +109,6 @@ _BOTH: dict[str, tuple] = {
     "use_beam_search": (bool, "beam search is not supported"),
     "length_penalty": (lambda v: v is not None and v != 1.0, "length_penalty applies to beam "
                        "search, which is not supported; only 1.0"),
-    "bad_words": (bool, "bad_words is not supported; logit_bias bans single tokens"),
     "spaces_between_special_tokens": (lambda v: v is False, "only true (the default) is supported"),
     "priority": (lambda v: v not in (None, 0), "priority scheduling is not supported (the "
                  "scheduler is first come, first served); only 0"),
@@ -250,6 +251,9 @@ class SamplingFields(BaseRequest):
     logit_bias: dict[str, float] | None = None
     # vLLM's: only these token ids may be sampled (at most MAX_ALLOWED_TOKEN_IDS)
     allowed_token_ids: list[NonNegInt64] | None = Field(None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
+    # vLLM's: words the output may not contain (tokenized by the handler, server/handler.py)
+    bad_words: list[Annotated[str, Field(min_length=1, max_length=MAX_BAD_WORD_CHARS)]] | None = Field(
+        None, max_length=MAX_BAD_WORDS)
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len)
     truncate_prompt_tokens: bounded(-1, INT64_MAX) | None = None
     # vLLM's: the response's id (`cmpl-<id>`, `chatcmpl-<id>`; an X-Request-Id header wins)

@@ -205,3 +205,19 @@ def test_allowed_token_ids(tiny_v3):
         SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed)])
     for out in outs:
         assert set(out.outputs[0].token_ids) <= set(allowed), out.outputs[0].token_ids
+
+
+def test_bad_words(tiny_v3):
+    """Greedy output, then the same with one of its two-token pairs banned: the pair's second
+    token no longer follows its first, and the output up to there is unchanged."""
+    llm = make_llm(tiny_v3[0])
+    base = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    free = llm.generate(["Hello"], base)[0].outputs[0].token_ids
+    pair = free[3:5]
+    banned = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                    bad_words_token_ids=[pair]))[0].outputs[0].token_ids
+    assert banned[:4] == free[:4] and banned[4] != pair[1]
+    assert all(banned[i:i + 2] != pair for i in range(len(banned) - 1))
+    one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                 bad_words_token_ids=[[free[0]]]))[0].outputs[0].token_ids
+    assert free[0] not in one

@@ -379,3 +379,14 @@ def test_allowed_token_ids_constrain_only_their_rows(temperature):
             assert ids[1] == int(logits[1].argmax()) and ids[3] == int(logits[3].argmax())
     with pytest.raises(ValueError, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
+
+
+def test_bad_word_bans():
+    from engine.sampler import bad_word_bans
+    assert bad_word_bans([[5], [7, 8, 9]], []) == [5]
+    assert bad_word_bans([[5], [7, 8, 9]], [1, 7, 8]) == [5, 9]
+    assert bad_word_bans([[7, 8, 9]], [7, 8, 1]) == []
+    batch = batch_of([SamplingParams(bad_words_token_ids=[[3], [1, 2]])], outputs=[[0, 1]])
+    assert sorted(batch.min_tokens_masked_ids[0]) == [2, 3]
+    assert SamplingParams(bad_words_token_ids=[[1, 2]]).reads_history
+    assert not SamplingParams(bad_words_token_ids=[[1]]).reads_history

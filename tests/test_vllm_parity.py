@@ -107,7 +107,7 @@ def test_stream_options_include_usage_defaults_to_true(server, opts, usage):
 
 # --- vLLM's fields that are refused, not dropped ----------------------------------------------
 
-REFUSED = [("use_beam_search", True), ("length_penalty", 0.5), ("bad_words", ["x"]),
+REFUSED = [("use_beam_search", True), ("length_penalty", 0.5),
            ("spaces_between_special_tokens", False), ("priority", 3),
            ("logits_processors", ["p"]), ("prompt_embeds", "AAAA"), ("cache_salt", "s"),
            ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1})]
@@ -328,3 +328,19 @@ def test_max_logprobs_and_fastapi_docs(tok):
     Args.disable_fastapi_docs = True
     with InProcessServer(build_app(FakeEngine(tok, max_model_len=MAX_LEN), Args())) as s:
         assert httpx.get(f"{s.url}/openapi.json").status_code == 404
+
+
+def test_bad_words_are_read_as_token_sequences(tok):
+    from server.handler import bad_words_token_ids
+    seqs = bad_words_token_ids(tok, ["apples", " 7"])
+    plain = tok("apples", add_special_tokens=False)["input_ids"]
+    spaced = tok(" apples", add_special_tokens=False)["input_ids"]
+    assert plain in seqs and spaced in seqs  # at the start and after a space
+    assert tok("7", add_special_tokens=False)["input_ids"] in seqs  # the word's leading space stripped
+
+
+def test_bad_words_are_validated(server):
+    r = post(server, "/v1/completions", {**CMPL, "bad_words": ["apples"]})
+    assert r.status_code == 200, r.text
+    assert_error(post(server, "/v1/completions", {**CMPL, "bad_words": [""]}), 400, "bad_words")
+    assert_error(post(server, "/v1/completions", {**CMPL, "bad_words": ["x"] * 129}), 400, "bad_words")
