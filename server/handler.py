@@ -126,7 +126,7 @@ async def respond(state, raw: Request, req, prompts: list, params: SamplingParam
     `ids`: `response_id`'s (response id, engine id base)."""
     request_id, engine_id = ids
     head = {"id": request_id, "object": obj, "created": int(time.time()), "model": state.model_name}
-    tracker = state.metrics.tracker()
+    tracker = state.metrics.tracker(params.n, params.max_tokens)
     num_outputs = len(prompts) * req.n
     try:
         streams = await start_streams(state, raw, prompts, params, engine_id)

@@ -99,6 +99,21 @@ class _EngineCollector:
                 cumulative.append((bound, acc))
             m.add_metric([self._model_name], cumulative, sum_value=total)
             yield m
+        info = self._cache_config(s)
+        if info is not None:
+            m = GaugeMetricFamily(f"{VLLM}cache_config_info", "Information of the KV cache's configuration",
+                                  labels=list(info))
+            m.add_metric(list(info.values()), 1.0)
+            yield m
+
+    def _cache_config(self, s) -> dict | None:
+        """vLLM's cache_config_info labels, from the engine's args (None for an engine without)."""
+        args = getattr(self._engine, "args", None)
+        if args is None:
+            return None
+        return {"block_size": str(args.block_size), "num_gpu_blocks": str(s.num_total_blocks),
+                "cache_dtype": str(args.kv_cache_dtype), "enable_prefix_caching": str(args.enable_prefix_caching),
+                "gpu_memory_utilization": str(args.gpu_memory_utilization)}
 
 
     def _spec_decode(self, spec):
@@ -154,7 +169,7 @@ class ServerMetrics:
                                            "Per choice: first to last token", _PHASE_BUCKETS)
         self.inference = self._vllm_histogram("request_inference_time_seconds",
                                               "Per choice: admission to last token", _PHASE_BUCKETS)
-        max_len = getattr(engine, "max_model_len", None) or 1 << 20
+        max_len = self.max_model_len = getattr(engine, "max_model_len", None) or 1 << 20
         self.prompt_tokens = self._vllm_histogram("request_prompt_tokens",
                                                   "Prompt tokens of each finished choice",
                                                   token_buckets(max_len))
@@ -165,6 +180,11 @@ class ServerMetrics:
             "request_max_num_generation_tokens",
             "Per engine request (prompt): the most tokens any of its n choices generated",
             token_buckets(max_len))
+        self.params_n = self._vllm_histogram("request_params_n", "The n of each finished request",
+                                             [1, 2, 5, 10, 20])
+        self.params_max_tokens = self._vllm_histogram("request_params_max_tokens",
+                                                      "The max_tokens of each finished request (unset: "
+                                                      "what the context left)", token_buckets(max_len))
         self.success = Counter(f"{PREFIX}_request_success", "Finished choices by finish reason",
                                ["finished_reason"], registry=self.registry)
         self.vllm_success = Counter(f"{VLLM}request_success", "Finished choices by finish reason",
@@ -181,8 +201,8 @@ class ServerMetrics:
         return Histogram(f"{VLLM}{name}", doc, ["model_name"], buckets=buckets,
                          registry=self.registry).labels(self.model_name)
 
-    def tracker(self) -> RequestTracker:
-        return RequestTracker(self)
+    def tracker(self, n: int = 1, max_tokens: int | None = None) -> RequestTracker:
+        return RequestTracker(self, n, max_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -196,8 +216,9 @@ def _observe(pair: tuple[Histogram, Histogram], value: float) -> None:
 class RequestTracker:
     """Latency bookkeeping of one HTTP request (possibly several engine requests)."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, metrics: ServerMetrics, n: int = 1, max_tokens: int | None = None) -> None:
         self._m = metrics
+        self._n, self._max_tokens = n, max_tokens  # the request's, for vLLM's request_params_*
         self._arrival = time.perf_counter()
         self._last: dict[int, float] = {}  # prompt index -> time of its previous output
         self._queued: dict[int, float] = {}  # prompt index -> its queue time in the engine
@@ -248,6 +269,10 @@ class RequestTracker:
                 self._m.vllm_success.labels(model_name=self._m.model_name, finished_reason=reason).inc()
                 self._finished_choices += 1
             self._m.max_generation_tokens.observe(most)
+            # per engine request (prompt), as vLLM observes them
+            self._m.params_n.observe(self._n)
+            self._m.params_max_tokens.observe(self._max_tokens if self._max_tokens is not None
+                                              else max(0, self._m.max_model_len - len(out.prompt_token_ids)))
 
     def close(self, num_choices: int) -> None:
         """The HTTP request is over: its choices that never finished (client gone, fault) were

@@ -344,3 +344,23 @@ def test_bad_words_are_validated(server):
     assert r.status_code == 200, r.text
     assert_error(post(server, "/v1/completions", {**CMPL, "bad_words": [""]}), 400, "bad_words")
     assert_error(post(server, "/v1/completions", {**CMPL, "bad_words": ["x"] * 129}), 400, "bad_words")
+
+
+def test_vllm_request_params_and_cache_config_metrics(tok):
+    from common.args import EngineArgs
+    engine = FakeEngine(tok, max_model_len=MAX_LEN)
+    engine.args = EngineArgs(model=str(TINY_MODEL), block_size=16)
+    with InProcessServer(build_app(engine)) as s:
+        post(s, "/v1/completions", {"prompt": ["hi", "yo"], "max_tokens": 4, "n": 2})
+        chat_prompt = post(s, "/v1/chat/completions", {**CHAT, "max_tokens": None}).json()["usage"]["prompt_tokens"]
+        text = httpx.get(f"{s.url}/metrics").text
+
+    def series(name: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(name + "{"))
+        return float(line.rsplit(" ", 1)[1])
+    assert series("vllm:request_params_n_count") == 3  # per prompt: two of n 2, one of n 1
+    assert series("vllm:request_params_n_sum") == 5
+    # the chat request's unset max_tokens counts as what its context left
+    assert series("vllm:request_params_max_tokens_sum") == 2 * 4 + MAX_LEN - chat_prompt
+    info = next(ln for ln in text.splitlines() if ln.startswith("vllm:cache_config_info{"))
+    assert 'block_size="16"' in info and 'num_gpu_blocks="1024"' in info and info.endswith(" 1.0")
