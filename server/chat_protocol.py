@@ -10,7 +10,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from common.sampling_params import INT64_MAX, MAX_LOGPROBS, SamplingParams, StructuredOutputs
-from server.protocol import BaseRequest, Int64, SamplingFields, bounded
+from server.protocol import SamplingFields
+from server.request_fields import BaseRequest, Int64, bounded
 
 
 class ChatMessage(BaseRequest):

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from common.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
 from server.errors import APIError, error_body, param_of
-from server.protocol import MAX_REQUEST_ID_CHARS
+from server.request_fields import MAX_REQUEST_ID_CHARS
 from server.streams import ClientDisconnected, EngineStreams, until_disconnect
 
 logger = logging.getLogger(__name__)

@@ -3,215 +3,25 @@ validators completions and chat share, and the completions request (chat, tokeni
 detokenize: server/chat_protocol.py).
 
 Unknown fields are ignored, as OpenAI does. Fields that OpenAI or vLLM define but this server
-cannot honour are listed in `UNSUPPORTED` and answer a 400 naming them, never silently dropped.
+cannot honour are listed in `UNSUPPORTED` (server/request_fields.py) and answer a 400 naming
+them, never silently dropped.
 Limits live in `Field(...)` so that a bad value is a 400 naming the field and the limit before
 anything reaches the engine.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import types
-import typing
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
-from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, field_validator,
-                      model_validator)
+from pydantic import Field, field_validator, model_validator
 
 from common.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K,
                                     SamplingParams, StructuredOutputs)
-
-MAX_N = 128  # OpenAI's cap on choices per prompt
-MAX_REQUEST_ID_CHARS = 256  # a client's request id (field or X-Request-Id header), echoed in ids
-# logit_bias entries per request: each one is host work in every step of the request
-MAX_LOGIT_BIAS_TOKENS = 1024
-# allowed_token_ids entries per request: a [rows, vocab] mask is built from them each step
-MAX_ALLOWED_TOKEN_IDS = 1 << 17
-# bad_words per request, and characters per word: each is matched against every output each step
-MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256
-
-
-def bounded(lo: int, hi: int):
-    """An int field limited to [lo, hi]; the 400 names the whole range (Python ints are
-    unbounded, torch's are int64). JSON's true and false are not integers here (pydantic would
-    read them as 1 and 0), as in prompts of token ids."""
-    def not_bool(v: Any) -> Any:
-        if isinstance(v, bool):
-            raise ValueError(f"must be an integer in [{lo}, {hi}], not a boolean")
-        return v
-
-    def check(v: int) -> int:
-        if not lo <= v <= hi:
-            raise ValueError(f"must be an integer in [{lo}, {hi}]")
-        return v
-    return Annotated[int, BeforeValidator(not_bool), AfterValidator(check)]
-
-
-Int64 = bounded(INT64_MIN, INT64_MAX)
-NonNegInt64 = bounded(0, INT64_MAX)
-
-
-_CONTAINERS = (str, dict, list)
-_SCALARS = {int, float, bool, type(None)}
-
-
-def check_text(value: Any, path: str) -> None:
-    """Refuse strings that are not valid Unicode text (a lone surrogate such as "\ud800" parses
-    from JSON but cannot be encoded, tokenized or echoed): ValueError naming the field.
-
-    Numbers and other scalars are skipped without building their path: a prompt of token ids
-    is a list of thousands of ints."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{path or 'request'}: not valid Unicode text (unpaired surrogate "
-                             f"{value[e.start]!r} at character {e.start})") from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_text(k, path)
-            if isinstance(v, _CONTAINERS):
-                check_text(v, f"{path}.{k}" if path else str(k))
-    elif isinstance(value, list):
-        if set(map(type, value)) <= _SCALARS:
-            return  # token ids: one pass at C speed
-        for i, v in enumerate(value):
-            if isinstance(v, _CONTAINERS):
-                check_text(v, f"{path}.{i}" if path else str(i))
-
-
-def _set(v: Any) -> bool:
-    return v is not None
-
-
-# Recognised fields this server cannot honour: field -> (does this value ask for it?, why), per
-# route. A request that sets one is a 400 naming the field; removing a line enables the field
-# (it must then be declared on the request model).
-UNSUPPORTED: dict[str, dict[str, tuple]] = {
-    "completions": {
-        "suffix": (bool, "fill-in-the-middle (a non-empty suffix) is not supported"),
-    },
-    "chat": {
-        "functions": (bool, "function calls are not supported"),
-        "function_call": (lambda v: v is not None and v != "none", "function calls are not "
-                          "supported; only \"none\""),
-        "prompt_logprobs": (_set, "prompt logprobs are returned by /v1/completions only"),
-        "echo": (bool, "echoing the last message is not supported"),
-        "documents": (bool, "documents (retrieval-augmented templates) are not supported"),
-        "chat_template": (_set, "a per-request chat template is not supported; start the server "
-                          "with --chat-template"),
-        "return_token_ids": (bool, "token ids are returned by /v1/completions only"),
-    },
-}
-# vLLM's extensions both routes refuse (their names, so that a request written for vLLM is told)
-_BOTH: dict[str, tuple] = {
-    "use_beam_search": (bool, "beam search is not supported"),
-    "length_penalty": (lambda v: v is not None and v != 1.0, "length_penalty applies to beam "
-                       "search, which is not supported; only 1.0"),
-    "spaces_between_special_tokens": (lambda v: v is False, "only true (the default) is supported"),
-    "priority": (lambda v: v not in (None, 0), "priority scheduling is not supported (the "
-                 "scheduler is first come, first served); only 0"),
-    "logits_processors": (bool, "custom logits processors are not supported"),
-    "prompt_embeds": (_set, "prompt embeddings are not supported; send text or token ids"),
-    "cache_salt": (_set, "cache_salt is not supported (prefix caching shares cached prompt "
-                   "blocks between all requests; --no-enable-prefix-caching turns it off)"),
-    "kv_transfer_params": (_set, "KV transfer (disaggregated prefill) is not supported"),
-    "vllm_xargs": (bool, "vllm_xargs (custom logits processors' arguments) is not supported"),
-}
-for _route in UNSUPPORTED.values():
-    _route.update(_BOTH)
-
-
-def refuse_unsupported(data: Any, route: str) -> None:
-    """ValueError naming the first field of `UNSUPPORTED[route]` that `data` asks for."""
-    if not isinstance(data, dict):
-        return
-    for name, (asks, why) in UNSUPPORTED[route].items():
-        if name in data and asks(data[name]):
-            raise ValueError(f"{name}: {why}")
-
-
-class BaseRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_text(cls, data: Any) -> Any:
-        check_text(data, "")
-        return data
-
-
-class StreamOptions(BaseRequest):
-    # vLLM's default: a stream_options object without include_usage still asks for the usage
-    include_usage: bool = True
-    # vLLM: with include_usage, every chunk also carries the usage so far
-    continuous_usage_stats: bool = False
-
-
-class JsonSchemaFormat(BaseRequest):
-    """OpenAI's `response_format.json_schema`; the schema is always enforced (strict or not)."""
-
-    name: str = Field(..., min_length=1, max_length=64)
-    description: str | None = None
-    schema_: dict | None = Field(None, alias="schema")  # None: any JSON object
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseRequest):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_with_its_type(self):
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format.json_schema is required when type is json_schema")
-        return self
-
-
-class StructuredOutputsRequest(BaseRequest):
-    """vLLM's `structured_outputs`: one constraint (json, regex, choice, grammar, json_object)
-    and the JSON whitespace options."""
-
-    json_: str | dict | None = Field(None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    structural_tag: str | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-
-
-def _json_spec(value: str | dict, field: str) -> str:
-    """A JSON schema as text (key order kept: it is the order the output's keys follow)."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"{field}: not valid JSON ({e})") from None
-    if not isinstance(value, (dict, bool)):
-        raise ValueError(f"{field}: a JSON schema must be an object")
-    return json.dumps(value)
-
-
-def _takes_none(annotation: Any) -> bool:
-    if annotation is Any or annotation is None or annotation is type(None):
-        return True
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        return any(_takes_none(a) for a in typing.get_args(annotation))
-    return False
-
-
-@functools.cache
-def _non_nullable(cls: type) -> frozenset:
-    """The names (and aliases) of `cls`'s fields whose type does not take None."""
-    return frozenset(n for name, f in cls.model_fields.items() if not _takes_none(f.annotation)
-                     for n in (name, f.alias) if n)
-
-
-_SPEC_KINDS = ("regex", "choice", "grammar")  # constraints passed on as given (json is checked first)
+from server.request_fields import (_SPEC_KINDS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS,
+                                   MAX_LOGIT_BIAS_TOKENS, MAX_N, MAX_REQUEST_ID_CHARS, BaseRequest, Int64,
+                                   NonNegInt64, ResponseFormat, StreamOptions, StructuredOutputsRequest,
+                                   _json_spec, _non_nullable, bounded, refuse_unsupported)
 
 
 class SamplingFields(BaseRequest):

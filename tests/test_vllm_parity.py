@@ -21,7 +21,8 @@ from models.config import ModelConfig
 from server.api_server import build_app
 from server.flags import api_key_from, build_parser, engine_args_from
 from server.overrides import load_generation_defaults
-from server.protocol import CompletionRequest, _non_nullable
+from server.protocol import CompletionRequest
+from server.request_fields import _non_nullable
 from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, InProcessServer, assert_error
 
 os.environ.update(OFFLINE_ENV)
