@@ -352,6 +352,15 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set the finished status if token_id ends the request; stop tokens wait for min_tokens."""
         sp = request.sampling_params
+        # checked first: a matcher that failed while computing its mask allows only EOS, which
+        # must not read as a normal stop
+        if request.grammar is not None and request.grammar.failed:
+            # the matcher gave up (a grammar past llguidance's limits, found only while
+            # generating): an error the client is told of, never an output that breaks its
+            # constraint passed off as "stop"
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = request.grammar.error()
+            return True
         if request.num_output_tokens >= sp.min_tokens:
             if token_id in sp.stop_token_ids:
                 request.status = RequestStatus.FINISHED_STOPPED
@@ -360,13 +369,6 @@ class Scheduler:
             if not sp.ignore_eos and request.eos_token_id is not None and token_id == request.eos_token_id:
                 request.status = RequestStatus.FINISHED_STOPPED
                 return True
-        if request.grammar is not None and request.grammar.failed:
-            # the matcher gave up (a grammar past llguidance's limits, found only while
-            # generating): an error the client is told of, never an output that breaks its
-            # constraint passed off as "stop"
-            request.status = RequestStatus.FINISHED_ERROR
-            request.stop_reason = request.grammar.error()
-            return True
         if request.grammar is not None and request.grammar.terminated:
             # the grammar allows nothing more: the end of the output, whatever min_tokens says
             request.status = RequestStatus.FINISHED_STOPPED

@@ -191,7 +191,10 @@ async def _events(streams: EngineStreams, builder: Builder, head: dict, tracker,
             if req.include_usage:
                 pieces.append(sse({**head, "choices": [], "usage": builder.usage(finals)}))
         except Exception as e:  # headers are gone: report in-band, as OpenAI does
-            logger.exception("stream %s failed", head["id"])
+            if isinstance(e, ValueError):  # the request's own fault: no traceback
+                logger.warning("stream %s failed: %s", head["id"], e)
+            else:
+                logger.exception("stream %s failed", head["id"])
             status = 400 if isinstance(e, ValueError) else 500
             pieces.append(sse(error_body(status, str(e) if status == 400
                                          else f"internal server error ({type(e).__name__})")))

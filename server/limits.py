@@ -69,14 +69,14 @@ class ServerLimits:
 
     def check_prompt_logprobs(self, prompts: list, k: int | None, field: str) -> None:
         """400 when the prompts' logprob entries (tokens x (k + 1)) may exceed
-        max_prompt_logprob_entries; a text prompt counts one token per character (no tokenizer
-        yields more: an upper bound, exact for token ids)."""
+        max_prompt_logprob_entries; a text prompt counts its UTF-8 bytes + 2 (a byte-fallback
+        tokenizer makes at most a token a byte, plus BOS / EOS: an upper bound; exact for ids)."""
         if k is None:
             return
-        tokens = sum(len(p) for p in prompts)
+        tokens = sum(len(p.encode("utf-8")) + 2 if isinstance(p, str) else len(p) for p in prompts)
         entries = tokens * (k + 1)
         if entries > self.max_prompt_logprob_entries:
-            raise APIError(400, f"{field}: {tokens} prompt tokens (or characters) x {k + 1} logprob "
+            raise APIError(400, f"{field}: {tokens} prompt tokens (at most, for text) x {k + 1} logprob "
                            f"entries each = {entries}; at most {self.max_prompt_logprob_entries} per "
                            f"request (--max-prompt-logprob-entries): send fewer prompts per request",
                            param=field)

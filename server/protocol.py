@@ -86,6 +86,13 @@ class SamplingFields(BaseRequest):
             bias[int(key)] = float(b)
         return bias
 
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_not_blank(cls, v):
+        if v is not None and any(not w.strip() for w in v):
+            raise ValueError("words must hold more than whitespace (a blank word would ban the space)")
+        return v
+
     @field_validator("truncate_prompt_tokens")
     @classmethod
     def _truncate_not_zero(cls, v):

@@ -20,10 +20,11 @@ MAX_N = 128  # OpenAI's cap on choices per prompt
 MAX_REQUEST_ID_CHARS = 256  # a client's request id (field or X-Request-Id header), echoed in ids
 # logit_bias entries per request: each one is host work in every step of the request
 MAX_LOGIT_BIAS_TOKENS = 1024
-# allowed_token_ids entries per request: a [rows, vocab] mask is built from them each step
-MAX_ALLOWED_TOKEN_IDS = 1 << 17
+# allowed_token_ids entries per request: their mask is built on the host for every row, every
+# step (a request's n and prompts multiply it), as logit_bias's entries are
+MAX_ALLOWED_TOKEN_IDS = 1024
 # bad_words per request, and characters per word: each is matched against every output each step
-MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 256
+MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 64
 
 
 def bounded(lo: int, hi: int):

@@ -377,3 +377,20 @@ def test_abort_running_and_waiting():
     assert sched.block_manager.num_used_blocks == 0 and not sched.has_unfinished_requests()
     so = sched.schedule()
     assert so.finished_req_ids == {"run"} and so.is_empty
+
+
+def test_a_failed_grammar_ends_in_an_error_even_on_eos():
+    """A matcher that failed while computing its mask allows only EOS: the request must end in
+    an error, not in a stop whose output breaks the constraint."""
+    class Failed:
+        failed, terminated = True, False
+
+        def error(self) -> str:
+            return "structured output: the constraint could not be followed (test)"
+
+    cfg = SchedulerConfig(max_num_batched_tokens=64, num_blocks=64, block_size=4)
+    sched = Scheduler(cfg)
+    req = make_req("r", [1, 2, 3], eos=9, max_tokens=5)
+    req.grammar = Failed()
+    assert sched._check_stop(req, 9)
+    assert req.finish_reason == "error" and "could not be followed" in req.stop_reason

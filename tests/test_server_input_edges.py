@@ -81,3 +81,14 @@ def test_prompt_logprob_volume_is_bounded(server):
     # without prompt logprobs the same prompts are only bounded by the other limits
     assert post(server, "/v1/completions", {"prompt": ["x" * 100] * 4, "max_tokens": 1, "echo": True}
                 ).status_code == 200
+
+
+def test_emoji_prompts_count_by_bytes_and_blank_bad_words_are_refused(server):
+    from server.limits import ServerLimits
+    limit = ServerLimits().max_prompt_logprob_entries
+    n = limit // (21 * 4 * 8) + 1  # 8 prompts of n four-byte emoji x 21 entries: over the bound
+    assert_error(post(server, "/v1/completions", {"prompt": ["\U0001F600" * n] * 8, "max_tokens": 1,
+                                                 "echo": True, "logprobs": 20}), 400, "echo")
+    assert_error(post(server, "/v1/completions", {"prompt": "hi", "bad_words": ["   "]}), 400, "bad_words")
+    assert_error(post(server, "/v1/completions", {"prompt": "hi", "allowed_token_ids": list(range(1025))}),
+                 400, "allowed_token_ids")
