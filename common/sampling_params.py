@@ -165,3 +165,29 @@ class SamplingParams:
         """Sampling reads the request's own tokens (penalties, min_tokens, multi-token bad words)."""
         return (self.needs_penalties or self.min_tokens > 0
                 or any(len(seq) > 1 for seq in self.bad_words_token_ids or ()))
+
+
+def check_token_ids(params: SamplingParams, vocab_size: int, eos_token_id: int | None = None) -> None:
+    """ValueError naming the field when a token id the sampler indexes the logits by is outside
+    [0, vocab_size), or when the params leave some step nothing to sample: every id of
+    allowed_token_ids banned by a one-token bad word, or by the stop ids (EOS too, unless
+    ignore_eos) that min_tokens masks. The engine core runs it on every request (cfg.vocab_size);
+    the InputProcessor runs it first with the ids the tokenizer can decode, for the HTTP paths."""
+    fields = (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {}),
+              ("allowed_token_ids", params.allowed_token_ids or ()),
+              ("bad_words", [t for seq in params.bad_words_token_ids or () for t in seq]))
+    for name, ids in fields:
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
+    if params.allowed_token_ids is None:
+        return
+    banned = {seq[0] for seq in params.bad_words_token_ids or () if len(seq) == 1}
+    if params.min_tokens > 0:
+        banned.update(params.stop_token_ids)
+        if eos_token_id is not None and not params.ignore_eos:
+            banned.add(eos_token_id)
+    if banned.issuperset(params.allowed_token_ids):
+        raise ValueError(f"allowed_token_ids: every listed token is also banned (by a one-token bad word, "
+                         f"or as a stop/EOS token while below min_tokens {params.min_tokens}), so nothing "
+                         "could be sampled")

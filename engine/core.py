@@ -9,7 +9,7 @@ from common.args import EngineArgs
 from common.gc_tuning import freeze_startup_objects, thaw_frozen_objects
 from engine.executor import make_executor
 from engine.sampler import check_sampling_params
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, check_token_ids
 from engine.structured_outputs import GrammarCompiler
 from engine.worker import resolve_device
 from models.config import ModelConfig
@@ -65,14 +65,7 @@ class EngineCore:
         V = self.cfg.vocab_size
         if prompt_token_ids and not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < V:
             raise ValueError(f"prompt: token ids must be in [0, {V})")
-        if any(not 0 <= t < V for t in params.stop_token_ids):  # the sampler masks them by index
-            raise ValueError(f"stop_token_ids must be in [0, {V})")
-        if any(not 0 <= t < V for t in params.logit_bias or {}):  # the sampler indexes by them
-            raise ValueError(f"logit_bias: token ids must be in [0, {V})")
-        if any(not 0 <= t < V for seq in params.bad_words_token_ids or () for t in seq):
-            raise ValueError(f"bad_words: token ids must be in [0, {V})")
-        if any(not 0 <= t < V for t in params.allowed_token_ids or ()):
-            raise ValueError(f"allowed_token_ids: token ids must be in [0, {V})")
+        check_token_ids(params, V, self.eos_token_id)
         if self._in_flight is not None and request_id in self._in_flight[0].num_scheduled_tokens:
             # The id of a request that has ended but still has a step in flight: results are
             # matched by id, so that step must land before the new request can exist.

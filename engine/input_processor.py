@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import os
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import SamplingParams, check_token_ids
 from models.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -114,16 +114,7 @@ class InputProcessor:
                 f"However, you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
                 f"prompt, {params.max_tokens} in the completion: max_tokens). Please reduce the "
                 "length of the prompt or max_tokens.", "max_tokens")
-        if any(t >= self.vocab_size for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be below the vocabulary size {self.vocab_size}")
-        bad = next((t for t in params.logit_bias or {} if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"logit_bias: token id {bad} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
-        bad = next((t for t in params.allowed_token_ids or () if t >= self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"allowed_token_ids: token id {bad} is outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        check_token_ids(params, self.vocab_size, self.eos_token_id)
         return text, ids, params
 
     def check_text_length(self, text: str, field: str) -> None:

@@ -149,7 +149,12 @@ class SamplingBatch:
             if any(p.repetition_penalty != 1.0 for p in params):
                 prompts = [list(t) for t in prompt_token_ids]
 
+        # the rows' token masks and biases, in one walk over the rows: the min_tokens and bad-word
+        # bans (ids per row), allowed_token_ids (row of the allowed rows, token id) pairs, and
+        # logit_bias (row, token id, bias) entries
         masked = None
+        allowed_rows, allowed_which, allowed_ids = [], [], []
+        bias_rows, bias_ids, biases = [], [], []
         for i, (p, out) in enumerate(zip(params, output_token_ids)):
             banned = []
             if len(out) < p.min_tokens:
@@ -159,11 +164,26 @@ class SamplingBatch:
             if banned:
                 masked = masked or [[] for _ in range(n)]
                 masked[i] = banned
+            if p.allowed_token_ids is not None:
+                allowed_which.extend([len(allowed_rows)] * len(p.allowed_token_ids))
+                allowed_ids.extend(p.allowed_token_ids)
+                allowed_rows.append(i)
+            if p.logit_bias:
+                bias_rows.extend([i] * len(p.logit_bias))
+                bias_ids.extend(p.logit_bias)
+                biases.extend(p.logit_bias.values())
+        allowed = logit_bias = None
+        if allowed_rows:
+            allowed = (column(allowed_rows, torch.int64), column(allowed_which, torch.int64),
+                       column(allowed_ids, torch.int64))
+        if bias_rows:
+            logit_bias = (column(bias_rows, torch.int64), column(bias_ids, torch.int64),
+                          column(biases, torch.float32))
 
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            logit_bias=_logit_bias_entries(params, device),
-            allowed=_allowed_entries(params, device),
+            logit_bias=logit_bias,
+            allowed=allowed,
             temperature=temperature,
             all_greedy=all_greedy,
             top_p=top_p,
@@ -277,36 +297,6 @@ def _apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor | None,
     logits = logits.clone()
     logits[rows] = logits[rows].masked_fill(~allowed, _NEG_INF)
     return logits
-
-
-def _logit_bias_entries(params: Sequence[SamplingParams], device: torch.device | str,
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The batch's logit_bias as flat (row, token id, bias) columns; None when no row has one."""
-    rows, ids, biases = [], [], []
-    for i, p in enumerate(params):
-        for t, b in (p.logit_bias or {}).items():
-            rows.append(i)
-            ids.append(t)
-            biases.append(b)
-    if not rows:
-        return None
-    return (to_device(rows, torch.int64, device), to_device(ids, torch.int64, device),
-            to_device(biases, torch.float32, device))
-
-
-def _allowed_entries(params: Sequence[SamplingParams], device: torch.device | str,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The rows with allowed_token_ids and their (row of those, token id) pairs; None when none."""
-    rows, which, ids = [], [], []
-    for i, p in enumerate(params):
-        if p.allowed_token_ids is not None:
-            which.extend([len(rows)] * len(p.allowed_token_ids))
-            ids.extend(p.allowed_token_ids)
-            rows.append(i)
-    if not rows:
-        return None
-    return (to_device(rows, torch.int64, device), to_device(which, torch.int64, device),
-            to_device(ids, torch.int64, device))
 
 
 def _apply_allowed(logits: torch.Tensor,

@@ -97,6 +97,10 @@ def test_n_samples_and_logprobs(tiny_v3):
     ([5, 320], SamplingParams(), "token id 320"),
     ([5] * 250, SamplingParams(max_tokens=10), "10 in the completion: max_tokens"),
     ([5, 6], SamplingParams(allowed_token_ids=[7, 10**6]), "allowed_token_ids"),
+    ([5, 6], SamplingParams(bad_words_token_ids=[[7, 10**6]]), "bad_words: token id 1000000"),
+    ([5, 6], SamplingParams(allowed_token_ids=[7], bad_words_token_ids=[[7]]), "nothing could be sampled"),
+    ([5, 6], SamplingParams(allowed_token_ids=[7, 8], stop_token_ids=[7, 8], min_tokens=1),
+     "nothing could be sampled"),
 ])
 def test_bad_input_named_and_engine_keeps_serving(tiny_v3, prompt, params, field):
     llm = make_llm(tiny_v3[0])

@@ -381,6 +381,23 @@ def test_allowed_token_ids_constrain_only_their_rows(temperature):
         SamplingParams(allowed_token_ids=[])
 
 
+def test_check_token_ids_refuses_ids_outside_and_rows_left_nothing():
+    from common.sampling_params import check_token_ids
+    check_token_ids(SamplingParams(allowed_token_ids=[7, 8], bad_words_token_ids=[[7], [3, 8]]), 10)
+    check_token_ids(SamplingParams(allowed_token_ids=[2], min_tokens=3, ignore_eos=True), 10, eos_token_id=2)
+    check_token_ids(SamplingParams(allowed_token_ids=[2, 5], min_tokens=3), 10, eos_token_id=2)
+    with pytest.raises(ValueError, match="allowed_token_ids: every listed token is also banned"):
+        check_token_ids(SamplingParams(allowed_token_ids=[2], min_tokens=3), 10, eos_token_id=2)
+    with pytest.raises(ValueError, match="allowed_token_ids: every listed token is also banned"):
+        check_token_ids(SamplingParams(allowed_token_ids=[2, 5], min_tokens=1, stop_token_ids=[5],
+                                       bad_words_token_ids=[[2]]), 10)
+    for field, kw in (("stop_token_ids", {"stop_token_ids": [10]}), ("logit_bias", {"logit_bias": {10: 1.0}}),
+                      ("allowed_token_ids", {"allowed_token_ids": [3, 10]}),
+                      ("bad_words", {"bad_words_token_ids": [[3, 10]]})):
+        with pytest.raises(ValueError, match=f"{field}: token id 10 is outside the vocabulary"):
+            check_token_ids(SamplingParams(**kw), 10)
+
+
 def test_bad_word_bans():
     from engine.sampler import bad_word_bans
     assert bad_word_bans([[5], [7, 8, 9]], []) == [5]
