@@ -42,13 +42,33 @@ def load_tokenizer(path: str, required: bool = True):
 
 class ContextLengthError(ValueError):
     """A prompt (with its max_tokens) longer than the context: OpenAI's wording, which clients
-    match on ("maximum context length"), its code, and the field to blame."""
+    match on ("maximum context length"), its code, and the field to blame. `max_tokens` None:
+    the prompt alone leaves no room. `renamed` words it for another endpoint's fields (chat:
+    `messages`, `max_completion_tokens`)."""
 
     code = "context_length_exceeded"
 
-    def __init__(self, message: str, param: str) -> None:
-        super().__init__(message)
-        self.param = param
+    def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int | None = None,
+                 prompt_field: str = "prompt", max_tokens_field: str = "max_tokens") -> None:
+        self.max_model_len, self.prompt_tokens, self.max_tokens = max_model_len, prompt_tokens, max_tokens
+        self.fields = (prompt_field, max_tokens_field)
+        self.param = prompt_field if max_tokens is None else max_tokens_field
+        head = f"This model's maximum context length is {max_model_len} tokens (max_model_len). "
+        if max_tokens is None:
+            text = (f"However, your {prompt_field} has {prompt_tokens} tokens, which leaves no room for "
+                    f"output. Please reduce the length of the {prompt_field}.")
+        else:
+            text = (f"However, you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
+                    f"{prompt_field}, {max_tokens} in the completion: {max_tokens_field}). Please reduce "
+                    f"the length of the {prompt_field} or {max_tokens_field}.")
+        super().__init__(head + text)
+
+    def __reduce__(self):  # pickled with its fields (the default would pass only the message)
+        return ContextLengthError, (self.max_model_len, self.prompt_tokens, self.max_tokens, *self.fields)
+
+    def renamed(self, prompt_field: str, max_tokens_field: str) -> ContextLengthError:
+        return ContextLengthError(self.max_model_len, self.prompt_tokens, self.max_tokens,
+                                  prompt_field, max_tokens_field)
 
 
 class InputProcessor:
@@ -102,18 +122,11 @@ class InputProcessor:
                              f"({self.capacity_tokens} tokens)")
         room = self.max_model_len - len(ids)
         if room < 1:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens (max_model_len). "
-                f"However, your prompt has {len(ids)} tokens, which leaves no room for output. "
-                "Please reduce the length of the prompt.", "prompt")
+            raise ContextLengthError(self.max_model_len, len(ids))
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=room)
         elif params.max_tokens > room:
-            raise ContextLengthError(
-                f"This model's maximum context length is {self.max_model_len} tokens (max_model_len). "
-                f"However, you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the "
-                f"prompt, {params.max_tokens} in the completion: max_tokens). Please reduce the "
-                "length of the prompt or max_tokens.", "max_tokens")
+            raise ContextLengthError(self.max_model_len, len(ids), params.max_tokens)
         check_token_ids(params, self.vocab_size, self.eos_token_id)
         return text, ids, params
 

@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from common.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
+from engine.input_processor import ContextLengthError
 from server.errors import APIError, error_body, param_of
 from server.request_fields import MAX_REQUEST_ID_CHARS
 from server.streams import ClientDisconnected, EngineStreams, until_disconnect
@@ -88,13 +89,17 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     return seqs
 
 
-async def start_streams(state, raw: Request, prompts, params, request_id: str) -> EngineStreams:
-    """Submit every prompt and wait until the engine accepted all of them (ValueError -> 400)."""
+async def start_streams(state, raw: Request, prompts, params, request_id: str,
+                        fields: tuple[str, str] = ("prompt", "max_tokens")) -> EngineStreams:
+    """Submit every prompt and wait until the engine accepted all of them (ValueError -> 400;
+    a context overflow names `fields`: the request's prompt and max_tokens fields)."""
     streams = EngineStreams(state.engine, prompts, params, request_id, state.background)
     try:
         await until_disconnect(raw, streams.prime())
     except ValueError as e:
         streams.close()
+        if isinstance(e, ContextLengthError) and fields != ("prompt", "max_tokens"):
+            e = e.renamed(*fields)
         # a ContextLengthError names its field and OpenAI's code
         raise APIError(400, str(e), param=getattr(e, "param", None) or param_of(str(e)),
                        code=getattr(e, "code", None)) from None
@@ -119,6 +124,13 @@ def response_id(prefix: str, raw: Request, req) -> tuple[str, str]:
     return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
 
 
+def _fields(req, obj: str) -> tuple[str, str]:
+    """The request's prompt and max_tokens fields, as a context overflow names them."""
+    if obj != "chat.completion":
+        return "prompt", "max_tokens"
+    return "messages", "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+
+
 async def respond(state, raw: Request, req, prompts: list, params: SamplingParams, ids: tuple[str, str],
                   builder: Builder, obj: str, chunk_obj: str) -> Response:
     """Run `prompts` (n choices each) and answer: JSON `{id, object: obj, created, model, choices,
@@ -129,7 +141,7 @@ async def respond(state, raw: Request, req, prompts: list, params: SamplingParam
     tracker = state.metrics.tracker(params.n, params.max_tokens)
     num_outputs = len(prompts) * req.n
     try:
-        streams = await start_streams(state, raw, prompts, params, engine_id)
+        streams = await start_streams(state, raw, prompts, params, engine_id, _fields(req, obj))
     except ClientDisconnected:  # gone while its prompts were still being accepted: aborted
         tracker.close(num_outputs)
         return Response(status_code=499)

@@ -21,7 +21,7 @@ from common.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LO
 from server.request_fields import (_SPEC_KINDS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS,
                                    MAX_LOGIT_BIAS_TOKENS, MAX_N, MAX_REQUEST_ID_CHARS, BaseRequest, Int64,
                                    NonNegInt64, ResponseFormat, StreamOptions, StructuredOutputsRequest,
-                                   _json_spec, _non_nullable, bounded, refuse_unsupported)
+                                   _json_spec, bounded, refuse_unsupported)
 
 
 class SamplingFields(BaseRequest):
@@ -113,20 +113,6 @@ class SamplingFields(BaseRequest):
     def _unsupported(cls, data: Any) -> Any:
         refuse_unsupported(data, cls.endpoint)
         return data
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        """An explicit null in a field that takes no null means "not set", as in vLLM (which
-        declares them Optional): the default applies, or --generation-config's. Clients built
-        on OpenAI's SDK types (LangChain, LiteLLM) send nulls for what they leave out. Fields
-        where null means something (`max_tokens`: up to the context) keep it."""
-        if not isinstance(data, dict):
-            return data
-        fields = _non_nullable(cls)
-        if not any(v is None and k in fields for k, v in data.items()):
-            return data
-        return {k: v for k, v in data.items() if v is not None or k not in fields}
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):

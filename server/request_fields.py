@@ -136,6 +136,21 @@ class BaseRequest(BaseModel):
         check_text(data, "")
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """An explicit null in a field that takes no null means "not set", as in vLLM (which
+        declares them Optional), in nested objects too (`stream_options.include_usage`): the
+        default applies, or --generation-config's. Clients built on OpenAI's SDK types
+        (LangChain, LiteLLM) send nulls for what they leave out. Fields where null means
+        something (`max_tokens`: up to the context) keep it."""
+        if not isinstance(data, dict):
+            return data
+        fields = _non_nullable(cls)
+        if not any(v is None and k in fields for k, v in data.items()):
+            return data
+        return {k: v for k, v in data.items() if v is not None or k not in fields}
+
 
 class StreamOptions(BaseRequest):
     # vLLM's default: a stream_options object without include_usage still asks for the usage

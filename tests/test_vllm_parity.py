@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import pickle
 
 import httpx
 import pytest
@@ -39,7 +40,7 @@ class ContextEngine(FakeEngine):
 
     async def generate(self, prompt, params, request_id):
         if params.max_tokens and params.max_tokens > 10_000:
-            raise ContextLengthError("This model's maximum context length is 256 tokens ...", "max_tokens")
+            raise ContextLengthError(MAX_LEN, 5, params.max_tokens)
         async for out in super().generate(prompt, params, request_id):
             yield out
 
@@ -97,7 +98,8 @@ def _events(server, body):
 
 
 @pytest.mark.parametrize("opts,usage", [({}, True), ({"continuous_usage_stats": True}, True),
-                                        ({"include_usage": False}, False), (None, False)])
+                                        ({"include_usage": None}, True), ({"include_usage": False}, False),
+                                        (None, False)])
 def test_stream_options_include_usage_defaults_to_true(server, opts, usage):
     body = {**CMPL, "stream": True, **({} if opts is None else {"stream_options": opts})}
     events = _events(server, body)
@@ -185,6 +187,12 @@ def test_context_length_error_is_openais(server):
     err = assert_error(post(server, "/v1/completions", {**CMPL, "max_tokens": 20_000}), 400, None)
     assert err["message"].startswith("This model's maximum context length is")
     assert (err["param"], err["code"]) == ("max_tokens", "context_length_exceeded")
+    assert "(5 in the prompt, 20000 in the completion: max_tokens)" in err["message"]
+    for field in ("max_tokens", "max_completion_tokens"):  # chat names its own fields
+        err = assert_error(post(server, "/v1/chat/completions", {**CHAT, field: 20_000}), 400, None)
+        assert (err["param"], err["code"]) == (field, "context_length_exceeded")
+        assert f"in the messages, 20000 in the completion: {field}). Please reduce the length of the " \
+               f"messages or {field}." in err["message"]
 
 
 def test_echo_without_logprobs_logs_no_warning(server, caplog):
@@ -228,6 +236,8 @@ def test_context_length_message(inputs):
     assert str(e.value).startswith("This model's maximum context length is 256 tokens")
     assert "you requested 260 tokens (250 in the prompt, 10 in the completion" in str(e.value)
     assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
+    again = pickle.loads(pickle.dumps(e.value))  # as it would cross a process boundary
+    assert (str(again), again.param) == (str(e.value), "max_tokens")
 
 
 def test_continue_final_message_and_chat_special_tokens(server, tok):
