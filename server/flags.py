@@ -360,6 +360,13 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         raise ValueError("--hf-overrides must be a JSON object")
     if ns.model_tag is not None and ns.model is not None and ns.model_tag != ns.model:
         raise ValueError(f"the model is named twice: {ns.model_tag} (positional) and --model {ns.model}")
+    # the checks that read nothing first: a bad flag must not wait for a Hub download
+    if not 1 <= ns.port <= 65535:
+        raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
+    _check_noops(ns)
+    check_parser_name(ns.reasoning_parser)
+    check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
+    _check_limits(ns)
     model = ns.model_tag or ns.model or _DEFAULTS["model"]
     served = ns.served_model_name
     if is_repo_id(model):
@@ -387,14 +394,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         speculative_config=ns.speculative_config,
         enable_log_requests=ns.enable_log_requests and not ns.disable_log_requests, nnodes=ns.nnodes, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port)
-    if not 1 <= ns.port <= 65535:
-        raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
-    _check_noops(ns)
-    check_parser_name(ns.reasoning_parser)
-    check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
     load_chat_template(ns.chat_template)
     load_generation_defaults(ns.generation_config, args.model, ns.override_generation_config)
-    _check_limits(ns)
     _check_devices(args)
     return args
 

@@ -320,6 +320,11 @@ def test_a_hub_repository_id_is_read_from_the_cache(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--model org/missing: not a local directory, and fetching it "
                                          "from the Hugging Face Hub failed \\(HF_HUB_OFFLINE is set"):
         engine_args_from(build_parser().parse_args(["org/missing", "--download-dir", str(tmp_path)]))
+    fetched = []
+    monkeypatch.setattr("server.flags.resolve_model_dir", lambda *a, **k: fetched.append(a) or snapshot)
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 2"):  # named before any fetch
+        engine_args_from(build_parser().parse_args(["org/big", "-pp", "2"]))
+    assert fetched == []
 
 
 def test_max_logprobs_and_fastapi_docs(tok):
