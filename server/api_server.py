@@ -21,6 +21,7 @@ from server.chat import chat_prompt_ids, create_chat_completion, encode
 from server.chat_protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.completions import create_completion
 from server.errors import APIError, error_response, install_error_handlers
+from server.frontend_options import FrontendOptions
 from server.http_limits import BodyLimitMiddleware
 from server.limits import ServerLimits
 from server.metrics import ServerMetrics
@@ -38,8 +39,11 @@ class ServerState:
     def __init__(self, engine, api_key: str | None = None,
                  limits: ServerLimits | None = None, reasoning_parser: str | None = None,
                  tool_call_parser: str | None = None, chat_template: str | None = None,
-                 request_defaults: dict | None = None) -> None:
+                 request_defaults: dict | None = None,
+                 frontend: FrontendOptions | None = None) -> None:
         self.engine = engine
+        # vLLM's front-end flags: usage details, forced usage, token-id names, the request log
+        self.frontend = frontend or FrontendOptions()
         self.reasoning_parser = reasoning_parser  # --reasoning-parser (server/reasoning.py)
         # --tool-call-parser with --enable-auto-tool-choice (server/tool_calls.py); None: a
         # request with tool_choice "auto" is refused
@@ -119,9 +123,11 @@ def build_app(engine, args=None) -> FastAPI:
 
     `args` is the parsed `serve` namespace (or None): `api_key`, `reasoning_parser`,
     `enable_auto_tool_choice` and `tool_call_parser`, `chat_template`, `generation_config`, the
-    CORS flags and the ServerLimits fields are read from it.
+    CORS flags, the ServerLimits fields and the FrontendOptions flags are read from it.
     """
     limits = ServerLimits.from_args(args)
+    frontend = FrontendOptions.from_args(args)
+    frontend.note_log_level()
     reasoning_parser = getattr(args, "reasoning_parser", None)
     check_parser_name(reasoning_parser)
     tool_call_parser = check_tool_flags(getattr(args, "enable_auto_tool_choice", False),
@@ -137,7 +143,7 @@ def build_app(engine, args=None) -> FastAPI:
     state = ServerState(engine, api_key=getattr(args, "api_key", None), limits=limits,
                         reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser,
                         chat_template=load_chat_template(getattr(args, "chat_template", None)),
-                        request_defaults=defaults)
+                        request_defaults=defaults, frontend=frontend)
     # /docs, /redoc and /openapi.json as vLLM serves them, unless --disable-fastapi-docs
     docs = not getattr(args, "disable_fastapi_docs", False)
     app = FastAPI(title="mla-serve", docs_url="/docs" if docs else None,

@@ -15,7 +15,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
 from server.chat_protocol import ChatCompletionRequest
 from server.errors import APIError, param_of
-from server.handler import finite, respond, response_id, sampling_params
+from server.handler import finite, respond, response_id, sampling_params, usage_of
 from server.reasoning import ThinkParser, split_reasoning, thinks
 from server.tool_calls import Delta, ToolCallParser, call_id, forced_calls, parse_tool_calls
 
@@ -107,6 +107,7 @@ class ChatBuilder:
         self._tool_parsers: dict[int, ToolCallParser] = {}
         self._forced_text: dict[int, str] = {}  # choice index -> constrained output so far
         self._called: set[int] = set()  # choice indices that made a tool call
+        self.as_token_ids = state.frontend.as_token_ids(req)  # logprobs name tokens "token_id:N"
 
     def chunk_usage(self, index: int, final: RequestOutput) -> dict:
         """Usage so far of choice `index` (continuous_usage_stats, counted as vLLM does)."""
@@ -115,17 +116,20 @@ class ChatBuilder:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
-    def _entry(self, tid: int, logprob: float) -> dict:
-        s = (f"token_id:{tid}" if self.req.return_tokens_as_token_ids
-             else self.state.token_str(tid))
-        return {"token": s, "logprob": finite(logprob), "bytes": list(s.encode("utf-8"))}
+    def _entry(self, tid: int, logprob: float, sampled: bool) -> dict:
+        """One token's logprob entry. With token-id names, as vLLM: a sampled token's bytes are
+        still those of its text, an alternative's those of the "token_id:N" it shows."""
+        text = self.state.token_str(tid)
+        token = f"token_id:{tid}" if self.as_token_ids else text
+        raw = text if sampled else token
+        return {"token": token, "logprob": finite(logprob), "bytes": list(raw.encode("utf-8"))}
 
     def logprobs(self, lps: list[TokenLogprobs]) -> dict | None:
         if not self.req.logprobs:
             return None
         k = self.req.top_logprobs or 0
-        return {"content": [{**self._entry(lp.token_id, lp.logprob),
-                             "top_logprobs": [self._entry(t, v) for t, v in lp.top[:k]]}
+        return {"content": [{**self._entry(lp.token_id, lp.logprob, True),
+                             "top_logprobs": [self._entry(t, v, False) for t, v in lp.top[:k]]}
                             for lp in lps]}
 
     def _finish_reason(self, index: int, reason: str | None) -> str | None:
@@ -229,8 +233,7 @@ class ChatBuilder:
         final = finals[0]
         prompt = len(final.prompt_token_ids) if final else 0
         completion = sum(len(o.token_ids) for o in final.outputs) if final else 0
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        return usage_of(self.state, prompt, completion, finals)
 
     def chunks(self, i: int, out: RequestOutput) -> Iterator[tuple[dict, dict]]:
         for o in out.outputs:

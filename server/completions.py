@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
-from server.handler import finite, respond, response_id, sampling_params
+from server.handler import finite, respond, response_id, sampling_params, usage_of
 from server.protocol import CompletionRequest
 
 logger = logging.getLogger(__name__)
@@ -22,6 +22,7 @@ class CompletionBuilder:
     def __init__(self, state, req: CompletionRequest) -> None:
         self.state, self.req = state, req
         self.drop_generated = req.max_tokens == 0  # echo-only scoring: hide the sampled token
+        self.as_token_ids = state.frontend.as_token_ids(req)  # logprobs name tokens "token_id:N"
         self._sent_tokens: dict[int, int] = {}  # choice indices that have had a chunk
         self._finish_sent: set[int] = set()  # choice indices whose finish_reason went out
         self._offset: dict[int, int] = {}  # choice index -> text_offset of its next token
@@ -45,9 +46,9 @@ class CompletionBuilder:
         return o.text, o.token_ids, list(o.logprobs or [])
 
     def token_str(self, token_id: int) -> str:
-        if self.req.return_tokens_as_token_ids or self.state.tokenizer is None:
+        if self.as_token_ids:
             return f"token_id:{token_id}"
-        return self.state.token_str(token_id)
+        return self.state.token_str(token_id)  # "token_id:N" too without a tokenizer
 
     def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int) -> dict:
         """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
@@ -72,7 +73,8 @@ class CompletionBuilder:
 
     def prompt_logprobs(self, out: RequestOutput) -> list[dict | None]:
         """vLLM's `prompt_logprobs`: per prompt token (the first is null) {token id: {logprob,
-        rank, decoded_token}} for the prompt token and the top `prompt_logprobs` alternatives."""
+        rank, decoded_token}} for the prompt token and the top `prompt_logprobs` alternatives.
+        decoded_token is the token's text even with token-id names (vLLM's)."""
         k = self.req.prompt_logprobs
         rows: list[dict | None] = []
         for tid, lp in self._prompt_entries(out):
@@ -80,10 +82,10 @@ class CompletionBuilder:
                 rows.append(None)
                 continue
             row = {str(tid): {"logprob": finite(lp.logprob), "rank": lp.rank,
-                              "decoded_token": self.token_str(tid)}}
+                              "decoded_token": self.state.token_str(tid)}}
             for rank, (alt, alt_lp) in enumerate(lp.top[:k], 1):
                 row.setdefault(str(alt), {"logprob": finite(alt_lp), "rank": rank,
-                                          "decoded_token": self.token_str(alt)})
+                                          "decoded_token": self.state.token_str(alt)})
             rows.append(row)
         return rows
 
@@ -167,8 +169,7 @@ class CompletionBuilder:
         prompt = sum(len(f.prompt_token_ids) for f in finals)
         completion = 0 if self.drop_generated else sum(
             len(o.token_ids) for f in finals for o in f.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion}
+        return usage_of(self.state, prompt, completion, finals)
 
     def choices(self, finals: list[RequestOutput]) -> list[dict]:
         n = self.req.n

@@ -11,6 +11,7 @@ import sys
 from common.args import DTYPE_ALIASES, KV_CACHE_DTYPES, EngineArgs, human_readable_int
 from common.hub import is_repo_id, resolve_model_dir
 from common.kernel_plan import kernels_help
+from server.frontend_options import FrontendOptions, add_frontend_flags
 from server.limits import ServerLimits
 from server.overrides import load_chat_template, load_generation_defaults
 from server.reasoning import check_parser_name
@@ -224,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, help="logging level of uvicorn alone; default: --log-level")
     g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction,
                    default=d["enable_log_requests"],
-                   help="log each request at info level: its id, prompt length and sampling parameters")
+                   help="log each request at info level: its id, prompt length and sampling "
+                        "parameters; at debug level (--log-level debug) also its prompt "
+                        "(see --max-log-len)")
     g.add_argument("--disable-log-requests", action="store_true",
                    help="do not log requests (the default; vLLM's older spelling, kept so its "
                         "launch lines run)")
@@ -256,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=15.0,
                    help="on SIGTERM or SIGINT, seconds to let running requests finish before "
                         "the engine and its workers are stopped")
+    add_frontend_flags(p)
     g = p.add_argument_group("vLLM flags that ask for what this server does anyway (accepted so that "
                              "vLLM launch lines run; any other value is an error naming the flag)")
     for flag, kind, help_text in _VLLM_NOOPS:
@@ -367,6 +371,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     check_parser_name(ns.reasoning_parser)
     check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
     _check_limits(ns)
+    FrontendOptions.from_args(ns)  # its checks: --max-log-len
     model = ns.model_tag or ns.model or _DEFAULTS["model"]
     served = ns.served_model_name
     if is_repo_id(model):

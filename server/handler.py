@@ -26,7 +26,7 @@ from engine.outputs import RequestOutput
 from engine.input_processor import ContextLengthError
 from server.errors import APIError, error_body, param_of
 from server.request_fields import MAX_REQUEST_ID_CHARS
-from server.streams import ClientDisconnected, EngineStreams, until_disconnect
+from server.streams import ClientDisconnected, EngineStreams, engine_request_ids, until_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +36,18 @@ MIN_LOGPROB = -9999.0
 
 def finite(x: float) -> float:
     return x if x > MIN_LOGPROB else MIN_LOGPROB
+
+
+def usage_of(state, prompt_tokens: int, completion_tokens: int,
+             finals: list[RequestOutput | None]) -> dict:
+    """A response's usage; with --enable-prompt-tokens-details also the prompt tokens the
+    prefix cache held, over the request's prompts (`finals`: their latest outputs)."""
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+             "total_tokens": prompt_tokens + completion_tokens}
+    if state.frontend.prompt_tokens_details:
+        cached = sum(f.num_cached_tokens for f in finals if f is not None)
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def sse(obj: dict | str) -> str:
@@ -93,6 +105,7 @@ async def start_streams(state, raw: Request, prompts, params, request_id: str,
                         fields: tuple[str, str] = ("prompt", "max_tokens")) -> EngineStreams:
     """Submit every prompt and wait until the engine accepted all of them (ValueError -> 400;
     a context overflow names `fields`: the request's prompt and max_tokens fields)."""
+    state.frontend.log_prompts(engine_request_ids(request_id, len(prompts)), prompts)
     streams = EngineStreams(state.engine, prompts, params, request_id, state.background)
     try:
         await until_disconnect(raw, streams.prime())
@@ -146,7 +159,8 @@ async def respond(state, raw: Request, req, prompts: list, params: SamplingParam
         tracker.close(num_outputs)
         return Response(status_code=499)
     if req.stream:
-        return StreamingResponse(_events(streams, builder, {**head, "object": chunk_obj}, tracker, req, num_outputs),
+        return StreamingResponse(_events(streams, builder, {**head, "object": chunk_obj}, tracker,
+                                         state.frontend.stream_usage(req), num_outputs),
                                  media_type="text/event-stream")
     try:
         finals = await until_disconnect(raw, _collect(streams, tracker))
@@ -180,9 +194,10 @@ async def _collect(streams: EngineStreams, tracker) -> list[RequestOutput]:
     return last
 
 
-async def _events(streams: EngineStreams, builder: Builder, head: dict, tracker, req,
+async def _events(streams: EngineStreams, builder: Builder, head: dict, tracker, wants,
                   num_outputs: int) -> AsyncIterator[str]:
-    """The SSE events of a stream: one per choice delta, in engine order. The events of the
+    """The SSE events of a stream: one per choice delta, in engine order, with the usage `wants`
+    asks for (a StreamUsage: in every chunk, and a usage chunk at the end). The events of the
     outputs that have queued up since the last write (a front end behind the engine) go out in
     one write: still one event per delta, for far fewer socket writes and ASGI sends."""
     finals: list[RequestOutput | None] = [None] * len(streams.request_ids)
@@ -196,11 +211,11 @@ async def _events(streams: EngineStreams, builder: Builder, head: dict, tracker,
                     finals[i] = out
                     for delta, usage in builder.chunks(i, out):
                         pieces.append(sse({**head, "choices": [delta],
-                                           "usage": usage if req.continuous_usage else None}))
+                                           "usage": usage if wants.continuous_usage else None}))
                 if pieces and not streams.done:  # the last ones go out with [DONE]
                     yield "".join(pieces)
                     pieces = []
-            if req.include_usage:
+            if wants.include_usage:
                 pieces.append(sse({**head, "choices": [], "usage": builder.usage(finals)}))
         except Exception as e:  # headers are gone: report in-band, as OpenAI does
             if isinstance(e, ValueError):  # the request's own fault: no traceback

@@ -45,7 +45,8 @@ class SamplingFields(BaseRequest):
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N" (vLLM)
+    # logprobs name tokens "token_id:N" (vLLM); None: as --return-tokens-as-token-ids says
+    return_tokens_as_token_ids: bool | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None

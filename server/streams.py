@@ -18,6 +18,11 @@ class ClientDisconnected(Exception):
     """The HTTP client went away before its response was ready."""
 
 
+def engine_request_ids(request_id: str, num_prompts: int) -> list[str]:
+    """The engine request ids of a request's prompts, one each."""
+    return [f"{request_id}-{i}" for i in range(num_prompts)]
+
+
 class EngineStreams:
     """Runs one engine request per prompt and yields `(prompt_index, RequestOutput)` as they come.
 
@@ -30,7 +35,7 @@ class EngineStreams:
                  request_id: str, background: set[asyncio.Task]) -> None:
         self._engine = engine
         self._background = background  # strong refs to clean-up tasks that outlive the request
-        self.request_ids = [f"{request_id}-{i}" for i in range(len(prompts))]
+        self.request_ids = engine_request_ids(request_id, len(prompts))
         # items: (prompt_idx, output | None, exception | None); (i, None, None) = generator ended
         self._queue: asyncio.Queue = asyncio.Queue()
         self._buffer: list[tuple[int, RequestOutput]] = []

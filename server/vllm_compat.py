@@ -1,6 +1,7 @@
 """vLLM's server extras that its users' scripts and load balancers call: `/version`, `/ping`
-(GET and POST, as SageMaker's health check sends it) and CORS from `--allowed-origins`,
-`--allowed-methods`, `--allowed-headers`, `--allow-credentials`.
+(GET and POST, as SageMaker's health check sends it), CORS from `--allowed-origins`,
+`--allowed-methods`, `--allowed-headers`, `--allow-credentials`, the X-Request-Id response header
+(`--enable-request-id-headers`) and `/load` (`--enable-server-load-tracking`).
 
 CORS differs from vLLM in one way: vLLM always installs the middleware (every origin allowed by
 default); here it is installed only when one of those flags is given, the others then taking
@@ -9,6 +10,7 @@ vLLM's defaults (["*"], credentials off), so a server started without them sends
 
 from __future__ import annotations
 
+import uuid
 from importlib import metadata
 
 from fastapi import FastAPI
@@ -16,6 +18,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from server.errors import error_response
+from server.frontend_options import FrontendOptions
+
+# the routes whose requests --enable-server-load-tracking counts (vLLM's generating ones here)
+LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 def version() -> str:
@@ -26,7 +32,8 @@ def version() -> str:
 
 
 def install(app: FastAPI, engine, args=None) -> None:
-    """Add the routes and, when any CORS flag is set, the CORS middleware."""
+    """Add the routes and, when any CORS flag is set, the CORS middleware; the X-Request-Id and
+    load-counting middleware as --enable-request-id-headers and --enable-server-load-tracking say."""
     origins, methods, headers = (getattr(args, f, None) for f in
                                  ("allowed_origins", "allowed_methods", "allowed_headers"))
     credentials = bool(getattr(args, "allow_credentials", False))
@@ -50,3 +57,55 @@ def install(app: FastAPI, engine, args=None) -> None:
 
     for method in ("GET", "POST"):  # a route each: each method its own OpenAPI operation id
         app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_{method.lower()}")
+
+    frontend = FrontendOptions.from_args(args)
+    app.state.server_load_metrics = 0  # vLLM's name; stays 0 without load tracking
+    if frontend.server_load_tracking:
+        app.add_middleware(LoadTrackingMiddleware, state=app.state)
+    if frontend.request_id_headers:  # added last: outermost, so that every response has it
+        app.add_middleware(RequestIdHeaderMiddleware)
+
+    @app.get("/load")
+    async def load() -> dict:
+        return {"server_load": app.state.server_load_metrics}
+
+
+class RequestIdHeaderMiddleware:
+    """ASGI middleware: every HTTP response carries X-Request-Id, the request's own header when it
+    sent one (the completions' ids are built from it too), else a random hex id (vLLM's)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = [v for k, v in scope.get("headers") or [] if k.lower() == b"x-request-id"]
+        rid = given[0] if given else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers") or []
+                           if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class LoadTrackingMiddleware:
+    """ASGI middleware: `state.server_load_metrics` counts the POSTs to LOAD_TRACKED in flight,
+    from their arrival until their response has been sent (a stream: its last event) or the
+    client left. vLLM's count starts a little later, once the body is read and validated."""
+
+    def __init__(self, app, state) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LOAD_TRACKED:
+            return await self.app(scope, receive, send)
+        self.state.server_load_metrics += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.state.server_load_metrics -= 1

@@ -1,0 +1,114 @@
+"""vLLM's front-end flags that change what responses carry and what the server reports:
+--enable-prompt-tokens-details, --enable-force-include-usage, --return-tokens-as-token-ids,
+--enable-request-id-headers, --max-log-len and --enable-server-load-tracking.
+
+`add_frontend_flags` puts them on the `serve` parser; `FrontendOptions.from_args` is what the app
+reads (build_app) and checks the values (a ValueError naming the flag). The X-Request-Id header
+and the load count are middleware, installed with vLLM's other extras (server/vllm_compat.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+def add_frontend_flags(p: argparse.ArgumentParser) -> None:
+    """The flags' group on the `serve` parser."""
+    g = p.add_argument_group("responses and request logs (vLLM's front-end flags)")
+    g.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage (whole responses and the streamed usage chunk) carries "
+                        "prompt_tokens_details: {\"cached_tokens\": N}, N being the prompt tokens "
+                        "found in the prefix cache")
+    g.add_argument("--enable-force-include-usage", action="store_true",
+                   help="every stream carries usage as if the client had sent stream_options "
+                        "{\"include_usage\": true, \"continuous_usage_stats\": true}: the usage so "
+                        "far in each chunk and a usage chunk at the end (as in vLLM)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token \"token_id:ID\" (completions' tokens and "
+                        "top_logprobs keys, chat's token fields), so that tokens that are not "
+                        "valid text on their own stay identifiable; a request's "
+                        "return_tokens_as_token_ids overrides it")
+    g.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries an X-Request-Id header: the request's own "
+                        "X-Request-Id header, else a random id")
+    g.add_argument("--max-log-len", type=int, default=None, metavar="N",
+                   help="with --enable-log-requests, the request log shows at most N characters "
+                        "of each prompt and N of its token ids; default: all of them")
+    g.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="count the completions and chat requests in flight (until their response "
+                        "is sent) and report the count at GET /load as {\"server_load\": N}; "
+                        "without it /load answers 0")
+
+
+@dataclass(frozen=True)
+class StreamUsage:
+    """Which usage a stream carries: a usage chunk before [DONE], and usage in every chunk."""
+
+    include_usage: bool
+    continuous_usage: bool
+
+
+@dataclass(frozen=True)
+class FrontendOptions:
+    prompt_tokens_details: bool = False  # --enable-prompt-tokens-details
+    force_include_usage: bool = False  # --enable-force-include-usage
+    tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: the requests' default
+    request_id_headers: bool = False  # --enable-request-id-headers
+    server_load_tracking: bool = False  # --enable-server-load-tracking
+    log_requests: bool = False  # --enable-log-requests, and not --disable-log-requests
+    max_log_len: int | None = None  # --max-log-len; None: whole prompts
+
+    def __post_init__(self) -> None:
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"--max-log-len must be >= 0 (characters and token ids of a prompt "
+                             f"to log), got {self.max_log_len}")
+
+    @classmethod
+    def from_args(cls, args) -> FrontendOptions:
+        """Options from a parsed `serve` namespace (or any object; a missing flag is off)."""
+        def flag(name: str):
+            return getattr(args, name, None)
+        return cls(prompt_tokens_details=bool(flag("enable_prompt_tokens_details")),
+                   force_include_usage=bool(flag("enable_force_include_usage")),
+                   tokens_as_token_ids=bool(flag("return_tokens_as_token_ids")),
+                   request_id_headers=bool(flag("enable_request_id_headers")),
+                   server_load_tracking=bool(flag("enable_server_load_tracking")),
+                   log_requests=bool(flag("enable_log_requests")) and not flag("disable_log_requests"),
+                   max_log_len=flag("max_log_len"))
+
+    def stream_usage(self, req) -> StreamUsage:
+        """vLLM's choice: forced usage is the final chunk and the usage in every chunk; else
+        what the request's stream_options ask for."""
+        if self.force_include_usage:
+            return StreamUsage(True, True)
+        return StreamUsage(req.include_usage, req.continuous_usage)
+
+    def as_token_ids(self, req) -> bool:
+        """Whether logprobs name tokens "token_id:ID": the request's field when it sets one,
+        else --return-tokens-as-token-ids."""
+        given = req.return_tokens_as_token_ids
+        return self.tokens_as_token_ids if given is None else given
+
+    def note_log_level(self) -> None:
+        """Say at start-up where the prompts went when --enable-log-requests cannot show them."""
+        if self.log_requests and not logger.isEnabledFor(logging.DEBUG):
+            logger.info("--enable-log-requests: each request's prompt is logged at debug level "
+                        "only (--log-level debug)")
+
+    def log_prompts(self, request_ids: list[str], prompts: list) -> None:
+        """With --enable-log-requests, each engine request's prompt at debug level (the engine
+        logs its id, prompt length and parameters at info, as vLLM splits them), cut to
+        --max-log-len: a text prompt's characters, a token-id prompt's ids."""
+        if not self.log_requests or not logger.isEnabledFor(logging.DEBUG):
+            return
+        n = self.max_log_len
+        for rid, p in zip(request_ids, prompts):
+            text, ids = (p, None) if isinstance(p, str) else (None, list(p))
+            if n is not None:
+                text = None if text is None else text[:n]
+                ids = None if ids is None else ids[:n]
+            logger.debug("request %s: prompt: %r, prompt_token_ids: %s", rid, text, ids)
