@@ -36,8 +36,8 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
                    help="every response carries an X-Request-Id header: the request's own "
                         "X-Request-Id header, else a random id")
     g.add_argument("--max-log-len", type=int, default=None, metavar="N",
-                   help="with --enable-log-requests, the request log shows at most N characters "
-                        "of each prompt and N of its token ids; default: all of them")
+                   help="with --enable-log-requests, the request log (its debug line) shows at "
+                        "most N characters of each prompt and N of its token ids; unset: all")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="count the completions and chat requests in flight (until their response "
                         "is sent) and report the count at GET /load as {\"server_load\": N}; "
