@@ -140,10 +140,10 @@ class BaseRequest(BaseModel):
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
         """An explicit null in a field that takes no null means "not set", as in vLLM (which
-        declares them Optional), in nested objects too (`stream_options.include_usage`): the
-        default applies, or --generation-config's. Clients built on OpenAI's SDK types
-        (LangChain, LiteLLM) send nulls for what they leave out. Fields where null means
-        something (`max_tokens`: up to the context) keep it."""
+        declares them Optional), in nested objects too: the default applies, or
+        --generation-config's. Clients built on OpenAI's SDK types (LangChain, LiteLLM) send
+        nulls for what they leave out. Fields where null means something keep it
+        (`max_tokens`: up to the context; `stream_options.include_usage`: no usage)."""
         if not isinstance(data, dict):
             return data
         fields = _non_nullable(cls)
@@ -153,8 +153,9 @@ class BaseRequest(BaseModel):
 
 
 class StreamOptions(BaseRequest):
-    # vLLM's default: a stream_options object without include_usage still asks for the usage
-    include_usage: bool = True
+    # vLLM's default: a stream_options object without include_usage still asks for the usage;
+    # an explicit null asks for none (vLLM's field is Optional and tested for truth)
+    include_usage: bool | None = True
     # vLLM: with include_usage, every chunk also carries the usage so far
     continuous_usage_stats: bool = False
 

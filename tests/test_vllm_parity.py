@@ -98,7 +98,7 @@ def _events(server, body):
 
 
 @pytest.mark.parametrize("opts,usage", [({}, True), ({"continuous_usage_stats": True}, True),
-                                        ({"include_usage": None}, True), ({"include_usage": False}, False),
+                                        ({"include_usage": None}, False), ({"include_usage": False}, False),
                                         (None, False)])
 def test_stream_options_include_usage_defaults_to_true(server, opts, usage):
     body = {**CMPL, "stream": True, **({} if opts is None else {"stream_options": opts})}
