@@ -55,16 +55,14 @@ class ContextLengthError(ValueError):
         self.param = prompt_field if max_tokens is None else max_tokens_field
         head = f"This model's maximum context length is {max_model_len} tokens (max_model_len). "
         if max_tokens is None:
-            text = (f"However, your {prompt_field} has {prompt_tokens} tokens, which leaves no room for "
+            verb = "have" if prompt_field.endswith("s") else "has"  # "messages" is plural
+            text = (f"However, your {prompt_field} {verb} {prompt_tokens} tokens, which leaves no room for "
                     f"output. Please reduce the length of the {prompt_field}.")
         else:
             text = (f"However, you requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the "
                     f"{prompt_field}, {max_tokens} in the completion: {max_tokens_field}). Please reduce "
                     f"the length of the {prompt_field} or {max_tokens_field}.")
         super().__init__(head + text)
-
-    def __reduce__(self):  # pickled with its fields (the default would pass only the message)
-        return ContextLengthError, (self.max_model_len, self.prompt_tokens, self.max_tokens, *self.fields)
 
     def renamed(self, prompt_field: str, max_tokens_field: str) -> ContextLengthError:
         return ContextLengthError(self.max_model_len, self.prompt_tokens, self.max_tokens,

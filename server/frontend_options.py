@@ -33,8 +33,8 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
                         "valid text on their own stay identifiable; a request's "
                         "return_tokens_as_token_ids overrides it")
     g.add_argument("--enable-request-id-headers", action="store_true",
-                   help="every response carries an X-Request-Id header: the request's own "
-                        "X-Request-Id header, else a random id")
+                   help="every response but an internal error (500) carries an X-Request-Id "
+                        "header: the request's own X-Request-Id header, else a random id")
     g.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="with --enable-log-requests, the request log (its debug line) shows at "
                         "most N characters of each prompt and N of its token ids; unset: all")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import pickle
 
 import httpx
 import pytest
@@ -236,8 +235,12 @@ def test_context_length_message(inputs):
     assert str(e.value).startswith("This model's maximum context length is 256 tokens")
     assert "you requested 260 tokens (250 in the prompt, 10 in the completion" in str(e.value)
     assert (e.value.param, e.value.code) == ("max_tokens", "context_length_exceeded")
-    again = pickle.loads(pickle.dumps(e.value))  # as it would cross a process boundary
-    assert (str(again), again.param) == (str(e.value), "max_tokens")
+    chat = e.value.renamed("messages", "max_completion_tokens")  # as the chat handler names them
+    assert chat.param == "max_completion_tokens" and "in the messages, 10 in the completion" in str(chat)
+    with pytest.raises(ContextLengthError) as e:
+        inputs.process([5] * 256, SamplingParams(max_tokens=None))
+    assert e.value.param == "prompt" and "your prompt has 256 tokens" in str(e.value)
+    assert "your messages have 256 tokens" in str(e.value.renamed("messages", "max_tokens"))
 
 
 def test_continue_final_message_and_chat_special_tokens(server, tok):
