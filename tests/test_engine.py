@@ -110,6 +110,20 @@ def test_bad_input_named_and_engine_keeps_serving(tiny_v3, prompt, params, field
     assert len(out[0].outputs[0].token_ids) == 3
 
 
+def test_engine_core_checks_token_ids_itself(tiny_v3):
+    """The core refuses ids outside the vocabulary on its own, for callers that skip the
+    InputProcessor (the engine process's socket, tests), and queues nothing."""
+    llm = make_llm(tiny_v3[0])
+    core = llm.engine
+    for params, field in ((SamplingParams(stop_token_ids=[10**6]), "stop_token_ids: token id 1000000"),
+                          (SamplingParams(logit_bias={10**6: 1.0}), "logit_bias: token id 1000000"),
+                          (SamplingParams(allowed_token_ids=[7], bad_words_token_ids=[[7]]),
+                           "nothing could be sampled")):
+        with pytest.raises(ValueError, match=field):
+            core.add_request("direct", [5, 6], params)
+        assert not core.has_unfinished_requests()
+
+
 @pytest.mark.parametrize("kw,field", [({"top_p": 0.0}, "top_p"), ({"temperature": -1.0}, "temperature"),
                                       ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n "),
                                       ({"logprobs": 99}, "logprobs")])

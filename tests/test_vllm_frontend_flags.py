@@ -208,14 +208,20 @@ def test_bad_max_log_len_names_the_flag(tok, value, needle, capsys):
 
 def test_server_load(tok):
     async def go(*flags):
-        async with client(FakeEngine(tok, step_delay=0.02), *flags) as c:
+        async with client(FakeEngine(tok, step_delay=0.1), *flags) as c:  # each stream ~1 s
             before = (await c.get("/load")).json()
             body = {"prompt": "hi", "max_tokens": 10}
             streams = [asyncio.create_task(c.post("/v1/completions", json={**body, "stream": True})),
                        asyncio.create_task(c.post("/v1/chat/completions", json={
                            **CHAT, "max_tokens": 10}))]
-            await asyncio.sleep(0.1)
-            during = (await c.get("/load")).json()
+            # Poll while both streams run (no fixed sleep to race): the count reaches 2 once both
+            # requests are in, and no stream can end before its ten 0.1 s steps.
+            during = {"server_load": -1}
+            for _ in range(50):
+                during = (await c.get("/load")).json()
+                if during["server_load"] == 2 or all(t.done() for t in streams):
+                    break
+                await asyncio.sleep(0.01)
             await asyncio.gather(*streams)
             await c.post("/v1/completions", json={**body, "model": "nope"})  # a 404 is counted too
             after = (await c.get("/load")).json()
