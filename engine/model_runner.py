@@ -16,7 +16,8 @@ import torch
 from attention.metadata import MLAMetadata, build_mla_metadata
 from common import distributed as pd
 from engine.rank_agreement import RankAgreement
-from engine.sampler import DeviceLogprobs, Sampler, SamplingBatch, make_generator, prompt_logprobs_on_device
+from engine.logprobs import DeviceLogprobs, prompt_logprobs_on_device
+from engine.sampler import Sampler, SamplingBatch, make_generator
 from common.sampling_params import SamplingParams
 from common.transfer import to_device, to_host
 from engine.mtp_drafter import mtp_propose

@@ -62,7 +62,9 @@ def install(app: FastAPI, engine, args=None) -> None:
     app.state.server_load_metrics = 0  # vLLM's name; stays 0 without load tracking
     if frontend.server_load_tracking:
         app.add_middleware(LoadTrackingMiddleware, state=app.state)
-    if frontend.request_id_headers:  # added last: outermost user middleware, so every response has it but a 500 (Starlette's error handler sits outside; vLLM's too)
+    # Added last: the outermost user middleware, so every response has the header but a 500
+    # (Starlette's error handler sits outside user middleware; vLLM's has the same gap).
+    if frontend.request_id_headers:
         app.add_middleware(RequestIdHeaderMiddleware)
 
     @app.get("/load")

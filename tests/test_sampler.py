@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from engine.sampler import (Sampler, SamplingBatch, _apply_penalties, compute_prompt_logprobs,
-                            make_generator)
+from engine.logprobs import compute_prompt_logprobs
+from engine.sampler import Sampler, SamplingBatch, _apply_penalties, make_generator
 from common.sampling_params import SamplingParams
 
 V = 32
