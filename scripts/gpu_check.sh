@@ -20,7 +20,9 @@
 #               the timeout), then the CUDA-graph decode step (profile_graphs.py at batch 1/8/32/128)
 #               once per --kernels plan of AB_PLANS (default: auto; 40 MB of the shared experts; the
 #               same with the MoE's weight loads evict-first; and that forked before o_proj), sharing
-#               the rest; kernel sequences in $OUT/pf_seq_<plan>.txt
+#               the rest; kernel sequences in $OUT/pf_seq_<plan>.txt; the profiles warm up prefills of up to 2048
+#               tokens only and capture no piecewise graphs (a cold start's Triton compiles took
+#               ~85 s of a plan's share on an H100 with the 8192-token warm-up)
 #   moestream   one MoE layer with the shared experts on one stream and on two (moe_shared_stream),
 #               the two-stream path's shared block depths, the router's chain and the routed and
 #               shared launches alone, at 8 / 32 / 128 / 256 tokens (bench_moe_stream.py; ~20-60 s)
@@ -144,7 +146,7 @@ for spec in $steps; do
                 P=${AB_PLANS:-auto auto,moe_shared_prefetch_mb=40 auto,moe_shared_prefetch_mb=40,moe_evict_first_max_tokens=128 auto,moe_shared_prefetch_mb=40,moe_evict_first_max_tokens=128,moe_shared_prefetch_at=o_proj}
                 n=$(echo $P | wc -w); for k in $P; do echo "## --kernels $k"
                   timeout $((T * 2 / 3 / n)) python3 scripts/profile_graphs.py --kernel-plan "$k" --steps 3 \
-                    --seq-file "$OUT/pf_seq_$(echo "$k" | tr ',=' '__').txt"; done; } > "$log" 2>&1 ;;
+                    --max-num-batched-tokens 2048 --piecewise-graph-sizes none --seq-file "$OUT/pf_seq_$(echo "$k" | tr ',=' '__').txt"; done; } > "$log" 2>&1 ;;
     mla) timeout "$T" python3 scripts/bench_mla_decode.py --check --sweep --budget-s $((T - 40)) \
            --out "$OUT/bench_mla_decode.json" > "$log" 2>&1 ;;
     decode) { timeout $((T / 2)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_ops.py \
