@@ -21,8 +21,9 @@
 #               once per --kernels plan of AB_PLANS (default: auto; 40 MB of the shared experts; the
 #               same with the MoE's weight loads evict-first; and that forked before o_proj), sharing
 #               the rest; kernel sequences in $OUT/pf_seq_<plan>.txt; the profiles warm up prefills of up to 2048
-#               tokens only and capture no piecewise graphs (a cold start's Triton compiles took
-#               ~85 s of a plan's share on an H100 with the 8192-token warm-up)
+#               tokens only and capture no piecewise graphs, but on a cold machine a plan still
+#               needs more than 120 s (Triton compiles; H100, 2026-12-05): give each plan ~190 s,
+#               e.g. two plans in AB_PLANS with `prefetch:580`
 #   moestream   one MoE layer with the shared experts on one stream and on two (moe_shared_stream),
 #               the two-stream path's shared block depths, the router's chain and the routed and
 #               shared launches alone, at 8 / 32 / 128 / 256 tokens (bench_moe_stream.py; ~20-60 s)
