@@ -254,6 +254,14 @@ def metric(text: str, name: str) -> float:
     raise KeyError(name)
 
 
+def aborted_choices(text: str) -> float:
+    """mla_serve_request_success_total{finished_reason="abort"}, 0 before the first abort."""
+    try:
+        return metric(text.replace('{finished_reason="abort"}', "_abort"), "mla_serve_request_success_total_abort")
+    except KeyError:
+        return 0.0
+
+
 def post(server, path: str, body, **kw) -> httpx.Response:
     """POST a JSON body (a dict, or bytes / str sent as they are) to an InProcessServer."""
     content = body if isinstance(body, (bytes, str)) else json.dumps(body)

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from tests.api_fixtures import MAX_MODEL_LEN, PROMPTS, client, greedy, server
-from tests.server_fixtures import OFFLINE_ENV, metric
+from tests.server_fixtures import OFFLINE_ENV, aborted_choices, metric
 
 os.environ.update(OFFLINE_ENV)
 FIXTURES = (server, client)  # pytest finds them here (tests/api_fixtures.py)
@@ -40,11 +40,14 @@ def _wait_idle(server, timeout: float = 30.0) -> str:
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server):
+    """A client that leaves gets its request aborted: counted as finished_reason="abort", its
+    tokens stopped short of max_tokens, its KV blocks freed. How many tokens run before the
+    disconnect depends on the machine's speed, so the bound is max_tokens, not a fraction of it."""
     url = f"{server.url}/v1/completions"
     max_tokens = MAX_MODEL_LEN - 16
     body = {"model": server.model, "prompt": PROMPTS[3], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True}
-    gen0 = metric(_wait_idle(server), "mla_serve_generation_tokens_total")
+    m0 = _wait_idle(server)
     with httpx.Client(timeout=60) as c:
         with c.stream("POST", url, json={**body, "stream": True}) as r:
             assert r.status_code == 200
@@ -53,12 +56,16 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
                 events += line.startswith("data:")
                 if events == 3:
                     break  # leaving the block drops the connection mid-stream
-    gen1 = metric(_wait_idle(server), "mla_serve_generation_tokens_total")
-    assert 3 <= gen1 - gen0 < max_tokens // 2, "the request ran on after its client left"
+    m1 = _wait_idle(server)
+    generated = metric(m1, "mla_serve_generation_tokens_total") - metric(m0, "mla_serve_generation_tokens_total")
+    assert 3 <= generated < max_tokens, "the request ran on after its client left"
+    assert aborted_choices(m1) == aborted_choices(m0) + 1
     with pytest.raises(httpx.ReadTimeout):  # a non-streaming client that gives up
-        httpx.post(url, json=body, timeout=httpx.Timeout(30, read=0.5))
-    gen2 = metric(_wait_idle(server), "mla_serve_generation_tokens_total")
-    assert gen2 - gen1 < max_tokens // 2, "the request ran on after its client left"
+        httpx.post(url, json=body, timeout=httpx.Timeout(30, read=0.2))
+    m2 = _wait_idle(server)
+    generated = metric(m2, "mla_serve_generation_tokens_total") - metric(m1, "mla_serve_generation_tokens_total")
+    assert generated < max_tokens, "the request ran on after its client left"
+    assert aborted_choices(m2) == aborted_choices(m1) + 1
     assert greedy(openai.OpenAI(base_url=f"{server.url}/v1", api_key="x"), server, "ok").choices
 
 

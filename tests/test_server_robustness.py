@@ -23,7 +23,7 @@ from models.config import ModelConfig
 from server.api_server import ServerState, build_app
 from server.cli import build_parser, uvicorn_config
 from server.errors import APIError
-from tests.server_fixtures import TINY_MODEL, FakeEngine, InProcessServer, assert_error, free_port, metric, post
+from tests.server_fixtures import TINY_MODEL, FakeEngine, InProcessServer, assert_error, aborted_choices, free_port, post
 
 
 @pytest.fixture(scope="module")
@@ -258,11 +258,7 @@ def test_slow_headers_and_slow_bodies_are_cut_off(tok):
 # ---- metrics, vocabulary, names, tokenizer files ----
 
 def _aborts(fake) -> float:
-    text = httpx.get(f"{fake.url}/metrics").text
-    try:
-        return metric(text.replace('{finished_reason="abort"}', "_abort"), "mla_serve_request_success_total_abort")
-    except KeyError:
-        return 0.0
+    return aborted_choices(httpx.get(f"{fake.url}/metrics").text)
 
 
 def test_aborted_requests_are_counted(fake):
