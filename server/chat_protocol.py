@@ -23,7 +23,8 @@ class ChatMessage(BaseRequest):
     name: str | None = None
 
     def text(self) -> str:
-        """The message's text; content parts other than text are refused."""
+        """The message's text: a list of text parts joined with newlines, as vLLM joins them for a
+        chat template that takes string content; content parts other than text are refused."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         texts = []
@@ -31,7 +32,7 @@ class ChatMessage(BaseRequest):
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ValueError("messages: only text content parts are supported")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
 
 
 class FunctionDefinition(BaseRequest):

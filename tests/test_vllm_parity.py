@@ -262,6 +262,17 @@ def test_continue_final_message_and_chat_special_tokens(server, tok):
     assert r.json()["usage"]["prompt_tokens"] == len(doubled)
 
 
+def test_text_parts_join_with_newlines(server, tok):
+    """vLLM joins a message's text parts with "\\n" (chat templates that take string content)."""
+    parts = [{"type": "text", "text": "first part"}, {"type": "text", "text": "second part"}]
+    as_parts = post(server, "/tokenize", {"messages": [{"role": "user", "content": parts}]}).json()["tokens"]
+    joined = post(server, "/tokenize", {"messages": [
+        {"role": "user", "content": "first part\nsecond part"}]}).json()["tokens"]
+    assert as_parts == joined and "first part\nsecond part" in tok.decode(as_parts)
+    r = post(server, "/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": parts}]})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == len(joined)
+
+
 # --- launch lines -------------------------------------------------------------------------------
 
 def _engine_args(line: str):
