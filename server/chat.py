@@ -140,6 +140,7 @@ class ChatBuilder:
         message: dict = {"role": "assistant", "content": o.text}
         if self.reasoning:
             reasoning, content = split_reasoning(o.text) if self.think else (None, o.text)
+            reasoning = reasoning if self.req.include_reasoning else None
             message = {"role": "assistant", "content": content, "reasoning_content": reasoning,
                        "reasoning": reasoning}
         if self.forced is not None:
@@ -167,7 +168,7 @@ class ChatBuilder:
                 tail_reasoning, tail_content = parser.finish()
                 reasoning, content = reasoning + tail_reasoning, content + tail_content
         delta = {}
-        if reasoning:
+        if reasoning and self.req.include_reasoning:
             delta["reasoning_content"] = delta["reasoning"] = reasoning
         calls = []
         if self.has_tools:

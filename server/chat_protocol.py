@@ -78,6 +78,9 @@ class ChatCompletionRequest(SamplingFields):
     # OpenAI's field; handed to the chat template as `reasoning_effort` (DeepSeek's templates
     # do not read it: their thinking is on or off, see chat_template_kwargs)
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's: false leaves the reasoning out of the response (with --reasoning-parser the
+    # message and the deltas carry only the content); the model still reasons
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

@@ -164,6 +164,15 @@ def test_r1_reasoning_split_whole_and_streamed(r1):
     assert kinds == sorted(kinds, key=("reasoning", "content").index)
 
 
+def test_include_reasoning_false_leaves_only_the_content(r1):
+    body = {**CHAT, "max_tokens": len(r1.engine.script), "include_reasoning": False}
+    m = post(r1, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert (m["reasoning_content"], m["reasoning"], m["content"]) == (None, None, CONTENT)
+    chunks = stream_chat(r1, body)
+    assert (joined(chunks, "reasoning"), joined(chunks, "reasoning_content")) == (None, None)
+    assert joined(chunks, "content") == CONTENT
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_r1_output_without_closing_tag_is_all_reasoning(r1, stream):
     # stops inside "</think>": the held-back "</th" is flushed as reasoning at the end
