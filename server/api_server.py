@@ -204,7 +204,8 @@ def build_app(engine, args=None) -> FastAPI:
             add_special = "add_special_tokens" in req.model_fields_set and req.add_special_tokens
             ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
                                           req.add_generation_prompt, state.check_text_length,
-                                          req.chat_template_kwargs, tools, state.chat_template,
+                                          state.frontend.template_kwargs(req.chat_template_kwargs),
+                                          tools, state.chat_template,
                                           req.continue_final_message, add_special)
         else:
             try:  # the bound completions use: no text that cannot fit the context is tokenized

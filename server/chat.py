@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import inspect
 import logging
 from collections.abc import Iterator
 
@@ -15,6 +14,7 @@ from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
 from server.chat_protocol import ChatCompletionRequest
 from server.errors import APIError, param_of
+from server.frontend_options import reserved_template_kwargs
 from server.handler import finite, respond, response_id, sampling_params, usage_of
 from server.reasoning import ThinkParser, split_reasoning, thinks
 from server.tool_calls import Delta, ToolCallParser, call_id, forced_calls, parse_tool_calls
@@ -29,14 +29,6 @@ def encode(tokenizer, text: str, field: str, add_special_tokens: bool) -> list[i
     except Exception as e:  # noqa: BLE001 - the tokenizer refused this input (TypeError, ...)
         raise APIError(400, f"{field}: the tokenizer cannot encode it ({type(e).__name__})",
                        param=field) from None
-
-
-def _reserved_template_kwargs(tokenizer) -> set[str]:
-    """What a request's chat_template_kwargs may not set: apply_chat_template's own parameters
-    (`tokenize`, `chat_template`, `add_generation_prompt`, ...) and the variables it hands the
-    template itself (`messages`, `tools`, `documents`, the special tokens such as `bos_token`)."""
-    own = set(inspect.signature(tokenizer.apply_chat_template).parameters) - {"kwargs"}
-    return own | {"messages", "tools", "documents"} | set(getattr(tokenizer, "special_tokens_map", {}))
 
 
 def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool,
@@ -60,7 +52,7 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: 
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
                        param="messages")
     template_kwargs = template_kwargs or {}
-    reserved = sorted(set(template_kwargs) & _reserved_template_kwargs(tokenizer))
+    reserved = sorted(set(template_kwargs) & reserved_template_kwargs(tokenizer))
     if reserved:
         raise APIError(400, f"chat_template_kwargs: {', '.join(reserved)} cannot be set here "
                        "(a parameter of the chat template call itself)",
@@ -92,6 +84,7 @@ class ChatBuilder:
         self._finish_sent: set[int] = set()
         # --reasoning-parser: messages carry reasoning fields; `think`: this request's output
         # starts in reasoning, split at </think> (server/reasoning.py)
+        self.role = state.frontend.role(req)
         self.reasoning = state.reasoning_parser is not None
         self.think = thinks(state.reasoning_parser, req.chat_template_kwargs)
         # a forced tool choice constrains the output to JSON from its first token: no reasoning
@@ -137,11 +130,11 @@ class ChatBuilder:
         return "tool_calls" if reason == "stop" and index in self._called else reason
 
     def choice(self, index: int, o: CompletionOutput) -> dict:
-        message: dict = {"role": "assistant", "content": o.text}
+        message: dict = {"role": self.role, "content": o.text}
         if self.reasoning:
             reasoning, content = split_reasoning(o.text) if self.think else (None, o.text)
             reasoning = reasoning if self.req.include_reasoning else None
-            message = {"role": "assistant", "content": content, "reasoning_content": reasoning,
+            message = {"role": self.role, "content": content, "reasoning_content": reasoning,
                        "reasoning": reasoning}
         if self.forced is not None:
             calls = forced_calls(o.text, self.forced)
@@ -209,7 +202,7 @@ class ChatBuilder:
         out = []
         if index not in self._sent_text:
             self._sent_text[index] = 0
-            out.append({"index": index, "delta": {"role": "assistant", "content": ""},
+            out.append({"index": index, "delta": {"role": self.role, "content": ""},
                         "logprobs": None, "finish_reason": None})
         new_text = o.delta_text  # not o.text: text held back for stop strings
         new_lps = o.delta_logprobs or []
@@ -259,6 +252,7 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
     """Handle one chat completions request end to end (server/handler.py)."""
     state.check_model(req.model)
     req.apply_defaults(state.request_defaults)
+    req.chat_template_kwargs = state.frontend.template_kwargs(req.chat_template_kwargs)
     params = await sampling_params(req, state.tokenizer)
     try:
         conversation = req.conversation()

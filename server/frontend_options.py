@@ -1,6 +1,7 @@
 """vLLM's front-end flags that change what responses carry and what the server reports:
 --enable-prompt-tokens-details, --enable-force-include-usage, --return-tokens-as-token-ids,
---enable-request-id-headers, --max-log-len and --enable-server-load-tracking.
+--enable-request-id-headers, --max-log-len, --enable-server-load-tracking, --response-role and
+--default-chat-template-kwargs.
 
 `add_frontend_flags` puts them on the `serve` parser; `FrontendOptions.from_args` is what the app
 reads (build_app) and checks the values (a ValueError naming the flag). The X-Request-Id header
@@ -10,6 +11,8 @@ and the load count are middleware, installed with vLLM's other extras (server/vl
 from __future__ import annotations
 
 import argparse
+import inspect
+import json
 import logging
 from dataclasses import dataclass
 
@@ -44,6 +47,42 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
                         "without it /load answers 0")
 
 
+    g.add_argument("--response-role", default="assistant", metavar="ROLE",
+                   help="the role of chat responses to requests with add_generation_prompt true "
+                        "(the default); otherwise the role of the request's last message, as in vLLM")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help="chat template variables every chat request (and /tokenize with messages) "
+                        "gets, e.g. '{\"thinking\": true}' to make DeepSeek-V3.1 think by default "
+                        "(with --reasoning-parser deepseek_v3); a request's chat_template_kwargs "
+                        "win key by key")
+
+
+def _json_object(value: str) -> dict:
+    try:
+        v = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(v, dict):
+        raise argparse.ArgumentTypeError('a JSON object is needed, e.g. \'{"thinking": true}\'')
+    return v
+
+
+def reserved_template_kwargs(tokenizer=None) -> set[str]:
+    """What chat template variables may not set: apply_chat_template's own parameters
+    (`tokenize`, `chat_template`, `add_generation_prompt`, ...) and the variables it hands the
+    template itself (`messages`, `tools`, `documents`, the special tokens such as `bos_token`).
+    Without a tokenizer: those of transformers' tokenizer base class."""
+    if tokenizer is None:
+        from transformers import PreTrainedTokenizerBase
+        method = PreTrainedTokenizerBase.apply_chat_template
+        special = getattr(PreTrainedTokenizerBase, "SPECIAL_TOKENS_ATTRIBUTES", [])
+    else:
+        method = tokenizer.apply_chat_template
+        special = getattr(tokenizer, "special_tokens_map", {})
+    own = set(inspect.signature(method).parameters) - {"self", "kwargs"}
+    return own | {"messages", "tools", "documents"} | set(special)
+
+
 @dataclass(frozen=True)
 class StreamUsage:
     """Which usage a stream carries: a usage chunk before [DONE], and usage in every chunk."""
@@ -61,11 +100,19 @@ class FrontendOptions:
     server_load_tracking: bool = False  # --enable-server-load-tracking
     log_requests: bool = False  # --enable-log-requests, and not --disable-log-requests
     max_log_len: int | None = None  # --max-log-len; None: whole prompts
+    response_role: str = "assistant"  # --response-role
+    default_template_kwargs: dict | None = None  # --default-chat-template-kwargs
 
     def __post_init__(self) -> None:
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"--max-log-len must be >= 0 (characters and token ids of a prompt "
                              f"to log), got {self.max_log_len}")
+        if not self.response_role:
+            raise ValueError("--response-role must not be empty")
+        reserved = sorted(set(self.default_template_kwargs or {}) & reserved_template_kwargs())
+        if reserved:
+            raise ValueError(f"--default-chat-template-kwargs: {', '.join(reserved)} cannot be set "
+                             "(a parameter of the chat template call itself)")
 
     @classmethod
     def from_args(cls, args) -> FrontendOptions:
@@ -78,7 +125,20 @@ class FrontendOptions:
                    request_id_headers=bool(flag("enable_request_id_headers")),
                    server_load_tracking=bool(flag("enable_server_load_tracking")),
                    log_requests=bool(flag("enable_log_requests")) and not flag("disable_log_requests"),
-                   max_log_len=flag("max_log_len"))
+                   max_log_len=flag("max_log_len"),
+                   response_role=flag("response_role") or "assistant",
+                   default_template_kwargs=flag("default_chat_template_kwargs"))
+
+    def template_kwargs(self, given: dict | None) -> dict | None:
+        """A request's chat_template_kwargs over --default-chat-template-kwargs (its keys win)."""
+        if not self.default_template_kwargs:
+            return given
+        return {**self.default_template_kwargs, **(given or {})}
+
+    def role(self, req) -> str:
+        """The role of a chat response: --response-role after a generation prompt, else the role
+        of the last message (the output continues it), as vLLM chooses."""
+        return self.response_role if req.add_generation_prompt else req.messages[-1].role
 
     def stream_usage(self, req) -> StreamUsage:
         """vLLM's choice: forced usage is the final chunk and the usage in every chunk; else

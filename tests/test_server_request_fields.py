@@ -96,12 +96,12 @@ class ScriptedEngine(FakeEngine):
         return self.script[i % len(self.script)]
 
 
-def reasoning_server(tok, parser: str):
+def reasoning_server(tok, parser: str, **flags):
     t = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
     t.chat_template = THINK_TEMPLATE
     engine = ScriptedEngine(t, max_model_len=256)
     engine.script = t(REASONING + "</think>" + CONTENT, add_special_tokens=False)["input_ids"]
-    args = type("Args", (), {"reasoning_parser": parser})()
+    args = type("Args", (), {"reasoning_parser": parser, **flags})()
     return engine, InProcessServer(build_app(engine, args))
 
 
@@ -210,6 +210,30 @@ def test_tokenize_messages_with_chat_template_kwargs(v3):
     plain = post(v3, "/tokenize", body).json()["tokens"]
     thinking = post(v3, "/tokenize", {**body, "chat_template_kwargs": {"thinking": True}}).json()
     assert v3.engine.tokenizer.decode(thinking["tokens"][len(plain):]) == "<think>\n"
+
+
+def test_default_chat_template_kwargs_and_response_role(tok):
+    """--default-chat-template-kwargs: V3.1 thinks unless a request says otherwise (its keys win);
+    --response-role names the role after a generation prompt, else the last message's role is
+    given (vLLM's choice)."""
+    engine, srv = reasoning_server(tok, "deepseek_v3", default_chat_template_kwargs={"thinking": True},
+                                   response_role="bot")
+    with srv as v31:
+        body = {**CHAT, "max_tokens": len(engine.script)}
+        m = post(v31, "/v1/chat/completions", body).json()["choices"][0]["message"]
+        assert (m["role"], m["reasoning"], m["content"]) == ("bot", REASONING, CONTENT)
+        assert tok.decode(engine.last_prompt).endswith("<think>\n")
+        chunks = stream_chat(v31, body)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "bot"
+        off = {**body, "chat_template_kwargs": {"thinking": False}}
+        m = post(v31, "/v1/chat/completions", off).json()["choices"][0]["message"]
+        assert (m["reasoning"], m["content"]) == (None, REASONING + "</think>" + CONTENT)
+        plain = post(v31, "/tokenize", {"messages": CHAT["messages"],
+                                        "chat_template_kwargs": {"thinking": False}}).json()["tokens"]
+        thinking = post(v31, "/tokenize", {"messages": CHAT["messages"]}).json()["tokens"]
+        assert tok.decode(thinking[len(plain):]) == "<think>\n"
+        cont = {**body, "add_generation_prompt": False, "continue_final_message": True}
+        assert post(v31, "/v1/chat/completions", cont).json()["choices"][0]["message"]["role"] == "user"
 
 
 def test_no_reasoning_parser_keeps_the_text_as_content(server):

@@ -204,3 +204,18 @@ def test_template_and_generation_config_errors_name_the_flag(argv, needle, capsy
 
     assert main([*argv, "--device", "cpu"]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_response_role_and_default_chat_template_kwargs_flags(capsys):
+    ns = build_parser().parse_args([str(TINY_MODEL), "--response-role", "bot",
+                                    "--default-chat-template-kwargs", '{"thinking": true}'])
+    engine_args_from(ns)
+    assert (ns.response_role, ns.default_chat_template_kwargs) == ("bot", {"thinking": True})
+    assert build_parser().parse_args([str(TINY_MODEL)]).response_role == "assistant"
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs: tokenize cannot be set"):
+        engine_args_from(build_parser().parse_args(
+            [str(TINY_MODEL), "--default-chat-template-kwargs", '{"tokenize": true}']))
+    for bad in ('["thinking"]', "{thinking}"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([str(TINY_MODEL), "--default-chat-template-kwargs", bad])
+        assert "--default-chat-template-kwargs" in capsys.readouterr().err
