@@ -12,6 +12,7 @@ import sys
 from common.args import EngineArgs
 from common.gc_tuning import freeze_startup_objects, thaw_frozen_objects
 from server.flags import api_key_from, build_parser, engine_args_from
+from server.frontend_options import filter_access_log
 
 logger = logging.getLogger("server")
 
@@ -66,12 +67,16 @@ def uvicorn_config(app, ns: argparse.Namespace):
 
     from server.http_limits import header_timeout_protocol
 
-    return uvicorn.Config(app, host=ns.host, port=ns.port,
-                          log_level=getattr(ns, "uvicorn_log_level", None) or ns.log_level,
-                          access_log=ns.log_level == "debug",
-                          timeout_keep_alive=ns.http_keep_alive_timeout,
-                          backlog=2048, timeout_graceful_shutdown=ns.shutdown_timeout,
-                          http=header_timeout_protocol(ns.http_header_timeout))
+    config = uvicorn.Config(app, host=ns.host, port=ns.port,
+                            log_level=getattr(ns, "uvicorn_log_level", None) or ns.log_level,
+                            access_log=(ns.log_level == "debug"
+                                        and not getattr(ns, "disable_uvicorn_access_log", False)),
+                            timeout_keep_alive=ns.http_keep_alive_timeout,
+                            backlog=2048, timeout_graceful_shutdown=ns.shutdown_timeout,
+                            http=header_timeout_protocol(ns.http_header_timeout))
+    # after the Config, which sets uvicorn's loggers up
+    filter_access_log(getattr(ns, "disable_access_log_for_endpoints", None))
+    return config
 
 
 def _tune_gc() -> None:

@@ -1,7 +1,8 @@
 """vLLM's front-end flags that change what responses carry and what the server reports:
 --enable-prompt-tokens-details, --enable-force-include-usage, --return-tokens-as-token-ids,
---enable-request-id-headers, --max-log-len, --enable-server-load-tracking, --response-role and
---default-chat-template-kwargs.
+--enable-request-id-headers, --max-log-len, --enable-server-load-tracking, --response-role,
+--default-chat-template-kwargs and the access log's --disable-uvicorn-access-log and
+--disable-access-log-for-endpoints.
 
 `add_frontend_flags` puts them on the `serve` parser; `FrontendOptions.from_args` is what the app
 reads (build_app) and checks the values (a ValueError naming the flag). The X-Request-Id header
@@ -55,6 +56,39 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
                         "gets, e.g. '{\"thinking\": true}' to make DeepSeek-V3.1 think by default "
                         "(with --reasoning-parser deepseek_v3); a request's chat_template_kwargs "
                         "win key by key")
+
+    g.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="no HTTP access log (this server writes one only at --log-level debug)")
+    g.add_argument("--disable-access-log-for-endpoints", default=None, metavar="PATHS",
+                   help="comma-separated paths, e.g. /health,/metrics, whose requests the access "
+                        "log leaves out (health checks and scrapes)")
+    g.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="accepted: GET /tokenizer_info (lm_eval's remote tokenizer) is always served")
+
+
+class _AccessPathFilter(logging.Filter):
+    """Drops uvicorn access-log records of the given paths (the query string aside)."""
+
+    def __init__(self, paths: frozenset[str]) -> None:
+        super().__init__()
+        self.paths = paths
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        # uvicorn's access record: args = (client, method, path with query, HTTP version, status)
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            return args[2].partition("?")[0] not in self.paths
+        return True
+
+
+def filter_access_log(paths: str | None) -> None:
+    """--disable-access-log-for-endpoints on uvicorn's access logger (replacing an earlier one)."""
+    log = logging.getLogger("uvicorn.access")
+    for f in [f for f in log.filters if isinstance(f, _AccessPathFilter)]:
+        log.removeFilter(f)
+    wanted = frozenset(p.strip() for p in (paths or "").split(",") if p.strip())
+    if wanted:
+        log.addFilter(_AccessPathFilter(wanted))
 
 
 def _json_object(value: str) -> dict:

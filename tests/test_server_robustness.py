@@ -6,6 +6,7 @@ failures in the real engine and the stall check of /health: tests/test_server_li
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -230,6 +231,37 @@ def _closed_within(sock: socket.socket, seconds: float) -> bytes | None:
             data += chunk
     except socket.timeout:
         return None
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.paths.append(record.args[2])
+
+
+@pytest.mark.parametrize("flags,logged", [
+    (["--log-level", "debug"], ["/health", "/metrics?x=1", "/version"]),
+    (["--log-level", "debug", "--disable-access-log-for-endpoints", "/health,/metrics"], ["/version"]),
+    (["--log-level", "debug", "--disable-uvicorn-access-log"], []),
+    (["--log-level", "info"], []),  # the access log is written at debug level only
+])
+def test_access_log_flags(tok, flags, logged):
+    ns = build_parser().parse_args(flags)
+    records, access = _Records(), logging.getLogger("uvicorn.access")
+    with _UvicornThread(build_app(FakeEngine(tok), ns), ns) as s:
+        # uvicorn turns its access log off by leaving the logger without handlers
+        assert access.hasHandlers() == bool(logged)
+        if logged:
+            access.addHandler(records)
+        try:
+            for path in ("/health", "/metrics?x=1", "/version"):
+                assert httpx.get(s.url + path, timeout=30).status_code == 200
+        finally:
+            access.removeHandler(records)
+    assert records.paths == logged
 
 
 def test_slow_headers_and_slow_bodies_are_cut_off(tok):
