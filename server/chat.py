@@ -85,6 +85,9 @@ class ChatBuilder:
         # --reasoning-parser: messages carry reasoning fields; `think`: this request's output
         # starts in reasoning, split at </think> (server/reasoning.py)
         self.role = state.frontend.role(req)
+        # echo: the last message's text goes before the output when the response continues it
+        last = req.messages[-1]
+        self.echoed = last.text() if req.echo and last.role == self.role else ""
         self.reasoning = state.reasoning_parser is not None
         self.think = thinks(state.reasoning_parser, req.chat_template_kwargs)
         # a forced tool choice constrains the output to JSON from its first token: no reasoning
@@ -145,10 +148,15 @@ class ChatBuilder:
             message["content"], message["tool_calls"] = parsed.content, parsed.tool_calls
         if message.get("tool_calls"):
             self._called.add(index)
-        return {"index": index, "message": message,
-                "logprobs": self.logprobs(list(o.logprobs or [])),
-                "finish_reason": self._finish_reason(index, o.finish_reason),
-                "stop_reason": o.stop_reason}
+        if self.echoed:
+            message["content"] = self.echoed + (message["content"] or "")
+        choice = {"index": index, "message": message,
+                  "logprobs": self.logprobs(list(o.logprobs or [])),
+                  "finish_reason": self._finish_reason(index, o.finish_reason),
+                  "stop_reason": o.stop_reason}
+        if self.req.return_token_ids:
+            choice["token_ids"] = list(o.token_ids)
+        return choice
 
     def _delta(self, index: int, new_text: str, finished: bool) -> dict:
         """The message delta of new text: content, or reasoning then content when thinking;
@@ -198,12 +206,16 @@ class ChatBuilder:
         return "", [{"index": i, **c} for i, c in enumerate(calls)]
 
     def deltas(self, index: int, o: CompletionOutput) -> list[dict]:
-        """Stream deltas for choice `index`: the role first, then new text, then the finish."""
+        """Stream deltas for choice `index`: the role first (and the echoed message), then new
+        text, then the finish."""
         out = []
         if index not in self._sent_text:
             self._sent_text[index] = 0
             out.append({"index": index, "delta": {"role": self.role, "content": ""},
                         "logprobs": None, "finish_reason": None})
+            if self.echoed:
+                out.append({"index": index, "delta": {"content": self.echoed}, "logprobs": None,
+                            "finish_reason": None})
         new_text = o.delta_text  # not o.text: text held back for stop strings
         new_lps = o.delta_logprobs or []
         self._num_tokens[index] = self._num_tokens.get(index, 0) + len(o.delta_token_ids)
@@ -211,13 +223,17 @@ class ChatBuilder:
         finish = None if index in self._finish_sent else o.finish_reason
         if finish is not None:  # a finished sample stays in its request's later outputs
             self._finish_sent.add(index)
-        if new_text or new_lps or finish is not None:
-            # a chunk for every output with new text, even while a possible tag is held back
+        new_ids = o.delta_token_ids if self.req.return_token_ids else []
+        if new_text or new_lps or new_ids or finish is not None:
+            # a chunk for every output with new text, even while a possible tag is held back,
+            # and with return_token_ids for every output with new tokens, text or not
             delta = self._delta(index, new_text, finish is not None)
             out.append({"index": index, "delta": delta,
                         "logprobs": self.logprobs(new_lps) if new_lps else None,
                         "finish_reason": self._finish_reason(index, finish),
                         "stop_reason": None if finish is None else o.stop_reason})
+            if self.req.return_token_ids:
+                out[-1]["token_ids"] = list(new_ids)
         return out
 
     def choices(self, finals: list[RequestOutput]) -> list[dict]:
@@ -229,10 +245,18 @@ class ChatBuilder:
         completion = sum(len(o.token_ids) for o in final.outputs) if final else 0
         return usage_of(self.state, prompt, completion, finals)
 
-    def chunks(self, i: int, out: RequestOutput) -> Iterator[tuple[dict, dict]]:
+    def chunks(self, i: int, out: RequestOutput) -> Iterator[tuple[dict, dict, dict]]:
         for o in out.outputs:
             for delta in self.deltas(o.index, o):
-                yield delta, self.chunk_usage(o.index, out)
+                # the prompt's ids ride with each choice's role chunk (vLLM's)
+                top = ({"prompt_token_ids": list(out.prompt_token_ids)}
+                       if self.req.return_token_ids and "role" in delta["delta"] else {})
+                yield delta, self.chunk_usage(o.index, out), top
+
+    def response_fields(self, finals: list[RequestOutput]) -> dict:
+        if not self.req.return_token_ids:
+            return {}
+        return {"prompt_token_ids": list(finals[0].prompt_token_ids)}
 
 
 def _call_entries(d: Delta) -> list[dict]:

@@ -81,6 +81,12 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: false leaves the reasoning out of the response (with --reasoning-parser the
     # message and the deltas carry only the content); the model still reasons
     include_reasoning: bool = True
+    # vLLM's: each choice carries its `token_ids` and the response the prompt's
+    # `prompt_token_ids` (in a stream: the new ids in every chunk, the prompt's in the role chunk)
+    return_token_ids: bool = False
+    # vLLM's: when the response's role is the last message's (add_generation_prompt false), that
+    # message's content goes before the generated content
+    echo: bool = False
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):

@@ -176,12 +176,15 @@ class CompletionBuilder:
         choices = [self.choice(i * n + o.index, f, o) for i, f in enumerate(finals) for o in f.outputs]
         return sorted(choices, key=lambda c: c["index"])
 
-    def chunks(self, i: int, out: RequestOutput) -> Iterator[tuple[dict, dict]]:
+    def chunks(self, i: int, out: RequestOutput) -> Iterator[tuple[dict, dict, dict]]:
         for o in out.outputs:
             index = i * self.req.n + o.index
             delta = self.delta(index, out, o)
             if delta is not None:
-                yield delta, self.chunk_usage(index, out, o)
+                yield delta, self.chunk_usage(index, out, o), {}
+
+    def response_fields(self, finals: list[RequestOutput]) -> dict:
+        return {}  # completions carry their prompt's ids and logprobs on each choice
 
 
 def _finish(o: CompletionOutput, drop_generated: bool) -> str | None:

@@ -63,8 +63,12 @@ class Builder(Protocol):
     def usage(self, finals: list[RequestOutput | None]) -> dict:
         """Token counts of the whole request (prompts not yet seen count 0)."""
 
-    def chunks(self, i: int, out: RequestOutput) -> Iterator[tuple[dict, dict]]:
-        """(choice delta, usage so far of that choice) for each delta prompt i's output brings."""
+    def chunks(self, i: int, out: RequestOutput) -> Iterator[tuple[dict, dict, dict]]:
+        """(choice delta, usage so far of that choice, the chunk's other top-level fields) for
+        each delta prompt i's output brings."""
+
+    def response_fields(self, finals: list[RequestOutput]) -> dict:
+        """The whole response's top-level fields besides id, choices and usage."""
 
 
 async def sampling_params(req, tokenizer=None) -> SamplingParams:
@@ -171,7 +175,8 @@ async def respond(state, raw: Request, req, prompts: list, params: SamplingParam
     finally:
         streams.close()
         tracker.close(num_outputs)
-    return JSONResponse({**head, "choices": builder.choices(finals), "usage": builder.usage(finals)})
+    return JSONResponse({**head, "choices": builder.choices(finals), "usage": builder.usage(finals),
+                         **builder.response_fields(finals)})
 
 
 def _check_failed(out: RequestOutput) -> None:
@@ -209,8 +214,8 @@ async def _events(streams: EngineStreams, builder: Builder, head: dict, tracker,
                     tracker.observe(i, out)
                     _check_failed(out)  # reported in-band, below
                     finals[i] = out
-                    for delta, usage in builder.chunks(i, out):
-                        pieces.append(sse({**head, "choices": [delta],
+                    for delta, usage, top in builder.chunks(i, out):
+                        pieces.append(sse({**head, **top, "choices": [delta],
                                            "usage": usage if wants.continuous_usage else None}))
                 if pieces and not streams.done:  # the last ones go out with [DONE]
                     yield "".join(pieces)

@@ -92,11 +92,9 @@ UNSUPPORTED: dict[str, dict[str, tuple]] = {
         "function_call": (lambda v: v is not None and v != "none", "function calls are not "
                           "supported; only \"none\""),
         "prompt_logprobs": (_set, "prompt logprobs are returned by /v1/completions only"),
-        "echo": (bool, "echoing the last message is not supported"),
         "documents": (bool, "documents (retrieval-augmented templates) are not supported"),
         "chat_template": (_set, "a per-request chat template is not supported; start the server "
                           "with --chat-template"),
-        "return_token_ids": (bool, "token ids are returned by /v1/completions only"),
     },
 }
 # vLLM's extensions both routes refuse (their names, so that a request written for vLLM is told)

@@ -99,7 +99,7 @@ def test_batches_yield_what_came_before_a_failure_then_raise():
 class _Builder:
     def chunks(self, i, out):
         o = out.outputs[0]
-        yield {"index": i, "token_ids": o.delta_token_ids, "finish_reason": o.finish_reason}, {}
+        yield {"index": i, "token_ids": o.delta_token_ids, "finish_reason": o.finish_reason}, {}, {}
 
     def usage(self, finals):
         return {"completion_tokens": len(finals)}

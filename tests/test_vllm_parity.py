@@ -52,6 +52,7 @@ def server(tok):
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 CMPL = {"prompt": "hi", "max_tokens": 4}
+CHAT_PATH = "/v1/chat/completions"
 
 
 # --- explicit nulls -------------------------------------------------------------------------
@@ -90,8 +91,8 @@ def test_null_takes_the_generation_config_default(tok):
 
 # --- stream_options ---------------------------------------------------------------------------
 
-def _events(server, body):
-    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as r:
+def _events(server, body, path: str = "/v1/completions"):
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=30) as r:
         assert r.status_code == 200
         return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
 
@@ -113,8 +114,8 @@ REFUSED = [("use_beam_search", True), ("length_penalty", 0.5),
            ("spaces_between_special_tokens", False), ("priority", 3),
            ("logits_processors", ["p"]), ("prompt_embeds", "AAAA"), ("cache_salt", "s"),
            ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1})]
-CHAT_REFUSED = [("echo", True), ("documents", [{"text": "d"}]), ("chat_template", "{{ x }}"),
-                ("return_token_ids", True)]
+CHAT_REFUSED = [("documents", [{"text": "d"}]), ("chat_template", "{{ x }}"),
+                ("prompt_logprobs", 1)]
 
 
 @pytest.mark.parametrize("path,base,field,value",
@@ -180,6 +181,40 @@ def test_stop_reason_and_return_token_ids(server):
     r = post(server, "/v1/chat/completions", {**CHAT, "temperature": 0, "max_tokens": 8, "stop": [stop]})
     c = r.json()["choices"][0]
     assert (c["finish_reason"], c["stop_reason"]) == ("stop", stop), c
+
+
+def test_chat_return_token_ids_whole_and_streamed(server, tok):
+    body = {**CHAT, "temperature": 0, "n": 2, "return_token_ids": True}
+    r = post(server, "/v1/chat/completions", body).json()
+    prompt_ids = post(server, "/tokenize", {"messages": CHAT["messages"]}).json()["tokens"]
+    assert r["prompt_token_ids"] == prompt_ids and r["usage"]["prompt_tokens"] == len(prompt_ids)
+    for c in r["choices"]:
+        assert len(c["token_ids"]) == 4 and tok.decode(c["token_ids"]) == c["message"]["content"]
+    chunks = [httpx.Response(200, content=e).json() for e in _events(server, {**body, "stream": True}, CHAT_PATH)[:-1]]
+    for i in range(2):
+        mine = [ch for ch in chunks if ch["choices"][0]["index"] == i]
+        assert mine[0]["prompt_token_ids"] == prompt_ids and mine[0]["choices"][0]["delta"]["role"]
+        assert all("prompt_token_ids" not in ch for ch in mine[1:])
+        assert [t for ch in mine[1:] for t in ch["choices"][0]["token_ids"]] == r["choices"][i]["token_ids"]
+    plain = post(server, "/v1/chat/completions", {**CHAT, "temperature": 0}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
+def test_chat_echo_puts_the_continued_message_first(server):
+    msgs = [{"role": "user", "content": "Question: x?"}, {"role": "assistant", "content": "The answer is"}]
+    cont = {**CHAT, "messages": msgs, "add_generation_prompt": False, "continue_final_message": True,
+            "temperature": 0}
+    plain = post(server, "/v1/chat/completions", cont).json()["choices"][0]["message"]
+    echoed = post(server, "/v1/chat/completions", {**cont, "echo": True}).json()["choices"][0]["message"]
+    assert echoed == {**plain, "content": "The answer is" + plain["content"]}
+    events = _events(server, {**cont, "echo": True, "stream": True}, CHAT_PATH)
+    deltas = [httpx.Response(200, content=e).json()["choices"][0]["delta"] for e in events[:-1]]
+    assert deltas[1] == {"content": "The answer is"}
+    assert "".join(d.get("content") or "" for d in deltas) == echoed["content"]
+    # after a generation prompt the response's role (assistant) is not the last message's: no echo
+    after_prompt = post(server, "/v1/chat/completions", {**CHAT, "temperature": 0, "echo": True}).json()
+    assert after_prompt["choices"][0]["message"] == post(
+        server, "/v1/chat/completions", {**CHAT, "temperature": 0}).json()["choices"][0]["message"]
 
 
 def test_context_length_error_is_openais(server):
