@@ -17,7 +17,7 @@ from engine.core_proc import decode_outputs, encode_outputs
 from scheduler.outputs import EngineCoreOutput, TokenLogprobs
 from tests.server_fixtures import OFFLINE_ENV, REPO, ServeProcess, tiny_model_dir
 
-SERVE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
+SERVE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "2048",
          "--num-kv-blocks", "256", "--served-model-name", "tiny"]
 
 
@@ -112,7 +112,8 @@ def _kill_mid_stream(s, pid: int) -> None:
     with httpx.Client(timeout=60) as c:
         assert c.get(f"{s.url}/health").status_code == 200
         with c.stream("POST", f"{s.url}/v1/completions", json={
-                "model": "tiny", "prompt": "Hello", "max_tokens": 400, "temperature": 0,
+                # long enough (~5 s at -tp 1 on a 2-core CPU) that the kill lands mid-stream
+                "model": "tiny", "prompt": "Hello", "max_tokens": 2000, "temperature": 0,
                 "ignore_eos": True, "stream": True}) as r:
             assert r.status_code == 200
             lines = r.iter_lines()
@@ -122,6 +123,8 @@ def _kill_mid_stream(s, pid: int) -> None:
             t0 = time.time()
             rest = [json.loads(line[5:]) for line in lines
                     if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+        assert not any(c["choices"][0]["finish_reason"] for c in rest if "choices" in c), \
+            "the request finished before the kill"
         assert "error" in rest[-1] and time.time() - t0 < 10
         assert c.get(f"{s.url}/health").status_code == 503
         r = c.post(f"{s.url}/v1/completions", json={"model": "tiny", "prompt": "Hi"})

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from server.cli import build_parser, engine_args_from
-from tests.server_fixtures import REPO, TINY_MODEL, ServeProcess
+from tests.server_fixtures import REPO, TINY_MODEL, ServeProcess, metric
 
 FLAGS = ["--model", "--host", "--port", "-tp", "--tensor-parallel-size", "-dcp",
          "--decode-context-parallel-size", "--max-num-batched-tokens", "--max-num-seqs",
@@ -139,22 +139,30 @@ def _alive(pids) -> list[int]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_signals_drain_and_stop_every_worker(sig):
+    max_tokens = 64
     with ServeProcess("--model", str(TINY_MODEL), "--device", "cpu", "--dtype", "float32",
-                      "-tp", "2", "--num-kv-blocks", "64", "--max-model-len", "256") as s:
+                      "-tp", "2", "--num-kv-blocks", "64", "--max-model-len", "256",
+                      "--shutdown-timeout", "60") as s:
         workers = _descendants(s.proc.pid)
         assert len(workers) >= 3  # the engine core, its two ranks (and resource trackers)
         result = {}
-        body = {"prompt": "Mia has", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        body = {"prompt": "Mia has", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
         t = threading.Thread(target=lambda: result.setdefault(
-            "r", httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)))
+            "r", httpx.post(f"{s.url}/v1/completions", json=body, timeout=120)))
         t.start()
-        time.sleep(0.3)  # the request is running
+        deadline = time.monotonic() + 30
+        while True:  # the signal goes once the request runs, however fast or slow the machine
+            m = httpx.get(f"{s.url}/metrics", timeout=30).text
+            if metric(m, "mla_serve_num_requests_running") == 1:
+                break
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
         s.proc.send_signal(sig)
-        rc = s.proc.wait(timeout=60)
+        rc = s.proc.wait(timeout=120)
         t.join(60)
     assert rc == 0
     assert result["r"].status_code == 200  # drained, not cut
-    assert result["r"].json()["usage"]["completion_tokens"] == 24
+    assert result["r"].json()["usage"]["completion_tokens"] == max_tokens
     # serve has joined the core and the ranks before exiting; multiprocessing's resource
     # trackers leave once they see their pipes close: none may outlive that by more than a moment
     deadline = time.monotonic() + 5
