@@ -181,17 +181,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def bound_socket() -> socket.socket:
+    """A loopback socket bound to a free port and kept: no other bind can take the port
+    between choosing it and serving on it (free_port's window)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
 class InProcessServer:
     """uvicorn on a loopback port in a background thread (its own event loop)."""
 
     def __init__(self, app) -> None:
         import uvicorn
 
-        self.port = free_port()
+        self._sock = bound_socket()
+        self.port = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                      log_level="warning"))
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        daemon=True)
 
     def __enter__(self) -> InProcessServer:
         self._thread.start()
@@ -205,6 +215,7 @@ class InProcessServer:
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+        self._sock.close()
 
 
 class ServeProcess:

@@ -24,7 +24,8 @@ from models.config import ModelConfig
 from server.api_server import ServerState, build_app
 from server.cli import build_parser, uvicorn_config
 from server.errors import APIError
-from tests.server_fixtures import TINY_MODEL, FakeEngine, InProcessServer, assert_error, aborted_choices, free_port, post
+from tests.server_fixtures import (TINY_MODEL, FakeEngine, InProcessServer, aborted_choices, assert_error,
+                                   bound_socket, post)
 
 
 @pytest.fixture(scope="module")
@@ -200,11 +201,13 @@ class _UvicornThread:
     def __init__(self, app, ns) -> None:
         import uvicorn
 
-        ns.host, ns.port = "127.0.0.1", free_port()
+        self.sock = bound_socket()
+        ns.host, ns.port = "127.0.0.1", self.sock.getsockname()[1]
         self.port = ns.port
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn_config(app, ns))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
 
     def __enter__(self):
         self.thread.start()
@@ -217,6 +220,7 @@ class _UvicornThread:
     def __exit__(self, *exc):
         self.server.should_exit = True
         self.thread.join(10)
+        self.sock.close()
 
 
 def _closed_within(sock: socket.socket, seconds: float) -> bytes | None:
