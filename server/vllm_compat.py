@@ -1,5 +1,6 @@
 """vLLM's server extras that its users' scripts and load balancers call: `/version`, `/ping`
-(GET and POST, as SageMaker's health check sends it), CORS from `--allowed-origins`,
+(GET and POST, as SageMaker's health check sends it), `POST /invocations` (SageMaker's inference
+route: chat or completions by the body's shape), CORS from `--allowed-origins`,
 `--allowed-methods`, `--allowed-headers`, `--allow-credentials`, the X-Request-Id response header
 (`--enable-request-id-headers`) and `/load` (`--enable-server-load-tracking`).
 
@@ -10,18 +11,25 @@ vLLM's defaults (["*"], credentials off), so a server started without them sends
 
 from __future__ import annotations
 
+import json
 import uuid
 from importlib import metadata
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
-from server.errors import error_response
+from server.chat import create_chat_completion
+from server.chat_protocol import ChatCompletionRequest
+from server.completions import create_completion
+from server.errors import APIError, error_response
 from server.frontend_options import FrontendOptions
+from server.protocol import CompletionRequest
 
 # the routes whose requests --enable-server-load-tracking counts (vLLM's generating ones here)
-LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions"})
+LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
 
 
 def version() -> str:
@@ -70,6 +78,30 @@ def install(app: FastAPI, engine, args=None) -> None:
     @app.get("/load")
     async def load() -> dict:
         return {"server_load": app.state.server_load_metrics}
+
+    state = app.state.server
+
+    @app.post("/invocations", dependencies=[Depends(state.check_api_key)])
+    async def invocations(raw: Request) -> Response:
+        """SageMaker's inference route, as vLLM serves it: a body with `messages` is a chat
+        completion, one with `prompt` a completion. Unlike vLLM's, it asks for --api-key as /v1
+        does (vLLM leaves it open)."""
+        try:
+            body = json.loads(await raw.body())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise APIError(400, f"request body is not valid JSON text ({type(e).__name__})") from None
+        if isinstance(body, dict) and "messages" in body:
+            model, create = ChatCompletionRequest, create_chat_completion
+        elif isinstance(body, dict) and "prompt" in body:
+            model, create = CompletionRequest, create_completion
+        else:
+            raise APIError(400, "/invocations: the body needs `messages` (a chat completion) or "
+                           "`prompt` (a completion)", param="messages")
+        try:
+            req = model.model_validate(body)
+        except ValidationError as e:  # the same 400 as the /v1 routes give
+            raise RequestValidationError(e.errors()) from None
+        return await create(state, req, raw)
 
 
 class RequestIdHeaderMiddleware:

@@ -35,6 +35,30 @@ def client_for():
     return make
 
 
+def test_invocations_route_by_the_body(client_for):
+    """SageMaker's POST /invocations: chat with `messages`, completions with `prompt`, the /v1
+    routes' errors otherwise; behind --api-key like /v1."""
+    async def run():
+        _, c = client_for(["--api-key", "k"])
+        auth = {"Authorization": "Bearer k"}
+        async with c:
+            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+            assert (await c.post("/invocations", json=chat)).status_code == 401
+            r = await c.post("/invocations", json=chat, headers=auth)
+            assert r.status_code == 200 and r.json()["object"] == "chat.completion"
+            r = await c.post("/invocations", json={"prompt": "hi", "max_tokens": 3}, headers=auth)
+            assert r.status_code == 200 and r.json()["object"] == "text_completion"
+            assert r.json()["usage"]["completion_tokens"] == 3
+            for body, param in (({"input": "hi"}, "messages"), ({"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+                                ({**chat, "n": 0}, "n")):
+                r = await c.post("/invocations", json=body, headers=auth)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            r = await c.post("/invocations", content=b"{nope", headers=auth)
+            assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+    asyncio.run(run())
+
+
 def test_version_and_ping(client_for):
     async def run():
         engine, c = client_for([])
