@@ -73,7 +73,12 @@ def uvicorn_config(app, ns: argparse.Namespace):
                                         and not getattr(ns, "disable_uvicorn_access_log", False)),
                             timeout_keep_alive=ns.http_keep_alive_timeout,
                             backlog=2048, timeout_graceful_shutdown=ns.shutdown_timeout,
-                            http=header_timeout_protocol(ns.http_header_timeout))
+                            http=header_timeout_protocol(ns.http_header_timeout),
+                            ssl_keyfile=getattr(ns, "ssl_keyfile", None),
+                            ssl_certfile=getattr(ns, "ssl_certfile", None),
+                            ssl_ca_certs=getattr(ns, "ssl_ca_certs", None),
+                            ssl_cert_reqs=getattr(ns, "ssl_cert_reqs", 0),
+                            root_path=getattr(ns, "root_path", None) or "")
     # after the Config, which sets uvicorn's loggers up
     filter_access_log(getattr(ns, "disable_access_log_for_endpoints", None))
     return config
@@ -102,7 +107,8 @@ async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.s
     try:
         server = _draining_server(uvicorn_config(build_app(engine, ns), ns))
         _tune_gc()
-        logger.info("serving %s on http://%s:%d/v1", engine.model_name, ns.host, ns.port)
+        logger.info("serving %s on %s://%s:%d/v1", engine.model_name,
+                    "https" if ns.ssl_certfile else "http", ns.host, ns.port)
         await server.serve(sockets=[sock])
         return 0 if server.started else 1
     finally:

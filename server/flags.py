@@ -11,6 +11,7 @@ import sys
 from common.args import DTYPE_ALIASES, KV_CACHE_DTYPES, EngineArgs, human_readable_int
 from common.hub import is_repo_id, resolve_model_dir
 from common.kernel_plan import kernels_help
+from server.config_file import config_args, config_path
 from server.frontend_options import FrontendOptions, add_frontend_flags
 from server.limits import ServerLimits
 from server.overrides import load_chat_template, load_generation_defaults
@@ -36,6 +37,12 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def parse_args(self, args=None, namespace=None):
         given = list(sys.argv[1:] if args is None else args)
+        try:  # --config FILE: its flags first, so the command line's own win
+            path, given = config_path(given)
+            if path is not None:
+                given = config_args(path, self) + given
+        except ValueError as e:
+            self.error(str(e))
         argv = [_dashed(a) for a in given]
         spelled = dict(zip(argv, given))  # report a flag as the user wrote it
         ns, extra = self.parse_known_args(argv, namespace)
@@ -216,6 +223,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 listens on all interfaces")
     g.add_argument("--port", type=int, default=8000, help="TCP port to listen on")
+    g.add_argument("--config", metavar="FILE",
+                   help="read flags from a YAML file of flag names and values (as vLLM's); "
+                        "the command line's own flags win")
+    g.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key file")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate file")
+    g.add_argument("--ssl-ca-certs", default=None, help="CA certificates file for client certificates")
+    g.add_argument("--ssl-cert-reqs", type=int, choices=[0, 1, 2], default=0,
+                   help="client certificates: 0 not asked, 1 optional, 2 required (Python's "
+                        "ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED)")
+    g.add_argument("--root-path", default=None,
+                   help="the path prefix a proxy serves this server under (FastAPI's root_path)")
     g.add_argument("--api-key", default=None,
                    help="if set, /v1 routes require the header 'Authorization: Bearer KEY'; "
                         "default: the VLLM_API_KEY environment variable, as in vLLM")
@@ -340,6 +358,15 @@ def api_key_from(flag: str | None) -> str | None:
     return flag or os.environ.get("VLLM_API_KEY") or None
 
 
+def _check_ssl(ns: argparse.Namespace) -> None:
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(ns, flag)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
+    if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+
+
 def _check_limits(ns: argparse.Namespace) -> None:
     for flag in ("max_request_body_bytes", "max_prompts_per_request", "max_seqs_per_request",
                  "max_stop_strings", "max_stop_str_len", "max_prompt_logprob_entries"):
@@ -368,6 +395,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     if not 1 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
     _check_noops(ns)
+    _check_ssl(ns)
     check_parser_name(ns.reasoning_parser)
     check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
     _check_limits(ns)

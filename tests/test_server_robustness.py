@@ -7,7 +7,9 @@ failures in the real engine and the stall check of /health: tests/test_server_li
 from __future__ import annotations
 
 import logging
+import shutil
 import socket
+import subprocess
 import threading
 import time
 
@@ -266,6 +268,28 @@ def test_access_log_flags(tok, flags, logged):
         finally:
             access.removeHandler(records)
     assert records.paths == logged
+
+
+def test_https_and_root_path(tok, tmp_path):
+    """--ssl-keyfile / --ssl-certfile serve HTTPS (a self-signed certificate made with the
+    openssl command); --root-path is the prefix FastAPI's OpenAPI schema names."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    ns = build_parser().parse_args(["--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
+                                    "--root-path", "/llm", "--log-level", "warning"])
+    with _UvicornThread(build_app(FakeEngine(tok), ns), ns) as s:
+        https = s.url.replace("http://", "https://")
+        assert httpx.get(f"{https}/health", verify=False, timeout=30).status_code == 200
+        r = httpx.post(f"{https}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                       verify=False, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        assert httpx.get(f"{https}/openapi.json", verify=False, timeout=30).json()["servers"] == [{"url": "/llm"}]
+        with pytest.raises(httpx.HTTPError):  # plain HTTP is not served
+            httpx.get(f"{s.url}/health", timeout=5)
 
 
 def test_slow_headers_and_slow_bodies_are_cut_off(tok):

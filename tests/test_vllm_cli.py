@@ -219,3 +219,35 @@ def test_response_role_and_default_chat_template_kwargs_flags(capsys):
         with pytest.raises(SystemExit):
             build_parser().parse_args([str(TINY_MODEL), "--default-chat-template-kwargs", bad])
         assert "--default-chat-template-kwargs" in capsys.readouterr().err
+
+
+def test_config_file_flags_under_the_command_line(tmp_path, capsys):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("model: %s\nmax_model_len: 128\nserved-model-name: [a, b]\n"
+                   "enable-log-requests: false\ntrust_remote_code: true\nhf_overrides: {x: 1}\n"
+                   "api-key: null\n" % TINY_MODEL)
+    ns = build_parser().parse_args(["--config", str(cfg), "--max-model-len", "64"])
+    assert (ns.max_model_len, ns.served_model_name) == (64, ["a", "b"])  # the command line wins
+    assert ns.enable_log_requests is False and ns.trust_remote_code and ns.api_key is None
+    assert engine_args_from(ns).hf_overrides == {"x": 1}
+    ns = build_parser().parse_args([f"--config={cfg}"])
+    assert ns.max_model_len == 128 and ns.model == str(TINY_MODEL)
+    for text, needle in (("nope: 1\n", "unsupported flag: --nope"), ("- a\n", "must be a mapping"),
+                         ("a: [\n", "not valid YAML")):
+        cfg.write_text(text)
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--config", str(cfg)])
+        assert needle in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--config", str(tmp_path / "missing.yaml")])
+    assert "--config" in capsys.readouterr().err
+
+
+def test_ssl_flags_are_checked(tmp_path):
+    key = tmp_path / "k.pem"
+    key.write_text("x")
+    with pytest.raises(ValueError, match="--ssl-certfile .*: no such file"):
+        engine_args_from(build_parser().parse_args([str(TINY_MODEL), "--ssl-keyfile", str(key),
+                                                    "--ssl-certfile", str(tmp_path / "none.pem")]))
+    with pytest.raises(ValueError, match="go together"):
+        engine_args_from(build_parser().parse_args([str(TINY_MODEL), "--ssl-keyfile", str(key)]))
