@@ -23,6 +23,7 @@ from server.completions import create_completion
 from server.errors import APIError, error_response, install_error_handlers
 from server.frontend_options import FrontendOptions
 from server.http_limits import BodyLimitMiddleware
+from server.http_metrics import HttpMetricsMiddleware
 from server.limits import ServerLimits
 from server.metrics import ServerMetrics
 from server.overrides import load_chat_template, load_generation_defaults
@@ -152,6 +153,8 @@ def build_app(engine, args=None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_request_body_bytes,
                        body_timeout=limits.http_body_timeout)
+    # outside the body limit: a request refused there (413, 408) is counted too
+    app.add_middleware(HttpMetricsMiddleware, registry=state.metrics.registry)
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(state.check_api_key)])
 

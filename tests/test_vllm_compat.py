@@ -138,6 +138,37 @@ def _sample(text: str, name: str) -> float:
     return float(lines[0].rsplit(" ", 1)[1])
 
 
+def test_http_metrics_under_vllms_names(client_for):
+    """http_requests_total and the latency and size series, per route template and status class;
+    health checks and scrapes are not counted, a path no route serves is handler "none"."""
+    async def run():
+        _, c = client_for([])
+        async with c:
+            for _ in range(2):
+                assert (await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status_code == 200
+            assert (await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": -1})).status_code == 400
+            chunks = [ln async for ln in (await c.send(c.build_request(
+                "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "stream": True}), stream=True)).aiter_lines()]
+            assert chunks[-2] == "data: [DONE]"
+            assert (await c.get("/no/such/route")).status_code == 404
+            for path in ("/health", "/ping", "/version", "/load"):
+                await c.get(path)
+            return (await c.get("/metrics")).text
+
+    text = asyncio.run(run())
+    cmpl = 'handler="/v1/completions",method="POST"'
+    assert _sample(text, f'http_requests_total{{{cmpl},status="2xx"}}') == 2
+    assert _sample(text, f'http_requests_total{{{cmpl},status="4xx"}}') == 1
+    assert _sample(text, 'http_requests_total{handler="/v1/chat/completions",method="POST",status="2xx"}') == 1
+    assert _sample(text, 'http_requests_total{handler="none",method="GET",status="4xx"}') == 1
+    assert _sample(text, f"http_request_duration_seconds_count{{{cmpl}}}") == 3
+    assert _sample(text, "http_request_duration_highr_seconds_count") == 5
+    assert _sample(text, 'http_request_size_bytes_count{handler="/v1/completions"}') == 3
+    assert _sample(text, 'http_response_size_bytes_sum{handler="/v1/chat/completions"}') > 100
+    assert not any(h in text for h in ('handler="/health"', 'handler="/ping"', 'handler="/metrics"'))
+
+
 def test_vllm_metric_names_with_model_name_label():
     """On the real engine (tiny model, in-process): vLLM's series, labelled with the served name,
     beside ours, counting one request the same; the queue time comes from the scheduler."""
