@@ -121,8 +121,8 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2 <= v <= 2:
                 raise bad(name, v, "must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 2:
-            raise bad("repetition_penalty", self.repetition_penalty, "must be in (0, 2]")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise bad("repetition_penalty", self.repetition_penalty, "must be a finite number > 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "must hold non-empty strings")
         if any(not isinstance(t, int) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):

@@ -350,7 +350,10 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
         if batch.prompt_token_ids is not None:
             seen = seen | (_token_counts(batch.prompt_token_ids, vocab, logits.device) > 0)
         pen = rep.unsqueeze(1)
-        scaled = torch.where(logits > 0, logits / pen, logits * pen)
+        # clamped: a penalty near 0 (or a huge one) would push a logit to +-inf and the row's
+        # softmax to NaN; the largest finite value keeps the intent (that token wins or loses)
+        big = torch.finfo(logits.dtype).max
+        scaled = torch.where(logits > 0, logits / pen, logits * pen).clamp(-big, big)
         logits = torch.where(seen, scaled, logits)
     if freq is not None:
         logits = logits - freq.unsqueeze(1) * out_counts

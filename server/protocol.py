@@ -30,7 +30,9 @@ class SamplingFields(BaseRequest):
     endpoint: ClassVar[str]  # "completions" | "chat": names the endpoint in refusals
 
     model: str | None = None
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    # vLLM's bounds, wider than OpenAI's [0, 2]: any finite temperature >= 0 and
+    # repetition_penalty > 0
+    temperature: float = Field(1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: bounded(-1, MAX_TOP_K) = 0
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -42,7 +44,7 @@ class SamplingFields(BaseRequest):
     min_tokens: NonNegInt64 = 0
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     # logprobs name tokens "token_id:N" (vLLM); None: as --return-tokens-as-token-ids says

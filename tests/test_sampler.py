@@ -220,6 +220,23 @@ def test_penalties_against_hand_computation():
     assert got[1].tolist() == pytest.approx([2.0, -1.0, 0.5, 3.0, -2.0, -1.0])
 
 
+def test_extreme_repetition_penalties_keep_the_row_finite():
+    """A penalty near 0 or huge (vLLM accepts any > 0) must not turn a logit to inf and the
+    row's softmax to NaN (whose sample is garbage, token 0)."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
+    for rep in (1e-39, 3e38):  # both finite in fp32, as the core's check requires
+        p = SamplingParams(temperature=1.0, repetition_penalty=rep, seed=0)
+        batch = batch_of([p], outputs=[[2, 3, 4]])
+        penalized = _apply_penalties(logits, batch)
+        assert torch.isfinite(penalized).all()
+        if rep < 1:  # the seen positives 0.5 and 3.0 both saturate at the largest float
+            for seed in range(8):
+                p.seed = seed
+                assert Sampler()(logits, batch_of([p], outputs=[[2, 3, 4]])).token_ids.item() in (2, 3)
+        else:  # the seen negative (token 4) goes to the bottom; the best unseen (0) leads
+            assert penalized[0].argmax().item() == 0 and penalized[0, 4] < -1e30
+
+
 def test_penalties_change_greedy_choice_and_min_tokens_masks_eos():
     logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
     p = SamplingParams(temperature=0.0, repetition_penalty=2.0)

@@ -291,7 +291,7 @@ MALFORMED = [
     ("post", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("post", "/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
     ("post", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
-    ("post", "/v1/completions", {"prompt": "x", "temperature": 5}, 400, "temperature"),
+    ("post", "/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ("post", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("post", "/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k"),
     ("post", "/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),

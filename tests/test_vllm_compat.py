@@ -289,8 +289,8 @@ def test_generation_config_auto_reads_the_model_directory(tmp_path):
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.3, "top_k": 5}')
     assert load_generation_defaults("auto", str(tmp_path)) == {"temperature": 0.3, "top_k": 5}
     assert load_generation_defaults("vllm", str(tmp_path)) == {}
-    (tmp_path / "generation_config.json").write_text('{"temperature": 5}')
-    with pytest.raises(ValueError, match=r"--generation-config: .*temperature.*got 5"):
+    (tmp_path / "generation_config.json").write_text('{"temperature": -5}')
+    with pytest.raises(ValueError, match=r"--generation-config: .*temperature.*got -5"):
         load_generation_defaults("auto", str(tmp_path))
 
 

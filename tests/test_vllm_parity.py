@@ -340,7 +340,7 @@ def test_vllm_aliases_and_generation_overrides(tmp_path):
         {"temperature": 0.6, "top_k": 5, "max_tokens": 9}
     assert load_generation_defaults("vllm", str(tmp_path), '{"top_p": 0.5}') == {"top_p": 0.5}
     for bad, msg in (('{"nope": 1}', "unknown key"), ("[1]", "JSON object"), ("{", "not valid JSON"),
-                     ('{"temperature": 9}', "temperature")):
+                     ('{"temperature": -1}', "temperature")):
         with pytest.raises(ValueError, match=msg):
             load_generation_defaults("vllm", None, bad)
     assert _engine_args('--override-generation-config {"temperature":0.5}').model == str(TINY_MODEL)
