@@ -17,6 +17,9 @@ MAX_LOGIT_BIAS = 100.0
 # Temperatures below this sample greedily (vLLM's rule): dividing logits by ~1e-38 overflows
 # them to inf and the softmax to nan.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# temperature and repetition_penalty are unbounded above (vLLM's rule) but become fp32 columns:
+# the smallest magnitude that rounds to inf in fp32 is their limit
+FP32_OVERFLOW = 3.4028235677973366e38
 
 
 # The kinds of structured output a request may ask for (engine/structured_outputs.py).
@@ -100,8 +103,8 @@ class SamplingParams:
                 raise bad(name, v, f"must be an integer in [{lo}, {hi}]")
 
         integer("n", 1, INT64_MAX)
-        if not self.temperature >= 0 or self.temperature == float("inf"):
-            raise bad("temperature", self.temperature, "must be a finite number >= 0")
+        if not 0 <= self.temperature < FP32_OVERFLOW:
+            raise bad("temperature", self.temperature, "must be >= 0 and finite in fp32 (below 3.4e38)")
         if not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "must be in (0, 1]")
         if not isinstance(self.top_k, int) or not 0 <= self.top_k <= MAX_TOP_K:
@@ -121,8 +124,9 @@ class SamplingParams:
             v = getattr(self, name)
             if not -2 <= v <= 2:
                 raise bad(name, v, "must be in [-2, 2]")
-        if not 0 < self.repetition_penalty < float("inf"):
-            raise bad("repetition_penalty", self.repetition_penalty, "must be a finite number > 0")
+        if not 0 < self.repetition_penalty < FP32_OVERFLOW:
+            raise bad("repetition_penalty", self.repetition_penalty,
+                      "must be > 0 and finite in fp32 (below 3.4e38)")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "must hold non-empty strings")
         if any(not isinstance(t, int) or not 0 <= t <= INT64_MAX for t in self.stop_token_ids):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.sampling_params import SamplingParams
+from common.sampling_params import FP32_OVERFLOW, SamplingParams
 from common.transfer import to_device
 from engine.logprobs import DeviceLogprobs, gather_logprobs
 
@@ -38,7 +38,6 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
 
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-_FP32_OVERFLOW = 3.4028235677973366e38  # the smallest magnitude that rounds to inf in fp32
 
 
 def check_sampling_params(p: SamplingParams) -> None:
@@ -59,7 +58,7 @@ def check_sampling_params(p: SamplingParams) -> None:
     for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty"):
         v = getattr(p, name)
-        if not (math.isfinite(float(v)) and abs(float(v)) < _FP32_OVERFLOW):
+        if not (math.isfinite(float(v)) and abs(float(v)) < FP32_OVERFLOW):
             raise ValueError(f"{name} {v!r} is not a finite fp32 number")
 
 

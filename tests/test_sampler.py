@@ -366,8 +366,12 @@ def test_check_sampling_params_matches_what_torch_accepts():
     for t in (3.4e38, 0.0, 2.0):
         check_sampling_params(SamplingParams(temperature=t))
         torch.tensor(t, dtype=torch.float32).isfinite().item() or pytest.fail(f"{t} overflows fp32")
+    with pytest.raises(ValueError, match="temperature .* finite in fp32"):
+        SamplingParams(temperature=3.5e38)  # refused where the request is made
+    p = SamplingParams()
+    p.temperature = 3.5e38  # and by the core, should a value get past that
     with pytest.raises(ValueError, match="temperature .* not a finite fp32"):
-        check_sampling_params(SamplingParams(temperature=3.5e38))
+        check_sampling_params(p)
     assert not torch.tensor(3.5e38, dtype=torch.float32).isfinite().item()
     p = SamplingParams()
     p.stop_token_ids = [2**63 - 1]
