@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.sampling_params import FP32_OVERFLOW, SamplingParams
+from common.sampling_params import FP32_OVERFLOW, GREEDY_TEMPERATURE_EPS, SamplingParams
 from common.transfer import to_device
 from engine.logprobs import DeviceLogprobs, gather_logprobs
 
@@ -350,9 +350,11 @@ def _apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor
             seen = seen | (_token_counts(batch.prompt_token_ids, vocab, logits.device) > 0)
         pen = rep.unsqueeze(1)
         # clamped: a penalty near 0 (or a huge one) would push a logit to +-inf and the row's
-        # softmax to NaN; the largest finite value keeps the intent (that token wins or loses)
-        big = torch.finfo(logits.dtype).max
+        # softmax to NaN. The bound survives the smallest sampling temperature's divide; a -inf
+        # already there (a banned token) stays -inf.
+        big = torch.finfo(logits.dtype).max * GREEDY_TEMPERATURE_EPS
         scaled = torch.where(logits > 0, logits / pen, logits * pen).clamp(-big, big)
+        scaled = torch.where(logits.isinf(), logits, scaled)
         logits = torch.where(seen, scaled, logits)
     if freq is not None:
         logits = logits - freq.unsqueeze(1) * out_counts

@@ -39,8 +39,9 @@ class _OneLineParser(argparse.ArgumentParser):
         given = list(sys.argv[1:] if args is None else args)
         try:  # --config FILE: its flags first, so the command line's own win
             path, given = config_path(given)
-            if path is not None:
-                given = config_args(path, self) + given
+            if path is not None:  # after a leading positional model, which must stay first
+                head = given[:1] if given and not given[0].startswith("-") else []
+                given = head + config_args(path, self) + given[len(head):]
         except ValueError as e:
             self.error(str(e))
         argv = [_dashed(a) for a in given]

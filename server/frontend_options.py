@@ -160,7 +160,7 @@ class FrontendOptions:
                    server_load_tracking=bool(flag("enable_server_load_tracking")),
                    log_requests=bool(flag("enable_log_requests")) and not flag("disable_log_requests"),
                    max_log_len=flag("max_log_len"),
-                   response_role=flag("response_role") or "assistant",
+                   response_role="assistant" if flag("response_role") is None else flag("response_role"),
                    default_template_kwargs=flag("default_chat_template_kwargs"))
 
     def template_kwargs(self, given: dict | None) -> dict | None:

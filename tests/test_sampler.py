@@ -229,12 +229,17 @@ def test_extreme_repetition_penalties_keep_the_row_finite():
         batch = batch_of([p], outputs=[[2, 3, 4]])
         penalized = _apply_penalties(logits, batch)
         assert torch.isfinite(penalized).all()
-        if rep < 1:  # the seen positives 0.5 and 3.0 both saturate at the largest float
+        if rep < 1:  # the seen positives 0.5 and 3.0 both saturate, also after a divide by 0.5
             for seed in range(8):
-                p.seed = seed
-                assert Sampler()(logits, batch_of([p], outputs=[[2, 3, 4]])).token_ids.item() in (2, 3)
+                q = SamplingParams(temperature=0.5, repetition_penalty=rep, seed=seed)
+                assert Sampler()(logits, batch_of([q], outputs=[[2, 3, 4]])).token_ids.item() in (2, 3)
         else:  # the seen negative (token 4) goes to the bottom; the best unseen (0) leads
             assert penalized[0].argmax().item() == 0 and penalized[0, 4] < -1e30
+    # a banned token (-inf) stays banned whatever the penalty does to it
+    banned = logits.clone()
+    banned[0, 4] = float("-inf")
+    b = batch_of([SamplingParams(temperature=1.0, repetition_penalty=3e38)], outputs=[[4]])
+    assert _apply_penalties(banned, b)[0, 4].item() == float("-inf")
 
 
 def test_penalties_change_greedy_choice_and_min_tokens_masks_eos():

@@ -232,6 +232,9 @@ def test_config_file_flags_under_the_command_line(tmp_path, capsys):
     assert engine_args_from(ns).hf_overrides == {"x": 1}
     ns = build_parser().parse_args([f"--config={cfg}"])
     assert ns.max_model_len == 128 and ns.model == str(TINY_MODEL)
+    cfg.write_text("served-model-name: [solo]\n")  # a list flag must not take the positional model
+    ns = build_parser().parse_args([str(TINY_MODEL), "--config", str(cfg)])
+    assert (ns.model_tag, ns.served_model_name) == (str(TINY_MODEL), ["solo"])
     for text, needle in (("nope: 1\n", "unsupported flag: --nope"), ("- a\n", "must be a mapping"),
                          ("a: [\n", "not valid YAML")):
         cfg.write_text(text)
