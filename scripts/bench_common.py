@@ -25,6 +25,7 @@ def add_engine_flags(p) -> None:
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV cache block (default: the engine's)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--piecewise-graph-sizes", default=None,
                    help="the engine's --piecewise-graph-sizes (auto | none | N,N,..; default: the engine's)")
@@ -58,6 +59,8 @@ def engine_kwargs(a) -> dict:
         kw["piecewise_graph_sizes"] = a.piecewise_graph_sizes
     if a.fp8_gemm is not None:
         kw["fp8_gemm"] = a.fp8_gemm
+    if getattr(a, "block_size", None) is not None:
+        kw["block_size"] = a.block_size
     if getattr(a, "enable_prefix_caching", None) is not None:
         kw["enable_prefix_caching"] = a.enable_prefix_caching
     if getattr(a, "skip_tokenizer_init", False):

@@ -155,12 +155,12 @@ def decode_inputs(B, S, H, page=64, cache_dtype=torch.bfloat16):
 
 
 def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float, shapes, heads, cache_names,
-               impl: str = "triton", sweep_match: str | None = None):
+               impl: str = "triton", sweep_match: str | None = None, page: int = 64):
     for B, S in shapes:
         for H in heads:
             for cname in cache_names:
                 cdt = CACHE_DTYPES[cname]
-                q, cache, bts, lens = decode_inputs(B, S, H, cache_dtype=cdt)
+                q, cache, bts, lens = decode_inputs(B, S, H, page=page, cache_dtype=cdt)
                 # bytes: every cached row once, q read, o written (bf16)
                 nbytes = B * S * (LKV + R) * cdt.itemsize + B * H * (LKV + R + LKV) * 2
                 flops = 2 * B * S * H * (LKV + R + LKV)
@@ -376,6 +376,7 @@ def main():
     ap.add_argument("--impl", choices=("triton", "gluon"), default="triton",
                     help="gluon: also time attention/gluon_decode.py (H %% 64 == 0, bf16 cache, sm_90) "
                          "next to the Triton default")
+    ap.add_argument("--page", type=int, default=64, help="cache rows per page (the engine's --block-size)")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_mla_decode.json or ./)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -405,7 +406,7 @@ def main():
         if not args.prefill_only:
             run_decode(rows, args.sweep, props.multi_processor_count, log, t0 + args.budget_s * 0.7, shapes,
                        [int(h) for h in args.heads.split(",")], args.cache_dtypes.split(","), args.impl,
-                       args.sweep_match)
+                       args.sweep_match, args.page)
             save()
             print(f"decode done in {time.time() - t0:.0f} s", flush=True)
         if not args.decode_only:
