@@ -53,6 +53,8 @@ class ServerState:
         # --generation-config: values of fields a request does not set (server/overrides.py)
         self.request_defaults = dict(request_defaults or {})
         self.tokenizer = engine.tokenizer
+        if self.tokenizer is not None:
+            self.frontend.check_template_defaults(self.tokenizer)
         self.model_name: str = engine.model_name  # the one responses report
         # Every --served-model-name is accepted as `model`, and so is the --model path (vLLM
         # serves the path by default), but only the first name is ever echoed back.

@@ -158,9 +158,10 @@ class ChatBuilder:
             choice["token_ids"] = list(o.token_ids)
         return choice
 
-    def _delta(self, index: int, new_text: str, finished: bool) -> dict:
+    def _delta(self, index: int, new_text: str, finished: bool) -> tuple[dict, bool]:
         """The message delta of new text: content, or reasoning then content when thinking;
-        tool calls out of the content when the request has tools."""
+        tool calls out of the content when the request has tools. Second: whether the text was
+        all reasoning that include_reasoning false leaves out (the delta is then empty)."""
         reasoning, content = "", new_text
         if self.think:
             parser = self._parsers.setdefault(index, ThinkParser())
@@ -171,6 +172,7 @@ class ChatBuilder:
         delta = {}
         if reasoning and self.req.include_reasoning:
             delta["reasoning_content"] = delta["reasoning"] = reasoning
+        hidden = bool(reasoning) and not self.req.include_reasoning
         calls = []
         if self.has_tools:
             content, calls = self._tool_delta(index, content, finished)
@@ -179,7 +181,7 @@ class ChatBuilder:
         if calls:
             delta["tool_calls"] = calls
             self._called.add(index)
-        return delta
+        return delta, hidden and not delta
 
     def _tool_delta(self, index: int, content: str, finished: bool) -> tuple[str, list[dict]]:
         """(content, delta.tool_calls) of new content: a call's first entry carries its id, type
@@ -224,10 +226,12 @@ class ChatBuilder:
         if finish is not None:  # a finished sample stays in its request's later outputs
             self._finish_sent.add(index)
         new_ids = o.delta_token_ids if self.req.return_token_ids else []
-        if new_text or new_lps or new_ids or finish is not None:
-            # a chunk for every output with new text, even while a possible tag is held back,
-            # and with return_token_ids for every output with new tokens, text or not
-            delta = self._delta(index, new_text, finish is not None)
+        delta, hidden = self._delta(index, new_text, finish is not None) if new_text or finish is not None \
+            else ({}, False)
+        # A chunk for every output with new text, even while a possible tag is held back (an
+        # empty delta), but none for reasoning that include_reasoning false leaves out, as vLLM
+        # sends none; with logprobs or return_token_ids for every output with new tokens.
+        if (new_text and not hidden) or new_lps or new_ids or finish is not None:
             out.append({"index": index, "delta": delta,
                         "logprobs": self.logprobs(new_lps) if new_lps else None,
                         "finish_reason": self._finish_reason(index, finish),

@@ -80,7 +80,7 @@ def uvicorn_config(app, ns: argparse.Namespace):
                             ssl_cert_reqs=getattr(ns, "ssl_cert_reqs", 0),
                             root_path=getattr(ns, "root_path", None) or "")
     # after the Config, which sets uvicorn's loggers up
-    filter_access_log(getattr(ns, "disable_access_log_for_endpoints", None))
+    filter_access_log(getattr(ns, "disable_access_log_for_endpoints", None), getattr(ns, "root_path", None) or "")
     return config
 
 

@@ -12,10 +12,11 @@ from common.args import DTYPE_ALIASES, KV_CACHE_DTYPES, EngineArgs, human_readab
 from common.hub import is_repo_id, resolve_model_dir
 from common.kernel_plan import kernels_help
 from server.config_file import config_args, config_path
-from server.frontend_options import FrontendOptions, add_frontend_flags
+from server.frontend_options import JSON_LIST, FrontendOptions, add_frontend_flags
 from server.limits import ServerLimits
 from server.overrides import load_chat_template, load_generation_defaults
 from server.reasoning import check_parser_name
+from server.tls import check_ssl
 from server.tool_calls import check_tool_flags
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)
@@ -69,16 +70,6 @@ def _token_count(value: str) -> int:
         return human_readable_int(value)
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"not a token count: {e}") from None
-
-
-def _json_list(value: str) -> list:
-    try:
-        v = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(v, list):
-        raise argparse.ArgumentTypeError('a JSON list is needed, e.g. \'["GET", "POST"]\'')
-    return v
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -250,13 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-log-requests", action="store_true",
                    help="do not log requests (the default; vLLM's older spelling, kept so its "
                         "launch lines run)")
-    g.add_argument("--allowed-origins", type=_json_list, default=None, metavar="JSON",
+    g.add_argument("--allowed-origins", type=JSON_LIST, default=None, metavar="JSON",
                    help="CORS: allowed origins, a JSON list such as '[\"https://a.example\"]'; "
                         "given any CORS flag, the others default to [\"*\"] as in vLLM; none "
                         "given: no CORS headers")
-    g.add_argument("--allowed-methods", type=_json_list, default=None, metavar="JSON",
+    g.add_argument("--allowed-methods", type=JSON_LIST, default=None, metavar="JSON",
                    help="CORS: allowed methods, a JSON list such as '[\"GET\", \"POST\"]'")
-    g.add_argument("--allowed-headers", type=_json_list, default=None, metavar="JSON",
+    g.add_argument("--allowed-headers", type=JSON_LIST, default=None, metavar="JSON",
                    help="CORS: allowed request headers, a JSON list")
     g.add_argument("--allow-credentials", action="store_true",
                    help="CORS: allow credentials (cookies, Authorization) on cross-origin requests")
@@ -359,15 +350,6 @@ def api_key_from(flag: str | None) -> str | None:
     return flag or os.environ.get("VLLM_API_KEY") or None
 
 
-def _check_ssl(ns: argparse.Namespace) -> None:
-    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
-        path = getattr(ns, flag)
-        if path is not None and not os.path.isfile(path):
-            raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
-    if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
-        raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
-
-
 def _check_limits(ns: argparse.Namespace) -> None:
     for flag in ("max_request_body_bytes", "max_prompts_per_request", "max_seqs_per_request",
                  "max_stop_strings", "max_stop_str_len", "max_prompt_logprob_entries"):
@@ -396,7 +378,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     if not 1 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
     _check_noops(ns)
-    _check_ssl(ns)
+    check_ssl(ns)
     check_parser_name(ns.reasoning_parser)
     check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
     _check_limits(ns)

@@ -51,7 +51,7 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--response-role", default="assistant", metavar="ROLE",
                    help="the role of chat responses to requests with add_generation_prompt true "
                         "(the default); otherwise the role of the request's last message, as in vLLM")
-    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+    g.add_argument("--default-chat-template-kwargs", type=json_arg(dict, '{"thinking": true}'), default=None, metavar="JSON",
                    help="chat template variables every chat request (and /tokenize with messages) "
                         "gets, e.g. '{\"thinking\": true}' to make DeepSeek-V3.1 think by default "
                         "(with --reasoning-parser deepseek_v3); a request's chat_template_kwargs "
@@ -81,24 +81,36 @@ class _AccessPathFilter(logging.Filter):
         return True
 
 
-def filter_access_log(paths: str | None) -> None:
-    """--disable-access-log-for-endpoints on uvicorn's access logger (replacing an earlier one)."""
+def filter_access_log(paths: str | None, root_path: str = "") -> None:
+    """--disable-access-log-for-endpoints on uvicorn's access logger (replacing an earlier one).
+    uvicorn logs the path with --root-path in front: each path is dropped with and without it."""
     log = logging.getLogger("uvicorn.access")
     for f in [f for f in log.filters if isinstance(f, _AccessPathFilter)]:
         log.removeFilter(f)
-    wanted = frozenset(p.strip() for p in (paths or "").split(",") if p.strip())
+    wanted = {p.strip() for p in (paths or "").split(",") if p.strip()}
+    if root_path:
+        wanted |= {root_path.rstrip("/") + p for p in wanted}
     if wanted:
-        log.addFilter(_AccessPathFilter(wanted))
+        log.addFilter(_AccessPathFilter(frozenset(wanted)))
 
 
-def _json_object(value: str) -> dict:
-    try:
-        v = json.loads(value)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(v, dict):
-        raise argparse.ArgumentTypeError('a JSON object is needed, e.g. \'{"thinking": true}\'')
-    return v
+def json_arg(kind: type, example: str):
+    """An argparse `type` for a flag whose value is JSON of `kind` (list, dict); the error
+    names the kind needed, with `example`."""
+    name = {list: "a JSON list", dict: "a JSON object"}[kind]
+
+    def parse(value: str):
+        try:
+            v = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if not isinstance(v, kind):
+            raise argparse.ArgumentTypeError(f"{name} is needed, e.g. '{example}'")
+        return v
+    return parse
+
+
+JSON_LIST = json_arg(list, '["GET", "POST"]')
 
 
 def reserved_template_kwargs(tokenizer=None) -> set[str]:
@@ -143,7 +155,15 @@ class FrontendOptions:
                              f"to log), got {self.max_log_len}")
         if not self.response_role:
             raise ValueError("--response-role must not be empty")
-        reserved = sorted(set(self.default_template_kwargs or {}) & reserved_template_kwargs())
+        self.check_template_defaults()
+
+    def check_template_defaults(self, tokenizer=None) -> None:
+        """ValueError naming --default-chat-template-kwargs for a key the chat template call
+        itself owns: the served `tokenizer`'s (build_app checks again with it), or without one
+        transformers' base class's. Nothing is imported without defaults."""
+        if not self.default_template_kwargs:
+            return
+        reserved = sorted(set(self.default_template_kwargs) & reserved_template_kwargs(tokenizer))
         if reserved:
             raise ValueError(f"--default-chat-template-kwargs: {', '.join(reserved)} cannot be set "
                              "(a parameter of the chat template call itself)")

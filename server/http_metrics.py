@@ -5,10 +5,12 @@ written for vLLM work here: `http_requests_total{handler,method,status}` (status
 `http_request_duration_highr_seconds`, `http_request_size_bytes{handler}` and
 `http_response_size_bytes{handler}`.
 
-`handler` is the matched route's path template ("/v1/completions"), "none" for a path no route
-serves; the routes vLLM leaves out (/metrics, /health, /load, /ping, /version) are not counted.
-A duration runs from the request's arrival until its response's last byte was handed to the
-server (a stream's whole length). Written here on prometheus_client rather than taking the
+`handler` is the path template of the route that served the request ("/v1/completions"), as the
+router writes it into the request's scope; "none" for a path no route serves, and for a request
+refused before routing (413 and 408 from the body limit). The routes vLLM leaves out (/metrics, /health, /load, /ping, /version, /server_info) are
+not counted. A duration runs from the request's arrival until its response's last byte was handed
+to the server (a stream's whole length). The request size is its Content-Length header, as the
+instrumentator reads it (the bytes read when there is none). Written here on prometheus_client rather than taking the
 instrumentator as a dependency: five series in one ASGI middleware.
 """
 
@@ -39,6 +41,25 @@ class HttpMetrics:
                                     "requests by handler.", ["handler"], registry=registry)
         self.response_size = Summary("http_response_size_bytes", "Content length of outgoing "
                                      "responses by handler.", ["handler"], registry=registry)
+
+
+def route_path(scope) -> str:
+    """The request's path below --root-path: uvicorn puts the root path in front of
+    scope["path"] (and in scope["root_path"])."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root):] or "/"
+    return path
+
+
+def _content_length(scope) -> int | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
 
 
 class HttpMetricsMiddleware:
@@ -72,13 +93,17 @@ class HttpMetricsMiddleware:
         try:
             await self.app(scope, counting_receive, counting_send)
         finally:
-            route = scope.get("route")  # set by the router on the scope it was handed
+            # the router writes the matched route into the scope it was handed, this one
+            route = scope.get("route")
             handler = getattr(route, "path", None) or "none"
             if handler not in EXCLUDED:
-                elapsed = time.perf_counter() - start
-                method = scope["method"]
-                self.m.requests.labels(method, f"{str(status)[0]}xx", handler).inc()
-                self.m.duration.labels(handler, method).observe(elapsed)
-                self.m.duration_highr.observe(elapsed)
-                self.m.request_size.labels(handler).observe(received)
-                self.m.response_size.labels(handler).observe(sent)
+                self._observe(scope, handler, status, time.perf_counter() - start, received, sent)
+
+    def _observe(self, scope, handler: str, status: int, elapsed: float, received: int, sent: int) -> None:
+        method = scope["method"]
+        length = _content_length(scope)
+        self.m.requests.labels(method, f"{str(status)[0]}xx", handler).inc()
+        self.m.duration.labels(handler, method).observe(elapsed)
+        self.m.duration_highr.observe(elapsed)
+        self.m.request_size.labels(handler).observe(received if length is None else length)
+        self.m.response_size.labels(handler).observe(sent)

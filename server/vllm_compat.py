@@ -26,6 +26,7 @@ from server.chat_protocol import ChatCompletionRequest
 from server.completions import create_completion
 from server.errors import APIError, error_response
 from server.frontend_options import FrontendOptions
+from server.http_metrics import route_path
 from server.protocol import CompletionRequest
 
 # the routes whose requests --enable-server-load-tracking counts (vLLM's generating ones here)
@@ -136,7 +137,7 @@ class LoadTrackingMiddleware:
         self.app, self.state = app, state
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in LOAD_TRACKED:
+        if scope["type"] != "http" or scope["method"] != "POST" or route_path(scope) not in LOAD_TRACKED:
             return await self.app(scope, receive, send)
         self.state.server_load_metrics += 1
         try:

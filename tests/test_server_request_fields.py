@@ -172,6 +172,13 @@ def test_include_reasoning_false_leaves_only_the_content(r1):
     assert (joined(chunks, "reasoning"), joined(chunks, "reasoning_content")) == (None, None)
     assert joined(chunks, "content") == CONTENT
 
+    # the left-out reasoning sends no chunks: the only empty deltas are those of the held-back
+    # tag, as many as with the reasoning sent
+    def empty(cs):
+        return sum(1 for c in cs if c["choices"] and c["choices"][0]["delta"] == {}
+                   and c["choices"][0]["finish_reason"] is None)
+    assert empty(chunks) == empty(stream_chat(r1, {**body, "include_reasoning": True}))
+
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_r1_output_without_closing_tag_is_all_reasoning(r1, stream):

@@ -26,6 +26,7 @@ from models.config import ModelConfig
 from server.api_server import ServerState, build_app
 from server.cli import build_parser, uvicorn_config
 from server.errors import APIError
+from server.tls import check_ssl
 from tests.server_fixtures import (TINY_MODEL, FakeEngine, InProcessServer, aborted_choices, assert_error,
                                    bound_socket, post)
 
@@ -252,6 +253,9 @@ class _Records(logging.Handler):
     (["--log-level", "debug"], ["/health", "/metrics?x=1", "/version"]),
     (["--log-level", "debug", "--disable-access-log-for-endpoints", "/health,/metrics"], ["/version"]),
     (["--log-level", "debug", "--disable-uvicorn-access-log"], []),
+    # uvicorn logs the path behind --root-path; the flag's paths are the routes' own
+    (["--log-level", "debug", "--root-path", "/llm", "--disable-access-log-for-endpoints", "/health,/metrics"],
+     ["/llm/version"]),
     (["--log-level", "info"], []),  # the access log is written at debug level only
 ])
 def test_access_log_flags(tok, flags, logged):
@@ -281,6 +285,7 @@ def test_https_and_root_path(tok, tmp_path):
                    check=True, capture_output=True)
     ns = build_parser().parse_args(["--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
                                     "--root-path", "/llm", "--log-level", "warning"])
+    check_ssl(ns)  # a real certificate and its key pass the start-up check
     with _UvicornThread(build_app(FakeEngine(tok), ns), ns) as s:
         https = s.url.replace("http://", "https://")
         assert httpx.get(f"{https}/health", verify=False, timeout=30).status_code == 200

@@ -221,6 +221,24 @@ def test_response_role_and_default_chat_template_kwargs_flags(capsys):
         assert "--default-chat-template-kwargs" in capsys.readouterr().err
 
 
+def test_default_template_kwargs_are_checked_against_the_served_tokenizer(monkeypatch):
+    from server.frontend_options import FrontendOptions
+
+    class Tok:  # a tokenizer whose chat template call takes one more parameter than the base's
+        special_tokens_map = {"eos_token": "</s>"}
+
+        def apply_chat_template(self, conversation, tools=None, strict_roles=False, **kwargs):
+            return ""
+    opts = FrontendOptions(default_template_kwargs={"strict_roles": True})  # fine for the base class
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs: strict_roles cannot be set"):
+        opts.check_template_defaults(Tok())
+    FrontendOptions(default_template_kwargs={"thinking": True}).check_template_defaults(Tok())
+    # without defaults nothing is looked up (no transformers import at start-up)
+    monkeypatch.setattr("server.frontend_options.reserved_template_kwargs",
+                        lambda tokenizer=None: pytest.fail("looked up"))
+    FrontendOptions().check_template_defaults(Tok())
+
+
 def test_config_file_flags_under_the_command_line(tmp_path, capsys):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("model: %s\nmax_model_len: 128\nserved-model-name: [a, b]\n"
@@ -254,3 +272,10 @@ def test_ssl_flags_are_checked(tmp_path):
                                                     "--ssl-certfile", str(tmp_path / "none.pem")]))
     with pytest.raises(ValueError, match="go together"):
         engine_args_from(build_parser().parse_args([str(TINY_MODEL), "--ssl-keyfile", str(key)]))
+    # files that are not PEM are refused here, before the model loads, not by uvicorn later
+    with pytest.raises(ValueError, match="--ssl-certfile .* not a PEM certificate and its private key"):
+        engine_args_from(build_parser().parse_args([str(TINY_MODEL), "--ssl-keyfile", str(key),
+                                                    "--ssl-certfile", str(key)]))
+    for flags in (["--ssl-ca-certs", str(key)], ["--ssl-cert-reqs", "2"]):
+        with pytest.raises(ValueError, match="needs HTTPS"):
+            engine_args_from(build_parser().parse_args([str(TINY_MODEL), *flags]))

@@ -154,9 +154,12 @@ def test_http_metrics_under_vllms_names(client_for):
             assert (await c.get("/no/such/route")).status_code == 404
             for path in ("/health", "/ping", "/version", "/load"):
                 await c.get(path)
-            return (await c.get("/metrics")).text
+            sizes = sum(len(c.build_request("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": n}).content)
+                        for n in (2, 2, -1))
+            return (await c.get("/metrics")).text, sizes
 
-    text = asyncio.run(run())
+    text, sizes = asyncio.run(run())
+    assert _sample(text, 'http_request_size_bytes_sum{handler="/v1/completions"}') == sizes  # Content-Length
     cmpl = 'handler="/v1/completions",method="POST"'
     assert _sample(text, f'http_requests_total{{{cmpl},status="2xx"}}') == 2
     assert _sample(text, f'http_requests_total{{{cmpl},status="4xx"}}') == 1

@@ -232,6 +232,22 @@ def test_server_load(tok):
     assert run(go()) == ({"server_load": 0},) * 3  # vLLM's /load without tracking
 
 
+def test_server_load_counts_behind_a_root_path():
+    """uvicorn hands the app a path with --root-path in front (and the prefix in root_path):
+    the load count matches the route below it."""
+    from server.vllm_compat import LoadTrackingMiddleware
+    state = type("State", (), {"server_load_metrics": 0})()
+    seen = []
+
+    async def app(scope, receive, send):
+        seen.append(state.server_load_metrics)
+    mw = LoadTrackingMiddleware(app, state)
+    for path, root in (("/llm/v1/completions", "/llm"), ("/v1/chat/completions", ""),
+                       ("/llm/health", "/llm"), ("/llm/v1/completions", "")):
+        run(mw({"type": "http", "method": "POST", "path": path, "root_path": root}, None, None))
+    assert seen == [1, 1, 0, 0] and state.server_load_metrics == 0
+
+
 def test_help_explains_each_flag():
     p = build_parser()
     for flag in NEW_FLAGS:

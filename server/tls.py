@@ -1,0 +1,36 @@
+"""The HTTPS flags (--ssl-keyfile, --ssl-certfile, --ssl-ca-certs, --ssl-cert-reqs), checked when
+the flags are read, before the model loads: uvicorn would only load the files once the server
+starts, and a bad one would then stop it with a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import ssl
+
+
+def check_ssl(ns: argparse.Namespace) -> None:
+    """The HTTPS flags, checked before the model loads: the files exist and load as uvicorn will
+    load them (a certificate with its key, CA certificates)."""
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(ns, flag)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
+    if (ns.ssl_keyfile is None) != (ns.ssl_certfile is None):
+        raise ValueError("--ssl-keyfile and --ssl-certfile go together (HTTPS needs both)")
+    if ns.ssl_certfile is None:
+        if ns.ssl_ca_certs is not None or ns.ssl_cert_reqs:
+            raise ValueError("--ssl-ca-certs and --ssl-cert-reqs check client certificates, which "
+                             "needs HTTPS: give --ssl-keyfile and --ssl-certfile too")
+        return
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        ctx.load_cert_chain(ns.ssl_certfile, ns.ssl_keyfile)
+    except (ssl.SSLError, OSError) as e:
+        raise ValueError(f"--ssl-certfile {ns.ssl_certfile} with --ssl-keyfile {ns.ssl_keyfile}: "
+                         f"not a PEM certificate and its private key ({e})") from None
+    if ns.ssl_ca_certs is not None:
+        try:
+            ctx.load_verify_locations(ns.ssl_ca_certs)
+        except (ssl.SSLError, OSError) as e:
+            raise ValueError(f"--ssl-ca-certs {ns.ssl_ca_certs}: not PEM CA certificates ({e})") from None
