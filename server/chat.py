@@ -13,6 +13,7 @@ from fastapi.responses import Response
 from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
 from server.chat_protocol import ChatCompletionRequest
+from server.completions import prompt_logprob_rows
 from server.errors import APIError, param_of
 from server.frontend_options import reserved_template_kwargs
 from server.handler import finite, respond, response_id, sampling_params, usage_of
@@ -258,9 +259,12 @@ class ChatBuilder:
                 yield delta, self.chunk_usage(o.index, out), top
 
     def response_fields(self, finals: list[RequestOutput]) -> dict:
-        if not self.req.return_token_ids:
-            return {}
-        return {"prompt_token_ids": list(finals[0].prompt_token_ids)}
+        fields = {}
+        if self.req.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = prompt_logprob_rows(self.state, finals[0], self.req.prompt_logprobs)
+        if self.req.return_token_ids:
+            fields["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+        return fields
 
 
 def _call_entries(d: Delta) -> list[dict]:
@@ -293,12 +297,14 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
         # The parser reads the tool-call markers from the decoded text, and a tokenizer may mark
         # those added tokens special: keep them in the text, as vLLM does for tool requests.
         params = dataclasses.replace(params, skip_special_tokens=False)
-    state.limits.check(1, req.n, req.stop, {"top_logprobs": req.top_logprobs})
+    state.limits.check(1, req.n, req.stop, {"top_logprobs": req.top_logprobs,
+                                             "prompt_logprobs": req.prompt_logprobs})
     # template + tokenizer off the event loop: a long conversation must not stall other requests
     prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
                                          req.add_generation_prompt, state.check_text_length,
                                          req.template_kwargs(), req.tool_dicts(),
                                          state.chat_template, req.continue_final_message,
                                          req.add_special_tokens)
+    state.limits.check_prompt_logprobs([prompt_ids], req.prompt_logprobs, "prompt_logprobs")
     return await respond(state, raw, req, [prompt_ids], params, response_id("chatcmpl-", raw, req),
                          ChatBuilder(state, req), "chat.completion", "chat.completion.chunk")

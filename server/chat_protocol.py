@@ -67,6 +67,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: bounded(1, INT64_MAX) | None = None
     logprobs: bool = False
     top_logprobs: bounded(0, MAX_LOGPROBS) | None = None
+    # vLLM's: the response's `prompt_logprobs`, the top-k of every token of the rendered prompt
+    # (whole responses only, as in vLLM)
+    prompt_logprobs: bounded(0, MAX_LOGPROBS) | None = None
     add_generation_prompt: bool = True
     # vLLM's: the last message stays open (no end-of-turn) and the output continues it; needs
     # add_generation_prompt false
@@ -92,6 +95,13 @@ class ChatCompletionRequest(SamplingFields):
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs is only allowed when logprobs is true")
+        return self
+
+    @model_validator(mode="after")
+    def _prompt_logprobs_whole_only(self):
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available when stream is true (as in vLLM); "
+                             "ask without streaming")
         return self
 
     @model_validator(mode="after")
@@ -161,7 +171,7 @@ class ChatCompletionRequest(SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
 
     def conversation(self) -> list[dict]:
         turns = []

@@ -16,6 +16,33 @@ from server.protocol import CompletionRequest
 logger = logging.getLogger(__name__)
 
 
+def prompt_entries(out: RequestOutput) -> list[tuple[int, TokenLogprobs | None]]:
+    """(token id, its logprobs or None) per prompt token of an engine output."""
+    plps = out.prompt_logprobs
+    if plps is None or len(plps) != len(out.prompt_token_ids):
+        logger.warning("engine returned no prompt logprobs for %s", out.request_id)
+        plps = [None] * len(out.prompt_token_ids)
+    return list(zip(out.prompt_token_ids, plps))
+
+
+def prompt_logprob_rows(state, out: RequestOutput, k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` (completions' choices, chat's response): per prompt token (the
+    first is null) {token id: {logprob, rank, decoded_token}} for the prompt token and the top
+    `k` alternatives. decoded_token is the token's text even with token-id names (vLLM's)."""
+    rows: list[dict | None] = []
+    for tid, lp in prompt_entries(out):
+        if lp is None:
+            rows.append(None)
+            continue
+        row = {str(tid): {"logprob": finite(lp.logprob), "rank": lp.rank,
+                          "decoded_token": state.token_str(tid)}}
+        for rank, (alt, alt_lp) in enumerate(lp.top[:k], 1):
+            row.setdefault(str(alt), {"logprob": finite(alt_lp), "rank": rank,
+                                      "decoded_token": state.token_str(alt)})
+        rows.append(row)
+    return rows
+
+
 class CompletionBuilder:
     """Turns engine outputs into OpenAI completion choices, whole or as stream deltas."""
 
@@ -34,11 +61,7 @@ class CompletionBuilder:
         return "" if self.state.tokenizer is None else self.state.decode(out.prompt_token_ids)
 
     def _prompt_entries(self, out: RequestOutput) -> list[tuple[int, TokenLogprobs | None]]:
-        plps = out.prompt_logprobs
-        if plps is None or len(plps) != len(out.prompt_token_ids):
-            logger.warning("engine returned no prompt logprobs for %s", out.request_id)
-            plps = [None] * len(out.prompt_token_ids)
-        return list(zip(out.prompt_token_ids, plps))
+        return prompt_entries(out)
 
     def _generated(self, o: CompletionOutput) -> tuple[str, list[int], list[TokenLogprobs]]:
         if self.drop_generated:
@@ -72,22 +95,7 @@ class CompletionBuilder:
                 "text_offset": offsets}
 
     def prompt_logprobs(self, out: RequestOutput) -> list[dict | None]:
-        """vLLM's `prompt_logprobs`: per prompt token (the first is null) {token id: {logprob,
-        rank, decoded_token}} for the prompt token and the top `prompt_logprobs` alternatives.
-        decoded_token is the token's text even with token-id names (vLLM's)."""
-        k = self.req.prompt_logprobs
-        rows: list[dict | None] = []
-        for tid, lp in self._prompt_entries(out):
-            if lp is None:
-                rows.append(None)
-                continue
-            row = {str(tid): {"logprob": finite(lp.logprob), "rank": lp.rank,
-                              "decoded_token": self.state.token_str(tid)}}
-            for rank, (alt, alt_lp) in enumerate(lp.top[:k], 1):
-                row.setdefault(str(alt), {"logprob": finite(alt_lp), "rank": rank,
-                                          "decoded_token": self.state.token_str(alt)})
-            rows.append(row)
-        return rows
+        return prompt_logprob_rows(self.state, out, self.req.prompt_logprobs)
 
     def chunk_usage(self, index: int, out: RequestOutput, o: CompletionOutput) -> dict:
         """Usage so far of choice `index` (continuous_usage_stats, as vLLM counts it: the

@@ -91,7 +91,6 @@ UNSUPPORTED: dict[str, dict[str, tuple]] = {
         "functions": (bool, "function calls are not supported"),
         "function_call": (lambda v: v is not None and v != "none", "function calls are not "
                           "supported; only \"none\""),
-        "prompt_logprobs": (_set, "prompt logprobs are returned by /v1/completions only"),
         "documents": (bool, "documents (retrieval-augmented templates) are not supported"),
         "chat_template": (_set, "a per-request chat template is not supported; start the server "
                           "with --chat-template"),

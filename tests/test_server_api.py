@@ -159,6 +159,23 @@ def test_prompt_logprobs_as_vllm_returns_them(client, server):
     assert plain.get("prompt_logprobs") is None
 
 
+def test_chat_prompt_logprobs_are_those_of_the_rendered_prompt(client, server):
+    """Chat's prompt_logprobs (vLLM's, on the response) cover the rendered conversation's tokens
+    and equal what completions returns for the same token ids."""
+    r = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi there"}],
+                                       max_tokens=2, temperature=0,
+                                       extra_body={"prompt_logprobs": 2, "return_token_ids": True}).model_dump()
+    ids, plp = r["prompt_token_ids"], r["prompt_logprobs"]
+    assert len(plp) == len(ids) > 2 and plp[0] is None
+    assert all(str(t) in row and 2 <= len(row) <= 3 for t, row in zip(ids[1:], plp[1:]))
+    ref = greedy(client, server, ids, max_tokens=1, extra_body={"prompt_logprobs": 2}).model_dump()
+    want = ref["choices"][0]["prompt_logprobs"]
+    assert [sorted(row) if row else row for row in plp] == [sorted(row) if row else row for row in want]
+    for got, exp in zip(plp[1:], want[1:]):
+        for t in exp:
+            assert got[t]["logprob"] == pytest.approx(exp[t]["logprob"], abs=1e-4)
+
+
 @pytest.mark.parametrize("route", ["completions", "chat"])
 def test_continuous_usage_stats_in_every_chunk(client, server, route):
     opts = {"include_usage": True, "continuous_usage_stats": True}

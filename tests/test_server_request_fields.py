@@ -327,11 +327,14 @@ def test_logit_bias_steers_the_real_engine():
         llm.generate(prompt, SamplingParams(logit_bias={10 ** 6: 1.0}))
 
 
-def test_prompt_logprobs_range_and_chat_refusal(server):
-    r = post(server, "/v1/completions", {**CMPL, "prompt_logprobs": 21})
+def test_prompt_logprobs_range_and_chat_stream_refusal(server):
+    for path, body in (("/v1/completions", CMPL), ("/v1/chat/completions", CHAT)):
+        r = post(server, path, {**body, "prompt_logprobs": 21})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    # chat returns them in whole responses only, as vLLM does
+    r = post(server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 1, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
-    r = post(server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+    assert "stream" in r.json()["error"]["message"]
 
 
 @pytest.mark.slow

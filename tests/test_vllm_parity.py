@@ -114,8 +114,7 @@ REFUSED = [("use_beam_search", True), ("length_penalty", 0.5),
            ("spaces_between_special_tokens", False), ("priority", 3),
            ("logits_processors", ["p"]), ("prompt_embeds", "AAAA"), ("cache_salt", "s"),
            ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1})]
-CHAT_REFUSED = [("documents", [{"text": "d"}]), ("chat_template", "{{ x }}"),
-                ("prompt_logprobs", 1)]
+CHAT_REFUSED = [("documents", [{"text": "d"}]), ("chat_template", "{{ x }}")]
 
 
 @pytest.mark.parametrize("path,base,field,value",
@@ -385,7 +384,8 @@ def test_max_logprobs_and_fastapi_docs(tok):
         for path, body, field in (("/v1/completions", {**CMPL, "logprobs": 3}, "logprobs"),
                                   ("/v1/completions", {**CMPL, "prompt_logprobs": 3}, "prompt_logprobs"),
                                   ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 3},
-                                   "top_logprobs")):
+                                   "top_logprobs"),
+                                  ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 3}, "prompt_logprobs")):
             err = assert_error(post(s, path, body), 400, field)
             assert "--max-logprobs" in err["message"]
         assert httpx.get(f"{s.url}/openapi.json").json()["paths"]["/v1/completions"]
