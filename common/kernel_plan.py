@@ -107,38 +107,6 @@ CHOICES: tuple[Choice, ...] = (
            "layer at 8 / 32 / 128 / 256 tokens 158.3 / 258.3 / 287.7 / 303.4 us against 159.8 / 263.7 / 296.0 / "
            "312.0 (bench_moe_stream.py); a failure there is charged to this key by MoE.forward",
            triton=True, torch=False),
-    Choice("moe_shared_prefetch_mb", (int,), "with moe_shared_stream, a step whose MoE runs the shared experts on "
-           "the side stream first asks L2 for up to this many MB of their weights (gate/up rows, then down) on that "
-           "stream, from the start of the layer's attention core, whose small kernels leave HBM mostly idle "
-           "(models/l2_prefetch.py; moe_shared_prefetch_at; the piecewise graphs of steps with prefill, whose "
-           "attention cores run between graphs, prefetch only at o_proj): the MoE then streams only the routed "
-           "experts from HBM. Unused under --fp8-gemm (no folded shared experts). 0: never; opt-in, not yet "
-           "timed on a GPU", ("models.l2_prefetch",), triton=0, torch=0),
-    Choice("prefetch_o_proj", (bool,), "with moe_shared_stream, where moe_shared_prefetch_mb would prefetch (set or "
-           "not), first ask L2 on the side stream for the layer's o_proj weight, the attention core's last read: "
-           "o_proj then reads it from L2 (models/l2_prefetch.py); opt-in, not yet timed on a GPU",
-           ("models.l2_prefetch",), triton=False, torch=False),
-    Choice("prefetch_next_qkv", (bool,), "with moe_shared_stream, where moe_shared_prefetch_mb would prefetch (set "
-           "or not), last ask L2 on the side stream for the next layer's first projection (q / q_a and kv_a as one "
-           "weight, read right after this layer's MoE; pair it with moe_evict_first_max_tokens, or the MoE's "
-           "stream pushes it out); opt-in, not yet timed on a GPU", ("models.l2_prefetch",), triton=False,
-           torch=False),
-    Choice("moe_shared_prefetch_at", ("attention", "o_proj"), "where the prefetches of moe_shared_prefetch_mb fork "
-           "the side stream: before the layer's attention core (the longest window), or after it, before o_proj: "
-           "the MLA decode's cache reads, which Triton's pipeliner issues without a cache hint, stream the "
-           "sequences' whole context through L2 (~155 MB a layer at 128 x 1k tokens) and would push out lines "
-           "prefetched before them; with o_proj, prefetch_o_proj has nothing to gain and is refused",
-           triton="attention", torch="attention"),
-    Choice("moe_shared_prefetch_policy", ("evict_normal", "evict_last", "bulk"), "how the prefetches ask: one "
-           "prefetch per 128-byte line at L2's normal priority, or at its evict-last priority (which the CUDA "
-           "guide ties to a persisting-L2 set-aside this engine does not make), or one bulk prefetch per 4 KB "
-           "(sm_90+; normal priority)", ("models.l2_prefetch",), triton="evict_normal", torch="evict_normal"),
-    Choice("moe_evict_first_max_tokens", (int,), "steps of up to this many tokens load the routed experts' weights "
-           "in the Triton MoE kernels (fused and block) with L2's evict-first priority: a decode step reads each "
-           "touched expert in a few blocks close together, so its ~0.6-1.1 GB a layer of streamed weights need not "
-           "push out what L2 holds for later (what moe_shared_prefetch_mb and prefetch_next_qkv asked for; the "
-           "shared experts' own launch keeps the normal priority); needs moe triton; 0: never; opt-in, not yet "
-           "timed on a GPU", triton=0, torch=0),
     Choice("gemm_skinny_max_tokens", (int,), "projections (bf16/fp16/fp32 weights) of steps with up to this "
            "many tokens run on a Triton weight-streaming GEMM (models/skinny_gemm.py) instead of cuBLAS "
            "(0: never)", ("models.skinny_gemm",), triton=0, torch=0),
@@ -224,12 +192,6 @@ class KernelPlan:
     moe_large: str = "loop"
     moe_sum_in_norm: bool = False
     moe_shared_stream: bool = False
-    moe_shared_prefetch_mb: int = 0
-    prefetch_o_proj: bool = False
-    prefetch_next_qkv: bool = False
-    moe_shared_prefetch_at: str = "attention"
-    moe_shared_prefetch_policy: str = "evict_normal"
-    moe_evict_first_max_tokens: int = 0
     gemm_skinny_max_tokens: int = 0
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False
@@ -376,23 +338,6 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
                              f"RMSNorm kernel; this plan has moe={values['moe']} norm={values['norm']} (set "
                              f"moe_sum_in_norm=0, or moe and norm triton)")
         values["moe_sum_in_norm"] = False
-    prefetching = any(values[k] for k in ("moe_shared_prefetch_mb", "prefetch_o_proj", "prefetch_next_qkv"))
-    if values["moe_shared_prefetch_policy"] == "bulk" and not hopper and prefetching:
-        raise ValueError("--kernels ...,moe_shared_prefetch_policy=bulk issues sm_90 bulk prefetches; this GPU is "
-                         "older (set moe_shared_prefetch_policy=evict_normal)")
-    if values["prefetch_o_proj"] and values["moe_shared_prefetch_at"] == "o_proj":
-        raise ValueError("--kernels ...,prefetch_o_proj=1 with moe_shared_prefetch_at=o_proj would ask for o_proj's "
-                         "weight as o_proj reads it (set prefetch_o_proj=0, or moe_shared_prefetch_at=attention)")
-    if values["moe_evict_first_max_tokens"] and values["moe"] != TRITON:
-        raise ValueError(f"--kernels ...,moe_evict_first_max_tokens={values['moe_evict_first_max_tokens']} sets a "
-                         f"cache hint in the Triton MoE kernels; this plan has moe={values['moe']} (set "
-                         f"moe_evict_first_max_tokens=0, or moe triton)")
-    for key in ("moe_shared_prefetch_mb", "prefetch_o_proj", "prefetch_next_qkv"):
-        if values[key] and not (values["moe"] == TRITON and values["moe_shared_stream"]):
-            raise ValueError(f"--kernels ...,{key}={int(values[key])} prefetches on the shared experts' side "
-                             f"stream; this plan has moe={values['moe']} moe_shared_stream="
-                             f"{int(values['moe_shared_stream'])} (set {key}=0, or moe triton and "
-                             f"moe_shared_stream=1)")
     if base == TRITON and wgmma_fit and values["attention"] == TRITON and "decode_wgmma_min_heads" not in over:
         values["decode_wgmma_min_heads"] = WGMMA_MIN_HEADS
     if (base == TRITON and fp8_wgmma_fit and values["attention"] == TRITON and "decode_fp8_wgmma" not in over

@@ -1,8 +1,7 @@
 """Process-wide settings the Triton kernels read at launch: whether Triton interprets (tests on
-the CPU), autotunes, launches with programmatic dependent launch, and which L2 priority the MoE
-kernels' weight loads take. Each but the first is set from the kernel plan (common/kernel_plan.py)
-by the worker that builds the model, once, and read at every launch; kernels called directly
-(benchmarks, kernel tests) see the defaults."""
+the CPU), autotunes, and launches with programmatic dependent launch. Each but the first is set
+from the kernel plan (common/kernel_plan.py) by the worker that builds the model, once, and read
+at every launch; kernels called directly (benchmarks, kernel tests) see the defaults."""
 
 from __future__ import annotations
 
@@ -46,20 +45,3 @@ def pdl() -> bool:
 def use_pdl(on: bool) -> None:
     global _pdl
     _pdl = on and not interpreting()
-
-
-_evict_first_max_tokens = 0
-
-
-def moe_evict_first(tokens: int) -> str:
-    """The L2 eviction priority of the Triton MoE kernels' expert-weight loads in a step of
-    `tokens` tokens: "evict_first" up to the plan's moe_evict_first_max_tokens, else "" (the
-    normal one). Read at each launch. A process setting, as PDL's: `use_moe_evict_first` when a
-    worker builds its model (the last worker built sets it for the process; a captured graph keeps
-    the hints it was captured with), 0 by default; the hint never changes a result."""
-    return "evict_first" if 0 < tokens <= _evict_first_max_tokens else ""
-
-
-def use_moe_evict_first(max_tokens: int) -> None:
-    global _evict_first_max_tokens
-    _evict_first_max_tokens = max_tokens

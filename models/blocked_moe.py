@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from common.fused import PairRows
-from common.launch_settings import autotuning, interpreting, moe_evict_first
+from common.launch_settings import autotuning, interpreting
 from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 from models.fp8 import FP8
@@ -65,7 +65,7 @@ def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr,
                             S_ROWS, S_COLS, SX_M, SX_K, NB, QB: tl.constexpr, SCALED: tl.constexpr,
                             A8: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_B: tl.constexpr,
-                            PDL: tl.constexpr, EVICT_W: tl.constexpr = ""):
+                            PDL: tl.constexpr):
     """h = silu(x W_gate^T) * (x W_up^T) for one block of an expert's pairs and one tile of I.
     SCALED (FP8 weights, QB x QB block scales, BLOCK_K dividing QB): a k tile lies in one scale
     column and each weight row in one scale row, so the tile's product of x with the FP8 tile
@@ -100,9 +100,8 @@ def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr,
             xv = tl.load(x_ptr + tok[:, None].to(tl.int64) * D + offs_k[None, :],
                          mask=valid[:, None] & mask_k[None, :], other=0.0)
             m = mask_n[:, None] & mask_k[None, :]
-            wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0, eviction_policy=EVICT_W)
-            wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0,
-                         eviction_policy=EVICT_W)
+            wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0)
+            wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0)
             if A8:
                 sxv = tl.load(sx_ptr + tok * SX_M + (k0 // QB) * SX_K, mask=valid, other=0.0)[None, :]
                 pg = tl.dot(wg, tl.trans(xv))  # [BLOCK_N, BLOCK_M]
@@ -130,7 +129,7 @@ def _blocked_down_kernel(h_ptr, sh_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_p
                          S_ROWS, S_COLS, SH_M, SH_K, NB, QB: tl.constexpr, SCALED: tl.constexpr,
                          A8: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_B: tl.constexpr,
-                         PDL: tl.constexpr, EVICT_W: tl.constexpr = ""):
+                         PDL: tl.constexpr):
     """part = w * (h W2^T) (fp32) for one block of an expert's pairs and one tile of D; SCALED
     and A8 as in the gate/up kernel (A8: h FP8 per pair row, scales sh[pair, k // QB])."""
     pdl_prologue(PDL)
@@ -151,7 +150,7 @@ def _blocked_down_kernel(h_ptr, sh_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_p
             mask_k = offs_k < I
             hv = tl.load(h_ptr + safe[:, None] * I + offs_k[None, :], mask=valid[:, None] & mask_k[None, :], other=0.0)
             w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :],
-                        mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy=EVICT_W)
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             if A8:
                 shv = tl.load(sh_ptr + safe * SH_M + (k0 // QB) * SH_K, mask=valid, other=0.0)
                 p = tl.dot(w, tl.trans(hv))  # [BLOCK_N, BLOCK_M]
@@ -295,7 +294,7 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
         if nbt:
             _shared_blocks_kernel[(n_shared * nbt,)](s_rows, s_bexp, s_pw, T, kt, k, E - n_shared, nbt,
                                                      BLOCK_M=sbm, **pdl_launch())
-        run.launch(s_rows, s_bexp, s_pw, E, sbm, shared_only=True)
+        run.launch(s_rows, s_bexp, s_pw, E, sbm)
 
     main = None if stream is None else torch.cuda.current_stream(x.device)
     try:
@@ -363,16 +362,11 @@ class _BlockedMoE:
         self.part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
         self.xq, self.sx = act_quant(self.x) if a8 else (self.x, self.x)  # sx [T, D/128], any strides
         self.const = dict(QB=block, SCALED=scaled, A8=a8, IEEE=x.dtype == torch.float32,
-                          GROUP_B=block_group(T) if group_b is None else group_b, EVICT_W=moe_evict_first(T),
-                          **pdl_launch())
+                          GROUP_B=block_group(T) if group_b is None else group_b, **pdl_launch())
 
-    def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int, block_m: int,
-               shared_only: bool = False) -> None:
+    def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int, block_m: int) -> None:
         """The product kernels over the blocks of block_m rows `rows` / `bexp` (`align_pairs`'
-        layout; blocks of expert >= e_limit are skipped), pair weights `pw` by pair index.
-        `shared_only` (the overlapped path's shared experts' blocks): their weights keep L2's
-        normal priority whatever moe_evict_first_max_tokens says, being what
-        moe_shared_prefetch_mb asked L2 for and, past 64 tokens, read by more than one block."""
+        layout; blocks of expert >= e_limit are skipped), pair weights `pw` by pair index."""
         x, w13, w2, s13, s2 = self.x, self.w13, self.w2, self.s13, self.s2
         T, D = x.shape
         I, nb, a8 = w2.shape[-1], bexp.numel(), self.a8
@@ -393,7 +387,7 @@ class _BlockedMoE:
                                     (_blocked_gate_up_tuned, _blocked_down_tuned))
             up = tuned_up[lambda m: (nb * triton.cdiv(I, m["BLOCK_N"]),)]
             down = tuned_down[lambda m: (nb * triton.cdiv(D, m["BLOCK_N"]),)]
-        const = dict(self.const, BLOCK_M=block_m, **({"EVICT_W": ""} if shared_only else {}))
+        const = dict(self.const, BLOCK_M=block_m)
         up(*up_args, **const, **t)
         hq, sh = act_quant(self.h) if a8 else (self.h, self.h)  # per pair row (every pair's row is written)
         sh_strides = (sh.stride(0), sh.stride(1)) if a8 else (0, 0)

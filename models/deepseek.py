@@ -89,10 +89,6 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # the MoE's pair rows summed by the next layer's add + RMSNorm (or the final norm)
         self.defer_sum = plan.moe_sum_in_norm and isinstance(self.mlp, MoE)
-        self.prefetch_o, self.prefetch_at = plan.prefetch_o_proj, plan.moe_shared_prefetch_at
-        # prefetch_next_qkv: (the next layer's qkv_a_proj,), set at load; a tuple, so that the
-        # module registers neither it nor its weight a second time
-        self.next_qkv: tuple[nn.Module, ...] = ()
 
     def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None):
         """(residual, q, kv): the residual stream's add and the input norm (x alone, the embedding,
@@ -112,43 +108,19 @@ class DeepseekDecoderLayer(nn.Module):
         `defer_sum` (a caller whose next op is the glue's add + RMSNorm) and the plan's
         moe_sum_in_norm, an MoE's output may come as its unsummed pair rows (`PairRows`),
         which that Triton kernel sums."""
-        forked = self.prefetch(o.shape[0], o.device, at="o_proj")
-        try:
-            h = self.self_attn.o_proj(o.flatten(1))
-            n = self.post_attention_layernorm
-            residual, h = self.glue.add_rms_norm(residual, h, n.weight, n.eps)
-            if defer_sum and self.defer_sum:
-                return self.mlp(h, defer_sum=True), residual
-            return self.mlp(h), residual
-        except Exception:
-            if forked:
-                MoE.join_prefetch(o.device)
-            raise
-
-    def prefetch(self, T: int, device: torch.device, at: str = "attention") -> bool:
-        """At `at` of a step whose MLP runs T tokens ("attention": before the attention core;
-        "o_proj": after it), where the plan's moe_shared_prefetch_at names that point: the L2
-        prefetch, on the MoE's side stream, of o_proj's weight (prefetch_o_proj) and of the shared
-        experts (moe_shared_prefetch_mb), and of the next layer's qkv_a weight (prefetch_next_qkv).
-        Returns whether it forked the side stream (then the MoE joins it, or `MoE.join_prefetch`
-        when the layer fails first)."""
-        if not isinstance(self.mlp, MoE) or at != self.prefetch_at:
-            return False
-        return self.mlp.prefetch(T, device, self.self_attn.o_proj.weight if self.prefetch_o else None,
-                                 self.next_qkv[0].weight if self.next_qkv else None)
+        h = self.self_attn.o_proj(o.flatten(1))
+        n = self.post_attention_layernorm
+        residual, h = self.glue.add_rms_norm(residual, h, n.weight, n.eps)
+        if defer_sum and self.defer_sum:
+            return self.mlp(h, defer_sum=True), residual
+        return self.mlp(h), residual
 
     def forward(self, x, residual, cos_sin, kv_cache, meta):
         """(x, residual) -> (mlp output, residual); residual None on the first layer, where x is the
         embedding."""
         residual, q, kv = self.pre_attention(x, residual)
-        forked = self.prefetch(q.shape[0], q.device)
-        try:
-            o = self.self_attn.attend(q, kv, cos_sin, kv_cache, meta)
-            return self.post_attention(o, residual)
-        except Exception:
-            if forked:
-                MoE.join_prefetch(q.device)
-            raise
+        o = self.self_attn.attend(q, kv, cos_sin, kv_cache, meta)
+        return self.post_attention(o, residual)
 
 
 class DeepseekModel(nn.Module):
@@ -185,13 +157,7 @@ class DeepseekModel(nn.Module):
         out = self.first(input_ids)
         for i, (layer, cache) in enumerate(zip(self.layers, kv_caches)):
             residual, q, kv = out
-            forked = layer.prefetch(q.shape[0], q.device)
-            try:
-                out = self.after(i, layer.self_attn.attend(q, kv, cos_sin, cache, meta), residual)
-            except Exception:
-                if forked:
-                    MoE.join_prefetch(q.device)
-                raise
+            out = self.after(i, layer.self_attn.attend(q, kv, cos_sin, cache, meta), residual)
         return out
 
 
@@ -247,7 +213,3 @@ class DeepseekForCausalLM(nn.Module):
             if isinstance(layer.mlp, MoE):
                 layer.mlp.gate.keep_bf16_weight()
                 layer.mlp.process_weights_after_loading()
-        if self.plan.prefetch_next_qkv:  # the module: its weight is read at each prefetch, as it stands then
-            layers = self.model.layers
-            for layer, nxt in zip(layers, layers[1:]):
-                layer.next_qkv = (nxt.self_attn.qkv_a_proj,)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from common.fused import PairRows
-from common.launch_settings import autotuning, interpreting, moe_evict_first
+from common.launch_settings import autotuning, interpreting
 from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 
@@ -68,7 +68,7 @@ def _pair(pid, ids_ptr, E_R, K_TOP: tl.constexpr, NS: tl.constexpr, J0: tl.const
 def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BUCKET, S_ROWS, S_COLS,
                         K_TOP: tl.constexpr, NS: tl.constexpr, J0: tl.constexpr, JN: tl.constexpr,
                         QB: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr, EVICT_W: tl.constexpr = ""):
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """The gate/up GEMV as tensor-core products: the token's row padded to 16 (rows 1-15 zero).
     The padding costs compute nobody waits for; what it buys is the compiler's software
     pipeline for loads that feed a dot (num_stages tiles in flight per program)."""
@@ -86,9 +86,8 @@ def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BU
         mask_k = offs_k < D
         xv = tl.load(x_ptr + tok * D + offs_k[None, :] + 0 * row0, mask=row0 & mask_k[None, :], other=0.0)
         m = mask_n[:, None] & mask_k[None, :]
-        wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0, eviction_policy=EVICT_W)
-        wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0,
-                     eviction_policy=EVICT_W)
+        wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0)
+        wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0)
         if SCALED:
             s_base = s13_ptr + e * S_ROWS * S_COLS + (offs_k // QB)[None, :]
             wg = (wg.to(tl.float32) * tl.load(s_base + (offs_n // QB)[:, None] * S_COLS, mask=m, other=0.0))
@@ -106,7 +105,7 @@ def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BU
 def _down_dot_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E_R, T_BUCKET, S_ROWS, S_COLS,
                      K_TOP: tl.constexpr, NS: tl.constexpr, J0: tl.constexpr, JN: tl.constexpr,
                      QB: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr, EVICT_W: tl.constexpr = ""):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
     db = tl.program_id(1)
     offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -120,8 +119,7 @@ def _down_dot_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E_
         mask_k = offs_k < I
         hv = tl.load(h_ptr + row * I + offs_k[None, :] + 0 * row0, mask=row0 & mask_k[None, :], other=0.0)
         m = mask_n[:, None] & mask_k[None, :]
-        w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :], mask=m, other=0.0,
-                    eviction_policy=EVICT_W)
+        w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :], mask=m, other=0.0)
         if SCALED:
             w = (w.to(tl.float32) * tl.load(s2_ptr + e * S_ROWS * S_COLS + (offs_n // QB)[:, None] * S_COLS
                                             + (offs_k // QB)[None, :], mask=m, other=0.0)).to(hv.dtype)
@@ -259,10 +257,6 @@ class _SmallMoE:
         self.part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
 
     def launch(self, weights: torch.Tensor, ids: torch.Tensor, j0: int, jn: int) -> None:
-        """The two kernels over pair slots j0..j0+jn-1; the shared experts' slots alone (j0 = k,
-        the overlapped path's side stream) keep L2's normal priority for their weights whatever
-        moe_evict_first_max_tokens says (what moe_shared_prefetch_mb asked L2 for, read once per
-        token)."""
         x, w13, w2, s13, s2 = self.x, self.w13, self.w2, self.s13, self.s2
         T, D = x.shape
         I, E = w2.shape[-1], w13.shape[0]
@@ -275,8 +269,7 @@ class _SmallMoE:
         down_args = (self.h, ids, weights, w2, s2, self.part, D, I, e_r, bucket, r2, c2)
         # fp32 models (the tiny test models on CUDA): exact products, not TF32
         const = dict(K_TOP=self.k, NS=self.n_shared, J0=j0, JN=jn, QB=self.block, SCALED=self.scaled,
-                     IEEE=x.dtype == torch.float32, EVICT_W="" if j0 >= self.k else moe_evict_first(T),
-                     **pdl_launch())
+                     IEEE=x.dtype == torch.float32, **pdl_launch())
         if not autotuning():
             t = _INTERPRET_TILES if interpreting() else _FIXED_TILES_FP8 if self.scaled else _FIXED_TILES
             _gate_up_dot_kernel[(T * jn, triton.cdiv(I, t["BLOCK_N"]))](*up_args, **const, **t)

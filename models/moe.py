@@ -88,18 +88,6 @@ class MLP(nn.Module):
         return self.down_proj(self.glue.silu_mul(self.gate_up_proj(x)))
 
 
-def shared_prefetch_ranges(w13: torch.Tensor, w2: torch.Tensor, n_shared: int,
-                           budget: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The bytes moe_shared_prefetch_mb asks L2 for: the shared experts' (the last n_shared of the
-    stacked experts) w13 rows, then their w2, up to `budget` bytes in all (whole 16 bytes), as
-    uint8 views of the weights."""
-    a = w13[w13.shape[0] - n_shared:].reshape(-1).view(torch.uint8)
-    b = w2[w2.shape[0] - n_shared:].reshape(-1).view(torch.uint8)
-    na = min(a.numel(), budget) // 16 * 16
-    nb = min(b.numel(), budget - na) // 16 * 16
-    return a[:na], (b[:nb] if nb else None)
-
-
 class MoE(nn.Module):
     """Routed experts + shared experts, summed locally, one all-reduce per layer under TP.
 
@@ -169,7 +157,6 @@ class MoE(nn.Module):
             self.triton_glue = fused_moe  # the grouped path's gather, SwiGLU and un-permute kernels
             self.sort_by_expert = expert_sort.sort_by_expert
         self._shared_cache: dict = {}  # _shared_choice's tensors by (device, dtypes)
-        self._prefetch_ranges: tuple | None = None  # prefetch's shared-expert byte ranges, made on first use
         self._expert_ends: dict = {}  # _routed_grouped's expert end keys by device
         self.routed_large = {"grouped": self._routed_grouped, "dense": self._routed_dense,
                              "loop": self._routed}[plan.moe_large]
@@ -218,73 +205,15 @@ class MoE(nn.Module):
             w13[e], w2[e] = self._expert(e, dtype)
         return w13, w2
 
-    def _paths(self, T: int) -> tuple[bool, bool, bool]:
-        """(small, dense, blocked) for a step of T tokens: the fused small-batch kernel, the shared
-        experts as GEMMs of their own, the block kernels (see forward)."""
-        p = self.plan
-        fused_max = p.moe_fused_max_tokens_fp8 if self.fp8_block is not None else p.moe_fused_max_tokens
-        small = self.fused_small is not None and T <= fused_max
-        dense = not small and bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
-        blocked = self.fused_blocked is not None and (self.fp8_block is not None or T <= p.moe_blocked_max_tokens)
-        return small, dense, blocked
-
-    def overlaps_shared(self, T: int, device: torch.device) -> bool:
-        """Whether a step of T tokens runs the shared experts' pairs on the side stream
-        (moe_shared_stream: the fused and the block paths; n_shared > 0 means the experts are not
-        kept in FP8, so never W8A8)."""
-        if not (self.plan.moe_shared_stream and self.n_shared and device.type == "cuda"):
-            return False
-        small, dense, blocked = self._paths(T)
-        return small or (blocked and not dense)
-
-    def prefetch(self, T: int, device: torch.device, o_proj: torch.Tensor | None = None,
-                 next_qkv: torch.Tensor | None = None) -> bool:
-        """Where this step's MoE will run the shared experts on the side stream, ask L2 on that
-        stream now (models/l2_prefetch.py), in the order of their reads' distance, for `o_proj`
-        (the attention's o_proj weight, read last by the core: prefetch_o_proj), (up to
-        moe_shared_prefetch_mb MB of) the shared experts' weights, and `next_qkv` (the next
-        layer's first projection, read after this MoE: prefetch_next_qkv). The stream's order
-        puts the shared experts' kernels after it, and the MoE's join brings it back into the
-        main stream (a CUDA-graph capture needs that; `join_prefetch` does it when something
-        fails before); the prefetch writes nothing, so nothing else waits for it. Returns whether
-        it forked: not when there is nothing to ask for or the step's MoE does not overlap."""
-        mb = self.plan.moe_shared_prefetch_mb
-        if not (mb or o_proj is not None or next_qkv is not None) or not self.overlaps_shared(T, device):
-            return False
-        if mb and self._prefetch_ranges is None:
-            self._prefetch_ranges = shared_prefetch_ranges(self.w13, self.w2, self.n_shared, mb << 20)
-        from models.l2_prefetch import l2_prefetch  # triton: CUDA installs only
-        main, side = torch.cuda.current_stream(device), side_stream(device)
-        side.wait_stream(main)  # after the previous layer's MoE: not competing with its streaming
-        policy, key = self.plan.moe_shared_prefetch_policy, "prefetch_o_proj"
-        try:
-            with torch.cuda.stream(side):
-                if o_proj is not None:
-                    l2_prefetch(o_proj, policy=policy)
-                key = "moe_shared_prefetch_mb"
-                if mb:
-                    l2_prefetch(*self._prefetch_ranges, policy=policy)
-                key = "prefetch_next_qkv"
-                if next_qkv is not None:
-                    l2_prefetch(next_qkv, policy=policy)
-        except Exception as e:
-            self.join_prefetch(device)
-            e.plan_key = key
-            raise
-        return True
-
-    @staticmethod
-    def join_prefetch(device: torch.device) -> None:
-        """The main stream waits for the side stream: closes a prefetch's fork when the layer fails
-        before its MoE joins it (a capture left forked would fail on that, hiding the error)."""
-        torch.cuda.current_stream(device).wait_stream(side_stream(device))
-
     def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor | PairRows:
         """The layer's output `[T, D]`; with `defer_sum` (the plan's moe_sum_in_norm, one TP rank,
         the shared experts folded in) the Triton paths return their pair rows unsummed
         (`PairRows`) for the next add + RMSNorm to sum."""
         T, p = x.shape[0], self.plan
-        small, dense, blocked = self._paths(T)
+        fused_max = p.moe_fused_max_tokens_fp8 if self.fp8_block is not None else p.moe_fused_max_tokens
+        small = self.fused_small is not None and T <= fused_max
+        dense = not small and bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
+        blocked = self.fused_blocked is not None and (self.fp8_block is not None or T <= p.moe_blocked_max_tokens)
         # the block and large paths take the shared experts as pairs of every token: the Triton
         # router writes their columns beside its choices (two cats fewer per layer)
         fold = not small and not dense and bool(self.n_shared) and self.gate.appends_shared
@@ -293,7 +222,7 @@ class MoE(nn.Module):
         # moe_shared_stream: the shared experts' pairs on the side stream while the router and the
         # routed pairs run (the fused and the block paths; n_shared > 0 means the experts are not
         # kept in FP8, so never W8A8)
-        if self.overlaps_shared(T, x.device):
+        if p.moe_shared_stream and self.n_shared and x.device.type == "cuda" and (small or (blocked and not dense)):
             try:
                 if small:
                     out = self.fused_small_overlapped(

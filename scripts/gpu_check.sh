@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|l2bench|prefetch|mla|decode|gluon|pdl|latency|latency_sync|profile|graphs|ops|host|throughput|offline|offline2|offlineab|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|latency|latency_sync|profile|graphs|ops|host|throughput|offline|offline2|offlineab|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -14,16 +14,6 @@
 #               blocks), grouped GEMM, each with the shared experts folded in or dense (+sd); then FP8
 #               experts through the block kernels at R1 shapes, 16-4096 tokens (bench_fused_moe.py
 #               [--fp8]); the step's timeout is halved between the two (give it `moe:360`)
-#   l2bench     the L2 prefetch in isolation: an idle window (a spin kernel) then the MoE layer, with and
-#               without the shared experts prefetched, evict-first weight loads (bench_l2_prefetch.py)
-#   prefetch    the L2 prefetch (moe_shared_prefetch_mb, prefetch_o_proj): its GPU tests (a third of
-#               the timeout), then the CUDA-graph decode step (profile_graphs.py at batch 1/8/32/128)
-#               once per --kernels plan of AB_PLANS (default: auto; 40 MB of the shared experts; the
-#               same with the MoE's weight loads evict-first; and that forked before o_proj), sharing
-#               the rest; kernel sequences in $OUT/pf_seq_<plan>.txt; the profiles warm up prefills of up to 2048
-#               tokens only and capture no piecewise graphs, but on a cold machine a plan still
-#               needs more than 120 s (Triton compiles; H100, 2026-12-05): give each plan ~190 s,
-#               e.g. two plans in AB_PLANS with `prefetch:580`
 #   moestream   one MoE layer with the shared experts on one stream and on two (moe_shared_stream),
 #               the two-stream path's shared block depths, the router's chain and the routed and
 #               shared launches alone, at 8 / 32 / 128 / 256 tokens (bench_moe_stream.py; ~20-60 s)
@@ -141,13 +131,6 @@ for spec in $steps; do
              --json "$OUT/fused_moe.json"
            timeout $((T / 2)) python3 scripts/bench_fused_moe.py --fp8 --json "$OUT/fused_moe_fp8.json"; } > "$log" 2>&1 ;;
     moestream) timeout "$T" python3 scripts/bench_moe_stream.py --tokens 8 32 128 256 > "$log" 2>&1 ;;
-    l2bench) timeout "$T" python3 scripts/bench_l2_prefetch.py > "$log" 2>&1 ;;
-    prefetch) { timeout $((T / 3)) python3 -m pytest -q -p no:cacheprovider -m gpu --no-autotune -rfE \
-                  tests/test_l2_prefetch.py
-                P=${AB_PLANS:-auto auto,moe_shared_prefetch_mb=40 auto,moe_shared_prefetch_mb=40,moe_evict_first_max_tokens=128 auto,moe_shared_prefetch_mb=40,moe_evict_first_max_tokens=128,moe_shared_prefetch_at=o_proj}
-                n=$(echo $P | wc -w); for k in $P; do echo "## --kernels $k"
-                  timeout $((T * 2 / 3 / n)) python3 scripts/profile_graphs.py --kernel-plan "$k" --steps 3 \
-                    --max-num-batched-tokens 2048 --piecewise-graph-sizes none --seq-file "$OUT/pf_seq_$(echo "$k" | tr ',=' '__').txt"; done; } > "$log" 2>&1 ;;
     mla) timeout "$T" python3 scripts/bench_mla_decode.py --check --sweep --budget-s $((T - 40)) \
            --out "$OUT/bench_mla_decode.json" > "$log" 2>&1 ;;
     decode) { timeout $((T / 2)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_ops.py \

@@ -24,22 +24,6 @@ def test_fused_moe_interpreter():
         check_glue(T, kt, E, bm, "cpu", seed=T)
 
 
-def test_fused_moe_with_evict_first_weight_loads():
-    """moe_evict_first_max_tokens: the fused and block kernels with their expert-weight loads at
-    L2's evict-first priority (a cache hint: the interpreter runs the same loads) give the same
-    results; off again afterwards, as kernels called directly expect."""
-    from common.launch_settings import moe_evict_first, use_moe_evict_first
-    small = {"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8, "num_experts_per_tok": 3}
-    use_moe_evict_first(64)
-    try:
-        assert moe_evict_first(40) == "evict_first" and moe_evict_first(65) == ""
-        check(small, 3, torch.float32, "cpu", 1e-5)
-        check_blocked(small, 40, torch.float32, "cpu", 1e-5, 16)
-    finally:
-        use_moe_evict_first(0)
-    assert moe_evict_first(1) == ""
-
-
 @pytest.mark.parametrize("T,kt,E,block", [(37, 3, 8, 16), (300, 8, 257, 16), (50, 6, 66, 32), (7, 2, 3, 16)])
 @pytest.mark.parametrize("skewed", [False, True])
 def test_expert_sort_over_many_blocks(T, kt, E, block, skewed):
