@@ -70,6 +70,9 @@ class EngineArgs:
     # steps that are not captured pure-decode batches: CUDA graphs of the work between attention
     # cores per token count (engine/piecewise_graph.py): "auto", "none" or "N,N,..."
     piecewise_graph_sizes: str = "auto"
+    # decode batch sizes captured as CUDA graphs (--cuda-graph-sizes); None: engine/cuda_graph.py's
+    # default_buckets. Sizes above max_num_seqs are left out.
+    cuda_graph_sizes: tuple[int, ...] | None = None
     # schedule and launch step N+1 while step N runs; None: on when the model runs on CUDA
     async_scheduling: bool | None = None
     attention_backend: str = "auto"  # auto | torch | triton: the kernel plan's attention key
@@ -120,6 +123,8 @@ class EngineArgs:
         need(self.max_num_batched_tokens >= 1,
              f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.cuda_graph_sizes is None or (len(self.cuda_graph_sizes) > 0 and min(self.cuda_graph_sizes) >= 1),
+             f"--cuda-graph-sizes: expected sizes >= 1, got {self.cuda_graph_sizes}")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              f"--block-size must be a power of two, got {self.block_size}")
         need(self.dtype in ("auto", "bfloat16", "float16", "float32"), f"--dtype: unknown dtype {self.dtype!r}")

@@ -24,9 +24,15 @@ from common.launch_settings import pdl, use_pdl
 log = logging.getLogger(__name__)
 
 
-def default_buckets(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 257, 16))
-    return [b for b in sizes if b <= max_num_seqs] or [1]
+def default_buckets(max_num_seqs: int, sizes: tuple[int, ...] | None = None) -> list[int]:
+    """The decode batch sizes captured: `sizes` (--cuda-graph-sizes), else 1, 2, 4, 8 and every 16
+    up to 256; those above max_num_seqs left out (a decode batch never has more sequences)."""
+    wanted = sorted(set(sizes)) if sizes is not None else [1, 2, 4, 8] + list(range(16, 257, 16))
+    kept = [b for b in wanted if b <= max_num_seqs]
+    if sizes is not None and len(kept) < len(wanted):
+        log.info("--cuda-graph-sizes: %s left out (above --max-num-seqs %d)",
+                 ", ".join(str(b) for b in wanted if b > max_num_seqs), max_num_seqs)
+    return kept or [min(wanted[0], max_num_seqs)]
 
 
 class DecodeGraphs:

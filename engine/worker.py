@@ -366,7 +366,7 @@ class Worker:
             spec = a.speculative_config
             q_lens = (1,) if spec is None else (1, spec.decode_threshold)
             self.runner.graphs = DecodeGraphs(self.model, self.kv_caches, blocks_per_seq,
-                                              default_buckets(a.max_num_seqs), self.device, q_lens,
+                                              default_buckets(a.max_num_seqs, a.cuda_graph_sizes), self.device, q_lens,
                                               pdl_max_batch=self.plan.pdl_graph_max_batch)
             try:
                 self.runner.graphs.capture()
@@ -404,7 +404,7 @@ class Worker:
         from engine.mtp_drafter import MTPStep
         spec = self.args.speculative_config
         step = MTPStep(self.model.mtp[0], self.model.model.rotary_emb)
-        graphs = DecodeGraphs(step, cache, blocks_per_seq, default_buckets(self.args.max_num_seqs), self.device,
+        graphs = DecodeGraphs(step, cache, blocks_per_seq, default_buckets(self.args.max_num_seqs, self.args.cuda_graph_sizes), self.device,
                               tuple(range(1, spec.decode_threshold + 1)), hidden=(self.cfg.hidden_size, self.dtype))
         graphs.capture("MTP drafter")
         return graphs

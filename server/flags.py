@@ -18,6 +18,7 @@ from server.overrides import load_chat_template, load_generation_defaults
 from server.reasoning import check_parser_name
 from server.tls import check_ssl
 from server.tool_calls import check_tool_flags
+from server.vllm_flags import add_vllm_flags, check_quantization, check_vllm_flags, cuda_graph_sizes
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)
              if f.default is not dataclasses.MISSING}
@@ -270,16 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM or SIGINT, seconds to let running requests finish before "
                         "the engine and its workers are stopped")
     add_frontend_flags(p)
-    g = p.add_argument_group("vLLM flags that ask for what this server does anyway (accepted so that "
-                             "vLLM launch lines run; any other value is an error naming the flag)")
-    for flag, kind, help_text in _VLLM_NOOPS:
-        if kind is bool:
-            g.add_argument(flag, action="store_true", help=help_text)
-        elif kind is BooleanOptional:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-        else:
-            g.add_argument(*flag.split("|"), type=kind[0], default=None, metavar=str(kind[1]).upper(),
-                           help=help_text)
+    add_vllm_flags(p)
     g = p.add_argument_group("limits (a shared server must not be held by one client)")
     lim = _LIMITS
     g.add_argument("--max-request-body-bytes", type=int, default=lim.max_request_body_bytes,
@@ -310,39 +302,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/health answers 503 once the engine holds requests and has finished "
                         "no step for this many seconds (a wedged worker or collective)")
     return p
-
-
-class BooleanOptional:
-    """Marks a no-op flag of `_VLLM_NOOPS` read as --flag / --no-flag."""
-
-
-# vLLM's flags whose only sensible value here is what this server always does:
-# (flags, bool (a switch) | BooleanOptional (must not be turned off) | (type, the one value), help)
-_VLLM_NOOPS = [
-    ("--enable-chunked-prefill", BooleanOptional,
-     "chunked prefill is always on (prompts longer than --max-num-batched-tokens are prefilled in "
-     "chunks); --no-enable-chunked-prefill is an error"),
-    ("-pp|--pipeline-parallel-size", (int, 1), "only 1: no pipeline parallelism (use -tp / -dcp)"),
-    ("-dp|--data-parallel-size", (int, 1),
-     "only 1: one engine per server (run a server per GPU group behind a load balancer)"),
-    ("--distributed-executor-backend", (str, "mp"), "only mp: the ranks are worker processes"),
-    ("--tokenizer-mode", (str, "auto"), "only auto: the Hugging Face tokenizer of the model"),
-    ("--scheduling-policy", (str, "fcfs"), "only fcfs: first come, first served"),
-    ("--disable-log-stats", bool, "accepted: this server logs no periodic stats (they are on /metrics)"),
-]
-
-
-def _check_noops(ns: argparse.Namespace) -> None:
-    """ValueError naming a no-op vLLM flag given a value this server does not do."""
-    if ns.enable_chunked_prefill is False:
-        raise ValueError("--no-enable-chunked-prefill: chunked prefill cannot be turned off here "
-                         "(the scheduler always chunks prompts under --max-num-batched-tokens)")
-    for flag, kind, _ in _VLLM_NOOPS:
-        if isinstance(kind, tuple):
-            name = flag.split("|")[-1]
-            value = getattr(ns, name[2:].replace("-", "_"))
-            if value is not None and value != kind[1]:
-                raise ValueError(f"{name} {value}: only {kind[1]} is supported")
 
 
 def api_key_from(flag: str | None) -> str | None:
@@ -377,7 +336,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     # the checks that read nothing first: a bad flag must not wait for a Hub download
     if not 1 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
-    _check_noops(ns)
+    check_vllm_flags(ns)
     check_ssl(ns)
     check_parser_name(ns.reasoning_parser)
     check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
@@ -393,6 +352,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     if tokenizer is not None and not ns.skip_tokenizer_init:
         tokenizer = resolve_model_dir(tokenizer, "--tokenizer", ns.tokenizer_revision, ns.download_dir,
                                       ns.hf_token, weights=False)
+    check_quantization(ns.quantization, model)
     args = EngineArgs(
         model=model, tokenizer=tokenizer, served_model_name=served,
         skip_tokenizer_init=ns.skip_tokenizer_init,
@@ -407,7 +367,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         piecewise_graph_sizes=ns.piecewise_graph_sizes, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend,
         kernels=ns.kernels, fp8_gemm=ns.fp8_gemm, kv_cache_dtype=ns.kv_cache_dtype,
         hf_overrides=overrides, rank_check_interval=ns.rank_check_interval,
-        speculative_config=ns.speculative_config,
+        speculative_config=ns.speculative_config, cuda_graph_sizes=cuda_graph_sizes(ns),
         enable_log_requests=ns.enable_log_requests and not ns.disable_log_requests, nnodes=ns.nnodes, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port)
     load_chat_template(ns.chat_template)

@@ -51,17 +51,6 @@ REJECTED = [
     ("vllm serve deepseek-ai/DeepSeek-V2-Lite --tensor-parallel-size 2 "
      "--decode-context-parallel-size 2 --prefill-context-parallel-size 2",
      ["--prefill-context-parallel-size"]),
-    # deepseek.csdn.net/6805bfcfda5d787fd5d0ee89.html (underscored flag names, as vLLM allows)
-    ("vllm serve /home/ca2/models/DeepSeek-R1-Distill-Qwen-32B --dtype bfloat16 --max_model_len 32384 "
-     "--gpu_memory_utilization 0.8 --host 0.0.0.0 --port 5000 --quantization fp8 --enforce-eager",
-     ["--quantization"]),
-    # docs.vultr.com inference cookbook, DeepSeek V3.2 page (vllm serve, then the docker form)
-    ("vllm serve deepseek-ai/DeepSeek-V3-0324 --tensor-parallel-size 8 --max-model-len 32768 "
-     "--gpu-memory-utilization 0.90 --trust-remote-code --quantization fp8 --block-size 1",
-     ["--quantization"]),
-    ("--model deepseek-ai/DeepSeek-V3-0324 --tensor-parallel-size 8 --max-model-len 32768 "
-     "--gpu-memory-utilization 0.90 --trust-remote-code --quantization fp8 --block-size 1",
-     ["--quantization"]),
     # github.com/vllm-project/vllm/issues/40778
     ("vllm serve /data/pretrained/DeepSeek-V4-Flash --served-model-name DeepSeek-V4-Flash "
      "--trust-remote-code --kv-cache-dtype fp8 --block-size 256 --enable-expert-parallel "
@@ -82,6 +71,20 @@ REFUSED_VALUES = [
      "--tokenizer-mode deepseek_v32: only auto is supported"),
     ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8",
      "--data-parallel-size 8: only 1 is supported"),
+    # deepseek.csdn.net/6805bfcfda5d787fd5d0ee89.html (underscored flag names, as vLLM allows): a
+    # bf16 checkpoint (the tiny model stands in) with --quantization fp8, which vLLM quantizes at load
+    ("vllm serve /home/ca2/models/DeepSeek-R1-Distill-Qwen-32B --dtype bfloat16 --max_model_len 32384 "
+     "--gpu_memory_utilization 0.8 --host 0.0.0.0 --port 5000 --quantization fp8 --enforce-eager",
+     "--quantization fp8: the checkpoint in .* is not fp8-quantized .* scripts/quantize_fp8.py"),
+]
+# launch lines of FP8 checkpoints with --quantization fp8: the model is replaced by a copy of the
+# tiny model whose config.json carries DeepSeek-V3's quantization_config
+FP8_LINES = [
+    # docs.vultr.com inference cookbook, DeepSeek V3.2 page (vllm serve, then the docker form)
+    "vllm serve deepseek-ai/DeepSeek-V3-0324 --tensor-parallel-size 8 --max-model-len 32768 "
+    "--gpu-memory-utilization 0.90 --trust-remote-code --quantization fp8 --block-size 1",
+    "--model deepseek-ai/DeepSeek-V3-0324 --tensor-parallel-size 8 --max-model-len 32768 "
+    "--gpu-memory-utilization 0.90 --trust-remote-code --quantization fp8 --block-size 1",
 ]
 
 
@@ -106,6 +109,25 @@ def test_vllm_launch_lines_parse(line, want):
     assert a.model == str(TINY_MODEL)
     for field, value in want.items():
         assert getattr(a, field) == value, field
+
+
+@pytest.mark.parametrize("line", FP8_LINES)
+def test_fp8_checkpoint_lines_with_quantization_parse(line, tmp_path):
+    import json
+    import shutil
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(TINY_MODEL, fp8)
+    cfg = json.loads((fp8 / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps(cfg))
+    ns = build_parser().parse_args(_argv(line))
+    if ns.model_tag is not None:
+        ns.model_tag = str(fp8)
+    else:
+        ns.model = str(fp8)
+    a = engine_args_from(ns)
+    assert (a.model, a.tensor_parallel_size, a.max_model_len, a.block_size) == (str(fp8), 8, 32768, 1)
 
 
 @pytest.mark.parametrize("line,flags", REJECTED, ids=[f"refused{i}" for i in range(len(REJECTED))])

@@ -1,0 +1,114 @@
+"""vLLM's engine flags that a vLLM launch line carries, on the `serve` parser: those that ask for
+what this server does anyway (accepted, any other value an error naming the flag), the CUDA-graph
+capture sizes (--cuda-graph-sizes, --max-cudagraph-capture-size) and --quantization, which
+names the checkpoint's own FP8 quantization.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+
+class BooleanOptional:
+    """Marks a no-op flag of `VLLM_NOOPS` read as --flag / --no-flag."""
+
+
+# (flags, bool (a switch) | BooleanOptional (must not be turned off) | (type, the one value; None:
+# any value), help)
+VLLM_NOOPS = [
+    ("--enable-chunked-prefill", BooleanOptional,
+     "chunked prefill is always on (prompts longer than --max-num-batched-tokens are prefilled in "
+     "chunks); --no-enable-chunked-prefill is an error"),
+    ("-pp|--pipeline-parallel-size", (int, 1), "only 1: no pipeline parallelism (use -tp / -dcp)"),
+    ("-dp|--data-parallel-size", (int, 1),
+     "only 1: one engine per server (run a server per GPU group behind a load balancer)"),
+    ("--distributed-executor-backend", (str, "mp"), "only mp: the ranks are worker processes"),
+    ("--tokenizer-mode", (str, "auto"), "only auto: the Hugging Face tokenizer of the model"),
+    ("--scheduling-policy", (str, "fcfs"), "only fcfs: first come, first served"),
+    ("--disable-log-stats", bool, "accepted: this server logs no periodic stats (they are on /metrics)"),
+    ("--disable-custom-all-reduce", bool,
+     "accepted: the tensor-parallel ranks all-reduce through NCCL only (there is no custom all-reduce)"),
+    ("--disable-cascade-attn", bool, "accepted: there is no cascade attention here"),
+    ("--swap-space", (float, None),
+     "accepted, any value: nothing is swapped to CPU memory; a preempted request is recomputed"),
+    ("--max-seq-len-to-capture", (int, None),
+     "accepted, any value: the decode CUDA graphs serve every context length up to --max-model-len"),
+]
+
+
+def add_vllm_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("vLLM engine flags (accepted so that vLLM launch lines run; a value "
+                             "this server cannot honour is an error naming the flag)")
+    g.add_argument("-q", "--quantization", choices=["fp8"], default=None,
+                   help="fp8: the checkpoint's FP8 block quantization (DeepSeek-V3/R1's), which is "
+                        "used whether given or not; a checkpoint without it is refused (quantize it "
+                        "first: scripts/quantize_fp8.py)")
+    g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
+                   help="decode batch sizes captured as CUDA graphs, as in vLLM: one value N means "
+                        "1, 2, 4 and every multiple of 8 up to N; several are the sizes themselves. "
+                        "Sizes above --max-num-seqs are left out (default: 1, 2, 4, 8, then every 16 "
+                        "up to 256, up to --max-num-seqs)")
+    g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
+                   help="the default decode CUDA-graph sizes (1, 2, 4, 8, then every 16) up to N "
+                        "instead of 256 (vLLM's flag)")
+    for flag, kind, help_text in VLLM_NOOPS:
+        if kind is bool:
+            g.add_argument(flag, action="store_true", help=help_text)
+        elif kind is BooleanOptional:
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            g.add_argument(*flag.split("|"), type=kind[0], default=None,
+                           metavar="N" if kind[1] is None else str(kind[1]).upper(), help=help_text)
+
+
+def check_vllm_flags(ns: argparse.Namespace) -> None:
+    """ValueError naming a vLLM flag given a value this server does not do."""
+    if ns.enable_chunked_prefill is False:
+        raise ValueError("--no-enable-chunked-prefill: chunked prefill cannot be turned off here "
+                         "(the scheduler always chunks prompts under --max-num-batched-tokens)")
+    for flag, kind, _ in VLLM_NOOPS:
+        if isinstance(kind, tuple) and kind[1] is not None:
+            name = flag.split("|")[-1]
+            value = getattr(ns, name[2:].replace("-", "_"))
+            if value is not None and value != kind[1]:
+                raise ValueError(f"{name} {value}: only {kind[1]} is supported")
+    cuda_graph_sizes(ns)
+
+
+def cuda_graph_sizes(ns: argparse.Namespace) -> tuple[int, ...] | None:
+    """The decode CUDA-graph batch sizes that --cuda-graph-sizes or --max-cudagraph-capture-size
+    ask for (before --max-num-seqs caps them), or None for the engine's default."""
+    sizes, largest = getattr(ns, "cuda_graph_sizes", None), getattr(ns, "max_cudagraph_capture_size", None)
+    if sizes is not None and largest is not None:
+        raise ValueError("--cuda-graph-sizes and --max-cudagraph-capture-size: give one of them")
+    if largest is not None:
+        if largest < 1:
+            raise ValueError(f"--max-cudagraph-capture-size must be >= 1, got {largest}")
+        return tuple(b for b in [1, 2, 4, 8, *range(16, largest + 1, 16)] if b <= largest)
+    if sizes is None:
+        return None
+    if min(sizes) < 1:
+        raise ValueError(f"--cuda-graph-sizes: sizes must be >= 1, got {min(sizes)}")
+    if len(sizes) == 1:  # vLLM's pattern for one value
+        return tuple(b for b in [1, 2, 4, *range(8, sizes[0] + 1, 8)] if b <= sizes[0])
+    return tuple(sorted(set(sizes)))
+
+
+def check_quantization(quantization: str | None, model_dir: str) -> None:
+    """--quantization fp8 names the checkpoint's FP8 block quantization: refuse it for a
+    checkpoint without (this server does not quantize weights at load)."""
+    if quantization is None:
+        return
+    path = os.path.join(model_dir, "config.json")
+    try:
+        with open(path) as f:
+            q = json.load(f).get("quantization_config") or {}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--quantization {quantization}: cannot read {path} ({e})") from None
+    if q.get("quant_method") != quantization:
+        raise ValueError(f"--quantization {quantization}: the checkpoint in {model_dir} is not "
+                         f"{quantization}-quantized (its quantization_config: {q or 'none'}); this "
+                         "server does not quantize at load: convert it with scripts/quantize_fp8.py, "
+                         "or leave --quantization out")
