@@ -56,6 +56,8 @@ class EngineArgs:
     decode_context_parallel_size: int = 1
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    # most tokens of one request's prompt a step prefills (0: the step's budget alone)
+    long_prefill_token_threshold: int = 0
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32 (or an alias in DTYPE_ALIASES)
@@ -123,6 +125,8 @@ class EngineArgs:
         need(self.max_num_batched_tokens >= 1,
              f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.long_prefill_token_threshold >= 0,
+             f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
         need(self.cuda_graph_sizes is None or (len(self.cuda_graph_sizes) > 0 and min(self.cuda_graph_sizes) >= 1),
              f"--cuda-graph-sizes: expected sizes >= 1, got {self.cuda_graph_sizes}")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,

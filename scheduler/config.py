@@ -26,6 +26,10 @@ class SchedulerConfig:
     # KV slots allocated past each step's tokens (the MTP drafter writes its layer's cache at the
     # positions of its drafts after the first)
     num_lookahead_tokens: int = 0
+    # A prefill chunk takes at most this many of one request's tokens a step (0: the budget
+    # alone), so that one long prompt leaves room in each step for others to start (vLLM's
+    # long_prefill_token_threshold)
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
@@ -36,6 +40,10 @@ class SchedulerConfig:
         if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
                 or self.num_speculative_tokens < 0:
             raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
+        if isinstance(self.long_prefill_token_threshold, bool) or not isinstance(self.long_prefill_token_threshold, int) \
+                or self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be an integer >= 0, got "
+                             f"{self.long_prefill_token_threshold!r}")
         if self.num_speculative_tokens and self.async_scheduling:
             raise ValueError("async_scheduling cannot be combined with speculative decoding")
         if not isinstance(self.async_scheduling, bool):

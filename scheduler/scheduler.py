@@ -147,7 +147,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens + request.num_output_placeholders - request.num_computed_tokens, budget)
+            n = min(self._chunk(request.num_tokens + request.num_output_placeholders
+                                - request.num_computed_tokens), budget)
             if n <= 0 or (request.num_output_placeholders and self._ends_with_placeholder(request)):
                 i += 1
                 continue
@@ -186,7 +187,7 @@ class Scheduler:
             hit_blocks = self.block_manager.find_cached_prefix(request) if use_cache else []
             num_hit = len(hit_blocks) * self.block_manager.tokens_per_block
             request.num_computed_tokens = num_hit
-            n = min(request.num_tokens - num_hit, budget)
+            n = min(self._chunk(request.num_tokens - num_hit), budget)
             if self._allocate(request, n, hit_blocks) is None:
                 request.num_computed_tokens = 0
                 break  # waits; only running requests may preempt
@@ -221,6 +222,12 @@ class Scheduler:
         assert total <= self.config.max_num_batched_tokens and len(num_scheduled) <= self.config.max_num_seqs
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, finished,
                                scheduled_spec_decode_tokens=spec_tokens)
+
+    def _chunk(self, n: int) -> int:
+        """A request's `n` remaining tokens, cut to long_prefill_token_threshold when set (a
+        decode's one token never is)."""
+        cap = self.config.long_prefill_token_threshold
+        return cap if 0 < cap < n else n
 
     def _allocate(self, request: Request, n: int, hit_blocks: list[int] | None = None) -> list[int] | None:
         """Blocks for `n` more tokens, and the lookahead slots after them up to max_model_len."""

@@ -186,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "are prefilled in chunks")
     g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
                    help="most requests in one engine step")
+    g.add_argument("--long-prefill-token-threshold", type=_token_count,
+                   default=d["long_prefill_token_threshold"], metavar="N",
+                   help="a step prefills at most N tokens of one prompt, so that a long prompt "
+                        "leaves room for others to start in each step (vLLM's; 0: the step's "
+                        "--max-num-batched-tokens alone)")
     g.add_argument("--block-size", type=int, default=d["block_size"],
                    help="tokens per KV cache block (a power of two)")
     g.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"],
@@ -359,6 +364,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=ns.tensor_parallel_size,
         decode_context_parallel_size=ns.decode_context_parallel_size,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
+        long_prefill_token_threshold=ns.long_prefill_token_threshold,
         max_model_len=ns.max_model_len, block_size=ns.block_size, dtype=ns.dtype,
         device=ns.device, load_format=ns.load_format, num_kv_blocks=ns.num_kv_blocks,
         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,

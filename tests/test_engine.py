@@ -33,8 +33,9 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 8}, {"max_num_seqs": 2},
-                                {"max_num_batched_tokens": 16, "block_size": 4}],
-                         ids=["default", "budget8", "seqs2", "budget16-block4"])
+                                {"max_num_batched_tokens": 16, "block_size": 4},
+                                {"max_num_batched_tokens": 32, "long_prefill_token_threshold": 5}],
+                         ids=["default", "budget8", "seqs2", "budget16-block4", "long-prefill5"])
 def test_greedy_equals_transformers(tiny_v3, prompts_and_refs, kw):
     prompts, refs = prompts_and_refs
     llm = make_llm(tiny_v3[0], **kw)

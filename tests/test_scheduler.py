@@ -138,6 +138,35 @@ def test_long_prompt_chunked_under_budget():
     assert tokens_of(outs) + tokens_of(results["a"]) == reference_tokens(prompt, 3)
 
 
+def test_long_prefill_token_threshold_lets_short_prompts_in():
+    """long_prefill_token_threshold (vLLM's): a long prompt takes at most that many tokens a step,
+    so a short prompt behind it starts in the first step instead of waiting for the whole prefill;
+    the outputs are the same as without it."""
+    rng = random.Random(1)
+    long_p, short_p = [rng.randrange(VOCAB) for _ in range(200)], [rng.randrange(VOCAB) for _ in range(5)]
+    outputs = {}
+    for threshold in (0, 48):
+        cfg = SchedulerConfig(max_num_batched_tokens=64, num_blocks=128, block_size=16,
+                              long_prefill_token_threshold=threshold)
+        sched, runner = Scheduler(cfg), FakeRunner(cfg)
+        sched.add_request(make_req("long", long_p, max_tokens=4))
+        sched.add_request(make_req("short", short_p, max_tokens=4))
+        results: dict = {}
+        so, _ = step(sched, runner, results)
+        first = dict(so.num_scheduled_tokens)
+        while sched.has_unfinished_requests():
+            step(sched, runner, results)
+        outputs[threshold] = {r: tokens_of(o) for r, o in results.items()}
+        if threshold:
+            assert first == {"long": 48, "short": 5}
+        else:
+            assert first == {"long": 64}
+    for threshold in (0, 48):
+        assert outputs[threshold] == {"long": reference_tokens(long_p, 4), "short": reference_tokens(short_p, 4)}
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+
+
 def test_running_decode_not_starved_and_budget_kept():
     cfg = SchedulerConfig(max_num_batched_tokens=64, num_blocks=512, block_size=16, max_model_len=4096)
     sched, runner = Scheduler(cfg), FakeRunner(cfg)

@@ -338,6 +338,8 @@ def test_vllm_engine_flags_cuda_graphs_and_quantization(tmp_path):
     # flags whose ask this server meets anyway, with any value where vLLM takes one
     _engine_args("--disable-custom-all-reduce --disable-cascade-attn --swap-space 16 --max-seq-len-to-capture 8192")
     assert _engine_args("").cuda_graph_sizes is None
+    assert _engine_args("--long-prefill-token-threshold 2k").long_prefill_token_threshold == 2000
+    assert _engine_args("").long_prefill_token_threshold == 0
     assert _engine_args("--cuda-graph-sizes 32").cuda_graph_sizes == (1, 2, 4, 8, 16, 24, 32)  # vLLM's pattern
     assert _engine_args("--cuda-graph-sizes 64 1 3 3").cuda_graph_sizes == (1, 3, 64)
     assert _engine_args("--max-cudagraph-capture-size 40").cuda_graph_sizes == (1, 2, 4, 8, 16, 32)
