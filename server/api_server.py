@@ -153,12 +153,14 @@ def build_app(engine, args=None) -> FastAPI:
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.server = state
     install_error_handlers(app)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(state.check_api_key)])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_request_body_bytes,
                        body_timeout=limits.http_body_timeout)
-    # outside the body limit: a request refused there (413, 408) is counted too
-    app.add_middleware(HttpMetricsMiddleware, registry=state.metrics.registry)
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(state.check_api_key)])
+    # outside the body limit: a request refused there (413, 408) is counted too, under the route
+    # its path matches among the app's own and /v1's (FastAPI may keep an included router as one
+    # entry of the app's list)
+    app.add_middleware(HttpMetricsMiddleware, registry=state.metrics.registry,
+                       routes=lambda: [*v1.routes, *(r for r in app.router.routes if hasattr(r, "path"))])
 
     @v1.post("/completions")
     async def completions(req: CompletionRequest, raw: Request) -> Response:

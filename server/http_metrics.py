@@ -6,8 +6,9 @@ written for vLLM work here: `http_requests_total{handler,method,status}` (status
 `http_response_size_bytes{handler}`.
 
 `handler` is the path template of the route that served the request ("/v1/completions"), as the
-router writes it into the request's scope; "none" for a path no route serves, and for a request
-refused before routing (413 and 408 from the body limit). The routes vLLM leaves out (/metrics, /health, /load, /ping, /version, /server_info) are
+router writes it into the request's scope; for a request refused before routing (413 and 408 from
+the body limit) the template of the route its path and method match; "none" for a path no route
+serves. The routes vLLM leaves out (/metrics, /health, /load, /ping, /version, /server_info) are
 not counted. A duration runs from the request's arrival until its response's last byte was handed
 to the server (a stream's whole length). The request size is its Content-Length header, as the
 instrumentator reads it (the bytes read when there is none). Written here on prometheus_client rather than taking the
@@ -19,6 +20,7 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
+from starlette.routing import Match
 
 EXCLUDED = frozenset({"/metrics", "/health", "/load", "/ping", "/version", "/server_info"})
 # the instrumentator's buckets: coarse per route, fine without labels
@@ -52,6 +54,19 @@ def route_path(scope) -> str:
     return path
 
 
+def handler_of(routes, scope) -> str:
+    """The path template of the first of `routes` that serves the request's path with its method,
+    else of the first that serves the path (the router's 405), else "none"."""
+    partial = None
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match == Match.FULL:
+            return route.path
+        if match == Match.PARTIAL and partial is None:
+            partial = route.path
+    return partial or "none"
+
+
 def _content_length(scope) -> int | None:
     for name, value in scope.get("headers", ()):
         if name == b"content-length":
@@ -63,11 +78,14 @@ def _content_length(scope) -> int | None:
 
 
 class HttpMetricsMiddleware:
-    """ASGI middleware that observes every HTTP request but those of EXCLUDED routes."""
+    """ASGI middleware that observes every HTTP request but those of EXCLUDED routes. `routes()`
+    lists the app's routes (each with a `path`), matched only for a request that the router
+    never saw."""
 
-    def __init__(self, app, registry: CollectorRegistry) -> None:
+    def __init__(self, app, registry: CollectorRegistry, routes=lambda: []) -> None:
         self.app = app
         self.m = HttpMetrics(registry)
+        self.routes = routes
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -95,7 +113,7 @@ class HttpMetricsMiddleware:
         finally:
             # the router writes the matched route into the scope it was handed, this one
             route = scope.get("route")
-            handler = getattr(route, "path", None) or "none"
+            handler = getattr(route, "path", None) or handler_of(self.routes(), scope)
             if handler not in EXCLUDED:
                 self._observe(scope, handler, status, time.perf_counter() - start, received, sent)
 

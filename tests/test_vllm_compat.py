@@ -142,7 +142,7 @@ def test_http_metrics_under_vllms_names(client_for):
     """http_requests_total and the latency and size series, per route template and status class;
     health checks and scrapes are not counted, a path no route serves is handler "none"."""
     async def run():
-        _, c = client_for([])
+        _, c = client_for(["--max-request-body-bytes", "65536"])
         async with c:
             for _ in range(2):
                 assert (await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status_code == 200
@@ -154,6 +154,9 @@ def test_http_metrics_under_vllms_names(client_for):
             assert (await c.get("/no/such/route")).status_code == 404
             for path in ("/health", "/ping", "/version", "/load"):
                 await c.get(path)
+            # refused by the body limit before routing: still counted under its route
+            big = {"messages": [{"role": "user", "content": "x" * 70_000}]}
+            assert (await c.post("/v1/chat/completions", json=big)).status_code == 413
             sizes = sum(len(c.build_request("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": n}).content)
                         for n in (2, 2, -1))
             return (await c.get("/metrics")).text, sizes
@@ -164,9 +167,10 @@ def test_http_metrics_under_vllms_names(client_for):
     assert _sample(text, f'http_requests_total{{{cmpl},status="2xx"}}') == 2
     assert _sample(text, f'http_requests_total{{{cmpl},status="4xx"}}') == 1
     assert _sample(text, 'http_requests_total{handler="/v1/chat/completions",method="POST",status="2xx"}') == 1
+    assert _sample(text, 'http_requests_total{handler="/v1/chat/completions",method="POST",status="4xx"}') == 1
     assert _sample(text, 'http_requests_total{handler="none",method="GET",status="4xx"}') == 1
     assert _sample(text, f"http_request_duration_seconds_count{{{cmpl}}}") == 3
-    assert _sample(text, "http_request_duration_highr_seconds_count") == 5
+    assert _sample(text, "http_request_duration_highr_seconds_count") == 6
     assert _sample(text, 'http_request_size_bytes_count{handler="/v1/completions"}') == 3
     assert _sample(text, 'http_response_size_bytes_sum{handler="/v1/chat/completions"}') > 100
     assert not any(h in text for h in ('handler="/health"', 'handler="/ping"', 'handler="/metrics"'))
