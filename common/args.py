@@ -129,6 +129,9 @@ class EngineArgs:
              f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
         need(self.cuda_graph_sizes is None or (len(self.cuda_graph_sizes) > 0 and min(self.cuda_graph_sizes) >= 1),
              f"--cuda-graph-sizes: expected sizes >= 1, got {self.cuda_graph_sizes}")
+        need(self.cuda_graph_sizes is None or min(self.cuda_graph_sizes) <= self.max_num_seqs,
+             f"--cuda-graph-sizes: every size is above --max-num-seqs {self.max_num_seqs} (no decode "
+             "batch is larger): give one at or below it")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
              f"--block-size must be a power of two, got {self.block_size}")
         need(self.dtype in ("auto", "bfloat16", "float16", "float32"), f"--dtype: unknown dtype {self.dtype!r}")

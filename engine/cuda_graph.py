@@ -25,14 +25,17 @@ log = logging.getLogger(__name__)
 
 
 def default_buckets(max_num_seqs: int, sizes: tuple[int, ...] | None = None) -> list[int]:
-    """The decode batch sizes captured: `sizes` (--cuda-graph-sizes), else 1, 2, 4, 8 and every 16
-    up to 256; those above max_num_seqs left out (a decode batch never has more sequences)."""
-    wanted = sorted(set(sizes)) if sizes is not None else [1, 2, 4, 8] + list(range(16, 257, 16))
-    kept = [b for b in wanted if b <= max_num_seqs]
-    if sizes is not None and len(kept) < len(wanted):
-        log.info("--cuda-graph-sizes: %s left out (above --max-num-seqs %d)",
-                 ", ".join(str(b) for b in wanted if b > max_num_seqs), max_num_seqs)
-    return kept or [min(wanted[0], max_num_seqs)]
+    """The decode batch sizes captured: `sizes` (--cuda-graph-sizes; EngineArgs checks that one
+    is at most max_num_seqs), else 1, 2, 4, 8 and every 16 up to 256; those above max_num_seqs
+    left out (a decode batch never has more sequences)."""
+    if sizes is None:
+        return [b for b in [1, 2, 4, 8, *range(16, 257, 16)] if b <= max_num_seqs]
+    kept = sorted({b for b in sizes if b <= max_num_seqs})
+    dropped = len(set(sizes)) - len(kept)
+    if dropped:
+        log.info("decode CUDA-graph sizes: %d above --max-num-seqs %d left out (up to %d)",
+                 dropped, max_num_seqs, max(sizes))
+    return kept
 
 
 class DecodeGraphs:

@@ -230,9 +230,10 @@ class ChatBuilder:
         delta, hidden = self._delta(index, new_text, finish is not None) if new_text or finish is not None \
             else ({}, False)
         # A chunk for every output with new text, even while a possible tag is held back (an
-        # empty delta), but none for reasoning that include_reasoning false leaves out, as vLLM
-        # sends none; with logprobs or return_token_ids for every output with new tokens.
-        if (new_text and not hidden) or new_lps or new_ids or finish is not None:
+        # empty delta), and with logprobs; none for reasoning that include_reasoning false leaves
+        # out (its logprobs neither), as vLLM sends none; with return_token_ids for every output
+        # with new tokens.
+        if ((new_text or new_lps) and not hidden) or new_ids or finish is not None:
             out.append({"index": index, "delta": delta,
                         "logprobs": self.logprobs(new_lps) if new_lps else None,
                         "finish_reason": self._finish_reason(index, finish),

@@ -99,7 +99,7 @@ class ChatCompletionRequest(SamplingFields):
 
     @model_validator(mode="after")
     def _prompt_logprobs_whole_only(self):
-        if self.prompt_logprobs is not None and self.stream:
+        if self.prompt_logprobs and self.stream:  # 0 passes, as in vLLM (and is not computed)
             raise ValueError("prompt_logprobs: not available when stream is true (as in vLLM); "
                              "ask without streaming")
         return self
@@ -171,7 +171,7 @@ class ChatCompletionRequest(SamplingFields):
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs, self.prompt_logprobs)
+        return self.sampling_params(max_tokens, logprobs, None if self.stream else self.prompt_logprobs)
 
     def conversation(self) -> list[dict]:
         turns = []

@@ -105,7 +105,12 @@ async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.s
         print(f"serve: error: {e}", file=sys.stderr)
         return 1
     try:
-        server = _draining_server(uvicorn_config(build_app(engine, ns), ns))
+        try:
+            app = build_app(engine, ns)  # its checks that need the engine (the served tokenizer)
+        except ValueError as e:
+            print(f"serve: error: {e}", file=sys.stderr)
+            return 1
+        server = _draining_server(uvicorn_config(app, ns))
         _tune_gc()
         logger.info("serving %s on %s://%s:%d/v1", engine.model_name,
                     "https" if ns.ssl_certfile else "http", ns.host, ns.port)

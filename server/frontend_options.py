@@ -88,8 +88,8 @@ def filter_access_log(paths: str | None, root_path: str = "") -> None:
     for f in [f for f in log.filters if isinstance(f, _AccessPathFilter)]:
         log.removeFilter(f)
     wanted = {p.strip() for p in (paths or "").split(",") if p.strip()}
-    if root_path:
-        wanted |= {root_path.rstrip("/") + p for p in wanted}
+    if root_path:  # as given ("/llm/" logs "/llm//health") and without its trailing slash
+        wanted |= {root + p for p in wanted for root in (root_path, root_path.rstrip("/"))}
     if wanted:
         log.addFilter(_AccessPathFilter(frozenset(wanted)))
 

@@ -46,13 +46,15 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
                         "used whether given or not; a checkpoint without it is refused (quantize it "
                         "first: scripts/quantize_fp8.py)")
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
-                   help="decode batch sizes captured as CUDA graphs, as in vLLM: one value N means "
-                        "1, 2, 4 and every multiple of 8 up to N; several are the sizes themselves. "
-                        "Sizes above --max-num-seqs are left out (default: 1, 2, 4, 8, then every 16 "
+                   help="decode batch sizes (sequences; each captured for every query length "
+                        "speculative decoding uses, where vLLM counts tokens) captured as CUDA "
+                        "graphs: one value N means 1, 2, 4 and every multiple of 8 up to N, as in "
+                        "vLLM; several are the sizes themselves. Sizes above --max-num-seqs are left "
+                        "out; none at or below it is an error (default: 1, 2, 4, 8, then every 16 "
                         "up to 256, up to --max-num-seqs)")
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
-                   help="the default decode CUDA-graph sizes (1, 2, 4, 8, then every 16) up to N "
-                        "instead of 256 (vLLM's flag)")
+                   help="the largest decode batch captured as a CUDA graph (vLLM's flag): this "
+                        "engine's default sizes (1, 2, 4, 8, then every 16) up to N, and N itself")
     for flag, kind, help_text in VLLM_NOOPS:
         if kind is bool:
             g.add_argument(flag, action="store_true", help=help_text)
@@ -79,20 +81,25 @@ def check_vllm_flags(ns: argparse.Namespace) -> None:
 
 def cuda_graph_sizes(ns: argparse.Namespace) -> tuple[int, ...] | None:
     """The decode CUDA-graph batch sizes that --cuda-graph-sizes or --max-cudagraph-capture-size
-    ask for (before --max-num-seqs caps them), or None for the engine's default."""
+    ask for, or None for the engine's default. The patterns are built only up to --max-num-seqs
+    (no decode batch is larger), so a huge N costs nothing; a list is kept as given (the engine
+    leaves out its sizes above --max-num-seqs)."""
     sizes, largest = getattr(ns, "cuda_graph_sizes", None), getattr(ns, "max_cudagraph_capture_size", None)
     if sizes is not None and largest is not None:
         raise ValueError("--cuda-graph-sizes and --max-cudagraph-capture-size: give one of them")
+    cap = getattr(ns, "max_num_seqs", None) or 1 << 30
     if largest is not None:
         if largest < 1:
             raise ValueError(f"--max-cudagraph-capture-size must be >= 1, got {largest}")
-        return tuple(b for b in [1, 2, 4, 8, *range(16, largest + 1, 16)] if b <= largest)
+        top = min(largest, cap)  # the default pattern, and the largest size itself
+        return tuple(sorted({b for b in (1, 2, 4, 8, *range(16, top + 1, 16)) if b <= top} | {top}))
     if sizes is None:
         return None
     if min(sizes) < 1:
         raise ValueError(f"--cuda-graph-sizes: sizes must be >= 1, got {min(sizes)}")
     if len(sizes) == 1:  # vLLM's pattern for one value
-        return tuple(b for b in [1, 2, 4, *range(8, sizes[0] + 1, 8)] if b <= sizes[0])
+        top = min(sizes[0], cap)
+        return tuple(b for b in (1, 2, 4, *range(8, top + 1, 8)) if b <= top)
     return tuple(sorted(set(sizes)))
 
 
@@ -104,9 +111,12 @@ def check_quantization(quantization: str | None, model_dir: str) -> None:
     path = os.path.join(model_dir, "config.json")
     try:
         with open(path) as f:
-            q = json.load(f).get("quantization_config") or {}
+            config = json.load(f)
+        q = (config.get("quantization_config") or {}) if isinstance(config, dict) else None
     except (OSError, ValueError) as e:
         raise ValueError(f"--quantization {quantization}: cannot read {path} ({e})") from None
+    if not isinstance(q, dict):
+        raise ValueError(f"--quantization {quantization}: {path}'s quantization_config is not a JSON object")
     if q.get("quant_method") != quantization:
         raise ValueError(f"--quantization {quantization}: the checkpoint in {model_dir} is not "
                          f"{quantization}-quantized (its quantization_config: {q or 'none'}); this "

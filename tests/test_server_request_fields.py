@@ -178,6 +178,9 @@ def test_include_reasoning_false_leaves_only_the_content(r1):
         return sum(1 for c in cs if c["choices"] and c["choices"][0]["delta"] == {}
                    and c["choices"][0]["finish_reason"] is None)
     assert empty(chunks) == empty(stream_chat(r1, {**body, "include_reasoning": True}))
+    # nor with logprobs: the left-out tokens' chunks are not sent for their logprobs either
+    with_lps = {**body, "logprobs": True}
+    assert empty(stream_chat(r1, with_lps)) == empty(stream_chat(r1, {**with_lps, "include_reasoning": True}))
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -335,6 +338,8 @@ def test_prompt_logprobs_range_and_chat_stream_refusal(server):
     r = post(server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 1, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
     assert "stream" in r.json()["error"]["message"]
+    # 0 asks for nothing to stream: accepted, as vLLM accepts it
+    assert post(server, "/v1/chat/completions", {**CHAT, "prompt_logprobs": 0, "stream": True}).status_code == 200
 
 
 @pytest.mark.slow

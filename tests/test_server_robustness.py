@@ -256,6 +256,8 @@ class _Records(logging.Handler):
     # uvicorn logs the path behind --root-path; the flag's paths are the routes' own
     (["--log-level", "debug", "--root-path", "/llm", "--disable-access-log-for-endpoints", "/health,/metrics"],
      ["/llm/version"]),
+    (["--log-level", "debug", "--root-path", "/llm/", "--disable-access-log-for-endpoints", "/health,/metrics"],
+     ["/llm//version"]),
     (["--log-level", "info"], []),  # the access log is written at debug level only
 ])
 def test_access_log_flags(tok, flags, logged):
@@ -286,6 +288,12 @@ def test_https_and_root_path(tok, tmp_path):
     ns = build_parser().parse_args(["--ssl-keyfile", str(key), "--ssl-certfile", str(cert),
                                     "--root-path", "/llm", "--log-level", "warning"])
     check_ssl(ns)  # a real certificate and its key pass the start-up check
+    # an encrypted key is refused by name, without a pass phrase prompt
+    subprocess.run(["openssl", "genpkey", "-algorithm", "RSA", "-aes256", "-pass", "pass:pw",
+                    "-out", str(tmp_path / "enc.pem")], check=True, capture_output=True)
+    enc = build_parser().parse_args(["--ssl-keyfile", str(tmp_path / "enc.pem"), "--ssl-certfile", str(cert)])
+    with pytest.raises(ValueError, match="an encrypted private key"):
+        check_ssl(enc)
     with _UvicornThread(build_app(FakeEngine(tok), ns), ns) as s:
         https = s.url.replace("http://", "https://")
         assert httpx.get(f"{https}/health", verify=False, timeout=30).status_code == 200

@@ -301,3 +301,9 @@ def test_ssl_flags_are_checked(tmp_path):
     for flags in (["--ssl-ca-certs", str(key)], ["--ssl-cert-reqs", "2"]):
         with pytest.raises(ValueError, match="needs HTTPS"):
             engine_args_from(build_parser().parse_args([str(TINY_MODEL), *flags]))
+    with pytest.raises(ValueError, match="--ssl-cert-reqs 2 .* needs --ssl-ca-certs"):
+        engine_args_from(build_parser().parse_args([str(TINY_MODEL), "--ssl-keyfile", str(key),
+                                                    "--ssl-certfile", str(key), "--ssl-cert-reqs", "2"]))
+    with pytest.raises(ValueError, match="--ssl-certfile .*: a directory, not a file"):
+        engine_args_from(build_parser().parse_args([str(TINY_MODEL), "--ssl-keyfile", str(key),
+                                                    "--ssl-certfile", str(tmp_path)]))

@@ -147,9 +147,9 @@ def test_http_metrics_under_vllms_names(client_for):
             for _ in range(2):
                 assert (await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})).status_code == 200
             assert (await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": -1})).status_code == 400
+            stream_body = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
             chunks = [ln async for ln in (await c.send(c.build_request(
-                "POST", "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                       "stream": True}), stream=True)).aiter_lines()]
+                "POST", "/v1/chat/completions", json=stream_body), stream=True)).aiter_lines()]
             assert chunks[-2] == "data: [DONE]"
             assert (await c.get("/no/such/route")).status_code == 404
             for path in ("/health", "/ping", "/version", "/load"):
@@ -157,12 +157,16 @@ def test_http_metrics_under_vllms_names(client_for):
             # refused by the body limit before routing: still counted under its route
             big = {"messages": [{"role": "user", "content": "x" * 70_000}]}
             assert (await c.post("/v1/chat/completions", json=big)).status_code == 413
+            chat_sizes = (len(c.build_request("POST", "/v1/chat/completions", json=big).content)
+                          + len(c.build_request("POST", "/v1/chat/completions", json=stream_body).content))
             sizes = sum(len(c.build_request("POST", "/v1/completions", json={"prompt": "hi", "max_tokens": n}).content)
                         for n in (2, 2, -1))
-            return (await c.get("/metrics")).text, sizes
+            return (await c.get("/metrics")).text, sizes, chat_sizes
 
-    text, sizes = asyncio.run(run())
-    assert _sample(text, 'http_request_size_bytes_sum{handler="/v1/completions"}') == sizes  # Content-Length
+    text, sizes, chat_sizes = asyncio.run(run())
+    assert _sample(text, 'http_request_size_bytes_sum{handler="/v1/completions"}') == sizes
+    # Content-Length, also of the 413's body, which was never read in full
+    assert _sample(text, 'http_request_size_bytes_sum{handler="/v1/chat/completions"}') == chat_sizes
     cmpl = 'handler="/v1/completions",method="POST"'
     assert _sample(text, f'http_requests_total{{{cmpl},status="2xx"}}') == 2
     assert _sample(text, f'http_requests_total{{{cmpl},status="4xx"}}') == 1

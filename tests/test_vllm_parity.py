@@ -342,15 +342,19 @@ def test_vllm_engine_flags_cuda_graphs_and_quantization(tmp_path):
     assert _engine_args("").long_prefill_token_threshold == 0
     assert _engine_args("--cuda-graph-sizes 32").cuda_graph_sizes == (1, 2, 4, 8, 16, 24, 32)  # vLLM's pattern
     assert _engine_args("--cuda-graph-sizes 64 1 3 3").cuda_graph_sizes == (1, 3, 64)
-    assert _engine_args("--max-cudagraph-capture-size 40").cuda_graph_sizes == (1, 2, 4, 8, 16, 32)
+    assert _engine_args("--max-cudagraph-capture-size 40").cuda_graph_sizes == (1, 2, 4, 8, 16, 32, 40)
+    # the patterns stop at --max-num-seqs: a huge N builds nothing large
+    assert _engine_args("--max-num-seqs 20 --cuda-graph-sizes 100000000000").cuda_graph_sizes == (1, 2, 4, 8, 16)
+    assert _engine_args("--max-num-seqs 20 --max-cudagraph-capture-size 100000000000").cuda_graph_sizes == \
+        (1, 2, 4, 8, 16, 20)
     for line, msg in (("--cuda-graph-sizes 0", "sizes must be >= 1"),
                       ("--cuda-graph-sizes 8 --max-cudagraph-capture-size 8", "give one of them"),
-                      ("--max-cudagraph-capture-size 0", "must be >= 1")):
+                      ("--max-cudagraph-capture-size 0", "must be >= 1"),
+                      ("--max-num-seqs 16 --cuda-graph-sizes 64 128", "every size is above --max-num-seqs 16")):
         with pytest.raises(ValueError, match=msg):
             _engine_args(line)
     # the engine's side: sizes above max_num_seqs are left out; the default stops at 256
     assert default_buckets(16, (1, 3, 64)) == [1, 3]
-    assert default_buckets(16, (64, 128)) == [16]  # every decode batch fits the largest it can have
     assert default_buckets(512)[-1] == 256 and default_buckets(20) == [1, 2, 4, 8, 16]
     # --quantization fp8 names the checkpoint's own quantization; a bf16 checkpoint is refused
     with pytest.raises(ValueError, match="--quantization fp8: the checkpoint .* scripts/quantize_fp8.py"):
@@ -360,6 +364,9 @@ def test_vllm_engine_flags_cuda_graphs_and_quantization(tmp_path):
     (fp8 / "config.json").write_text('{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}')
     check_quantization("fp8", str(fp8))
     check_quantization(None, str(tmp_path / "missing"))  # nothing read without the flag
+    (fp8 / "config.json").write_text('{"quantization_config": "fp8"}')
+    with pytest.raises(ValueError, match="not a JSON object"):
+        check_quantization("fp8", str(fp8))
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--quantization", "awq"])
 
