@@ -120,7 +120,8 @@ class RequestGrammar:
         message = _first_lines(self.matcher.get_error() or "unknown error")
         if len(message) > MAX_ERROR_CHARS:
             message = message[:MAX_ERROR_CHARS] + "..."
-        return (f"structured output: the constraint could not be followed while generating "
+        # capitalised: not a field name, which the HTTP error's param would take it for
+        return (f"Structured output: the constraint could not be followed while generating "
                 f"({message}); a simpler grammar, fewer choices or a smaller schema avoids it")
 
     @property

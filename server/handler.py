@@ -175,8 +175,33 @@ async def respond(state, raw: Request, req, prompts: list, params: SamplingParam
     finally:
         streams.close()
         tracker.close(num_outputs)
-    return JSONResponse({**head, "choices": builder.choices(finals), "usage": builder.usage(finals),
-                         **builder.response_fields(finals)})
+
+    def whole() -> JSONResponse:
+        return JSONResponse({**head, "choices": builder.choices(finals), "usage": builder.usage(finals),
+                             **builder.response_fields(finals)})
+    # A large answer (many tokens, logprobs with many alternatives: n x 800 tokens x 21 entries
+    # took seconds and 2 GB) is built and encoded on a worker thread, so that the event loop
+    # keeps serving everyone else; a small one inline, without the thread hop.
+    if _entries(finals) > OFF_LOOP_ENTRIES:
+        return await asyncio.to_thread(whole)
+    return whole()
+
+
+# tokens plus logprob alternatives from which a whole response is built off the event loop
+OFF_LOOP_ENTRIES = 20_000
+
+
+def _entries(finals: list[RequestOutput]) -> int:
+    """Tokens and logprob alternatives a whole response may spell out (prompts included, for echo
+    and prompt_logprobs)."""
+    n = 0
+    for f in finals:
+        if f is None:
+            continue
+        n += len(f.prompt_token_ids) + sum(len(lp.top) for lp in f.prompt_logprobs or () if lp is not None)
+        for o in f.outputs:
+            n += len(o.token_ids) + sum(len(lp.top) for lp in o.logprobs or () if lp is not None)
+    return n
 
 
 def _check_failed(out: RequestOutput) -> None:

@@ -22,6 +22,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram, Summary
 from starlette.routing import Match
 
+METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "CONNECT", "TRACE"})
 EXCLUDED = frozenset({"/metrics", "/health", "/load", "/ping", "/version", "/server_info"})
 # the instrumentator's buckets: coarse per route, fine without labels
 _BUCKETS = (0.1, 0.5, 1.0)
@@ -118,7 +119,8 @@ class HttpMetricsMiddleware:
                 self._observe(scope, handler, status, time.perf_counter() - start, received, sent)
 
     def _observe(self, scope, handler: str, status: int, elapsed: float, received: int, sent: int) -> None:
-        method = scope["method"]
+        # a label value per method a client may invent would grow /metrics without bound
+        method = scope["method"] if scope["method"] in METHODS else "other"
         length = _content_length(scope)
         self.m.requests.labels(method, f"{str(status)[0]}xx", handler).inc()
         self.m.duration.labels(handler, method).observe(elapsed)

@@ -18,7 +18,7 @@ from pydantic import Field, field_validator, model_validator
 
 from common.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K,
                                     SamplingParams, StructuredOutputs)
-from server.request_fields import (_SPEC_KINDS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS,
+from server.request_fields import (_SPEC_KINDS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_CHOICES,
                                    MAX_LOGIT_BIAS_TOKENS, MAX_N, MAX_REQUEST_ID_CHARS, BaseRequest, Int64,
                                    NonNegInt64, ResponseFormat, StreamOptions, StructuredOutputsRequest,
                                    _json_spec, bounded, refuse_unsupported)
@@ -174,6 +174,8 @@ class SamplingFields(BaseRequest):
         if kind == "choice":
             if not spec or any(not c for c in spec):
                 raise ValueError(f"{field}: must be a non-empty list of non-empty strings")
+            if len(spec) > MAX_CHOICES:  # the grammar library refuses more, after seconds of work
+                raise ValueError(f"{field}: {len(spec)} choices; at most {MAX_CHOICES}")
             spec = json.dumps(spec)
         out = StructuredOutputs(
             kind, spec,

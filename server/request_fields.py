@@ -25,6 +25,9 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_ALLOWED_TOKEN_IDS = 1024
 # bad_words per request, and characters per word: each is matched against every output each step
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 64
+# guided_choice / structured_outputs.choice: llguidance refuses a longer alternation, after
+# seconds of compiling in the engine's loop (100k choices: 3.7 s with every request stalled)
+MAX_CHOICES = 2000
 
 
 def bounded(lo: int, hi: int):
@@ -199,6 +202,8 @@ def _json_spec(value: str | dict, field: str) -> str:
             value = json.loads(value)
         except ValueError as e:
             raise ValueError(f"{field}: not valid JSON ({e})") from None
+        except RecursionError:
+            raise ValueError(f"{field}: nested too deeply to parse") from None
     if not isinstance(value, (dict, bool)):
         raise ValueError(f"{field}: a JSON schema must be an object")
     return json.dumps(value)

@@ -237,7 +237,7 @@ def forced_calls(text: str, choice) -> list[dict] | None:
     (stopped by max_tokens)."""
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return None
     if isinstance(choice, dict):
         pairs = [(choice["function"]["name"], text)]

@@ -89,7 +89,7 @@ def install(app: FastAPI, engine, args=None) -> None:
         does (vLLM leaves it open)."""
         try:
             body = json.loads(await raw.body())
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise APIError(400, f"request body is not valid JSON text ({type(e).__name__})") from None
         if isinstance(body, dict) and "messages" in body:
             model, create = ChatCompletionRequest, create_chat_completion

@@ -242,7 +242,7 @@ def test_a_matcher_that_fails_while_generating_is_an_error(llm):
     """Not a "stop" whose text breaks the constraint: finish_reason "error", and why."""
     out = llm.generate(["Question: a"], constrained("choice", TOO_MANY_CHOICES, max_tokens=8))[0].outputs[0]
     assert out.finish_reason == "error", (out.text, out.finish_reason)
-    assert out.stop_reason.startswith("structured output: the constraint could not be followed")
+    assert out.stop_reason.startswith("Structured output: the constraint could not be followed")
     assert len(out.stop_reason) < 500
     ok = llm.generate(["Question: a"], constrained("choice", ["yes", "no"]))[0].outputs[0]
     assert ok.finish_reason == "stop" and ok.text in ("yes", "no")  # the engine goes on
@@ -341,7 +341,10 @@ def test_completions_guided_fields(client, server):
             check(r.choices[0].text)
 
 
-def test_a_failed_constraint_is_a_400_or_an_in_band_error(client, server):
+def test_a_failed_constraint_is_a_400_or_an_in_band_error(client, server, monkeypatch):
+    # the front end refuses more than MAX_CHOICES choices; raised here to reach the matcher's
+    # failure while generating
+    monkeypatch.setattr("server.protocol.MAX_CHOICES", len(TOO_MANY_CHOICES))
     kw = {"model": server.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
           "extra_body": {"guided_choice": TOO_MANY_CHOICES}}
     with pytest.raises(openai.BadRequestError, match="constraint could not be followed"):
