@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from common.args import EngineArgs
+from common.offload import off_loop
 from engine.core_client import CoreClient, EngineStartError
 from engine.core_proc import CoreStats
 from engine.llm import load_front_end
@@ -215,7 +216,7 @@ class AsyncLLM:
         if q is None:  # a text prompt: tokenizing is the slow part, off the event loop
             q = self._open(request_id)
             try:
-                self._submit(request_id, await asyncio.to_thread(self.inputs.process, prompt, params))
+                self._submit(request_id, await off_loop(len(prompt), self.inputs.process, prompt, params))
             except BaseException:
                 self._queues.pop(request_id, None)
                 raise

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from common.offload import off_loop, text_chars
 from server import vllm_compat
 from server.chat import chat_prompt_ids, create_chat_completion, encode
 from server.chat_protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -209,18 +210,18 @@ def build_app(engine, args=None) -> FastAPI:
                 raise APIError(400, str(e), param="messages") from None
             # with messages, as in chat: no special tokens on top of the template's unless asked
             add_special = "add_special_tokens" in req.model_fields_set and req.add_special_tokens
-            ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
-                                          req.add_generation_prompt, state.check_text_length,
-                                          state.frontend.template_kwargs(req.chat_template_kwargs),
-                                          tools, state.chat_template,
-                                          req.continue_final_message, add_special)
+            ids = await off_loop(text_chars(conversation), chat_prompt_ids, state.tokenizer, conversation,
+                                 req.add_generation_prompt, state.check_text_length,
+                                 state.frontend.template_kwargs(req.chat_template_kwargs),
+                                 tools, state.chat_template,
+                                 req.continue_final_message, add_special)
         else:
             try:  # the bound completions use: no text that cannot fit the context is tokenized
                 state.check_text_length(req.prompt, "prompt")
             except ValueError as e:
                 raise APIError(400, str(e), param="prompt") from None
-            ids = await asyncio.to_thread(encode, state.tokenizer, req.prompt, "prompt",
-                                          req.add_special_tokens)
+            ids = await off_loop(len(req.prompt), encode, state.tokenizer, req.prompt, "prompt",
+                                 req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
         if req.return_token_strs:
             body["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
@@ -234,7 +235,7 @@ def build_app(engine, args=None) -> FastAPI:
         bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is outside [0, {vocab})", param="tokens")
-        return {"prompt": await asyncio.to_thread(state.decode, req.tokens)}
+        return {"prompt": await off_loop(len(req.tokens) * 4, state.decode, req.tokens)}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:

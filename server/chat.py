@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 from collections.abc import Iterator
@@ -10,6 +9,7 @@ from collections.abc import Iterator
 from fastapi import Request
 from fastapi.responses import Response
 
+from common.offload import off_loop, text_chars
 from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
 from server.chat_protocol import ChatCompletionRequest
@@ -301,11 +301,11 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
     state.limits.check(1, req.n, req.stop, {"top_logprobs": req.top_logprobs,
                                              "prompt_logprobs": req.prompt_logprobs})
     # template + tokenizer off the event loop: a long conversation must not stall other requests
-    prompt_ids = await asyncio.to_thread(chat_prompt_ids, state.tokenizer, conversation,
-                                         req.add_generation_prompt, state.check_text_length,
-                                         req.template_kwargs(), req.tool_dicts(),
-                                         state.chat_template, req.continue_final_message,
-                                         req.add_special_tokens)
+    prompt_ids = await off_loop(text_chars(conversation), chat_prompt_ids, state.tokenizer, conversation,
+                                req.add_generation_prompt, state.check_text_length,
+                                req.template_kwargs(), req.tool_dicts(),
+                                state.chat_template, req.continue_final_message,
+                                req.add_special_tokens)
     state.limits.check_prompt_logprobs([prompt_ids], req.prompt_logprobs, "prompt_logprobs")
     return await respond(state, raw, req, [prompt_ids], params, response_id("chatcmpl-", raw, req),
                          ChatBuilder(state, req), "chat.completion", "chat.completion.chunk")

@@ -462,3 +462,22 @@ def test_a_large_whole_response_is_built_off_the_event_loop(fake, monkeypatch):
     off = post(fake, "/v1/completions", body).json()
     assert "whole" in threads and {k: v for k, v in off.items() if k not in ("id", "created")} == \
         {k: v for k, v in inline.items() if k not in ("id", "created")}
+
+
+def test_huge_texts_tokenize_in_a_lane_of_their_own():
+    """Eight prompts past LARGE_CHARS queue on the large lane's one thread; a small prompt's
+    tokenizing still gets a thread at once (with one pool of 6 threads it waited for all eight)."""
+    import asyncio
+
+    from common.offload import LARGE_CHARS, off_loop
+    release = threading.Event()
+
+    async def go():
+        big = [asyncio.create_task(off_loop(LARGE_CHARS + 1, release.wait, 30)) for _ in range(8)]
+        await asyncio.sleep(0.05)
+        try:
+            return await asyncio.wait_for(off_loop(10, lambda: threading.current_thread().name), 10)
+        finally:
+            release.set()
+            await asyncio.gather(*big)
+    assert asyncio.run(go()).startswith("tokenize_")

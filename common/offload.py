@@ -1,0 +1,42 @@
+"""Tokenizing and chat templating off the event loop, in two lanes of worker threads.
+
+The HTTP process tokenizes on threads so that one long prompt does not stall every other
+request. asyncio's default executor has min(32, cores + 4) threads (6 on 2 cores): eight
+concurrent 15 MB prompts filled it, and a small chat request then waited 67 s for a thread
+(2026-12-05, fuzzing the server). So texts of more than LARGE_CHARS characters go to a lane of
+their own, one thread: huge prompts queue behind each other, never in front of ordinary ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+LARGE_CHARS = 1 << 18  # 256k characters: ~64k tokens of English, seconds of tokenizing at most
+SMALL_WORKERS = 4
+
+_pools: dict[bool, ThreadPoolExecutor] = {}
+_lock = threading.Lock()
+
+
+def _pool(large: bool) -> ThreadPoolExecutor:
+    with _lock:
+        pool = _pools.get(large)
+        if pool is None:
+            pool = _pools[large] = ThreadPoolExecutor(
+                max_workers=1 if large else SMALL_WORKERS,
+                thread_name_prefix="tokenize-large" if large else "tokenize")
+        return pool
+
+
+async def off_loop(chars: int, fn, *args):
+    """`fn(*args)` on a worker thread of the lane for a text of `chars` characters."""
+    return await asyncio.get_running_loop().run_in_executor(_pool(chars > LARGE_CHARS),
+                                                            functools.partial(fn, *args))
+
+
+def text_chars(conversation: list[dict]) -> int:
+    """Characters of a chat conversation's text contents (what tokenizing it costs)."""
+    return sum(len(m["content"]) for m in conversation if isinstance(m.get("content"), str))
