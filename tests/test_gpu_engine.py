@@ -52,18 +52,6 @@ def test_cuda_graphs_equal_eager(model, request):
     assert _run(path, kernels="auto") == _run(path, kernels="auto", enforce_eager=True)
 
 
-def test_cuda_graph_sizes_are_the_ones_captured(gpu_v2):
-    """--cuda-graph-sizes: those sizes are captured (above --max-num-seqs left out), and the 8
-    prompts' decode steps (batches of 1-8) run in the smallest graph that holds them: the same
-    greedy tokens as eagerly."""
-    path, _ = gpu_v2
-    kw = dict(num_kv_blocks=1024, kernels="auto,warmup=0" + ("" if autotuning() else ",autotune=0"))
-    llm = LLM(path, device="cuda", dtype="float32", cuda_graph_sizes=(3, 8, 512), max_num_seqs=16, **kw)
-    assert llm.engine.executor.worker.runner.graphs.buckets == [3, 8]
-    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
-    assert got == _run(path, enforce_eager=True)
-
-
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="programmatic dependent launch needs sm_90+")
 def test_pdl_equals_no_pdl(gpu_v2):

@@ -143,3 +143,22 @@ def test_piecewise_graph_engine_equals_eager(gpu_v2_grouped, tmp_path):
     ref = _greedy_top(LLM(path, device="cuda", dtype="bfloat16", num_kv_blocks=1024, max_num_batched_tokens=128,
                           piecewise_graph_sizes="none", kernels=kernels), prompts)
     _assert_same_greedy(got, ref)
+
+
+@gpu
+def test_cuda_graph_sizes_are_the_ones_captured(tmp_path_factory):
+    """--cuda-graph-sizes: those decode sizes are captured (above --max-num-seqs left out), and
+    the 8 prompts' decode steps (batches of 1-8) run in the smallest graph that holds them: the
+    same greedy tokens as eagerly."""
+    from common.launch_settings import autotuning
+    from engine import LLM
+    from test_gpu_engine import GREEDY, _prompts, _run
+    from tiny_models import make_model
+    path = str(tmp_path_factory.mktemp("sizes_v2"))
+    make_model(path, "v2", qk_rope_head_dim=16)
+    kernels = "auto,warmup=0" + ("" if autotuning() else ",autotune=0")
+    llm = LLM(path, device="cuda", dtype="float32", num_kv_blocks=1024, kernels=kernels,
+              cuda_graph_sizes=(3, 8, 512), max_num_seqs=16)
+    assert llm.engine.executor.worker.runner.graphs.buckets == [3, 8]
+    got = [o.outputs[0].token_ids for o in llm.generate(_prompts(), GREEDY)]
+    assert got == _run(path, enforce_eager=True)

@@ -11,6 +11,7 @@ import pytest
 
 from common.args import EngineArgs, human_readable_int
 from server.cli import build_parser, engine_args_from
+from server.vllm_flags import check_quantization
 from tests.server_fixtures import TINY_MODEL
 
 
@@ -307,3 +308,45 @@ def test_ssl_flags_are_checked(tmp_path):
     with pytest.raises(ValueError, match="--ssl-certfile .*: a directory, not a file"):
         engine_args_from(build_parser().parse_args([str(TINY_MODEL), "--ssl-keyfile", str(key),
                                                     "--ssl-certfile", str(tmp_path)]))
+
+
+def _engine_args(line: str):
+    return engine_args_from(build_parser().parse_args(["--model", str(TINY_MODEL), *line.split()]))
+
+
+def test_vllm_engine_flags_cuda_graphs_and_quantization(tmp_path):
+    from engine.cuda_graph import default_buckets
+    # flags whose ask this server meets anyway, with any value where vLLM takes one
+    _engine_args("--disable-custom-all-reduce --disable-cascade-attn --swap-space 16 --max-seq-len-to-capture 8192")
+    assert _engine_args("").cuda_graph_sizes is None
+    assert _engine_args("--long-prefill-token-threshold 2k").long_prefill_token_threshold == 2000
+    assert _engine_args("").long_prefill_token_threshold == 0
+    assert _engine_args("--cuda-graph-sizes 32").cuda_graph_sizes == (1, 2, 4, 8, 16, 24, 32)  # vLLM's pattern
+    assert _engine_args("--cuda-graph-sizes 64 1 3 3").cuda_graph_sizes == (1, 3, 64)
+    assert _engine_args("--max-cudagraph-capture-size 40").cuda_graph_sizes == (1, 2, 4, 8, 16, 32, 40)
+    # the patterns stop at --max-num-seqs: a huge N builds nothing large
+    assert _engine_args("--max-num-seqs 20 --cuda-graph-sizes 100000000000").cuda_graph_sizes == (1, 2, 4, 8, 16)
+    assert _engine_args("--max-num-seqs 20 --max-cudagraph-capture-size 100000000000").cuda_graph_sizes == \
+        (1, 2, 4, 8, 16, 20)
+    for line, msg in (("--cuda-graph-sizes 0", "sizes must be >= 1"),
+                      ("--cuda-graph-sizes 8 --max-cudagraph-capture-size 8", "give one of them"),
+                      ("--max-cudagraph-capture-size 0", "must be >= 1"),
+                      ("--max-num-seqs 16 --cuda-graph-sizes 64 128", "every size is above --max-num-seqs 16")):
+        with pytest.raises(ValueError, match=msg):
+            _engine_args(line)
+    # the engine's side: sizes above max_num_seqs are left out; the default stops at 256
+    assert default_buckets(16, (1, 3, 64)) == [1, 3]
+    assert default_buckets(512)[-1] == 256 and default_buckets(20) == [1, 2, 4, 8, 16]
+    # --quantization fp8 names the checkpoint's own quantization; a bf16 checkpoint is refused
+    with pytest.raises(ValueError, match="--quantization fp8: the checkpoint .* scripts/quantize_fp8.py"):
+        _engine_args("--quantization fp8")
+    fp8 = tmp_path / "fp8"
+    fp8.mkdir()
+    (fp8 / "config.json").write_text('{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}')
+    check_quantization("fp8", str(fp8))
+    check_quantization(None, str(tmp_path / "missing"))  # nothing read without the flag
+    (fp8 / "config.json").write_text('{"quantization_config": "fp8"}')
+    with pytest.raises(ValueError, match="not a JSON object"):
+        check_quantization("fp8", str(fp8))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--quantization", "awq"])
