@@ -56,6 +56,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"request body is not valid JSON: {msg}", None
     if err.get("type") == "missing" and param:
         return f"{param}: field required", param
+    if err.get("type") == "missing":  # the body itself: empty
+        return "request body is empty: a JSON object with the request's fields is needed", None
     got = err.get("input")
     suffix = f" (got {got!r})" if isinstance(got, (int, float, str, bool)) and len(repr(got)) < 80 else ""
     if param is None:  # a check across fields: its message starts with the field it blames

@@ -83,6 +83,8 @@ class SamplingFields(BaseRequest):
         for key, b in v.items():
             if not (key.strip().isascii() and key.strip().isdigit()):  # not "٣": int() reads it
                 raise ValueError(f"keys must be token ids (non-negative integers), got {key!r}")
+            if len(key.strip()) > 19:  # past int64 (and past what int() converts, at 4300 digits)
+                raise ValueError(f"token id {key.strip()[:19]}... is outside the vocabulary")
             if not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                 raise ValueError(f"values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                                  f"got {b!r} for token {key}")

@@ -96,3 +96,9 @@ def test_huge_texts_tokenize_in_a_lane_of_their_own():
             release.set()
             await asyncio.gather(*big)
     assert asyncio.run(go()).startswith("tokenize_")
+
+
+def test_an_empty_body_is_named(fake):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        err = assert_error(post(fake, path, b""), 400)
+        assert err["message"].startswith("request body is empty"), err

@@ -300,7 +300,8 @@ def test_split_reasoning_follows_vllm_deepseek_r1():
 
 @pytest.mark.parametrize("bias,needle", [
     ({"abc": 1}, "token ids"), ({"5": 100.5}, "[-100, 100]"), ({"5": -101}, "[-100, 100]"),
-    ({"100000": 1}, "outside"), ({"-3": 1}, "token ids"), ({str(i): 1 for i in range(1025)}, "1024")])
+    ({"100000": 1}, "outside"), ({"-3": 1}, "token ids"), ({str(i): 1 for i in range(1025)}, "1024"),
+    ({"1" * 5000: 1}, "outside the vocabulary")])
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_bad_logit_bias_is_a_400_naming_it(server, path, bias, needle):
     body = {**(CMPL if "chat" not in path else CHAT), "logit_bias": bias}
