@@ -11,30 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 LARGE_CHARS = 1 << 18  # 256k characters: ~64k tokens of English, seconds of tokenizing at most
-SMALL_WORKERS = 4
 
-_pools: dict[bool, ThreadPoolExecutor] = {}
-_lock = threading.Lock()
-
-
-def _pool(large: bool) -> ThreadPoolExecutor:
-    with _lock:
-        pool = _pools.get(large)
-        if pool is None:
-            pool = _pools[large] = ThreadPoolExecutor(
-                max_workers=1 if large else SMALL_WORKERS,
-                thread_name_prefix="tokenize-large" if large else "tokenize")
-        return pool
+# an executor starts its threads on first use, so a process that never tokenizes starts none
+_SMALL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenize")
+_LARGE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-large")
 
 
 async def off_loop(chars: int, fn, *args):
     """`fn(*args)` on a worker thread of the lane for a text of `chars` characters."""
-    return await asyncio.get_running_loop().run_in_executor(_pool(chars > LARGE_CHARS),
-                                                            functools.partial(fn, *args))
+    pool = _LARGE if chars > LARGE_CHARS else _SMALL
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
 
 def text_chars(conversation: list[dict]) -> int:

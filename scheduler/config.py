@@ -37,13 +37,10 @@ class SchedulerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        if isinstance(self.num_speculative_tokens, bool) or not isinstance(self.num_speculative_tokens, int) \
-                or self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be an integer >= 0, got {self.num_speculative_tokens!r}")
-        if isinstance(self.long_prefill_token_threshold, bool) or not isinstance(self.long_prefill_token_threshold, int) \
-                or self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be an integer >= 0, got "
-                             f"{self.long_prefill_token_threshold!r}")
+        for name in ("num_speculative_tokens", "long_prefill_token_threshold"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
         if self.num_speculative_tokens and self.async_scheduling:
             raise ValueError("async_scheduling cannot be combined with speculative decoding")
         if not isinstance(self.async_scheduling, bool):

@@ -342,6 +342,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     if not 1 <= ns.port <= 65535:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
     check_vllm_flags(ns)
+    graph_sizes = cuda_graph_sizes(ns)
     check_ssl(ns)
     check_parser_name(ns.reasoning_parser)
     check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
@@ -373,7 +374,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         piecewise_graph_sizes=ns.piecewise_graph_sizes, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend,
         kernels=ns.kernels, fp8_gemm=ns.fp8_gemm, kv_cache_dtype=ns.kv_cache_dtype,
         hf_overrides=overrides, rank_check_interval=ns.rank_check_interval,
-        speculative_config=ns.speculative_config, cuda_graph_sizes=cuda_graph_sizes(ns),
+        speculative_config=ns.speculative_config, cuda_graph_sizes=graph_sizes,
         enable_log_requests=ns.enable_log_requests and not ns.disable_log_requests, nnodes=ns.nnodes, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port)
     load_chat_template(ns.chat_template)

@@ -76,7 +76,6 @@ def check_vllm_flags(ns: argparse.Namespace) -> None:
             value = getattr(ns, name[2:].replace("-", "_"))
             if value is not None and value != kind[1]:
                 raise ValueError(f"{name} {value}: only {kind[1]} is supported")
-    cuda_graph_sizes(ns)
 
 
 def cuda_graph_sizes(ns: argparse.Namespace) -> tuple[int, ...] | None:
