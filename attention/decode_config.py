@@ -86,9 +86,17 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
                       cfg: DecodeConfig) -> int:
     """Splits per sequence so that batch * head_tiles * splits fills the GPU in whole waves.
 
-    Same idea as FlashAttention-2's split heuristic: the wave efficiency of s splits is
-    n / ceil(n) with n = programs * s / slots; take the fewest splits within 85% of the best.
     `max_len` is an upper bound (the block table's width), so it costs no host sync.
+    Up to one program a SM: as many splits as give each SM one program (at most `limit`). More
+    programs a SM, with each split half as long, were slower at every batch of 8-128 sequences
+    and context of 1k-16k (H100, 16 heads, bench_decode_splits.py --table-pages, µs, one program
+    per SM against `programs_per_sm` = 2): B 8 / 32 / 64 at 1k 12.3 / 22.4 / 36.7 against 14.6 /
+    25.3 / 39.9, at 4k 23.0 / 61.9 / 111.9 against 25.9 / 65.6 / 115.0, B 8 / 32 at 16k 62.4 /
+    210.1 against 67.1 / 213.9; B 128 (one split either way now) 58.0 against 65.1 at 1k.
+
+    Past one program a SM, FlashAttention-2's wave model: the wave efficiency of s splits is
+    n / ceil(n) with n = programs * s / slots (slots = SMs x programs_per_sm); take the fewest
+    splits within 85% of the best.
 
     From 70% of the slots on, one split: the wave model then asks for 3-5 splits, each adding
     its per-program work and partials, for a last wave that is only a fifth short. H200, 16
@@ -101,6 +109,8 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
     if programs >= 0.7 * slots or max_len <= cfg.min_split_tokens:
         return 1
     limit = max(1, min(cfg.max_splits, max_len // cfg.min_split_tokens))
+    if programs <= num_sms:
+        return max(1, min(limit, num_sms // programs))
     effs = []
     for s in range(1, limit + 1):
         waves = programs * s / slots
