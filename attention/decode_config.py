@@ -28,6 +28,7 @@ class DecodeConfig:
     programs_per_sm: int = 1  # resident stage-1 programs per SM, for the split heuristic
     min_split_tokens: int = 64   # fewer rows per split and the fp32 partials cost more than they save
     max_splits: int = 128
+    fill_first: bool = True  # choose_num_splits: up to one program a SM, split so that each SM gets one
     qk_t: bool = False       # compute scores transposed (tokens as MMA rows)
     maxnreg: int | None = None  # register cap per thread, to fit more programs per SM
     prefetch_ids: bool = False  # load the next tile's block ids before this tile's math
@@ -87,12 +88,15 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
     """Splits per sequence so that batch * head_tiles * splits fills the GPU in whole waves.
 
     `max_len` is an upper bound (the block table's width), so it costs no host sync.
-    Up to one program a SM: as many splits as give each SM one program (at most `limit`). More
-    programs a SM, with each split half as long, were slower at every batch of 8-128 sequences
-    and context of 1k-16k (H100, 16 heads, bench_decode_splits.py --table-pages, µs, one program
-    per SM against `programs_per_sm` = 2): B 8 / 32 / 64 at 1k 12.3 / 22.4 / 36.7 against 14.6 /
+
+    Up to one program a SM (with `cfg.fill_first`): as many splits as give each SM one program
+    (at most `limit`). Two programs a SM, each split half as long, were slower at every batch of
+    8-128 sequences and context of 1k-16k (H100, 16 heads, bench_decode_splits.py --table-pages,
+    µs, one program a SM against `programs_per_sm` = 2's wave model): B 8 / 32 / 64 at 1k 12.3 / 22.4 / 36.7 against 14.6 /
     25.3 / 39.9, at 4k 23.0 / 61.9 / 111.9 against 25.9 / 65.6 / 115.0, B 8 / 32 at 16k 62.4 /
-    210.1 against 67.1 / 213.9; B 128 (one split either way now) 58.0 against 65.1 at 1k.
+    210.1 against 67.1 / 213.9; B 128 (one split either way now) 58.0 against 65.1 at 1k. Over an
+    FP8 cache (the same kernel) B 8 at 1k took 12.8 with 16 splits against 14.8 with 33, level
+    at B 1 / 4 / 16.
 
     Past one program a SM, FlashAttention-2's wave model: the wave efficiency of s splits is
     n / ceil(n) with n = programs * s / slots (slots = SMs x programs_per_sm); take the fewest
@@ -109,7 +113,7 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
     if programs >= 0.7 * slots or max_len <= cfg.min_split_tokens:
         return 1
     limit = max(1, min(cfg.max_splits, max_len // cfg.min_split_tokens))
-    if programs <= num_sms:
+    if cfg.fill_first and programs <= num_sms:
         return max(1, min(limit, num_sms // programs))
     effs = []
     for s in range(1, limit + 1):

@@ -91,6 +91,15 @@ def test_valid_inputs_and_shared_memory_plan():
     assert Fp8DecodeConfig().smem_bytes() * 2 <= gf.SMEM_LIMIT
 
 
+def test_split_plan_keeps_the_wave_model():
+    """The Gluon FP8 kernel's splits stay the wave model's over two programs a SM (fill_first off:
+    one program a SM was measured for the Triton kernel only): 14 at 16 sequences, not 132 // 16."""
+    from attention.decode_config import choose_num_splits
+    cfg = Fp8DecodeConfig().split_config()
+    assert not cfg.fill_first
+    assert choose_num_splits(16, 1, 4096, 132, cfg) == 14
+
+
 def test_without_cuda_it_raises_naming_the_option():
     if torch.cuda.is_available():
         pytest.skip("CUDA present")
