@@ -92,11 +92,11 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
     Up to one program a SM (with `cfg.fill_first`): as many splits as give each SM one program
     (at most `limit`). Two programs a SM, each split half as long, were slower at every batch of
     8-128 sequences and context of 1k-16k (H100, 16 heads, bench_decode_splits.py --table-pages,
-    µs, one program a SM against `programs_per_sm` = 2's wave model): B 8 / 32 / 64 at 1k 12.3 / 22.4 / 36.7 against 14.6 /
-    25.3 / 39.9, at 4k 23.0 / 61.9 / 111.9 against 25.9 / 65.6 / 115.0, B 8 / 32 at 16k 62.4 /
-    210.1 against 67.1 / 213.9; B 128 (one split either way now) 58.0 against 65.1 at 1k. Over an
-    FP8 cache (the same kernel) B 8 at 1k took 12.8 with 16 splits against 14.8 with 33, level
-    at B 1 / 4 / 16.
+    µs, one program a SM against the wave model over `programs_per_sm` = 2): B 8 / 32 / 64 at 1k
+    12.3 / 22.4 / 36.7 against 14.6 / 25.3 / 39.9, at 4k 23.0 / 61.9 / 111.9 against 25.9 / 65.6 /
+    115.0, B 8 / 32 at 16k 62.4 / 210.1 against 67.1 / 213.9; B 128 (one split either way now)
+    58.0 against 65.1 at 1k. Over an FP8 cache (the same kernel) B 8 at 1k took 12.8 with 16
+    splits against 14.8 with 33, level at B 1 / 4 / 16.
 
     Past one program a SM, FlashAttention-2's wave model: the wave efficiency of s splits is
     n / ceil(n) with n = programs * s / slots (slots = SMs x programs_per_sm); take the fewest
