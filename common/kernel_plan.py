@@ -62,6 +62,12 @@ CHOICES: tuple[Choice, ...] = (
            ("attention.triton_absorb",)),
     Choice("router", (TRITON, TORCH), "expert choice after the router GEMM as one kernel per token",
            ("models.triton_route",)),
+    Choice("router_fused_max_tokens", (int,), "with router=triton, steps of up to this many tokens compute "
+           "the router's logits and the expert choice in one launch (models/triton_route.py "
+           "_router_fused_kernel: tiles of 16 tokens, each program the whole router on the tensor cores) "
+           "instead of two; routers without expert groups (V2-Lite; not V2's or V3's grouped choice) whose "
+           "weight is exactly bf16 under bf16 activations (0: never)", ("models.triton_route",),
+           triton=0, torch=0),
     Choice("norm", (TRITON, TORCH),
            "RMSNorm and the residual add + RMSNorm as one Triton kernel each (common/triton_norm.py); "
            "torch: the elementwise glue, compiled or not as `compile` says. Eager steps with prefill are "
@@ -182,6 +188,7 @@ class KernelPlan:
     finish_kv: str = TORCH
     absorb: str = TORCH
     router: str = TORCH
+    router_fused_max_tokens: int = 0
     norm: str = TORCH
     moe: str = TORCH
     moe_fused_max_tokens: int = 0

@@ -20,6 +20,7 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.kernel = route
+        self.fused_max_tokens = plan.router_fused_max_tokens
         if plan.router == TRITON:  # logits (Triton at decode sizes, else cuBLAS) + the choice kernel
             from models.triton_route import route_triton  # triton: CUDA installs only
             self.kernel = route_triton
@@ -56,7 +57,7 @@ class Router(nn.Module):
             if n_shared:
                 raise ValueError("Router.forward(n_shared): the torch router does not append the shared experts")
             return route(*args)
-        return self.kernel(*args, self.weight_bf16, n_shared)
+        return self.kernel(*args, self.weight_bf16, n_shared, self.fused_max_tokens)
 
 
 def _group_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:

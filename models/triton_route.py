@@ -145,23 +145,111 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
         tl.store(ids_ptr + t * (K + NS) + K + ss, (E + ss).to(tl.int64), mask=ss < NS)
 
 
+# The one-launch router (`_router_fused_kernel`): tiles of FUSED_ROWS tokens, a program's
+# router weight read whole (tl.dot needs 16 rows); routers of at most FUSED_MAX_EXPERTS experts.
+FUSED_ROWS, FUSED_MAX_EXPERTS = 16, 256
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["T"])
+def _router_fused_kernel(x_ptr, w_ptr, bias_ptr, w_out_ptr, ids_ptr, T, D, stride_x, scale,
+                         E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                         SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                         NS: tl.constexpr, NSP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Rows [BT] of tokens: their logits x . w over all E experts on the tensor cores (fp32
+    accumulation; bf16 x bf16 products are exact), then, as `_route_kernel` does for one row
+    without groups, the scores, the top-K (lower id on ties, NaN as -inf) and the weights, and
+    the NS folded shared experts after them."""
+    pdl_prologue(PDL)
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    live = rows < T
+    e = tl.arange(0, EP)
+    real = e < E
+    acc = tl.zeros([BT, EP], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < D
+        xv = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + offs_k[None, :],
+                     mask=live[:, None] & mk[None, :], other=0.0)
+        wv = tl.load(w_ptr + e[None, :] * D + offs_k[:, None], mask=real[None, :] & mk[:, None], other=0.0)
+        acc = tl.dot(xv, wv, acc, input_precision=PRECISION)  # [BT, EP]
+    logit = tl.where(real[None, :], acc, float("-inf"))
+    if SIGMOID:
+        scores = tl.where(real[None, :], 1.0 / (1.0 + tl.exp(-logit)), 0.0)
+        choice = scores
+        if HAS_BIAS:
+            choice = scores + tl.load(bias_ptr + e, mask=real, other=0.0)[None, :]
+    else:
+        ex = tl.exp(logit - tl.max(logit, axis=1)[:, None])
+        scores = ex / tl.sum(ex, axis=1)[:, None]
+        choice = scores
+    choice = tl.where(real[None, :] & (choice == choice), choice, float("-inf"))
+    kk = tl.arange(0, KP)[None, :]
+    w_out = tl.zeros([BT, KP], dtype=tl.float32)
+    id_out = tl.zeros([BT, KP], dtype=tl.int64)
+    avail = real[None, :] & live[:, None]
+    for i in tl.static_range(K):
+        m = tl.max(tl.where(avail, choice, float("-inf")), axis=1)
+        pick = tl.min(tl.where(avail & (choice == m[:, None]), e[None, :], E), axis=1)
+        hit = e[None, :] == pick[:, None]
+        w = tl.sum(tl.where(hit, scores, 0.0), axis=1)
+        w_out = tl.where(kk == i, w[:, None], w_out)
+        id_out = tl.where(kk == i, pick[:, None].to(tl.int64), id_out)
+        avail = avail & (~hit)
+    if NORM:
+        w_out = w_out / (tl.sum(w_out, axis=1)[:, None] + 1e-20)
+    out = rows[:, None].to(tl.int64) * (K + NS)
+    tl.store(w_out_ptr + out + kk, w_out * scale, mask=live[:, None] & (kk < K))
+    tl.store(ids_ptr + out + kk, id_out, mask=live[:, None] & (kk < K))
+    if NS > 0:
+        ss = tl.arange(0, NSP)[None, :]
+        tl.store(w_out_ptr + out + K + ss, tl.full([BT, NSP], 1.0, tl.float32), mask=live[:, None] & (ss < NS))
+        tl.store(ids_ptr + out + K + ss, tl.zeros([BT, NSP], tl.int64) + E + ss, mask=live[:, None] & (ss < NS))
+
+
+def _fused_weight(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tensor | None,
+                  E: int, grouped: bool) -> torch.Tensor | None:
+    """The weight `_router_fused_kernel` multiplies x by, or None where the one launch does not
+    apply: a router with groups (their choice is `_route_kernel`'s), more than FUSED_MAX_EXPERTS
+    experts, or x neither bf16 with the weight exactly in bf16 (`weight_bf16`) nor fp32."""
+    if grouped or E > FUSED_MAX_EXPERTS or x.stride(-1) != 1 or not weight.is_contiguous():
+        return None
+    if x.dtype == torch.bfloat16 and weight_bf16 is not None and weight_bf16.is_contiguous():
+        return weight_bf16
+    return weight if x.dtype == torch.float32 and weight.dtype == torch.float32 else None
+
+
 def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str,
                  topk_method: str, n_group: int, topk_group: int, top_k: int, norm: bool,
                  scale: float, weight_bf16: torch.Tensor | None = None,
-                 n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 n_shared: int = 0, fused_max_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """`models.router.route` as two Triton kernels (`router_logits`, cuBLAS beyond decode sizes,
     then the expert choice): weights fp32 [T, k], ids int64 [T, k]. With `n_shared`, `[T, k +
     n_shared]`: the folded shared experts E.. E+n_shared-1 with weight 1 after the k choices, as
-    `MoE._with_shared` appends them (written by the choice kernel: no cat)."""
+    `MoE._with_shared` appends them (written by the choice kernel: no cat).
+    Up to `fused_max_tokens` tokens (the kernel plan's router_fused_max_tokens) a router without
+    groups takes one launch instead (`_router_fused_kernel`; `_fused_weight` says where)."""
     T, E = x.shape[0], weight.shape[0]
     sigmoid = scoring != "softmax"
     grouped = n_group > 1 and (sigmoid or topk_method == "group_limited_greedy")
     G = n_group if grouped else 1
     if E % G or top_k > E or (grouped and topk_group * (E // G) < top_k):
         raise ValueError(f"router: {E} experts in {G} groups, top {topk_group} groups, top-{top_k} does not fit")
-    logits = router_logits(x, weight, weight_bf16)  # [T, E] fp32
     weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k + n_shared, dtype=torch.int64, device=x.device)
+    w_fused = _fused_weight(x, weight, weight_bf16, E, grouped) if 0 < T <= fused_max_tokens else None
+    if w_fused is not None:
+        D = x.shape[1]
+        _router_fused_kernel[(triton.cdiv(T, FUSED_ROWS),)](
+            x, w_fused, bias if bias is not None else weight, weights, ids, T, D, x.stride(0), float(scale),
+            E=E, EP=max(16, triton.next_power_of_2(E)), K=top_k, KP=triton.next_power_of_2(top_k),
+            SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORM=bool(norm and top_k > 1),
+            NS=n_shared, NSP=max(1, triton.next_power_of_2(n_shared)), BT=FUSED_ROWS,
+            BK=max(16, min(128, triton.next_power_of_2(D))),
+            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl_launch())
+        return weights, ids
+    logits = router_logits(x, weight, weight_bf16)  # [T, E] fp32
     if T:
         _route_kernel[(T,)](logits, bias if bias is not None else logits, weights, ids, float(scale),
                             E=E, G=G, EPG=E // G, GP=triton.next_power_of_2(G),

@@ -6,6 +6,11 @@ layer-sized weight copies (so each call reads its weight from HBM, as the engine
 V2-Lite shapes by default (D 2048, 64 experts). Run on a GPU machine:
 
     python scripts/bench_router_logits.py [--tokens 8 16 24 32 48 64] [--experts 64] [--hidden 2048]
+    python scripts/bench_router_logits.py --route --tokens 8 32 128 256 512
+
+`--route`: the whole router instead, logits and expert choice (softmax, top 6, two shared experts
+appended): two launches (`route_triton` as the engine runs it by default) against one
+(`router_fused_max_tokens`: `_router_fused_kernel`), and whether they chose the same experts.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import argparse
 import torch
 from bench_common import graph_us
 
-from models.triton_route import _router_logits_kernel
+from models.triton_route import _router_logits_kernel, route_triton
 
 
 def triton_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -34,11 +39,25 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=64)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--copies", type=int, default=26, help="weight copies, one per call (the MoE layers)")
+    p.add_argument("--route", action="store_true", help="time the whole router: two launches against one")
     a = p.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     ws = [torch.randn(a.experts, a.hidden, device="cuda", generator=g).to(torch.bfloat16).float()
           for _ in range(a.copies)]  # fp32 weights holding bf16 values, as Router.keep_bf16_weight finds them
     wb = [w.to(torch.bfloat16) for w in ws]
+    if a.route:
+        print("| tokens | two launches µs | one launch µs | same experts |\n|---|---|---|---|")
+        for T in a.tokens:
+            x = torch.randn(T, a.hidden, device="cuda", generator=g).to(torch.bfloat16)
+
+            def run(x, w, b, fused):
+                return route_triton(x, w, None, "softmax", "greedy", 1, 1, 6, False, 1.0, b, 2,
+                                    fused_max_tokens=T if fused else 0)
+            two = graph_us(lambda x, w, b: run(x, w, b, False), [(x, w, b) for w, b in zip(ws, wb)])
+            one = graph_us(lambda x, w, b: run(x, w, b, True), [(x, w, b) for w, b in zip(ws, wb)])
+            same = torch.equal(run(x, ws[0], wb[0], False)[1], run(x, ws[0], wb[0], True)[1])
+            print(f"| {T} | {two:.2f} | {one:.2f} | {same} |", flush=True)
+        return
     print("| tokens | Triton kernel µs | cuBLAS bf16 -> fp32 µs | max |diff| |")
     print("|---|---|---|---|")
     for T in a.tokens:

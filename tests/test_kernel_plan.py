@@ -147,6 +147,12 @@ def test_decode_fuse_q_kv_without_the_triton_kernels_is_refused(tiny_v2):
         LLM(tiny_v2[0], device="cpu", dtype="float32", kernels="torch,decode_fuse_q_kv=1")
 
 
+def test_router_fused_without_the_triton_router_is_refused(tiny_v2):
+    from engine import LLM
+    with pytest.raises(ValueError, match=r"router_fused_max_tokens=8 is an option of the Triton router"):
+        LLM(tiny_v2[0], device="cpu", dtype="float32", kernels="torch,router_fused_max_tokens=8")
+
+
 def test_moe_sum_in_norm_where_moe_and_norm_are_triton():
     """The MoE's pair sum moves into the Triton add + RMSNorm under the triton plan; where the norms
     are torch's (the interpreter's default) it is off, and asked for there it is refused, naming

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 from models.router import route
-from models.triton_route import LOGITS_MAX_TOKENS, route_triton, router_logits
+from models.triton_route import LOGITS_MAX_TOKENS, _fused_weight, route_triton, router_logits
 
 
-def check(case, device, T=7, D=48):
-    # T <= LOGITS_MAX_TOKENS: the logits are the Triton kernel's too
+def check(case, device, T=7, D=48, fused=False):
+    """The Triton router against the torch one; `fused`: through the one-launch kernel where the
+    case has no groups (route_triton's fused_max_tokens = T), its logits on the tensor cores."""
+    # T <= LOGITS_MAX_TOKENS: the logits are the Triton kernel's too (unfused)
     scoring, method, E, G, TG, k, norm, scale, has_bias = case
     g = torch.Generator().manual_seed(E + k)
     x = torch.randn(T, D, generator=g).to(device)
@@ -18,21 +22,25 @@ def check(case, device, T=7, D=48):
     bias = (torch.randn(E, generator=g) * 0.1).to(device) if has_bias else None
     args = (x, w, bias, scoring, method, G, TG, k, norm, scale)
     rw, ri = route(*args)
-    if T <= LOGITS_MAX_TOKENS:
+    run = functools.partial(route_triton, fused_max_tokens=T if fused else 0)
+    if fused:
+        grouped = G > 1 and (scoring != "softmax" or method == "group_limited_greedy")
+        assert (_fused_weight(x, w, None, E, grouped) is not None) == (not grouped)
+    elif T <= LOGITS_MAX_TOKENS:
         for xx in (x, x.to(torch.bfloat16)):  # the kernel reads bf16 rows as the model gives them
             torch.testing.assert_close(router_logits(xx, w), xx.float() @ w.T, rtol=1e-5, atol=1e-4)
-    tw, ti = route_triton(*args)
+    tw, ti = run(*args)
     assert ti.dtype == torch.int64 and tw.dtype == torch.float32
     assert torch.equal(ti, ri), (case, ti, ri)
     # fp32 logits summed in another order (the Triton logits kernel, or cuBLAS on the GPU): a
     # weight moves by about the logit's rounding, |logit| ~ sqrt(D) here
     torch.testing.assert_close(tw, rw, rtol=1e-5 * max(1.0, D / 64), atol=1e-7)
     # the folded shared experts' columns, written by the choice kernel after the k choices
-    sw, si = route_triton(*args, n_shared=2)
+    sw, si = run(*args, n_shared=2)
     assert torch.equal(si[:, :k], ti) and torch.equal(sw[:, :k], tw)
     assert torch.equal(si[:, k:].cpu(), torch.arange(E, E + 2).expand(T, 2))
     assert torch.equal(sw[:, k:].cpu(), torch.ones(T, 2))
-    empty = route_triton(x[:0], *args[1:])
+    empty = run(x[:0], *args[1:])
     assert empty[0].shape == (0, k) and empty[1].shape == (0, k)
     if T < 3:
         return
@@ -40,7 +48,7 @@ def check(case, device, T=7, D=48):
     bad = x.clone()
     bad[1] = float("nan")
     bad[2, 0] = float("inf")
-    bw, bi = route_triton(bad, *args[1:])
+    bw, bi = run(bad, *args[1:])
     assert int(bi.min()) >= 0 and int(bi.max()) < E
     assert all(len(set(r)) == k for r in bi.tolist())
     assert torch.equal(bi[3:], ti[3:]) and torch.equal(bi[0], ti[0])
@@ -54,6 +62,7 @@ CASES = [
     ("sigmoid", "noaux_tc", 16, 4, 2, 4, True, 1.0, True),  # the tiny V3
     ("softmax", "greedy", 20, 1, 1, 1, True, 1.0, False),  # k = 1: no normalisation
     ("sigmoid", "noaux_tc", 24, 1, 1, 3, False, 1.0, True),  # sigmoid without groups
+    ("softmax", "greedy", 64, 1, 1, 6, True, 1.5, False),  # no groups, normalised and scaled
 ]
 
 
@@ -78,6 +87,23 @@ def test_route_kernel_gpu(case):
     check(case, "cuda", T=32, D=2048)  # at its bound for V2-Lite's 64 experts
     check(case, "cuda", T=1, D=7168)  # the Triton logits kernel, four passes over V3's width
     check(case, "cuda", T=3, D=7168)  # and with the overflowed rows
+    check(case, "cuda", T=40, D=2048, fused=True)  # the one-launch router where the case has no groups
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 17, 64, 128, 512])
+def test_router_fused_bf16_gpu(T):
+    """V2-Lite's router in one launch, as the engine runs it (bf16 activations, the exact bf16
+    copy of the weight, two folded shared experts): the two-launch path's expert ids, and its
+    weights within the logits' rounding (the same exact products, summed in another order)."""
+    g = torch.Generator().manual_seed(T)
+    x = torch.randn(T, 2048, generator=g).to("cuda", torch.bfloat16)
+    w = torch.randn(64, 2048, generator=g).to(torch.bfloat16).float().to("cuda")
+    args = (x, w, None, "softmax", "greedy", 1, 1, 6, False, 1.0, w.to(torch.bfloat16), 2)
+    fw, fi = route_triton(*args, fused_max_tokens=T)
+    tw, ti = route_triton(*args)
+    assert torch.equal(fi, ti)
+    torch.testing.assert_close(fw, tw, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.gpu
