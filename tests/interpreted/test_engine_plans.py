@@ -88,6 +88,24 @@ def test_triton_plan_equals_torch_plan(model, budget, kernels, spec, monkeypatch
     assert "norm=triton" in kernels or calls["norm_pairs"] == 0  # the interpreter's plan keeps the torch norms
 
 
+def test_router_fused_in_the_engine(model, monkeypatch):
+    """router_fused_max_tokens: V2's tiny model (no expert groups) routes every step of up to 64
+    tokens in one launch, V3's (grouped) keeps two; the torch plan's greedy tokens either way."""
+    launches = []
+    real = triton_route._router_fused_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return real[grid]
+    monkeypatch.setattr(triton_route, "_router_fused_kernel", Counting())
+    prompts = [[5, 6, 7, 8], list(range(10, 40))]
+    want = [o.outputs[0].token_ids for o in _llm(model, "torch").generate(prompts, SP)]
+    got = [o.outputs[0].token_ids for o in _llm(model, "triton,router_fused_max_tokens=64", 2048).generate(prompts, SP)]
+    assert got == want
+    assert bool(launches) == ("interp_v2" in model), (model, len(launches))
+
+
 class _Broken:
     """A Triton kernel that does not compile: launching it raises."""
 
