@@ -145,9 +145,14 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
         tl.store(ids_ptr + t * (K + NS) + K + ss, (E + ss).to(tl.int64), mask=ss < NS)
 
 
-# The one-launch router (`_router_fused_kernel`): tiles of FUSED_ROWS tokens, a program's
-# router weight read whole (tl.dot needs 16 rows); routers of at most FUSED_MAX_EXPERTS experts.
-FUSED_ROWS, FUSED_MAX_EXPERTS = 16, 256
+# The one-launch router (`_router_fused_kernel`): tiles of FUSED_ROWS tokens (tl.dot needs 16
+# rows), each program reading the whole router weight; routers of at most FUSED_MAX_EXPERTS
+# experts (V2-Lite's 64). At decode sizes one to a few programs each stream the whole weight
+# (V2-Lite's: 256 KB in bf16), so each keeps several wide k steps in flight: 512 bytes of a row a
+# step (256 bf16 or 128 fp32 columns), 4 stages (at 64 experts 40 KB a step, 160 KB of shared
+# memory at most), 8 warps. Chosen from that arithmetic, not yet timed.
+FUSED_ROWS, FUSED_MAX_EXPERTS, FUSED_STEP_BYTES = 16, 64, 512
+FUSED_TILE = dict(num_warps=8, num_stages=4)
 
 
 @fast_launch
@@ -241,13 +246,17 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     w_fused = _fused_weight(x, weight, weight_bf16, E, grouped) if 0 < T <= fused_max_tokens else None
     if w_fused is not None:
         D = x.shape[1]
-        _router_fused_kernel[(triton.cdiv(T, FUSED_ROWS),)](
-            x, w_fused, bias if bias is not None else weight, weights, ids, T, D, x.stride(0), float(scale),
-            E=E, EP=max(16, triton.next_power_of_2(E)), K=top_k, KP=triton.next_power_of_2(top_k),
-            SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORM=bool(norm and top_k > 1),
-            NS=n_shared, NSP=max(1, triton.next_power_of_2(n_shared)), BT=FUSED_ROWS,
-            BK=max(16, min(128, triton.next_power_of_2(D))),
-            PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4, **pdl_launch())
+        try:
+            _router_fused_kernel[(triton.cdiv(T, FUSED_ROWS),)](
+                x, w_fused, bias if bias is not None else weight, weights, ids, T, D, x.stride(0), float(scale),
+                E=E, EP=max(16, triton.next_power_of_2(E)), K=top_k, KP=triton.next_power_of_2(top_k),
+                SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORM=bool(norm and top_k > 1),
+                NS=n_shared, NSP=max(1, triton.next_power_of_2(n_shared)), BT=FUSED_ROWS,
+                BK=max(16, min(FUSED_STEP_BYTES // x.element_size(), triton.next_power_of_2(D))),
+                PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **FUSED_TILE, **pdl_launch())
+        except Exception as e:  # charged to the setting whose 0 avoids this kernel (KernelPlan.error)
+            e.plan_key = "router_fused_max_tokens"
+            raise
         return weights, ids
     logits = router_logits(x, weight, weight_bf16)  # [T, E] fp32
     if T:

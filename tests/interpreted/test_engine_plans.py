@@ -123,3 +123,15 @@ def test_kernel_failure_in_warm_up_names_the_flag(model, monkeypatch):
     llm = _llm(model, "triton,warmup=1,router=torch")
     assert llm.engine.executor.worker.plan.router == "torch"
     assert len(llm.generate([[5, 6, 7]], SP)[0].outputs[0].token_ids) == 6
+
+
+def test_router_fused_failure_names_its_setting(model, monkeypatch):
+    """The one-launch router fails when first launched: start-up stops naming
+    router_fused_max_tokens=0, the setting that leaves the router on its two launches."""
+    if "interp_v2" not in model:
+        pytest.skip("V3's grouped router never takes the one launch")
+    monkeypatch.setattr(triton_route, "_router_fused_kernel", _Broken())
+    with pytest.raises(KernelError, match=r"the router_fused_max_tokens kernel failed while warming up: "
+                                          r"RuntimeError: PTX: no such instruction\. --kernels "
+                                          r"auto,router_fused_max_tokens=0"):
+        _llm(model, "triton,warmup=1,router_fused_max_tokens=64")
