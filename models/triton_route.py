@@ -214,15 +214,22 @@ def _router_fused_kernel(x_ptr, w_ptr, bias_ptr, w_out_ptr, ids_ptr, T, D, strid
 
 
 def _fused_weight(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tensor | None,
-                  E: int, grouped: bool) -> torch.Tensor | None:
-    """The weight `_router_fused_kernel` multiplies x by, or None where the one launch does not
-    apply: a router with groups (their choice is `_route_kernel`'s), more than FUSED_MAX_EXPERTS
-    experts, or x neither bf16 with the weight exactly in bf16 (`weight_bf16`) nor fp32."""
-    if grouped or E > FUSED_MAX_EXPERTS or x.stride(-1) != 1 or not weight.is_contiguous():
-        return None
-    if x.dtype == torch.bfloat16 and weight_bf16 is not None and weight_bf16.is_contiguous():
-        return weight_bf16
-    return weight if x.dtype == torch.float32 and weight.dtype == torch.float32 else None
+                  E: int, grouped: bool) -> torch.Tensor:
+    """The weight `_router_fused_kernel` multiplies x by: the exact bf16 copy under bf16
+    activations, the fp32 weight under fp32 ones. A ValueError naming the setting where the one
+    launch cannot serve this router: expert groups (their choice is `_route_kernel`'s), more than
+    FUSED_MAX_EXPERTS experts, or other activations or weights."""
+    why = ("its experts are chosen by groups" if grouped else
+           f"it has {E} experts, more than {FUSED_MAX_EXPERTS}" if E > FUSED_MAX_EXPERTS else None)
+    if why is None:
+        if x.dtype == torch.bfloat16 and weight_bf16 is not None:
+            return weight_bf16.contiguous()
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return weight.contiguous()
+        why = (f"its weight is not exactly bf16 (activations {x.dtype})" if x.dtype == torch.bfloat16 else
+               f"the activations are {x.dtype} (bf16 or fp32 only)")
+    raise ValueError(f"router_fused_max_tokens: the one-launch router cannot serve this router: {why}; "
+                     f"leave router_fused_max_tokens at 0")
 
 
 def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str,
@@ -233,8 +240,9 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     then the expert choice): weights fp32 [T, k], ids int64 [T, k]. With `n_shared`, `[T, k +
     n_shared]`: the folded shared experts E.. E+n_shared-1 with weight 1 after the k choices, as
     `MoE._with_shared` appends them (written by the choice kernel: no cat).
-    Up to `fused_max_tokens` tokens (the kernel plan's router_fused_max_tokens) a router without
-    groups takes one launch instead (`_router_fused_kernel`; `_fused_weight` says where)."""
+    Up to `fused_max_tokens` tokens (the kernel plan's router_fused_max_tokens) one launch instead
+    (`_router_fused_kernel`), for routers without groups (`_fused_weight` says which; others are
+    refused, naming the setting)."""
     T, E = x.shape[0], weight.shape[0]
     sigmoid = scoring != "softmax"
     grouped = n_group > 1 and (sigmoid or topk_method == "group_limited_greedy")
@@ -243,10 +251,11 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         raise ValueError(f"router: {E} experts in {G} groups, top {topk_group} groups, top-{top_k} does not fit")
     weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=x.device)
     ids = torch.empty(T, top_k + n_shared, dtype=torch.int64, device=x.device)
-    w_fused = _fused_weight(x, weight, weight_bf16, E, grouped) if 0 < T <= fused_max_tokens else None
-    if w_fused is not None:
+    if 0 < T <= fused_max_tokens:
         D = x.shape[1]
         try:
+            w_fused = _fused_weight(x, weight, weight_bf16, E, grouped)
+            x = x.contiguous()
             _router_fused_kernel[(triton.cdiv(T, FUSED_ROWS),)](
                 x, w_fused, bias if bias is not None else weight, weights, ids, T, D, x.stride(0), float(scale),
                 E=E, EP=max(16, triton.next_power_of_2(E)), K=top_k, KP=triton.next_power_of_2(top_k),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from models.router import route
-from models.triton_route import LOGITS_MAX_TOKENS, _fused_weight, route_triton, router_logits
+from models.triton_route import LOGITS_MAX_TOKENS, route_triton, router_logits
 
 
 def check(case, device, T=7, D=48, fused=False):
@@ -23,10 +23,11 @@ def check(case, device, T=7, D=48, fused=False):
     args = (x, w, bias, scoring, method, G, TG, k, norm, scale)
     rw, ri = route(*args)
     run = functools.partial(route_triton, fused_max_tokens=T if fused else 0)
-    if fused:
-        grouped = G > 1 and (scoring != "softmax" or method == "group_limited_greedy")
-        assert (_fused_weight(x, w, None, E, grouped) is not None) == (not grouped)
-    elif T <= LOGITS_MAX_TOKENS:
+    if fused and G > 1 and (scoring != "softmax" or method == "group_limited_greedy"):
+        with pytest.raises(ValueError, match="router_fused_max_tokens: .* chosen by groups; leave"):
+            run(*args)
+        return
+    if not fused and T <= LOGITS_MAX_TOKENS:
         for xx in (x, x.to(torch.bfloat16)):  # the kernel reads bf16 rows as the model gives them
             torch.testing.assert_close(router_logits(xx, w), xx.float() @ w.T, rtol=1e-5, atol=1e-4)
     tw, ti = run(*args)
@@ -71,6 +72,18 @@ def test_route_rejects_a_layout_that_cannot_fill_k():
     x, w = torch.randn(2, 8), torch.randn(12, 8)
     with pytest.raises(ValueError, match="top-8"):
         route_triton(x, w, None, "softmax", "group_limited_greedy", 4, 2, 8, False, 1.0)
+
+
+def test_router_fused_refuses_what_it_cannot_serve():
+    """The one-launch router names its setting where it cannot serve the router (asked for, it
+    never quietly takes the two launches)."""
+    x, w = torch.randn(3, 32), torch.randn(80, 32)
+    with pytest.raises(ValueError, match=r"router_fused_max_tokens: .* 80 experts, more than 64; leave"):
+        route_triton(x, w, None, "softmax", "greedy", 1, 1, 6, False, 1.0, fused_max_tokens=8)
+    with pytest.raises(ValueError, match=r"router_fused_max_tokens: .* not exactly bf16"):
+        route_triton(x.bfloat16(), w[:64], None, "softmax", "greedy", 1, 1, 6, False, 1.0, None, fused_max_tokens=8)
+    with pytest.raises(ValueError, match=r"router_fused_max_tokens: .* torch.float16 \(bf16 or fp32 only\)"):
+        route_triton(x.half(), w[:64], None, "softmax", "greedy", 1, 1, 6, False, 1.0, fused_max_tokens=8)
 
 
 def test_router_logits_rejects_mismatched_widths():
