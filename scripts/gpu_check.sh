@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|latency|latency_sync|profile|graphs|ops|host|throughput|offline|offline2|offlineab|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -36,6 +36,10 @@
 #               and the idle time before each kernel (profile_graphs.py), once per --kernels plan of
 #               AB_PLANS (default "auto"), sharing the timeout; one step's kernel sequence per batch
 #               in $OUT/seq_<plan>.txt
+#   router      the one-launch router (router_fused_max_tokens): its GPU tests, its time against the two
+#               launches at 1-512 tokens (bench_router_logits.py --route), then the decode step at batch
+#               8 / 32 / 128 with and without it (profile_graphs.py); 1/8, 1/8 and 3/8 + 3/8 of the
+#               step's timeout (give it `router:560`)
 #   ops         GPU time per op and per module against each op's floor: decode steps at batch 32
 #               and 128, prefill steps of 8 x 1024 and 1 x 8192 tokens (profile_ops.py; issue 19's
 #               table, and the 8192-token step's share of the bf16 peak), and the offline run's
@@ -157,6 +161,11 @@ for spec in $steps; do
     graphs) { P=${AB_PLANS:-auto}; n=$(echo $P | wc -w); for k in $P; do echo "## --kernels $k"
         timeout $((T / n)) python3 scripts/profile_graphs.py --kernel-plan "$k" \
           --seq-file "$OUT/seq_$(echo "$k" | tr ',=' '__').txt"; done; } > "$log" 2>&1 ;;
+    router) { timeout $((T / 8)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_route.py
+              timeout $((T / 8)) python3 scripts/bench_router_logits.py --route --tokens 1 8 32 128 256 512
+              for k in auto auto,router_fused_max_tokens=512; do echo "## --kernels $k"
+                timeout $((T * 3 / 8)) python3 scripts/profile_graphs.py --kernel-plan "$k" --batch-sizes 8 32 128 \
+                  --steps 1 --max-num-batched-tokens 2048 --piecewise-graph-sizes none; done; } > "$log" 2>&1 ;;
     ops) timeout "$T" python3 scripts/profile_ops.py --decode 32 128 --prefill 8x1024 1x8192 --mixed 211x8 > "$log" 2>&1 ;;
     throughput) timeout "$T" python3 scripts/bench_throughput.py --json "$OUT/throughput.json" > "$log" 2>&1 ;;
     offline) timeout "$T" python3 scripts/bench_throughput.py --no-enable-prefix-caching --step-stats --host-sample \
