@@ -267,9 +267,8 @@ GPU_CASES["decode_fp8_H16_qk_fp8_qlen2_dcp"] = (
                                     num_splits=5, cfg=c))
 
 
-# Known misses, run strict (a pass fails, so a fix shows): qk_fp8's e4m3 wgmma tile (not the
-# engine's sm_90 path) misses by the same 0.027 on the H200 and the H100; Triton sums QK^T's e4m3
-# products over K = 576 in one reduced-precision chain (the Gluon kernel promotes: qk_promote).
+# Known misses, run strict (a pass fails, so a fix shows): qk_fp8's e4m3 wgmma tile (not the engine's
+# sm_90 path) misses by 0.027 on the H200 and the H100 alike: QK^T's e4m3 sum over K = 576 unpromoted.
 GPU_KNOWN_MISSES = {"decode_fp8_H16_qk_fp8_qk_t_n64_batch128": "e4m3 wgmma QK^T unpromoted: lse 0.027 > 0.02"}
 
 
