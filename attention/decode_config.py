@@ -28,7 +28,7 @@ class DecodeConfig:
     programs_per_sm: int = 1  # resident stage-1 programs per SM, for the split heuristic
     min_split_tokens: int = 64   # fewer rows per split and the fp32 partials cost more than they save
     max_splits: int = 128
-    fill_first: bool = True  # choose_num_splits: up to one program a SM, split so that each SM gets one
+    fill_first: bool = False  # choose_num_splits: up to one program a SM, split so that each SM gets one
     qk_t: bool = False       # compute scores transposed (tokens as MMA rows)
     maxnreg: int | None = None  # register cap per thread, to fit more programs per SM
     prefetch_ids: bool = False  # load the next tile's block ids before this tile's math
@@ -69,8 +69,9 @@ def default_decode_config(num_rows: int, dtype: torch.dtype, smem_bytes: int | N
         # against 749.7 / 196.5 with PV's tile converted before shared memory (stage_v), 806-812 /
         # 210-213 with one load and one conversion (stage_c), 911.6 / 238.4 loaded once
         return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=2, programs_per_sm=2,
-                            prefetch_ids=True, reload_v=True)
-    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True)
+                            prefetch_ids=True, reload_v=True, fill_first=True)
+    return DecodeConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch_ids=True,
+                        fill_first=True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,7 +90,8 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
 
     `max_len` is an upper bound (the block table's width), so it costs no host sync.
 
-    Up to one program a SM (with `cfg.fill_first`): as many splits as give each SM one program
+    Up to one program a SM (with `cfg.fill_first`, which the narrow-row tiles of
+    `default_decode_config` set, the ones timed): as many splits as give each SM one program
     (at most `limit`). Two programs a SM, each split half as long, were slower at every batch of
     8-128 sequences and context of 1k-16k (H100, 16 heads, bench_decode_splits.py --table-pages,
     µs, one program a SM against the wave model over `programs_per_sm` = 2): B 8 / 32 / 64 at 1k
@@ -110,7 +112,7 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
     """
     programs = batch * head_tiles
     slots = num_sms * cfg.programs_per_sm
-    if programs >= 0.7 * slots or max_len <= cfg.min_split_tokens:
+    if programs == 0 or programs >= 0.7 * slots or max_len <= cfg.min_split_tokens:
         return 1
     limit = max(1, min(cfg.max_splits, max_len // cfg.min_split_tokens))
     if cfg.fill_first and programs <= num_sms:

@@ -50,7 +50,7 @@ class Fp8DecodeConfig:
     def split_config(self) -> DecodeConfig:
         return DecodeConfig(block_h=BLOCK_H, block_n=BLOCK_N, num_warps=4, num_stages=self.num_stages,
                             programs_per_sm=self.programs_per_sm, min_split_tokens=self.min_split_tokens,
-                            max_splits=self.max_splits, fill_first=False)  # the wave model: its measured splits
+                            max_splits=self.max_splits)
 
 
 def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,

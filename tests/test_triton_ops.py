@@ -411,8 +411,14 @@ def test_split_heuristic_fills_gpu():
     assert 100 <= s <= cfg.max_splits                              # long single sequence: ~1 wave
     assert choose_num_splits(1, 1, cfg.min_split_tokens, 132, cfg) == 1  # too short to split
     assert choose_num_splits(4, 2, 4096, 132, cfg) <= 4096 // cfg.min_split_tokens
-    two = DecodeConfig(programs_per_sm=2)  # the 16-head decode's: 264 slots on 132 SMs
-    # up to one program a SM: each SM one program (measured best at B 8-128, 1k-16k contexts)
+    two = DecodeConfig(programs_per_sm=2, fill_first=True)  # the 16-head decode's: 264 slots on 132 SMs
+    # up to one program a SM: each SM one program (measured best at B 8-128, 1k-16k contexts), for
+    # the narrow-row tiles it was timed with; the others keep the wave model
+    from attention.decode_config import default_decode_config
+    assert default_decode_config(16, torch.bfloat16).fill_first
+    assert default_decode_config(16, torch.bfloat16, cache_dtype=torch.float8_e4m3fn).fill_first
+    assert not default_decode_config(128, torch.bfloat16, smem_bytes=227 * 1024).fill_first
+    assert choose_num_splits(0, 1, 4096, 132, two) == 1  # no sequences: no division by zero
     assert [choose_num_splits(b, 1, 4096, 132, two) for b in (8, 16, 32, 64, 128, 132)] == [16, 8, 4, 2, 1, 1]
     assert choose_num_splits(2, 1, 4096, 132, two) == 4096 // two.min_split_tokens  # capped by the rows
     assert choose_num_splits(211, 1, 1056, 132, two) == 1  # 80% of the slots: one split (measured best)
