@@ -66,8 +66,8 @@ CHOICES: tuple[Choice, ...] = (
            "the router's logits and the expert choice in one launch (models/triton_route.py "
            "_router_fused_kernel: tiles of 16 tokens, each program the whole router on the tensor cores) "
            "instead of two; routers without expert groups (V2-Lite; not V2's or V3's grouped choice) whose "
-           "weight is exactly bf16 under bf16 activations, of at most 64 experts; any other router stops the "
-           "start-up naming this setting (0: never)",
+           "weight is exactly bf16 under bf16 activations (or fp32 throughout), of at most 64 experts; any other "
+           "router stops the start-up naming this setting (0: never)",
            triton=0, torch=0),
     Choice("norm", (TRITON, TORCH),
            "RMSNorm and the residual add + RMSNorm as one Triton kernel each (common/triton_norm.py); "

@@ -155,9 +155,18 @@ class Worker:
             raise ValueError(f"--kernels ...,decode_fuse_q_kv=1 fuses the Triton absorb_q and kv_finish kernels; this "
                              f"plan has absorb={self.plan.absorb} finish_kv={self.plan.finish_kv} (leave "
                              f"decode_fuse_q_kv at 0)")
-        if self.plan.router_fused_max_tokens and self.plan.router != TRITON:
-            raise ValueError(f"--kernels ...,router_fused_max_tokens={self.plan.router_fused_max_tokens} is an option "
-                             f"of the Triton router; this plan has router={self.plan.router} (leave it at 0)")
+        if self.plan.router_fused_max_tokens:
+            n = self.plan.router_fused_max_tokens
+            if self.plan.router != TRITON:
+                raise ValueError(f"--kernels ...,router_fused_max_tokens={n} is an option of the Triton router; "
+                                 f"this plan has router={self.plan.router} (leave it at 0)")
+            from models.triton_route import fused_router_refusal, router_grouped
+            why = ("it has none (a dense model)" if cfg.n_routed_experts is None else
+                   fused_router_refusal(cfg.n_routed_experts,
+                                        router_grouped(cfg.scoring_func, cfg.topk_method, cfg.n_group)))
+            if why is not None:
+                raise ValueError(f"--kernels ...,router_fused_max_tokens={n}: the one-launch router cannot serve "
+                                 f"this model's router: {why}; leave router_fused_max_tokens at 0")
         if self.plan.decode_wgmma_min_heads and self.plan.attention == TRITON:
             from attention.gluon_decode_plan import check_engine_fit
             check_engine_fit(self.plan.decode_wgmma_min_heads, self.device, self.dtype, self.cache_dtype,

@@ -148,11 +148,28 @@ def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, scale,
 # The one-launch router (`_router_fused_kernel`): tiles of FUSED_ROWS tokens (tl.dot needs 16
 # rows), each program reading the whole router weight; routers of at most FUSED_MAX_EXPERTS
 # experts (V2-Lite's 64). At decode sizes one to a few programs each stream the whole weight
-# (V2-Lite's: 256 KB in bf16), so each keeps several wide k steps in flight: 512 bytes of a row a
-# step (256 bf16 or 128 fp32 columns), 4 stages (at 64 experts 40 KB a step, 160 KB of shared
-# memory at most), 8 warps. Chosen from that arithmetic, not yet timed.
-FUSED_ROWS, FUSED_MAX_EXPERTS, FUSED_STEP_BYTES = 16, 64, 512
+# (V2-Lite's: 256 KB in bf16), so each keeps several wide k steps in flight: 256 columns a step
+# in bf16 (64 in fp32, whose dot runs on FMAs with its operands in registers), 4 stages (at 64
+# experts 40 KB a step, 160 KB of shared memory), 8 warps. Chosen from that arithmetic, not yet
+# timed.
+FUSED_ROWS, FUSED_MAX_EXPERTS = 16, 64
 FUSED_TILE = dict(num_warps=8, num_stages=4)
+
+
+def router_grouped(scoring: str, topk_method: str, n_group: int) -> bool:
+    """Whether the router chooses its experts by groups first (V2's group-limited greedy, V3's
+    group top-k), as `route` does."""
+    return n_group > 1 and (scoring != "softmax" or topk_method == "group_limited_greedy")
+
+
+def fused_router_refusal(num_experts: int, grouped: bool) -> str | None:
+    """Why `_router_fused_kernel` cannot serve a router of this shape (None: it can); the worker
+    asks at start-up, `_fused_weight` at each call."""
+    if grouped:
+        return "its experts are chosen by groups"
+    if num_experts > FUSED_MAX_EXPERTS:
+        return f"it has {num_experts} experts, more than {FUSED_MAX_EXPERTS}"
+    return None
 
 
 @fast_launch
@@ -219,8 +236,7 @@ def _fused_weight(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tens
     activations, the fp32 weight under fp32 ones. A ValueError naming the setting where the one
     launch cannot serve this router: expert groups (their choice is `_route_kernel`'s), more than
     FUSED_MAX_EXPERTS experts, or other activations or weights."""
-    why = ("its experts are chosen by groups" if grouped else
-           f"it has {E} experts, more than {FUSED_MAX_EXPERTS}" if E > FUSED_MAX_EXPERTS else None)
+    why = fused_router_refusal(E, grouped)
     if why is None:
         if x.dtype == torch.bfloat16 and weight_bf16 is not None:
             return weight_bf16.contiguous()
@@ -245,7 +261,7 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     refused, naming the setting)."""
     T, E = x.shape[0], weight.shape[0]
     sigmoid = scoring != "softmax"
-    grouped = n_group > 1 and (sigmoid or topk_method == "group_limited_greedy")
+    grouped = router_grouped(scoring, topk_method, n_group)
     G = n_group if grouped else 1
     if E % G or top_k > E or (grouped and topk_group * (E // G) < top_k):
         raise ValueError(f"router: {E} experts in {G} groups, top {topk_group} groups, top-{top_k} does not fit")
@@ -261,7 +277,7 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                 E=E, EP=max(16, triton.next_power_of_2(E)), K=top_k, KP=triton.next_power_of_2(top_k),
                 SIGMOID=sigmoid, HAS_BIAS=bias is not None, NORM=bool(norm and top_k > 1),
                 NS=n_shared, NSP=max(1, triton.next_power_of_2(n_shared)), BT=FUSED_ROWS,
-                BK=max(16, min(FUSED_STEP_BYTES // x.element_size(), triton.next_power_of_2(D))),
+                BK=max(16, min(64 if x.dtype == torch.float32 else 256, triton.next_power_of_2(D))),
                 PRECISION="ieee" if x.dtype == torch.float32 else "tf32", **FUSED_TILE, **pdl_launch())
         except Exception as e:  # charged to the setting whose 0 avoids this kernel (KernelPlan.error)
             e.plan_key = "router_fused_max_tokens"

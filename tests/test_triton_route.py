@@ -55,6 +55,23 @@ def check(case, device, T=7, D=48, fused=False):
     assert torch.equal(bi[3:], ti[3:]) and torch.equal(bi[0], ti[0])
 
 
+def check_ties(device):
+    """Exact ties (experts 9 and 12 with the router rows of 2 and 4): both Triton routers take the
+    lower id first, so the one launch and the two choose alike, order included."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(40, 64, generator=g).to(device)
+    w = torch.randn(16, 64, generator=g)
+    w[9], w[12] = w[2], w[4]
+    args = (x, w.to(device), None, "softmax", "greedy", 1, 1, 4, False, 1.0)
+    fw, fi = route_triton(*args, fused_max_tokens=40)
+    tw, ti = route_triton(*args)
+    assert torch.equal(fi, ti)
+    rows = fi.tolist()
+    both = [r for r in rows if (2 in r and 9 in r) or (4 in r and 12 in r)]
+    assert both, "no row chose both experts of a tie: pick another seed"
+    assert all(r.index(lo) < r.index(hi) for r in both for lo, hi in ((2, 9), (4, 12)) if lo in r and hi in r)
+
+
 # (scoring, topk_method, E, n_group, topk_group, top_k, norm, scale, bias)
 CASES = [
     ("softmax", "greedy", 64, 1, 1, 6, False, 1.0, False),  # V2-Lite
@@ -101,6 +118,7 @@ def test_route_kernel_gpu(case):
     check(case, "cuda", T=1, D=7168)  # the Triton logits kernel, four passes over V3's width
     check(case, "cuda", T=3, D=7168)  # and with the overflowed rows
     check(case, "cuda", T=40, D=2048, fused=True)  # the one-launch router where the case has no groups
+    check_ties("cuda")
 
 
 @pytest.mark.gpu
@@ -116,7 +134,9 @@ def test_router_fused_bf16_gpu(T):
     fw, fi = route_triton(*args, fused_max_tokens=T)
     tw, ti = route_triton(*args)
     assert torch.equal(fi, ti)
-    torch.testing.assert_close(fw, tw, rtol=1e-5, atol=1e-7)
+    # the same exact products summed in other orders (the tensor cores' against the logits kernel's
+    # or cuBLAS's): logits ~45 apart by up to ~1e-4, as check()'s bound at this width
+    torch.testing.assert_close(fw, tw, rtol=1e-5 * 2048 / 64, atol=1e-7)
 
 
 @pytest.mark.gpu

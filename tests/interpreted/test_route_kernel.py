@@ -4,7 +4,7 @@ tests/test_triton_route.py."""
 from __future__ import annotations
 
 import pytest
-from test_triton_route import CASES, check
+from test_triton_route import CASES, check, check_ties
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -23,3 +23,7 @@ def test_route_fused_kernel_interpreter(case):
     several steps and with a masked tail (D 200)."""
     check(case, "cpu", T=17, D=200, fused=True)
     check(case, "cpu", T=5, fused=True)
+
+
+def test_route_ties_interpreter():
+    check_ties("cpu")
