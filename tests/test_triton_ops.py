@@ -39,10 +39,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def poison_allocator(device: str, nbytes: int = 1 << 28) -> None:
     """Fill freed allocator memory with NaN so outputs the kernel never writes show up as NaN."""
-    if device == "cuda":  # large and small pools; freed at once, cached for reuse
-        bufs = [torch.full((n // 4,), float("nan"), device=device)
-                for n in [nbytes] + [1 << 12] * 16 + [1 << 16] * 16 + [1 << 19] * 8]
-        del bufs
+    if device == "cuda":  # large and small pools; the list is dropped at once, its blocks cached for reuse
+        [torch.full((n // 4,), float("nan"), device=device)
+         for n in [nbytes] + [1 << 12] * 16 + [1 << 16] * 16 + [1 << 19] * 8]
 
 
 @contextlib.contextmanager
