@@ -22,10 +22,18 @@ log = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None):
+    def __init__(self, args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None,
+                 prepare_grammars: bool = False):
+        """`prepare_grammars` (the serving core): build the grammar library's tokenizer on a
+        background thread while the model loads, not on the first structured request."""
         self.args, self.cfg = args, cfg
         self.eos_token_id = eos_token_id
         self.max_model_len = args.resolve_max_model_len(cfg)
+        # compiles each distinct constraint once, on its first request (llguidance)
+        self.grammars = GrammarCompiler(None if args.skip_tokenizer_init else args.tokenizer_path,
+                                        cfg.vocab_size)
+        if prepare_grammars:
+            self.grammars.prepare_in_background()
         self.executor = make_executor(args, cfg, [] if eos_token_id is None else [eos_token_id])
         num_blocks = self.executor.num_blocks
         self.async_scheduling = (resolve_device(args).type == "cuda" if args.async_scheduling is None
@@ -40,9 +48,6 @@ class EngineCore:
                      spec.num_speculative_tokens)
         self._in_flight = None  # (SchedulerOutput, PendingStep) of the step launched last
         self._early: list[EngineCoreOutput] = []  # drained outside step(), reported by the next one
-        # compiles constraints on the first structured request (tokenizer and llguidance then)
-        self.grammars = GrammarCompiler(None if args.skip_tokenizer_init else args.tokenizer_path,
-                                        cfg.vocab_size)
         self.step_tokens = 0  # tokens the last step() scheduled (0: it only drained)
         self._spec_logged = (time.monotonic(), 0, 0, 0)  # time, drafts, draft tokens, accepted
         self.scheduler = Scheduler(SchedulerConfig(

@@ -96,7 +96,7 @@ def core_main(args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None, cmd_
         logging.basicConfig(level=log_level,
                             format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
     try:
-        core = EngineCore(args, cfg, eos_token_id)
+        core = EngineCore(args, cfg, eos_token_id, prepare_grammars=True)
     except BaseException as e:  # noqa: BLE001 - any start-up failure goes to the user as one line
         log.debug("engine core failed to start", exc_info=True)
         try:

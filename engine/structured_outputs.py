@@ -15,9 +15,12 @@ serves everything else.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
+import threading
+import time
 from collections import OrderedDict
 
 import numpy as np
@@ -143,8 +146,29 @@ class GrammarCompiler:
     def __init__(self, tokenizer_path: str | None, vocab_size: int):
         self.tokenizer_path, self.vocab_size = tokenizer_path, vocab_size
         self._tokenizer = None
+        self._tokenizer_lock = threading.Lock()  # one build, whichever thread asks first
         self._cache: OrderedDict = OrderedDict()
         self._executor = None
+        self.prepare_thread: threading.Thread | None = None  # prepare_in_background's
+
+    def prepare_in_background(self) -> threading.Thread | None:
+        """Build llguidance's view of the tokenizer on a daemon thread (the thread, or None when
+        there is nothing to build: no tokenizer, or llguidance not installed). For a 100k-token
+        vocabulary the build takes ~1 s, which the first structured request would otherwise
+        spend on the engine loop, stalling every running request. A failure here is only
+        logged: the first structured request retries the build and reports it."""
+        if self.tokenizer_path is None or self._tokenizer is not None or importlib.util.find_spec(PACKAGE) is None:
+            return None
+
+        def build():
+            try:
+                self._ll_tokenizer()
+            except Exception as e:  # noqa: BLE001 - reported by the first request that needs it
+                log.debug("structured outputs: building the tokenizer in the background failed: %s", e)
+
+        self.prepare_thread = threading.Thread(target=build, name="grammar-tokenizer", daemon=True)
+        self.prepare_thread.start()
+        return self.prepare_thread
 
     @property
     def words(self) -> int:
@@ -152,17 +176,21 @@ class GrammarCompiler:
         return (self.vocab_size + 31) // 32
 
     def _ll_tokenizer(self):
-        if self._tokenizer is None:
-            if self.tokenizer_path is None:
-                raise ValueError("structured_outputs: need a tokenizer; this server runs "
-                                 "without one (--skip-tokenizer-init)")
-            llg = _import()
-            import llguidance.hf
-            from engine.input_processor import load_tokenizer
-            hf = load_tokenizer(self.tokenizer_path, required=True)
-            self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
-            log.info("structured outputs: %s %s, tokenizer of %d tokens", PACKAGE,
-                     getattr(llg, "__version__", ""), self.vocab_size)
+        if self._tokenizer is not None:
+            return self._tokenizer
+        if self.tokenizer_path is None:
+            raise ValueError("structured_outputs: need a tokenizer; this server runs "
+                             "without one (--skip-tokenizer-init)")
+        with self._tokenizer_lock:  # a build under way on the other thread: wait for it
+            if self._tokenizer is None:
+                t0 = time.perf_counter()
+                llg = _import()
+                import llguidance.hf
+                from engine.input_processor import load_tokenizer
+                hf = load_tokenizer(self.tokenizer_path, required=True)
+                self._tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size)
+                log.info("structured outputs: %s %s, tokenizer of %d tokens (built in %.2f s)", PACKAGE,
+                         getattr(llg, "__version__", ""), self.vocab_size, time.perf_counter() - t0)
         return self._tokenizer
 
     def compile(self, so: StructuredOutputs) -> RequestGrammar:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
+import time
 
 import httpx
 import jsonschema
@@ -164,6 +166,47 @@ def test_compiled_grammars_are_cached_and_matchers_independent():
     for t in tok.tokenize_str("s"):
         a.accept(t)
     assert a.terminated and not b.terminated
+
+
+
+def test_tokenizer_built_once_in_background(monkeypatch):
+    """The serving core builds llguidance's tokenizer on a thread of its own; a compile that comes
+    while it builds waits for that build instead of starting a second one."""
+    import llguidance.hf
+    from engine.structured_outputs import GrammarCompiler
+    real, calls = llguidance.hf.from_tokenizer, []
+
+    def slow(*args, **kw):
+        calls.append(threading.current_thread().name)
+        time.sleep(0.3)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", slow)
+    gc = GrammarCompiler(str(TINY_MODEL), 512)
+    thread = gc.prepare_in_background()
+    while not calls:  # the background build is under way
+        time.sleep(0.01)
+    g = gc.compile(StructuredOutputs("regex", "[0-9]+"))
+    thread.join()
+    assert calls == ["grammar-tokenizer"] and not g.terminated
+    assert gc.prepare_in_background() is None  # built: nothing left to do
+    assert GrammarCompiler(None, 512).prepare_in_background() is None  # no tokenizer
+
+
+def test_serving_core_prepares_the_tokenizer(caplog):
+    """The engine core the server runs builds it at start-up, before any structured request."""
+    from common.args import EngineArgs
+    from engine.async_llm import AsyncLLM
+    caplog.set_level("INFO", logger="engine.structured_outputs")
+    engine = AsyncLLM(EngineArgs(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=64,
+                                 max_model_len=256), core_in_thread=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "tokenizer of 512 tokens" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "tokenizer of 512 tokens" in caplog.text
+    finally:
+        engine.shutdown()
 
 
 # ---- engine ----
