@@ -6,7 +6,7 @@ step has finished, so reading them never stalls the GPU's queue.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -57,6 +57,37 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: in
     num_top = min(num_top, logprobs.shape[1])
     top_vals, top_ids = logprobs.topk(num_top, dim=-1) if num_top > 0 else (None, None)
     return DeviceLogprobs(token_ids, chosen, ranks, top_vals, top_ids)
+
+
+# Transient bytes per prompt position while its logprobs are computed: the logits in the head's
+# dtype and in fp32, their fp32 log_softmax and the rank's boolean comparison, per vocabulary
+# entry (2 + 4 + 4 + 1, rounded up).
+PROMPT_LOGPROB_BYTES_PER_ENTRY = 12
+# The most those transients may take at once. Without a bound, a step's prompt of
+# --max-num-batched-tokens positions allocated ~11 bytes x positions x vocabulary at once (9.2 GB
+# for 8192 positions of a 102,400-token vocabulary), beyond the profile run's peak (which takes
+# one row of logits), so a long loglikelihood request could run the GPU out of memory.
+PROMPT_LOGPROB_CHUNK_BYTES = 512 * 2**20
+
+
+def prompt_logprob_rows(vocab_size: int) -> int:
+    """Prompt positions whose logprobs are computed together (at least one)."""
+    return max(1, PROMPT_LOGPROB_CHUNK_BYTES // (PROMPT_LOGPROB_BYTES_PER_ENTRY * vocab_size))
+
+
+def prompt_logprobs_chunked(logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+                            next_token_ids: torch.Tensor, num_top: int, vocab_size: int) -> DeviceLogprobs | list:
+    """`prompt_logprobs_on_device(logits_of(hidden), next_token_ids, num_top)` over row chunks of
+    `prompt_logprob_rows(vocab_size)` positions, so that the logits of at most one chunk exist at
+    a time; log_softmax, rank and top-k are per row, so the rows equal the whole's up to the LM
+    head GEMM's summation order for another row count."""
+    step = prompt_logprob_rows(vocab_size)
+    parts = [prompt_logprobs_on_device(logits_of(hidden[i:i + step]), next_token_ids[i:i + step], num_top)
+             for i in range(0, hidden.shape[0], step)]
+    if len(parts) == 1:
+        return parts[0]
+    tensors = [p._tensors for p in parts]
+    return DeviceLogprobs(*(None if ts[0] is None else torch.cat(ts) for ts in zip(*tensors)))
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, next_token_ids: torch.Tensor,

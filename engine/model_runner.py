@@ -16,7 +16,7 @@ import torch
 from attention.metadata import MLAMetadata, build_mla_metadata
 from common import distributed as pd
 from engine.rank_agreement import RankAgreement
-from engine.logprobs import DeviceLogprobs, prompt_logprobs_on_device
+from engine.logprobs import DeviceLogprobs, prompt_logprobs_chunked
 from engine.sampler import Sampler, SamplingBatch, make_generator
 from common.sampling_params import SamplingParams
 from common.transfer import to_device, to_host
@@ -211,10 +211,10 @@ class ModelRunner:
         pending.mtp_inputs = mtp_inputs
         for st, ctx, r0, k in prompt_jobs:
             lps = []
-            if k:
-                lg = self.logits(hidden[r0:r0 + k])
-                nxt = to_device(st.token_ids[ctx + 1: ctx + 1 + k], torch.int64, lg.device)
-                lps = prompt_logprobs_on_device(lg, nxt, st.params.prompt_logprobs)
+            if k:  # in row chunks: the logits of a whole step's prompt would not fit beside the cache
+                nxt = to_device(st.token_ids[ctx + 1: ctx + 1 + k], torch.int64, hidden.device)
+                lps = prompt_logprobs_chunked(self.logits, hidden[r0:r0 + k], nxt, st.params.prompt_logprobs,
+                                              self.cfg.vocab_size)
             pending.prompt_jobs.append((st.req_id, ctx == 0, lps))
         if sample_rows:
             logits = self.logits(hidden[to_device(sample_rows, torch.int64, hidden.device)], fp32=False)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -92,6 +94,24 @@ def test_n_samples_and_logprobs(tiny_v3):
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(out.prompt_token_ids)
     assert [lp.token_id for lp in out.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
 
+
+
+def test_prompt_logprobs_in_row_chunks(tiny_v3, monkeypatch):
+    """A prompt's logprobs computed a few rows at a time (engine.logprobs bounds the logits held at
+    once) equal those of one chunk."""
+    import engine.logprobs as el
+    llm = make_llm(tiny_v3[0])
+    V = llm.engine.cfg.vocab_size
+    prompt = torch.randint(2, 320, (41,), generator=torch.Generator().manual_seed(3)).tolist()
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    whole = llm.generate([prompt], params)[0].prompt_logprobs
+    monkeypatch.setattr(el, "PROMPT_LOGPROB_CHUNK_BYTES", 3 * el.PROMPT_LOGPROB_BYTES_PER_ENTRY * V)
+    assert el.prompt_logprob_rows(V) == 3 and el.prompt_logprob_rows(10 * V) == 1
+    chunked = llm.generate([prompt], params)[0].prompt_logprobs
+    assert whole[0] is None is chunked[0] and len(whole) == len(chunked) == 41
+    for a, b in zip(whole[1:], chunked[1:]):
+        assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank, [t for t, _ in b.top])
+        assert math.isclose(a.logprob, b.logprob, abs_tol=1e-5)
 
 @pytest.mark.parametrize("prompt,params,field", [
     ("", SamplingParams(), "prompt"),

@@ -299,6 +299,18 @@ def test_prompt_logprobs():
         compute_prompt_logprobs(logits, nxt[:3], 2)
 
 
+@pytest.mark.parametrize("num_top", [0, 2])
+def test_prompt_logprobs_chunked_equal_whole(monkeypatch, num_top):
+    import engine.logprobs as el
+    logits, nxt = random_logits(7, seed=11), torch.tensor([3, 0, 31, 5, 5, 17, 2])
+    V = logits.shape[1]
+    whole = list(el.prompt_logprobs_chunked(lambda h: h, logits, nxt, num_top, V))
+    monkeypatch.setattr(el, "PROMPT_LOGPROB_CHUNK_BYTES", 3 * el.PROMPT_LOGPROB_BYTES_PER_ENTRY * V)
+    seen = []
+    chunked = list(el.prompt_logprobs_chunked(lambda h: seen.append(h.shape[0]) or h, logits, nxt, num_top, V))
+    assert seen == [3, 3, 1] and chunked == whole == compute_prompt_logprobs(logits, nxt, num_top)
+
+
 def test_from_params_leaves_unused_fields_none():
     b = batch_of([SamplingParams(temperature=0.0), SamplingParams()])
     assert not b.all_greedy
