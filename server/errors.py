@@ -67,6 +67,18 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return msg + suffix, param
 
 
+def body_parse_error(cause: BaseException | None) -> str:
+    """Why a body could not be parsed, from the JSON parser's error: valid JSON past the parser's
+    limits (nesting, an integer's digits) is named as such, anything else is not JSON text."""
+    if isinstance(cause, RecursionError):
+        return "request body: JSON nested too deeply for the parser (Python's recursion limit, ~1000 levels)"
+    if isinstance(cause, ValueError) and "Exceeds the limit" in str(cause):  # int() of a huge literal
+        return f"request body: a number too long to parse ({cause})"
+    if cause is None or isinstance(cause, UnicodeDecodeError):
+        return "request body is not valid JSON text (UTF-8)"
+    return f"request body is not valid JSON text ({type(cause).__name__}: {str(cause)[:200]})"
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Translate every failure into the OpenAI error shape."""
 
@@ -93,7 +105,7 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             msg = f"method {request.method} is not allowed on {request.url.path}"
         elif exc.status_code == 400 and msg == "There was an error parsing the body":
-            msg = "request body is not valid JSON text (UTF-8)"  # e.g. bytes that are not UTF-8
+            msg = body_parse_error(exc.__cause__)  # FastAPI raises it from the parser's error
         return error_response(exc.status_code, msg)
 
     @app.exception_handler(Exception)

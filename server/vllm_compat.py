@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from server.chat import create_chat_completion
 from server.chat_protocol import ChatCompletionRequest
 from server.completions import create_completion
-from server.errors import APIError, error_response
+from server.errors import APIError, body_parse_error, error_response
 from server.frontend_options import FrontendOptions
 from server.http_metrics import route_path
 from server.protocol import CompletionRequest
@@ -90,7 +90,7 @@ def install(app: FastAPI, engine, args=None) -> None:
         try:
             body = json.loads(await raw.body())
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise APIError(400, f"request body is not valid JSON text ({type(e).__name__})") from None
+            raise APIError(400, body_parse_error(e)) from None
         if isinstance(body, dict) and "messages" in body:
             model, create = ChatCompletionRequest, create_chat_completion
         elif isinstance(body, dict) and "prompt" in body:

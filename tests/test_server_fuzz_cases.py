@@ -30,9 +30,13 @@ def test_nesting_beyond_the_json_parser_is_a_400(fake):
                  400, "guided_json")
     assert_error(post(fake, "/v1/completions", {"prompt": "hi", "max_tokens": 2,
                                                 "structured_outputs": {"json": deep}}), 400, "structured_outputs")
-    body = '{"prompt":"hi","x":' + "[" * 100_000 + "]" * 100_000 + "}"
-    r = httpx.post(f"{fake.url}/invocations", content=body, headers={"content-type": "application/json"}, timeout=60)
-    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"], r.text
+    for body, says in (('{"prompt":"hi","x":' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+                       ('{"prompt":"hi","max_tokens":1' + "0" * 4400 + "}", "a number too long to parse"),
+                       (b'{"prompt":"\xff"}', "not valid JSON text")):
+        for path in ("/invocations", "/v1/completions"):
+            r = httpx.post(f"{fake.url}{path}", content=body, headers={"content-type": "application/json"},
+                           timeout=60)
+            assert r.status_code == 400 and says in r.json()["error"]["message"], (path, r.text)
 
 
 def test_forced_tool_output_nested_beyond_the_parser_is_no_call():
