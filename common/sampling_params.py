@@ -31,13 +31,15 @@ class StructuredOutputs:
     """A constraint on the output: `kind` in STRUCTURED_KINDS and its `spec` as text (a JSON
     schema, a regex, a JSON list of choices, a Lark or GBNF grammar; empty for json_object).
     JSON options: `whitespace_pattern` (whitespace allowed between tokens; default none but a
-    space after ',' and ':'), `disable_any_whitespace`, `disable_additional_properties`."""
+    space after ',' and ':'), `disable_any_whitespace`, `disable_additional_properties`.
+    `source` is not part of the constraint: two requests that differ only there share a compile."""
 
     kind: str
     spec: str = ""
     whitespace_pattern: str | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    source: str = "structured_outputs"  # the request field it came from, which its errors name
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:

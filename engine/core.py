@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future
 
 from common.args import EngineArgs
 from common.gc_tuning import freeze_startup_objects, thaw_frozen_objects
@@ -23,16 +24,20 @@ log = logging.getLogger(__name__)
 
 class EngineCore:
     def __init__(self, args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None,
-                 prepare_grammars: bool = False):
-        """`prepare_grammars` (the serving core): build the grammar library's tokenizer on a
-        background thread while the model loads, not on the first structured request."""
+                 serving: bool = False):
+        """`serving` (the server's core process): the grammar library's tokenizer is built on a
+        background thread while the model loads, and a new constraint is compiled off the step
+        loop while its request waits (`admit_compiled`), so that neither stalls the running
+        requests; the offline LLM compiles in add_request, which then raises on a bad one."""
         self.args, self.cfg = args, cfg
         self.eos_token_id = eos_token_id
         self.max_model_len = args.resolve_max_model_len(cfg)
         # compiles each distinct constraint once, on its first request (llguidance)
         self.grammars = GrammarCompiler(None if args.skip_tokenizer_init else args.tokenizer_path,
                                         cfg.vocab_size)
-        if prepare_grammars:
+        self.compile_off_loop = serving
+        self._compiling: dict[str, tuple[Request, Future]] = {}  # requests waiting for their grammar
+        if serving:
             self.grammars.prepare_in_background()
         self.executor = make_executor(args, cfg, [] if eos_token_id is None else [eos_token_id])
         num_blocks = self.executor.num_blocks
@@ -77,12 +82,45 @@ class EngineCore:
             # matched by id, so that step must land before the new request can exist.
             self._early += self._drain()
         request = Request(request_id, prompt_token_ids, params, self.eos_token_id)
-        if params.structured_outputs is not None:
-            request.grammar = self.grammars.compile(params.structured_outputs)
+        if request_id in self._compiling:
+            raise ValueError(f"request id {request_id!r} is already waiting for its grammar")
+        so = params.structured_outputs
+        if so is not None:
+            if self.compile_off_loop:
+                request.grammar = self.grammars.cached(so)
+                if request.grammar is None:  # joins the scheduler once compiled (admit_compiled)
+                    self._compiling[request_id] = (request, self.grammars.compile_async(so))
+                    return
+            else:
+                request.grammar = self.grammars.compile(so)
         self.scheduler.add_request(request)
 
+    @property
+    def num_compiling(self) -> int:
+        """Requests waiting for their grammar to compile (not yet in the scheduler)."""
+        return len(self._compiling)
+
+    def admit_compiled(self) -> list[tuple[str, str]]:
+        """Requests whose grammar has compiled join the scheduler (in arrival order); returns
+        (request id, why) for those whose grammar did not compile, which are dropped."""
+        refused = []
+        for rid, (request, future) in list(self._compiling.items()):
+            if not future.done():
+                continue
+            del self._compiling[rid]
+            try:
+                request.grammar = self.grammars.instance(request.sampling_params.structured_outputs, future)
+            except ValueError as e:  # the request's own grammar: it fails alone
+                refused.append((rid, str(e)))
+                continue
+            self.scheduler.add_request(request)
+        return refused
+
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
-        outputs = self.scheduler.abort_requests(request_ids)
+        request_ids = list(request_ids)
+        outputs = [EngineCoreOutput(rid, [], finish_reason="abort") for rid in request_ids
+                   if self._compiling.pop(rid, None) is not None]  # its compile goes on, unused
+        outputs += self.scheduler.abort_requests(request_ids)
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             outputs += self._drain()  # idle from now on: nothing should stay in flight
         return outputs

@@ -31,6 +31,7 @@ import pickle
 import queue
 import signal
 import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 _FIELDS = tuple(f.name for f in dataclasses.fields(EngineCoreOutput))
 _row = operator.attrgetter(*_FIELDS)  # EngineCoreOutput -> tuple of its fields, in C
 _IDLE_POLL_S = 1.0
+_COMPILE_POLL_S = 0.002  # while only grammars compile: how soon a compiled request starts
 _MAX_MESSAGES_PER_STEP = 64  # each message is every command the front end had queued
 
 
@@ -96,7 +98,7 @@ def core_main(args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None, cmd_
         logging.basicConfig(level=log_level,
                             format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
     try:
-        core = EngineCore(args, cfg, eos_token_id, prepare_grammars=True)
+        core = EngineCore(args, cfg, eos_token_id, serving=True)
     except BaseException as e:  # noqa: BLE001 - any start-up failure goes to the user as one line
         log.debug("engine core failed to start", exc_info=True)
         try:
@@ -193,13 +195,23 @@ class _Receiver:
 
 def _loop(core, receiver: _Receiver, sender: _Sender) -> None:
     steps = 0
+    last_report = time.monotonic()
     while True:
-        # Idle: wait for work. Busy: take the commands that arrived, then step.
+        # Idle: wait for work (polling often while grammars compile). Busy: take the commands
+        # that arrived, then step.
+        busy = core.has_unfinished_requests()
         got = _take_commands(core, receiver, sender,
-                             0 if core.has_unfinished_requests() else _IDLE_POLL_S)
+                             0 if busy else _COMPILE_POLL_S if core.num_compiling else _IDLE_POLL_S)
         if got is None:
             return  # shutdown
         outs, changed = got
+        if core.num_compiling:
+            refused = core.admit_compiled()
+            if refused:
+                sender.put(("refused", refused))
+            # a long compile with nothing else to run: report anyway, so that the front end's
+            # stall watchdog sees the core alive
+            changed = changed or time.monotonic() - last_report > _IDLE_POLL_S
         step_tokens = 0
         if core.has_unfinished_requests():
             outs += core.step()
@@ -208,6 +220,7 @@ def _loop(core, receiver: _Receiver, sender: _Sender) -> None:
             changed = True
         if changed:
             _report(core, sender, outs, steps, step_tokens)
+            last_report = time.monotonic()
 
 
 def _take_commands(core, receiver: _Receiver, sender: _Sender,
@@ -246,6 +259,6 @@ def _report(core, sender: _Sender, outs: list[EngineCoreOutput], steps: int,
     encodes and writes it)."""
     s = core.scheduler.stats
     sender.put(("outputs", (outs, CoreStats(
-        s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks,
+        s.num_running, s.num_waiting + core.num_compiling, s.num_free_blocks, s.num_total_blocks,
         s.kv_cache_usage, s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits,
         steps, step_tokens, copy.deepcopy(s.spec)))))

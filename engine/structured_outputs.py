@@ -22,6 +22,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 
 import numpy as np
 
@@ -34,6 +35,9 @@ MAX_CACHED_GRAMMARS = 256
 MAX_ERROR_CHARS = 300  # of a matcher's error, as a request's answer carries it
 # threads that compute the bitmask rows of one step in parallel (llguidance's LLExecutor)
 MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+# constraints compiled at once off the step loop (compile_async): two, so that one huge grammar
+# does not hold every other structured request behind it
+COMPILE_THREADS = 2
 
 # JSON is generated compact, as json.dumps writes it ('{"a": 1, "b": [2, 3]}'): free whitespace
 # lets a model pad its output with newlines until max_tokens instead of closing the object.
@@ -67,9 +71,16 @@ def grammar_text(so: StructuredOutputs) -> str:
             return llg.LLMatcher.grammar_from_json_schema(schema, defaults=opts)
         except (ValueError, TypeError) as e:
             raise ValueError(str(e)) from None
-    if so.kind == "choice":
-        return grammar_from("choice", json.loads(so.spec))
+    if so.kind == "choice":  # one regex alternation: llguidance's choice grammar takes at most 1999
+        return grammar_from("regex", "(" + "|".join(map(_regex_literal, json.loads(so.spec))) + ")")
     return grammar_from(so.kind, so.spec)  # "regex", "grammar" (Lark or GBNF)
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex that matches exactly it: ASCII letters, digits and _ as they are, every
+    other character as a hex escape (\\x{..}, which the regex syntax llguidance reads takes for
+    any character)."""
+    return "".join(c if c.isascii() and (c.isalnum() or c == "_") else f"\\x{{{ord(c):x}}}" for c in text)
 
 
 def _no_additional_properties(schema):
@@ -98,7 +109,18 @@ def validate(so: StructuredOutputs, field: str) -> None:
 
 
 def _first_lines(message: str, n: int = 4) -> str:
-    return " ".join(line.strip() for line in message.strip().splitlines()[:n])
+    """A library message as one short line: its first lines, without a panic's backtrace, a
+    panic (an assertion on one of llguidance's size limits) said to be one."""
+    text = " ".join(line.strip() for line in message.split("<backtrace>")[0].strip().splitlines()[:n])
+    if text.startswith("panic:"):
+        text = f"it is past one of the grammar library's limits ({text})"
+    return text
+
+
+def failure(so: StructuredOutputs, error: BaseException) -> ValueError:
+    """A compile's failure as the request's error, led by the field the constraint came from."""
+    why = str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}"
+    return ValueError(f"{so.source}: {why}")
 
 
 class RequestGrammar:
@@ -148,6 +170,9 @@ class GrammarCompiler:
         self._tokenizer = None
         self._tokenizer_lock = threading.Lock()  # one build, whichever thread asks first
         self._cache: OrderedDict = OrderedDict()
+        self._cache_lock = threading.Lock()  # the cache and the compiles under way, across threads
+        self._compiling: dict[tuple, Future] = {}  # compile_async's, by constraint
+        self._compile_slots = threading.Semaphore(COMPILE_THREADS)
         self._executor = None
         self.prepare_thread: threading.Thread | None = None  # prepare_in_background's
 
@@ -179,7 +204,7 @@ class GrammarCompiler:
         if self._tokenizer is not None:
             return self._tokenizer
         if self.tokenizer_path is None:
-            raise ValueError("structured_outputs: need a tokenizer; this server runs "
+            raise ValueError("structured outputs need a tokenizer; this server runs "
                              "without one (--skip-tokenizer-init)")
         with self._tokenizer_lock:  # a build under way on the other thread: wait for it
             if self._tokenizer is None:
@@ -193,23 +218,80 @@ class GrammarCompiler:
                          getattr(llg, "__version__", ""), self.vocab_size, time.perf_counter() - t0)
         return self._tokenizer
 
-    def compile(self, so: StructuredOutputs) -> RequestGrammar:
-        """A fresh matcher for one request; ValueError naming the kind when it does not compile."""
-        key = (so.kind, so.spec, so.whitespace_pattern, so.disable_any_whitespace,
-               so.disable_additional_properties)
-        template = self._cache.get(key)
-        if template is None:
-            llg = _import()
-            # log_level 0: llguidance's own warnings (which can quote the whole grammar) stay
-            # off stderr; its errors reach the request (RequestGrammar.error)
-            template = llg.LLMatcher(self._ll_tokenizer(), grammar_text(so), log_level=0)
-            if template.is_error():
-                raise ValueError(f"structured_outputs: the {so.kind} constraint does not "
-                                 f"compile: {_first_lines(template.get_error())}")
-            self._cache[key] = template
+    @staticmethod
+    def _key(so: StructuredOutputs) -> tuple:
+        return (so.kind, so.spec, so.whitespace_pattern, so.disable_any_whitespace, so.disable_additional_properties)
+
+    def cached(self, so: StructuredOutputs) -> RequestGrammar | None:
+        """A fresh matcher for one request when its constraint has been compiled, else None."""
+        key = self._key(so)
+        with self._cache_lock:
+            template = self._cache.get(key)
+            if template is None:
+                return None
+            self._cache.move_to_end(key)
+        return RequestGrammar(template.deep_copy())
+
+    def _build(self, so: StructuredOutputs):
+        """Compile a constraint (the slow part: llguidance's work, without the GIL) and cache it;
+        ValueError saying why when it does not compile (`failure` names the request's field)."""
+        llg = _import()
+        # log_level 0: llguidance's own warnings (which can quote the whole grammar) stay
+        # off stderr; its errors reach the request (RequestGrammar.error)
+        template = llg.LLMatcher(self._ll_tokenizer(), grammar_text(so), log_level=0)
+        if template.is_error():
+            raise ValueError(f"the {so.kind} constraint does not compile: {_first_lines(template.get_error())}")
+        with self._cache_lock:
+            self._cache[self._key(so)] = template
             while len(self._cache) > MAX_CACHED_GRAMMARS:
                 self._cache.popitem(last=False)
-        self._cache.move_to_end(key)
+        return template
+
+    def compile(self, so: StructuredOutputs) -> RequestGrammar:
+        """A fresh matcher for one request, compiled here if need be; ValueError naming the
+        request's field when it does not compile."""
+        grammar = self.cached(so)
+        if grammar is not None:
+            return grammar
+        try:
+            return RequestGrammar(self._build(so).deep_copy())
+        except ValueError as e:
+            raise failure(so, e) from None
+
+    def compile_async(self, so: StructuredOutputs) -> Future:
+        """A Future of the compiled constraint (`instance` makes a request's matcher of it),
+        compiled on a daemon thread, at most COMPILE_THREADS at once: a large grammar takes
+        seconds (200,000 alternatives: ~15 s), which on the engine's step loop stalled every
+        running request. Requests with the same constraint share one compile."""
+        key = self._key(so)
+        with self._cache_lock:
+            future = self._compiling.get(key)
+            if future is not None:
+                return future
+            future = self._compiling[key] = Future()
+
+        def run():
+            with self._compile_slots:
+                try:
+                    future.set_result(self._build(so))
+                except BaseException as e:  # noqa: BLE001 - the request that waits reports it
+                    future.set_exception(e)
+                finally:
+                    with self._cache_lock:
+                        self._compiling.pop(key, None)
+
+        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+        return future
+
+    @staticmethod
+    def instance(so: StructuredOutputs, future: Future) -> RequestGrammar:
+        """A request's own matcher of its constraint's compile (compile_async's future, done);
+        ValueError naming the request's field when it did not compile (requests that share a
+        compile may have come through different fields)."""
+        try:
+            template = future.result()
+        except Exception as e:  # noqa: BLE001 - a library failure of any kind: the request's 400
+            raise failure(so, e) from None
         return RequestGrammar(template.deep_copy())
 
     def fill_bitmask(self, grammars: list[RequestGrammar]) -> np.ndarray:

@@ -163,7 +163,7 @@ class ChatCompletionRequest(SamplingFields):
         schema = forced_schema(self.tool_dicts(), choice)
         if choice == "required" and not self.parallel_tool_calls:
             schema["maxItems"] = 1
-        out = StructuredOutputs("json", json.dumps(schema))
+        out = StructuredOutputs("json", json.dumps(schema), source="tools")
         from engine.structured_outputs import validate
         validate(out, "tools")
         return out

@@ -176,14 +176,14 @@ class SamplingFields(BaseRequest):
         if kind == "choice":
             if not spec or any(not c for c in spec):
                 raise ValueError(f"{field}: must be a non-empty list of non-empty strings")
-            if len(spec) > MAX_CHOICES:  # the grammar library refuses more, after seconds of work
+            if len(spec) > MAX_CHOICES:  # bounds the compile's work
                 raise ValueError(f"{field}: {len(spec)} choices; at most {MAX_CHOICES}")
             spec = json.dumps(spec)
         out = StructuredOutputs(
             kind, spec,
             whitespace_pattern=(so and so.whitespace_pattern) or self.guided_whitespace_pattern,
             disable_any_whitespace=bool(so and so.disable_any_whitespace),
-            disable_additional_properties=bool(so and so.disable_additional_properties))
+            disable_additional_properties=bool(so and so.disable_additional_properties), source=field)
         from engine.structured_outputs import validate
         validate(out, field)
         return out

@@ -25,9 +25,9 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 MAX_ALLOWED_TOKEN_IDS = 1024
 # bad_words per request, and characters per word: each is matched against every output each step
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 64
-# guided_choice / structured_outputs.choice: llguidance refuses a longer alternation, after
-# seconds of compiling in the engine's loop (100k choices: 3.7 s with every request stalled)
-MAX_CHOICES = 2000
+# guided_choice / structured_outputs.choice: compiled as one regex alternation; 10,000 choices
+# took 51 ms to validate and 48 ms to compile against a 100k-token vocabulary (each off the loops)
+MAX_CHOICES = 10_000
 
 
 def bounded(lo: int, hi: int):

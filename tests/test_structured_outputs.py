@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
-import time
 
 import httpx
 import jsonschema
@@ -148,67 +146,6 @@ def test_missing_package_is_a_clear_error(monkeypatch):
         validate(StructuredOutputs("regex", "a+"), "guided_regex")
 
 
-def test_compiled_grammars_are_cached_and_matchers_independent():
-    from engine.structured_outputs import GrammarCompiler
-    gc = GrammarCompiler(str(TINY_MODEL), 512)
-    so = StructuredOutputs("choice", json.dumps(["yes", "no"]))
-    a, b = gc.compile(so), gc.compile(so)
-    assert len(gc._cache) == 1 and a.matcher is not b.matcher
-    c = gc.compile(StructuredOutputs("regex", "[0-9]+"))
-    tok = gc._ll_tokenizer()
-    for t in tok.tokenize_str("ye"):
-        a.accept(t)
-    rows = gc.fill_bitmask([a, b, c])  # several rows: filled in parallel
-    for i, g in enumerate([a, b, c]):
-        one = gc.fill_bitmask([g])
-        assert (one[0] == rows[i]).all()
-    assert not (rows[0] == rows[1]).all()  # a has moved on, b has not
-    for t in tok.tokenize_str("s"):
-        a.accept(t)
-    assert a.terminated and not b.terminated
-
-
-
-def test_tokenizer_built_once_in_background(monkeypatch):
-    """The serving core builds llguidance's tokenizer on a thread of its own; a compile that comes
-    while it builds waits for that build instead of starting a second one."""
-    import llguidance.hf
-    from engine.structured_outputs import GrammarCompiler
-    real, calls = llguidance.hf.from_tokenizer, []
-
-    def slow(*args, **kw):
-        calls.append(threading.current_thread().name)
-        time.sleep(0.3)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(llguidance.hf, "from_tokenizer", slow)
-    gc = GrammarCompiler(str(TINY_MODEL), 512)
-    thread = gc.prepare_in_background()
-    while not calls:  # the background build is under way
-        time.sleep(0.01)
-    g = gc.compile(StructuredOutputs("regex", "[0-9]+"))
-    thread.join()
-    assert calls == ["grammar-tokenizer"] and not g.terminated
-    assert gc.prepare_in_background() is None  # built: nothing left to do
-    assert GrammarCompiler(None, 512).prepare_in_background() is None  # no tokenizer
-
-
-def test_serving_core_prepares_the_tokenizer(caplog):
-    """The engine core the server runs builds it at start-up, before any structured request."""
-    from common.args import EngineArgs
-    from engine.async_llm import AsyncLLM
-    caplog.set_level("INFO", logger="engine.structured_outputs")
-    engine = AsyncLLM(EngineArgs(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=64,
-                                 max_model_len=256), core_in_thread=True)
-    try:
-        deadline = time.monotonic() + 30
-        while "tokenizer of 512 tokens" not in caplog.text and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert "tokenizer of 512 tokens" in caplog.text
-    finally:
-        engine.shutdown()
-
-
 # ---- engine ----
 
 def test_choice_greedy_and_sampled(llm):
@@ -277,18 +214,32 @@ def test_preemption_and_async_keep_matchers_in_step(llm, async_scheduling):
         jsonschema.validate(json.loads(r.outputs[0].text), schema)
 
 
-# compiles, then fails in the matcher while generating (llguidance: ParserTooComplex)
-TOO_MANY_CHOICES = [f"choice{i}" for i in range(3000)]
+# a Lark alternation of 3000 strings compiles, then fails in the matcher while generating (the
+# parser's rows hold at most 2000 items)
+TOO_WIDE_GRAMMAR = "start: " + " | ".join(f'"choice{i}"' for i in range(3000))
 
 
 def test_a_matcher_that_fails_while_generating_is_an_error(llm):
     """Not a "stop" whose text breaks the constraint: finish_reason "error", and why."""
-    out = llm.generate(["Question: a"], constrained("choice", TOO_MANY_CHOICES, max_tokens=8))[0].outputs[0]
+    out = llm.generate(["Question: a"], constrained("grammar", TOO_WIDE_GRAMMAR, max_tokens=8))[0].outputs[0]
     assert out.finish_reason == "error", (out.text, out.finish_reason)
     assert out.stop_reason.startswith("Structured output: the constraint could not be followed")
     assert len(out.stop_reason) < 500
     ok = llm.generate(["Question: a"], constrained("choice", ["yes", "no"]))[0].outputs[0]
     assert ok.finish_reason == "stop" and ok.text in ("yes", "no")  # the engine goes on
+
+
+def test_choices_past_the_grammar_parsers_row_limit(llm):
+    """A choice list is one regex alternation of the exact strings: 3000 choices (past the 2000
+    items an Earley row may hold) are followed, each choice exactly, quoting and all."""
+    many = [f"choice{i}" for i in range(2997)] + ["a (b|c)*", 'quo"te\\n', "émoji 😀"]
+    outs = llm.generate(["Question: a"] * 4, [constrained("choice", many, max_tokens=16)] + [
+        constrained("choice", many, temperature=1.0, seed=s, max_tokens=16) for s in range(3)])
+    for r in outs:
+        assert r.outputs[0].finish_reason == "stop" and r.outputs[0].text in many, r.outputs[0]
+    for special in many[-3:]:  # the escaped characters: allowed exactly, nothing else after them
+        only = llm.generate(["Question: a"], constrained("choice", [special], max_tokens=16))[0].outputs[0]
+        assert only.text == special and only.finish_reason == "stop"
 
 
 def test_offline_generate_checks_every_constraint_before_submitting(llm):
@@ -384,12 +335,9 @@ def test_completions_guided_fields(client, server):
             check(r.choices[0].text)
 
 
-def test_a_failed_constraint_is_a_400_or_an_in_band_error(client, server, monkeypatch):
-    # the front end refuses more than MAX_CHOICES choices; raised here to reach the matcher's
-    # failure while generating
-    monkeypatch.setattr("server.protocol.MAX_CHOICES", len(TOO_MANY_CHOICES))
+def test_a_failed_constraint_is_a_400_or_an_in_band_error(client, server):
     kw = {"model": server.model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
-          "extra_body": {"guided_choice": TOO_MANY_CHOICES}}
+          "extra_body": {"guided_grammar": TOO_WIDE_GRAMMAR}}
     with pytest.raises(openai.BadRequestError, match="constraint could not be followed"):
         client.completions.create(**kw)
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,

@@ -1,0 +1,226 @@
+"""Grammars compiled off the engine's step loop: the tokenizer built while the model loads, a new
+constraint compiled while its request waits (every other request keeps running), compiles shared
+and cached, failures a 400 naming the request's field."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from common.sampling_params import StructuredOutputs
+from tests.server_fixtures import TINY_MODEL, InProcessServer, metric
+
+PROMPT = "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"
+
+
+@pytest.fixture(scope="module")
+def server():
+    from common.args import EngineArgs
+    from engine.async_llm import AsyncLLM
+    from server.api_server import build_app
+    engine = AsyncLLM(EngineArgs(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=256,
+                                 max_model_len=512), core_in_thread=True)
+    try:
+        with InProcessServer(build_app(engine)) as s:
+            s.model = engine.model_name
+            yield s
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture
+def held_compiles(monkeypatch):
+    """GrammarCompiler._build blocked until `release` is set (the engine core runs in this
+    process: the patch reaches it); `started` counts the compiles that began."""
+    from engine.structured_outputs import GrammarCompiler
+    real, release, started = GrammarCompiler._build, threading.Event(), []
+
+    def build(self, so):
+        started.append(so.spec)
+        assert release.wait(60), "the test never released the compile"
+        return real(self, so)
+
+    monkeypatch.setattr(GrammarCompiler, "_build", build)
+    yield release, started
+    release.set()
+
+
+def _post(server, body: dict, timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", timeout=timeout,
+                      json={"model": server.model, "prompt": PROMPT, "temperature": 0, **body})
+
+
+def _metrics(server) -> str:
+    return httpx.get(f"{server.url}/metrics", timeout=30).text
+
+
+def _wait(cond, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_other_requests_run_while_a_grammar_compiles(server, held_compiles):
+    release, started = held_compiles
+    box = {}
+    waiting = threading.Thread(target=lambda: box.update(r=_post(server, {
+        "max_tokens": 8, "guided_regex": "(yes|no) sir"})))
+    waiting.start()
+    _wait(lambda: started, "the compile to start")
+    # the compile holds: plain requests still complete, the constrained one counts as waiting
+    for _ in range(3):
+        r = _post(server, {"max_tokens": 6, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+    assert metric(_metrics(server), "mla_serve_num_requests_waiting") == 1
+    assert waiting.is_alive()
+    release.set()
+    waiting.join(60)
+    assert box["r"].status_code == 200, box["r"].text
+    assert box["r"].json()["choices"][0]["text"] in ("yes sir", "no sir")
+    _wait(lambda: metric(_metrics(server), "mla_serve_num_requests_waiting") == 0, "waiting to drain")
+
+
+def test_one_compile_for_many_requests_and_none_once_cached(server, held_compiles):
+    release, started = held_compiles
+    body = {"max_tokens": 8, "n": 3, "temperature": 1.0, "seed": 5, "guided_choice": ["alpha", "beta", "gamma"]}
+    box = {}
+    t = threading.Thread(target=lambda: box.update(r=_post(server, body)))
+    t.start()
+    _wait(lambda: started, "the compile to start")
+    time.sleep(0.2)  # the other two samples' requests arrive meanwhile
+    release.set()
+    t.join(60)
+    assert box["r"].status_code == 200 and len(started) == 1, (box["r"].text, started)
+    assert {c["text"] for c in box["r"].json()["choices"]} <= {"alpha", "beta", "gamma"}
+    assert _post(server, body).status_code == 200 and len(started) == 1  # cached: not compiled again
+
+
+def test_a_failed_compile_is_a_400_naming_the_field(server, monkeypatch):
+    from engine.structured_outputs import GrammarCompiler
+
+    def fail(self, so):
+        raise ValueError(f"the {so.kind} constraint does not compile: too big")
+
+    monkeypatch.setattr(GrammarCompiler, "_build", fail)
+    for body, field in (({"guided_regex": "fails1"}, "guided_regex"),
+                        ({"structured_outputs": {"regex": "fails2"}}, "structured_outputs.regex"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {
+                            "name": "x", "schema": {"type": "object", "title": "fails3"}}}},
+                         "response_format.json_schema.schema")):
+        for stream in (False, True):
+            r = _post(server, {"max_tokens": 4, "stream": stream, **body})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == field and "does not compile: too big" in err["message"], err
+    assert _post(server, {"max_tokens": 3}).status_code == 200
+
+
+def test_a_request_aborted_while_its_grammar_compiles(server, held_compiles):
+    release, started = held_compiles
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up while the compile holds
+        _post(server, {"max_tokens": 8, "guided_regex": "(abc|def)"}, timeout=1.0)
+    assert started
+    _wait(lambda: metric(_metrics(server), "mla_serve_num_requests_waiting") == 0, "the abort")
+    release.set()
+    r = _post(server, {"max_tokens": 8, "guided_regex": "(abc|def)"})  # the compile finished meanwhile
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("abc", "def")
+    assert _post(server, {"max_tokens": 3}).status_code == 200
+
+
+def test_library_panics_read_as_a_limit():
+    from engine.structured_outputs import _first_lines
+    msg = ("panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n"
+           "0: <unknown>\n1: <unknown>")
+    assert _first_lines(msg) == ("it is past one of the grammar library's limits (panic: assertion failed: "
+                                 "grammar.symbols.len() < u16::MAX as usize - 10)")
+    assert _first_lines("line one\n  line two\n") == "line one line two"
+
+
+# ---- the compiler ----
+
+def test_compiled_grammars_are_cached_and_matchers_independent():
+    from engine.structured_outputs import GrammarCompiler
+    gc = GrammarCompiler(str(TINY_MODEL), 512)
+    so = StructuredOutputs("choice", json.dumps(["yes", "no"]))
+    a, b = gc.compile(so), gc.compile(so)
+    assert len(gc._cache) == 1 and a.matcher is not b.matcher
+    c = gc.compile(StructuredOutputs("regex", "[0-9]+"))
+    tok = gc._ll_tokenizer()
+    for t in tok.tokenize_str("ye"):
+        a.accept(t)
+    rows = gc.fill_bitmask([a, b, c])  # several rows: filled in parallel
+    for i, g in enumerate([a, b, c]):
+        one = gc.fill_bitmask([g])
+        assert (one[0] == rows[i]).all()
+    assert not (rows[0] == rows[1]).all()  # a has moved on, b has not
+    for t in tok.tokenize_str("s"):
+        a.accept(t)
+    assert a.terminated and not b.terminated
+
+
+def test_tokenizer_built_once_in_background(monkeypatch):
+    """The serving core builds llguidance's tokenizer on a thread of its own; a compile that comes
+    while it builds waits for that build instead of starting a second one."""
+    import llguidance.hf
+    from engine.structured_outputs import GrammarCompiler
+    real, calls = llguidance.hf.from_tokenizer, []
+
+    def slow(*args, **kw):
+        calls.append(threading.current_thread().name)
+        time.sleep(0.3)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", slow)
+    gc = GrammarCompiler(str(TINY_MODEL), 512)
+    thread = gc.prepare_in_background()
+    while not calls:  # the background build is under way
+        time.sleep(0.01)
+    g = gc.compile(StructuredOutputs("regex", "[0-9]+"))
+    thread.join()
+    assert calls == ["grammar-tokenizer"] and not g.terminated
+    assert gc.prepare_in_background() is None  # built: nothing left to do
+    assert GrammarCompiler(None, 512).prepare_in_background() is None  # no tokenizer
+
+
+def test_serving_core_prepares_the_tokenizer(caplog):
+    """The engine core the server runs builds it at start-up, before any structured request."""
+    from common.args import EngineArgs
+    from engine.async_llm import AsyncLLM
+    caplog.set_level("INFO", logger="engine.structured_outputs")
+    engine = AsyncLLM(EngineArgs(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=64,
+                                 max_model_len=256), core_in_thread=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "tokenizer of 512 tokens" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "tokenizer of 512 tokens" in caplog.text
+    finally:
+        engine.shutdown()
+
+
+def test_compile_async_shares_one_compile_and_reports_failures():
+    from engine.structured_outputs import GrammarCompiler
+    gc = GrammarCompiler(str(TINY_MODEL), 512)
+    so = StructuredOutputs("regex", "[0-9]{2}", source="guided_regex")
+    assert gc.cached(so) is None
+    f1, f2 = gc.compile_async(so), gc.compile_async(StructuredOutputs("regex", "[0-9]{2}"))
+    assert f1 is f2  # the same constraint, whatever field it came from
+    f1.result(30)
+    a, b = gc.instance(so, f1), gc.cached(so)
+    assert a.matcher is not b.matcher and not a.terminated
+    bad = StructuredOutputs("grammar", "start: missing_rule", source="guided_grammar")
+    future = gc.compile_async(bad)
+    with pytest.raises(ValueError, match=r"the grammar constraint does not compile"):
+        future.result(30)
+    # each request that shared the compile is told of the field it used
+    for source in ("guided_grammar", "structured_outputs.grammar"):
+        with pytest.raises(ValueError, match=rf"^{source}: the grammar constraint does not compile"):
+            gc.instance(StructuredOutputs("grammar", bad.spec, source=source), future)
+    with pytest.raises(ValueError, match=r"^guided_grammar: the grammar constraint does not compile"):
+        gc.compile(bad)  # the offline path's message alike
+    assert gc.cached(bad) is None
