@@ -67,6 +67,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return msg + suffix, param
 
 
+def _shown(path: str, limit: int = 200) -> str:
+    """A request path as an error message quotes it: at most `limit` characters (a client's
+    100 KB path came back whole)."""
+    return path if len(path) <= limit else f"{path[:limit]}... ({len(path)} characters)"
+
+
 def body_parse_error(cause: BaseException | None) -> str:
     """Why a body could not be parsed, from the JSON parser's error: valid JSON past the parser's
     limits (nesting, an integer's digits) is named as such, anything else is not JSON text."""
@@ -101,9 +107,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         msg = str(exc.detail)
         if exc.status_code == 404:
-            msg = f"no route {request.method} {request.url.path}"
+            msg = f"no route {request.method} {_shown(request.url.path)}"
         elif exc.status_code == 405:
-            msg = f"method {request.method} is not allowed on {request.url.path}"
+            msg = f"method {request.method} is not allowed on {_shown(request.url.path)}"
         elif exc.status_code == 400 and msg == "There was an error parsing the body":
             msg = body_parse_error(exc.__cause__)  # FastAPI raises it from the parser's error
         return error_response(exc.status_code, msg)

@@ -138,6 +138,17 @@ class BaseRequest(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _no_booleans_as_numbers(cls, data: Any) -> Any:
+        """JSON's true and false are not numbers (pydantic would read them as 1.0 and 0.0): a
+        400 naming the field, as the int fields do (`bounded`)."""
+        if isinstance(data, dict):
+            for name in _float_fields(cls):
+                if isinstance(data.get(name), bool):
+                    raise ValueError(f"{name}: must be a number, not a boolean")
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
         """An explicit null in a field that takes no null means "not set", as in vLLM (which
         declares them Optional), in nested objects too: the default applies, or
@@ -215,6 +226,23 @@ def _takes_none(annotation: Any) -> bool:
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         return any(_takes_none(a) for a in typing.get_args(annotation))
     return False
+
+
+def _is_float(annotation: Any) -> bool:
+    if annotation is float:
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, typing.Annotated):
+        args = typing.get_args(annotation)
+        return _is_float(args[0]) if typing.get_origin(annotation) is typing.Annotated else \
+            any(_is_float(a) for a in args)
+    return False
+
+
+@functools.cache
+def _float_fields(cls: type) -> frozenset:
+    """The names (and aliases) of `cls`'s fields that take a float."""
+    return frozenset(n for name, f in cls.model_fields.items() if _is_float(f.annotation)
+                     for n in (name, f.alias) if n)
 
 
 @functools.cache

@@ -106,3 +106,9 @@ def test_an_empty_body_is_named(fake):
     for path in ("/v1/completions", "/v1/chat/completions"):
         err = assert_error(post(fake, path, b""), 400)
         assert err["message"].startswith("request body is empty"), err
+
+
+def test_a_long_unknown_path_is_not_echoed_whole(fake):
+    r = httpx.get(f"{fake.url}/{'a' * 60_000}", timeout=30)
+    err = assert_error(r, 404)
+    assert len(err["message"]) < 300 and "(60001 characters)" in err["message"], err
