@@ -22,6 +22,20 @@ class ChatMessage(BaseRequest):
     tool_call_id: str | None = None
     name: str | None = None
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_calls_shaped(cls, calls: list[dict] | None) -> list[dict] | None:
+        """Each earlier call as OpenAI shapes it, {"id", "type": "function", "function": {"name",
+        "arguments"}}: the chat template reads these fields, and a missing one failed in it with
+        a message about the template, not the request."""
+        for j, call in enumerate(calls or ()):
+            fn = call.get("function")
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise ValueError(f"tool_calls[{j}].function must be an object with a non-empty name")
+            if not isinstance(fn.get("arguments", ""), (str, dict)):
+                raise ValueError(f"tool_calls[{j}].function.arguments must be a JSON string")
+        return calls
+
     def text(self) -> str:
         """The message's text: a list of text parts joined with newlines, as vLLM joins them for a
         chat template that takes string content; content parts other than text are refused."""

@@ -326,6 +326,12 @@ def test_tool_choice_none_leaves_the_text(auto):
     ({**CHAT, "tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name",
      "at least 1"),
     ({**CHAT, "functions": [{"name": "f"}]}, "functions", "not supported"),
+    *[({**CHAT, "tool_choice": "none", "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", **call}]}]},
+       "messages.1.tool_calls", needle) for call, needle in (({}, "tool_calls[0].function must be an object"),
+                                                ({"function": None}, "tool_calls[0].function must be"),
+                                                ({"function": {"arguments": "{}"}}, "non-empty name"),
+                                                ({"function": {"name": "f", "arguments": 3}}, "a JSON string"))],
 ])
 def test_bad_tool_requests_are_400s(plain, body, param, needle):
     r = post(plain, body)
