@@ -59,14 +59,14 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: in
     return DeviceLogprobs(token_ids, chosen, ranks, top_vals, top_ids)
 
 
-# Transient bytes per prompt position while its logprobs are computed: the logits in the head's
-# dtype and in fp32, their fp32 log_softmax and the rank's boolean comparison, per vocabulary
-# entry (2 + 4 + 4 + 1, rounded up).
+# Bytes per prompt position and vocabulary entry that a chunk's logprobs allocate, summed over
+# its tensors: the head's logits (2) and their fp32 copy (4), the log_softmax (4) and the rank's
+# comparison (1), rounded up; at most 9 of them are held at once, so this bounds the peak.
 PROMPT_LOGPROB_BYTES_PER_ENTRY = 12
-# The most those transients may take at once. Without a bound, a step's prompt of
-# --max-num-batched-tokens positions allocated ~11 bytes x positions x vocabulary at once (9.2 GB
-# for 8192 positions of a 102,400-token vocabulary), beyond the profile run's peak (which takes
-# one row of logits), so a long loglikelihood request could run the GPU out of memory.
+# The most a chunk may allocate. Without chunks, a step's prompt of --max-num-batched-tokens
+# positions held ~9 bytes x positions x vocabulary at once (7.5 GB for 8192 positions of a
+# 102,400-token vocabulary), beyond the profile run's peak (which takes one row of logits), so a
+# long loglikelihood request under a raised token budget could run the GPU out of memory.
 PROMPT_LOGPROB_CHUNK_BYTES = 512 * 2**20
 
 
