@@ -39,7 +39,8 @@ class StructuredOutputs:
     whitespace_pattern: str | None = None
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
-    source: str = "structured_outputs"  # the request field it came from, which its errors name
+    # the request field it came from, which its errors name
+    source: str = field(default="structured_outputs", compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:

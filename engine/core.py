@@ -71,7 +71,9 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Queue a request; ValueError (nothing queued) when one of its values could not run,
-        so that a bad request fails alone before it ever joins a batch."""
+        so that a bad request fails alone before it ever joins a batch. In the serving core a
+        constraint not yet compiled is compiled off the loop, and its failure comes later, from
+        `admit_compiled`."""
         check_sampling_params(params)
         V = self.cfg.vocab_size
         if prompt_token_ids and not 0 <= min(prompt_token_ids) <= max(prompt_token_ids) < V:
@@ -89,6 +91,7 @@ class EngineCore:
             if self.compile_off_loop:
                 request.grammar = self.grammars.cached(so)
                 if request.grammar is None:  # joins the scheduler once compiled (admit_compiled)
+                    self.scheduler.check_request(request)  # its other refusals come now, not then
                     self._compiling[request_id] = (request, self.grammars.compile_async(so))
                     return
             else:
@@ -109,17 +112,21 @@ class EngineCore:
                 continue
             del self._compiling[rid]
             try:
-                request.grammar = self.grammars.instance(request.sampling_params.structured_outputs, future)
-            except ValueError as e:  # the request's own grammar: it fails alone
+                request.grammar = self.grammars.matcher_for(request.sampling_params.structured_outputs, future)
+                self.scheduler.add_request(request)
+            except ValueError as e:  # the request's own grammar or prompt: it fails alone
                 refused.append((rid, str(e)))
-                continue
-            self.scheduler.add_request(request)
         return refused
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         request_ids = list(request_ids)
-        outputs = [EngineCoreOutput(rid, [], finish_reason="abort") for rid in request_ids
-                   if self._compiling.pop(rid, None) is not None]  # its compile goes on, unused
+        outputs = []
+        for rid in request_ids:
+            parked = self._compiling.pop(rid, None)
+            if parked is not None:
+                outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
+                if all(f is not parked[1] for _, f in self._compiling.values()):
+                    parked[1].cancel()  # no one else waits for it: skipped unless already compiling
         outputs += self.scheduler.abort_requests(request_ids)
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             outputs += self._drain()  # idle from now on: nothing should stay in flight

@@ -6,7 +6,8 @@ runs on any machine without extra packages). Front end -> core: a list of comman
 `("shutdown", None)`. Core -> front end: `("ready", CoreInfo)` or `("error", message)` once at
 start-up, then `("outputs", (rows, stats))` after every loop turn that changed something,
 `("refused", [(engine_req_id, message), ...])` for requests `EngineCore.add_request` refused
-(a ValueError: that request's own values could not run; the engine goes on), and
+(a ValueError: that request's own values could not run; the engine goes on) or whose grammar,
+compiled off the loop, failed (`EngineCore.admit_compiled`: later, before any output of theirs), and
 `("dead", message)` if the loop fails. A row is one EngineCoreOutput as the tuple of its fields in
 declaration order (a field added to the dataclass travels without touching this file): a step
 of 256 decodes is ~15 KB, encoded and pickled in ~0.13 ms on the CPU, a third of the time

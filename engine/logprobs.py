@@ -59,9 +59,10 @@ def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: in
     return DeviceLogprobs(token_ids, chosen, ranks, top_vals, top_ids)
 
 
-# Bytes per prompt position and vocabulary entry that a chunk's logprobs allocate, summed over
-# its tensors: the head's logits (2) and their fp32 copy (4), the log_softmax (4) and the rank's
-# comparison (1), rounded up; at most 9 of them are held at once, so this bounds the peak.
+# Bytes per prompt position and vocabulary entry that a chunk's logprobs allocate on one rank:
+# the head's logits (2) and their fp32 copy (4), the log_softmax (4) and the rank's comparison
+# (1), rounded up. At most ~9 of them are held at once (under TP ~1-2 more: the vocabulary
+# shards and the gather's buffer), so 12 bounds the peak.
 PROMPT_LOGPROB_BYTES_PER_ENTRY = 12
 # The most a chunk may allocate. Without chunks, a step's prompt of --max-num-batched-tokens
 # positions held ~9 bytes x positions x vocabulary at once (7.5 GB for 8192 positions of a
@@ -79,8 +80,9 @@ def prompt_logprobs_chunked(logits_of: Callable[[torch.Tensor], torch.Tensor], h
                             next_token_ids: torch.Tensor, num_top: int, vocab_size: int) -> DeviceLogprobs | list:
     """`prompt_logprobs_on_device(logits_of(hidden), next_token_ids, num_top)` over row chunks of
     `prompt_logprob_rows(vocab_size)` positions, so that the logits of at most one chunk exist at
-    a time; log_softmax, rank and top-k are per row, so the rows equal the whole's up to the LM
-    head GEMM's summation order for another row count."""
+    a time: hidden [M, D], next_token_ids [M] (the prompt token after each position), logits_of
+    [m, D] -> [m, V]. log_softmax, rank and top-k are per row, so the rows equal the whole's up to
+    the LM head GEMM's summation order for another row count."""
     step = prompt_logprob_rows(vocab_size)
     parts = [prompt_logprobs_on_device(logits_of(hidden[i:i + step]), next_token_ids[i:i + step], num_top)
              for i in range(0, hidden.shape[0], step)]

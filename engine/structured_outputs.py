@@ -19,6 +19,7 @@ import importlib.util
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -35,8 +36,8 @@ MAX_CACHED_GRAMMARS = 256
 MAX_ERROR_CHARS = 300  # of a matcher's error, as a request's answer carries it
 # threads that compute the bitmask rows of one step in parallel (llguidance's LLExecutor)
 MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
-# constraints compiled at once off the step loop (compile_async): two, so that one huge grammar
-# does not hold every other structured request behind it
+# constraints compiled at once off the step loop (compile_async's workers): two, so that one huge
+# grammar does not hold every other structured request behind it
 COMPILE_THREADS = 2
 
 # JSON is generated compact, as json.dumps writes it ('{"a": 1, "b": [2, 3]}'): free whitespace
@@ -72,15 +73,18 @@ def grammar_text(so: StructuredOutputs) -> str:
         except (ValueError, TypeError) as e:
             raise ValueError(str(e)) from None
     if so.kind == "choice":  # one regex alternation: llguidance's choice grammar takes at most 1999
-        return grammar_from("regex", "(" + "|".join(map(_regex_literal, json.loads(so.spec))) + ")")
+        choices = json.loads(so.spec)
+        if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+            raise ValueError("a choice constraint is a JSON list of strings")
+        return grammar_from("regex", "(" + "|".join(map(_regex_literal, choices)) + ")")
     return grammar_from(so.kind, so.spec)  # "regex", "grammar" (Lark or GBNF)
 
 
 def _regex_literal(text: str) -> str:
-    """`text` as a regex that matches exactly it: ASCII letters, digits and _ as they are, every
-    other character as a hex escape (\\x{..}, which the regex syntax llguidance reads takes for
-    any character)."""
-    return "".join(c if c.isascii() and (c.isalnum() or c == "_") else f"\\x{{{ord(c):x}}}" for c in text)
+    """`text` as a regex that matches exactly it: ASCII letters, digits, _ and every non-ASCII
+    character as they are (the regex syntax's special characters are all ASCII), every other
+    ASCII character (punctuation, space, controls) as a hex escape, \\x{..}."""
+    return "".join(c if c.isalnum() or c == "_" or not c.isascii() else f"\\x{{{ord(c):x}}}" for c in text)
 
 
 def _no_additional_properties(schema):
@@ -172,7 +176,8 @@ class GrammarCompiler:
         self._cache: OrderedDict = OrderedDict()
         self._cache_lock = threading.Lock()  # the cache and the compiles under way, across threads
         self._compiling: dict[tuple, Future] = {}  # compile_async's, by constraint
-        self._compile_slots = threading.Semaphore(COMPILE_THREADS)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (constraint, future) for the workers
+        self._workers: list[threading.Thread] = []  # started by the first compile_async
         self._executor = None
         self.prepare_thread: threading.Thread | None = None  # prepare_in_background's
 
@@ -188,7 +193,7 @@ class GrammarCompiler:
         def build():
             try:
                 self._ll_tokenizer()
-            except Exception as e:  # noqa: BLE001 - reported by the first request that needs it
+            except BaseException as e:  # noqa: BLE001 - reported by the first request that needs it (a pyo3 panic too)
                 log.debug("structured outputs: building the tokenizer in the background failed: %s", e)
 
         self.prepare_thread = threading.Thread(target=build, name="grammar-tokenizer", daemon=True)
@@ -259,32 +264,51 @@ class GrammarCompiler:
             raise failure(so, e) from None
 
     def compile_async(self, so: StructuredOutputs) -> Future:
-        """A Future of the compiled constraint (`instance` makes a request's matcher of it),
-        compiled on a daemon thread, at most COMPILE_THREADS at once: a large grammar takes
-        seconds (200,000 alternatives: ~15 s), which on the engine's step loop stalled every
-        running request. Requests with the same constraint share one compile."""
+        """A Future of the compiled constraint (`matcher_for` makes a request's matcher of it),
+        compiled by COMPILE_THREADS daemon workers: a large grammar takes seconds (200,000
+        alternatives: ~15 s), which on the engine's step loop stalled every running request.
+        Requests with the same constraint share one compile; one already cached is a done
+        Future. Cancelling the Future before a worker takes it skips the compile (`cancel`)."""
         key = self._key(so)
         with self._cache_lock:
             future = self._compiling.get(key)
             if future is not None:
                 return future
-            future = self._compiling[key] = Future()
-
-        def run():
-            with self._compile_slots:
-                try:
-                    future.set_result(self._build(so))
-                except BaseException as e:  # noqa: BLE001 - the request that waits reports it
-                    future.set_exception(e)
-                finally:
-                    with self._cache_lock:
-                        self._compiling.pop(key, None)
-
-        threading.Thread(target=run, name="grammar-compile", daemon=True).start()
+            future = Future()
+            template = self._cache.get(key)
+            if template is not None:  # compiled since the caller's cached() looked
+                future.set_result(template)
+                return future
+            self._compiling[key] = future
+            if not self._workers:
+                self._workers = [threading.Thread(target=self._compile_worker, name="grammar-compile", daemon=True)
+                                 for _ in range(COMPILE_THREADS)]
+                for worker in self._workers:
+                    worker.start()
+        # a cancelled compile leaves no entry behind for the next request with this constraint
+        future.add_done_callback(lambda f: self._forget(key, f))
+        self._queue.put((so, future))
         return future
 
+    def _forget(self, key: tuple, future: Future) -> None:
+        with self._cache_lock:
+            if self._compiling.get(key) is future:
+                del self._compiling[key]
+
+    def _compile_worker(self) -> None:
+        while True:
+            so, future = self._queue.get()
+            if not future.set_running_or_notify_cancel():
+                continue  # every request that waited for it has gone
+            try:
+                future.set_result(self._build(so))
+            except BaseException as e:  # noqa: BLE001 - the requests that wait report it (a 400)
+                # a pyo3 panic is a BaseException: as an Exception, so that it fails the requests
+                # that wait for it, not the engine loop that reads the result
+                future.set_exception(e if isinstance(e, Exception) else RuntimeError(f"{type(e).__name__}: {e}"))
+
     @staticmethod
-    def instance(so: StructuredOutputs, future: Future) -> RequestGrammar:
+    def matcher_for(so: StructuredOutputs, future: Future) -> RequestGrammar:
         """A request's own matcher of its constraint's compile (compile_async's future, done);
         ValueError naming the request's field when it did not compile (requests that share a
         compile may have come through different fields)."""

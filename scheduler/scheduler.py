@@ -85,6 +85,16 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; ValueError if its prompt can never be served."""
+        self.check_request(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        if request.grammar is not None:
+            self._structured.add(request.request_id)
+
+    def check_request(self, request: Request) -> None:
+        """add_request's refusals (ValueError), without queueing: an id in use, a prompt that can
+        never be served."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         n = request.num_prompt_tokens
@@ -95,11 +105,6 @@ class Scheduler:
             raise ValueError(f"prompt has {n} tokens, more than the KV cache capacity of "
                              f"{self.config.capacity_tokens} tokens ({self.config.num_blocks} blocks "
                              f"of {self.config.virtual_block_size})")
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.append(request)
-        if request.grammar is not None:
-            self._structured.add(request.request_id)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Finish the given requests with "abort" and free their blocks; unknown ids are ignored."""

@@ -26,15 +26,23 @@ class ChatMessage(BaseRequest):
     @classmethod
     def _tool_calls_shaped(cls, calls: list[dict] | None) -> list[dict] | None:
         """Each earlier call as OpenAI shapes it, {"id", "type": "function", "function": {"name",
-        "arguments"}}: the chat template reads these fields, and a missing one failed in it with
-        a message about the template, not the request."""
+        "arguments"}}, which the chat template reads: a named function with its arguments (a
+        JSON string; an object is written as one), "type" "function" when left out. A call
+        without them failed in the template, with a message about the template."""
+        shaped = []
         for j, call in enumerate(calls or ()):
             fn = call.get("function")
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise ValueError(f"tool_calls[{j}].function must be an object with a non-empty name")
-            if not isinstance(fn.get("arguments", ""), (str, dict)):
+            args = fn.get("arguments")
+            if isinstance(args, dict):
+                args = json.dumps(args, ensure_ascii=False)
+            if not isinstance(args, str):
                 raise ValueError(f"tool_calls[{j}].function.arguments must be a JSON string")
-        return calls
+            if call.get("type", "function") != "function":
+                raise ValueError(f"tool_calls[{j}].type must be \"function\"")
+            shaped.append({**call, "type": "function", "function": {**fn, "arguments": args}})
+        return None if calls is None else shaped
 
     def text(self) -> str:
         """The message's text: a list of text parts joined with newlines, as vLLM joins them for a

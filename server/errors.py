@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -79,7 +80,8 @@ def body_parse_error(cause: BaseException | None) -> str:
     if isinstance(cause, RecursionError):
         return "request body: JSON nested too deeply for the parser (Python's recursion limit, ~1000 levels)"
     if isinstance(cause, ValueError) and "Exceeds the limit" in str(cause):  # int() of a huge literal
-        return f"request body: a number too long to parse ({cause})"
+        return (f"request body: a number too long to parse (an integer literal of more than "
+                f"{sys.get_int_max_str_digits()} digits)")
     if cause is None or isinstance(cause, UnicodeDecodeError):
         return "request body is not valid JSON text (UTF-8)"
     return f"request body is not valid JSON text ({type(cause).__name__}: {str(cause)[:200]})"

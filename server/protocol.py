@@ -18,10 +18,11 @@ from pydantic import Field, field_validator, model_validator
 
 from common.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K,
                                     SamplingParams, StructuredOutputs)
-from server.request_fields import (_SPEC_KINDS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_CHOICES,
-                                   MAX_LOGIT_BIAS_TOKENS, MAX_N, MAX_REQUEST_ID_CHARS, BaseRequest, Int64,
-                                   NonNegInt64, ResponseFormat, StreamOptions, StructuredOutputsRequest,
-                                   _json_spec, bounded, refuse_unsupported)
+from server.request_fields import (_SPEC_KINDS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS,
+                                   MAX_CHOICE_CHARS, MAX_CHOICES, MAX_LOGIT_BIAS_TOKENS, MAX_N,
+                                   MAX_REQUEST_ID_CHARS, BaseRequest, Int64, NonNegInt64, ResponseFormat,
+                                   StreamOptions, StructuredOutputsRequest, _json_spec, bounded,
+                                   refuse_unsupported)
 
 
 class SamplingFields(BaseRequest):
@@ -176,8 +177,11 @@ class SamplingFields(BaseRequest):
         if kind == "choice":
             if not spec or any(not c for c in spec):
                 raise ValueError(f"{field}: must be a non-empty list of non-empty strings")
-            if len(spec) > MAX_CHOICES:  # bounds the compile's work
+            if len(spec) > MAX_CHOICES:  # these two bound the compile's work
                 raise ValueError(f"{field}: {len(spec)} choices; at most {MAX_CHOICES}")
+            chars = sum(map(len, spec))
+            if chars > MAX_CHOICE_CHARS:
+                raise ValueError(f"{field}: {chars} characters in all; at most {MAX_CHOICE_CHARS}")
             spec = json.dumps(spec)
         out = StructuredOutputs(
             kind, spec,

@@ -95,10 +95,9 @@ def test_n_samples_and_logprobs(tiny_v3):
     assert [lp.token_id for lp in out.prompt_logprobs[1:]] == out.prompt_token_ids[1:]
 
 
-
 def test_prompt_logprobs_in_row_chunks(tiny_v3, monkeypatch):
-    """A prompt's logprobs computed a few rows at a time (engine.logprobs bounds the logits held at
-    once) equal those of one chunk."""
+    """The runner computes a prompt's logprobs a few rows at a time (engine.logprobs bounds the
+    logits held at once), equal to those of one chunk."""
     import engine.logprobs as el
     llm = make_llm(tiny_v3[0])
     V = llm.engine.cfg.vocab_size
@@ -107,11 +106,15 @@ def test_prompt_logprobs_in_row_chunks(tiny_v3, monkeypatch):
     whole = llm.generate([prompt], params)[0].prompt_logprobs
     monkeypatch.setattr(el, "PROMPT_LOGPROB_CHUNK_BYTES", 3 * el.PROMPT_LOGPROB_BYTES_PER_ENTRY * V)
     assert el.prompt_logprob_rows(V) == 3 and el.prompt_logprob_rows(10 * V) == 1
+    rows, real = [], el.prompt_logprobs_on_device
+    monkeypatch.setattr(el, "prompt_logprobs_on_device", lambda lg, *a: rows.append(lg.shape[0]) or real(lg, *a))
     chunked = llm.generate([prompt], params)[0].prompt_logprobs
+    assert rows and max(rows) == 3 and sum(rows) == 40, rows  # the runner's logits came in chunks
     assert whole[0] is None is chunked[0] and len(whole) == len(chunked) == 41
     for a, b in zip(whole[1:], chunked[1:]):
         assert (a.token_id, a.rank, [t for t, _ in a.top]) == (b.token_id, b.rank, [t for t, _ in b.top])
         assert math.isclose(a.logprob, b.logprob, abs_tol=1e-5)
+
 
 @pytest.mark.parametrize("prompt,params,field", [
     ("", SamplingParams(), "prompt"),

@@ -129,7 +129,75 @@ def test_a_request_aborted_while_its_grammar_compiles(server, held_compiles):
     release.set()
     r = _post(server, {"max_tokens": 8, "guided_regex": "(abc|def)"})  # the compile finished meanwhile
     assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("abc", "def")
+    assert started == ["(abc|def)"]  # into the LRU: not compiled again
     assert _post(server, {"max_tokens": 3}).status_code == 200
+
+
+def test_a_compile_nobody_waits_for_is_skipped(server, held_compiles):
+    """Both compile workers held; a third constraint's request leaves before a worker takes its
+    compile: the compile is cancelled, not run for no one."""
+    release, started = held_compiles
+    answers = []
+    held = [threading.Thread(target=lambda rx=rx: answers.append(_post(server, {"max_tokens": 4, "guided_regex": rx})))
+            for rx in ("(aa|bb)", "(cc|dd)")]
+    for t in held:
+        t.start()
+    _wait(lambda: len(started) == 2, "both workers to hold a compile")
+    with pytest.raises(httpx.ReadTimeout):
+        _post(server, {"max_tokens": 4, "guided_regex": "(ee|ff)"}, timeout=1.0)
+    _wait(lambda: metric(_metrics(server), "mla_serve_num_requests_waiting") == 2, "the abort")
+    release.set()
+    for t in held:
+        t.join(60)
+    assert [r.status_code for r in answers] == [200, 200]
+    # queued after the cancelled one: by the time it has run, a worker has dropped (ee|ff)
+    assert _post(server, {"max_tokens": 4, "guided_regex": "(gg|hh)"}).status_code == 200
+    assert "(ee|ff)" not in started and "(gg|hh)" in started, started
+    r = _post(server, {"max_tokens": 4, "guided_regex": "(ee|ff)"})  # asked again: compiled now
+    assert r.status_code == 200 and started.count("(ee|ff)") == 1
+
+
+def test_a_library_panic_fails_its_request_not_the_engine(server, monkeypatch):
+    from engine.structured_outputs import GrammarCompiler
+
+    class Panic(BaseException):  # as pyo3's PanicException: not an Exception
+        pass
+
+    def panic(self, so):
+        raise Panic("assertion failed: something in the library")
+
+    monkeypatch.setattr(GrammarCompiler, "_build", panic)
+    r = _post(server, {"max_tokens": 4, "guided_regex": "(pp|qq)"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "guided_regex" and "Panic: assertion failed" in err["message"], err
+    assert _post(server, {"max_tokens": 3}).status_code == 200
+
+
+def test_a_parked_request_is_checked_by_the_scheduler_first():
+    """A request that waits for its grammar is refused at once for what the scheduler would refuse
+    (an id in use, a prompt past the context), not when its compile ends."""
+    from common.args import EngineArgs
+    from common.sampling_params import SamplingParams
+    from engine.core import EngineCore
+    from engine.llm import load_front_end
+    args = EngineArgs(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=64)
+    cfg, inputs, _ = load_front_end(args)
+    core = EngineCore(args, cfg, inputs.eos_token_id, serving=True)
+    try:
+        regex = SamplingParams(max_tokens=2, structured_outputs=StructuredOutputs("regex", "(xx|yy)"))
+        core.add_request("R", [5, 6, 7], SamplingParams(max_tokens=2))
+        with pytest.raises(ValueError, match="already in use"):
+            core.add_request("R", [5, 6], regex)
+        with pytest.raises(ValueError, match="more than max_model_len"):
+            core.add_request("S", [5] * 65, regex)
+        assert core.num_compiling == 0
+        core.add_request("T", [5, 6], regex)
+        assert core.num_compiling == 1
+        _wait(lambda: core.admit_compiled() == [] and core.num_compiling == 0, "T's compile")
+        assert "T" in core.scheduler.requests
+    finally:
+        core.shutdown()
 
 
 def test_library_panics_read_as_a_limit():
@@ -178,8 +246,7 @@ def test_tokenizer_built_once_in_background(monkeypatch):
     monkeypatch.setattr(llguidance.hf, "from_tokenizer", slow)
     gc = GrammarCompiler(str(TINY_MODEL), 512)
     thread = gc.prepare_in_background()
-    while not calls:  # the background build is under way
-        time.sleep(0.01)
+    _wait(lambda: calls, "the background build")
     g = gc.compile(StructuredOutputs("regex", "[0-9]+"))
     thread.join()
     assert calls == ["grammar-tokenizer"] and not g.terminated
@@ -211,8 +278,12 @@ def test_compile_async_shares_one_compile_and_reports_failures():
     f1, f2 = gc.compile_async(so), gc.compile_async(StructuredOutputs("regex", "[0-9]{2}"))
     assert f1 is f2  # the same constraint, whatever field it came from
     f1.result(30)
-    a, b = gc.instance(so, f1), gc.cached(so)
+    a, b = gc.matcher_for(so, f1), gc.cached(so)
     assert a.matcher is not b.matcher and not a.terminated
+    assert gc.compile_async(so).done()  # cached since: no second compile
+    for spec in ('"abc"', "[1, 2]", "{}"):  # a choice spec is a list of strings
+        with pytest.raises(ValueError, match="a choice constraint is a JSON list of strings"):
+            gc.compile(StructuredOutputs("choice", spec))
     bad = StructuredOutputs("grammar", "start: missing_rule", source="guided_grammar")
     future = gc.compile_async(bad)
     with pytest.raises(ValueError, match=r"the grammar constraint does not compile"):
@@ -220,7 +291,7 @@ def test_compile_async_shares_one_compile_and_reports_failures():
     # each request that shared the compile is told of the field it used
     for source in ("guided_grammar", "structured_outputs.grammar"):
         with pytest.raises(ValueError, match=rf"^{source}: the grammar constraint does not compile"):
-            gc.instance(StructuredOutputs("grammar", bad.spec, source=source), future)
+            gc.matcher_for(StructuredOutputs("grammar", bad.spec, source=source), future)
     with pytest.raises(ValueError, match=r"^guided_grammar: the grammar constraint does not compile"):
         gc.compile(bad)  # the offline path's message alike
     assert gc.cached(bad) is None

@@ -54,6 +54,10 @@ def test_guided_choice_count_is_bounded(fake):
         assert f"at most {MAX_CHOICES}" in err["message"], err
     r = post(fake, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_choice": many[:MAX_CHOICES]})
     assert r.status_code == 200, r.text
+    from server.request_fields import MAX_CHOICE_CHARS
+    long = ["x" * (MAX_CHOICE_CHARS // 2), "y" * (MAX_CHOICE_CHARS // 2 + 1)]
+    err = assert_error(post(fake, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "guided_choice": long}), 400)
+    assert f"{MAX_CHOICE_CHARS + 1} characters in all; at most {MAX_CHOICE_CHARS}" in err["message"], err
 
 
 def test_invented_http_methods_share_one_metrics_label(fake):

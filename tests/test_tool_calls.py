@@ -331,7 +331,10 @@ def test_tool_choice_none_leaves_the_text(auto):
        "messages.1.tool_calls", needle) for call, needle in (({}, "tool_calls[0].function must be an object"),
                                                 ({"function": None}, "tool_calls[0].function must be"),
                                                 ({"function": {"arguments": "{}"}}, "non-empty name"),
-                                                ({"function": {"name": "f", "arguments": 3}}, "a JSON string"))],
+                                                ({"function": {"name": "f", "arguments": 3}}, "a JSON string"),
+                                                ({"function": {"name": "f"}}, "a JSON string"),
+                                                ({"type": "code", "function": {"name": "f", "arguments": "{}"}},
+                                                 "type must be"))],
 ])
 def test_bad_tool_requests_are_400s(plain, body, param, needle):
     r = post(plain, body)
@@ -443,3 +446,15 @@ def test_serve_with_tool_flags_and_a_chat_template(tmp_path_factory, tmp_path):
         c = post(s, {**REAL, "tool_choice": named}).json()["choices"][0]
         assert c["finish_reason"] == "tool_calls"
         _check_calls(c["message"]["tool_calls"], {"get_weather"})
+
+
+def test_earlier_tool_calls_reach_the_template_shaped():
+    """An earlier call's arguments object is written as the JSON string templates concatenate;
+    a call without "type" is a function call."""
+    from server.chat_protocol import ChatMessage
+    m = ChatMessage(role="assistant", tool_calls=[
+        {"id": "c1", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}])
+    assert m.tool_calls == [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
