@@ -361,3 +361,16 @@ def test_serve_with_reasoning_parser_on_the_tiny_model(tmp_path_factory):
         chunks = stream_chat(s, body)
         assert joined(chunks, "reasoning_content") == m["reasoning_content"]
         assert joined(chunks, "content") is None
+
+
+
+def test_earlier_tool_calls_reach_the_template_shaped():
+    """An earlier call's arguments object is written as the JSON string templates concatenate;
+    a call without "type" is a function call."""
+    from server.chat_protocol import ChatMessage
+    m = ChatMessage(role="assistant", tool_calls=[
+        {"id": "c1", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}])
+    assert m.tool_calls == [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]

@@ -446,15 +446,3 @@ def test_serve_with_tool_flags_and_a_chat_template(tmp_path_factory, tmp_path):
         c = post(s, {**REAL, "tool_choice": named}).json()["choices"][0]
         assert c["finish_reason"] == "tool_calls"
         _check_calls(c["message"]["tool_calls"], {"get_weather"})
-
-
-def test_earlier_tool_calls_reach_the_template_shaped():
-    """An earlier call's arguments object is written as the JSON string templates concatenate;
-    a call without "type" is a function call."""
-    from server.chat_protocol import ChatMessage
-    m = ChatMessage(role="assistant", tool_calls=[
-        {"id": "c1", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
-        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}])
-    assert m.tool_calls == [
-        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
-        {"id": "c2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
