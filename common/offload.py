@@ -1,4 +1,5 @@
-"""Tokenizing and chat templating off the event loop, in two lanes of worker threads.
+"""Tokenizing, chat templating and constraint checks off the event loop, in lanes of worker
+threads.
 
 The HTTP process tokenizes on threads so that one long prompt does not stall every other
 request. asyncio's default executor has min(32, cores + 4) threads (6 on 2 cores): eight
@@ -23,6 +24,22 @@ _LARGE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize-large")
 async def off_loop(chars: int, fn, *args):
     """`fn(*args)` on a worker thread of the lane for a text of `chars` characters."""
     pool = _LARGE if chars > LARGE_CHARS else _SMALL
+    return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
+
+
+# Structured-output checks (llguidance validating a grammar: seconds for a large one) have lanes
+# of their own for the same reason: twelve 900 KB grammars being checked on the default executor
+# held a plain request's answer (built there) for 10 s. Constraints of more than
+# LARGE_CONSTRAINT_CHARS characters queue behind each other on one thread.
+LARGE_CONSTRAINT_CHARS = 1 << 16
+_CHECK = ThreadPoolExecutor(max_workers=2, thread_name_prefix="constraint")
+_CHECK_LARGE = ThreadPoolExecutor(max_workers=1, thread_name_prefix="constraint-large")
+
+
+async def check_off_loop(chars: int, fn, *args):
+    """`fn(*args)` on a worker thread of the constraint-check lane for `chars` characters of
+    constraints."""
+    pool = _CHECK_LARGE if chars > LARGE_CONSTRAINT_CHARS else _CHECK
     return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
 

@@ -15,11 +15,13 @@ serves everything else.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -56,12 +58,56 @@ def _import():
     return llguidance
 
 
+# JSON-schema bounds (minimum, maximum, exclusive*) past this magnitude are refused before
+# llguidance sees them: an integer range with both ends within a few units of -2^63 crashed
+# llguidance 1.9.1 (a segfault, the whole server process with it); 2^62 leaves every such range out.
+MAX_SCHEMA_BOUND = 2**62
+_BOUND_KEYS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def check_schema_bounds(schema) -> None:
+    """ValueError naming the first numeric bound of `schema` (a parsed JSON schema, searched
+    whole) past ±MAX_SCHEMA_BOUND."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            for key in _BOUND_KEYS:
+                v = node.get(key)
+                number = isinstance(v, (int, float)) and not isinstance(v, bool)
+                if number and not -MAX_SCHEMA_BOUND <= v <= MAX_SCHEMA_BOUND:
+                    raise ValueError(f"the schema's {key} {v} is outside [-2^62, 2^62], which the grammar "
+                                     f"library cannot compile safely")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
+def _check_lark_json_bounds(grammar: str) -> None:
+    """check_schema_bounds for every `%json { ... }` schema inside a Lark grammar (one that does
+    not parse as JSON is left to llguidance to refuse)."""
+    decoder = json.JSONDecoder()
+    for m in re.finditer(r"%json\s*", grammar):
+        try:
+            schema, _ = decoder.raw_decode(grammar, m.end())
+        except ValueError:
+            continue
+        check_schema_bounds(schema)
+
+
 def grammar_text(so: StructuredOutputs) -> str:
     """The llguidance grammar of a constraint; ValueError when it cannot even be built."""
     llg = _import()
     from llguidance._grammar_from import grammar_from
+    if so.kind == "grammar":
+        _check_lark_json_bounds(so.spec)
     if so.kind in ("json", "json_object"):
         schema = so.spec if so.kind == "json" else '{"type": "object"}'
+        if so.kind == "json":
+            try:
+                check_schema_bounds(json.loads(schema))
+            except RecursionError:
+                raise ValueError("the schema is nested too deeply to check") from None
         if so.whitespace_pattern is not None:
             opts = {"whitespace_flexible": True, "whitespace_pattern": so.whitespace_pattern}
         else:
@@ -99,17 +145,44 @@ def _no_additional_properties(schema):
     return schema
 
 
+# validate's verdicts by a digest of the constraint: a constraint sent again (every request of
+# a client with one schema) is not checked again (a 900 KB grammar took 1.4 s each time)
+MAX_VALIDATED = 4096
+_validated: OrderedDict = OrderedDict()  # digest -> None (valid) or why not
+_validated_lock = threading.Lock()
+
+
 def validate(so: StructuredOutputs, field: str) -> None:
     """ValueError starting with `field` when the constraint does not compile (no tokenizer
     needed: the front end runs it before anything reaches the engine)."""
     try:
+        _import()  # a missing package is this server's state, not the constraint's: not cached
+    except ValueError as e:
+        raise ValueError(f"{field}: {e}") from None
+    key = hashlib.sha256(repr(GrammarCompiler._key(so)).encode("utf-8", "surrogatepass")).digest()
+    with _validated_lock:
+        known = key in _validated
+        why = _validated.get(key)
+        if known:
+            _validated.move_to_end(key)
+    if not known:
+        why = _why_invalid(so)
+        with _validated_lock:
+            _validated[key] = why
+            while len(_validated) > MAX_VALIDATED:
+                _validated.popitem(last=False)
+    if why is not None:
+        raise ValueError(f"{field}: {why}")
+
+
+def _why_invalid(so: StructuredOutputs) -> str | None:
+    """Why the constraint does not compile, or None."""
+    try:
         text = grammar_text(so)
         error = _import().LLMatcher.validate_grammar(text)
     except ValueError as e:
-        raise ValueError(f"{field}: {e}") from None
-    if error:
-        raise ValueError(f"{field}: the {so.kind} constraint does not compile: "
-                         f"{_first_lines(error)}")
+        return str(e)
+    return f"the {so.kind} constraint does not compile: {_first_lines(error)}" if error else None
 
 
 def _first_lines(message: str, n: int = 4) -> str:

@@ -172,6 +172,11 @@ class ChatCompletionRequest(SamplingFields):
     def asks_for_structure(self) -> bool:
         return super().asks_for_structure or self.forced_tool_choice is not None
 
+    @property
+    def constraint_chars(self) -> int:
+        forced = self.forced_tool_choice is not None and self.tools
+        return super().constraint_chars + (len(str(self.tools)) if forced else 0)
+
     def structured(self) -> StructuredOutputs | None:
         """As for completions, plus the JSON constraint of a forced tool choice."""
         own = super().structured()

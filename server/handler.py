@@ -21,6 +21,7 @@ from typing import Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from common.offload import check_off_loop
 from common.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
 from engine.input_processor import ContextLengthError
@@ -76,7 +77,7 @@ async def sampling_params(req, tokenizer=None) -> SamplingParams:
     grammar is compiled off the event loop, and bad_words are tokenized with `tokenizer`."""
     try:
         if req.asks_for_structure:
-            params = await asyncio.to_thread(req.to_sampling_params)
+            params = await check_off_loop(req.constraint_chars, req.to_sampling_params)
         else:
             params = req.to_sampling_params()
     except ValueError as e:

@@ -143,6 +143,13 @@ class SamplingFields(BaseRequest):
                 or any(v is not None for v in (self.guided_json, self.guided_regex,
                                                self.guided_choice, self.guided_grammar)))
 
+    @property
+    def constraint_chars(self) -> int:
+        """Characters of the request's output constraints (what checking them costs, roughly)."""
+        values = [self.structured_outputs, self.response_format, self.guided_json, self.guided_regex,
+                  self.guided_choice, self.guided_grammar]
+        return sum(len(v) if isinstance(v, str) else len(str(v)) for v in values if v is not None)
+
     def structured(self) -> StructuredOutputs | None:
         """The request's output constraint, validated (llguidance); ValueError naming the field."""
         found: list[tuple[str, str, str]] = []  # (field, kind, spec)

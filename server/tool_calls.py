@@ -225,11 +225,24 @@ def forced_schema(tools: list[dict], choice) -> dict:
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         return params(next(t for t in tools if t["function"]["name"] == name))
-    items = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               "parameters": params(t)},
-              "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
+    # Each tool's parameters move inside an array schema, so their root-relative definitions
+    # ("$ref": "#/$defs/Unit", as Pydantic writes them) move to the new root, merged.
+    defs: dict[str, dict] = {}
+    items = []
+    for t in tools:
+        p = dict(params(t))
+        for key in ("$defs", "definitions"):
+            if not isinstance(p.get(key), dict):
+                continue  # absent, or malformed: left where the schema check will name it
+            for name, schema in p.pop(key).items():
+                if defs.setdefault(key, {}).setdefault(name, schema) != schema:
+                    raise ValueError(f"tools: two tools define {key} {name!r} differently; a forced "
+                                     f"tool choice puts every tool's definitions in one schema")
+        items.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                        "parameters": p},
+                      "required": ["name", "parameters"], "additionalProperties": False})
     one_of = items[0] if len(items) == 1 else {"anyOf": items}
-    return {"type": "array", "minItems": 1, "items": one_of}
+    return {"type": "array", "minItems": 1, "items": one_of, **defs}
 
 
 def forced_calls(text: str, choice) -> list[dict] | None:

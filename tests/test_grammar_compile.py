@@ -295,3 +295,46 @@ def test_compile_async_shares_one_compile_and_reports_failures():
     with pytest.raises(ValueError, match=r"^guided_grammar: the grammar constraint does not compile"):
         gc.compile(bad)  # the offline path's message alike
     assert gc.cached(bad) is None
+
+
+@pytest.mark.parametrize("lo, hi", [(-2**63 + 1, -2**63 + 2), (-2**63, -2**63), (-1e19, -1e19), (None, 2**63)])
+def test_schema_bounds_past_2_62_are_refused_before_the_library(lo, hi):
+    """Integer ranges near -2^63 crashed llguidance (a segfault of the whole process): such bounds
+    are a 400 naming the field, found anywhere in a schema or in a Lark grammar's %json."""
+    from engine.structured_outputs import validate
+    bounds = {k: v for k, v in (("minimum", lo), ("maximum", hi)) if v is not None}
+    schema = {"type": "object", "properties": {"n": {"type": "integer", **bounds}}, "required": ["n"]}
+    with pytest.raises(ValueError, match=r"^guided_json: the schema's (minimum|maximum) .* outside \[-2\^62, 2\^62\]"):
+        validate(StructuredOutputs("json", json.dumps(schema)), "guided_json")
+    with pytest.raises(ValueError, match=r"^guided_grammar: the schema's .* outside"):
+        validate(StructuredOutputs("grammar", f"start: %json {json.dumps(schema)}"), "guided_grammar")
+
+
+def test_schema_bounds_within_2_62_compile():
+    from engine.structured_outputs import GrammarCompiler
+    gc = GrammarCompiler(str(TINY_MODEL), 512)
+    schema = {"type": "integer", "minimum": -2**62, "maximum": 2**62}
+    assert not gc.compile(StructuredOutputs("json", json.dumps(schema))).terminated
+
+
+def test_validation_verdicts_are_remembered(monkeypatch):
+    """A constraint sent again is not checked again; its verdict names each request's own field."""
+    import engine.structured_outputs as so_mod
+    real, checked = so_mod._why_invalid, []
+    monkeypatch.setattr(so_mod, "_why_invalid", lambda so: checked.append(so.spec) or real(so))
+    good, bad = "(remember|me)", "(unclosed"
+    for field in ("guided_regex", "structured_outputs.regex"):
+        so_mod.validate(StructuredOutputs("regex", good), field)
+        with pytest.raises(ValueError, match=rf"^{field}: .*unclosed"):
+            so_mod.validate(StructuredOutputs("regex", bad), field)
+    assert checked == [good, bad]
+
+
+def test_constraint_checks_have_their_own_lanes():
+    import asyncio
+    from common.offload import LARGE_CONSTRAINT_CHARS, check_off_loop
+
+    def lane():
+        return threading.current_thread().name.rsplit("_", 1)[0]
+    assert asyncio.run(check_off_loop(10, lane)) == "constraint"
+    assert asyncio.run(check_off_loop(LARGE_CONSTRAINT_CHARS + 1, lane)) == "constraint-large"

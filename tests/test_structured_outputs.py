@@ -407,3 +407,21 @@ def test_tensor_parallel_ranks_apply_the_same_mask():
         for c in r.json()["choices"]:
             jsonschema.validate(json.loads(c["message"]["content"]), schema)
         assert httpx.get(f"{s.url}/health").status_code == 200
+
+
+def test_forced_required_choice_keeps_the_tools_definitions():
+    """tool_choice "required" nests each tool's parameters in one array schema: their $defs (as
+    Pydantic writes them) move to its root, so that "#/$defs/..." still resolves."""
+    from engine.structured_outputs import validate
+    from server.tool_calls import forced_schema
+    unit = {"type": "string", "enum": ["c", "f"]}
+
+    def tool(name, defs):
+        return {"type": "function", "function": {"name": name, "parameters": {
+            "type": "object", "$defs": defs, "properties": {"unit": {"$ref": "#/$defs/Unit"}},
+            "required": ["unit"]}}}
+    schema = forced_schema([tool("a", {"Unit": unit}), tool("b", {"Unit": unit})], "required")
+    assert schema["$defs"] == {"Unit": unit}
+    validate(StructuredOutputs("json", json.dumps(schema)), "tools")  # compiles
+    with pytest.raises(ValueError, match=r"^tools: two tools define \$defs 'Unit' differently"):
+        forced_schema([tool("a", {"Unit": unit}), tool("b", {"Unit": {"type": "integer"}})], "required")
