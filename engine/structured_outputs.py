@@ -34,7 +34,10 @@ from common.sampling_params import StructuredOutputs
 log = logging.getLogger(__name__)
 
 PACKAGE = "llguidance"
-MAX_CACHED_GRAMMARS = 256
+# The compiled-grammar LRU, bounded in entries and in the characters of their constraints: a
+# matcher's memory follows its grammar's size (a 900 KB Lark grammar's took ~60 MB, so 256 of
+# them would have held ~15 GB); 8M characters is ~0.5 GB of such matchers.
+MAX_CACHED_GRAMMARS, MAX_CACHED_GRAMMAR_CHARS = 256, 8_000_000
 MAX_ERROR_CHARS = 300  # of a matcher's error, as a request's answer carries it
 # threads that compute the bitmask rows of one step in parallel (llguidance's LLExecutor)
 MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
@@ -247,6 +250,7 @@ class GrammarCompiler:
         self._tokenizer = None
         self._tokenizer_lock = threading.Lock()  # one build, whichever thread asks first
         self._cache: OrderedDict = OrderedDict()
+        self._cache_chars = 0  # of the cached constraints' specs
         self._cache_lock = threading.Lock()  # the cache and the compiles under way, across threads
         self._compiling: dict[tuple, Future] = {}  # compile_async's, by constraint
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (constraint, future) for the workers
@@ -319,10 +323,17 @@ class GrammarCompiler:
         template = llg.LLMatcher(self._ll_tokenizer(), grammar_text(so), log_level=0)
         if template.is_error():
             raise ValueError(f"the {so.kind} constraint does not compile: {_first_lines(template.get_error())}")
+        key = self._key(so)
         with self._cache_lock:
-            self._cache[self._key(so)] = template
-            while len(self._cache) > MAX_CACHED_GRAMMARS:
-                self._cache.popitem(last=False)
+            if key not in self._cache:
+                self._cache_chars += len(so.spec)
+            self._cache[key] = template
+            self._cache.move_to_end(key)
+            # the newest always stays, whatever its size
+            while len(self._cache) > 1 and (len(self._cache) > MAX_CACHED_GRAMMARS
+                                            or self._cache_chars > MAX_CACHED_GRAMMAR_CHARS):
+                old_key, _ = self._cache.popitem(last=False)
+                self._cache_chars -= len(old_key[1])
         return template
 
     def compile(self, so: StructuredOutputs) -> RequestGrammar:

@@ -338,3 +338,15 @@ def test_constraint_checks_have_their_own_lanes():
         return threading.current_thread().name.rsplit("_", 1)[0]
     assert asyncio.run(check_off_loop(10, lane)) == "constraint"
     assert asyncio.run(check_off_loop(LARGE_CONSTRAINT_CHARS + 1, lane)) == "constraint-large"
+
+
+def test_the_compiled_lru_is_bounded_by_characters(monkeypatch):
+    import engine.structured_outputs as so_mod
+    monkeypatch.setattr(so_mod, "MAX_CACHED_GRAMMAR_CHARS", 25)
+    gc = so_mod.GrammarCompiler(str(TINY_MODEL), 512)
+    specs = ["(aaaa|bbbb)", "(cccc|dddd)", "(eeee|ffff)", "(g|h)" * 6]  # 11, 11, 11 and 30 characters
+    for spec in specs[:3]:
+        gc.compile(StructuredOutputs("regex", spec))
+    assert [k[1] for k in gc._cache] == specs[1:3] and gc._cache_chars == 22
+    gc.compile(StructuredOutputs("regex", specs[3]))  # past the budget alone: kept alone
+    assert [k[1] for k in gc._cache] == specs[3:] and gc._cache_chars == 30
