@@ -8,6 +8,7 @@ The acceptance tests run the real `serve` on the tiny model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -216,6 +217,23 @@ class InProcessServer:
         self._server.should_exit = True
         self._thread.join(timeout=10)
         self._sock.close()
+
+
+@contextlib.contextmanager
+def tiny_engine_server(num_kv_blocks: int = 256, max_model_len: int = 512):
+    """The bundled tiny model's real engine (CPU, fp32, its core on a thread of this process)
+    behind an InProcessServer; `.model` is the served name."""
+    from common.args import EngineArgs
+    from engine.async_llm import AsyncLLM
+    from server.api_server import build_app
+    engine = AsyncLLM(EngineArgs(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks,
+                                 max_model_len=max_model_len), core_in_thread=True)
+    try:
+        with InProcessServer(build_app(engine)) as s:
+            s.model = engine.model_name
+            yield s
+    finally:
+        engine.shutdown()
 
 
 class ServeProcess:

@@ -19,7 +19,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.sampler import Sampler, SamplingBatch
 from common.sampling_params import StructuredOutputs
-from tests.server_fixtures import REPO, TINY_MODEL, InProcessServer, ServeProcess
+from tests.server_fixtures import REPO, TINY_MODEL, ServeProcess, tiny_engine_server
 
 PROMPT = "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"
 
@@ -253,17 +253,8 @@ def test_offline_generate_checks_every_constraint_before_submitting(llm):
 
 @pytest.fixture(scope="module")
 def server():
-    from common.args import EngineArgs
-    from engine.async_llm import AsyncLLM
-    from server.api_server import build_app
-    engine = AsyncLLM(EngineArgs(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=512,
-                                 max_model_len=512), core_in_thread=True)
-    try:
-        with InProcessServer(build_app(engine)) as s:
-            s.model = engine.model_name
-            yield s
-    finally:
-        engine.shutdown()
+    with tiny_engine_server(num_kv_blocks=512) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
