@@ -56,17 +56,25 @@ def test_cuda_graphs_equal_eager(model, request):
                     reason="programmatic dependent launch needs sm_90+")
 def test_pdl_equals_no_pdl(gpu_v2):
     """The decode path's kernels launched with programmatic dependent launch (`pdl=1`), in CUDA
-    graphs and eagerly: the same greedy tokens as without it, over 64 prompts (the fused, block
-    and grouped MoE paths, decode splits, mixed steps)."""
-    from common.launch_settings import use_pdl
+    graphs and eagerly, with and without the L2 prefetch before the wait (`pdl_prefetch`): the
+    same greedy tokens as without PDL, over 64 prompts (the fused, block and grouped MoE paths,
+    decode splits, mixed steps)."""
+    from common.launch_settings import use_pdl, use_pdl_prefetch
     path, _ = gpu_v2
     prompts = _prompts64()
     ref = _run(path, prompts)
     try:
         assert _run(path, prompts, kernels="auto,warmup=0,pdl=1") == ref
         assert _run(path, prompts, kernels="auto,warmup=0,pdl=1", enforce_eager=True) == ref
+        # the L2 prefetch before PDL's wait is a hint: the same tokens, with the projections on the
+        # skinny GEMM (their prefetch too) and without
+        assert _run(path, prompts, kernels="auto,warmup=0,pdl=1,pdl_prefetch=1") == ref
+        skinny = _run(path, prompts, kernels="auto,warmup=0,pdl=1,gemm_skinny_max_tokens=64")
+        assert _run(path, prompts, kernels="auto,warmup=0,pdl=1,gemm_skinny_max_tokens=64,pdl_prefetch=1") == skinny
+        assert _run(path, prompts, kernels="auto,warmup=0,pdl_graph_max_batch=64,pdl_prefetch=1") == ref
     finally:
         use_pdl(False)  # a process setting: kernels called directly by later tests launch without it
+        use_pdl_prefetch(False)
 
 
 def test_moe_shared_stream_equals_one_stream(gpu_v2):
@@ -291,6 +299,22 @@ def _prompt_logprobs(path, prompts, dtype="float32", **kw):
     llm = LLM(path, device="cuda", dtype=dtype, **kw)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
     return torch.tensor([lp.logprob for o in outs for lp in o.prompt_logprobs[1:]])
+
+
+def test_prompt_logprobs_in_row_chunks_on_the_gpu(gpu_v3, monkeypatch):
+    """On CUDA (fp32, the Triton plan, prefill steps of 2048 tokens) the runner's prompt logprobs
+    computed 7 positions at a time equal those of one chunk a step, up to the LM head GEMM's
+    summation order for another row count."""
+    import engine.logprobs as el
+    path, _ = gpu_v3
+    prompts = _prompts64()
+    whole = _prompt_logprobs(path, prompts, max_num_batched_tokens=2048)
+    rows, real = [], el.prompt_logprobs_on_device
+    monkeypatch.setattr(el, "prompt_logprob_rows", lambda vocab_size: 7)
+    monkeypatch.setattr(el, "prompt_logprobs_on_device", lambda lg, *a: rows.append(lg.shape[0]) or real(lg, *a))
+    chunked = _prompt_logprobs(path, prompts, max_num_batched_tokens=2048)
+    assert rows and max(rows) == 7 and len(rows) > 64, rows[:20]  # the logits came 7 rows at a time
+    assert whole.shape == chunked.shape and (whole - chunked).abs().max().item() < 1e-3
 
 
 @pytest.mark.parametrize("model", ["gpu_v3", "gpu_v2"])

@@ -1,0 +1,100 @@
+"""Decode TPOT under launch variants in one engine: graphs captured again per variant, requests kept.
+
+    python scripts/bench_pdl_variants.py --batch-sizes 1 8 32 128 --reps 2
+
+One engine (V2-Lite with dummy weights by default; --kernels as given; decode CUDA graphs only at
+the timed batch sizes). For each batch the 1000-token prompts are prefilled once; then, `reps`
+times in turn, each variant's decode graphs are captured again and `--steps` engine steps are
+timed (TPOT, as served: async scheduling unless --no-async-scheduling) with the graph replay
+alone. The variants differ only in what a capture reads at launch time, so no second engine is
+built: PDL in the graphs of up to N sequences (`pdl_graph_max_batch`), the L2 prefetch before
+PDL's wait (`pdl_prefetch`), the projections on the Triton skinny GEMM up to N rows
+(`gemm_skinny_max_tokens`). The printed figures are the median over the reps of each variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from bench_common import add_engine_flags, engine_kwargs, random_prompts, replay_ms
+
+from common.launch_settings import use_pdl_prefetch
+from engine import LLM, SamplingParams
+from models.layers import Linear
+
+# name: (PDL graphs up to this batch, pdl_prefetch, gemm_skinny_max_tokens)
+VARIANTS = {
+    "base": (4, False, 0),
+    "pdl": (256, False, 0),
+    "pdl+pf": (256, True, 0),
+    "pdl+skinny": (256, False, 256),
+    "pdl+skinny+pf": (256, True, 256),
+}
+
+
+def set_variant(runner, model, name: str) -> None:
+    pdl_max, prefetch, skinny = VARIANTS[name]
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.skinny_max = skinny
+    use_pdl_prefetch(prefetch)
+    runner.graphs.pdl_max_batch = pdl_max
+    torch.cuda.synchronize()
+    runner.graphs.capture()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_flags(p)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--steps", type=int, default=40, help="timed engine steps per variant and rep")
+    a = p.parse_args()
+    a.max_num_seqs = max(a.max_num_seqs, max(a.batch_sizes))
+    kw = engine_kwargs(a)
+    kw["cuda_graph_sizes"] = tuple(sorted(set(a.batch_sizes)))
+    llm = LLM(**kw)
+    core = llm.engine
+    runner = core.executor.worker.runner
+    model = runner.model
+    print(f"device {torch.cuda.get_device_name()}, --kernels {a.kernel_plan}, variants {a.variants}")
+    table = {}
+    for bs in a.batch_sizes:
+        sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+        ids = [f"v{bs}-{i}" for i in range(bs)]
+        for rid, prompt in zip(ids, random_prompts(bs, 1000, core.cfg.vocab_size, seed=bs)):
+            core.add_request(rid, prompt, sp)
+        while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
+            core.step()
+        tpot, replay = {v: [] for v in a.variants}, {v: [] for v in a.variants}
+        for _ in range(a.reps):
+            for v in a.variants:
+                set_variant(runner, model, v)
+                for _ in range(3):
+                    core.step()
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(a.steps):
+                    core.step()
+                tpot[v].append((time.perf_counter() - t0) / a.steps * 1e3)
+                replay[v].append(replay_ms(runner.graphs, bs))
+        for v in a.variants:
+            table[bs, v] = statistics.median(tpot[v]), statistics.median(replay[v])
+            print(f"batch {bs:4d}  {v:14s}  TPOT {' / '.join(f'{t:.3f}' for t in tpot[v])} ms, "
+                  f"replay {' / '.join(f'{r:.3f}' for r in replay[v])} ms", flush=True)
+        core.abort_requests(ids)
+        while core.has_unfinished_requests():
+            core.step()
+    set_variant(runner, model, a.variants[0])
+    print("\nmedian TPOT / graph replay alone, ms")
+    print(f"{'variant':14s} " + " ".join(f"{'batch ' + str(b):>17s}" for b in a.batch_sizes))
+    for v in a.variants:
+        print(f"{v:14s} " + " ".join(f"{table[b, v][0]:8.3f} /{table[b, v][1]:7.3f}" for b in a.batch_sizes))
+
+
+if __name__ == "__main__":
+    main()
