@@ -39,7 +39,8 @@ __all__ = ["DecodeConfig", "WIDE_ROWS", "choose_num_splits", "default_decode_con
 LOG2E = 1.4426950408889634
 # Under PDL with pdl_prefetch, the cache rows of each split's start asked of L2 before the wait
 # (whole pages: 8 of 16 rows, 2 of 64): the tiles a program reads first. Bounded, so that at
-# large batches (B x 128 rows x 1152 B: 18.9 MB at B 128) the hint stays well inside L2.
+# large batches (B x 128 rows x 1152 B: 18.9 MB at B 128) the hint stays well inside L2. Read at
+# each launch (0: no prefetch; scripts/bench_pdl_variants.py sets it).
 PREFETCH_ROWS = 128
 
 
@@ -438,7 +439,8 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         QK_FP8=qk_fp8, LAZY=cfg.lazy_rescale, TAU=LAZY_TAU,
         PRODUCT_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[compute_dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
-        **prefetch_launch(kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0 and page_bytes % 16 == 0),
+        **prefetch_launch(PREFETCH_ROWS > 0 and kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0
+                          and page_bytes % 16 == 0),
         PF_PAGES=max(1, PREFETCH_ROWS // page), num_blocks=kv_cache.shape[0], table_pages=block_table.shape[1],
         page_bytes=page_bytes,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),

@@ -9,7 +9,9 @@ timed (TPOT, as served: async scheduling unless --no-async-scheduling) with the 
 alone. The variants differ only in what a capture reads at launch time, so no second engine is
 built: PDL in the graphs of up to N sequences (`pdl_graph_max_batch`), the L2 prefetch before
 PDL's wait (`pdl_prefetch`), the projections on the Triton skinny GEMM up to N rows
-(`gemm_skinny_max_tokens`). The printed figures are the median over the reps of each variant.
+(`gemm_skinny_max_tokens`), and the cache rows the MLA decode prefetches at each split's start
+(attention/triton_decode.py PREFETCH_ROWS; 0: none). The printed figures are the median over the
+reps of each variant.
 """
 
 from __future__ import annotations
@@ -21,22 +23,26 @@ import time
 import torch
 from bench_common import add_engine_flags, engine_kwargs, random_prompts, replay_ms
 
+import attention.triton_decode as td
 from common.launch_settings import use_pdl_prefetch
 from engine import LLM, SamplingParams
 from models.layers import Linear
 
-# name: (PDL graphs up to this batch, pdl_prefetch, gemm_skinny_max_tokens)
+# name: (PDL graphs up to this batch, pdl_prefetch, gemm_skinny_max_tokens, the decode's prefetched rows)
 VARIANTS = {
-    "base": (4, False, 0),
-    "pdl": (256, False, 0),
-    "pdl+pf": (256, True, 0),
-    "pdl+skinny": (256, False, 256),
-    "pdl+skinny+pf": (256, True, 256),
+    "base": (4, False, 0, 128),
+    "pdl": (256, False, 0, 128),
+    "pdl+pf": (256, True, 0, 128),
+    "pdl+pf-kv": (256, True, 0, 0),
+    "pdl+skinny": (256, False, 256, 128),
+    "pdl+skinny+pf": (256, True, 256, 128),
+    "pdl+skinny+pf512": (256, True, 256, 512),
 }
 
 
 def set_variant(runner, model, name: str) -> None:
-    pdl_max, prefetch, skinny = VARIANTS[name]
+    pdl_max, prefetch, skinny, kv_rows = VARIANTS[name]
+    td.PREFETCH_ROWS = kv_rows  # read at each launch, so at the capture below
     for m in model.modules():
         if isinstance(m, Linear):
             m.skinny_max = skinny
