@@ -19,17 +19,8 @@ import triton.language as tl
 
 from attention.kv_quant import is_fp8
 from attention.triton_cache import check_kv_finish, kv_finish_row
-from common.pdl import contiguous_rows, pdl_launch, pdl_prologue_prefetch, prefetch_launch
+from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
-
-
-@triton.jit
-def _w_uk_part(w_ptr, h, lb, s_w_h, NL, P: tl.constexpr, L: tl.constexpr):
-    """PDL's prefetch for absorb_q's program (head h, latent tile lb of NL): part lb of the NL
-    equal runs of rows of W_UK[h] (contiguous, P x L values; the host checks P % NL == 0), so the
-    head's NL programs together ask L2 for the whole head. Returns (first address, bytes)."""
-    rows = P // NL
-    return w_ptr + h * s_w_h + lb * rows * L, rows * L * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
 
 
 @triton.jit
@@ -79,9 +70,8 @@ def absorb_q_tile(h, lb, t0, qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_
 def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t,
                      H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
                      BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
-                     IEEE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
-    pf_ptr, pf_bytes = _w_uk_part(w_ptr, tl.program_id(0), tl.program_id(1), s_w_h, tl.num_programs(1), P, L)
-    pdl_prologue_prefetch(PDL, PREFETCH, pf_ptr, pf_bytes)
+                     IEEE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
+    pdl_prologue(PDL)
     absorb_q_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) * BT, qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr,
                   T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t, H, P, L, R, BP, BL, BR, BT, IEEE, ROPE)
 
@@ -95,14 +85,12 @@ def _absorb_q_kv_finish_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, 
                                BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
                                IEEE: tl.constexpr, PAGE: tl.constexpr, LKV: tl.constexpr, RK: tl.constexpr,
                                BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, IS_FP8: tl.constexpr,
-                               PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                               PDL: tl.constexpr):
     """absorb_q (q_pe rotated) and kv_finish's cache rows as one launch: programs 0..N_ABS-1 are
     absorb_q's (head, latent tile, row tile) programs, the T after them kv_finish's token rows.
-    The two halves read and write disjoint memory. With PREFETCH each absorb_q program asks L2 for
-    its part of its head's W_UK (`_w_uk_part`); the kv_finish programs repeat one of those parts."""
+    The two halves read and write disjoint memory."""
+    pdl_prologue(PDL)
     pid = tl.program_id(0)
-    pf_ptr, pf_bytes = _w_uk_part(w_ptr, pid % H, (pid // H) % NL, s_w_h, NL, P, L)
-    pdl_prologue_prefetch(PDL, PREFETCH, pf_ptr, pf_bytes)
     if pid < N_ABS:
         h = pid % H
         rest = pid // H
@@ -118,16 +106,13 @@ def _absorb_q_kv_finish_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, 
 def _absorb_o_kernel(o_ptr, w_ptr, out_ptr, T, s_o_t, s_o_h, s_w_h, s_w_v,
                      H: tl.constexpr, L: tl.constexpr, V: tl.constexpr,
                      BL: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr,
-                     PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                     PDL: tl.constexpr):
+    pdl_prologue(PDL)
     h = tl.program_id(0)
     vb = tl.program_id(1)
     t0 = tl.program_id(2) * BT
-    offs_v = vb * BV + tl.arange(0, BV)
-    # with PREFETCH, the program's BV rows of W_UV[h] (L values each, contiguous) are asked of L2
-    # before the wait
-    pdl_prologue_prefetch(PDL, PREFETCH, w_ptr + h * s_w_h + vb * BV * s_w_v,
-                          tl.minimum(BV, V - vb * BV) * L * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
     offs_t = t0 + tl.arange(0, BT)
+    offs_v = vb * BV + tl.arange(0, BV)
     mt = offs_t < T
     mv = offs_v < V
     acc = tl.zeros([BT, BV], dtype=tl.float32)
@@ -200,13 +185,6 @@ def _absorb_q_tiles(T: int) -> dict:
     return dict(BL=32, BT=16, num_warps=2) if T <= 32 else dict(BL=128, BT=16, num_warps=4)
 
 
-def _w_uk_prefetchable(w_uk: torch.Tensor, bl: int) -> bool:
-    """Whether PDL's prefetch of W_UK (`_w_uk_part`) fits: each head's P x L values contiguous and
-    aligned, split into as many equal runs of rows as absorb_q has latent tiles of `bl`."""
-    nl = -(-w_uk.shape[-1] // bl)
-    return w_uk.shape[1] % nl == 0 and contiguous_rows(w_uk)
-
-
 def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
              cos_sin: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
     """q_nope [T, H, P], q_pe [T, H, R], w_uk [H, P, L] (last dims contiguous) -> q [T, H, L+R].
@@ -229,8 +207,7 @@ def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
         q_nope, q_pe, w_uk, q, q if cos_sin is None else cos_sin, T, q_nope.stride(0), q_nope.stride(1),
         q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1), 0 if cos_sin is None else cos_sin.stride(0),
         H=H, P=P, L=L, R=R, BP=max(16, triton.next_power_of_2(P)), BR=max(2, triton.next_power_of_2(R)),
-        IEEE=q_nope.dtype == torch.float32, ROPE=cos_sin is not None, **t, **pdl_launch(),
-        **prefetch_launch(_w_uk_prefetchable(w_uk, t["BL"])))
+        IEEE=q_nope.dtype == torch.float32, ROPE=cos_sin is not None, **t, **pdl_launch())
     return q
 
 
@@ -266,7 +243,7 @@ def absorb_q_kv_finish(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Ten
         H=H, P=P, L=L, R=R, BP=max(16, triton.next_power_of_2(P)), BR=max(2, triton.next_power_of_2(R)),
         IEEE=q_nope.dtype == torch.float32, PAGE=kv_cache.shape[1], LKV=lkv, RK=rk,
         BLOCK_L=triton.next_power_of_2(lkv), BLOCK_H=triton.next_power_of_2(rk // 2), IS_FP8=is_fp8(kv_cache),
-        **t, **pdl_launch(), **prefetch_launch(_w_uk_prefetchable(w_uk, t["BL"])))
+        **t, **pdl_launch())
     return q
 
 
@@ -292,6 +269,5 @@ def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None =
              BT=_bt(T), num_warps=4, num_stages=3) | (tiles or {})
     _absorb_o_kernel[(H, triton.cdiv(V, t["BV"]), triton.cdiv(T, t["BT"]))](
         o_lat, w_uv, out, T, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), H=H, L=L, V=V,
-        IEEE=o_lat.dtype == torch.float32, **t, **pdl_launch(),
-        **prefetch_launch(contiguous_rows(w_uv)))
+        IEEE=o_lat.dtype == torch.float32, **t, **pdl_launch())
     return out

@@ -25,23 +25,17 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from attention.decode_config import LAZY_TAU, WIDE_ROWS, DecodeConfig, choose_num_splits, default_decode_config
 from attention.kv_quant import is_fp8
 from attention.triton_cache import fp8_store_value
 from common.launch_settings import interpreting
-from common.pdl import l2_prefetch, pdl_launch, pdl_prologue, prefetch_launch
+from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 
 __all__ = ["DecodeConfig", "WIDE_ROWS", "choose_num_splits", "default_decode_config", "mla_decode"]
 
 LOG2E = 1.4426950408889634
-# Under PDL with pdl_prefetch, the cache rows of each split's start asked of L2 before the wait
-# (whole pages: 8 of 16 rows, 2 of 64): the tiles a program reads first. Bounded, so that at
-# large batches (B x 128 rows x 1152 B: 18.9 MB at B 128) the hint stays well inside L2. Read at
-# each launch (0: no prefetch; scripts/bench_pdl_variants.py sets it).
-PREFETCH_ROWS = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,23 +87,6 @@ def _e4m3_rows(x_lat, x_pe):
     return fp8_store_value(x_lat, inv), fp8_store_value(x_pe, inv), sq
 
 
-@triton.jit
-def _prefetch_split_pages(kv_ptr, bt_row, seq_len_ptr, split, num_splits, num_blocks, table_pages, stride_kvb,
-                          page_bytes, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, PF_PAGES: tl.constexpr):
-    """Ask L2 for the first PF_PAGES cache pages of this program's split (the partial kernel's
-    split rule), before PDL's wait. Nothing here is trusted: the length and ids are read before
-    the predecessor is done, so every page index stays in the sequence's table row and every id
-    in the cache (a wrong guess fetches a wrong page, never a wrong address)."""
-    seq_len = tl.load(seq_len_ptr).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * per_split
-    last = tl.minimum(tl.maximum(tl.minimum(start + per_split, seq_len) - 1, 0) // PAGE, table_pages - 1)
-    first = tl.minimum(tl.maximum(start // PAGE, 0), last)
-    for i in tl.static_range(PF_PAGES):  # independent scalar loads: none waits on another
-        blk = tl.load(bt_row + tl.minimum(first + i, last))
-        l2_prefetch(kv_ptr + tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64) * stride_kvb, page_bytes)
-
-
 @fast_launch
 @triton.jit(do_not_specialize=["num_splits", "stride_btb"])  # the table width varies by step
 def _mla_decode_partial_kernel(
@@ -130,18 +107,11 @@ def _mla_decode_partial_kernel(
     HAS_POS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, FP8: tl.constexpr, PRODUCT_DTYPE: tl.constexpr,
     RELOAD_V: tl.constexpr, HW_CVT: tl.constexpr, STAGE_V: tl.constexpr, STAGE_C: tl.constexpr,
     QK_FP8: tl.constexpr, LAZY: tl.constexpr, TAU: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH: tl.constexpr, PF_PAGES: tl.constexpr, num_blocks, table_pages, page_bytes,
 ):
+    pdl_prologue(PDL)
     pid_h = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
-    if PDL:
-        gdc_launch_dependents()
-        if PREFETCH:  # the split's first PF_PAGES pages asked of L2 while the predecessor drains
-            _prefetch_split_pages(kv_ptr, block_table_ptr + b.to(tl.int64) * stride_btb, seq_lens_ptr + b, split,
-                                  num_splits, num_blocks, table_pages, stride_kvb, page_bytes, PAGE, BLOCK_N,
-                                  PF_PAGES)
-        gdc_wait()
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     # Split boundaries on BLOCK_N multiples, so only a split's last tile is partial.
     per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -420,7 +390,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     direct = num_splits == 1
     po, plse, po_strides, plse_strides = split_outputs(o, lse, num_splits)
     block_l = triton.next_power_of_2(lkv)
-    page_bytes = kv_cache.stride(0) * kv_cache.element_size()  # one cache block, contiguous
     _mla_decode_partial_kernel[(head_tiles, num_splits, B)](
         q, kv_cache.view(torch.uint8) if fp8 else kv_cache, block_table, seq_lens,
         seq_lens if q_pos is None else q_pos, po, plse,
@@ -439,10 +408,6 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
         QK_FP8=qk_fp8, LAZY=cfg.lazy_rescale, TAU=LAZY_TAU,
         PRODUCT_DTYPE={torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[compute_dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(),
-        **prefetch_launch(PREFETCH_ROWS > 0 and kv_cache.is_contiguous() and kv_cache.data_ptr() % 16 == 0
-                          and page_bytes % 16 == 0),
-        PF_PAGES=max(1, PREFETCH_ROWS // page), num_blocks=kv_cache.shape[0], table_pages=block_table.shape[1],
-        page_bytes=page_bytes,
         **({} if cfg.maxnreg is None else {"maxnreg": cfg.maxnreg}),
     )
     if not direct:

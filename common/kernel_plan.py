@@ -161,11 +161,6 @@ CHOICES: tuple[Choice, ...] = (
            "programmatic dependent launch (sm_90+) for the decode path's Triton kernels, as pdl=1 does for "
            "every launch (0: none)", ("common.pdl",), triton=0, torch=0,
            triton_help=f"{PDL_GRAPH_MAX_BATCH} on sm_90+ GPUs, else 0"),
-    Choice("pdl_prefetch", (bool,), "under PDL (pdl, pdl_graph_max_batch), the kernels that read weights (the "
-           "skinny GEMM of gemm_skinny_max_tokens, absorb_q, absorb_o) ask L2 for their weight slices, and the "
-           "Triton MLA decode for each split's first cache pages, before they wait for their predecessor "
-           "(common/pdl.py pdl_prologue_prefetch, cp.async.bulk.prefetch): the loads after the wait start "
-           "from L2; the outputs are the same bits", ("common.pdl",), triton=False, torch=False),
     Choice("argmax", (TRITON, TORCH), "greedy sampling's argmax over the vocabulary: torch's, or two Triton "
            "launches (common/triton_argmax.py: blocks of 2048 logits, then their merge; the same index, ties "
            "and NaN as torch)", ("common.triton_argmax",)),
@@ -217,7 +212,6 @@ class KernelPlan:
     decode_qk_fp8: bool = False
     pdl: bool = False
     pdl_graph_max_batch: int = 0
-    pdl_prefetch: bool = False
     argmax: str = TORCH
     launch: str = TRITON
     compile: bool = False

@@ -45,19 +45,3 @@ def pdl() -> bool:
 def use_pdl(on: bool) -> None:
     global _pdl
     _pdl = on and not interpreting()
-
-
-_pdl_prefetch = False
-
-
-def pdl_prefetch() -> bool:
-    """Whether PDL-launched kernels that read weights (the skinny GEMM, absorb_q / absorb_o) and the
-    MLA decode's first cache pages ask L2 for them before they wait for their predecessor
-    (common/pdl.py `pdl_prologue_prefetch`): the plan's `pdl_prefetch`, set by `use_pdl_prefetch`
-    when a worker builds its model; it acts only where PDL is on."""
-    return _pdl_prefetch
-
-
-def use_pdl_prefetch(on: bool) -> None:
-    global _pdl_prefetch
-    _pdl_prefetch = on and not interpreting()

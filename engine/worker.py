@@ -12,7 +12,7 @@ from attention.kv_quant import is_fp8, resolve_kv_cache_dtype
 from common import distributed as pd
 from common.args import EngineArgs, piecewise_graph_sizes
 from common.kernel_plan import TRITON, KernelPlan, resolve_plan
-from common.launch_settings import use_autotune, use_pdl, use_pdl_prefetch
+from common.launch_settings import use_autotune, use_pdl
 from common.triton_launch import use_fast_launch
 from engine.model_runner import ModelRunner
 from engine.weight_memory import resolve_fp8_gemm
@@ -128,17 +128,12 @@ class Worker:
         if pd.tp().rank == 0:
             log.info("%s", self.plan.describe())
         use_autotune(self.plan.autotune)
-        # the prefetch sits between PDL's signal and wait; PDL itself needs sm_90+, as the bulk prefetch does
-        if self.plan.pdl_prefetch and not (self.plan.pdl or self.plan.pdl_graph_max_batch):
-            raise ValueError("--kernels ...,pdl_prefetch=1 acts only under programmatic dependent launch: set pdl=1 or "
-                             "pdl_graph_max_batch, or leave pdl_prefetch at 0")
         hopper = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (9, 0)
         for key in ("pdl", "pdl_graph_max_batch"):
             if getattr(self.plan, key) and not hopper:
                 raise ValueError(f"--kernels ...,{key}={int(getattr(self.plan, key))}: programmatic dependent "
                                  f"launch needs an sm_90+ GPU (Hopper or newer), not {self.device}; leave {key} at 0")
         use_pdl(self.plan.pdl)
-        use_pdl_prefetch(self.plan.pdl_prefetch)
         use_fast_launch(self.plan.launch == "fast")
         if self.plan.decode_wgmma_producer and not self.plan.decode_wgmma_min_heads:
             raise ValueError("--kernels ...,decode_wgmma_producer=1 configures the Gluon decode, which this plan does "

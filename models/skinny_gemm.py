@@ -21,22 +21,19 @@ import triton
 import triton.language as tl
 
 from common.launch_settings import autotuning, interpreting
-from common.pdl import contiguous_rows, pdl_launch, pdl_prologue_prefetch, prefetch_launch
+from common.pdl import pdl_launch, pdl_prologue
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, w_row_bytes,
-                        M_BUCKET: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                        M_BUCKET: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program (column tile, row tile): y[rows, cols] = x[rows, :] @ W[cols, :]^T, fp32 sums. With
-    PREFETCH (under PDL) the program's W rows, one contiguous range, are asked of L2 before it
-    waits for x."""
+    """Program (column tile, row tile): y[rows, cols] = x[rows, :] @ W[cols, :]^T, fp32 sums."""
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
-    pdl_prologue_prefetch(PDL, PREFETCH, w_ptr + pid_n.to(tl.int64) * BLOCK_N * stride_wn,
-                          tl.minimum(BLOCK_N, N - pid_n * BLOCK_N) * w_row_bytes)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * M_BUCKET + tl.arange(0, M_BUCKET)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mmask = offs_m < M
     nmask = offs_n < N
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
@@ -91,9 +88,8 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if M == 0:
         return y
     mb = row_bucket(M)
-    args = (x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0), K * w.element_size())
-    const = dict(M_BUCKET=mb, IEEE=x.dtype == torch.float32, **pdl_launch(),
-                 **prefetch_launch(contiguous_rows(w)))
+    args = (x, w, y, M, N, K, x.stride(0), w.stride(0), y.stride(0))
+    const = dict(M_BUCKET=mb, IEEE=x.dtype == torch.float32, **pdl_launch())
     if interpreting():
         _skinny_gemm_kernel[(triton.cdiv(N, _INTERPRET["BLOCK_N"]), triton.cdiv(M, mb))](*args, **const, **_INTERPRET)
     elif not autotuning():

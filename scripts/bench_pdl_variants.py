@@ -1,17 +1,17 @@
 """Decode TPOT under launch variants in one engine: graphs captured again per variant, requests kept.
 
     python scripts/bench_pdl_variants.py --batch-sizes 1 8 32 128 --reps 2
+    python scripts/bench_pdl_variants.py --batch-sizes 4 8 16 32 --variants base pdl
 
 One engine (V2-Lite with dummy weights by default; --kernels as given; decode CUDA graphs only at
 the timed batch sizes). For each batch the 1000-token prompts are prefilled once; then, `reps`
 times in turn, each variant's decode graphs are captured again and `--steps` engine steps are
 timed (TPOT, as served: async scheduling unless --no-async-scheduling) with the graph replay
 alone. The variants differ only in what a capture reads at launch time, so no second engine is
-built: PDL in the graphs of up to N sequences (`pdl_graph_max_batch`), the L2 prefetch before
-PDL's wait (`pdl_prefetch`), the projections on the Triton skinny GEMM up to N rows
-(`gemm_skinny_max_tokens`), and the cache rows the MLA decode prefetches at each split's start
-(attention/triton_decode.py PREFETCH_ROWS; 0: none). The printed figures are the median over the
-reps of each variant.
+built: PDL in the graphs of up to N sequences (`pdl_graph_max_batch`) and the projections on the
+Triton skinny GEMM up to N rows (`gemm_skinny_max_tokens`). The printed figures are the median
+over the reps of each variant; TPOT grows with the contexts (40 + 3 steps a variant and rep), so
+the variants take turns.
 """
 
 from __future__ import annotations
@@ -23,30 +23,24 @@ import time
 import torch
 from bench_common import add_engine_flags, engine_kwargs, random_prompts, replay_ms
 
-import attention.triton_decode as td
-from common.launch_settings import use_pdl_prefetch
+from common.kernel_plan import PDL_GRAPH_MAX_BATCH
 from engine import LLM, SamplingParams
 from models.layers import Linear
 
-# name: (PDL graphs up to this batch, pdl_prefetch, gemm_skinny_max_tokens, the decode's prefetched rows)
+# name: (PDL graphs up to this batch, gemm_skinny_max_tokens); "base" is the plan's default on sm_90
 VARIANTS = {
-    "base": (4, False, 0, 128),
-    "pdl": (256, False, 0, 128),
-    "pdl+pf": (256, True, 0, 128),
-    "pdl+pf-kv": (256, True, 0, 0),
-    "pdl+skinny": (256, False, 256, 128),
-    "pdl+skinny+pf": (256, True, 256, 128),
-    "pdl+skinny+pf512": (256, True, 256, 512),
+    "base": (PDL_GRAPH_MAX_BATCH, 0),
+    "pdl": (1024, 0),
+    "skinny": (PDL_GRAPH_MAX_BATCH, 1024),
+    "pdl+skinny": (1024, 1024),
 }
 
 
 def set_variant(runner, model, name: str) -> None:
-    pdl_max, prefetch, skinny, kv_rows = VARIANTS[name]
-    td.PREFETCH_ROWS = kv_rows  # read at each launch, so at the capture below
+    pdl_max, skinny = VARIANTS[name]
     for m in model.modules():
         if isinstance(m, Linear):
             m.skinny_max = skinny
-    use_pdl_prefetch(prefetch)
     runner.graphs.pdl_max_batch = pdl_max
     torch.cuda.synchronize()
     runner.graphs.capture()
@@ -56,7 +50,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_flags(p)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=["base", "pdl"], choices=list(VARIANTS))
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--steps", type=int, default=40, help="timed engine steps per variant and rep")
     a = p.parse_args()
