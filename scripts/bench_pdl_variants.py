@@ -89,7 +89,6 @@ def main() -> None:
         core.abort_requests(ids)
         while core.has_unfinished_requests():
             core.step()
-    set_variant(runner, model, a.variants[0])
     print("\nmedian TPOT / graph replay alone, ms")
     print(f"{'variant':14s} " + " ".join(f"{'batch ' + str(b):>17s}" for b in a.batch_sizes))
     for v in a.variants:
