@@ -30,11 +30,12 @@ WGMMA_MIN_HEADS = 64
 # 128), where the two FP8 decodes were level on the H200 (16 heads, S 4k: 38.0 us Triton, 39.3
 # Gluon; 128 heads, B 1: 28.2 against 34.1; B 8: 76.4 against 67.7; RESULTS.md)
 FP8_WGMMA_MIN_ROWS = 256
-# pdl_graph_max_batch under base triton on sm_90+: PDL in the decode graphs of up to 4 sequences.
-# On the H200 (V2-Lite, scripts/profile_graphs.py, three runs on three trees) PDL took 2.9%, 2.7%
-# and 4.7% off batch 1's TPOT, and moved batch 8 by -1.5% / +2.2% / -1.6%, 32 by +0.2% / +0.4% /
-# +0.2% and 128 by +0.1% / +1.4% / +0.1%: a win at batch 1 only, level at 8 (2 and 4 not timed).
-PDL_GRAPH_MAX_BATCH = 4
+# pdl_graph_max_batch under base triton on sm_90+: PDL in the decode graphs of up to 16 sequences.
+# V2-Lite TPOT with PDL against without: on the H200 (profile_graphs.py, three runs on three trees)
+# batch 1 -2.9% / -2.7% / -4.7%, batch 8 -1.5% / +2.2% / -1.6%, 32 +0.2% / +0.4% / +0.2%, 128
+# +0.1% / +1.4% / +0.1%; on an H100 (bench_pdl_variants.py, both in one engine, median of three)
+# batch 4 level, 8 -1.1%, 16 -0.6%, 24 -0.1%, 32 +0.1%, and 128 +5.0% (of two): a win up to 16.
+PDL_GRAPH_MAX_BATCH = 16
 
 
 @dataclass(frozen=True)
