@@ -74,6 +74,30 @@ def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
+def start_decodes(core, batch: int, prefix: str, seed: int) -> list[str]:
+    """Add `batch` greedy requests of random 1000-token prompts (ids `prefix`0.., generating until
+    aborted) to the engine core and step until every running request has its first token, so
+    that the next steps are pure decodes. Returns their ids."""
+    from engine import SamplingParams
+    sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    ids = [f"{prefix}{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, random_prompts(batch, 1000, core.cfg.vocab_size, seed=seed)):
+        core.add_request(rid, prompt, sp)
+    while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
+        core.step()
+    return ids
+
+
+def step_ms(core, steps: int) -> float:
+    """ms per engine step over `steps` steps, the GPU idle at the start."""
+    import torch
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
 def environment() -> dict:
     import torch
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
-from bench_common import add_engine_flags, engine_kwargs, random_prompts, replay_ms
+from bench_common import add_engine_flags, engine_kwargs, replay_ms, start_decodes, step_ms
 
 from common.kernel_plan import PDL_GRAPH_MAX_BATCH
-from engine import LLM, SamplingParams
+from engine import LLM
 from models.layers import Linear
 
 # name: (PDL graphs up to this batch, gemm_skinny_max_tokens); "base" is the plan's default on sm_90
@@ -64,23 +63,14 @@ def main() -> None:
     print(f"device {torch.cuda.get_device_name()}, --kernels {a.kernel_plan}, variants {a.variants}")
     table = {}
     for bs in a.batch_sizes:
-        sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-        ids = [f"v{bs}-{i}" for i in range(bs)]
-        for rid, prompt in zip(ids, random_prompts(bs, 1000, core.cfg.vocab_size, seed=bs)):
-            core.add_request(rid, prompt, sp)
-        while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
-            core.step()
+        ids = start_decodes(core, bs, f"v{bs}-", seed=bs)
         tpot, replay = {v: [] for v in a.variants}, {v: [] for v in a.variants}
         for _ in range(a.reps):
             for v in a.variants:
                 set_variant(runner, model, v)
                 for _ in range(3):
                     core.step()
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for _ in range(a.steps):
-                    core.step()
-                tpot[v].append((time.perf_counter() - t0) / a.steps * 1e3)
+                tpot[v].append(step_ms(core, a.steps))
                 replay[v].append(replay_ms(runner.graphs, bs))
         for v in a.variants:
             table[bs, v] = statistics.median(tpot[v]), statistics.median(replay[v])

@@ -19,9 +19,9 @@ import time
 from collections import defaultdict
 
 import torch
-from bench_common import add_engine_flags, engine_kwargs, random_prompts, replay_ms
+from bench_common import add_engine_flags, engine_kwargs, replay_ms, start_decodes, step_ms
 
-from engine import LLM, SamplingParams
+from engine import LLM
 
 
 def short(name: str) -> str:
@@ -53,20 +53,11 @@ def main() -> None:
     core = llm.engine
     runner = core.executor.worker.runner
     for bs in a.batch_sizes:
-        sp = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
-        ids = [f"g{bs}-{i}" for i in range(bs)]
-        for rid, prompt in zip(ids, random_prompts(bs, 1000, core.cfg.vocab_size, seed=bs)):
-            core.add_request(rid, prompt, sp)
-        while core.scheduler.stats.num_waiting or any(r.num_output_tokens == 0 for r in core.scheduler.running):
-            core.step()
+        ids = start_decodes(core, bs, f"g{bs}-", seed=bs)
         for _ in range(5):
             core.step()
-        torch.cuda.synchronize()
         n = 50
-        t0 = time.perf_counter()
-        for _ in range(n):
-            core.step()
-        tpot = (time.perf_counter() - t0) / n * 1e3
+        tpot = step_ms(core, n)
         # The host's own time per step: the wall time less the time it sat waiting for a step's
         # event (ModelRunner.finish, the one sync per step). If it is near the TPOT, the host
         # sets the pace, not the GPU.

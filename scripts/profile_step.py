@@ -9,10 +9,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import time
 
 import torch
-from bench_common import add_engine_flags, engine_kwargs, random_prompts, replay_ms
+from bench_common import add_engine_flags, engine_kwargs, random_prompts, replay_ms, step_ms
 
 from engine import LLM, SamplingParams
 
@@ -34,11 +33,7 @@ def main() -> None:
         core.add_request(str(i), ids, sp)
     for _ in range(10):
         core.step()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        core.step()
-    print(f"step: {(time.perf_counter() - t0) / a.steps * 1e3:.3f} ms")
+    print(f"step: {step_ms(core, a.steps):.3f} ms")
     runner = core.executor.worker.runner
     if runner.graphs is not None:
         print(f"graph replay alone (bucket {runner.graphs.bucket_for(a.batch)}): "
