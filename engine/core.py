@@ -11,6 +11,7 @@ from common.gc_tuning import freeze_startup_objects, thaw_frozen_objects
 from engine.executor import make_executor
 from engine.sampler import check_sampling_params
 from common.sampling_params import SamplingParams, check_token_ids
+from engine import structured_outputs
 from engine.structured_outputs import GrammarCompiler
 from engine.worker import resolve_device
 from models.config import ModelConfig
@@ -36,7 +37,8 @@ class EngineCore:
         self.grammars = GrammarCompiler(None if args.skip_tokenizer_init else args.tokenizer_path,
                                         cfg.vocab_size)
         self.compile_off_loop = serving
-        self._compiling: dict[str, tuple[Request, Future]] = {}  # requests waiting for their grammar
+        # requests waiting for their grammar: (request, its compile, the monotonic time it gives up)
+        self._compiling: dict[str, tuple[Request, Future, float]] = {}
         if serving:
             self.grammars.prepare_in_background()
         self.executor = make_executor(args, cfg, [] if eos_token_id is None else [eos_token_id])
@@ -92,7 +94,8 @@ class EngineCore:
                 request.grammar = self.grammars.cached(so)
                 if request.grammar is None:  # joins the scheduler once compiled (admit_compiled)
                     self.scheduler.check_request(request)  # its other refusals come now, not then
-                    self._compiling[request_id] = (request, self.grammars.compile_async(so))
+                    self._compiling[request_id] = (request, self.grammars.compile_async(so),
+                                                   time.monotonic() + structured_outputs.COMPILE_TIMEOUT_S)
                     return
             else:
                 request.grammar = self.grammars.compile(so)
@@ -105,18 +108,33 @@ class EngineCore:
 
     def admit_compiled(self) -> list[tuple[str, str]]:
         """Requests whose grammar has compiled join the scheduler (in arrival order); returns
-        (request id, why) for those whose grammar did not compile, which are dropped."""
+        (request id, why) for those whose grammar did not compile, or did not within
+        COMPILE_TIMEOUT_S of their arrival, which are dropped."""
         refused = []
-        for rid, (request, future) in list(self._compiling.items()):
+        now = time.monotonic()
+        self.grammars.keep_up()
+        for rid, (request, future, deadline) in list(self._compiling.items()):
+            so = request.sampling_params.structured_outputs
             if not future.done():
+                if now > deadline:  # it fails alone; the compile runs on for any other waiter
+                    del self._compiling[rid]
+                    self._drop_compile(future)
+                    late = ValueError(f"the {so.kind} constraint did not compile within "
+                                      f"{structured_outputs.COMPILE_TIMEOUT_S:g} s")
+                    refused.append((rid, str(structured_outputs.failure(so, late))))
                 continue
             del self._compiling[rid]
             try:
-                request.grammar = self.grammars.matcher_for(request.sampling_params.structured_outputs, future)
+                request.grammar = self.grammars.matcher_for(so, future)
                 self.scheduler.add_request(request)
             except ValueError as e:  # the request's own grammar or prompt: it fails alone
                 refused.append((rid, str(e)))
         return refused
+
+    def _drop_compile(self, future: Future) -> None:
+        """Cancel a compile no parked request waits for any more (skipped unless already running)."""
+        if all(f is not future for _, f, _ in self._compiling.values()):
+            future.cancel()
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         request_ids = list(request_ids)
@@ -125,8 +143,7 @@ class EngineCore:
             parked = self._compiling.pop(rid, None)
             if parked is not None:
                 outputs.append(EngineCoreOutput(rid, [], finish_reason="abort"))
-                if all(f is not parked[1] for _, f in self._compiling.values()):
-                    parked[1].cancel()  # no one else waits for it: skipped unless already compiling
+                self._drop_compile(parked[1])
         outputs += self.scheduler.abort_requests(request_ids)
         if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
             outputs += self._drain()  # idle from now on: nothing should stay in flight

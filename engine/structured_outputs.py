@@ -44,6 +44,14 @@ MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
 # constraints compiled at once off the step loop (compile_async's workers): two, so that one huge
 # grammar does not hold every other structured request behind it
 COMPILE_THREADS = 2
+# A request waits at most COMPILE_TIMEOUT_S for its constraint's compile, then fails alone (a 400
+# naming its field; EngineCore.admit_compiled). The compile itself cannot be stopped (a thread in
+# the library) and runs on. A worker on one compile for longer than HELD_COMPILE_S no longer
+# counts: while compiles queue, another is started (`keep_up`), up to MAX_COMPILE_THREADS in all,
+# so the requests behind a grammar the library takes minutes over still get most of their wait.
+COMPILE_TIMEOUT_S = 60.0
+HELD_COMPILE_S = 10.0
+MAX_COMPILE_THREADS = 6
 
 # JSON is generated compact, as json.dumps writes it ('{"a": 1, "b": [2, 3]}'): free whitespace
 # lets a model pad its output with newlines until max_tokens instead of closing the object.
@@ -255,6 +263,7 @@ class GrammarCompiler:
         self._compiling: dict[tuple, Future] = {}  # compile_async's, by constraint
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (constraint, future) for the workers
         self._workers: list[threading.Thread] = []  # started by the first compile_async
+        self._busy_since: dict[int, float] = {}  # worker thread id -> monotonic start of its compile
         self._executor = None
         self.prepare_thread: threading.Thread | None = None  # prepare_in_background's
 
@@ -365,14 +374,31 @@ class GrammarCompiler:
                 return future
             self._compiling[key] = future
             if not self._workers:
-                self._workers = [threading.Thread(target=self._compile_worker, name="grammar-compile", daemon=True)
-                                 for _ in range(COMPILE_THREADS)]
-                for worker in self._workers:
-                    worker.start()
+                for _ in range(COMPILE_THREADS):
+                    self._start_worker()
         # a cancelled compile leaves no entry behind for the next request with this constraint
         future.add_done_callback(lambda f: self._forget(key, f))
         self._queue.put((so, future))
         return future
+
+    def _start_worker(self) -> None:
+        worker = threading.Thread(target=self._compile_worker, name="grammar-compile", daemon=True)
+        self._workers.append(worker)
+        worker.start()
+
+    def keep_up(self) -> None:
+        """While compiles queue and fewer than COMPILE_THREADS workers are free of a compile older
+        than HELD_COMPILE_S (grammars the library takes minutes over), start one more worker, up
+        to MAX_COMPILE_THREADS: the held ones cannot be stopped, the queue behind them must move."""
+        now = time.monotonic()
+        with self._cache_lock:
+            held = sum(now - t0 > HELD_COMPILE_S for t0 in self._busy_since.values())
+            if (not self._workers or self._queue.empty() or len(self._workers) - held >= COMPILE_THREADS
+                    or len(self._workers) >= MAX_COMPILE_THREADS):
+                return
+            self._start_worker()
+            log.warning("%d grammar compiles have run for over %g s; started compile worker %d of at most %d",
+                        held, HELD_COMPILE_S, len(self._workers), MAX_COMPILE_THREADS)
 
     def _forget(self, key: tuple, future: Future) -> None:
         with self._cache_lock:
@@ -384,12 +410,18 @@ class GrammarCompiler:
             so, future = self._queue.get()
             if not future.set_running_or_notify_cancel():
                 continue  # every request that waited for it has gone
+            me = threading.get_ident()
+            with self._cache_lock:
+                self._busy_since[me] = time.monotonic()
             try:
                 future.set_result(self._build(so))
             except BaseException as e:  # noqa: BLE001 - the requests that wait report it (a 400)
                 # a pyo3 panic is a BaseException: as an Exception, so that it fails the requests
                 # that wait for it, not the engine loop that reads the result
                 future.set_exception(e if isinstance(e, Exception) else RuntimeError(f"{type(e).__name__}: {e}"))
+            finally:
+                with self._cache_lock:
+                    del self._busy_since[me]
 
     @staticmethod
     def matcher_for(so: StructuredOutputs, future: Future) -> RequestGrammar:

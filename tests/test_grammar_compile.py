@@ -191,6 +191,51 @@ def test_a_parked_request_is_checked_by_the_scheduler_first():
         core.shutdown()
 
 
+def test_a_compile_past_the_timeout_fails_its_requests_and_the_queue_moves(monkeypatch):
+    """Compiles that run past HELD_COMPILE_S (held here) do not hold the queue: a third worker
+    starts and compiles the next constraint; past COMPILE_TIMEOUT_S the requests that wait for the
+    held ones fail, each alone with its field named."""
+    from common.args import EngineArgs
+    from common.sampling_params import SamplingParams
+    from engine import structured_outputs as so_mod
+    from engine.core import EngineCore
+    from engine.llm import load_front_end
+    real, release, started = so_mod.GrammarCompiler._build, threading.Event(), []
+
+    def build(self, so):
+        started.append(so.spec)
+        if so.spec != "(ok|fine)":
+            assert release.wait(60), "the test never released the compile"
+        return real(self, so)
+
+    monkeypatch.setattr(so_mod.GrammarCompiler, "_build", build)
+    monkeypatch.setattr(so_mod, "HELD_COMPILE_S", 0.1)
+    monkeypatch.setattr(so_mod, "COMPILE_TIMEOUT_S", 1.0)
+    args = EngineArgs(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=64, max_model_len=64)
+    cfg, inputs, _ = load_front_end(args)
+    core = EngineCore(args, cfg, inputs.eos_token_id, serving=True)
+
+    def params(kind, spec, source):
+        return SamplingParams(max_tokens=2, structured_outputs=StructuredOutputs(kind, spec, source=source))
+    try:
+        core.add_request("A", [5, 6], params("regex", "(aa|bb)", "guided_regex"))
+        core.add_request("B", [5, 6], params("grammar", 'start: "x" | "y"', "guided_grammar"))
+        _wait(lambda: len(started) == 2, "both workers to hold a compile")
+        core.add_request("C", [5, 6], params("regex", "(ok|fine)", "guided_regex"))
+        assert core.admit_compiled() == [] and len(core.grammars._workers) == 2
+        time.sleep(0.15)  # both workers held past HELD_COMPILE_S, C's compile queued behind them
+        _wait(lambda: core.admit_compiled() == [] and core.num_compiling == 2, "C's compile on a third worker")
+        assert len(core.grammars._workers) == 3 and "C" in core.scheduler.requests
+        refused = {}
+        _wait(lambda: refused.update(core.admit_compiled()) or len(refused) == 2, "A and B to time out")
+        assert refused == {"A": "guided_regex: the regex constraint did not compile within 1 s",
+                           "B": "guided_grammar: the grammar constraint did not compile within 1 s"}
+        assert core.num_compiling == 0 and len(core.grammars._workers) == 3
+    finally:
+        release.set()
+        core.shutdown()
+
+
 def test_library_panics_read_as_a_limit():
     from engine.structured_outputs import _first_lines
     msg = ("panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n<backtrace>\n"
