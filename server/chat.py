@@ -103,7 +103,7 @@ class ChatBuilder:
         self.has_tools = self.forced is not None or self.tool_parser is not None
         self._tool_parsers: dict[int, ToolCallParser] = {}
         self._forced_text: dict[int, str] = {}  # choice index -> constrained output so far
-        self._called: set[int] = set()  # choice indices that made a tool call
+        self._called: set[int] = set()  # choice indices whose calls the auto parser found
         self.as_token_ids = state.frontend.as_token_ids(req)  # logprobs name tokens "token_id:N"
 
     def chunk_usage(self, index: int, final: RequestOutput) -> dict:
@@ -130,7 +130,8 @@ class ChatBuilder:
                             for lp in lps]}
 
     def _finish_reason(self, index: int, reason: str | None) -> str | None:
-        """"tool_calls" for an output that stopped after making calls (vLLM's)."""
+        """"tool_calls" for an output that stopped after the auto parser found calls in it; a
+        forced choice's calls keep "stop" / "length" (vLLM's and OpenAI's)."""
         return "tool_calls" if reason == "stop" and index in self._called else reason
 
     def choice(self, index: int, o: CompletionOutput) -> dict:
@@ -140,15 +141,19 @@ class ChatBuilder:
             reasoning = reasoning if self.req.include_reasoning else None
             message = {"role": self.role, "content": content, "reasoning_content": reasoning,
                        "reasoning": reasoning}
-        if self.forced is not None:
-            calls = forced_calls(o.text, self.forced)
+        if isinstance(self.forced, dict):  # named: the output is the call's arguments, cut short or not
+            message["content"] = None
+            message["tool_calls"] = [{"id": call_id(), "type": "function",
+                                      "function": {"name": self.forced["function"]["name"], "arguments": o.text}}]
+        elif self.forced is not None:  # required: the calls once their JSON array is complete
+            calls = forced_calls(o.text)
             message["content"] = o.text if calls is None else None
             message["tool_calls"] = calls or []
         elif self.tool_parser is not None:
             parsed = parse_tool_calls(message["content"] or "", self.tool_parser)
             message["content"], message["tool_calls"] = parsed.content, parsed.tool_calls
-        if message.get("tool_calls"):
-            self._called.add(index)
+            if parsed.tool_calls:
+                self._called.add(index)
         if self.echoed:
             message["content"] = self.echoed + (message["content"] or "")
         choice = {"index": index, "message": message,
@@ -181,7 +186,8 @@ class ChatBuilder:
             delta["content"] = content
         if calls:
             delta["tool_calls"] = calls
-            self._called.add(index)
+            if self.forced is None:
+                self._called.add(index)
         return delta, hidden and not delta
 
     def _tool_delta(self, index: int, content: str, finished: bool) -> tuple[str, list[dict]]:
@@ -203,7 +209,7 @@ class ChatBuilder:
         text = self._forced_text[index] = self._forced_text.get(index, "") + content
         if not finished:
             return "", []
-        calls = forced_calls(text, self.forced)
+        calls = forced_calls(text)
         if calls is None:
             return text, []
         return "", [{"index": i, **c} for i, c in enumerate(calls)]

@@ -245,16 +245,13 @@ def forced_schema(tools: list[dict], choice) -> dict:
     return {"type": "array", "minItems": 1, "items": one_of, **defs}
 
 
-def forced_calls(text: str, choice) -> list[dict] | None:
-    """The tool_calls of a forced choice's constrained output; None when it is not complete JSON
-    (stopped by max_tokens)."""
+def forced_calls(text: str) -> list[dict] | None:
+    """The tool_calls of `tool_choice: "required"`'s constrained output (a JSON array of
+    {"name", "parameters"}); None when it is not complete JSON (stopped by max_tokens)."""
     try:
         value = json.loads(text)
     except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         return None
-    if isinstance(choice, dict):
-        pairs = [(choice["function"]["name"], text)]
-    else:
-        pairs = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in value]
-    return [{"id": call_id(), "type": "function", "function": {"name": n, "arguments": a}}
-            for n, a in pairs]
+    return [{"id": call_id(), "type": "function",
+             "function": {"name": c["name"], "arguments": json.dumps(c["parameters"], ensure_ascii=False)}}
+            for c in value]

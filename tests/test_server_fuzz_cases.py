@@ -41,9 +41,8 @@ def test_nesting_beyond_the_json_parser_is_a_400(fake):
 
 def test_forced_tool_output_nested_beyond_the_parser_is_no_call():
     from server.tool_calls import forced_calls
-    choice = {"type": "function", "function": {"name": "f"}}
-    assert forced_calls("[" * 5000, choice) is None  # incomplete: stopped by max_tokens
-    assert forced_calls("[" * 5000 + "]" * 5000, choice) is None
+    assert forced_calls("[" * 5000) is None  # incomplete: stopped by max_tokens
+    assert forced_calls("[" * 5000 + "]" * 5000) is None
 
 
 def test_guided_choice_count_is_bounded(fake):

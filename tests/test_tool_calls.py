@@ -15,7 +15,7 @@ import transformers
 from server.api_server import build_app
 from server.tool_calls import (CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, ToolCallParser,
                                assemble, parse_tool_calls)
-from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, InProcessServer
+from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, InProcessServer, tiny_engine_server
 
 os.environ.update(OFFLINE_ENV)
 
@@ -292,11 +292,11 @@ def test_forced_choice_with_a_reasoning_parser_is_all_call(choice):
         m = c["message"]
         want = [("get_weather", json.loads(WEATHER))]
         assert (m["reasoning_content"], m["content"]) == (None, None)
-        assert c["finish_reason"] == "tool_calls"
+        assert c["finish_reason"] == "stop"  # a forced choice's calls: vLLM's "stop"
         assert [(t["function"]["name"], json.loads(t["function"]["arguments"]))
                 for t in m["tool_calls"]] == want
         o = _streamed_choices(stream(s, body))[0]
-    assert (o["reasoning"], o["content"], o["finish"]) == ("", "", "tool_calls")
+    assert (o["reasoning"], o["content"], o["finish"]) == ("", "", "stop")
     assert [(n, json.loads(a)) for n, a in o["calls"].values()] == want
 
 
@@ -371,15 +371,8 @@ def test_tool_flag_errors_name_the_flag(argv, needle, capsys):
 
 @pytest.fixture(scope="module")
 def real():
-    from common.args import EngineArgs
-    from engine.async_llm import AsyncLLM
-    engine = AsyncLLM(EngineArgs(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=256,
-                                 max_model_len=512), core_in_thread=True)
-    try:
-        with InProcessServer(build_app(engine)) as s:
-            yield s
-    finally:
-        engine.shutdown()
+    with tiny_engine_server() as s:
+        yield s
 
 
 PROMPT = "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"
@@ -407,7 +400,7 @@ def test_forced_tool_choice_on_the_tiny_model(real, choice, streamed):
         r = post(real, body)
         assert r.status_code == 200, r.text
         c = r.json()["choices"][0]
-        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, c
+        assert c["finish_reason"] == "stop" and c["message"]["content"] is None, c  # forced: vLLM's "stop"
         _check_calls(c["message"]["tool_calls"], names)
         if choice == "required":
             assert len(c["message"]["tool_calls"]) == 1  # parallel_tool_calls: false
@@ -420,7 +413,7 @@ def test_forced_tool_choice_on_the_tiny_model(real, choice, streamed):
                 calls[t["index"]] = {"id": t["id"], "type": t["type"],
                                      "function": {"name": t["function"]["name"], "arguments": ""}}
             calls[t["index"]]["function"]["arguments"] += t["function"].get("arguments") or ""
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     _check_calls([calls[i] for i in sorted(calls)], names)
 
 
@@ -444,5 +437,5 @@ def test_serve_with_tool_flags_and_a_chat_template(tmp_path_factory, tmp_path):
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["tool_calls"] == []
         named = {"type": "function", "function": {"name": "get_weather"}}
         c = post(s, {**REAL, "tool_choice": named}).json()["choices"][0]
-        assert c["finish_reason"] == "tool_calls"
+        assert c["finish_reason"] == "stop"
         _check_calls(c["message"]["tool_calls"], {"get_weather"})
