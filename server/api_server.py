@@ -30,6 +30,7 @@ from server.metrics import ServerMetrics
 from server.overrides import load_chat_template, load_generation_defaults
 from server.protocol import CompletionRequest
 from server.reasoning import check_parser_name
+from server.request_body import add_body_schemas, body_openapi, parse_body
 from server.tool_calls import check_tool_flags
 
 logger = logging.getLogger(__name__)
@@ -163,13 +164,15 @@ def build_app(engine, args=None) -> FastAPI:
     app.add_middleware(HttpMetricsMiddleware, registry=state.metrics.registry,
                        routes=lambda: [*v1.routes, *(r for r in app.router.routes if hasattr(r, "path"))])
 
-    @v1.post("/completions")
-    async def completions(req: CompletionRequest, raw: Request) -> Response:
-        return await create_completion(state, req, raw)
+    # The routes with a JSON body read and validate it themselves (parse_body: a large body on a
+    # worker thread, not on the event loop); their schemas are added to /openapi.json below.
+    @v1.post("/completions", openapi_extra=body_openapi(CompletionRequest))
+    async def completions(raw: Request) -> Response:
+        return await create_completion(state, await parse_body(raw, CompletionRequest), raw)
 
-    @v1.post("/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest, raw: Request) -> Response:
-        return await create_chat_completion(state, req, raw)
+    @v1.post("/chat/completions", openapi_extra=body_openapi(ChatCompletionRequest))
+    async def chat_completions(raw: Request) -> Response:
+        return await create_chat_completion(state, await parse_body(raw, ChatCompletionRequest), raw)
 
     @v1.get("/models")
     async def models() -> dict:
@@ -197,8 +200,9 @@ def build_app(engine, args=None) -> FastAPI:
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> dict:
+    @app.post("/tokenize", openapi_extra=body_openapi(TokenizeRequest))
+    async def tokenize(raw: Request) -> dict:
+        req = await parse_body(raw, TokenizeRequest)
         state.check_model(req.model)
         state.need_tokenizer()
         # Tokenizing runs off the event loop: a long text must not stall other requests.
@@ -227,8 +231,9 @@ def build_app(engine, args=None) -> FastAPI:
             body["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
         return body
 
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> dict:
+    @app.post("/detokenize", openapi_extra=body_openapi(DetokenizeRequest))
+    async def detokenize(raw: Request) -> dict:
+        req = await parse_body(raw, DetokenizeRequest)
         state.check_model(req.model)
         state.need_tokenizer()
         vocab = len(state.tokenizer)
@@ -249,6 +254,7 @@ def build_app(engine, args=None) -> FastAPI:
                 "model_max_length": state.max_model_len, "vocab_size": len(tok)}
 
     vllm_compat.install(app, engine, args)
+    add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
     return app
 
 

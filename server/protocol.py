@@ -73,13 +73,19 @@ class SamplingFields(BaseRequest):
     # vLLM's: the response's id (`cmpl-<id>`, `chatcmpl-<id>`; an X-Request-Id header wins)
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_count(cls, v):
+        """The count first: a million entries are refused before each is validated."""
+        if isinstance(v, dict) and len(v) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {len(v)}")
+        return v
+
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias_ids(cls, v):
         if v is None:
             return None
-        if len(v) > MAX_LOGIT_BIAS_TOKENS:
-            raise ValueError(f"at most {MAX_LOGIT_BIAS_TOKENS} token ids, got {len(v)}")
         bias = {}
         for key, b in v.items():
             if not (key.strip().isascii() and key.strip().isdigit()):  # not "٣": int() reads it

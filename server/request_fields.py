@@ -6,6 +6,7 @@ completions request from them, server/chat_protocol.py the chat and tokenizer re
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import json
@@ -133,6 +134,17 @@ def refuse_unsupported(data: Any, route: str) -> None:
 # Set while a request's text has been checked whole: the models nested in it (a chat body's
 # messages, each a model) skip the check instead of walking their own part again.
 _TEXT_CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("text_checked", default=False)
+
+
+@contextlib.contextmanager
+def text_checked():
+    """Validation inside skips the text check: the caller has seen that the request's text is
+    valid (server/request_body.py decides it from the raw bytes)."""
+    token = _TEXT_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _TEXT_CHECKED.reset(token)
 
 
 def _text_is_valid(data: Any) -> bool:

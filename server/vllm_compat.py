@@ -11,23 +11,21 @@ vLLM's defaults (["*"], credentials off), so a server started without them sends
 
 from __future__ import annotations
 
-import json
 import uuid
 from importlib import metadata
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
 
 from server.chat import create_chat_completion
 from server.chat_protocol import ChatCompletionRequest
 from server.completions import create_completion
-from server.errors import APIError, body_parse_error, error_response
+from server.errors import APIError, error_response
 from server.frontend_options import FrontendOptions
 from server.http_metrics import route_path
 from server.protocol import CompletionRequest
+from server.request_body import parse_body
 
 # the routes whose requests --enable-server-load-tracking counts (vLLM's generating ones here)
 LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
@@ -87,22 +85,19 @@ def install(app: FastAPI, engine, args=None) -> None:
         """SageMaker's inference route, as vLLM serves it: a body with `messages` is a chat
         completion, one with `prompt` a completion. Unlike vLLM's, it asks for --api-key as /v1
         does (vLLM leaves it open)."""
-        try:
-            body = json.loads(await raw.body())
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise APIError(400, body_parse_error(e)) from None
-        if isinstance(body, dict) and "messages" in body:
-            model, create = ChatCompletionRequest, create_chat_completion
-        elif isinstance(body, dict) and "prompt" in body:
-            model, create = CompletionRequest, create_completion
-        else:
-            raise APIError(400, "/invocations: the body needs `messages` (a chat completion) or "
-                           "`prompt` (a completion)", param="messages")
-        try:
-            req = model.model_validate(body)
-        except ValidationError as e:  # the same 400 as the /v1 routes give
-            raise RequestValidationError(e.errors()) from None
+        req = await parse_body(raw, _invocation_model, any_content_type=True)
+        create = create_chat_completion if isinstance(req, ChatCompletionRequest) else create_completion
         return await create(state, req, raw)
+
+
+def _invocation_model(body) -> type:
+    """/invocations' body is a chat completion with `messages`, a completion with `prompt`."""
+    if isinstance(body, dict) and "messages" in body:
+        return ChatCompletionRequest
+    if isinstance(body, dict) and "prompt" in body:
+        return CompletionRequest
+    raise APIError(400, "/invocations: the body needs `messages` (a chat completion) or "
+                   "`prompt` (a completion)", param="messages")
 
 
 class RequestIdHeaderMiddleware:
