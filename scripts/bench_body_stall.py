@@ -26,11 +26,13 @@ def bodies(model: str, scale: float) -> list[tuple[str, str, bytes]]:
     ids = {"model": model, "max_tokens": 1, "prompt": [5] * n(5_000_000)}
     bias = {"model": model, "max_tokens": 1, "prompt": "hi", "logit_bias": {str(i): 1 for i in range(n(1_000_000))}}
     text = {"model": model, "max_tokens": 1, "prompt": "ab " * n(5_000_000)}
+    detok = {"model": model, "tokens": [5] * n(5_000_000)}
     return [(f"chat, {len(chat['messages'])} messages", "/v1/chat/completions", chat),
             (f"completion, {len(lists['prompt'])} token-id prompts", "/v1/completions", lists),
             (f"completion, one prompt of {len(ids['prompt'])} ids", "/v1/completions", ids),
             (f"logit_bias of {len(bias['logit_bias'])} entries", "/v1/completions", bias),
-            (f"one prompt of {len(text['prompt'])} characters", "/v1/completions", text)]
+            (f"one prompt of {len(text['prompt'])} characters", "/v1/completions", text),
+            (f"/detokenize of {len(detok['tokens'])} ids", "/detokenize", detok)]
 
 
 class Victim(threading.Thread):
@@ -60,6 +62,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--scale", type=float, default=1.0, help="body sizes relative to ~16 MB")
+    ap.add_argument("--only", default="", help="send only the bodies whose name holds this")
     a = ap.parse_args()
     model = httpx.get(f"{a.url}/v1/models", timeout=30).json()["data"][0]["id"]
     victim = Victim(a.url, model)
@@ -69,6 +72,8 @@ def main() -> None:
     time.sleep(2)
     print(f"idle: the victim's longest pause {victim.worst:.3f} s")
     for name, path, body in bodies(model, a.scale):
+        if a.only not in name:
+            continue
         data = json.dumps(body).encode()
         time.sleep(1)
         victim.reset()

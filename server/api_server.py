@@ -237,8 +237,8 @@ def build_app(engine, args=None) -> FastAPI:
         state.check_model(req.model)
         state.need_tokenizer()
         vocab = len(state.tokenizer)
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
+        if req.tokens and (min(req.tokens) < 0 or max(req.tokens) >= vocab):  # at C speed
+            bad = next(t for t in req.tokens if not 0 <= t < vocab)
             raise APIError(400, f"tokens: token id {bad} is outside [0, {vocab})", param="tokens")
         return {"prompt": await off_loop(len(req.tokens) * 4, state.decode, req.tokens)}
 
