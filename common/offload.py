@@ -27,6 +27,11 @@ async def off_loop(chars: int, fn, *args):
     return await asyncio.get_running_loop().run_in_executor(pool, functools.partial(fn, *args))
 
 
+async def large_lane(fn, *args):
+    """`fn(*args)` on the large lane's thread: work on one huge input (a chat of 450,000 messages)."""
+    return await asyncio.get_running_loop().run_in_executor(_LARGE, functools.partial(fn, *args))
+
+
 # Structured-output checks (llguidance validating a grammar: seconds for a large one) have lanes
 # of their own for the same reason: twelve 900 KB grammars being checked on the default executor
 # held a plain request's answer (built there) for 10 s. Constraints of more than

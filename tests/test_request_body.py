@@ -118,3 +118,25 @@ def test_the_body_models_are_in_openapi(fake):
                 yield from refs(v)
     found = set(refs(doc))
     assert found and all(r.removeprefix("#/components/schemas/") in schemas for r in found), found
+
+
+def test_a_long_chat_builds_its_turns_on_the_large_lane(fake, monkeypatch):
+    """Past MANY_MESSAGES the conversation is built on a worker thread: the same prompt, and a
+    content part it cannot take is still a 400 naming messages."""
+    import server.chat as chat
+    body = {"messages": [{"role": "system", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_tokens": 3, "temperature": 0}
+    inline = post(fake, "/v1/chat/completions", body).json()
+    monkeypatch.setattr(chat, "MANY_MESSAGES", 1)
+    lane, calls = chat.large_lane, []
+
+    async def recording(fn, *args):
+        calls.append(fn.__name__)
+        return await lane(fn, *args)
+    monkeypatch.setattr(chat, "large_lane", recording)
+    off = post(fake, "/v1/chat/completions", body).json()
+    assert calls == ["conversation"]
+    assert off["usage"] == inline["usage"] and off["choices"] == inline["choices"]
+    bad = {**body, "messages": [*body["messages"], {"role": "user", "content": [{"type": "image_url"}]}]}
+    assert "text content parts" in assert_error(post(fake, "/v1/chat/completions", bad), 400, "messages")["message"]
