@@ -82,6 +82,8 @@ class SamplingParams:
     # a text prompt is tokenized with its special tokens (BOS) or without
     truncate_prompt_tokens: int | None = None
     add_special_tokens: bool = True
+    # vLLM's: prefix-cache hits only between requests with the same salt (scheduler/block_manager.py)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -150,6 +152,8 @@ class SamplingParams:
             if not isinstance(seq, (list, tuple)) or not seq or any(
                     not isinstance(t, int) or isinstance(t, bool) or not 0 <= t <= INT64_MAX for t in seq):
                 raise bad("bad_words", seq, "must be non-empty token sequences")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise bad("cache_salt", self.cache_salt, "must be a non-empty string")
         integer("seed", INT64_MIN, INT64_MAX, optional=True)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             integer("truncate_prompt_tokens", 1, INT64_MAX)

@@ -37,6 +37,15 @@ def hash_block(parent_hash: bytes, token_ids: list[int] | tuple[int, ...]) -> by
     return h.digest()
 
 
+def root_hash(cache_salt: str | None) -> bytes:
+    """The parent of a request's first block: one chain for every unsalted request, a chain of
+    its own for each cache_salt (vLLM's field), so that only requests with the same salt share
+    cached blocks and no tenant can time another's prompts through prefix hits."""
+    if cache_salt is None:
+        return _ROOT_HASH
+    return hashlib.sha256(b"cache_salt\0" + cache_salt.encode("utf-8")).digest()
+
+
 class KVBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash")
 
@@ -93,7 +102,7 @@ class BlockManager:
     def _update_hashes(self, request: Request) -> list[bytes]:
         """Extend request.block_hashes to cover every full block of its known tokens."""
         hashes, tpb, tokens = request.block_hashes, self.tokens_per_block, request.all_token_ids
-        parent = hashes[-1] if hashes else _ROOT_HASH
+        parent = hashes[-1] if hashes else root_hash(request.sampling_params.cache_salt)
         for i in range(len(hashes), len(tokens) // tpb):
             parent = hash_block(parent, tokens[i * tpb:(i + 1) * tpb])
             hashes.append(parent)

@@ -19,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 from common.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K,
                                     SamplingParams, StructuredOutputs)
 from server.request_fields import (_SPEC_KINDS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS,
+                                   MAX_CACHE_SALT_CHARS,
                                    MAX_CHOICE_CHARS, MAX_CHOICES, MAX_LOGIT_BIAS_TOKENS, MAX_N,
                                    MAX_REQUEST_ID_CHARS, BaseRequest, Int64, NonNegInt64, ResponseFormat,
                                    StreamOptions, StructuredOutputsRequest, _json_spec, bounded,
@@ -70,6 +71,9 @@ class SamplingFields(BaseRequest):
         None, max_length=MAX_BAD_WORDS)
     # vLLM's: keep only the prompt's last k tokens (-1: the last max_model_len)
     truncate_prompt_tokens: bounded(-1, INT64_MAX) | None = None
+    # vLLM's: prompt blocks cached by the prefix cache are shared only between requests with the
+    # same salt (multi-tenant isolation; vLLM advises a random 256-bit value)
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # vLLM's: the response's id (`cmpl-<id>`, `chatcmpl-<id>`; an X-Request-Id header wins)
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
 
@@ -241,7 +245,7 @@ class SamplingFields(BaseRequest):
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(),
             logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            add_special_tokens=add_special_tokens)
+            add_special_tokens=add_special_tokens, cache_salt=self.cache_salt)
 
 
 Prompt = str | list[int]

@@ -20,6 +20,7 @@ from common.sampling_params import INT64_MAX, INT64_MIN
 
 MAX_N = 128  # OpenAI's cap on choices per prompt
 MAX_REQUEST_ID_CHARS = 256  # a client's request id (field or X-Request-Id header), echoed in ids
+MAX_CACHE_SALT_CHARS = 1024  # a request's cache_salt (vLLM advises 43 characters: 256 bits in base64)
 # logit_bias entries per request: each one is host work in every step of the request
 MAX_LOGIT_BIAS_TOKENS = 1024
 # allowed_token_ids entries per request: their mask is built on the host for every row, every
@@ -113,8 +114,6 @@ _BOTH: dict[str, tuple] = {
                  "scheduler is first come, first served); only 0"),
     "logits_processors": (bool, "custom logits processors are not supported"),
     "prompt_embeds": (_set, "prompt embeddings are not supported; send text or token ids"),
-    "cache_salt": (_set, "cache_salt is not supported (prefix caching shares cached prompt "
-                   "blocks between all requests; --no-enable-prefix-caching turns it off)"),
     "kv_transfer_params": (_set, "KV transfer (disaggregated prefill) is not supported"),
     "vllm_xargs": (bool, "vllm_xargs (custom logits processors' arguments) is not supported"),
 }

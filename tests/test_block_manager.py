@@ -91,6 +91,28 @@ def test_prefix_hit_shares_blocks_with_ref_counts():
     assert bm.num_used_blocks == 0
 
 
+def test_cache_salt_separates_prefix_chains():
+    """Requests share cached blocks only with requests of the same cache_salt (none is a salt of
+    its own); a salted request's hashes differ from the first block on."""
+    bm = BlockManager(32, TPB)
+    prompt = list(range(100, 113))
+
+    def salted(req_id: str, salt: str | None) -> Request:
+        return Request(req_id, prompt, SamplingParams(max_tokens=4, cache_salt=salt), eos_token_id=None)
+    a = salted("a", "tenant-1")
+    compute(bm, a, 13)
+    for req_id, salt, hit in (("b", "tenant-1", 12), ("c", "tenant-2", 0), ("d", None, 0)):
+        r = salted(req_id, salt)
+        hits, num_hit = admit(bm, r)
+        assert num_hit == hit and hits == bm.get_block_ids("a")[:hit // TPB], (salt, hits)
+        compute(bm, r, 13 - num_hit, hits)
+    e = make_req("e", prompt)  # unsalted: hits the unsalted d's blocks, not a's or c's
+    assert bm.find_cached_prefix(e) == bm.get_block_ids("d")[:3]
+    assert len(e.block_hashes) == 3 and not set(e.block_hashes) & set(a.block_hashes)
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt="")
+
+
 def test_hit_never_covers_last_token():
     bm = BlockManager(16, TPB)
     prompt = list(range(8))  # exactly 2 blocks

@@ -112,7 +112,7 @@ def test_stream_options_include_usage_defaults_to_true(server, opts, usage):
 
 REFUSED = [("use_beam_search", True), ("length_penalty", 0.5),
            ("spaces_between_special_tokens", False), ("priority", 3),
-           ("logits_processors", ["p"]), ("prompt_embeds", "AAAA"), ("cache_salt", "s"),
+           ("logits_processors", ["p"]), ("prompt_embeds", "AAAA"),
            ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1})]
 CHAT_REFUSED = [("documents", [{"text": "d"}]), ("chat_template", "{{ x }}")]
 
