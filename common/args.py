@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.kernel_plan import parse_kernels
+from scheduler.config import SCHEDULING_POLICIES
 
 # vLLM's spellings of --dtype that name one of ours
 DTYPE_ALIASES = {"half": "float16", "bf16": "bfloat16", "float": "float32"}
@@ -58,6 +59,9 @@ class EngineArgs:
     max_num_seqs: int = 256
     # most tokens of one request's prompt a step prefills (0: the step's budget alone)
     long_prefill_token_threshold: int = 0
+    # fcfs: admission in arrival order, the newest running request preempted first; priority:
+    # by (priority, arrival), the lowest priority preempted first (vLLM's --scheduling-policy)
+    scheduling_policy: str = "fcfs"
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32 (or an alias in DTYPE_ALIASES)
@@ -125,6 +129,8 @@ class EngineArgs:
         need(self.max_num_batched_tokens >= 1,
              f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
+        need(self.scheduling_policy in SCHEDULING_POLICIES,
+             f"--scheduling-policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {self.scheduling_policy!r}")
         need(self.long_prefill_token_threshold >= 0,
              f"--long-prefill-token-threshold must be >= 0, got {self.long_prefill_token_threshold}")
         need(self.cuda_graph_sizes is None or (len(self.cuda_graph_sizes) > 0 and min(self.cuda_graph_sizes) >= 1),

@@ -84,6 +84,8 @@ class SamplingParams:
     add_special_tokens: bool = True
     # vLLM's: prefix-cache hits only between requests with the same salt (scheduler/block_manager.py)
     cache_salt: str | None = None
+    # vLLM's: with --scheduling-policy priority, lower values are admitted first and preempted last
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -154,6 +156,7 @@ class SamplingParams:
                 raise bad("bad_words", seq, "must be non-empty token sequences")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise bad("cache_salt", self.cache_salt, "must be a non-empty string")
+        integer("priority", INT64_MIN, INT64_MAX)
         integer("seed", INT64_MIN, INT64_MAX, optional=True)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             integer("truncate_prompt_tokens", 1, INT64_MAX)

@@ -64,6 +64,7 @@ class EngineCore:
             dcp_size=args.decode_context_parallel_size, async_scheduling=self.async_scheduling,
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
+            scheduling_policy=args.scheduling_policy,
             num_lookahead_tokens=spec.num_speculative_tokens - 1 if spec is not None and spec.method == "mtp" else 0))
         log.info("KV cache (%s): %d blocks of %d tokens%s: capacity %d tokens",
                  args.kv_cache_dtype, num_blocks, args.block_size,

@@ -67,6 +67,7 @@ class LLM:
         checked = [self.inputs.process(p, sp) for p, sp in zip(prompts, params)]
         for sp in {id(sp): sp for sp in params}.values():
             check_sampling_params(sp)  # the engine core's own check, before anything is submitted
+            self.engine.scheduler.check_priority(sp)
             if sp.structured_outputs is not None:
                 validate_structured(sp.structured_outputs, "structured_outputs")
         order = [str(next(self._ids)) for _ in checked]
@@ -74,7 +75,10 @@ class LLM:
         # scheduler, which admits at most max_num_seqs in a step and in arrival order, makes the
         # choices it would with all of them queued; the rest are added between steps, while the
         # GPU runs the step just launched, instead of all before the first step.
-        feed, keep = iter(zip(order, checked)), self.args.max_num_seqs
+        # Under the priority policy every request is queued before the first step, so that a
+        # late prompt of a high priority is not held back behind the feed.
+        feed = iter(zip(order, checked))
+        keep = len(order) if self.args.scheduling_policy == "priority" else self.args.max_num_seqs
         waiting = self.engine.scheduler.waiting
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
 
 @dataclass
 class SchedulerConfig:
@@ -30,8 +32,15 @@ class SchedulerConfig:
     # alone), so that one long prompt leaves room in each step for others to start (vLLM's
     # long_prefill_token_threshold)
     long_prefill_token_threshold: int = 0
+    # fcfs: admitted in arrival order, the newest running request preempted first; priority:
+    # admitted by (priority, arrival time), the running request last in that order preempted
+    # first (vLLM's --scheduling-policy; a lower value is served first)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size",
                      "num_blocks", "dcp_size"):
             value = getattr(self, name)

@@ -88,7 +88,7 @@ class Scheduler:
         self.check_request(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
         if request.grammar is not None:
             self._structured.add(request.request_id)
 
@@ -97,6 +97,7 @@ class Scheduler:
         never be served."""
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.check_priority(request.sampling_params)
         n = request.num_prompt_tokens
         if n > self.config.max_model_len:
             raise ValueError(f"prompt has {n} tokens, more than max_model_len "
@@ -105,6 +106,12 @@ class Scheduler:
             raise ValueError(f"prompt has {n} tokens, more than the KV cache capacity of "
                              f"{self.config.capacity_tokens} tokens ({self.config.num_blocks} blocks "
                              f"of {self.config.virtual_block_size})")
+
+    def check_priority(self, params) -> None:
+        """ValueError for a priority the policy does not read (vLLM refuses it too)."""
+        if params.priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority: {params.priority} needs --scheduling-policy priority (this "
+                             "server schedules first come, first served; only 0)")
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         """Finish the given requests with "abort" and free their blocks; unknown ids are ignored."""
@@ -147,8 +154,9 @@ class Scheduler:
         spec_tokens: dict[str, list[int]] = {}
         preempted_now = False
 
-        # Running requests, oldest first. Victims come from the end of the list, i.e. from those
-        # not yet scheduled this step, so a victim never has tokens in this step.
+        # Running requests, oldest first. Under fcfs victims come from the end of the list, i.e.
+        # from those not yet scheduled this step; under priority the lowest in priority order,
+        # whose tokens, if it was scheduled earlier in this step, are taken back.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -168,7 +176,12 @@ class Scheduler:
                 new_block_ids = self._allocate(request, n)
                 if new_block_ids is not None:
                     break
-                victim = self.running[-1]
+                victim = self._victim()
+                if self.running.index(victim) < i:  # priority only: scheduled earlier this step
+                    budget += num_scheduled.pop(victim.request_id)
+                    spec_tokens.pop(victim.request_id, None)
+                    cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
+                    i -= 1
                 self._preempt(victim)
                 preempted_now = True
                 if victim is request:
@@ -183,7 +196,7 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Waiting requests, FCFS. None are admitted in a step that had to preempt: the pool is
+        # Waiting requests, in queue order (_enqueue). None are admitted in a step that had to preempt: the pool is
         # short, and a victim must not come straight back in the same step.
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.config.max_num_seqs):
@@ -290,11 +303,33 @@ class Scheduler:
         request.num_preemptions += 1
         if request.wants_prompt_logprobs:
             request.prompt_logprobs.clear()  # the runner will report them again from the start
-        self.waiting.appendleft(request)
+        self._enqueue(request, preempted=True)
         self._finished_req_ids.add(request.request_id)
         self._num_preemptions += 1
         logger.debug("preempted %s (pool has %d free blocks)", request.request_id,
                      self.block_manager.num_free_blocks)
+
+    def _enqueue(self, request: Request, preempted: bool = False) -> None:
+        """Into the waiting queue. fcfs: a new request at the back, a preempted one at the front
+        (it arrived before every waiting one). priority: after every request that comes before
+        it in (priority, arrival time) order, found from the back (a new request of a common
+        priority belongs there)."""
+        if self.config.scheduling_policy == "priority":
+            key, i = _priority_key(request), len(self.waiting)
+            while i > 0 and _priority_key(self.waiting[i - 1]) > key:
+                i -= 1
+            self.waiting.insert(i, request)
+        elif preempted:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
+
+    def _victim(self) -> Request:
+        """The running request preempted when the pool is short: the newest (fcfs), or the last in
+        (priority, arrival time) order (priority)."""
+        if self.config.scheduling_policy == "priority":
+            return max(reversed(self.running), key=_priority_key)
+        return self.running[-1]
 
     def _free(self, request: Request) -> None:
         self.block_manager.free(request.request_id)
@@ -402,3 +437,8 @@ class Scheduler:
         del self.requests[request.request_id]
         self._structured.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)
+
+
+def _priority_key(request: Request) -> tuple[int, float]:
+    """Order under --scheduling-policy priority: a lower priority value first, then arrival."""
+    return request.sampling_params.priority, request.arrival_time

@@ -191,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a step prefills at most N tokens of one prompt, so that a long prompt "
                         "leaves room for others to start in each step (vLLM's; 0: the step's "
                         "--max-num-batched-tokens alone)")
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default=d["scheduling_policy"],
+                   help="fcfs: requests start in arrival order and the newest running one is "
+                        "preempted first when the KV cache is full; priority: by each request's "
+                        "`priority` (lower first), then arrival, and the lowest priority is "
+                        "preempted first (vLLM's; with fcfs a request's priority must be 0)")
     g.add_argument("--block-size", type=int, default=d["block_size"],
                    help="tokens per KV cache block (a power of two)")
     g.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"],
@@ -366,6 +371,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         decode_context_parallel_size=ns.decode_context_parallel_size,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
         long_prefill_token_threshold=ns.long_prefill_token_threshold,
+        scheduling_policy=ns.scheduling_policy,
         max_model_len=ns.max_model_len, block_size=ns.block_size, dtype=ns.dtype,
         device=ns.device, load_format=ns.load_format, num_kv_blocks=ns.num_kv_blocks,
         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,

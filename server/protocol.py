@@ -74,6 +74,8 @@ class SamplingFields(BaseRequest):
     # vLLM's: prompt blocks cached by the prefix cache are shared only between requests with the
     # same salt (multi-tenant isolation; vLLM advises a random 256-bit value)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # vLLM's: with --scheduling-policy priority, lower values start first and are preempted last
+    priority: Int64 = 0
     # vLLM's: the response's id (`cmpl-<id>`, `chatcmpl-<id>`; an X-Request-Id header wins)
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
 
@@ -245,7 +247,8 @@ class SamplingFields(BaseRequest):
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured(),
             logit_bias=self.logit_bias or None, allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            add_special_tokens=add_special_tokens, cache_salt=self.cache_salt)
+            add_special_tokens=add_special_tokens, cache_salt=self.cache_salt,
+            priority=self.priority)
 
 
 Prompt = str | list[int]

@@ -110,8 +110,6 @@ _BOTH: dict[str, tuple] = {
     "length_penalty": (lambda v: v is not None and v != 1.0, "length_penalty applies to beam "
                        "search, which is not supported; only 1.0"),
     "spaces_between_special_tokens": (lambda v: v is False, "only true (the default) is supported"),
-    "priority": (lambda v: v not in (None, 0), "priority scheduling is not supported (the "
-                 "scheduler is first come, first served); only 0"),
     "logits_processors": (bool, "custom logits processors are not supported"),
     "prompt_embeds": (_set, "prompt embeddings are not supported; send text or token ids"),
     "kv_transfer_params": (_set, "KV transfer (disaggregated prefill) is not supported"),

@@ -26,7 +26,6 @@ VLLM_NOOPS = [
      "only 1: one engine per server (run a server per GPU group behind a load balancer)"),
     ("--distributed-executor-backend", (str, "mp"), "only mp: the ranks are worker processes"),
     ("--tokenizer-mode", (str, "auto"), "only auto: the Hugging Face tokenizer of the model"),
-    ("--scheduling-policy", (str, "fcfs"), "only fcfs: first come, first served"),
     ("--disable-log-stats", bool, "accepted: this server logs no periodic stats (they are on /metrics)"),
     ("--disable-custom-all-reduce", bool,
      "accepted: the tensor-parallel ranks all-reduce through NCCL only (there is no custom all-reduce)"),

@@ -111,7 +111,7 @@ def test_stream_options_include_usage_defaults_to_true(server, opts, usage):
 # --- vLLM's fields that are refused, not dropped ----------------------------------------------
 
 REFUSED = [("use_beam_search", True), ("length_penalty", 0.5),
-           ("spaces_between_special_tokens", False), ("priority", 3),
+           ("spaces_between_special_tokens", False),
            ("logits_processors", ["p"]), ("prompt_embeds", "AAAA"),
            ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1})]
 CHAT_REFUSED = [("documents", [{"text": "d"}]), ("chat_template", "{{ x }}")]
@@ -322,10 +322,10 @@ def test_vllm_no_op_flags(monkeypatch):
                       ("-dp 8", "--data-parallel-size 8: only 1"),
                       ("--distributed-executor-backend ray", "only mp"),
                       ("--tokenizer-mode slow", "only auto"),
-                      ("--scheduling-policy priority", "only fcfs"),
                       ("--max-logprobs 21", "--max-logprobs must be in \\[0, 20\\]")):
         with pytest.raises(ValueError, match=msg):
             _engine_args(line)
+    assert _engine_args("--scheduling-policy priority").scheduling_policy == "priority"
     monkeypatch.setenv("VLLM_API_KEY", "k1")
     assert api_key_from(None) == "k1" and api_key_from("k2") == "k2"
     monkeypatch.delenv("VLLM_API_KEY")
