@@ -22,6 +22,7 @@ from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                NewRequestData, SchedulerOutput)
+from scheduler.policy import choose_victim, enqueue
 from scheduler.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class Scheduler:
         self.check_request(request)
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self._enqueue(request)
+        enqueue(self.waiting, request, self.config.scheduling_policy)
         if request.grammar is not None:
             self._structured.add(request.request_id)
 
@@ -176,7 +177,7 @@ class Scheduler:
                 new_block_ids = self._allocate(request, n)
                 if new_block_ids is not None:
                     break
-                victim = self._victim()
+                victim = choose_victim(self.running, self.config.scheduling_policy)
                 if self.running.index(victim) < i:  # priority only: scheduled earlier this step
                     budget += num_scheduled.pop(victim.request_id)
                     spec_tokens.pop(victim.request_id, None)
@@ -196,8 +197,8 @@ class Scheduler:
             budget -= n
             i += 1
 
-        # Waiting requests, in queue order (_enqueue). None are admitted in a step that had to preempt: the pool is
-        # short, and a victim must not come straight back in the same step.
+        # Waiting requests, in queue order (scheduler/policy.py). None are admitted in a step that had to
+        # preempt: the pool is short, and a victim must not come straight back in the same step.
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
@@ -303,33 +304,11 @@ class Scheduler:
         request.num_preemptions += 1
         if request.wants_prompt_logprobs:
             request.prompt_logprobs.clear()  # the runner will report them again from the start
-        self._enqueue(request, preempted=True)
+        enqueue(self.waiting, request, self.config.scheduling_policy, preempted=True)
         self._finished_req_ids.add(request.request_id)
         self._num_preemptions += 1
         logger.debug("preempted %s (pool has %d free blocks)", request.request_id,
                      self.block_manager.num_free_blocks)
-
-    def _enqueue(self, request: Request, preempted: bool = False) -> None:
-        """Into the waiting queue. fcfs: a new request at the back, a preempted one at the front
-        (it arrived before every waiting one). priority: after every request that comes before
-        it in (priority, arrival time) order, found from the back (a new request of a common
-        priority belongs there)."""
-        if self.config.scheduling_policy == "priority":
-            key, i = _priority_key(request), len(self.waiting)
-            while i > 0 and _priority_key(self.waiting[i - 1]) > key:
-                i -= 1
-            self.waiting.insert(i, request)
-        elif preempted:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
-
-    def _victim(self) -> Request:
-        """The running request preempted when the pool is short: the newest (fcfs), or the last in
-        (priority, arrival time) order (priority)."""
-        if self.config.scheduling_policy == "priority":
-            return max(reversed(self.running), key=_priority_key)
-        return self.running[-1]
 
     def _free(self, request: Request) -> None:
         self.block_manager.free(request.request_id)
@@ -438,7 +417,3 @@ class Scheduler:
         self._structured.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)
 
-
-def _priority_key(request: Request) -> tuple[int, float]:
-    """Order under --scheduling-policy priority: a lower priority value first, then arrival."""
-    return request.sampling_params.priority, request.arrival_time
