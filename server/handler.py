@@ -25,6 +25,7 @@ from common.offload import check_off_loop
 from common.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
 from engine.input_processor import ContextLengthError
+from server.beam_search import check_beam_request, respond_beams
 from server.errors import APIError, error_body, param_of
 from server.request_fields import MAX_REQUEST_ID_CHARS
 from server.streams import ClientDisconnected, EngineStreams, engine_request_ids, until_disconnect
@@ -154,6 +155,9 @@ async def respond(state, raw: Request, req, prompts: list, params: SamplingParam
     """Run `prompts` (n choices each) and answer: JSON `{id, object: obj, created, model, choices,
     usage}`, or with `req.stream` SSE chunks `{id, object: chunk_obj, ..., choices: [delta], usage}`.
     `ids`: `response_id`'s (response id, engine id base)."""
+    if getattr(req, "use_beam_search", False):
+        check_beam_request(req, state.request_defaults)
+        return await respond_beams(state, raw, req, prompts, params, ids, builder, obj)
     request_id, engine_id = ids
     head = {"id": request_id, "object": obj, "created": int(time.time()), "model": state.model_name}
     tracker = state.metrics.tracker(params.n, params.max_tokens)

@@ -76,6 +76,9 @@ class SamplingFields(BaseRequest):
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     # vLLM's: with --scheduling-policy priority, lower values start first and are preempted last
     priority: Int64 = 0
+    # vLLM's beam search (server/beam_search.py): n beams, scored by logprob / length ** penalty
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
     # vLLM's: the response's id (`cmpl-<id>`, `chatcmpl-<id>`; an X-Request-Id header wins)
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
 
@@ -136,6 +139,13 @@ class SamplingFields(BaseRequest):
     def _stream_options_need_stream(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @model_validator(mode="after")
+    def _length_penalty_needs_beams(self):
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            raise ValueError("length_penalty applies to beam search only (use_beam_search: true); "
+                             "without it only 1.0")
         return self
 
     @model_validator(mode="after")

@@ -106,9 +106,6 @@ UNSUPPORTED: dict[str, dict[str, tuple]] = {
 }
 # vLLM's extensions both routes refuse (their names, so that a request written for vLLM is told)
 _BOTH: dict[str, tuple] = {
-    "use_beam_search": (bool, "beam search is not supported"),
-    "length_penalty": (lambda v: v is not None and v != 1.0, "length_penalty applies to beam "
-                       "search, which is not supported; only 1.0"),
     "spaces_between_special_tokens": (lambda v: v is False, "only true (the default) is supported"),
     "logits_processors": (bool, "custom logits processors are not supported"),
     "prompt_embeds": (_set, "prompt embeddings are not supported; send text or token ids"),

@@ -110,7 +110,7 @@ def test_stream_options_include_usage_defaults_to_true(server, opts, usage):
 
 # --- vLLM's fields that are refused, not dropped ----------------------------------------------
 
-REFUSED = [("use_beam_search", True), ("length_penalty", 0.5),
+REFUSED = [("length_penalty", 0.5),
            ("spaces_between_special_tokens", False),
            ("logits_processors", ["p"]), ("prompt_embeds", "AAAA"),
            ("kv_transfer_params", {}), ("vllm_xargs", {"a": 1})]
