@@ -220,13 +220,13 @@ class InProcessServer:
 
 
 @contextlib.contextmanager
-def tiny_engine_server(num_kv_blocks: int = 256, max_model_len: int = 512):
-    """The bundled tiny model's real engine (CPU, fp32, its core on a thread of this process)
-    behind an InProcessServer; `.model` is the served name."""
+def tiny_engine_server(num_kv_blocks: int = 256, max_model_len: int = 512, model: str | None = None):
+    """A real engine (CPU, fp32, its core on a thread of this process) of the bundled tiny model,
+    or of `model`, behind an InProcessServer; `.model` is the served name."""
     from common.args import EngineArgs
     from engine.async_llm import AsyncLLM
     from server.api_server import build_app
-    engine = AsyncLLM(EngineArgs(str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks,
+    engine = AsyncLLM(EngineArgs(model or str(TINY_MODEL), device="cpu", dtype="float32", num_kv_blocks=num_kv_blocks,
                                  max_model_len=max_model_len), core_in_thread=True)
     try:
         with InProcessServer(build_app(engine)) as s:

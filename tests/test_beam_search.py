@@ -4,28 +4,11 @@ honour is a 400 naming the field."""
 
 from __future__ import annotations
 
-import contextlib
-
 import httpx
 import pytest
 import torch
 
-from tests.server_fixtures import InProcessServer, assert_error, tiny_engine_server
-
-
-@contextlib.contextmanager
-def engine_server(path: str):
-    from common.args import EngineArgs
-    from engine.async_llm import AsyncLLM
-    from server.api_server import build_app
-    engine = AsyncLLM(EngineArgs(path, device="cpu", dtype="float32", num_kv_blocks=256, max_model_len=128),
-                      core_in_thread=True)
-    try:
-        with InProcessServer(build_app(engine)) as s:
-            s.model = engine.model_name
-            yield s
-    finally:
-        engine.shutdown()
+from tests.server_fixtures import assert_error, tiny_engine_server
 
 
 @torch.no_grad()
@@ -50,7 +33,7 @@ def reference_beams(hf, prompt: list[int], width: int, steps: int, penalty: floa
 
 @pytest.fixture(scope="module")
 def v3_server(tiny_v3):
-    with engine_server(tiny_v3[0]) as s:
+    with tiny_engine_server(max_model_len=128, model=tiny_v3[0]) as s:
         yield s, tiny_v3[1]
 
 
