@@ -147,17 +147,17 @@ async def respond_beams(state, raw: Request, req, prompts: list, params: Samplin
     head = {"id": request_id, "object": obj, "created": int(time.time()), "model": state.model_name}
     tracker = state.metrics.tracker(params.n, params.max_tokens)
     try:
-        try:  # the engine's own checks and truncation, and a text prompt's token ids
-            token_ids = [(await off_loop(len(p), state.engine.inputs.process, p, params))[1] for p in prompts]
-        except ValueError as e:
-            raise APIError(400, str(e), param=getattr(e, "param", None) or param_of(str(e)),
-                           code=getattr(e, "code", None)) from None
+        # the engine's own checks and truncation, and a text prompt's token ids
+        token_ids = [(await off_loop(len(p), state.engine.inputs.process, p, params))[1] for p in prompts]
         finals = await until_disconnect(raw, beam_search_all(state, token_ids, params, req.n,
                                                              req.length_penalty, engine_id))
         for i, out in enumerate(finals):
             tracker.observe(i, out)
     except ClientDisconnected:
         return Response(status_code=499)
+    except ValueError as e:  # refused by the engine's checks, as respond() answers them
+        raise APIError(400, str(e), param=getattr(e, "param", None) or param_of(str(e)),
+                       code=getattr(e, "code", None)) from None
     finally:
         tracker.close(len(prompts) * req.n)
     return JSONResponse({**head, "choices": builder.choices(finals), "usage": builder.usage(finals),

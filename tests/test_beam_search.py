@@ -112,3 +112,12 @@ def test_length_penalty_ranks_finished_against_live_beams(monkeypatch, penalty, 
     out = asyncio.run(bs.beam_search(state, [7, 7], SamplingParams(max_tokens=3), 1, penalty, "r"))
     assert [o.token_ids for o in out.outputs] == [best]
     assert out.outputs[0].finish_reason == ("stop" if best == [1] else "length")
+
+
+def test_a_prompt_too_long_for_its_beams_is_a_400():
+    with tiny_engine_server(max_model_len=64) as s:
+        body = {"model": s.model, "prompt": list(range(5, 65)), "use_beam_search": True, "n": 2, "max_tokens": 8}
+        assert_error(httpx.post(f"{s.url}/v1/completions", json=body, timeout=60), 400)
+        body["max_tokens"] = 3  # 60 + 3 fits 64: the search stops at the context's end at most
+        r = httpx.post(f"{s.url}/v1/completions", json={**body, "return_token_ids": True}, timeout=60)
+        assert r.status_code == 200 and all(len(c["token_ids"]) <= 3 for c in r.json()["choices"]), r.text
