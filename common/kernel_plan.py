@@ -162,9 +162,6 @@ CHOICES: tuple[Choice, ...] = (
            "programmatic dependent launch (sm_90+) for the decode path's Triton kernels, as pdl=1 does for "
            "every launch (0: none)", ("common.pdl",), triton=0, torch=0,
            triton_help=f"{PDL_GRAPH_MAX_BATCH} on sm_90+ GPUs, else 0"),
-    Choice("pdl_at_exit", (bool,), "under PDL a kernel lets its successor launch as its CTAs exit instead "
-           "of as they start (common/pdl.py): the successor's CTAs do not take SM slots during a multi-wave "
-           "kernel's last wave", ("common.pdl",), triton=False, torch=False),
     Choice("argmax", (TRITON, TORCH), "greedy sampling's argmax over the vocabulary: torch's, or two Triton "
            "launches (common/triton_argmax.py: blocks of 2048 logits, then their merge; the same index, ties "
            "and NaN as torch)", ("common.triton_argmax",)),
@@ -216,7 +213,6 @@ class KernelPlan:
     decode_qk_fp8: bool = False
     pdl: bool = False
     pdl_graph_max_batch: int = 0
-    pdl_at_exit: bool = False
     argmax: str = TORCH
     launch: str = TRITON
     compile: bool = False

@@ -45,18 +45,3 @@ def pdl() -> bool:
 def use_pdl(on: bool) -> None:
     global _pdl
     _pdl = on and not interpreting()
-
-
-_pdl_at_exit = False
-
-
-def pdl_at_exit() -> bool:
-    """Under PDL, whether a kernel lets its successor launch only as its CTAs exit (the plan's
-    `pdl_at_exit`) instead of as they start: the successor's CTAs then cannot take SM slots early
-    and start unevenly spread (common/pdl.py)."""
-    return _pdl_at_exit
-
-
-def use_pdl_at_exit(on: bool) -> None:
-    global _pdl_at_exit
-    _pdl_at_exit = on

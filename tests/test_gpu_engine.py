@@ -57,19 +57,16 @@ def test_cuda_graphs_equal_eager(model, request):
 def test_pdl_equals_no_pdl(gpu_v2):
     """The decode path's kernels launched with programmatic dependent launch (`pdl=1`), in CUDA
     graphs and eagerly: the same greedy tokens as without it, over 64 prompts (the fused, block
-    and grouped MoE paths, decode splits, mixed steps); with the successor signalled at the
-    start (`pdl=1`) and at exit (`pdl_at_exit=1`)."""
-    from common.launch_settings import use_pdl, use_pdl_at_exit
+    and grouped MoE paths, decode splits, mixed steps)."""
+    from common.launch_settings import use_pdl
     path, _ = gpu_v2
     prompts = _prompts64()
     ref = _run(path, prompts)
     try:
-        for plan in ("auto,warmup=0,pdl=1", "auto,warmup=0,pdl=1,pdl_at_exit=1"):
-            assert _run(path, prompts, kernels=plan) == ref, plan
-            assert _run(path, prompts, kernels=plan, enforce_eager=True) == ref, plan
+        assert _run(path, prompts, kernels="auto,warmup=0,pdl=1") == ref
+        assert _run(path, prompts, kernels="auto,warmup=0,pdl=1", enforce_eager=True) == ref
     finally:
-        use_pdl(False)  # process settings: kernels called directly by later tests launch without it
-        use_pdl_at_exit(False)
+        use_pdl(False)  # a process setting: kernels called directly by later tests launch without it
 
 
 def test_moe_shared_stream_equals_one_stream(gpu_v2):
