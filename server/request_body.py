@@ -3,9 +3,9 @@ thread.
 
 FastAPI validates a body model declared in a route's signature on the event loop. On this
 project's 2-core CPU that held every other client of the server for as long as one large body
-took: a 16 MB chat body of 450,000 messages stopped a running stream for 2.8 s, a completion of
-1,000,000 token-id prompts for 1.6 s, a logit_bias of 1,000,000 entries for 1.3 s (before the
-400 each earned). So the OpenAI routes take the raw request and call `parse_body`: a body of up to
+took: a 16 MB chat body of 450,000 messages stopped a running stream for 2.25 s, a completion of
+1,000,000 token-id prompts for 2.23 s, a logit_bias of 1,000,000 entries for 1.36 s (before the
+400 each earned; scripts/bench_body_stall.py). So the OpenAI routes take the raw request and call `parse_body`: a body of up to
 INLINE_BODY_BYTES is parsed and validated inline (a thread hop would cost more than it does), a
 larger one on the one thread of its own lane, so that huge bodies queue behind each other and
 never in front of ordinary requests. The event loop then runs between the validators' Python
