@@ -55,7 +55,8 @@ def check_beam_request(req, defaults: dict) -> None:
         if name not in fields:
             continue
         value, default = getattr(req, name), fields[name].get_default(call_default_factory=True)
-        at_default = value == default or (not value and not default)  # [] for None, ...
+        # an empty list or object where the default is null asks for nothing either (tools: [])
+        at_default = value == default or (default is None and isinstance(value, (list, dict)) and not value)
         at_server_default = name in defaults and value == defaults[name]
         if at_default or at_server_default or (name == "tool_choice" and value == "none"):
             continue
@@ -108,7 +109,8 @@ async def beam_search(state, prompt_ids: list[int], params: SamplingParams, widt
     outputs = []
     for i, b in enumerate(best):
         shown = b.tokens[:-1] if b.eos and not params.include_stop_str_in_output else b.tokens
-        text = state.decode(shown) if state.tokenizer is not None else ""
+        text = ("" if state.tokenizer is None
+                else state.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens))
         outputs.append(CompletionOutput(i, text=text, token_ids=list(b.tokens),
                                         finish_reason="stop" if b.eos else "length",
                                         delta_token_ids=list(b.tokens)))

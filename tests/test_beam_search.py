@@ -76,7 +76,7 @@ def test_chat_and_refusals():
         assert r.status_code == 200 and len(choices) == 2 and choices[0]["token_ids"] != choices[1]["token_ids"]
         assert r.json()["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
         cmpl = {"model": s.model, "prompt": "Mia", "use_beam_search": True, "max_tokens": 3}
-        for extra, field in (({"stream": True}, "stream"), ({"stop": ["x"]}, "stop"), ({"logprobs": 2}, "logprobs"),
+        for extra, field in (({"stream": True}, "stream"), ({"stop": ["x"]}, "stop"), ({"logprobs": 0}, "logprobs"),
                              ({"n": 11}, "n"), ({"echo": True}, "echo"), ({"top_p": 0.5}, "top_p"),
                              ({"guided_choice": ["a", "b"]}, "guided_choice")):
             r = httpx.post(f"{s.url}/v1/completions", json={**cmpl, **extra}, timeout=60)
@@ -107,11 +107,19 @@ def test_length_penalty_ranks_finished_against_live_beams(monkeypatch, penalty, 
             0, logprobs=[TokenLogprobs(top(p[2:])[0][0], top(p[2:])[0][1], 1, top(p[2:]))])], finished=True)
             for p in prompts]
     monkeypatch.setattr(bs, "_one_token", one_token)
-    state = SimpleNamespace(max_model_len=64, tokenizer=None,
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: f"{ids} skip={skip_special_tokens}")
+    state = SimpleNamespace(max_model_len=64, tokenizer=tokenizer,
                             engine=SimpleNamespace(inputs=SimpleNamespace(eos_token_id=1)))
     out = asyncio.run(bs.beam_search(state, [7, 7], SamplingParams(max_tokens=3), 1, penalty, "r"))
     assert [o.token_ids for o in out.outputs] == [best]
     assert out.outputs[0].finish_reason == ("stop" if best == [1] else "length")
+    # the text leaves out an ending EOS unless include_stop_str_in_output, as the route's options say
+    shown = "[] skip=True" if best == [1] else f"{best} skip=True"
+    assert out.outputs[0].text == shown
+    if best == [1]:
+        params = SamplingParams(max_tokens=3, include_stop_str_in_output=True, skip_special_tokens=False)
+        out = asyncio.run(bs.beam_search(state, [7, 7], params, 1, penalty, "r"))
+        assert out.outputs[0].text == "[1] skip=False"
 
 
 def test_a_prompt_too_long_for_its_beams_is_a_400():
