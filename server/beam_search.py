@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 
@@ -51,14 +52,17 @@ def check_beam_request(req, defaults: dict) -> None:
         raise APIError(400, f"n: the beam width is at most {MAX_BEAM_WIDTH} (each beam asks for its "
                        f"2n most likely next tokens, at most {MAX_LOGPROBS}), got {req.n}", param="n")
     fields = type(req).model_fields
+    asks_nothing = {"tool_choice": lambda v: v == "none",  # what a chat without tools gets
+                    "response_format": lambda v: getattr(v, "type", None) == "text",
+                    "parallel_tool_calls": lambda v: not getattr(req, "tools", None)}
     for name in sorted(req.model_fields_set - BEAM_FIELDS):
-        if name not in fields:
+        if name not in fields or (name in asks_nothing and asks_nothing[name](getattr(req, name))):
             continue
         value, default = getattr(req, name), fields[name].get_default(call_default_factory=True)
         # an empty list or object where the default is null asks for nothing either (tools: [])
         at_default = value == default or (default is None and isinstance(value, (list, dict)) and not value)
         at_server_default = name in defaults and value == defaults[name]
-        if at_default or at_server_default or (name == "tool_choice" and value == "none"):
+        if at_default or at_server_default:
             continue
         raise APIError(400, f"{name}: not supported with use_beam_search", param=name)
 
@@ -71,17 +75,26 @@ class Beam:
 
 
 def beam_score(beam: Beam, prompt_len: int, length_penalty: float) -> float:
-    """vLLM's: cumulative logprob / (sequence length ** length_penalty), the prompt counted and an
-    ending EOS not."""
+    """A key that orders beams as vLLM's score does: cumulative logprob / (sequence length **
+    length_penalty), the prompt counted and an ending EOS not. Taken in log space, -(log(-logprob)
+    - penalty * log(length)), so that no penalty overflows or underflows the power (vLLM's form
+    raised OverflowError from a penalty of ~93 at 2,048 tokens); a logprob of 0 ranks first."""
     length = prompt_len + len(beam.tokens) - (1 if beam.eos else 0)
-    return beam.logprob / max(length, 1) ** length_penalty
+    if beam.logprob >= 0.0:
+        return math.inf
+    return length_penalty * math.log(max(length, 1)) - math.log(-beam.logprob)
 
 
 async def beam_search(state, prompt_ids: list[int], params: SamplingParams, width: int,
                       length_penalty: float, request_id: str) -> RequestOutput:
     """The `width` best beams for one prompt, as a finished RequestOutput of `width` outputs."""
     eos = state.engine.inputs.eos_token_id
+    # as far as an ordinary request would go: the context, and the KV cache (a step's prompt of
+    # P + s tokens must fit it; 0: unknown)
     limit = state.max_model_len - len(prompt_ids)
+    capacity = getattr(state.engine.inputs, "capacity_tokens", 0)
+    if capacity:
+        limit = min(limit, capacity - len(prompt_ids) + 1)
     steps = limit if params.max_tokens is None else min(params.max_tokens, limit)
     step_params = dataclasses.replace(
         params, n=1, max_tokens=1, min_tokens=0, logprobs=2 * width, prompt_logprobs=None,

@@ -129,3 +129,23 @@ def test_a_prompt_too_long_for_its_beams_is_a_400():
         body["max_tokens"] = 3  # 60 + 3 fits 64: the search stops at the context's end at most
         r = httpx.post(f"{s.url}/v1/completions", json={**body, "return_token_ids": True}, timeout=60)
         assert r.status_code == 200 and all(len(c["token_ids"]) <= 3 for c in r.json()["choices"]), r.text
+
+
+def test_beams_stop_where_the_kv_cache_ends_and_any_penalty_scores():
+    """A search runs as far as an ordinary request would (here the KV cache's 128 tokens, before
+    the context's 512); extreme penalties rank without overflowing; fields that ask for nothing
+    (a text response_format, parallel_tool_calls without tools) pass."""
+    with tiny_engine_server(num_kv_blocks=8) as s:
+        prompt = list(range(5, 125))  # 120 tokens: 9 more fit 128 + 1
+        greedy = {"model": s.model, "prompt": prompt, "max_tokens": 50, "temperature": 0, "ignore_eos": True,
+                  "return_token_ids": True}
+        plain = httpx.post(f"{s.url}/v1/completions", json=greedy, timeout=120).json()["choices"][0]
+        assert len(plain["token_ids"]) == 9 and plain["finish_reason"] == "length"
+        beams = _beams(s, prompt, n=1, max_tokens=50, ignore_eos=True)
+        assert [c["token_ids"] for c in beams] == [plain["token_ids"]]
+        for penalty in (300.0, -400.0, 1e300):
+            assert len(_beams(s, prompt[:20], n=3, max_tokens=3, length_penalty=penalty)) == 3
+        chat = {"model": s.model, "messages": [{"role": "user", "content": "hi"}], "use_beam_search": True,
+                "n": 2, "max_tokens": 2, "response_format": {"type": "text"}, "parallel_tool_calls": False}
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=120)
+        assert r.status_code == 200, r.text
