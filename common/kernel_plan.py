@@ -162,10 +162,6 @@ CHOICES: tuple[Choice, ...] = (
            "programmatic dependent launch (sm_90+) for the decode path's Triton kernels, as pdl=1 does for "
            "every launch (0: none)", ("common.pdl",), triton=0, torch=0,
            triton_help=f"{PDL_GRAPH_MAX_BATCH} on sm_90+ GPUs, else 0"),
-    Choice("pdl_multi_wave_at_exit", (bool,), "under PDL the block MoE's two products (several waves at "
-           "decode sizes) let their successor launch as their CTAs exit instead of as they start, so its "
-           "CTAs cannot take SM slots during their last wave; the other kernels keep the early signal "
-           "(common/pdl.py; opt-in, untimed)", ("common.pdl",), triton=False, torch=False),
     Choice("argmax", (TRITON, TORCH), "greedy sampling's argmax over the vocabulary: torch's, or two Triton "
            "launches (common/triton_argmax.py: blocks of 2048 logits, then their merge; the same index, ties "
            "and NaN as torch)", ("common.triton_argmax",)),
@@ -217,7 +213,6 @@ class KernelPlan:
     decode_qk_fp8: bool = False
     pdl: bool = False
     pdl_graph_max_batch: int = 0
-    pdl_multi_wave_at_exit: bool = False
     argmax: str = TORCH
     launch: str = TRITON
     compile: bool = False

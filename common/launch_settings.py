@@ -45,17 +45,3 @@ def pdl() -> bool:
 def use_pdl(on: bool) -> None:
     global _pdl
     _pdl = on and not interpreting()
-
-
-_pdl_multi_wave_at_exit = False
-
-
-def pdl_multi_wave_at_exit() -> bool:
-    """Under PDL, whether the multi-wave kernels (the block MoE's products) let their successor
-    launch only as their CTAs exit (the plan's `pdl_multi_wave_at_exit`; common/pdl.py)."""
-    return _pdl_multi_wave_at_exit
-
-
-def use_pdl_multi_wave_at_exit(on: bool) -> None:
-    global _pdl_multi_wave_at_exit
-    _pdl_multi_wave_at_exit = on

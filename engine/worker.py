@@ -12,7 +12,7 @@ from attention.kv_quant import is_fp8, resolve_kv_cache_dtype
 from common import distributed as pd
 from common.args import EngineArgs, piecewise_graph_sizes
 from common.kernel_plan import TRITON, KernelPlan, resolve_plan
-from common.launch_settings import use_autotune, use_pdl, use_pdl_multi_wave_at_exit
+from common.launch_settings import use_autotune, use_pdl
 from common.triton_launch import use_fast_launch
 from engine.model_runner import ModelRunner
 from engine.weight_memory import resolve_fp8_gemm
@@ -134,7 +134,6 @@ class Worker:
                 raise ValueError(f"--kernels ...,{key}={int(getattr(self.plan, key))}: programmatic dependent "
                                  f"launch needs an sm_90+ GPU (Hopper or newer), not {self.device}; leave {key} at 0")
         use_pdl(self.plan.pdl)
-        use_pdl_multi_wave_at_exit(self.plan.pdl_multi_wave_at_exit)
         use_fast_launch(self.plan.launch == "fast")
         if self.plan.decode_wgmma_producer and not self.plan.decode_wgmma_min_heads:
             raise ValueError("--kernels ...,decode_wgmma_producer=1 configures the Gluon decode, which this plan does "

@@ -362,8 +362,7 @@ class _BlockedMoE:
         self.part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
         self.xq, self.sx = act_quant(self.x) if a8 else (self.x, self.x)  # sx [T, D/128], any strides
         self.const = dict(QB=block, SCALED=scaled, A8=a8, IEEE=x.dtype == torch.float32,
-                          GROUP_B=block_group(T) if group_b is None else group_b,
-                          **pdl_launch(multi_wave=True))
+                          GROUP_B=block_group(T) if group_b is None else group_b, **pdl_launch())
 
     def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int, block_m: int) -> None:
         """The product kernels over the blocks of block_m rows `rows` / `bexp` (`align_pairs`'

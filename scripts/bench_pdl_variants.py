@@ -9,8 +9,7 @@ times in turn, each variant's decode graphs are captured again and `--steps` eng
 timed (TPOT, as served: async scheduling unless --no-async-scheduling) with the graph replay
 alone. The variants differ only in what a capture reads at launch time, so no second engine is
 built: PDL in the graphs of up to N sequences (`pdl_graph_max_batch`) and the projections on the
-Triton skinny GEMM up to N rows (`gemm_skinny_max_tokens`), and the block MoE's products signalling
-their successor at exit (`pdl_multi_wave_at_exit`; the `_mw` variants). The printed figures are the median
+Triton skinny GEMM up to N rows (`gemm_skinny_max_tokens`). The printed figures are the median
 over the reps of each variant; TPOT grows with the contexts (40 + 3 steps a variant and rep), so
 the variants take turns.
 """
@@ -24,28 +23,23 @@ import torch
 from bench_common import add_engine_flags, engine_kwargs, replay_ms, start_decodes, step_ms
 
 from common.kernel_plan import PDL_GRAPH_MAX_BATCH
-from common.launch_settings import use_pdl_multi_wave_at_exit
 from engine import LLM
 from models.layers import Linear
 
-# name: (PDL graphs up to this batch, gemm_skinny_max_tokens, the block MoE's products signal at
-# exit: pdl_multi_wave_at_exit); "base" is the plan's default on sm_90
+# name: (PDL graphs up to this batch, gemm_skinny_max_tokens); "base" is the plan's default on sm_90
 VARIANTS = {
-    "base": (PDL_GRAPH_MAX_BATCH, 0, False),
-    "pdl": (1024, 0, False),
-    "skinny": (PDL_GRAPH_MAX_BATCH, 1024, False),
-    "pdl+skinny": (1024, 1024, False),
-    "pdl_mw": (1024, 0, True),
-    "base_mw": (PDL_GRAPH_MAX_BATCH, 0, True),
+    "base": (PDL_GRAPH_MAX_BATCH, 0),
+    "pdl": (1024, 0),
+    "skinny": (PDL_GRAPH_MAX_BATCH, 1024),
+    "pdl+skinny": (1024, 1024),
 }
 
 
 def set_variant(runner, model, name: str) -> None:
-    pdl_max, skinny, mw_exit = VARIANTS[name]
+    pdl_max, skinny = VARIANTS[name]
     for m in model.modules():
         if isinstance(m, Linear):
             m.skinny_max = skinny
-    use_pdl_multi_wave_at_exit(mw_exit)  # read by the MoE launches as the graphs are captured
     runner.graphs.pdl_max_batch = pdl_max
     torch.cuda.synchronize()
     runner.graphs.capture()

@@ -69,21 +69,6 @@ def test_pdl_equals_no_pdl(gpu_v2):
         use_pdl(False)  # a process setting: kernels called directly by later tests launch without it
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
-                    reason="programmatic dependent launch needs sm_90+")
-def test_pdl_multi_wave_at_exit_equals_no_pdl(gpu_v2):
-    """`pdl=1,pdl_multi_wave_at_exit=1` (the block MoE's products signal at exit, the rest at the
-    start): the same greedy tokens as without PDL over 64 prompts."""
-    from common.launch_settings import use_pdl, use_pdl_multi_wave_at_exit
-    path, _ = gpu_v2
-    prompts = _prompts64()
-    try:
-        assert _run(path, prompts, kernels="auto,warmup=0,pdl=1,pdl_multi_wave_at_exit=1") == _run(path, prompts)
-    finally:
-        use_pdl(False)
-        use_pdl_multi_wave_at_exit(False)
-
-
 def test_moe_shared_stream_equals_one_stream(gpu_v2):
     """`moe_shared_stream=1`: the shared experts' pairs on a second stream, in the fused MoE
     (decode steps of 1-4 sequences) and in the block kernels (the prefill steps, and decode steps
