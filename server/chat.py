@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from common.offload import large_lane, off_loop, text_chars
+from common.sampling_params import SamplingParams
 from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
 from server.chat_protocol import ChatCompletionRequest
@@ -293,6 +294,14 @@ MANY_MESSAGES = 4096
 
 async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request) -> Response:
     """Handle one chat completions request end to end (server/handler.py)."""
+    params, prompt_ids = await chat_inputs(state, req)
+    return await respond(state, raw, req, [prompt_ids], params, response_id("chatcmpl-", raw, req),
+                         ChatBuilder(state, req), "chat.completion", "chat.completion.chunk")
+
+
+async def chat_inputs(state, req: ChatCompletionRequest) -> tuple[SamplingParams, list[int]]:
+    """A chat request's sampling parameters and rendered prompt, every check done (APIError):
+    what chat completions and the Responses route (server/responses.py) run."""
     state.check_model(req.model)
     req.apply_defaults(state.request_defaults)
     req.chat_template_kwargs = state.frontend.template_kwargs(req.chat_template_kwargs)
@@ -318,5 +327,4 @@ async def create_chat_completion(state, req: ChatCompletionRequest, raw: Request
                                 state.chat_template, req.continue_final_message,
                                 req.add_special_tokens)
     state.limits.check_prompt_logprobs([prompt_ids], req.prompt_logprobs, "prompt_logprobs")
-    return await respond(state, raw, req, [prompt_ids], params, response_id("chatcmpl-", raw, req),
-                         ChatBuilder(state, req), "chat.completion", "chat.completion.chunk")
+    return params, prompt_ids
