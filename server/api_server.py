@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from common.offload import off_loop, text_chars
-from server import vllm_compat
+from server import responses, vllm_compat
 from server.chat import chat_prompt_ids, create_chat_completion, encode
 from server.chat_protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.completions import create_completion
@@ -31,6 +31,7 @@ from server.overrides import load_chat_template, load_generation_defaults
 from server.protocol import CompletionRequest
 from server.reasoning import check_parser_name
 from server.request_body import add_body_schemas, body_openapi, parse_body
+from server.responses_protocol import ResponsesRequest
 from server.tool_calls import check_tool_flags
 
 logger = logging.getLogger(__name__)
@@ -185,6 +186,7 @@ def build_app(engine, args=None) -> FastAPI:
                 card["vocab_size"] = vocab
         return {"object": "list", "data": cards}
 
+    responses.install(v1, state, args)  # /v1/responses and its stored responses' routes
     app.include_router(v1)
 
     @app.get("/health")
@@ -254,7 +256,8 @@ def build_app(engine, args=None) -> FastAPI:
                 "model_max_length": state.max_model_len, "vocab_size": len(tok)}
 
     vllm_compat.install(app, engine, args)
-    add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
+    add_body_schemas(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, TokenizeRequest,
+                           DetokenizeRequest])
     return app
 
 

@@ -16,6 +16,7 @@ from server.frontend_options import JSON_LIST, FrontendOptions, add_frontend_fla
 from server.limits import ServerLimits
 from server.overrides import load_chat_template, load_generation_defaults
 from server.reasoning import check_parser_name
+from server.responses_store import ResponseStore, add_responses_flags
 from server.tls import check_ssl
 from server.tool_calls import check_tool_flags
 from server.vllm_flags import add_vllm_flags, check_quantization, check_vllm_flags, cuda_graph_sizes
@@ -281,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM or SIGINT, seconds to let running requests finish before "
                         "the engine and its workers are stopped")
     add_frontend_flags(p)
+    add_responses_flags(p)
     add_vllm_flags(p)
     g = p.add_argument_group("limits (a shared server must not be held by one client)")
     lim = _LIMITS
@@ -353,6 +355,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
     _check_limits(ns)
     FrontendOptions.from_args(ns)  # its checks: --max-log-len
+    ResponseStore.from_args(ns)  # its checks: --responses-store-size, --responses-store-max-bytes
     model = ns.model_tag or ns.model or _DEFAULTS["model"]
     served = ns.served_model_name
     if is_repo_id(model):

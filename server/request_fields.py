@@ -103,6 +103,25 @@ UNSUPPORTED: dict[str, dict[str, tuple]] = {
         "chat_template": (_set, "a per-request chat template is not supported; start the server "
                           "with --chat-template"),
     },
+    "responses": {
+        "background": (bool, "background responses are not supported; wait for the response "
+                       "or stream it"),
+        "truncation": (lambda v: v == "auto", "\"auto\" (dropping the oldest input items to fit "
+                       "the context) is not supported; only \"disabled\""),
+        "service_tier": (lambda v: v not in (None, "auto", "default"), "only \"auto\" or "
+                         "\"default\": one tier serves every request"),
+        "prompt": (_set, "reusable prompt templates are not supported; send input and instructions"),
+        "conversation": (_set, "conversations are not supported; use previous_response_id"),
+        # chat's names, which a request moved over from chat may still carry
+        "messages": (_set, "not a Responses field: send the conversation as input"),
+        "max_tokens": (_set, "not a Responses field: use max_output_tokens"),
+        "max_completion_tokens": (_set, "not a Responses field: use max_output_tokens"),
+        "response_format": (_set, "not a Responses field: use text.format"),
+        "reasoning_effort": (_set, "not a Responses field: use reasoning.effort"),
+        "logprobs": (_set, "not a Responses field: use include [\"message.output_text.logprobs\"] "
+                     "and top_logprobs"),
+        "n": (lambda v: v not in (None, 1), "a response has one output; only 1"),
+    },
 }
 # vLLM's extensions both routes refuse (their names, so that a request written for vLLM is told)
 _BOTH: dict[str, tuple] = {

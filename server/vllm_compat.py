@@ -27,8 +27,8 @@ from server.http_metrics import route_path
 from server.protocol import CompletionRequest
 from server.request_body import parse_body
 
-# the routes whose requests --enable-server-load-tracking counts (vLLM's generating ones here)
-LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+# the routes whose POSTs --enable-server-load-tracking counts (vLLM's generating ones here)
+LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"})
 
 
 def version() -> str:

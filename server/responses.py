@@ -1,0 +1,259 @@
+"""`POST /v1/responses` (OpenAI's Responses API, as vLLM serves it) and the stored responses'
+routes: `GET /v1/responses/{id}`, `DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`.
+
+A request runs as the chat completion it translates to (server/responses_protocol.py): the chat
+route's checks, chat template, sampling, reasoning split and tool-call parsing (server/chat.py:
+`chat_inputs`, ChatBuilder), so a conversation gets the same prompt and, greedy, the same text on
+both routes. Its message and stream deltas become output items and events here
+(server/responses_stream.py). A response sent with `store` (OpenAI's default) is kept in a bounded
+store (server/responses_store.py): `previous_response_id` puts its conversation, output included,
+before the new input (after the new `instructions`; the old ones are not carried over, as in
+OpenAI's API).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from common.offload import large_lane
+from engine.outputs import RequestOutput
+from server.chat import MANY_MESSAGES, ChatBuilder, chat_inputs
+from server.chat_protocol import ChatMessage
+from server.errors import APIError, param_of
+from server.handler import OFF_LOOP_ENTRIES, _collect, _entries, response_id, start_streams
+from server.reasoning import END
+from server.request_body import body_openapi, parse_body
+from server.responses_protocol import ResponsesChat, ResponsesRequest, renamed_errors
+from server.responses_store import ResponseStore, Stored
+from server.responses_stream import ResponseEvents, items_of, stream_events
+from server.streams import ClientDisconnected, until_disconnect
+
+# the chat request's fields an error may name -> the Responses field they came from
+_PARAMS = {"messages": "input", "max_tokens": "max_output_tokens",
+           "max_completion_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort"}
+
+
+def install(v1: APIRouter, state, args=None) -> ResponseStore:
+    """The Responses routes on the /v1 router (its API key and HTTP metrics apply); the store is
+    sized by --responses-store-size and --responses-store-max-bytes."""
+    store = ResponseStore.from_args(args)
+
+    @v1.post("/responses", openapi_extra=body_openapi(ResponsesRequest))
+    async def create_response_route(raw: Request) -> Response:
+        return await create_response(state, store, await parse_body(raw, ResponsesRequest), raw)
+
+    @v1.get("/responses/{response_id}")
+    async def retrieve_response(response_id: str, stream: bool = False) -> Response:
+        if stream:
+            raise APIError(400, "stream: replaying a response's events is for background "
+                           "responses, which this server does not run", param="stream")
+        return JSONResponse(_stored(store, response_id).response)
+
+    @v1.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict:
+        _stored(store, response_id)
+        store.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @v1.post("/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        _stored(store, response_id)
+        raise APIError(400, "response_id: only background responses can be cancelled, and this "
+                       "server runs none; this response has finished", param="response_id")
+
+    return store
+
+
+def _stored(store: ResponseStore, rid: str) -> Stored:
+    found = store.get(rid)
+    if found is None:
+        why = ("this server stores no responses (--responses-store-size 0)" if not store.enabled
+               else "never stored (store false), evicted, or deleted")
+        raise APIError(404, f"response_id: response {rid!r} not found: {why}", param="response_id",
+                       code="not_found")
+    return found
+
+
+def _previous(store: ResponseStore, req: ResponsesRequest) -> Stored | None:
+    """The stored response `previous_response_id` names; 400 when the store is off, 404 when it
+    does not hold it."""
+    rid = req.previous_response_id
+    if rid is None:
+        return None
+    if not store.enabled:
+        raise APIError(400, "previous_response_id: this server keeps no responses "
+                       "(--responses-store-size 0); send the whole conversation as input",
+                       param="previous_response_id")
+    found = store.get(rid)
+    if found is None:
+        raise APIError(404, f"previous_response_id: response {rid!r} not found (never stored, "
+                       "evicted, or deleted); send the whole conversation as input",
+                       param="previous_response_id", code="previous_response_not_found")
+    return found
+
+
+async def _chat_of(req: ResponsesRequest) -> ResponsesChat:
+    """The chat request `req` runs as (a long input's built on the large lane, as chat's);
+    errors name the Responses fields."""
+    try:
+        return req.to_chat() if req.num_items <= MANY_MESSAGES else await large_lane(req.to_chat)
+    except ValidationError as e:  # the chat request's checks
+        raise RequestValidationError(renamed_errors(e.errors())) from None
+    except ValueError as e:  # an input item
+        raise APIError(400, str(e), param=param_of(str(e))) from None
+
+
+def _renamed(e: APIError) -> APIError:
+    """A chat check's error, naming the Responses field instead of chat's."""
+    param = e.param or ""
+    head = param.split(".")[0]
+    if head not in _PARAMS:
+        return e
+    # chat's message numbers are not the input's item numbers: input alone
+    new = _PARAMS[head] if head == "messages" else _PARAMS[head] + param[len(head):]
+    message = new + e.message[len(param):] if e.message.startswith(param) else e.message
+    return APIError(e.status, message, new, e.code)
+
+
+async def create_response(state, store: ResponseStore, req: ResponsesRequest, raw: Request) -> Response:
+    """Handle one Responses request end to end."""
+    state.check_model(req.model)
+    chat = await _chat_of(req)
+    previous = _previous(store, req)
+    own_turns = chat.messages[req.history_at:]  # this request's input, without instructions
+    if previous is not None:
+        chat.messages[req.history_at:req.history_at] = previous.turns
+    try:
+        params, prompt_ids = await chat_inputs(state, chat)
+    except APIError as e:
+        raise _renamed(e) from None
+    rid, engine_id = response_id("resp_", raw, chat)
+    keep = req.store and store.enabled
+    head = response_head(state, req, chat, rid, keep)
+    builder = ChatBuilder(state, chat)
+    tracker = state.metrics.tracker(params.n, params.max_tokens)
+    try:
+        streams = await start_streams(state, raw, [prompt_ids], params, engine_id,
+                                      ("input", "max_output_tokens"))
+    except ClientDisconnected:  # gone while its prompt was being accepted: aborted
+        tracker.close(1)
+        return Response(status_code=499)
+
+    def save(response: dict, nbytes: int) -> None:
+        if keep:
+            _save(store, rid, response, nbytes, previous, own_turns)
+
+    if req.stream:
+        events = stream_events(streams, builder, ResponseEvents(head), tracker,
+                               functools.partial(finished, state, head), save)
+        return StreamingResponse(events, media_type="text/event-stream")
+    try:
+        finals = await until_disconnect(raw, _collect(streams, tracker))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    except ValueError as e:  # the output failed its constraint (handler._check_failed)
+        raise APIError(400, str(e), param=param_of(str(e))) from None
+    finally:
+        streams.close()
+        tracker.close(1)
+
+    def whole() -> tuple[dict, bytes]:
+        final = finals[0]
+        choice = builder.choice(0, final.outputs[0])
+        logprobs = (choice["logprobs"] or {}).get("content") or []
+        items = items_of(choice["message"], logprobs, final.outputs[0].finish_reason)
+        response = finished(state, head, final, items)
+        return response, json.dumps(response, allow_nan=False).encode()
+    # a large answer (many tokens with logprobs) is built on a worker thread, as chat's
+    response, body = (await asyncio.to_thread(whole) if _entries(finals) > OFF_LOOP_ENTRIES
+                      else whole())
+    save(response, len(body))
+    return Response(body, media_type="application/json")
+
+
+def response_head(state, req: ResponsesRequest, chat: ResponsesChat, rid: str, stored: bool) -> dict:
+    """The response object before its output: the request's settings echoed, as OpenAI returns
+    them (temperature, top_p and max_output_tokens as the request runs, defaults applied)."""
+    fmt = req.text.format if req.text is not None else None
+    text = {"format": fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}}
+    if req.text is not None and req.text.verbosity is not None:
+        text["verbosity"] = req.text.verbosity
+    reasoning = req.reasoning
+    return {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "background": False, "error": None, "incomplete_details": None,
+            "instructions": req.instructions, "max_output_tokens": chat.max_tokens,
+            "max_tool_calls": req.max_tool_calls, "model": state.model_name, "output": [],
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "previous_response_id": req.previous_response_id,
+            "prompt_cache_key": req.prompt_cache_key,
+            "reasoning": {"effort": reasoning.effort if reasoning else None,
+                          "summary": reasoning.summary if reasoning else None},
+            "safety_identifier": req.safety_identifier, "service_tier": "default", "store": stored,
+            "temperature": chat.temperature, "text": text, "tool_choice": req.tool_choice,
+            "tools": [t.model_dump() for t in req.tools], "top_logprobs": req.top_logprobs or 0,
+            "top_p": chat.top_p, "truncation": "disabled", "usage": None, "user": req.user,
+            "metadata": req.metadata or {}}
+
+
+def finished(state, head: dict, final: RequestOutput, items: list[dict]) -> dict:
+    """The whole response: its status (incomplete when max_output_tokens or the context cut
+    it), output items and usage."""
+    o = final.outputs[0]
+    cut = o.finish_reason == "length"
+    reasoning = "".join(part["text"] for item in items if item["type"] == "reasoning"
+                        for part in item["content"])
+    n_in, n_out = len(final.prompt_token_ids), len(o.token_ids)
+    usage = {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": final.num_cached_tokens},
+             "output_tokens": n_out,
+             "output_tokens_details": {"reasoning_tokens": reasoning_tokens(state.tokenizer, o.token_ids,
+                                                                            reasoning)},
+             "total_tokens": n_in + n_out}
+    return {**head, "status": "incomplete" if cut else "completed",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "output": items, "usage": usage}
+
+
+def reasoning_tokens(tokenizer, token_ids: list[int], reasoning: str) -> int:
+    """Output tokens spent reasoning: those before `</think>` where it is one token (DeepSeek's
+    tokenizers), else the reasoning text's own tokens."""
+    if not reasoning or tokenizer is None:
+        return 0
+    end = tokenizer.convert_tokens_to_ids(END)
+    if isinstance(end, int) and tokenizer.convert_ids_to_tokens(end) == END:
+        return token_ids.index(end) if end in token_ids else len(token_ids)
+    return min(len(token_ids), len(tokenizer(reasoning, add_special_tokens=False)["input_ids"]))
+
+
+def _save(store: ResponseStore, rid: str, response: dict, nbytes: int, previous: Stored | None,
+          own_turns: list[ChatMessage]) -> None:
+    """Store a finished response with its conversation: the previous one's, this input, and
+    this output as an assistant turn (its text and calls; reasoning is not replayed)."""
+    items = response["output"]
+    text = "".join(it["content"][0]["text"] for it in items if it["type"] == "message")
+    calls = [{"id": it["call_id"], "type": "function",
+              "function": {"name": it["name"], "arguments": it["arguments"]}}
+             for it in items if it["type"] == "function_call"]
+    out_turn = ChatMessage(role="assistant", content=text if text or not calls else None,
+                           tool_calls=calls or None)
+    new = [*own_turns, out_turn]
+    turn_bytes = sum(map(_turn_chars, new)) + (previous.turn_bytes if previous is not None else 0)
+    turns = [*(previous.turns if previous is not None else ()), *new]
+    store.put(rid, response, turns, turn_bytes, nbytes + turn_bytes)
+
+
+def _turn_chars(m: ChatMessage) -> int:
+    """A stored turn's size, counted without serialising it (a long input's turn on the event
+    loop): its text and calls' characters, and a little for its keys."""
+    text = m.content if isinstance(m.content, str) else "".join(
+        p.get("text") or "" for p in m.content or () if isinstance(p, dict))
+    calls = sum(len(c["function"]["name"]) + len(c["function"]["arguments"]) + len(c.get("id") or "")
+                for c in m.tool_calls or ())
+    return len(text) + calls + 64

@@ -1,0 +1,98 @@
+"""The Responses API's store: finished responses kept in memory, bounded in count and in bytes,
+so that `previous_response_id` continues a conversation and `GET /v1/responses/{id}` returns one.
+
+vLLM keeps them only with VLLM_ENABLE_RESPONSES_API_STORE=1, in a dict that never forgets; here
+the store is on by default (OpenAI's `store` defaults to true) and bounded: past
+--responses-store-size responses or --responses-store-max-bytes the oldest are evicted first.
+An entry holds the response as sent and the conversation that led to it (without the request's
+`instructions`, which OpenAI does not carry over), its output turn included. A conversation
+continued N times is counted in full in each of its N entries (the turns are shared objects, so
+the count is an upper bound of the memory held). Nothing is written to disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SIZE = 1024  # responses
+DEFAULT_MAX_BYTES = 64 << 20
+
+
+def add_responses_flags(p: argparse.ArgumentParser) -> None:
+    """The store's flags on the `serve` parser."""
+    g = p.add_argument_group("Responses API (/v1/responses)")
+    g.add_argument("--responses-store-size", type=int, default=DEFAULT_SIZE, metavar="N",
+                   help="keep the last N responses of /v1/responses in memory (those sent with "
+                        "store true, OpenAI's default), for previous_response_id and GET "
+                        "/v1/responses/{id}; the oldest are evicted first; 0: keep none "
+                        "(previous_response_id is then a 400)")
+    g.add_argument("--responses-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="B",
+                   help="at most this many bytes of stored responses and their conversations "
+                        "(the response's JSON and the conversation's text); the oldest are evicted first")
+
+
+@dataclass
+class Stored:
+    response: dict  # as sent
+    turns: list  # ChatMessage: the conversation without instructions, the output turn last
+    turn_bytes: int  # the turns' text and calls, in characters, counted in full
+    nbytes: int  # that and the response's JSON
+
+
+class ResponseStore:
+    """Finished responses by id, oldest evicted first; used on the event loop only."""
+
+    def __init__(self, max_entries: int = DEFAULT_SIZE, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        if max_entries < 0:
+            raise ValueError(f"--responses-store-size must be >= 0, got {max_entries}")
+        if max_bytes < 1:
+            raise ValueError(f"--responses-store-max-bytes must be >= 1, got {max_bytes}")
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self._entries: OrderedDict[str, Stored] = OrderedDict()
+        self.nbytes = 0
+
+    @classmethod
+    def from_args(cls, args) -> ResponseStore:
+        """The store a parsed `serve` namespace asks for (defaults for a missing flag)."""
+        size = getattr(args, "responses_store_size", None)
+        max_bytes = getattr(args, "responses_store_max_bytes", None)
+        return cls(DEFAULT_SIZE if size is None else size,
+                   DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_entries > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, response_id: str) -> Stored | None:
+        return self._entries.get(response_id)
+
+    def put(self, response_id: str, response: dict, turns: list, turn_bytes: int, nbytes: int) -> bool:
+        """Keep a response (replacing one of the same id), evicting the oldest past the bounds;
+        False when it alone is over the byte bound (then it is not kept)."""
+        self.delete(response_id)
+        if not self.enabled or nbytes > self.max_bytes:
+            if self.enabled:
+                logger.warning("response %s not stored: %d bytes, over --responses-store-max-bytes %d",
+                               response_id, nbytes, self.max_bytes)
+            return False
+        self._entries[response_id] = Stored(response, turns, turn_bytes, nbytes)
+        self.nbytes += nbytes
+        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.nbytes -= old.nbytes
+        return True
+
+    def delete(self, response_id: str) -> bool:
+        old = self._entries.pop(response_id, None)
+        if old is None:
+            return False
+        self.nbytes -= old.nbytes
+        return True
