@@ -38,10 +38,13 @@ MAX_CHOICES, MAX_CHOICE_CHARS = 10_000, 1_000_000
 def bounded(lo: int, hi: int):
     """An int field limited to [lo, hi]; the 400 names the whole range (Python ints are
     unbounded, torch's are int64). JSON's true and false are not integers here (pydantic would
-    read them as 1 and 0), as in prompts of token ids."""
+    read them as 1 and 0), as in prompts of token ids. A whole number written as a float
+    (1e20) outside the range gets the same message (pydantic's would speak of parsing a string)."""
     def not_bool(v: Any) -> Any:
         if isinstance(v, bool):
             raise ValueError(f"must be an integer in [{lo}, {hi}], not a boolean")
+        if isinstance(v, float) and not lo <= v <= hi:
+            raise ValueError(f"must be an integer in [{lo}, {hi}]")
         return v
 
     def check(v: int) -> int:

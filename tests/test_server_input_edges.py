@@ -59,6 +59,14 @@ def test_booleans_and_non_ascii_digits_are_not_integers(server, path, body, fiel
     assert_error(post(server, path, body), 400, field)
 
 
+@pytest.mark.parametrize("value", [1e20, -1e300, 2 ** 70])
+def test_an_int64_field_out_of_range_names_the_range(server, value):
+    """A whole number past int64, as an int or a float, gets the range (not pydantic's message
+    about parsing a string)."""
+    err = assert_error(post(server, "/v1/completions", {"prompt": "hi", "min_tokens": value}), 400, "min_tokens")
+    assert "must be an integer in [0, 9223372036854775807]" in err["message"], err
+
+
 @pytest.mark.parametrize("key", ["messages", "tools", "documents", "bos_token", "add_generation_prompt"])
 def test_template_variables_cannot_be_set_by_chat_template_kwargs(server, key):
     body = {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {key: []}}
