@@ -69,14 +69,10 @@ def check_text(value: Any, path: str) -> None:
     Numbers and other scalars are skipped without building their path: a prompt of token ids
     is a list of thousands of ints."""
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{path or 'request'}: not valid Unicode text (unpaired surrogate "
-                             f"{value[e.start]!r} at character {e.start})") from None
+        _check_str(value, path or "request", "")
     elif isinstance(value, dict):
         for k, v in value.items():
-            check_text(k, path)
+            _check_str(k, path or "request", "a key is ")
             if isinstance(v, _CONTAINERS):
                 check_text(v, f"{path}.{k}" if path else str(k))
     elif isinstance(value, list):
@@ -85,6 +81,14 @@ def check_text(value: Any, path: str) -> None:
         for i, v in enumerate(value):
             if isinstance(v, _CONTAINERS):
                 check_text(v, f"{path}.{i}" if path else str(i))
+
+
+def _check_str(value: str, path: str, what: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{path}: {what}not valid Unicode text (unpaired surrogate "
+                         f"{value[e.start]!r} at character {e.start})") from None
 
 
 def _set(v: Any) -> bool:

@@ -114,6 +114,7 @@ SURROGATES = [
                              '[{"type": "text", "text": "\\udc80"}]}]}', "messages"),
     ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
     ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
+    ("/v1/completions", '{"prompt": "ok", "logit_bias": {"\\ud800": 1}}', "logit_bias"),  # a key
 ]
 
 
@@ -121,6 +122,11 @@ SURROGATES = [
 def test_lone_surrogates_are_400_naming_the_field(fake, path, raw, param):
     assert_error(post(fake, path, raw), 400, param)
     assert post(fake, "/v1/completions", {"prompt": "ok", "max_tokens": 1}).status_code == 200
+
+
+def test_a_lone_surrogate_in_a_field_name_says_it_is_a_key(fake):
+    err = assert_error(post(fake, "/v1/completions", '{"prompt": "ok", "\\ud800": 1}'), 400, "request")
+    assert "a key is not valid Unicode text" in err["message"], err
 
 
 def test_bodies_that_are_not_utf8_are_400(fake):
