@@ -89,6 +89,10 @@ class EngineArgs:
     # FP8 checkpoints: W8A8 block GEMMs on the FP8 weights (True) or dequantized weights (False);
     # None: FP8 kept only where the dequantized weights would not fit (engine/weight_memory.py)
     fp8_gemm: bool | None = None
+    # "fp8" (vLLM's --quantization): the weights run in FP8, the checkpoint's own or, for one
+    # without, quantized to 128 x 128 blocks as they load (models/config.py ONLINE_FP8); FP8 is
+    # then kept (fp8_gemm) where the W8A8 kernels run, unless fp8_gemm says otherwise
+    quantization: str | None = None
     # latent cache storage: auto (the model dtype) | bf16 | fp8 (e4m3, per-tensor scale); vLLM's
     # aliases bfloat16 and fp8_e4m3 are accepted (attention/kv_quant.py)
     kv_cache_dtype: str = "auto"
@@ -162,6 +166,8 @@ class EngineArgs:
              f"async_scheduling must be a bool or None (auto), got {self.async_scheduling!r}")
         need(self.fp8_gemm is None or isinstance(self.fp8_gemm, bool),
              f"fp8_gemm must be a bool or None (auto), got {self.fp8_gemm!r}")
+        need(self.quantization in (None, "fp8"),
+             f"--quantization {self.quantization!r} is not supported (fp8, or leave it out)")
         need(not (self.speculative_config is not None and self.async_scheduling),
              "--async-scheduling cannot be combined with --speculative-config: the next step's "
              "inputs depend on how many drafts this step accepts; leave --async-scheduling unset")

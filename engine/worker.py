@@ -173,8 +173,15 @@ class Worker:
                              cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         spec = args.speculative_config
         self.num_mtp_layers = 1 if spec is not None and spec.method == "mtp" else 0  # drafts chain on it
-        # unset: FP8 kept where the dequantized weights would not fit (engine/weight_memory.py)
-        fp8_gemm = resolve_fp8_gemm(args.fp8_gemm, cfg, self.dtype, self.device, self.plan.any_triton,
+        # unset: with --quantization fp8 FP8 kept where its kernels run, else where the dequantized
+        # weights would not fit (engine/weight_memory.py)
+        requested = args.fp8_gemm
+        if requested is None and args.quantization == "fp8":
+            requested = self.device.type == "cuda" and self.plan.any_triton
+            if not requested and pd.tp().rank == 0:
+                log.info("--quantization fp8: no W8A8 kernels on %s with this kernel plan: the FP8 weights "
+                         "are dequantized to %s at load", self.device, self.dtype)
+        fp8_gemm = resolve_fp8_gemm(requested, cfg, self.dtype, self.device, self.plan.any_triton,
                                     args.gpu_memory_utilization, self.num_mtp_layers)
         if fp8_gemm and not self.plan.any_triton:
             raise ValueError("--fp8-gemm runs W8A8 GEMM kernels (Triton or cuBLAS): not with the pure-torch "

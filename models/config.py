@@ -10,6 +10,13 @@ from pathlib import Path
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
+# --quantization fp8 on a checkpoint without FP8 weights: DeepSeek-V3's own format (e4m3, one
+# fp32 scale per 128 x 128 block of each projection weight, activations quantized at run time),
+# so the FP8 checkpoints' kernels and checks serve it unchanged
+ONLINE_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128]}
+
+
 @dataclass
 class RopeConfig:
     theta: float = 10000.0
@@ -57,6 +64,9 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     num_nextn_predict_layers: int = 0
     quantization_config: dict | None = None
+    # set by from_pretrained(quantization="fp8") for a checkpoint without FP8 weights: its
+    # projection weights are quantized to ONLINE_FP8's blocks as they load (models/loader.py)
+    quantized_at_load: bool = False
 
     # ---- derived quantities (notation of DESIGN.md §4) ----
     @property
@@ -101,7 +111,7 @@ class ModelConfig:
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"config.json: unsupported model_type {model_type!r}; "
                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-        known = {f.name for f in fields(cls)} - {"rope"}
+        known = {f.name for f in fields(cls)} - {"rope", "quantized_at_load"}
         kw = {k: v for k, v in d.items() if k in known and v is not None}
         kw["model_type"] = model_type
         if "torch_dtype" not in kw and isinstance(d.get("dtype"), str):
@@ -118,11 +128,23 @@ class ModelConfig:
         return cfg
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, overrides: dict | None = None) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str | Path, overrides: dict | None = None,
+                        quantization: str | None = None) -> "ModelConfig":
+        """The model directory's config.json with `overrides` (--hf-overrides). `quantization`
+        "fp8" (--quantization): a checkpoint in FP8 already is read as it is; any other gets
+        ONLINE_FP8 as its quantization_config and is quantized as it loads."""
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"no config.json in model directory {model_dir}")
-        return cls.from_dict(json.loads(path.read_text()), overrides)
+        cfg = cls.from_dict(json.loads(path.read_text()), overrides)
+        if quantization is None:
+            return cfg
+        if quantization != "fp8":
+            raise ValueError(f"--quantization {quantization!r} is not supported (fp8)")
+        q = cfg.quantization_config
+        if not q:
+            cfg.quantization_config, cfg.quantized_at_load = dict(ONLINE_FP8), True
+        return cfg
 
     def validate(self) -> None:
         def need(ok: bool, msg: str) -> None:

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from common import distributed as pd
 from models.config import ModelConfig
-from models.fp8 import FP8
+from models.fp8 import FP8, quantize
 from models.layers import Shard
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,11 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig
                     if target is None:
                         log.warning("checkpoint tensor %s has no matching parameter; ignored", name)
                         continue
-                    _copy_slice(*target, f.get_slice(key), name)
+                    sl = f.get_slice(key)
+                    if target[0].dtype == FP8 and sl.get_dtype() != "F8_E4M3":
+                        loaded |= _quantize_into(params, name, sl, cfg)
+                        continue
+                    _copy_slice(*target, sl, name)
                     loaded.add(name)
     if skipped_mtp:
         log.info("skipped %d tensors of multi-token-prediction layers (num_nextn_predict_layers=%d)",
@@ -109,6 +113,23 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"checkpoint {model_dir} is missing tensor(s): {', '.join(missing[:5])}{more}")
+
+
+def _quantize_into(params: dict, name: str, sl, cfg: ModelConfig) -> set[str]:
+    """A higher-precision checkpoint tensor for an FP8 weight: with --quantization fp8
+    (cfg.quantized_at_load), quantized to the config's blocks on the weight's device, the weight
+    and its `_scale_inv` each given this rank's slice as an FP8 checkpoint's would be (whole
+    blocks: check_parallel_layout keeps TP splits on block edges). The names loaded."""
+    if not cfg.quantized_at_load:
+        raise ValueError(f"checkpoint tensor {name} is {sl.get_dtype()} where this FP8 checkpoint's config "
+                         "(quantization_config) says float8 e4m3")
+    (p, sh), scale = params[name], params.get(name + "_scale_inv")
+    if scale is None:
+        raise ValueError(f"checkpoint tensor {name}: an FP8 weight without a scale parameter")
+    q, s = quantize(sl[:].to(p.device), cfg.fp8_block)  # the full tensor: [N, K] -> blocks
+    _copy_slice(p, sh, _FullTensor(q), name)
+    _copy_slice(*scale, _FullTensor(s.to(scale[0].dtype)), name + "_scale_inv")
+    return {name, name + "_scale_inv"}
 
 
 def _copy_slice(p: torch.Tensor, sh: Shard, sl, name: str) -> None:

@@ -128,7 +128,7 @@ def _worker_node(args: EngineArgs) -> int:
     from models.config import ModelConfig, check_parallel_layout
 
     try:
-        cfg = ModelConfig.from_pretrained(args.model, args.hf_overrides)
+        cfg = ModelConfig.from_pretrained(args.model, args.hf_overrides, args.quantization)
         check_parallel_layout(cfg, args.tensor_parallel_size, args.decode_context_parallel_size)
         run_worker_node(args, cfg, cfg.eos_token_ids[:1])
     except (ValueError, RuntimeError) as e:

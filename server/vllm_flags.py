@@ -41,9 +41,11 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("vLLM engine flags (accepted so that vLLM launch lines run; a value "
                              "this server cannot honour is an error naming the flag)")
     g.add_argument("-q", "--quantization", choices=["fp8"], default=None,
-                   help="fp8: the checkpoint's FP8 block quantization (DeepSeek-V3/R1's), which is "
-                        "used whether given or not; a checkpoint without it is refused (quantize it "
-                        "first: scripts/quantize_fp8.py)")
+                   help="fp8: the weights run in FP8 (W8A8 GEMMs where the kernel plan has them, as "
+                        "--fp8-gemm): an FP8 checkpoint's own (DeepSeek-V3/R1's blocks, read as FP8 "
+                        "whether given or not), or a bf16 checkpoint's quantized as they load to the "
+                        "same format (e4m3, one scale per 128 x 128 block; scripts/quantize_fp8.py "
+                        "writes it to disk); --no-fp8-gemm dequantizes them again")
     g.add_argument("--cuda-graph-sizes", type=int, nargs="+", default=None, metavar="N",
                    help="decode batch sizes (sequences; each captured for every query length "
                         "speculative decoding uses, where vLLM counts tokens) captured as CUDA "
@@ -102,8 +104,9 @@ def cuda_graph_sizes(ns: argparse.Namespace) -> tuple[int, ...] | None:
 
 
 def check_quantization(quantization: str | None, model_dir: str) -> None:
-    """--quantization fp8 names the checkpoint's FP8 block quantization: refuse it for a
-    checkpoint without (this server does not quantize weights at load)."""
+    """--quantization fp8: the checkpoint's own FP8 block quantization, or, for a checkpoint
+    without one, its weights quantized as they load (models/config.py ONLINE_FP8); refused for a
+    checkpoint quantized another way (GPTQ, AWQ, ...), which this server cannot read."""
     if quantization is None:
         return
     path = os.path.join(model_dir, "config.json")
@@ -115,8 +118,7 @@ def check_quantization(quantization: str | None, model_dir: str) -> None:
         raise ValueError(f"--quantization {quantization}: cannot read {path} ({e})") from None
     if not isinstance(q, dict):
         raise ValueError(f"--quantization {quantization}: {path}'s quantization_config is not a JSON object")
-    if q.get("quant_method") != quantization:
-        raise ValueError(f"--quantization {quantization}: the checkpoint in {model_dir} is not "
-                         f"{quantization}-quantized (its quantization_config: {q or 'none'}); this "
-                         "server does not quantize at load: convert it with scripts/quantize_fp8.py, "
-                         "or leave --quantization out")
+    if q and q.get("quant_method") != quantization:
+        raise ValueError(f"--quantization {quantization}: the checkpoint in {model_dir} is quantized "
+                         f"another way (its quantization_config: {q}), which this server cannot read; "
+                         "serve its bf16 checkpoint (with --quantization fp8 to quantize it at load)")

@@ -18,6 +18,11 @@ from tests.server_fixtures import TINY_MODEL
 # Real launch lines, copied from where they were published (the model is then replaced by the
 # tiny model's directory: these checkpoints are not on this machine).
 ACCEPTED = [
+    # deepseek.csdn.net/6805bfcfda5d787fd5d0ee89.html (underscored flag names, as vLLM allows): a
+    # bf16 checkpoint (the tiny model stands in) with --quantization fp8, quantized at load as vLLM does
+    ("vllm serve /home/ca2/models/DeepSeek-R1-Distill-Qwen-32B --dtype bfloat16 --max_model_len 32384 "
+     "--gpu_memory_utilization 0.8 --host 0.0.0.0 --port 5000 --quantization fp8 --enforce-eager",
+     dict(quantization="fp8", max_model_len=32384, enforce_eager=True)),
     # DeepSeek-R1 model card, "Usage Recommendations" (as quoted by cloud.tencent.com/developer/article/2493720)
     ("vllm serve deepseek-ai/DeepSeek-R1-Distill-Qwen-32B --tensor-parallel-size 2 "
      "--max-model-len 32768 --enforce-eager",
@@ -72,11 +77,6 @@ REFUSED_VALUES = [
      "--tokenizer-mode deepseek_v32: only auto is supported"),
     ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8",
      "--data-parallel-size 8: only 1 is supported"),
-    # deepseek.csdn.net/6805bfcfda5d787fd5d0ee89.html (underscored flag names, as vLLM allows): a
-    # bf16 checkpoint (the tiny model stands in) with --quantization fp8, which vLLM quantizes at load
-    ("vllm serve /home/ca2/models/DeepSeek-R1-Distill-Qwen-32B --dtype bfloat16 --max_model_len 32384 "
-     "--gpu_memory_utilization 0.8 --host 0.0.0.0 --port 5000 --quantization fp8 --enforce-eager",
-     "--quantization fp8: the checkpoint in .* is not fp8-quantized .* scripts/quantize_fp8.py"),
 ]
 # launch lines of FP8 checkpoints with --quantization fp8: the model is replaced by a copy of the
 # tiny model whose config.json carries DeepSeek-V3's quantization_config
@@ -337,13 +337,16 @@ def test_vllm_engine_flags_cuda_graphs_and_quantization(tmp_path):
     # the engine's side: sizes above max_num_seqs are left out; the default stops at 256
     assert default_buckets(16, (1, 3, 64)) == [1, 3]
     assert default_buckets(512)[-1] == 256 and default_buckets(20) == [1, 2, 4, 8, 16]
-    # --quantization fp8 names the checkpoint's own quantization; a bf16 checkpoint is refused
-    with pytest.raises(ValueError, match="--quantization fp8: the checkpoint .* scripts/quantize_fp8.py"):
-        _engine_args("--quantization fp8")
+    # --quantization fp8: a bf16 checkpoint is quantized at load, an FP8 one read as it is, one
+    # quantized another way refused
+    assert _engine_args("--quantization fp8").quantization == "fp8"
     fp8 = tmp_path / "fp8"
     fp8.mkdir()
     (fp8 / "config.json").write_text('{"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}')
     check_quantization("fp8", str(fp8))
+    (fp8 / "config.json").write_text('{"quantization_config": {"quant_method": "awq", "bits": 4}}')
+    with pytest.raises(ValueError, match="--quantization fp8: the checkpoint .* is quantized another way"):
+        check_quantization("fp8", str(fp8))
     check_quantization(None, str(tmp_path / "missing"))  # nothing read without the flag
     (fp8 / "config.json").write_text('{"quantization_config": "fp8"}')
     with pytest.raises(ValueError, match="not a JSON object"):

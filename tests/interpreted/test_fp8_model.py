@@ -60,3 +60,20 @@ def test_fp8_gemm_path_runs_the_model(fp8_model, monkeypatch):
               kernels="triton,fp8_gemm_splitk=0")
     kept = [m for m in llm.engine.executor.worker.model.modules() if isinstance(m, Linear) and m.fp8_block]
     assert kept and not any(m.fp8_splitk for m in kept)
+
+
+def test_quantization_fp8_at_load_keeps_the_scripts_fp8_bytes(tmp_path_factory):
+    """--quantization fp8 on the bf16 checkpoint with the W8A8 path (fp8_gemm=True): the FP8
+    weights and scales the model keeps are byte for byte those of scripts/quantize_fp8.py's
+    checkpoint."""
+    src, dst = tmp_path_factory.mktemp("q_src"), tmp_path_factory.mktemp("q_dst")
+    make_fp8_model(src, dst)
+    kw = dict(device="cpu", dtype="float32", num_kv_blocks=64, fp8_gemm=True, kernels="triton")
+    got = LLM(str(src), quantization="fp8", **kw).engine.executor.worker.model.state_dict()
+    want = LLM(str(dst), **kw).engine.executor.worker.model.state_dict()
+    assert got.keys() == want.keys()
+    kept = [n for n, t in want.items() if t.dtype == torch.float8_e4m3fn]
+    assert len(kept) >= 4, kept  # projections and experts stay FP8
+    for name, t in want.items():
+        a, b = (x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x for x in (got[name], t))
+        assert torch.equal(a, b), name
