@@ -39,6 +39,8 @@ def add_engine_flags(p) -> None:
     p.add_argument("--hf-overrides", default=None)
     p.add_argument("--fp8-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="keep FP8 checkpoints' projections in FP8 (W8A8 GEMM); unset: the engine's choice")
+    p.add_argument("-q", "--quantization", choices=["fp8"], default=None,
+                   help="fp8: the weights in FP8, a bf16 checkpoint's quantized at load (serve's flag)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="prefix caching (default: the engine's, on)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
@@ -59,6 +61,8 @@ def engine_kwargs(a) -> dict:
         kw["piecewise_graph_sizes"] = a.piecewise_graph_sizes
     if a.fp8_gemm is not None:
         kw["fp8_gemm"] = a.fp8_gemm
+    if getattr(a, "quantization", None) is not None:
+        kw["quantization"] = a.quantization
     if getattr(a, "block_size", None) is not None:
         kw["block_size"] = a.block_size
     if getattr(a, "enable_prefix_caching", None) is not None:
