@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|fp8|r1|v3gluon|r1fp8|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -67,6 +67,9 @@
 #               (.bench/make_random_ckpt.py into /tmp/v2l, ~45 s), then .bench/peer_bench.py --engine
 #               ours on it (TPOT at batch 1/8/32/128, offline 1000 x (1000 in, 100 out)); needs
 #               ../shared/bench copied into .bench and `carry: [".bench"]` (give it `peer:560`)
+#   q8          V2-Lite's random-weight checkpoint (.bench/make_random_ckpt.py into /tmp/v2l, as peer)
+#               served with --quantization fp8 (quantized at load, W8A8) and in bf16: TPOT at batch
+#               1/8/32/128 of each (bench_latency.py); the start-up log has the load time (`q8:480`)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
 #   v3gluon     the DeepSeek-V3 config, 4 layers, bf16 dummy weights (128 heads: the Gluon decode by
@@ -189,6 +192,12 @@ for spec in $steps; do
             [ -f /tmp/v2l/config.json ] || timeout $((T / 4)) python3 .bench/make_random_ckpt.py configs/models/DeepSeek-V2-Lite /tmp/v2l
             timeout $((T * 3 / 4)) python3 .bench/peer_bench.py --engine ours --model /tmp/v2l --load-format auto \
               --out "$OUT/peer_bench.json"; } > "$log" 2>&1 ;;
+    q8) { [ -f /tmp/v2l/config.json ] || timeout $((T / 5)) python3 .bench/make_random_ckpt.py configs/models/DeepSeek-V2-Lite /tmp/v2l
+          for q in "--quantization fp8" ""; do
+            echo "## latency ${q:-bf16}"
+            timeout $((T * 2 / 5)) python3 scripts/bench_latency.py --model /tmp/v2l --load-format auto --skip-tokenizer-init \
+              $q --batch-sizes 1 8 32 128 --decode-steps 50 --json "$OUT/v2l_latency${q:+_fp8}.json"
+          done; } > "$log" 2>&1 ;;
     fp8) timeout "$T" python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" > "$log" 2>&1 ;;
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
           --hf-overrides '{"num_hidden_layers": 4}' --batch-sizes 1 64 --decode-steps 50 \
