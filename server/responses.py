@@ -20,7 +20,7 @@ import time
 
 from fastapi import APIRouter, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from common.offload import large_lane
@@ -31,9 +31,9 @@ from server.errors import APIError, param_of
 from server.handler import OFF_LOOP_ENTRIES, _collect, _entries, response_id, start_streams
 from server.reasoning import END
 from server.request_body import body_openapi, parse_body
-from server.responses_protocol import ResponsesChat, ResponsesRequest, renamed_errors
+from server.responses_protocol import ResponsesChat, ResponsesRequest, renamed_errors, shown
 from server.responses_store import ResponseStore, Stored
-from server.responses_stream import ResponseEvents, items_of, stream_events
+from server.responses_stream import ResponseEvents, content_after_calls, items_of, stream_events
 from server.streams import ClientDisconnected, until_disconnect
 
 # the chat request's fields an error may name -> the Responses field they came from
@@ -55,7 +55,7 @@ def install(v1: APIRouter, state, args=None) -> ResponseStore:
         if stream:
             raise APIError(400, "stream: replaying a response's events is for background "
                            "responses, which this server does not run", param="stream")
-        return JSONResponse(_stored(store, response_id).response)
+        return Response(_stored(store, response_id).response, media_type="application/json")
 
     @v1.delete("/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
@@ -77,7 +77,7 @@ def _stored(store: ResponseStore, rid: str) -> Stored:
     if found is None:
         why = ("this server stores no responses (--responses-store-size 0)" if not store.enabled
                else "never stored (store false), evicted, or deleted")
-        raise APIError(404, f"response_id: response {rid!r} not found: {why}", param="response_id",
+        raise APIError(404, f"response_id: response {shown(rid)} not found: {why}", param="response_id",
                        code="not_found")
     return found
 
@@ -94,7 +94,7 @@ def _previous(store: ResponseStore, req: ResponsesRequest) -> Stored | None:
                        param="previous_response_id")
     found = store.get(rid)
     if found is None:
-        raise APIError(404, f"previous_response_id: response {rid!r} not found (never stored, "
+        raise APIError(404, f"previous_response_id: response {shown(rid)} not found (never stored, "
                        "evicted, or deleted); send the whole conversation as input",
                        param="previous_response_id", code="previous_response_not_found")
     return found
@@ -147,9 +147,17 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         tracker.close(1)
         return Response(status_code=499)
 
-    def save(response: dict, nbytes: int) -> None:
-        if keep:
-            _save(store, rid, response, nbytes, previous, own_turns)
+    def save(response: dict, body: bytes | None) -> bool:
+        """Keep the response (`body`: its JSON, None: written here) if asked, before it is sent;
+        False when it could not be (alone over the store's byte bound): its `store` is then
+        false, so that the client is told."""
+        if not keep:
+            return True
+        body = json.dumps(response, allow_nan=False).encode() if body is None else body
+        if _save(store, rid, body, response["output"], previous, own_turns):
+            return True
+        response["store"] = False
+        return False
 
     if req.stream:
         events = stream_events(streams, builder, ResponseEvents(head), tracker,
@@ -169,13 +177,15 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         final = finals[0]
         choice = builder.choice(0, final.outputs[0])
         logprobs = (choice["logprobs"] or {}).get("content") or []
-        items = items_of(choice["message"], logprobs, final.outputs[0].finish_reason)
+        o = final.outputs[0]
+        items = items_of(choice["message"], logprobs, o.finish_reason, content_after_calls(builder, o.text))
         response = finished(state, head, final, items)
         return response, json.dumps(response, allow_nan=False).encode()
     # a large answer (many tokens with logprobs) is built on a worker thread, as chat's
     response, body = (await asyncio.to_thread(whole) if _entries(finals) > OFF_LOOP_ENTRIES
                       else whole())
-    save(response, len(body))
+    if not save(response, body):  # a large body: written again off the loop
+        body = await asyncio.to_thread(lambda: json.dumps(response, allow_nan=False).encode())
     return Response(body, media_type="application/json")
 
 
@@ -232,11 +242,11 @@ def reasoning_tokens(tokenizer, token_ids: list[int], reasoning: str) -> int:
     return min(len(token_ids), len(tokenizer(reasoning, add_special_tokens=False)["input_ids"]))
 
 
-def _save(store: ResponseStore, rid: str, response: dict, nbytes: int, previous: Stored | None,
-          own_turns: list[ChatMessage]) -> None:
-    """Store a finished response with its conversation: the previous one's, this input, and
-    this output as an assistant turn (its text and calls; reasoning is not replayed)."""
-    items = response["output"]
+def _save(store: ResponseStore, rid: str, body: bytes, items: list[dict], previous: Stored | None,
+          own_turns: list[ChatMessage]) -> bool:
+    """Store a finished response (its JSON, its output `items`) with its conversation: the
+    previous one's, this input, and this output as an assistant turn (its text and calls;
+    reasoning is not replayed)."""
     text = "".join(it["content"][0]["text"] for it in items if it["type"] == "message")
     calls = [{"id": it["call_id"], "type": "function",
               "function": {"name": it["name"], "arguments": it["arguments"]}}
@@ -244,16 +254,22 @@ def _save(store: ResponseStore, rid: str, response: dict, nbytes: int, previous:
     out_turn = ChatMessage(role="assistant", content=text if text or not calls else None,
                            tool_calls=calls or None)
     new = [*own_turns, out_turn]
-    turn_bytes = sum(map(_turn_chars, new)) + (previous.turn_bytes if previous is not None else 0)
+    turn_bytes = sum(map(_turn_bytes, new)) + (previous.turn_bytes if previous is not None else 0)
     turns = [*(previous.turns if previous is not None else ()), *new]
-    store.put(rid, response, turns, turn_bytes, nbytes + turn_bytes)
+    return store.put(rid, body, turns, turn_bytes, len(body) + turn_bytes)
 
 
-def _turn_chars(m: ChatMessage) -> int:
-    """A stored turn's size, counted without serialising it (a long input's turn on the event
-    loop): its text and calls' characters, and a little for its keys."""
+# the memory of a stored turn's objects besides its text, in bytes (tracemalloc, CPython 3.11:
+# a ChatMessage of one character 489, with one text part 736, with one call 945)
+TURN_BYTES, PART_BYTES, CALL_BYTES = 512, 256, 512
+
+
+def _turn_bytes(m: ChatMessage) -> int:
+    """A stored turn's memory, estimated without serialising it (a long input's turns on the
+    event loop): its text and calls' characters, and the objects that hold them."""
+    parts = m.content if isinstance(m.content, list) else ()
     text = m.content if isinstance(m.content, str) else "".join(
-        p.get("text") or "" for p in m.content or () if isinstance(p, dict))
-    calls = sum(len(c["function"]["name"]) + len(c["function"]["arguments"]) + len(c.get("id") or "")
-                for c in m.tool_calls or ())
-    return len(text) + calls + 64
+        p.get("text") or "" for p in parts if isinstance(p, dict))
+    calls = sum(CALL_BYTES + len(c["function"]["name"]) + len(c["function"]["arguments"])
+                + len(c.get("id") or "") for c in m.tool_calls or ())
+    return TURN_BYTES + PART_BYTES * len(parts) + len(text) + calls

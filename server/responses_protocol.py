@@ -17,16 +17,19 @@ and their errors name the Responses field (`renamed_errors`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from common.sampling_params import INT64_MAX, MAX_LOGPROBS, StructuredOutputs
 from server.chat_protocol import ChatCompletionRequest
-from server.request_fields import BaseRequest, _json_spec, bounded, refuse_unsupported, text_checked
+from server.request_fields import (UNSUPPORTED, BaseRequest, _json_spec, bounded, refuse_unsupported,
+                                   text_checked)
 
 # vLLM's extensions the chat route takes, handed to the chat request as they are (its checks
-# name them); any other unknown field is ignored, as OpenAI's SDK extras are elsewhere
+# name them); the chat request's other fields are refused unless at their defaults (`_refused`),
+# and any other unknown field is ignored, as OpenAI's SDK extras are elsewhere
 PASSED_THROUGH = frozenset({
     "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
     "stop", "stop_token_ids", "ignore_eos", "min_tokens", "include_stop_str_in_output",
@@ -42,6 +45,12 @@ TEXT_PARTS = ("input_text", "output_text")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512
 
 
+def shown(value: Any, limit: int = 80) -> str:
+    """A value as an error message quotes it: its repr, cut short (a field may be megabytes)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 class FunctionTool(BaseRequest):
     """A Responses tool: `{"type": "function", "name", "description", "parameters", "strict"}`."""
 
@@ -55,7 +64,7 @@ class FunctionTool(BaseRequest):
     @classmethod
     def _functions_only(cls, data: Any) -> Any:
         if isinstance(data, dict) and data.get("type", "function") != "function":
-            raise ValueError(f"only function tools are supported, got type {data.get('type')!r} "
+            raise ValueError(f"only function tools are supported, got type {shown(data.get('type'))} "
                              "(this server runs no built-in tools such as web_search)")
         return data
 
@@ -71,6 +80,8 @@ class TextFormat(BaseRequest):
     def _schema_with_json_schema(self):
         if self.type == "json_schema" and self.schema_ is None:
             raise ValueError("schema is required when type is json_schema")
+        if self.type != "json_schema" and self.schema_ is not None:  # else it would go unused
+            raise ValueError(f"schema: only with type json_schema (this format is {self.type})")
         return self
 
 
@@ -163,6 +174,10 @@ class ResponsesRequest(BaseRequest):
     @classmethod
     def _unsupported(cls, data: Any) -> Any:
         refuse_unsupported(data, cls.endpoint)
+        if isinstance(data, dict):  # chat's and vLLM's fields this route would otherwise drop
+            for name, (asks, why) in _refused().items():
+                if name in data and asks(data[name]):
+                    raise ValueError(f"{name}: {why}")
         return data
 
     @field_validator("input")
@@ -177,7 +192,7 @@ class ResponsesRequest(BaseRequest):
     def _include_known(cls, v):
         for value in v or ():
             if value not in INCLUDE:
-                raise ValueError(f"{value!r} is not supported (supported: {', '.join(INCLUDE)})")
+                raise ValueError(f"{shown(value)} is not supported (supported: {', '.join(INCLUDE)})")
         return v
 
     @field_validator("metadata")
@@ -202,7 +217,7 @@ class ResponsesRequest(BaseRequest):
                 and set(v) <= {"type", "name"}):
             return v
         raise ValueError('must be "none", "auto", "required" or {"type": "function", "name": ...} '
-                         f"(no built-in tools, allowed_tools or custom tools here), got {v!r}")
+                         f"(no built-in tools, allowed_tools or custom tools here), got {shown(v)}")
 
     @property
     def wants_logprobs(self) -> bool:
@@ -265,8 +280,8 @@ def input_turns(items: list[dict]) -> list[dict]:
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in ROLES:
-                raise ValueError(f"{where}.role: must be one of {', '.join(ROLES)}, got {role!r}")
+            if not isinstance(role, str) or role not in ROLES:  # a list or object is no role
+                raise ValueError(f"{where}.role: must be one of {', '.join(ROLES)}, got {shown(role)}")
             turns.append({"role": ROLES[role], "content": _content(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
             args = item.get("arguments")
@@ -282,7 +297,7 @@ def input_turns(items: list[dict]) -> list[dict]:
             turns.append({"role": "tool", "tool_call_id": _name(item, "call_id", where),
                           "content": _content(item.get("output"), f"{where}.output")})
         elif kind != "reasoning":
-            raise ValueError(f"{where}.type: {kind!r} items are not supported (message, "
+            raise ValueError(f"{where}.type: {shown(kind)} items are not supported (message, "
                              "function_call, function_call_output, reasoning)")
     return turns
 
@@ -307,11 +322,36 @@ def _content(content: Any, where: str) -> str | list[dict]:
         text = part.get("refusal") if kind == "refusal" else part.get("text") if kind else None
         if kind not in (*TEXT_PARTS, "refusal"):
             raise ValueError(f"{where}.{j}.type: only text parts ({', '.join(TEXT_PARTS)}) are "
-                             f"supported, got {kind!r}")
+                             f"supported, got {shown(kind)}")
         if not isinstance(text, str):
             raise ValueError(f"{where}.{j}: a {kind} part needs its text as a string")
         parts.append({"type": "text", "text": text})
     return parts
+
+
+@functools.cache
+def _refused() -> dict[str, tuple]:
+    """Fields a request may carry that this route neither takes nor passes on, and which ask
+    for something (not null, not chat's default): name -> (does this value ask?, why). The chat
+    request's own fields (`guided_json`, `use_beam_search`, `prompt_logprobs`, `echo`, ...) and
+    vLLM's Responses extensions that change the conversation or the response."""
+    out: dict[str, tuple] = {
+        "previous_input_messages": (bool, "not supported: send the earlier turns as input items, "
+                                    "or continue a stored response with previous_response_id"),
+        "enable_response_messages": (bool, "not supported: the response has no input_messages "
+                                     "or output_messages"),
+    }
+    own = {f.alias or n for n, f in ResponsesRequest.model_fields.items()}
+    for name, f in ChatCompletionRequest.model_fields.items():
+        name = f.alias or name
+        if name in own or name in PASSED_THROUGH or name in UNSUPPORTED["responses"]:
+            continue
+        default = f.get_default(call_default_factory=True)
+        why = ("a chat completions field; output constraints here are text.format's"
+               if name.startswith("guided_") or name == "structured_outputs"
+               else "a chat completions field that /v1/responses does not take")
+        out[name] = (lambda v, d=default: v is not None and v != d, why)
+    return out
 
 
 # chat fields -> the Responses field a client sent them as

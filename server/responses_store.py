@@ -4,8 +4,8 @@ so that `previous_response_id` continues a conversation and `GET /v1/responses/{
 vLLM keeps them only with VLLM_ENABLE_RESPONSES_API_STORE=1, in a dict that never forgets; here
 the store is on by default (OpenAI's `store` defaults to true) and bounded: past
 --responses-store-size responses or --responses-store-max-bytes the oldest are evicted first.
-An entry holds the response as sent and the conversation that led to it (without the request's
-`instructions`, which OpenAI does not carry over), its output turn included. A conversation
+An entry holds the response as sent (its JSON) and the conversation that led to it (without the
+request's `instructions`, which OpenAI does not carry over), its output turn included. A conversation
 continued N times is counted in full in each of its N entries (the turns are shared objects, so
 the count is an upper bound of the memory held). Nothing is written to disk.
 """
@@ -33,14 +33,15 @@ def add_responses_flags(p: argparse.ArgumentParser) -> None:
                         "(previous_response_id is then a 400)")
     g.add_argument("--responses-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="B",
                    help="at most this many bytes of stored responses and their conversations "
-                        "(the response's JSON and the conversation's text); the oldest are evicted first")
+                        "(the response's JSON and the conversation's turns: their text and "
+                        "~0.5 KB a turn); the oldest are evicted first")
 
 
 @dataclass
 class Stored:
-    response: dict  # as sent
+    response: bytes  # its JSON, as sent
     turns: list  # ChatMessage: the conversation without instructions, the output turn last
-    turn_bytes: int  # the turns' text and calls, in characters, counted in full
+    turn_bytes: int  # the turns' memory (text, calls, the objects holding them), counted in full
     nbytes: int  # that and the response's JSON
 
 
@@ -74,7 +75,7 @@ class ResponseStore:
     def get(self, response_id: str) -> Stored | None:
         return self._entries.get(response_id)
 
-    def put(self, response_id: str, response: dict, turns: list, turn_bytes: int, nbytes: int) -> bool:
+    def put(self, response_id: str, response: bytes, turns: list, turn_bytes: int, nbytes: int) -> bool:
         """Keep a response (replacing one of the same id), evicting the oldest past the bounds;
         False when it alone is over the byte bound (then it is not kept)."""
         self.delete(response_id)

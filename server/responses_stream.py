@@ -4,7 +4,8 @@ tool calls) becomes output items; a stream's message deltas become events.
 
 Items, in the order the model writes them: `reasoning` (with --reasoning-parser; its text in
 `content` as `reasoning_text`, `summary` empty, as vLLM returns it), `message` (the content as one
-`output_text` part), one `function_call` per tool call. An output with none of them is an empty
+`output_text` part), one `function_call` per tool call, then a message of the text written
+after the calls, if any (`content_after_calls`). An output with none of them is an empty
 message. The last item of an output cut by `max_output_tokens` has status "incomplete".
 
 Streamed (`event: TYPE` and `data: {...}` lines, each event numbered by `sequence_number`, as
@@ -27,7 +28,9 @@ from collections.abc import AsyncIterator, Callable
 from engine.outputs import RequestOutput
 from server.errors import error_body
 from server.handler import _check_failed
+from server.reasoning import split_reasoning
 from server.streams import EngineStreams
+from server.tool_calls import CALL_END, ToolCallParser
 
 logger = logging.getLogger(__name__)
 
@@ -56,18 +59,44 @@ def call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
             "name": name, "arguments": arguments}
 
 
-def items_of(message: dict, logprobs: list[dict], finish_reason: str | None) -> list[dict]:
+def content_after_calls(builder, text: str) -> str:
+    """The end of a whole output's content that the model wrote after its tool calls (text
+    after the calls block, or a later call that broke the format), which a stream sends as a
+    message after the calls; "" when none. `text`: the output as generated."""
+    if builder.tool_parser is None or CALL_END not in text:
+        return ""
+    if builder.think:
+        text = split_reasoning(text)[1] or ""
+    parser, after = ToolCallParser(builder.tool_parser), ""
+    # fed up to the end of each call: content from a later piece on comes after a call
+    pieces = text.split(CALL_END)
+    for i, piece in enumerate(pieces):
+        called = parser.num_calls > 0
+        d = parser.feed(piece if i == len(pieces) - 1 else piece + CALL_END)
+        after += d.content if called else ""
+    return after + (parser.finish().content if parser.num_calls else "")
+
+
+def items_of(message: dict, logprobs: list[dict], finish_reason: str | None,
+             after: str = "") -> list[dict]:
     """The output items of a whole chat message (ChatBuilder.choice's); `logprobs` (chat's
-    entries of every generated token, as vLLM attaches them) go with the message's text."""
+    entries of every generated token, as vLLM attaches them) go with the message's text, the
+    first message's; `after`: the end of the content that follows the calls (a second message,
+    as the stream sends it)."""
     items = []
     if message.get("reasoning_content"):
         items.append(reasoning_item(new_id("rs_"), message["reasoning_content"], "completed"))
     calls = message.get("tool_calls") or []
-    if message.get("content") or not (items or calls):
-        items.append(message_item(new_id("msg_"), message.get("content") or "", logprobs, "completed"))
+    content = message.get("content") or ""
+    before = content[:len(content) - len(after)] if calls and after and content.endswith(after) else content
+    after = content[len(before):]
+    if before or not (items or calls or after):
+        items.append(message_item(new_id("msg_"), before, logprobs, "completed"))
     for c in calls:
         items.append(call_item(new_id("fc_"), c["id"], c["function"]["name"],
                                c["function"]["arguments"], "completed"))
+    if after:
+        items.append(message_item(new_id("msg_"), after, [] if before else logprobs, "completed"))
     if finish_reason == "length":
         items[-1]["status"] = "incomplete"
     return items
@@ -113,9 +142,10 @@ class ResponseEvents:
         if delta.get("reasoning_content"):
             out += self._ensure("reasoning")
             out.append(self._text_delta("response.reasoning_text.delta", delta["reasoning_content"]))
-        if delta.get("content"):
-            out += self._ensure("message")
-            out.append(self._text_delta("response.output_text.delta", delta["content"]))
+        # content in a delta that goes on a call already begun was written after it
+        after_calls = self.open is not None and self.open["kind"] == "function_call"
+        if delta.get("content") and not after_calls:
+            out += self._content(delta["content"])
         for call in delta.get("tool_calls") or ():
             if "id" in call:  # a call's first entry: its id and name
                 out += self._close("completed")
@@ -125,6 +155,8 @@ class ResponseEvents:
                 self.open["text"] += fragment
                 out.append(self.event("response.function_call_arguments.delta", item_id=self.open["id"],
                                       output_index=self.open["index"], delta=fragment))
+        if delta.get("content") and after_calls:
+            out += self._content(delta["content"])
         if choice.get("finish_reason") is not None:
             if not self.items and self.open is None:
                 out += self._ensure("message")  # an empty output is an empty message
@@ -147,6 +179,9 @@ class ResponseEvents:
                     "error": {"code": code, "message": message}}
         return [self.event("error", code=err["type"], message=message, param=None),
                 self.event("response.failed", response=response)]
+
+    def _content(self, text: str) -> list[str]:
+        return self._ensure("message") + [self._text_delta("response.output_text.delta", text)]
 
     def _text_delta(self, kind: str, text: str) -> str:
         item = self.open
@@ -211,11 +246,11 @@ class ResponseEvents:
 
 async def stream_events(streams: EngineStreams, builder, events: ResponseEvents, tracker,
                         finish: Callable[[RequestOutput, list[dict]], dict],
-                        save: Callable[[dict, int], None]) -> AsyncIterator[str]:
+                        save: Callable[[dict, bytes | None], bool]) -> AsyncIterator[str]:
     """A response's SSE body: the opening events at once, then the events of each batch of
     engine outputs in one write (a front end behind the engine catches up, as chat's stream
     does), then the final response `finish(final output, items)` makes, handed to
-    `save(response, its event's length)`."""
+    `save(response, None)` before it is sent (which sets its `store` false if not kept)."""
     pieces: list[str] = []
     final: RequestOutput | None = None
     try:
@@ -235,8 +270,8 @@ async def stream_events(streams: EngineStreams, builder, events: ResponseEvents,
             if final is None or not final.finished:
                 raise RuntimeError("engine stream ended without a finished output")
             response = finish(final, events.items)
+            save(response, None)  # not kept after all: the response says store false
             pieces.append(events.end(response))
-            save(response, len(pieces[-1]))
         except Exception as e:  # headers are gone: report in-band, as OpenAI does
             if isinstance(e, ValueError):  # the request's own fault: no traceback
                 logger.warning("response stream %s failed: %s", events.head["id"], e)

@@ -1,0 +1,129 @@
+"""`POST /v1/responses` at its edges (server/responses.py), on fake engines: input items of the
+wrong type, fields of the chat route that this route would drop, a response too large for the
+store, the store's byte count, and text written after tool calls (whole and streamed alike)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import httpx
+import pytest
+import transformers
+
+from server.responses_stream import ResponseEvents
+from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, assert_error
+from tests.test_responses_api import (CALLS_BEGIN, CALLS_END, SCRIPTED, WEATHER, ScriptedEngine, _server,
+                                      create, events_of, streamed_items, v3_call)
+
+os.environ.update(OFFLINE_ENV)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+
+
+@pytest.fixture(scope="module")
+def small_store(tok):
+    """A fake engine; the store keeps 3 responses within 6,000 bytes."""
+    with _server(FakeEngine(tok, max_model_len=512), ["--responses-store-size", "3",
+                                                      "--responses-store-max-bytes", "6000"]) as s:
+        yield s
+
+
+REFUSED = [
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input.0.role"),  # was a 500 (unhashable)
+    ({"input": [{"role": {"a": 1}, "content": "x"}]}, "input.0.role"),
+    # the chat route's fields, which this route used to drop without a word
+    ({"guided_choice": ["yes", "no"]}, "guided_choice"),
+    ({"structured_outputs": {"choice": ["yes"]}}, "structured_outputs"),
+    ({"use_beam_search": True}, "use_beam_search"),
+    ({"prompt_logprobs": 2}, "prompt_logprobs"),
+    ({"echo": True}, "echo"),
+    ({"include_reasoning": False}, "include_reasoning"),
+    ({"truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ({"previous_input_messages": [{"role": "user", "content": "x"}]}, "previous_input_messages"),
+    ({"text": {"format": {"type": "json_object", "schema": {"type": "object"}}}}, "text.format"),
+]
+
+
+@pytest.mark.parametrize("body,param", REFUSED, ids=[p for _, p in REFUSED])
+def test_fields_it_would_drop_or_choke_on_are_400s(small_store, body, param):
+    r = httpx.post(f"{small_store.url}/v1/responses", json={"input": "hi", **body}, timeout=30)
+    assert_error(r, 400, param)
+
+
+def test_chat_fields_at_their_defaults_pass(small_store):
+    create(small_store, {"input": "hi", "max_output_tokens": 2, "use_beam_search": False,
+                         "echo": False, "include_reasoning": True, "guided_json": None})
+
+
+def test_errors_quote_a_long_value_cut_short(small_store):
+    err = assert_error(httpx.get(f"{small_store.url}/v1/responses/{'x' * 5000}"), 404, "response_id")
+    assert len(err["message"]) < 300
+    err = assert_error(httpx.post(f"{small_store.url}/v1/responses", json={
+        "input": [{"role": "r" * 100_000, "content": "x"}]}), 400, "input.0.role")
+    assert len(err["message"]) < 300
+
+
+TOOLS = [{"type": "function", "name": f"f{i}", "description": "d" * 500} for i in range(20)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_over_the_stores_bytes_says_it_was_not_stored(small_store, stream):
+    body = {"input": "hi", "max_output_tokens": 2, "tools": TOOLS, "tool_choice": "none"}
+    r = events_of(small_store, body)[-1]["response"] if stream else create(small_store, body)
+    assert r["store"] is False  # it said true, and a GET then found nothing
+    assert_error(httpx.get(f"{small_store.url}/v1/responses/{r['id']}"), 404, "response_id")
+    small = create(small_store, {"input": "hi", "max_output_tokens": 2})
+    assert small["store"] is True
+    assert httpx.get(f"{small_store.url}/v1/responses/{small['id']}").json() == small
+
+
+def test_the_store_counts_the_turns_objects(tok):
+    """Forty one-character turns are ~20 KB of Python objects, not the ~3 KB of their text and
+    keys that were counted: a response made of them does not fit 16,000 bytes."""
+    with _server(FakeEngine(tok, max_model_len=512), ["--responses-store-max-bytes", "16000"]) as s:
+        items = [{"role": "user", "content": "a"}] * 40
+        assert create(s, {"input": items, "max_output_tokens": 2})["store"] is False
+        assert create(s, {"input": items[:4], "max_output_tokens": 2})["store"] is True
+
+
+def test_arguments_and_text_after_a_call_in_one_delta():
+    """A delta that ends a call's arguments and brings text written after the call (several
+    tokens in one step): the arguments go to the call, the text to a message after it."""
+    events = ResponseEvents({"id": "resp_x"})
+    events.start()
+    events.feed({"delta": {"content": "Before."}})
+    events.feed({"delta": {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                                           "function": {"name": "f", "arguments": '{"a": '}}]}})
+    events.feed({"delta": {"content": "After.", "tool_calls": [{"index": 0, "function": {"arguments": "1}"}}]},
+                 "finish_reason": "stop"})
+    got = [(it["type"], it.get("arguments") or it["content"][0]["text"]) for it in events.items]
+    assert got == [("message", "Before."), ("function_call", '{"a": 1}'), ("message", "After.")]
+    assert [it["status"] for it in events.items] == ["completed"] * 3
+
+
+@pytest.fixture(scope="module")
+def after_calls(tok):
+    engine = ScriptedEngine(tok, max_model_len=1024)
+    script = f"Think.</think>Before.{CALLS_BEGIN}{v3_call('get_weather', WEATHER)}{CALLS_END}After."
+    engine.script = tok(script, add_special_tokens=False)["input_ids"]
+    with _server(engine, ["--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice",
+                          "--tool-call-parser", "deepseek_v3"]) as s:
+        yield s
+
+
+def test_text_after_the_calls_is_a_message_after_them_whole_and_streamed(after_calls):
+    whole = create(after_calls, SCRIPTED)
+    got = [(it["type"], it["arguments"] if it["type"] == "function_call" else it["content"][0]["text"])
+           for it in whole["output"]]
+    assert got == [("reasoning", "Think."), ("message", "Before."), ("function_call", WEATHER),
+                   ("message", "After.")]
+    events = events_of(after_calls, SCRIPTED)
+    streamed = [(i["done"]["type"], i["deltas"]) for i in streamed_items(events)]
+    assert streamed == got
+    assert [json.loads(it["arguments"]) for it in events[-1]["response"]["output"]
+            if it["type"] == "function_call"] == [json.loads(WEATHER)]
