@@ -94,6 +94,16 @@ class ModelConfig:
             return None
         return tuple(q.get("weight_block_size") or (128, 128))
 
+    def packed_fp8_block(self, rows: list[int]) -> tuple[int, int] | None:
+        """The FP8 block of a packed weight whose parts have `rows` rows on a rank: None, the
+        compute dtype, for a checkpoint quantized at load whose parts but the last do not fill
+        whole blocks (V2-Lite's dense MLP, 10944 = 85.5 x 128 rows of gate then up), which the
+        W8A8 GEMM cannot pack; an FP8 checkpoint's stays FP8 (PackedLinear refuses what cannot)."""
+        block = self.fp8_block
+        if block is None or not self.quantized_at_load or not any(n % block[0] for n in rows[:-1]):
+            return block
+        return None
+
     def is_moe_layer(self, layer_idx: int) -> bool:
         return (self.n_routed_experts is not None and layer_idx >= self.first_k_dense_replace
                 and layer_idx % self.moe_layer_freq == 0)

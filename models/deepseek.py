@@ -35,8 +35,10 @@ class DeepseekAttention(nn.Module):
         # decode each is a latency-bound GEMV, so one launch instead of two. Under TP q_proj holds
         # this rank's heads and kv_a is replicated: the local rows still stack.
         q_part = ("q_proj", H * qk, 0) if cfg.q_lora_rank is None else ("q_a_proj", cfg.q_lora_rank, None)
+        q_rows = q_part[1] // tp if q_part[2] == 0 else q_part[1]
         self.qkv_a_proj = PackedLinear(D, [q_part, ("kv_a_proj_with_mqa", cfg.kv_cache_dim, None)], dtype,
-                                       fp8_block=q8, keep_fp8=keep_fp8)
+                                       fp8_block=cfg.packed_fp8_block([q_rows, cfg.kv_cache_dim]),
+                                       keep_fp8=keep_fp8)
         self.q_lora = cfg.q_lora_rank is not None  # V2, V3: q_a_proj's output is a latent, up-projected
         if self.q_lora:
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, dtype, glue_for(plan))
@@ -83,8 +85,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.glue = glue_for(plan)
         self.self_attn = DeepseekAttention(cfg, dtype, plan, ops, keep_fp8)
         self.mlp = MoE(cfg, dtype, plan, keep_fp8) if cfg.is_moe_layer(layer_idx) else \
-            MLP(cfg.hidden_size, cfg.intermediate_size, dtype, fp8_block=cfg.fp8_block, glue=self.glue,
-                keep_fp8=keep_fp8)
+            MLP(cfg.hidden_size, cfg.intermediate_size, dtype, glue=self.glue, keep_fp8=keep_fp8,
+                fp8_block=cfg.packed_fp8_block([cfg.intermediate_size // pd.tp().size] * 2))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, self.glue)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # the MoE's pair rows summed by the next layer's add + RMSNorm (or the final norm)

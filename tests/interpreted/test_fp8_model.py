@@ -77,3 +77,20 @@ def test_quantization_fp8_at_load_keeps_the_scripts_fp8_bytes(tmp_path_factory):
     for name, t in want.items():
         a, b = (x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x for x in (got[name], t))
         assert torch.equal(a, b), name
+
+
+def test_quantization_fp8_at_load_leaves_unpackable_weights_in_the_compute_dtype(tmp_path):
+    """A dense MLP whose gate rows do not fill 128-row blocks (V2-Lite's 10944; 192 here) cannot
+    be packed for the W8A8 GEMM: quantized at load it stays in the compute dtype (an FP8
+    checkpoint's would be refused), the rest of the model is FP8, and the model runs."""
+    from tiny_models import make_model
+    make_model(tmp_path, "v3", hidden_size=256, q_lora_rank=128, kv_lora_rank=128, intermediate_size=192,
+               moe_intermediate_size=128, num_attention_heads=4, qk_nope_head_dim=32, qk_rope_head_dim=32,
+               v_head_dim=32)
+    llm = LLM(str(tmp_path), quantization="fp8", device="cpu", dtype="float32", num_kv_blocks=64,
+              fp8_gemm=True, kernels="triton")
+    layers = llm.engine.executor.worker.model.model.layers
+    assert layers[0].mlp.gate_up_proj.weight.dtype == layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert layers[0].self_attn.qkv_a_proj.weight.dtype == layers[1].mlp.w13.dtype == torch.float8_e4m3fn
+    out = llm.generate([list(range(5, 25))], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3
