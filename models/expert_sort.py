@@ -124,22 +124,27 @@ def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
     below num_experts. Torch ops; `align_pairs` is the one-kernel version the blocked MoE runs."""
     flat = ids.flatten()
     P = flat.numel()
-    key = torch.where(flat < num_experts, flat, num_experts)  # pairs left out: a bin of their own, last
+    dev = ids.device
+    # No boolean-mask indexing or other host sync: prefill steps run this inside piecewise CUDA
+    # graphs. The pairs left out sort into bin num_experts and are scattered to a trash slot.
+    key = torch.where(flat < num_experts, flat, num_experts)
     order = key.argsort(stable=True)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
-    counts.index_add_(0, key, torch.ones_like(key))
-    counts = counts[:num_experts]
-    padded = (counts + block_m - 1) // block_m * block_m
-    pad_end = padded.cumsum(0)
     sorted_e = key[order]
-    kept = sorted_e < num_experts
-    e_kept = sorted_e[kept]
-    rank = torch.arange(P, device=ids.device)[kept] - (counts.cumsum(0) - counts)[e_kept]
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
+    counts.index_add_(0, key, torch.ones_like(key))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0  # the left-out bin has no run
+    pad_end = padded.cumsum(0)
+    first = counts.cumsum(0) - counts  # each bin's first place in sorted order
+    rank = torch.arange(P, device=dev) - first[sorted_e]  # ascending pair index within the expert
     nb = -(-(P if max_pairs is None else max_pairs) // block_m) + num_experts
-    rows = torch.full((nb * block_m,), -1, dtype=torch.int64, device=ids.device)
-    rows[(pad_end - padded)[e_kept] + rank] = order[kept]
-    starts = torch.arange(nb, device=ids.device) * block_m
-    block_expert = torch.searchsorted(pad_end, starts, right=True)  # == num_experts past the last run
+    trash = nb * block_m
+    dest = torch.where(sorted_e < num_experts, (pad_end - padded)[sorted_e] + rank, trash)
+    rows = torch.full((trash + 1,), -1, dtype=torch.int64, device=dev)
+    rows[dest] = order
+    rows = rows[:trash]
+    starts = torch.arange(nb, device=dev) * block_m
+    block_expert = torch.searchsorted(pad_end[:num_experts], starts, right=True)  # num_experts past the last run
     return rows, block_expert
 
 

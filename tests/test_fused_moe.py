@@ -126,6 +126,54 @@ def test_sort_pairs_into_blocks_leaves_out_ids_past_the_experts():
         check_align_leaves_out(torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]), E, bm, kernel=False)
 
 
+def _blocks_reference(ids, E, block_m, max_pairs=None):
+    """sort_pairs_into_blocks' layout, built pair by pair in Python."""
+    runs = {e: [] for e in range(E)}
+    for pair, e in enumerate(ids.flatten().tolist()):
+        if e < E:
+            runs[e].append(pair)
+    rows, experts = [], []
+    for e in range(E):
+        padded = runs[e] + [-1] * (-len(runs[e]) % block_m)
+        rows += padded
+        experts += [e] * (len(padded) // block_m)
+    nb = -(-(ids.numel() if max_pairs is None else max_pairs) // block_m) + E
+    return rows + [-1] * (nb * block_m - len(rows)), experts + [E] * (nb - len(experts))
+
+
+def test_sort_pairs_into_blocks_equals_a_python_reference():
+    """Random routings (repeated experts, experts with no pair, ids past E left out, a max_pairs
+    bound): the torch sort, written without host syncs for piecewise CUDA graphs, equals the
+    layout built pair by pair."""
+    from models.expert_sort import sort_pairs_into_blocks
+    g = torch.Generator().manual_seed(3)
+    for T, kt, E, bm, n_out in ((1, 1, 4, 4, 0), (7, 3, 5, 4, 1), (50, 6, 16, 16, 0), (300, 9, 64, 32, 2)):
+        ids = torch.randint(0, E, (T, kt), generator=g)
+        if n_out:
+            ids = torch.cat([ids, torch.arange(E, E + n_out).expand(T, -1)], 1)
+        max_pairs = T * kt if n_out else None
+        rows, experts = sort_pairs_into_blocks(ids, E, bm, max_pairs)
+        assert (rows.tolist(), experts.tolist()) == _blocks_reference(ids, E, bm, max_pairs), (T, kt, E, bm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sort_pairs_into_blocks_in_a_cuda_graph():
+    """The torch sort (the FP8 block MoE's past ALIGN_KERNEL_MAX_PAIRS pairs, prefill steps in
+    piecewise CUDA graphs) captures, and its replay on new ids equals the eager result."""
+    from models.expert_sort import sort_pairs_into_blocks
+    ids = torch.randint(0, 64, (2048, 8), device="cuda")
+    sort_pairs_into_blocks(ids, 64, 64)  # warm-up outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        rows, experts = sort_pairs_into_blocks(ids, 64, 64)
+    ids.copy_(torch.randint(0, 70, (2048, 8), device="cuda"))  # some left out (>= 64)
+    g.replay()
+    want = sort_pairs_into_blocks(ids, 64, 64)
+    assert torch.equal(rows, want[0]) and torch.equal(experts, want[1])
+
+
 def test_fused_moe_blocked_fp8_refusals():
     """The block kernels' host checks, before any launch: FP8 weights need both scale tensors on
     the weights' block grid, and a block that the kernels' k tiles divide."""
