@@ -133,7 +133,8 @@ def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev)
     counts.index_add_(0, key, torch.ones_like(key))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0  # the left-out bin has no run
+    padded[num_experts:].zero_()  # the left-out bin has no run (a kernel: `padded[i] = 0` copies
+    # a CPU scalar, which CUDA-graph capture refuses)
     pad_end = padded.cumsum(0)
     first = counts.cumsum(0) - counts  # each bin's first place in sorted order
     rank = torch.arange(P, device=dev) - first[sorted_e]  # ascending pair index within the expert
