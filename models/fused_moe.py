@@ -81,6 +81,8 @@ def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BU
     acc_g = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     acc_u = tl.zeros([16, BLOCK_N], dtype=tl.float32)
     w_base = w13_ptr + e * (2 * I) * D
+    s_g = s13_ptr + e * S_ROWS * S_COLS + (offs_n // QB) * S_COLS  # SCALED: [BLOCK_N] gate rows' scale rows
+    s_u = s13_ptr + e * S_ROWS * S_COLS + ((I + offs_n) // QB) * S_COLS
     for k0 in range(0, D, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < D
@@ -88,14 +90,15 @@ def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BU
         m = mask_n[:, None] & mask_k[None, :]
         wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0)
         wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0)
-        if SCALED:
-            s_base = s13_ptr + e * S_ROWS * S_COLS + (offs_k // QB)[None, :]
-            wg = (wg.to(tl.float32) * tl.load(s_base + (offs_n // QB)[:, None] * S_COLS, mask=m, other=0.0))
-            wu = (wu.to(tl.float32) * tl.load(s_base + ((I + offs_n) // QB)[:, None] * S_COLS, mask=m, other=0.0))
-            wg = wg.to(xv.dtype)
-            wu = wu.to(xv.dtype)
-        acc_g = _mma(xv, tl.trans(wg), acc_g, IEEE)
-        acc_u = _mma(xv, tl.trans(wu), acc_u, IEEE)
+        if SCALED:  # BLOCK_K divides QB: one scale a weight row in this k tile, on the tile's product
+            zero = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+            pg = _mma(xv, tl.trans(wg.to(xv.dtype)), zero, IEEE)
+            pu = _mma(xv, tl.trans(wu.to(xv.dtype)), zero, IEEE)
+            acc_g += pg * tl.load(s_g + k0 // QB, mask=mask_n, other=0.0)[None, :]
+            acc_u += pu * tl.load(s_u + k0 // QB, mask=mask_n, other=0.0)[None, :]
+        else:
+            acc_g = _mma(xv, tl.trans(wg), acc_g, IEEE)
+            acc_u = _mma(xv, tl.trans(wu), acc_u, IEEE)
     g = tl.sum(acc_g, axis=0)
     h = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, axis=0)
     tl.store(h_ptr + row * I + offs_n, h.to(h_ptr.dtype.element_ty), mask=mask_n)
@@ -114,16 +117,18 @@ def _down_dot_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E_
     wt = tl.load(wts_ptr + tok * K_TOP + j, mask=j < K_TOP, other=1.0).to(tl.float32)
     row0 = (tl.arange(0, 16) == 0)[:, None]
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    s_n = s2_ptr + e * S_ROWS * S_COLS + (offs_n // QB) * S_COLS  # SCALED: [BLOCK_N]
     for k0 in range(0, I, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < I
         hv = tl.load(h_ptr + row * I + offs_k[None, :] + 0 * row0, mask=row0 & mask_k[None, :], other=0.0)
         m = mask_n[:, None] & mask_k[None, :]
         w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :], mask=m, other=0.0)
-        if SCALED:
-            w = (w.to(tl.float32) * tl.load(s2_ptr + e * S_ROWS * S_COLS + (offs_n // QB)[:, None] * S_COLS
-                                            + (offs_k // QB)[None, :], mask=m, other=0.0)).to(hv.dtype)
-        acc = _mma(hv, tl.trans(w), acc, IEEE)
+        if SCALED:  # as in the gate/up kernel: the k tile's product scaled per weight row
+            p = _mma(hv, tl.trans(w.to(hv.dtype)), tl.zeros([16, BLOCK_N], dtype=tl.float32), IEEE)
+            acc += p * tl.load(s_n + k0 // QB, mask=mask_n, other=0.0)[None, :]
+        else:
+            acc = _mma(hv, tl.trans(w), acc, IEEE)
     tl.store(part_ptr + row * D + offs_n, wt * tl.sum(acc, axis=0), mask=mask_n)
 
 
@@ -144,9 +149,6 @@ def _sum_pairs_kernel(part_ptr, out_ptr, D, KT: tl.constexpr, BLOCK: tl.constexp
 
 _INTERPRET_TILES = {"BLOCK_N": 32, "BLOCK_K": 128}
 _FIXED_TILES = dict(BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)  # autotune=0: among the H200's picks
-# FP8 experts stage a [BLOCK_N, BLOCK_K] fp32 scale tile beside each weight tile: the bf16 tile's
-# 4 stages asked for 252 KB of shared memory on the H200 (227 KB there), so fewer and narrower.
-_FIXED_TILES_FP8 = dict(BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3)
 
 
 # Candidate tiles (BLOCK_N, BLOCK_K, warps, stages), autotuned per (D, I, k, batch bucket, pair
@@ -158,6 +160,16 @@ _DOT_CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_sta
 _DOT_KEY = ["D", "I", "T_BUCKET", "K_TOP", "NS", "JN", "SCALED", "IEEE"]
 _gate_up_dot_tuned = triton.autotune(configs=_DOT_CONFIGS, key=_DOT_KEY)(_gate_up_dot_kernel)
 _down_dot_tuned = triton.autotune(configs=_DOT_CONFIGS, key=_DOT_KEY)(_down_dot_kernel)
+# FP8 experts scale each k tile's product by its weight rows' block scales, so BLOCK_K must divide
+# the quantization block (128 in every DeepSeek FP8 checkpoint): their own autotuners, without the
+# 256-wide k tiles. (Dequantizing each weight element with a gathered scale instead ran at ~0.2
+# TB/s on an H100: 1,350 µs a V2-Lite layer's gate/up at batch 8.)
+_DOT_TILES_FP8 = [t for t in _DOT_TILES if 128 % t[1] == 0]
+_DOT_K_FP8 = sorted({t[1] for t in _DOT_TILES_FP8} | {_FIXED_TILES["BLOCK_K"], _INTERPRET_TILES["BLOCK_K"]})
+_DOT_CONFIGS_FP8 = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=st)
+                    for n, k, w, st in _DOT_TILES_FP8]
+_gate_up_dot_fp8_tuned = triton.autotune(configs=_DOT_CONFIGS_FP8, key=_DOT_KEY)(_gate_up_dot_kernel)
+_down_dot_fp8_tuned = triton.autotune(configs=_DOT_CONFIGS_FP8, key=_DOT_KEY)(_down_dot_kernel)
 
 
 def _expert_scales(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
@@ -250,6 +262,9 @@ class _SmallMoE:
             raise ValueError(f"expert weights {tuple(w13.shape)} / {tuple(w2.shape)} do not match x "
                              f"{tuple(x.shape)} with {n_shared} shared experts")
         self.scaled, self.s13, self.s2 = _expert_scales(x, w13, w2, w13_scale, w2_scale, block)
+        if self.scaled and any(block % bk for bk in _DOT_K_FP8):
+            raise ValueError(f"FP8 experts with {block}x{block} blocks: the fused MoE's k tiles {_DOT_K_FP8} "
+                             f"must divide the block")
         self.x, self.w13, self.w2 = x.contiguous(), w13, w2
         self.k, self.n_shared, self.block = k, n_shared, block
         kt = k + n_shared  # pairs per token
@@ -271,12 +286,14 @@ class _SmallMoE:
         const = dict(K_TOP=self.k, NS=self.n_shared, J0=j0, JN=jn, QB=self.block, SCALED=self.scaled,
                      IEEE=x.dtype == torch.float32, **pdl_launch())
         if not autotuning():
-            t = _INTERPRET_TILES if interpreting() else _FIXED_TILES_FP8 if self.scaled else _FIXED_TILES
+            t = _INTERPRET_TILES if interpreting() else _FIXED_TILES
             _gate_up_dot_kernel[(T * jn, triton.cdiv(I, t["BLOCK_N"]))](*up_args, **const, **t)
             _down_dot_kernel[(T * jn, triton.cdiv(D, t["BLOCK_N"]))](*down_args, **const, **t)
         else:
-            _gate_up_dot_tuned[lambda m: (T * jn, triton.cdiv(I, m["BLOCK_N"]))](*up_args, **const)
-            _down_dot_tuned[lambda m: (T * jn, triton.cdiv(D, m["BLOCK_N"]))](*down_args, **const)
+            up, down = ((_gate_up_dot_fp8_tuned, _down_dot_fp8_tuned) if self.scaled
+                        else (_gate_up_dot_tuned, _down_dot_tuned))
+            up[lambda m: (T * jn, triton.cdiv(I, m["BLOCK_N"]))](*up_args, **const)
+            down[lambda m: (T * jn, triton.cdiv(D, m["BLOCK_N"]))](*down_args, **const)
 
 
 def sum_pairs(part: torch.Tensor, dtype: torch.dtype, kt: int, defer: bool) -> torch.Tensor | PairRows:
@@ -297,6 +314,7 @@ def tuned_configs() -> dict[str, str]:
     from models import blocked_moe
     return {name: {str(key): str(cfg) for key, cfg in kern.cache.items()}
             for name, kern in (("gate_up", _gate_up_dot_tuned), ("down", _down_dot_tuned),
+                               ("gate_up_fp8", _gate_up_dot_fp8_tuned), ("down_fp8", _down_dot_fp8_tuned),
                                *blocked_moe.TUNED.items())}
 
 

@@ -245,3 +245,15 @@ def test_grouped_moe_matches_plain_path():
                 from models.fused_moe import fused_moe_small
                 fused = fused_moe_small(x, moe.w13, moe.w2, w, ids).float()
                 assert ((fused - plain).norm() / plain.norm()).item() < 2e-2
+
+
+def test_fused_moe_small_fp8_refusal():
+    """The pair-parallel kernels scale each k tile's product by one block scale a row, so FP8
+    experts whose blocks the k tiles do not divide are refused before any launch."""
+    E, D, I, T, k = 4, 256, 256, 3, 2
+    q13, s13, q2, s2 = fp8_experts(E, D, I)
+    x, w, ids = torch.randn(T, D), torch.rand(T, k), torch.zeros(T, k, dtype=torch.long)
+    s13_32, s2_32 = (s.repeat_interleave(4, 1).repeat_interleave(4, 2) for s in (s13, s2))  # 32x32 blocks
+    from models.fused_moe import fused_moe_small
+    with pytest.raises(ValueError, match=r"k tiles \[64, 128\] must divide the block"):
+        fused_moe_small(x, q13, q2, w, ids, s13_32, s2_32, 32)
