@@ -77,6 +77,15 @@ def test_token_id_prompts_beyond_int64_are_400(fake):
     assert_error(post(fake, "/detokenize", {"tokens": [2**64]}), 400, "tokens")
 
 
+def test_detokenize_is_bounded_by_the_context(fake):
+    """/detokenize takes at most max_model_len ids (vLLM checks them as a prompt); past that a
+    400 names the field and the limit, before the tokenizer's decode holds the GIL."""
+    ok = post(fake, "/detokenize", {"tokens": [5] * 128})
+    assert ok.status_code == 200 and ok.json()["prompt"], ok.text
+    err = assert_error(post(fake, "/detokenize", {"tokens": [5] * 129}), 400, "tokens")
+    assert "129 ids" in err["message"] and "128" in err["message"] and "--max-model-len" in err["message"], err
+
+
 def test_sampling_params_bounds():
     for kw in ({"seed": 2**64}, {"seed": -(2**63) - 1}, {"seed": 2**63 - 1, "n": 2},
                {"top_k": 2**63}, {"stop_token_ids": [2**63]}, {"n": True}):
