@@ -111,6 +111,22 @@ async def _chat_of(req: ResponsesRequest) -> ResponsesChat:
         raise APIError(400, str(e), param=param_of(str(e))) from None
 
 
+def _check_call_outputs(req: ResponsesRequest, earlier: list[ChatMessage]) -> None:
+    """Every function_call_output answers a function_call made before it (in this input or the
+    previous response's conversation), as OpenAI requires; 400 naming the input item otherwise."""
+    if isinstance(req.input, str):
+        return
+    calls = {c.get("id") for m in earlier for c in m.tool_calls or ()}  # the previous conversation's
+    for i, item in enumerate(req.input):
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            calls.add(item.get("call_id"))
+        elif kind == "function_call_output" and item.get("call_id") not in calls:
+            raise APIError(400, f"input.{i}.call_id: no function_call with call_id {shown(item.get('call_id'))} "
+                           "comes before this function_call_output (in this input or the previous "
+                           "response)", param=f"input.{i}.call_id")
+
+
 def _renamed(e: APIError) -> APIError:
     """A chat check's error, naming the Responses field instead of chat's."""
     param = e.param or ""
@@ -131,6 +147,7 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
     own_turns = chat.messages[req.history_at:]  # this request's input, without instructions
     if previous is not None:
         chat.messages[req.history_at:req.history_at] = previous.turns
+    _check_call_outputs(req, previous.turns if previous is not None else [])
     try:
         params, prompt_ids = await chat_inputs(state, chat)
     except APIError as e:

@@ -208,6 +208,14 @@ def test_forced_tool_choice_is_a_function_call_item(real):
     assert call["id"].startswith("fc_") and call["call_id"].startswith("call_")
     jsonschema.validate(json.loads(call["arguments"]), WEATHER_PARAMS)
     assert r["tool_choice"] == {"type": "function", "name": "get_weather"}
+    # the call's output continues the conversation; an output of a call never made is a 400
+    out = {"type": "function_call_output", "call_id": call["call_id"], "output": "18 C"}
+    nxt = create(real, {"input": [out], "previous_response_id": r["id"], "tools": TOOLS,
+                        "tool_choice": "none", "max_output_tokens": 2})
+    assert nxt["status"] in ("completed", "incomplete") and nxt["previous_response_id"] == r["id"]
+    bad = create(real, {"input": [{**out, "call_id": "call_none"}], "previous_response_id": r["id"],
+                        "max_output_tokens": 2}, status=400)["error"]
+    assert bad["param"] == "input.0.call_id" and "call_none" in bad["message"], bad
     # "required", streamed: the call's arguments arrive as deltas and add up to the final item
     events = events_of(real, {**body, "tool_choice": "required"})
     (item,) = streamed_items(events)

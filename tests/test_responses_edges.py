@@ -55,6 +55,18 @@ def test_fields_it_would_drop_or_choke_on_are_400s(small_store, body, param):
     assert_error(r, 400, param)
 
 
+def test_a_call_output_answers_an_earlier_call(small_store):
+    """function_call_output needs a function_call of its call_id before it (OpenAI's rule)."""
+    out = {"type": "function_call_output", "call_id": "call_9", "output": "ok"}
+    r = httpx.post(f"{small_store.url}/v1/responses", json={"input": [out]}, timeout=30)
+    assert "call_9" in assert_error(r, 400, "input.0.call_id")["message"]
+    call = {"type": "function_call", "call_id": "call_9", "name": "f", "arguments": "{}"}
+    r = httpx.post(f"{small_store.url}/v1/responses", json={"input": [out, call]}, timeout=30)
+    assert_error(r, 400, "input.0.call_id")  # the output before its call
+    # (a call and then its output, in one input or across previous_response_id, run:
+    # tests/test_responses_api.py, on the tiny model's tool template)
+
+
 def test_chat_fields_at_their_defaults_pass(small_store):
     create(small_store, {"input": "hi", "max_output_tokens": 2, "use_beam_search": False,
                          "echo": False, "include_reasoning": True, "guided_json": None})
