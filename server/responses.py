@@ -147,7 +147,11 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
     own_turns = chat.messages[req.history_at:]  # this request's input, without instructions
     if previous is not None:
         chat.messages[req.history_at:req.history_at] = previous.turns
-    _check_call_outputs(req, previous.turns if previous is not None else [])
+    earlier = previous.turns if previous is not None else []
+    if req.num_items + len(earlier) <= MANY_MESSAGES:
+        _check_call_outputs(req, earlier)
+    else:  # a long conversation is scanned on the large lane, as it was built
+        await large_lane(_check_call_outputs, req, earlier)
     try:
         params, prompt_ids = await chat_inputs(state, chat)
     except APIError as e:

@@ -63,6 +63,9 @@ def test_a_call_output_answers_an_earlier_call(small_store):
     call = {"type": "function_call", "call_id": "call_9", "name": "f", "arguments": "{}"}
     r = httpx.post(f"{small_store.url}/v1/responses", json={"input": [out, call]}, timeout=30)
     assert_error(r, 400, "input.0.call_id")  # the output before its call
+    many = [{"role": "user", "content": "x"}] * 5000 + [out]  # scanned on the large lane
+    r = httpx.post(f"{small_store.url}/v1/responses", json={"input": many}, timeout=30)
+    assert_error(r, 400, "input.5000.call_id")
     # (a call and then its output, in one input or across previous_response_id, run:
     # tests/test_responses_api.py, on the tiny model's tool template)
 
