@@ -440,18 +440,3 @@ def test_vllm_extras_reach_the_sampler(plain):
     assert text_of(a) == text_of(b) and a["store"] is False
     assert text_of(create(plain, {**body, "seed": 8})) != text_of(a)
 
-
-def test_store_evicts_the_oldest_by_count_and_bytes():
-    from server.responses_store import ResponseStore
-
-    store = ResponseStore(max_entries=2, max_bytes=100)
-    for rid in ("a", "b", "c"):
-        assert store.put(rid, {"id": rid}, [], 0, 10)
-    assert [store.get(r) is not None for r in "abc"] == [False, True, True] and store.nbytes == 20
-    assert store.put("d", {"id": "d"}, [], 0, 95)  # over the bytes with either: both older go
-    assert len(store) == 1 and store.nbytes == 95
-    assert not store.put("e", {"id": "e"}, [], 0, 101) and store.get("e") is None  # alone too big
-    assert store.put("d", {"id": "d2"}, [], 0, 5) and store.get("d").response == {"id": "d2"}
-    assert store.nbytes == 5 and store.delete("d") and store.nbytes == 0 and not store.delete("d")
-    with pytest.raises(ValueError, match="--responses-store-size"):
-        ResponseStore(max_entries=-1)

@@ -97,6 +97,22 @@ def test_a_response_over_the_stores_bytes_says_it_was_not_stored(small_store, st
     assert httpx.get(f"{small_store.url}/v1/responses/{small['id']}").json() == small
 
 
+def test_store_evicts_the_oldest_by_count_and_bytes():
+    from server.responses_store import ResponseStore
+
+    store = ResponseStore(max_entries=2, max_bytes=100)
+    for rid in ("a", "b", "c"):
+        assert store.put(rid, {"id": rid}, [], 0, 10)
+    assert [store.get(r) is not None for r in "abc"] == [False, True, True] and store.nbytes == 20
+    assert store.put("d", {"id": "d"}, [], 0, 95)  # over the bytes with either: both older go
+    assert len(store) == 1 and store.nbytes == 95
+    assert not store.put("e", {"id": "e"}, [], 0, 101) and store.get("e") is None  # alone too big
+    assert store.put("d", {"id": "d2"}, [], 0, 5) and store.get("d").response == {"id": "d2"}
+    assert store.nbytes == 5 and store.delete("d") and store.nbytes == 0 and not store.delete("d")
+    with pytest.raises(ValueError, match="--responses-store-size"):
+        ResponseStore(max_entries=-1)
+
+
 def test_the_store_counts_the_turns_objects(tok):
     """Forty one-character turns are ~20 KB of Python objects, not the ~3 KB of their text and
     keys that were counted: a response made of them does not fit 16,000 bytes."""
