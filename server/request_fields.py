@@ -111,8 +111,6 @@ UNSUPPORTED: dict[str, dict[str, tuple]] = {
                           "with --chat-template"),
     },
     "responses": {
-        "background": (bool, "background responses are not supported; wait for the response "
-                       "or stream it"),
         "truncation": (lambda v: v == "auto", "\"auto\" (dropping the oldest input items to fit "
                        "the context) is not supported; only \"disabled\""),
         "service_tier": (lambda v: v not in (None, "auto", "default"), "only \"auto\" or "

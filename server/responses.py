@@ -8,7 +8,8 @@ both routes. Its message and stream deltas become output items and events here
 (server/responses_stream.py). A response sent with `store` (OpenAI's default) is kept in a bounded
 store (server/responses_store.py): `previous_response_id` puts its conversation, output included,
 before the new input (after the new `instructions`; the old ones are not carried over, as in
-OpenAI's API).
+OpenAI's API). A `background` response runs as a task that stores its final state; until then
+the store holds it queued or in_progress, and /cancel or DELETE cancels the task.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import time
 
 from fastapi import APIRouter, Request
@@ -34,6 +36,8 @@ from server.request_body import body_openapi, parse_body
 from server.responses_protocol import ResponsesChat, ResponsesRequest, renamed_errors, shown
 from server.responses_store import ResponseStore, Stored
 from server.responses_stream import ResponseEvents, content_after_calls, items_of, stream_events
+
+logger = logging.getLogger(__name__)
 from server.streams import ClientDisconnected, until_disconnect
 
 # the chat request's fields an error may name -> the Responses field they came from
@@ -53,21 +57,26 @@ def install(v1: APIRouter, state, args=None) -> ResponseStore:
     @v1.get("/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: bool = False) -> Response:
         if stream:
-            raise APIError(400, "stream: replaying a response's events is for background "
-                           "responses, which this server does not run", param="stream")
+            raise APIError(400, "stream: replaying a response's events is not supported; poll a "
+                           "background response without stream until its status is final", param="stream")
         return Response(_stored(store, response_id).response, media_type="application/json")
 
     @v1.delete("/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
-        _stored(store, response_id)
+        # a running background response is cancelled first (even when the store evicted it)
+        if await _stop(store, response_id) is None:
+            _stored(store, response_id)
         store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @v1.post("/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> Response:
-        _stored(store, response_id)
-        raise APIError(400, "response_id: only background responses can be cancelled, and this "
-                       "server runs none; this response has finished", param="response_id")
+        body = await _stop(store, response_id)
+        if body is None:
+            _stored(store, response_id)  # a 404 for an id not held
+            raise APIError(400, "response_id: only a background response that is still running can "
+                           "be cancelled; this one has finished", param="response_id")
+        return Response(body, media_type="application/json")
 
     return store
 
@@ -97,6 +106,9 @@ def _previous(store: ResponseStore, req: ResponsesRequest) -> Stored | None:
         raise APIError(404, f"previous_response_id: response {shown(rid)} not found (never stored, "
                        "evicted, or deleted); send the whole conversation as input",
                        param="previous_response_id", code="previous_response_not_found")
+    if rid in store.running:
+        raise APIError(400, f"previous_response_id: background response {shown(rid)} is still "
+                       "running; continue it once its status is final", param="previous_response_id")
     return found
 
 
@@ -158,6 +170,20 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         raise _renamed(e) from None
     rid, engine_id = response_id("resp_", raw, chat)
     keep = req.store and store.enabled
+    if req.background and not keep:
+        raise APIError(400, "background: a background response is polled from the store, so it needs "
+                       "store true and a server that keeps responses (--responses-store-size > 0)",
+                       param="background")
+    if req.background and req.stream:
+        raise APIError(400, "background: streaming a background response is not supported; stream "
+                       "it in the foreground, or poll GET /v1/responses/{id}", param="background")
+    if req.background and len(store.running) >= store.max_entries:  # each would evict the others
+        raise APIError(429, f"background: {len(store.running)} background responses are running, as many "
+                       "as the store keeps (--responses-store-size); wait for one to finish",
+                       param="background")
+    if req.background and rid in store.running:
+        raise APIError(400, f"request_id: background response {shown(rid)} is still running "
+                       "(X-Request-Id / request_id name it)", param="request_id")
     head = response_head(state, req, chat, rid, keep)
     builder = ChatBuilder(state, chat)
     tracker = state.metrics.tracker(params.n, params.max_tokens)
@@ -180,6 +206,8 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         response["store"] = False
         return False
 
+    if req.background:
+        return _start_background(state, store, rid, streams, tracker, builder, head, save)
     if req.stream:
         events = stream_events(streams, builder, ResponseEvents(head), tracker,
                                functools.partial(finished, state, head), save)
@@ -194,7 +222,16 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         streams.close()
         tracker.close(1)
 
-    def whole() -> tuple[dict, bytes]:
+    response, body = await _whole(state, head, builder, finals)
+    if not save(response, body):  # a large body: written again off the loop
+        body = await asyncio.to_thread(lambda: json.dumps(response, allow_nan=False).encode())
+    return Response(body, media_type="application/json")
+
+
+async def _whole(state, head: dict, builder: ChatBuilder, finals: list[RequestOutput]) -> tuple[dict, bytes]:
+    """The finished response and its JSON; a large one (many tokens with logprobs) built on a
+    worker thread, as chat's."""
+    def build() -> tuple[dict, bytes]:
         final = finals[0]
         choice = builder.choice(0, final.outputs[0])
         logprobs = (choice["logprobs"] or {}).get("content") or []
@@ -202,12 +239,67 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         items = items_of(choice["message"], logprobs, o.finish_reason, content_after_calls(builder, o.text))
         response = finished(state, head, final, items)
         return response, json.dumps(response, allow_nan=False).encode()
-    # a large answer (many tokens with logprobs) is built on a worker thread, as chat's
-    response, body = (await asyncio.to_thread(whole) if _entries(finals) > OFF_LOOP_ENTRIES
-                      else whole())
-    if not save(response, body):  # a large body: written again off the loop
-        body = await asyncio.to_thread(lambda: json.dumps(response, allow_nan=False).encode())
+    return await asyncio.to_thread(build) if _entries(finals) > OFF_LOOP_ENTRIES else build()
+
+
+# --- background responses: run as a task, polled from the store, cancelled by id ---
+
+
+class _Progress:
+    """The request tracker of a background response, which also marks it in_progress in the
+    store at its first output (it is queued until then)."""
+
+    def __init__(self, tracker, mark) -> None:
+        self._tracker, self._mark = tracker, mark
+
+    def observe(self, i: int, out: RequestOutput) -> None:
+        if self._mark is not None:
+            self._mark()
+            self._mark = None
+        self._tracker.observe(i, out)
+
+
+def _start_background(state, store: ResponseStore, rid: str, streams, tracker, builder: ChatBuilder,
+                      head: dict, save) -> Response:
+    """Store the response as queued, run it as a task (store.running[rid]) and answer at once."""
+    def put(status: str) -> bytes:
+        body = json.dumps({**head, "status": status}, allow_nan=False).encode()
+        store.put(rid, body, [], 0, len(body))
+        return body
+
+    async def run() -> bytes:
+        try:
+            finals = await _collect(streams, _Progress(tracker, lambda: put("in_progress")))
+            response, body = await _whole(state, head, builder, finals)
+        except asyncio.CancelledError:  # POST /cancel or DELETE (or the server stopping)
+            response, body = {**head, "status": "cancelled"}, None
+        except Exception as e:  # the engine failed it, or its output failed its constraint
+            logger.warning("background response %s failed: %s", rid, e)
+            response = {**head, "status": "failed", "error": {"code": "server_error", "message": str(e)[:2000]}}
+            body = None
+        finally:
+            streams.close()
+            tracker.close(1)
+        if not save(response, body) or body is None:
+            body = json.dumps(response, allow_nan=False).encode()
+        store.running.pop(rid, None)
+        return body
+
+    body = put("queued")
+    # the task's first step is scheduled now, ahead of any later request's handler, so a cancel
+    # always finds it inside run()'s try
+    store.running[rid] = asyncio.ensure_future(run())
     return Response(body, media_type="application/json")
+
+
+async def _stop(store: ResponseStore, rid: str) -> bytes | None:
+    """Cancel a running background response and wait for it to store its final state; its JSON,
+    or None when none of this id is running."""
+    task = store.running.get(rid)
+    if task is None:
+        return None
+    task.cancel()
+    return await asyncio.shield(task)
 
 
 def response_head(state, req: ResponsesRequest, chat: ResponsesChat, rid: str, stored: bool) -> dict:
@@ -219,7 +311,7 @@ def response_head(state, req: ResponsesRequest, chat: ResponsesChat, rid: str, s
         text["verbosity"] = req.text.verbosity
     reasoning = req.reasoning
     return {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
-            "background": False, "error": None, "incomplete_details": None,
+            "background": req.background, "error": None, "incomplete_details": None,
             "instructions": req.instructions, "max_output_tokens": chat.max_tokens,
             "max_tool_calls": req.max_tool_calls, "model": state.model_name, "output": [],
             "parallel_tool_calls": req.parallel_tool_calls,

@@ -165,8 +165,8 @@ class ResponsesRequest(BaseRequest):
     previous_response_id: str | None = Field(None, min_length=1, max_length=512)
     prompt_cache_key: str | None = None  # a routing hint; the prefix cache works on its own
     safety_identifier: str | None = None
+    background: bool = False  # run as a task, polled with GET (server/responses.py)
     # refused unless at their defaults (UNSUPPORTED["responses"]), echoed in the response
-    background: bool = False
     truncation: Literal["auto", "disabled"] = "disabled"
     service_tier: str | None = None
 

@@ -13,6 +13,7 @@ the count is an upper bound of the memory held). Nothing is written to disk.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -56,6 +57,9 @@ class ResponseStore:
         self.max_entries, self.max_bytes = max_entries, max_bytes
         self._entries: OrderedDict[str, Stored] = OrderedDict()
         self.nbytes = 0
+        # background responses still running, by id (server/responses.py): each task stores its
+        # final state, then leaves; until then its entry holds it queued or in_progress
+        self.running: dict[str, asyncio.Task] = {}
 
     @classmethod
     def from_args(cls, args) -> ResponseStore:
