@@ -8,8 +8,7 @@ both routes. Its message and stream deltas become output items and events here
 (server/responses_stream.py). A response sent with `store` (OpenAI's default) is kept in a bounded
 store (server/responses_store.py): `previous_response_id` puts its conversation, output included,
 before the new input (after the new `instructions`; the old ones are not carried over, as in
-OpenAI's API). A `background` response runs as a task that stores its final state; until then
-the store holds it queued or in_progress, and /cancel or DELETE cancels the task.
+OpenAI's API). A `background` response runs as a task (server/responses_background.py).
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import logging
 import time
 
 from fastapi import APIRouter, Request
@@ -32,12 +30,11 @@ from server.chat_protocol import ChatMessage
 from server.errors import APIError, param_of
 from server.handler import OFF_LOOP_ENTRIES, _collect, _entries, response_id, start_streams
 from server.reasoning import END
+from server import responses_background as background
 from server.request_body import body_openapi, parse_body
 from server.responses_protocol import ResponsesChat, ResponsesRequest, renamed_errors, shown
 from server.responses_store import ResponseStore, Stored
 from server.responses_stream import ResponseEvents, content_after_calls, items_of, stream_events
-
-logger = logging.getLogger(__name__)
 from server.streams import ClientDisconnected, until_disconnect
 
 # the chat request's fields an error may name -> the Responses field they came from
@@ -64,16 +61,18 @@ def install(v1: APIRouter, state, args=None) -> ResponseStore:
     @v1.delete("/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
         # a running background response is cancelled first (even when the store evicted it)
-        if await _stop(store, response_id) is None:
+        if await background.stop(store, response_id) is None:
             _stored(store, response_id)
         store.delete(response_id)
         return {"id": response_id, "object": "response", "deleted": True}
 
     @v1.post("/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> Response:
-        body = await _stop(store, response_id)
+        body = await background.stop(store, response_id)
         if body is None:
-            _stored(store, response_id)  # a 404 for an id not held
+            found = _stored(store, response_id)  # a 404 for an id not held
+            if json.loads(found.response).get("status") == "cancelled":  # idempotent, as OpenAI's
+                return Response(found.response, media_type="application/json")
             raise APIError(400, "response_id: only a background response that is still running can "
                            "be cancelled; this one has finished", param="response_id")
         return Response(body, media_type="application/json")
@@ -177,22 +176,11 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
     if req.background and req.stream:
         raise APIError(400, "background: streaming a background response is not supported; stream "
                        "it in the foreground, or poll GET /v1/responses/{id}", param="background")
-    if req.background and len(store.running) >= store.max_entries:  # each would evict the others
-        raise APIError(429, f"background: {len(store.running)} background responses are running, as many "
-                       "as the store keeps (--responses-store-size); wait for one to finish",
-                       param="background")
-    if req.background and rid in store.running:
-        raise APIError(400, f"request_id: background response {shown(rid)} is still running "
-                       "(X-Request-Id / request_id name it)", param="request_id")
+    if keep:
+        background.check_running(store, rid, req.background)
     head = response_head(state, req, chat, rid, keep)
     builder = ChatBuilder(state, chat)
     tracker = state.metrics.tracker(params.n, params.max_tokens)
-    try:
-        streams = await start_streams(state, raw, [prompt_ids], params, engine_id,
-                                      ("input", "max_output_tokens"))
-    except ClientDisconnected:  # gone while its prompt was being accepted: aborted
-        tracker.close(1)
-        return Response(status_code=499)
 
     def save(response: dict, body: bytes | None) -> bool:
         """Keep the response (`body`: its JSON, None: written here) if asked, before it is sent;
@@ -206,8 +194,16 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         response["store"] = False
         return False
 
-    if req.background:
-        return _start_background(state, store, rid, streams, tracker, builder, head, save)
+    if req.background:  # submitted, not primed: the answer does not wait for the queue and prefill
+        return background.submit(state, store, rid, engine_id, prompt_ids, params, tracker, head, save,
+                                 functools.partial(_whole, state, head, builder))
+    try:
+        streams = await start_streams(state, raw, [prompt_ids], params, engine_id,
+                                      ("input", "max_output_tokens"))
+    except ClientDisconnected:  # gone while its prompt was being accepted: aborted
+        tracker.close(1)
+        return Response(status_code=499)
+
     if req.stream:
         events = stream_events(streams, builder, ResponseEvents(head), tracker,
                                functools.partial(finished, state, head), save)
@@ -240,66 +236,6 @@ async def _whole(state, head: dict, builder: ChatBuilder, finals: list[RequestOu
         response = finished(state, head, final, items)
         return response, json.dumps(response, allow_nan=False).encode()
     return await asyncio.to_thread(build) if _entries(finals) > OFF_LOOP_ENTRIES else build()
-
-
-# --- background responses: run as a task, polled from the store, cancelled by id ---
-
-
-class _Progress:
-    """The request tracker of a background response, which also marks it in_progress in the
-    store at its first output (it is queued until then)."""
-
-    def __init__(self, tracker, mark) -> None:
-        self._tracker, self._mark = tracker, mark
-
-    def observe(self, i: int, out: RequestOutput) -> None:
-        if self._mark is not None:
-            self._mark()
-            self._mark = None
-        self._tracker.observe(i, out)
-
-
-def _start_background(state, store: ResponseStore, rid: str, streams, tracker, builder: ChatBuilder,
-                      head: dict, save) -> Response:
-    """Store the response as queued, run it as a task (store.running[rid]) and answer at once."""
-    def put(status: str) -> bytes:
-        body = json.dumps({**head, "status": status}, allow_nan=False).encode()
-        store.put(rid, body, [], 0, len(body))
-        return body
-
-    async def run() -> bytes:
-        try:
-            finals = await _collect(streams, _Progress(tracker, lambda: put("in_progress")))
-            response, body = await _whole(state, head, builder, finals)
-        except asyncio.CancelledError:  # POST /cancel or DELETE (or the server stopping)
-            response, body = {**head, "status": "cancelled"}, None
-        except Exception as e:  # the engine failed it, or its output failed its constraint
-            logger.warning("background response %s failed: %s", rid, e)
-            response = {**head, "status": "failed", "error": {"code": "server_error", "message": str(e)[:2000]}}
-            body = None
-        finally:
-            streams.close()
-            tracker.close(1)
-        if not save(response, body) or body is None:
-            body = json.dumps(response, allow_nan=False).encode()
-        store.running.pop(rid, None)
-        return body
-
-    body = put("queued")
-    # the task's first step is scheduled now, ahead of any later request's handler, so a cancel
-    # always finds it inside run()'s try
-    store.running[rid] = asyncio.ensure_future(run())
-    return Response(body, media_type="application/json")
-
-
-async def _stop(store: ResponseStore, rid: str) -> bytes | None:
-    """Cancel a running background response and wait for it to store its final state; its JSON,
-    or None when none of this id is running."""
-    task = store.running.get(rid)
-    if task is None:
-        return None
-    task.cancel()
-    return await asyncio.shield(task)
 
 
 def response_head(state, req: ResponsesRequest, chat: ResponsesChat, rid: str, stored: bool) -> dict:

@@ -91,8 +91,12 @@ class ResponseStore:
         self._entries[response_id] = Stored(response, turns, turn_bytes, nbytes)
         self.nbytes += nbytes
         while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.nbytes -= old.nbytes
+            # a running background response's entry stays (it is what GET polls); their number is
+            # bounded by max_entries (a 429 past it)
+            old_id = next((k for k in self._entries if k not in self.running), None)
+            if old_id is None:
+                break
+            self.nbytes -= self._entries.pop(old_id).nbytes
         return True
 
     def delete(self, response_id: str) -> bool:

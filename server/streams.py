@@ -41,6 +41,7 @@ class EngineStreams:
         self._buffer: list[tuple[int, RequestOutput]] = []
         self._open = set(range(len(prompts)))
         self._tasks = []
+        self.refused: Exception | None = None  # the first prompt the engine refused at submission
         for i, p in enumerate(prompts):
             # AsyncLLM submits a token-id prompt here, before the task runs (engine/async_llm.py);
             # a refusal is delivered by the task, in order, like any failure
@@ -48,6 +49,7 @@ class EngineStreams:
                 source = engine.generate(p, params, self.request_ids[i])
             except Exception as e:  # noqa: BLE001 - the consumer maps it to 400/500
                 source = e
+                self.refused = self.refused or e
             self._tasks.append(asyncio.create_task(self._pump(i, source)))
 
     async def _pump(self, i: int, source: AsyncIterator[RequestOutput] | Exception) -> None:

@@ -70,7 +70,8 @@ def test_cancel_stops_a_running_background_response(slow):
     assert c.status_code == 200 and c.json()["status"] == "cancelled", c.text
     assert get(slow, r["id"])["status"] == "cancelled"
     assert any(rid.startswith(r["id"]) for rid in slow.engine.aborted)  # the engine let it go
-    assert_error(httpx.post(f"{slow.url}/v1/responses/{r['id']}/cancel"), 400, "response_id")
+    again = httpx.post(f"{slow.url}/v1/responses/{r['id']}/cancel", timeout=30)  # idempotent, as OpenAI's
+    assert again.status_code == 200 and again.json()["status"] == "cancelled"
 
 
 def test_delete_cancels_a_running_background_response(slow):
@@ -94,6 +95,8 @@ def test_a_running_id_is_not_reused(slow):
     r = create(slow, body, headers=headers)
     assert r["id"] == "resp_mine"
     assert_error(httpx.post(f"{slow.url}/v1/responses", json=body, headers=headers, timeout=30), 400, "request_id")
+    fg = {"input": "hi", "max_output_tokens": 1}  # a stored foreground response would replace it
+    assert_error(httpx.post(f"{slow.url}/v1/responses", json=fg, headers=headers, timeout=30), 400, "request_id")
     httpx.post(f"{slow.url}/v1/responses/resp_mine/cancel", timeout=30)
 
 
