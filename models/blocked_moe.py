@@ -17,7 +17,7 @@ from common.triton_launch import fast_launch
 from models.fp8 import FP8
 from models.fp8_gemm import GROUP as ACT_GROUP, act_quant
 from models.expert_sort import align_pairs
-from models.fused_moe import _expert_scales, _mma, sum_pairs
+from models.fused_moe import _expert_scales, _mma, _scaled_mma, sum_pairs
 
 # From ~16 tokens on, pairs share experts and the pair-parallel kernels (models/fused_moe.py) would read an
 # expert's weights once per pair. Here the (token, expert) pairs are sorted by expert and padded
@@ -109,11 +109,8 @@ def _blocked_gate_up_kernel(x_ptr, sx_ptr, rows_ptr, bexp_ptr, w13_ptr, s13_ptr,
                 acc_g += pg * sxv * tl.load(s_g + k0 // QB, mask=mask_n, other=0.0)[:, None]
                 acc_u += pu * sxv * tl.load(s_u + k0 // QB, mask=mask_n, other=0.0)[:, None]
             elif SCALED:
-                zero = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                pg = _mma(xv, tl.trans(wg.to(xv.dtype)), zero, IEEE)
-                pu = _mma(xv, tl.trans(wu.to(xv.dtype)), zero, IEEE)
-                acc_g += pg * tl.load(s_g + k0 // QB, mask=mask_n, other=0.0)[None, :]
-                acc_u += pu * tl.load(s_u + k0 // QB, mask=mask_n, other=0.0)[None, :]
+                acc_g += _scaled_mma(xv, wg, s_g, k0, mask_n, QB, IEEE, BLOCK_M, BLOCK_N)
+                acc_u += _scaled_mma(xv, wu, s_u, k0, mask_n, QB, IEEE, BLOCK_M, BLOCK_N)
             else:
                 acc_g = _mma(xv, tl.trans(wg), acc_g, IEEE)
                 acc_u = _mma(xv, tl.trans(wu), acc_u, IEEE)
@@ -156,8 +153,7 @@ def _blocked_down_kernel(h_ptr, sh_ptr, rows_ptr, bexp_ptr, pw_ptr, w2_ptr, s2_p
                 p = tl.dot(w, tl.trans(hv))  # [BLOCK_N, BLOCK_M]
                 acc += p * shv[None, :] * tl.load(s_n + k0 // QB, mask=mask_n, other=0.0)[:, None]
             elif SCALED:
-                p = _mma(hv, tl.trans(w.to(hv.dtype)), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), IEEE)
-                acc += p * tl.load(s_n + k0 // QB, mask=mask_n, other=0.0)[None, :]
+                acc += _scaled_mma(hv, w, s_n, k0, mask_n, QB, IEEE, BLOCK_M, BLOCK_N)
             else:
                 acc = _mma(hv, tl.trans(w), acc, IEEE)
         if A8:

@@ -48,6 +48,16 @@ def _mma(a, b, acc, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _scaled_mma(a, w, s_rows, k0, mask_n, QB: tl.constexpr, IEEE: tl.constexpr, ROWS: tl.constexpr,
+                COLS: tl.constexpr):
+    """a `[ROWS, K]` @ w `[COLS, K]`^T for an FP8 weight tile w (converted to a's dtype for the
+    tensor cores), times each weight row's block scale at k tile k0: `s_rows` `[COLS]` points at
+    the rows' scale rows, and the tile lies in one scale column (its width divides QB)."""
+    p = _mma(a, tl.trans(w.to(a.dtype)), tl.zeros([ROWS, COLS], dtype=tl.float32), IEEE)
+    return p * tl.load(s_rows + k0 // QB, mask=mask_n, other=0.0)[None, :]
+
+
+@triton.jit
 def _pair(pid, ids_ptr, E_R, K_TOP: tl.constexpr, NS: tl.constexpr, J0: tl.constexpr, JN: tl.constexpr):
     """(token, pair slot, expert, row) of program `pid`: each token has K_TOP routed pairs, then
     NS shared-expert pairs (experts E_R.. E_R+NS-1, weight 1) when shared experts are folded into
@@ -91,11 +101,8 @@ def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BU
         wg = tl.load(w_base + offs_n[:, None] * D + offs_k[None, :], mask=m, other=0.0)
         wu = tl.load(w_base + (I + offs_n[:, None]) * D + offs_k[None, :], mask=m, other=0.0)
         if SCALED:  # BLOCK_K divides QB: one scale a weight row in this k tile, on the tile's product
-            zero = tl.zeros([16, BLOCK_N], dtype=tl.float32)
-            pg = _mma(xv, tl.trans(wg.to(xv.dtype)), zero, IEEE)
-            pu = _mma(xv, tl.trans(wu.to(xv.dtype)), zero, IEEE)
-            acc_g += pg * tl.load(s_g + k0 // QB, mask=mask_n, other=0.0)[None, :]
-            acc_u += pu * tl.load(s_u + k0 // QB, mask=mask_n, other=0.0)[None, :]
+            acc_g += _scaled_mma(xv, wg, s_g, k0, mask_n, QB, IEEE, 16, BLOCK_N)
+            acc_u += _scaled_mma(xv, wu, s_u, k0, mask_n, QB, IEEE, 16, BLOCK_N)
         else:
             acc_g = _mma(xv, tl.trans(wg), acc_g, IEEE)
             acc_u = _mma(xv, tl.trans(wu), acc_u, IEEE)
@@ -125,8 +132,7 @@ def _down_dot_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E_
         m = mask_n[:, None] & mask_k[None, :]
         w = tl.load(w2_ptr + e * D * I + offs_n[:, None] * I + offs_k[None, :], mask=m, other=0.0)
         if SCALED:  # as in the gate/up kernel: the k tile's product scaled per weight row
-            p = _mma(hv, tl.trans(w.to(hv.dtype)), tl.zeros([16, BLOCK_N], dtype=tl.float32), IEEE)
-            acc += p * tl.load(s_n + k0 // QB, mask=mask_n, other=0.0)[None, :]
+            acc += _scaled_mma(hv, w, s_n, k0, mask_n, QB, IEEE, 16, BLOCK_N)
         else:
             acc = _mma(hv, tl.trans(w), acc, IEEE)
     tl.store(part_ptr + row * D + offs_n, wt * tl.sum(acc, axis=0), mask=mask_n)
