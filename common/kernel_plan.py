@@ -125,6 +125,10 @@ CHOICES: tuple[Choice, ...] = (
     Choice("fp8_gemm_splitk", (bool,), "with --fp8-gemm, the Triton W8A8 GEMM at <= 16 rows splits K over "
            "more programs where its tiles alone would leave SMs idle (models/fp8_gemm_splitk.py; R1 with 4 "
            "layers on the H200: batch-1 TPOT 3.27 -> 3.05 ms)", ("models.fp8_gemm_splitk",), triton=True, torch=False),
+    Choice("fp8_gemm_fuse_act", (bool,), "with fp8_gemm_splitk, where the split-K W8A8 GEMM serves a "
+           "projection (<= 16 rows) it quantizes the activations itself, bit for bit as act_quant: one "
+           "launch and one FP8 copy of x fewer a projection (opt-in: not yet timed on a GPU)",
+           (), triton=False, torch=False),
     Choice("decode_wgmma_min_heads", (int,), "query heads per rank from which the MLA decode runs on the "
            "Gluon wgmma kernel (attention/gluon_decode.py: sm_90, bf16 model and cache, kv_lora_rank 512, "
            "rope 64, heads a multiple of 64, Triton 3.6) instead of the Triton kernel (0: never)",
@@ -205,6 +209,7 @@ class KernelPlan:
     gemm_skinny_max_tokens: int = 0
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False
+    fp8_gemm_fuse_act: bool = False
     decode_wgmma_min_heads: int = 0
     decode_wgmma_producer: bool = False
     decode_fp8_wgmma: bool = False

@@ -185,7 +185,7 @@ _TUNED = {name: triton.autotune(configs=_cfgs(tiles), key=["M_BUCKET", "N", "K"]
 # The split-K kernel (models/fp8_gemm_splitk.py) takes the small range's tiles, tuned per split count
 _SPLITK_TUNED = triton.autotune(
     configs=[triton.Config({"BM": bm, "BN": bn}, num_warps=w, num_stages=st) for bm, bn, w, st in _TILES["small"]],
-    key=["M_BUCKET", "N", "K", "SPLITS"])(_w8a8_splitk_kernel)
+    key=["M_BUCKET", "N", "K", "SPLITS", "QUANT_A"])(_w8a8_splitk_kernel)
 # The persistent TMA kernel at M > 256 (H200: 761-860 TFLOP/s at M 4096 against
 # 560-710 for the pointer kernel); FLAT merges the tile and K loops into one software pipeline
 # (faster at K <= 2048, slower at K >= 7168)
@@ -267,23 +267,50 @@ def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None, split_k=Fa
     kern[lambda c: (triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]),)](*args, BK=GROUP, EVEN_K=even_k)
 
 
-def _splitk_gemm(xq, sx, wq, sw, y, splits, tile, nkb, m_bucket, scale_strides):
-    """y <- the split-K kernel's fp32 partials [splits, M, N], summed in split order by one reduce."""
+def _splitk_gemm(xq, sx, wq, sw, y, splits, tile, nkb, m_bucket, scale_strides, quant_a: bool = False):
+    """y <- the split-K kernel's fp32 partials [splits, M, N], summed in split order by one reduce.
+    `quant_a`: xq is the activations in their own dtype (contiguous), quantized in the kernel."""
     M, K = xq.shape
     N = wq.shape[0]
     partials = torch.empty(splits, M, N, dtype=torch.float32, device=xq.device)
     args = (xq, sx, wq, sw, partials, M, N, K, nkb, splits, m_bucket, *scale_strides)
-    even_k = K % GROUP == 0
+    const = dict(BK=GROUP, EVEN_K=K % GROUP == 0, QUANT_A=quant_a, FMAX=FP8_MAX)
     if tile is not None or not autotuning():  # else the small range's candidates
         bm, bn = tile or (16, 64)
         if GROUP % bn:
             raise ValueError(f"W8A8 tile width {bn} must divide the {GROUP}-wide weight-scale block")
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), splits)
-        _w8a8_splitk_kernel[grid](*args, BM=bm, BN=bn, BK=GROUP, EVEN_K=even_k)
+        _w8a8_splitk_kernel[grid](*args, BM=bm, BN=bn, **const)
     else:
-        _SPLITK_TUNED[lambda c: (triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]), splits)](
-            *args, BK=GROUP, EVEN_K=even_k)
+        _SPLITK_TUNED[lambda c: (triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]), splits)](*args, **const)
     splitk_reduce(partials, y)
+
+
+def fused_act_splitk(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, splits: int | None = None,
+                     tile: tuple[int, int] | None = None) -> torch.Tensor | None:
+    """x `[M, K]` @ dequant(wq, sw)^T through the split-K kernel quantizing x itself (the plan's
+    fp8_gemm_fuse_act), the same bits as act_quant + w8a8_block_gemm's split path; None where
+    that path would not split (more than SPLIT_MAX_M rows, or choose_k_splits gives 1; `splits`
+    forces a count)."""
+    M, K = x.shape
+    N = wq.shape[0]
+    nkb = triton.cdiv(K, GROUP)
+    if splits is None:
+        if M > SPLIT_MAX_M:
+            return None
+        splits = choose_k_splits(M, N, nkb, _num_sms(x))
+        if splits <= 1:
+            return None
+    if not 1 <= splits <= nkb:
+        raise ValueError(f"W8A8 split-K: {splits} splits of {nkb} K blocks (K {K}); expected 1 to {nkb}")
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    try:
+        _splitk_gemm(x.contiguous(), x, wq.contiguous(), sw.contiguous(), y, splits, tile, nkb,
+                     min(triton.next_power_of_2(M), 8192), (0, 0), quant_a=True)
+    except Exception as e:
+        e.plan_key = "fp8_gemm_fuse_act"  # the kernel plan names fp8_gemm_fuse_act=0 as the way out
+        raise
+    return y
 
 
 # cuBLAS's block-scaled FP8 GEMM (cuBLASLt 12.9+, Hopper; through torch._scaled_mm, whose scale
@@ -392,10 +419,17 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, backend: str = "auto",
-               split_k: bool = False) -> torch.Tensor:
-    """x `[..., K]` @ dequant(wq, sw)ᵀ with activations quantized on the fly."""
+               split_k: bool = False, fuse_act: bool = False) -> torch.Tensor:
+    """x `[..., K]` @ dequant(wq, sw)ᵀ with activations quantized on the fly. `fuse_act` (the
+    plan's fp8_gemm_fuse_act, with split_k): where the Triton split-K kernel serves the shape, it
+    quantizes x itself (one launch fewer, the same bits)."""
     shape = x.shape
-    xq, sx = act_quant(x.reshape(-1, shape[-1]))
+    x2 = x.reshape(-1, shape[-1])
+    if fuse_act and split_k and backend != "cublas" and (x.is_cuda or interpreting()):
+        y = fused_act_splitk(x2, wq, sw)
+        if y is not None:
+            return y.view(*shape[:-1], wq.shape[0])
+    xq, sx = act_quant(x2)
     return w8a8_block_gemm(xq, sx, wq, sw, x.dtype, backend=backend, split_k=split_k).view(*shape[:-1], wq.shape[0])
 
 

@@ -48,8 +48,11 @@ def choose_k_splits(m: int, n: int, nkb: int, num_sms: int | None) -> int:
 @triton.jit(do_not_specialize=["M"])
 def _w8a8_splitk_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, p_ptr, M, N, K, NKB, SPLITS, M_BUCKET,
                         stride_sam, stride_sak, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        EVEN_K: tl.constexpr):
-    # program (t, s): output tile t (N tiles fastest), split s; p_ptr is fp32 [SPLITS, M, N]
+                        EVEN_K: tl.constexpr, QUANT_A: tl.constexpr = False, FMAX: tl.constexpr = 448.0):
+    # program (t, s): output tile t (N tiles fastest), split s; p_ptr is fp32 [SPLITS, M, N].
+    # QUANT_A: a_ptr is the activations in their own dtype, quantized here per row and K block
+    # (BK = 128, the group) with act_quant's arithmetic, bit for bit (sa_ptr unread): no
+    # act_quant launch and no FP8 copy of x. Each N tile's programs quantize their K blocks again.
     num_n = tl.cdiv(N, BN)
     pid_m = tl.program_id(0) // num_n
     pid_n = tl.program_id(0) % num_n
@@ -73,7 +76,12 @@ def _w8a8_splitk_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, p_ptr, M, N, K, NKB, SPLIT
             mk = offs_k < K
             a = tl.load(a_ptrs, mask=mm[:, None] & mk[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=mn[None, :] & mk[:, None], other=0.0)
-        sa = tl.load(sa_ptr + offs_m * stride_sam + kb * stride_sak, mask=mm, other=0.0)
+        if QUANT_A:  # models/fp8_gemm.py _act_quant_kernel: amax times 1/FMAX, an IEEE division
+            xf = a.to(tl.float32)
+            sa = tl.maximum(tl.max(tl.abs(xf), axis=1), 1e-12) * (1.0 / FMAX)
+            a = tl.div_rn(xf, sa[:, None]).to(b.dtype)
+        else:
+            sa = tl.load(sa_ptr + offs_m * stride_sam + kb * stride_sak, mask=mm, other=0.0)
         acc += tl.dot(a, b) * (sa * tl.load(sb_row + kb))[:, None]
     p_ptrs = p_ptr + split.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
     tl.store(p_ptrs, acc, mask=mm[:, None] & mn[None, :])

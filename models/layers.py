@@ -82,6 +82,7 @@ class Linear(nn.Module):
         self.reduce = reduce and tp_dim == 1
         self.fp8_gemm = "auto"  # the plan's W8A8 GEMM backend, for weights kept in FP8
         self.fp8_splitk = False  # the plan's fp8_gemm_splitk
+        self.fp8_fuse_act = False  # the plan's fp8_gemm_fuse_act
         self.skinny_max = 0  # the plan's gemm_skinny_max_tokens
         if fp8_block is None:
             self.weight = shard_param((out_features, in_features), tp_dim, dtype)
@@ -109,7 +110,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_block is not None:  # kept in FP8 for the W8A8 block GEMM (--fp8-gemm)
             from models.fp8_gemm import fp8_linear  # triton: CUDA installs only
-            y = fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_gemm, self.fp8_splitk)
+            y = fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_gemm, self.fp8_splitk,
+                           self.fp8_fuse_act)
         elif 0 < x.shape[0] <= self.skinny_max and x.dim() == 2:
             from models.skinny_gemm import skinny_linear  # triton: CUDA installs only
             y = skinny_linear(x, self.weight)
@@ -129,7 +131,7 @@ class PackedLinear(Linear):
                  fp8_block: tuple[int, int] | None = None, keep_fp8: bool = False):
         nn.Module.__init__(self)
         self.dtype, self.fp8_block, self.reduce = dtype, fp8_block, False
-        self.fp8_gemm, self.fp8_splitk, self.skinny_max = "auto", False, 0
+        self.fp8_gemm, self.fp8_splitk, self.fp8_fuse_act, self.skinny_max = "auto", False, False, 0
         tp = pd.tp().size
         self.sizes = [out // tp if tp_dim == 0 else out for _, out, tp_dim in parts]
         for (name, out, tp_dim), n in zip(parts, self.sizes):

@@ -282,3 +282,21 @@ def test_w8a8_splitk_r1_shapes(M, N, K):
         g.replay()
     torch.cuda.synchronize()
     assert torch.equal(eager[0], eager[1]) and torch.equal(graphed, eager[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("N,K", [(3648, 2048), (2048, 2816), *R1_DECODE_SHAPES[:2]])
+def test_w8a8_splitk_quantizing_x_is_act_quant_bit_for_bit(M, N, K):
+    """fp8_gemm_fuse_act at V2-Lite's (q + kv_a, the shared experts' down) and R1's decode shapes:
+    the split-K kernel quantizing bf16 x itself gives the bits of act_quant's kernel followed by
+    the split kernel, and fp8_linear takes it only with fuse_act (the same bits either way)."""
+    from models.fp8_gemm import fused_act_splitk
+    torch.manual_seed(M)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 3
+    wq, sw = quantize(torch.randn(N, K, device="cuda") * 0.02)
+    for splits in (2, 5):
+        want = w8a8_block_gemm(*act_quant(x), wq, sw, torch.bfloat16, backend="triton", splits=splits)
+        assert torch.equal(fused_act_splitk(x, wq, sw, splits=splits), want), splits
+    assert torch.equal(fp8_linear(x, wq, sw, backend="triton", split_k=True, fuse_act=True),
+                       fp8_linear(x, wq, sw, backend="triton", split_k=True))

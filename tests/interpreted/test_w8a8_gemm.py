@@ -50,3 +50,22 @@ def test_w8a8_splitk_equals_unsplit():
         split = w8a8_block_gemm(xq, sx, wq, sw, torch.float32, splits=splits)
         assert ((split - one).norm() / one.norm()).item() < 1e-6, (M, N, K, splits)
         assert torch.equal(split, w8a8_block_gemm(xq, sx, wq, sw, torch.float32, splits=splits))
+
+
+def test_w8a8_splitk_quantizing_x_equals_act_quant_then_split():
+    """fp8_gemm_fuse_act: the split-K kernel quantizing x itself gives the bits of the act_quant
+    kernel followed by the split kernel (both under the interpreter, whose e4m3 rounding they
+    share): one, three and 16 rows, a K tail, partial N tiles. Without an SM count (the CPU) no
+    split is chosen, so fp8_linear keeps act_quant there."""
+    from models.fp8_gemm import _act_quant_triton, fused_act_splitk
+    torch.manual_seed(1)
+    for M, N, K, splits in ((1, 192, 1152, 4), (3, 200, 1000, 3), (16, 64, 896, 7)):
+        x = torch.randn(M, K) * (1 + 4 * torch.rand(M, 1))
+        wq, sw = quantize(torch.randn(N, K) * 0.05)
+        want = w8a8_block_gemm(*_act_quant_triton(x), wq, sw, torch.float32, splits=splits)
+        got = fused_act_splitk(x, wq, sw, splits=splits)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (M, N, K, splits)
+    wq, sw = quantize(torch.randn(128, 256))
+    assert fused_act_splitk(torch.randn(2, 256), wq, sw) is None
+    with pytest.raises(ValueError, match="splits of 2 K blocks"):
+        fused_act_splitk(torch.randn(2, 256), wq, sw, splits=3)
