@@ -18,7 +18,7 @@ import functools
 import json
 import time
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
@@ -32,8 +32,8 @@ from server.handler import OFF_LOOP_ENTRIES, _collect, _entries, response_id, st
 from server.reasoning import END
 from server import responses_background as background
 from server.request_body import body_openapi, parse_body
-from server.responses_protocol import ResponsesChat, ResponsesRequest, renamed_errors, shown
-from server.responses_store import ResponseStore, Stored
+from server.responses_protocol import INCLUDE, ResponsesChat, ResponsesRequest, listed_items, renamed_errors, shown
+from server.responses_store import ResponseStore, Stored, input_bytes
 from server.responses_stream import ResponseEvents, content_after_calls, items_of, stream_events
 from server.streams import ClientDisconnected, until_disconnect
 
@@ -58,6 +58,13 @@ def install(v1: APIRouter, state, args=None) -> ResponseStore:
                            "background response without stream until its status is final", param="stream")
         return Response(_stored(store, response_id).response, media_type="application/json")
 
+    @v1.get("/responses/{response_id}/input_items")
+    async def input_items(response_id: str, after: str | None = None, before: str | None = None,
+                          limit: int = 20, order: str = "desc",
+                          include: list[str] | None = Query(None)) -> dict:
+        found = _stored(store, response_id)
+        return await _input_page(found, response_id, after, before, limit, order, include)
+
     @v1.delete("/responses/{response_id}")
     async def delete_response(response_id: str) -> dict:
         # a running background response is cancelled first (even when the store evicted it)
@@ -78,6 +85,43 @@ def install(v1: APIRouter, state, args=None) -> ResponseStore:
         return Response(body, media_type="application/json")
 
     return store
+
+
+# `include` on input_items: OpenAI's values, each a no-op here (no images, files or tool results)
+_ITEM_INCLUDE = ("message.input_image.image_url", "file_search_call.results", "web_search_call.action.sources",
+                 "computer_call_output.output.image_url", "code_interpreter_call.outputs", *INCLUDE)
+
+
+async def _input_page(found: Stored, rid: str, after: str | None, before: str | None, limit: int,
+                      order: str, include: list[str] | None) -> dict:
+    """A page of a stored response's input items, as OpenAI's list: `order` desc (the default,
+    last item first) or asc, the items after the one `after` names and before `before`, at most
+    `limit` (1-100)."""
+    if not 1 <= limit <= 100:
+        raise APIError(400, f"limit: must be in [1, 100], got {limit}", param="limit")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order: must be asc or desc, got {shown(order)}", param="order")
+    for value in include or ():
+        if value not in _ITEM_INCLUDE:
+            raise APIError(400, f"include: {shown(value)} is not supported (supported: "
+                           f"{', '.join(_ITEM_INCLUDE)})", param="include")
+    given = found.input if found.input is not None else []
+    many = not isinstance(given, str) and len(given) > MANY_MESSAGES
+    items = await large_lane(listed_items, given, rid) if many else listed_items(given, rid)
+    if order == "desc":
+        items.reverse()
+    ids = [it["id"] for it in items]
+    start, end = 0, len(items)
+    for name, value in (("after", after), ("before", before)):
+        if value is not None and value not in ids:
+            raise APIError(400, f"{name}: response {shown(rid)} has no input item {shown(value)}", param=name)
+    if after is not None:
+        start = ids.index(after) + 1
+    if before is not None:
+        end = ids.index(before)
+    page = items[start:end][:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < end}
 
 
 def _stored(store: ResponseStore, rid: str) -> Stored:
@@ -189,14 +233,14 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         if not keep:
             return True
         body = json.dumps(response, allow_nan=False).encode() if body is None else body
-        if _save(store, rid, body, response["output"], previous, own_turns):
+        if _save(store, rid, body, response["output"], previous, own_turns, req.input):
             return True
         response["store"] = False
         return False
 
     if req.background:  # submitted, not primed: the answer does not wait for the queue and prefill
         return background.submit(state, store, rid, engine_id, prompt_ids, params, tracker, head, save,
-                                 functools.partial(_whole, state, head, builder))
+                                 functools.partial(_whole, state, head, builder), req.input)
     try:
         streams = await start_streams(state, raw, [prompt_ids], params, engine_id,
                                       ("input", "max_output_tokens"))
@@ -292,10 +336,10 @@ def reasoning_tokens(tokenizer, token_ids: list[int], reasoning: str) -> int:
 
 
 def _save(store: ResponseStore, rid: str, body: bytes, items: list[dict], previous: Stored | None,
-          own_turns: list[ChatMessage]) -> bool:
+          own_turns: list[ChatMessage], given: str | list) -> bool:
     """Store a finished response (its JSON, its output `items`) with its conversation: the
     previous one's, this input, and this output as an assistant turn (its text and calls;
-    reasoning is not replayed)."""
+    reasoning is not replayed); and the request's `given` input, for its input_items."""
     text = "".join(it["content"][0]["text"] for it in items if it["type"] == "message")
     calls = [{"id": it["call_id"], "type": "function",
               "function": {"name": it["name"], "arguments": it["arguments"]}}
@@ -305,7 +349,7 @@ def _save(store: ResponseStore, rid: str, body: bytes, items: list[dict], previo
     new = [*own_turns, out_turn]
     turn_bytes = sum(map(_turn_bytes, new)) + (previous.turn_bytes if previous is not None else 0)
     turns = [*(previous.turns if previous is not None else ()), *new]
-    return store.put(rid, body, turns, turn_bytes, len(body) + turn_bytes)
+    return store.put(rid, body, turns, turn_bytes, len(body) + turn_bytes + input_bytes(given), given)
 
 
 # the memory of a stored turn's objects besides its text, in bytes (tracemalloc, CPython 3.11:

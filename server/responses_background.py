@@ -21,7 +21,7 @@ from engine.outputs import RequestOutput
 from server.errors import APIError, param_of
 from server.handler import _collect
 from server.responses_protocol import shown
-from server.responses_store import ResponseStore
+from server.responses_store import ResponseStore, input_bytes
 from server.streams import EngineStreams, engine_request_ids
 
 logger = logging.getLogger(__name__)
@@ -54,10 +54,11 @@ class _Progress:
 
 
 def submit(state, store: ResponseStore, rid: str, engine_id: str, prompt_ids, params, tracker, head: dict,
-           save, whole) -> Response:
+           save, whole, given) -> Response:
     """Hand the prompt to the engine (a refusal at submission: a 400) and start its task, with no
     await in between, so the checks made before (check_running) still hold. `save(response,
-    body)` stores a response (False: too large), `whole(finals)` builds the finished one."""
+    body)` stores a response (False: too large), `whole(finals)` builds the finished one; `given`
+    is the request's input, stored with the queued response for its input_items."""
     state.frontend.log_prompts(engine_request_ids(engine_id, 1), [prompt_ids])
     streams = EngineStreams(state.engine, [prompt_ids], params, engine_id, state.background)
     if streams.refused is not None:
@@ -73,7 +74,7 @@ def submit(state, store: ResponseStore, rid: str, engine_id: str, prompt_ids, pa
 
     def put(status: str) -> bytes:
         body = json.dumps({**head, "status": status}, allow_nan=False).encode()
-        store.put(rid, body, [], 0, len(body))
+        store.put(rid, body, [], 0, len(body) + input_bytes(given), given)
         return body
 
     def final(response: dict, body: bytes | None) -> bytes:

@@ -302,6 +302,28 @@ def input_turns(items: list[dict]) -> list[dict]:
     return turns
 
 
+def listed_items(given: str | list[dict], rid: str) -> list[dict]:
+    """A response's input as `GET /v1/responses/{id}/input_items` lists it: items as OpenAI
+    returns them (a string input is one user message; message content as parts; status
+    completed), each with its own `id` or one made from the response's id and its place, so that
+    the same id names the same item on every call (pagination by `after` / `before`)."""
+    if isinstance(given, str):
+        given = [{"type": "message", "role": "user", "content": given}]
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+    base = rid.removeprefix("resp_")
+    items = []
+    for i, item in enumerate(given):
+        kind = item.get("type", "message")
+        it = {"id": item.get("id") or f"{prefix.get(kind, 'item')}_{base}_{i}", **item, "type": kind}
+        if kind == "message":
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            content = item.get("content")
+            it["content"] = [{"type": part, "text": content}] if isinstance(content, str) else content
+        it.setdefault("status", "completed")
+        items.append(it)
+    return items
+
+
 def _name(item: dict, key: str, where: str) -> str:
     value = item.get(key)
     if not isinstance(value, str) or not value:

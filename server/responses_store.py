@@ -38,12 +38,24 @@ def add_responses_flags(p: argparse.ArgumentParser) -> None:
                         "~0.5 KB a turn); the oldest are evicted first")
 
 
+ITEM_BYTES = 512  # a stored input item's dict and its keys, besides its text (as a turn's objects)
+
+
+def input_bytes(given: str | list | None) -> int:
+    """What keeping a request's parsed `input` adds: a string's characters (also counted in its
+    turn: an upper bound), an item list's containers (their text is the turns')."""
+    if given is None:
+        return 0
+    return len(given) if isinstance(given, str) else ITEM_BYTES * len(given)
+
+
 @dataclass
 class Stored:
     response: bytes  # its JSON, as sent
     turns: list  # ChatMessage: the conversation without instructions, the output turn last
     turn_bytes: int  # the turns' memory (text, calls, the objects holding them), counted in full
     nbytes: int  # that and the response's JSON
+    input: str | list | None = None  # the request's `input` as parsed (GET .../input_items)
 
 
 class ResponseStore:
@@ -79,16 +91,19 @@ class ResponseStore:
     def get(self, response_id: str) -> Stored | None:
         return self._entries.get(response_id)
 
-    def put(self, response_id: str, response: bytes, turns: list, turn_bytes: int, nbytes: int) -> bool:
-        """Keep a response (replacing one of the same id), evicting the oldest past the bounds;
-        False when it alone is over the byte bound (then it is not kept)."""
+    def put(self, response_id: str, response: bytes, turns: list, turn_bytes: int, nbytes: int,
+            given: str | list | None = None) -> bool:
+        """Keep a response (replacing one of the same id) and its request's `given` input,
+        evicting the oldest past the bounds; False when it alone is over the byte bound (then it
+        is not kept). `nbytes` counts the input too (its text is the turns'; its objects are
+        counted by the caller)."""
         self.delete(response_id)
         if not self.enabled or nbytes > self.max_bytes:
             if self.enabled:
                 logger.warning("response %s not stored: %d bytes, over --responses-store-max-bytes %d",
                                response_id, nbytes, self.max_bytes)
             return False
-        self._entries[response_id] = Stored(response, turns, turn_bytes, nbytes)
+        self._entries[response_id] = Stored(response, turns, turn_bytes, nbytes, given)
         self.nbytes += nbytes
         while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
             # a running background response's entry stays (it is what GET polls); their number is

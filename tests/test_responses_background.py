@@ -47,6 +47,8 @@ def test_a_background_response_is_queued_then_polled_to_its_end(slow):
     body = {"input": "hi", "max_output_tokens": 6, **GREEDY}
     r = create(slow, {**body, "background": True})
     assert r["status"] == "queued" and r["background"] is True and r["output"] == [] and r["usage"] is None
+    items = httpx.get(f"{slow.url}/v1/responses/{r['id']}/input_items", timeout=30).json()["data"]
+    assert [it["content"][0]["text"] for it in items] == ["hi"]  # kept from the start
     done = poll(slow, r["id"], lambda x: x["status"] not in ("queued", "in_progress"))
     assert done["status"] == "incomplete" and done["background"] is True  # cut by max_output_tokens
     assert done["usage"]["output_tokens"] == 6

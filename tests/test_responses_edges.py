@@ -158,3 +158,43 @@ def test_text_after_the_calls_is_a_message_after_them_whole_and_streamed(after_c
     assert streamed == got
     assert [json.loads(it["arguments"]) for it in events[-1]["response"]["output"]
             if it["type"] == "function_call"] == [json.loads(WEATHER)]
+
+
+@pytest.fixture(scope="module")
+def roomy(tok):
+    """A fake engine, the store at its defaults."""
+    with _server(FakeEngine(tok, max_model_len=512), []) as s:
+        yield s
+
+
+def test_input_items_lists_the_requests_input_by_page(roomy):
+    """GET /v1/responses/{id}/input_items: the request's own input as OpenAI lists it (a string is
+    one user message; content as parts; ids kept or made stable), newest first by default,
+    paged by limit / after / before, order asc; bad parameters are 400s naming them."""
+    url = f"{roomy.url}/v1/responses"
+    r = create(roomy, {"input": "hi", "max_output_tokens": 1})
+    got = httpx.get(f"{url}/{r['id']}/input_items").json()
+    (item,) = got["data"]
+    assert item == {"id": item["id"], "type": "message", "role": "user", "status": "completed",
+                    "content": [{"type": "input_text", "text": "hi"}]}
+    assert got["object"] == "list" and got["first_id"] == got["last_id"] == item["id"] and not got["has_more"]
+    items = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a", "id": "msg_mine"},
+             {"role": "assistant", "content": [{"type": "output_text", "text": "b"}]},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "c"}]}]
+    r = create(roomy, {"input": items, "max_output_tokens": 1})
+    desc = httpx.get(f"{url}/{r['id']}/input_items").json()["data"]
+    assert [it["id"] for it in desc][2] == "msg_mine" and desc[0]["content"][0]["text"] == "c"
+    assert desc[3]["content"] == [{"type": "input_text", "text": "be brief"}] and desc[3]["role"] == "system"
+    assert httpx.get(f"{url}/{r['id']}/input_items").json()["data"] == desc  # the same ids each time
+    asc = httpx.get(f"{url}/{r['id']}/input_items", params={"order": "asc"}).json()["data"]
+    assert asc == desc[::-1]
+    page = httpx.get(f"{url}/{r['id']}/input_items", params={"limit": 2}).json()
+    assert page["data"] == desc[:2] and page["has_more"] and page["last_id"] == desc[1]["id"]
+    rest = httpx.get(f"{url}/{r['id']}/input_items", params={"limit": 2, "after": page["last_id"]}).json()
+    assert rest["data"] == desc[2:] and not rest["has_more"]
+    assert httpx.get(f"{url}/{r['id']}/input_items", params={"before": "msg_mine"}).json()["data"] == desc[:2]
+    for params, field in (({"limit": 0}, "limit"), ({"limit": 101}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "msg_none"}, "after"), ({"include": "file.bytes"}, "include")):
+        assert_error(httpx.get(f"{url}/{r['id']}/input_items", params=params), 400, field)
+    assert httpx.get(f"{url}/{r['id']}/input_items", params={"include": "reasoning.encrypted_content"}).status_code == 200
+    assert_error(httpx.get(f"{url}/resp_none/input_items"), 404, "response_id")
