@@ -106,9 +106,10 @@ class ResponseStore:
         self._entries[response_id] = Stored(response, turns, turn_bytes, nbytes, given)
         self.nbytes += nbytes
         while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
-            # a running background response's entry stays (it is what GET polls); their number is
-            # bounded by max_entries (a 429 past it)
-            old_id = next((k for k in self._entries if k not in self.running), None)
+            # a running background response's entry stays (it is what GET polls; their number is
+            # bounded by max_entries, a 429 past it), and so does the one just kept: with only
+            # those left the store is over its bounds until one of them goes
+            old_id = next((k for k in self._entries if k not in self.running and k != response_id), None)
             if old_id is None:
                 break
             self.nbytes -= self._entries.pop(old_id).nbytes

@@ -111,6 +111,13 @@ def test_store_evicts_the_oldest_by_count_and_bytes():
     assert store.nbytes == 5 and store.delete("d") and store.nbytes == 0 and not store.delete("d")
     with pytest.raises(ValueError, match="--responses-store-size"):
         ResponseStore(max_entries=-1)
+    # running background responses' entries are never evicted, nor is the one just kept
+    store = ResponseStore(max_entries=2, max_bytes=100)
+    store.put("a", b"a", [], 0, 1), store.put("b", b"b", [], 0, 1)
+    store.running.update(a=None, b=None)
+    assert store.put("c", b"c", [], 0, 1) and len(store) == 3 and store.get("c") is not None
+    store.running.clear()
+    assert store.put("d", b"d", [], 0, 1) and [r for r in "abcd" if store.get(r)] == ["c", "d"]
 
 
 def test_the_store_counts_the_turns_objects(tok):
