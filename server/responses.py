@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 import time
 
 from fastapi import APIRouter, Query, Request
@@ -32,6 +33,7 @@ from server.handler import OFF_LOOP_ENTRIES, _collect, _entries, response_id, st
 from server.reasoning import END
 from server import responses_background as background
 from server.request_body import body_openapi, parse_body
+from server.request_fields import MAX_REQUEST_ID_CHARS
 from server.responses_protocol import INCLUDE, ResponsesChat, ResponsesRequest, listed_items, renamed_errors, shown
 from server.responses_store import ResponseStore, Stored, input_bytes
 from server.responses_stream import ResponseEvents, content_after_calls, items_of, stream_events
@@ -78,7 +80,7 @@ def install(v1: APIRouter, state, args=None) -> ResponseStore:
         body = await background.stop(store, response_id)
         if body is None:
             found = _stored(store, response_id)  # a 404 for an id not held
-            if json.loads(found.response).get("status") == "cancelled":  # idempotent, as OpenAI's
+            if _status_of(found.response) == "cancelled":  # idempotent, as OpenAI's
                 return Response(found.response, media_type="application/json")
             raise APIError(400, "response_id: only a background response that is still running can "
                            "be cancelled; this one has finished", param="response_id")
@@ -122,6 +124,20 @@ async def _input_page(found: Stored, rid: str, after: str | None, before: str | 
     page = items[start:end][:limit]
     return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
             "last_id": page[-1]["id"] if page else None, "has_more": start + limit < end}
+
+
+# A stored response's JSON starts with its head: "id" (at most MAX_REQUEST_ID_CHARS of the
+# client's, 6 bytes a character escaped), "object", "created_at", then "status". A quote inside a
+# string is escaped, so the first `"status": "` is that key.
+_STATUS = re.compile(rb'"status": "([a-z_]+)"')
+_HEAD_BYTES = 6 * MAX_REQUEST_ID_CHARS + 256
+
+
+def _status_of(body: bytes) -> str | None:
+    """A stored response's status, read from the head of its JSON (not parsing a body that may
+    hold megabytes of output on the event loop)."""
+    m = _STATUS.search(body, 0, _HEAD_BYTES)
+    return m.group(1).decode() if m else None
 
 
 def _stored(store: ResponseStore, rid: str) -> Stored:
