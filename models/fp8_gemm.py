@@ -218,6 +218,11 @@ def _tma_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
             and (N * out_dtype.itemsize) % 16 == 0)
 
 
+def _m_bucket(M: int) -> int:
+    """The row count the Triton kernels' autotuners key on: M rounded up to a power of 2, at most 8192."""
+    return min(triton.next_power_of_2(M), 8192)
+
+
 def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None, split_k=False):
     """y <- the Triton GEMM: the persistent TMA kernel at M > 256 where TMA works (tma=True
     forces it, at K % 128 == 0), else the pointer kernel (autotuned, or `tile`); at M <= 16 on
@@ -226,7 +231,7 @@ def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None, split_k=Fa
     M, K = xq.shape
     N = wq.shape[0]
     nkb = triton.cdiv(K, GROUP)
-    m_bucket = min(triton.next_power_of_2(M), 8192)
+    m_bucket = _m_bucket(M)
     scale_strides = (sx.stride(0), sx.stride(1))
     if splits is None:
         splits = 1 if tile is not None or tma or not split_k else choose_k_splits(M, N, nkb, _num_sms(xq))
@@ -306,7 +311,7 @@ def fused_act_splitk(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, splits
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     try:
         _splitk_gemm(x.contiguous(), x, wq.contiguous(), sw.contiguous(), y, splits, tile, nkb,
-                     min(triton.next_power_of_2(M), 8192), (0, 0), quant_a=True)
+                     _m_bucket(M), (0, 0), quant_a=True)
     except Exception as e:
         e.plan_key = "fp8_gemm_fuse_act"  # the kernel plan names fp8_gemm_fuse_act=0 as the way out
         raise

@@ -107,21 +107,32 @@ def bad_words_token_ids(tokenizer, words: list[str]) -> list[list[int]]:
     return seqs
 
 
+def submit_streams(state, prompts, params, request_id: str) -> EngineStreams:
+    """Log and submit every prompt, without waiting for the engine (start_streams waits; a
+    background response does not, server/responses_background.py)."""
+    state.frontend.log_prompts(engine_request_ids(request_id, len(prompts)), prompts)
+    return EngineStreams(state.engine, prompts, params, request_id, state.background)
+
+
+def refusal_error(e: ValueError, fields: tuple[str, str] = ("prompt", "max_tokens")) -> APIError:
+    """The 400 of a prompt the engine refused; a context overflow names `fields` (the request's
+    prompt and max_tokens fields) and OpenAI's code."""
+    if isinstance(e, ContextLengthError) and fields != ("prompt", "max_tokens"):
+        e = e.renamed(*fields)
+    return APIError(400, str(e), param=getattr(e, "param", None) or param_of(str(e)),
+                    code=getattr(e, "code", None))
+
+
 async def start_streams(state, raw: Request, prompts, params, request_id: str,
                         fields: tuple[str, str] = ("prompt", "max_tokens")) -> EngineStreams:
-    """Submit every prompt and wait until the engine accepted all of them (ValueError -> 400;
-    a context overflow names `fields`: the request's prompt and max_tokens fields)."""
-    state.frontend.log_prompts(engine_request_ids(request_id, len(prompts)), prompts)
-    streams = EngineStreams(state.engine, prompts, params, request_id, state.background)
+    """Submit every prompt and wait until the engine accepted all of them (ValueError -> 400,
+    refusal_error)."""
+    streams = submit_streams(state, prompts, params, request_id)
     try:
         await until_disconnect(raw, streams.prime())
     except ValueError as e:
         streams.close()
-        if isinstance(e, ContextLengthError) and fields != ("prompt", "max_tokens"):
-            e = e.renamed(*fields)
-        # a ContextLengthError names its field and OpenAI's code
-        raise APIError(400, str(e), param=getattr(e, "param", None) or param_of(str(e)),
-                       code=getattr(e, "code", None)) from None
+        raise refusal_error(e, fields) from None
     except BaseException:
         streams.close()
         raise

@@ -16,13 +16,11 @@ import logging
 
 from fastapi.responses import Response
 
-from engine.input_processor import ContextLengthError
 from engine.outputs import RequestOutput
-from server.errors import APIError, param_of
-from server.handler import _collect
+from server.errors import APIError
+from server.handler import _collect, refusal_error, submit_streams
 from server.responses_protocol import shown
 from server.responses_store import ResponseStore, input_bytes
-from server.streams import EngineStreams, engine_request_ids
 
 logger = logging.getLogger(__name__)
 
@@ -59,18 +57,13 @@ def submit(state, store: ResponseStore, rid: str, engine_id: str, prompt_ids, pa
     await in between, so the checks made before (check_running) still hold. `save(response,
     body)` stores a response (False: too large), `whole(finals)` builds the finished one; `given`
     is the request's input, stored with the queued response for its input_items."""
-    state.frontend.log_prompts(engine_request_ids(engine_id, 1), [prompt_ids])
-    streams = EngineStreams(state.engine, [prompt_ids], params, engine_id, state.background)
+    streams = submit_streams(state, [prompt_ids], params, engine_id)
     if streams.refused is not None:
         streams.close()
         tracker.close(1)
-        e = streams.refused
-        if not isinstance(e, ValueError):
-            raise e
-        if isinstance(e, ContextLengthError):
-            e = e.renamed("input", "max_output_tokens")
-        raise APIError(400, str(e), param=getattr(e, "param", None) or param_of(str(e)),
-                       code=getattr(e, "code", None))
+        if not isinstance(streams.refused, ValueError):
+            raise streams.refused
+        raise refusal_error(streams.refused, ("input", "max_output_tokens"))
 
     def put(status: str) -> bytes:
         body = json.dumps({**head, "status": status}, allow_nan=False).encode()
