@@ -129,6 +129,10 @@ CHOICES: tuple[Choice, ...] = (
            "projection (<= 16 rows) it quantizes the activations itself, bit for bit as act_quant: one "
            "launch and one FP8 copy of x fewer a projection (opt-in: not yet timed on a GPU)",
            (), triton=False, torch=False),
+    Choice("fp8_gemm_splitk_serial", (bool,), "with fp8_gemm_splitk, a split W8A8 product's partials are "
+           "summed by each output tile's last program (a counter per tile, reset by that program) instead of "
+           "a reduce launch: the same bits, one launch fewer a projection (opt-in: not yet timed on a GPU)",
+           (), triton=False, torch=False),
     Choice("decode_wgmma_min_heads", (int,), "query heads per rank from which the MLA decode runs on the "
            "Gluon wgmma kernel (attention/gluon_decode.py: sm_90, bf16 model and cache, kv_lora_rank 512, "
            "rope 64, heads a multiple of 64, Triton 3.6) instead of the Triton kernel (0: never)",
@@ -210,6 +214,7 @@ class KernelPlan:
     fp8_gemm: str = "auto"
     fp8_gemm_splitk: bool = False
     fp8_gemm_fuse_act: bool = False
+    fp8_gemm_splitk_serial: bool = False
     decode_wgmma_min_heads: int = 0
     decode_wgmma_producer: bool = False
     decode_fp8_wgmma: bool = False

@@ -207,7 +207,7 @@ class DeepseekForCausalLM(nn.Module):
         for name, m in self.named_modules():
             if isinstance(m, Linear):
                 m.fp8_gemm, m.fp8_splitk = self.plan.fp8_gemm, self.plan.fp8_gemm_splitk
-                m.fp8_fuse_act = self.plan.fp8_gemm_fuse_act
+                m.fp8_fuse_act, m.fp8_serial = self.plan.fp8_gemm_fuse_act, self.plan.fp8_gemm_splitk_serial
                 m.skinny_max = self.plan.gemm_skinny_max_tokens
                 if not self.keep_fp8 or name.endswith("kv_b_proj"):
                     m.dequantize_weights()

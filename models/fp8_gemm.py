@@ -34,7 +34,7 @@ import triton.language as tl
 
 from common.triton_launch import fast_launch
 from models.fp8 import FP8, FP8_MAX
-from models.fp8_gemm_splitk import SPLIT_MAX_M, _w8a8_splitk_kernel, choose_k_splits, splitk_reduce
+from models.fp8_gemm_splitk import SPLIT_MAX_M, _w8a8_splitk_kernel, choose_k_splits, splitk_reduce, tile_counters
 from common.launch_settings import autotuning, interpreting
 
 GROUP = 128
@@ -223,11 +223,12 @@ def _m_bucket(M: int) -> int:
     return min(triton.next_power_of_2(M), 8192)
 
 
-def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None, split_k=False):
+def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None, split_k=False, serial=False):
     """y <- the Triton GEMM: the persistent TMA kernel at M > 256 where TMA works (tma=True
     forces it, at K % 128 == 0), else the pointer kernel (autotuned, or `tile`); at M <= 16 on
     CUDA, with `split_k`, its split-K form where choose_k_splits splits K (`splits` forces a
-    count, 1 the unsplit kernel)."""
+    count, 1 the unsplit kernel), its partials summed by a reduce launch or, with `serial`, by
+    each tile's last program."""
     M, K = xq.shape
     N = wq.shape[0]
     nkb = triton.cdiv(K, GROUP)
@@ -240,9 +241,10 @@ def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None, split_k=Fa
                          f"1 to {nkb} splits, and no TMA kernel with more than one")
     if splits > 1:
         try:
-            _splitk_gemm(xq, sx, wq, sw, y, splits, tile, nkb, m_bucket, scale_strides)
+            _splitk_gemm(xq, sx, wq, sw, y, splits, tile, nkb, m_bucket, scale_strides, serial=serial)
         except Exception as e:
-            e.plan_key = "fp8_gemm_splitk"  # the kernel plan names fp8_gemm_splitk=0 as the way out
+            # the kernel plan names the key's =0 as the way out
+            e.plan_key = "fp8_gemm_splitk_serial" if serial else "fp8_gemm_splitk"
             raise
         return
     if tma is None:
@@ -272,31 +274,38 @@ def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None, split_k=Fa
     kern[lambda c: (triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]),)](*args, BK=GROUP, EVEN_K=even_k)
 
 
-def _splitk_gemm(xq, sx, wq, sw, y, splits, tile, nkb, m_bucket, scale_strides, quant_a: bool = False):
-    """y <- the split-K kernel's fp32 partials [splits, M, N], summed in split order by one reduce.
+def _splitk_gemm(xq, sx, wq, sw, y, splits, tile, nkb, m_bucket, scale_strides, quant_a: bool = False,
+                 serial: bool = False):
+    """y <- the split-K kernel's fp32 partials [splits, M, N], summed in split order by one reduce
+    or, with `serial` (y contiguous), by each output tile's last program (no reduce launch).
     `quant_a`: xq is the activations in their own dtype (contiguous), quantized in the kernel."""
     M, K = xq.shape
     N = wq.shape[0]
     partials = torch.empty(splits, M, N, dtype=torch.float32, device=xq.device)
-    args = (xq, sx, wq, sw, partials, M, N, K, nkb, splits, m_bucket, *scale_strides)
-    const = dict(BK=GROUP, EVEN_K=K % GROUP == 0, QUANT_A=quant_a, FMAX=FP8_MAX)
+    # the counters cover the most tiles any candidate tile makes (the narrowest, 16 x 64)
+    counters = tile_counters(xq.device, triton.cdiv(M, 16) * triton.cdiv(N, 64)) if serial else partials
+    args = (xq, sx, wq, sw, partials, M, N, K, nkb, splits, m_bucket, *scale_strides, y, counters)
+    const = dict(BK=GROUP, EVEN_K=K % GROUP == 0, QUANT_A=quant_a, FMAX=FP8_MAX, SERIAL=serial)
     if tile is not None or not autotuning():  # else the small range's candidates
         bm, bn = tile or (16, 64)
         if GROUP % bn:
             raise ValueError(f"W8A8 tile width {bn} must divide the {GROUP}-wide weight-scale block")
+        if serial and triton.cdiv(M, bm) * triton.cdiv(N, bn) > counters.numel():
+            raise ValueError(f"W8A8 split-K serial reduce: tile {bm} x {bn} makes more tiles than its counters")
         grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), splits)
         _w8a8_splitk_kernel[grid](*args, BM=bm, BN=bn, **const)
     else:
         _SPLITK_TUNED[lambda c: (triton.cdiv(M, c["BM"]) * triton.cdiv(N, c["BN"]), splits)](*args, **const)
-    splitk_reduce(partials, y)
+    if not serial:
+        splitk_reduce(partials, y)
 
 
 def fused_act_splitk(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, splits: int | None = None,
-                     tile: tuple[int, int] | None = None) -> torch.Tensor | None:
+                     tile: tuple[int, int] | None = None, serial: bool = False) -> torch.Tensor | None:
     """x `[M, K]` @ dequant(wq, sw)^T through the split-K kernel quantizing x itself (the plan's
     fp8_gemm_fuse_act), the same bits as act_quant + w8a8_block_gemm's split path; None where
     that path would not split (more than SPLIT_MAX_M rows, or choose_k_splits gives 1; `splits`
-    forces a count)."""
+    forces a count). `serial`: the partials summed by each tile's last program (no reduce launch)."""
     M, K = x.shape
     N = wq.shape[0]
     nkb = triton.cdiv(K, GROUP)
@@ -311,9 +320,11 @@ def fused_act_splitk(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, splits
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     try:
         _splitk_gemm(x.contiguous(), x, wq.contiguous(), sw.contiguous(), y, splits, tile, nkb,
-                     _m_bucket(M), (0, 0), quant_a=True)
+                     _m_bucket(M), (0, 0), quant_a=True, serial=serial)
     except Exception as e:
-        e.plan_key = "fp8_gemm_fuse_act"  # the kernel plan names fp8_gemm_fuse_act=0 as the way out
+        # the kernel plan names fp8_gemm_fuse_act=0 as the way out (without it, the call goes to
+        # the split path, which charges a failure of its own serial reduce to that key)
+        e.plan_key = "fp8_gemm_fuse_act"
         raise
     return y
 
@@ -376,7 +387,8 @@ def _cublas_gemm(xq, sx, wq, sw, out_dtype):
 
 def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
                     out_dtype: torch.dtype = torch.bfloat16, tile: tuple[int, int] | None = None,
-                    backend: str = "auto", splits: int | None = None, split_k: bool = False) -> torch.Tensor:
+                    backend: str = "auto", splits: int | None = None, split_k: bool = False,
+                    serial: bool = False) -> torch.Tensor:
     """y `[M, N]` from fp8 xq `[M, K]` + sx `[M, K/128]` (any strides) and fp8 wq `[N, K]` +
     sw `[N/128, K/128]`.
 
@@ -385,7 +397,9 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
     (M bucket, N, K) on first use; fixed under the interpreter and with autotune=0. `tile`
     = (BM, BN) forces one (tests, benchmarks; BN must divide 128), and `splits` the Triton
     kernel's K split count (1: unsplit; default: choose_k_splits on CUDA with `split_k`, the
-    plan's fp8_gemm_splitk in the engine, else 1). `splits` forces the Triton kernel.
+    plan's fp8_gemm_splitk in the engine, else 1). `splits` forces the Triton kernel. `serial`
+    (the plan's fp8_gemm_splitk_serial): a split product is summed by each tile's last program
+    instead of a reduce launch (the same bits).
     """
     M, K = xq.shape
     N = wq.shape[0]
@@ -419,23 +433,25 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
                          f"K a multiple of {GROUP * _CUBLAS_K_BLOCKS}, bf16 or fp16 out, sm_90; or it refused "
                          f"this shape before)")
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
-    _triton_gemm(xq, sx, wq.contiguous(), sw.contiguous(), y, tile, splits=splits, split_k=split_k)
+    _triton_gemm(xq, sx, wq.contiguous(), sw.contiguous(), y, tile, splits=splits, split_k=split_k, serial=serial)
     return y
 
 
 def fp8_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, backend: str = "auto",
-               split_k: bool = False, fuse_act: bool = False) -> torch.Tensor:
+               split_k: bool = False, fuse_act: bool = False, serial: bool = False) -> torch.Tensor:
     """x `[..., K]` @ dequant(wq, sw)ᵀ with activations quantized on the fly. `fuse_act` (the
     plan's fp8_gemm_fuse_act, with split_k): where the Triton split-K kernel serves the shape, it
-    quantizes x itself (one launch fewer, the same bits)."""
+    quantizes x itself (one launch fewer, the same bits). `serial` (fp8_gemm_splitk_serial, with
+    split_k): a split product's partials summed by its tiles' last programs (one launch fewer)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if fuse_act and split_k and backend != "cublas" and (x.is_cuda or interpreting()):
-        y = fused_act_splitk(x2, wq, sw)
+        y = fused_act_splitk(x2, wq, sw, serial=serial)
         if y is not None:
             return y.view(*shape[:-1], wq.shape[0])
     xq, sx = act_quant(x2)
-    return w8a8_block_gemm(xq, sx, wq, sw, x.dtype, backend=backend, split_k=split_k).view(*shape[:-1], wq.shape[0])
+    y = w8a8_block_gemm(xq, sx, wq, sw, x.dtype, backend=backend, split_k=split_k, serial=serial)
+    return y.view(*shape[:-1], wq.shape[0])
 
 
 def tuned_configs() -> dict[str, dict[str, str]]:

@@ -9,8 +9,13 @@ contiguous range of K blocks,
     kb in [s * NKB // S, (s + 1) * NKB // S)        (S ranges, together every block exactly once)
 
 and stores its fp32 partial tile in `[S, M, N]`; one reduce kernel sums the S partials in split
-order and casts to the output dtype. No atomics: the result is the same bits on every run, so CUDA
-graphs equal eager. The splits cut on K-block boundaries: each 128-wide K block has one weight
+order and casts to the output dtype: the result is the same bits on every run, so CUDA graphs
+equal eager. With SERIAL (the plan's fp8_gemm_splitk_serial) there is no reduce launch: each
+program counts itself done on its tile's counter (one atomic, acquire-release), and the tile's
+last program sums the S partials in split order, as the reduce kernel does (the same bits, in
+whichever order the splits finish), writes the output and sets the counter back to 0, so the
+counters are zero between launches (`tile_counters`: one zeroed buffer per device and stream,
+so that concurrent streams never share a counter). The splits cut on K-block boundaries: each 128-wide K block has one weight
 scale per 128 rows, so a program's scaling is what the unsplit kernel does on its blocks.
 
 `choose_k_splits` is the host-side rule for S (pure, from the shape and the SM count).
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import functools
 
+import torch
 import triton
 import triton.language as tl
 
@@ -47,9 +53,11 @@ def choose_k_splits(m: int, n: int, nkb: int, num_sms: int | None) -> int:
 
 @triton.jit(do_not_specialize=["M"])
 def _w8a8_splitk_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, p_ptr, M, N, K, NKB, SPLITS, M_BUCKET,
-                        stride_sam, stride_sak, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                        EVEN_K: tl.constexpr, QUANT_A: tl.constexpr = False, FMAX: tl.constexpr = 448.0):
+                        stride_sam, stride_sak, y_ptr, cnt_ptr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        EVEN_K: tl.constexpr, QUANT_A: tl.constexpr = False, FMAX: tl.constexpr = 448.0,
+                        SERIAL: tl.constexpr = False):
     # program (t, s): output tile t (N tiles fastest), split s; p_ptr is fp32 [SPLITS, M, N].
+    # SERIAL: y_ptr [M, N] and cnt_ptr (int32, one zero per tile) are used (see the docstring).
     # QUANT_A: a_ptr is the activations in their own dtype, quantized here per row and K block
     # (BK = 128, the group) with act_quant's arithmetic, bit for bit (sa_ptr unread): no
     # act_quant launch and no FP8 copy of x. Each N tile's programs quantize their K blocks again.
@@ -85,6 +93,19 @@ def _w8a8_splitk_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, p_ptr, M, N, K, NKB, SPLIT
         acc += tl.dot(a, b) * (sa * tl.load(sb_row + kb))[:, None]
     p_ptrs = p_ptr + split.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
     tl.store(p_ptrs, acc, mask=mm[:, None] & mn[None, :])
+    if SERIAL:
+        tile = offs_m[:, None] * N + offs_n[None, :]
+        mask = mm[:, None] & mn[None, :]
+        # every thread's partial stored before the one atomic (a CTA barrier, then the atomic's
+        # release at GPU scope); the last program's acquire makes every split's partial visible.
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if done == SPLITS - 1:
+            total = tl.zeros([BM, BN], dtype=tl.float32)
+            for s in range(0, SPLITS):  # split order, as _splitk_reduce_kernel; .cg: from L2, not L1
+                total += tl.load(p_ptr + s * M * N + tile, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.store(y_ptr + tile, total.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.atomic_xchg(cnt_ptr + tl.program_id(0), 0)
 
 
 @fast_launch
@@ -100,6 +121,24 @@ def _splitk_reduce_kernel(p_ptr, y_ptr, MN, SPLITS, BLOCK: tl.constexpr):
 
 
 REDUCE_BLOCK = 512
+# SERIAL's counters a device and stream: one per output tile of a launch. R1's widest small-M
+# projection (the dense gate_up, N 36864 at -tp 1) has 576 tiles of the narrowest (16 x 64)
+SERIAL_TILES = 8192
+_COUNTERS: dict = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The zeroed int32 counters SERIAL launches on the current stream of `device` use. Made on
+    first use (an eager warm-up precedes every CUDA-graph capture; made inside one, the buffer
+    comes from the graph's pool and is kept alive here, and its zeroing replays harmlessly)."""
+    if tiles > SERIAL_TILES:
+        raise ValueError(f"W8A8 split-K serial reduce: {tiles} output tiles, at most {SERIAL_TILES}")
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    c = _COUNTERS.get(key)
+    if c is None:
+        c = _COUNTERS[key] = torch.zeros(SERIAL_TILES, dtype=torch.int32, device=device)
+    return c
 
 
 def splitk_reduce(partials, y) -> None:

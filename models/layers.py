@@ -83,6 +83,7 @@ class Linear(nn.Module):
         self.fp8_gemm = "auto"  # the plan's W8A8 GEMM backend, for weights kept in FP8
         self.fp8_splitk = False  # the plan's fp8_gemm_splitk
         self.fp8_fuse_act = False  # the plan's fp8_gemm_fuse_act
+        self.fp8_serial = False  # the plan's fp8_gemm_splitk_serial
         self.skinny_max = 0  # the plan's gemm_skinny_max_tokens
         if fp8_block is None:
             self.weight = shard_param((out_features, in_features), tp_dim, dtype)
@@ -111,7 +112,7 @@ class Linear(nn.Module):
         if self.fp8_block is not None:  # kept in FP8 for the W8A8 block GEMM (--fp8-gemm)
             from models.fp8_gemm import fp8_linear  # triton: CUDA installs only
             y = fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_gemm, self.fp8_splitk,
-                           self.fp8_fuse_act)
+                           self.fp8_fuse_act, self.fp8_serial)
         elif 0 < x.shape[0] <= self.skinny_max and x.dim() == 2:
             from models.skinny_gemm import skinny_linear  # triton: CUDA installs only
             y = skinny_linear(x, self.weight)

@@ -206,7 +206,7 @@ def test_splitk_dispatch_and_limits(monkeypatch):
     wq, sw = quantize(torch.randn(256, 1024) * 0.05)
     launched = []
     monkeypatch.setattr(g, "_num_sms", lambda t: 8)
-    monkeypatch.setattr(g, "_splitk_gemm", lambda *a: launched.append(("split", a[0].shape[0], a[5])))
+    monkeypatch.setattr(g, "_splitk_gemm", lambda *a, **k: launched.append(("split", a[0].shape[0], a[5])))
 
     class Unsplit:  # stands in for the plain kernel
         def __getitem__(self, grid):
@@ -235,13 +235,16 @@ def test_splitk_dispatch_and_limits(monkeypatch):
     # a failure of the split-K kernel is charged to fp8_gemm_splitk, whose =0 avoids it
     from common.kernel_plan import KernelPlan, charged_key
 
-    def failing(*a):
+    def failing(*a, **k):
         raise RuntimeError("out of resources")
     monkeypatch.setattr(g, "_splitk_gemm", failing)
     with pytest.raises(RuntimeError) as info:
         g.w8a8_block_gemm(xq, sx, wq, sw, split_k=True)
     assert charged_key(info.value) == "fp8_gemm_splitk"
     assert "--kernels auto,fp8_gemm_splitk=0 (or --kernels torch) avoids it" in str(KernelPlan().error("warming up", info.value))
+    with pytest.raises(RuntimeError) as info:  # with the serial reduce, charged to its own key
+        g.w8a8_block_gemm(xq, sx, wq, sw, split_k=True, serial=True)
+    assert charged_key(info.value) == "fp8_gemm_splitk_serial"
 
 
 @pytest.mark.gpu
@@ -300,3 +303,43 @@ def test_w8a8_splitk_quantizing_x_is_act_quant_bit_for_bit(M, N, K):
         assert torch.equal(fused_act_splitk(x, wq, sw, splits=splits), want), splits
     assert torch.equal(fp8_linear(x, wq, sw, backend="triton", split_k=True, fuse_act=True),
                        fp8_linear(x, wq, sw, backend="triton", split_k=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("N,K", [(3648, 2048), (2048, 2816), *R1_DECODE_SHAPES[:3]])
+def test_w8a8_splitk_serial_reduce_is_the_reduce_launch_bit_for_bit(M, N, K):
+    """fp8_gemm_splitk_serial on the GPU, at V2-Lite's and R1's decode shapes: each tile's last
+    program sums the partials (the counters' atomics order it across SMs) with the bits of the
+    reduce launch, with x quantized before the kernel and in it; 20 launches in a row and 3 CUDA
+    graph replays give the same bits, and the counters are all zero afterwards."""
+    from models.fp8_gemm import fused_act_splitk
+    from models.fp8_gemm_splitk import tile_counters
+    torch.manual_seed(M + N)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) * 3
+    wq, sw = quantize(torch.randn(N, K, device="cuda") * 0.02)
+    xq, sx = act_quant(x)
+    for splits in (2, 5):
+        want = w8a8_block_gemm(xq, sx, wq, sw, torch.bfloat16, backend="triton", splits=splits)
+        for _ in range(20):
+            assert torch.equal(w8a8_block_gemm(xq, sx, wq, sw, torch.bfloat16, backend="triton",
+                                               splits=splits, serial=True), want), splits
+        assert torch.equal(fused_act_splitk(x, wq, sw, splits=splits, serial=True), want), splits
+    eager = fp8_linear(x, wq, sw, backend="triton", split_k=True, fuse_act=True, serial=True)
+    assert torch.equal(eager, fp8_linear(x, wq, sw, backend="triton", split_k=True))
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fp8_linear(x, wq, sw, backend="triton", split_k=True, serial=True)  # tuned before capture
+        with torch.cuda.graph(g, stream=stream):
+            graphed = fp8_linear(x, wq, sw, backend="triton", split_k=True, serial=True)
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(3):
+        graphed.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(graphed, eager)
+    assert not tile_counters(x.device, 1).any()
+    with torch.cuda.stream(stream):
+        assert not tile_counters(x.device, 1).any()

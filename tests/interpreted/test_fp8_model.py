@@ -41,8 +41,8 @@ def test_fp8_gemm_path_runs_the_model(fp8_model, monkeypatch):
     assert moe.w13.dtype == torch.float8_e4m3fn and moe.w13_scale.shape[1:] == (2, 2)  # experts stay FP8
     errs, shapes, splitk, kernel = [], set(), set(), g.fp8_linear
 
-    def checked(x, wq, sw, backend, split_k, fuse_act=False):
-        y, want = kernel(x, wq, sw, backend, split_k, fuse_act), emulated(x, wq, sw)
+    def checked(x, wq, sw, backend, split_k, fuse_act=False, serial=False):
+        y, want = kernel(x, wq, sw, backend, split_k, fuse_act, serial), emulated(x, wq, sw)
         errs.append(((y - want).norm() / want.norm()).item())
         shapes.add(tuple(wq.shape))
         splitk.add(split_k)

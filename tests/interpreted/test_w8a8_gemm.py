@@ -69,3 +69,60 @@ def test_w8a8_splitk_quantizing_x_equals_act_quant_then_split():
     assert fused_act_splitk(torch.randn(2, 256), wq, sw) is None
     with pytest.raises(ValueError, match="splits of 2 K blocks"):
         fused_act_splitk(torch.randn(2, 256), wq, sw, splits=3)
+
+
+def test_w8a8_splitk_serial_reduce_is_the_reduce_launch_bit_for_bit():
+    """fp8_gemm_splitk_serial: each output tile's last program sums the split partials (no reduce
+    launch) and gives the bits of the reduce kernel, with x quantized before or in the kernel;
+    the tile counters are all back at zero after every launch (the next launch relies on it),
+    and a forced tile too small for the counters is refused."""
+    from models.fp8_gemm import _act_quant_triton, fused_act_splitk
+    from models.fp8_gemm_splitk import SERIAL_TILES, tile_counters
+    torch.manual_seed(2)
+    counters = tile_counters(torch.device("cpu"), 1)
+    for M, N, K, splits, tile in ((1, 192, 1152, 4, None), (3, 200, 1000, 3, None), (16, 64, 896, 7, None),
+                                  (33, 130, 640, 3, (32, 64)), (5, 256, 768, 4, (16, 128))):
+        x = torch.randn(M, K) * (1 + 4 * torch.rand(M, 1))
+        wq, sw = quantize(torch.randn(N, K) * 0.05)
+        xq, sx = _act_quant_triton(x)
+        want = w8a8_block_gemm(xq, sx, wq, sw, torch.float32, splits=splits, tile=tile)
+        got = w8a8_block_gemm(xq, sx, wq, sw, torch.float32, splits=splits, tile=tile, serial=True)
+        assert torch.equal(got, want), (M, N, K, splits)
+        assert not counters.any()
+        fused = fused_act_splitk(x, wq, sw, splits=splits, tile=tile, serial=True)
+        assert torch.equal(fused, want) and not counters.any(), (M, N, K, splits)
+    assert counters.numel() == SERIAL_TILES and tile_counters(torch.device("cpu"), 5) is counters
+    with pytest.raises(ValueError, match="output tiles"):
+        tile_counters(torch.device("cpu"), SERIAL_TILES + 1)
+
+
+def test_w8a8_splitk_serial_last_program_alone_writes_the_output(monkeypatch):
+    """The counters order the serial sum: with the split buffers poisoned with NaN, a normal
+    launch reads only partials already stored (finite output equal to the reduce launch's), and
+    with a tile's counter set as if three of its four splits had finished, the first program
+    takes itself for the last and sums partials not yet stored (NaN); the other tile is unchanged."""
+    import models.fp8_gemm as g
+    from models.fp8_gemm_splitk import tile_counters
+    torch.manual_seed(3)
+    x = torch.randn(2, 512)
+    wq, sw = quantize(torch.randn(128, 512) * 0.05)  # two tiles of 64
+    xq, sx = act_quant(x)
+    want = w8a8_block_gemm(xq, sx, wq, sw, torch.float32, splits=4)
+
+    class PoisonedTorch:  # models.fp8_gemm's torch, its fp32 buffers NaN instead of uninitialised
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*shape, dtype=None, device=None):
+            return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+    monkeypatch.setattr(g, "torch", PoisonedTorch())
+    assert torch.equal(w8a8_block_gemm(xq, sx, wq, sw, torch.float32, splits=4, serial=True), want)
+    counters = tile_counters(torch.device("cpu"), 1)
+    counters[0] = 3
+    try:
+        early = w8a8_block_gemm(xq, sx, wq, sw, torch.float32, splits=4, serial=True)
+    finally:
+        counters.zero_()
+    assert early[:, :64].isnan().all() and torch.equal(early[:, 64:], want[:, 64:])
