@@ -1,5 +1,5 @@
 """Compile the small-M W8A8 GEMM kernels (models/fp8_gemm.py's pointer kernel, its split-K form
-and the split reduce, models/fp8_gemm_splitk.py) for sm_90a on any machine, no GPU needed: per
+with and without x quantized in it and the serial reduce, and the split reduce, models/fp8_gemm_splitk.py) for sm_90a on any machine, no GPU needed: per
 autotune candidate of the small range, Triton's shared memory, ptxas's registers and spills, and
 the main K loop's size and tensor-core ops.
 
@@ -31,7 +31,7 @@ from models import fp8_gemm as g  # noqa: E402
 from models import fp8_gemm_splitk as sk  # noqa: E402
 
 POINTERS = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "c_ptr": "*bf16",
-            "p_ptr": "*fp32", "y_ptr": "*bf16"}
+            "p_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
 
 
 # What the JIT specializes at the engine's calls: N and K are multiples of 16 at every R1 / V3
@@ -106,12 +106,17 @@ def main() -> int:
             const = dict(BM=bm, BN=bn, BK=g.GROUP, EVEN_K=even)
             try:
                 ok &= report(f"unsplit {tag}", compile_kernel(g._w8a8_kernel, dict(const, GROUP_M=8), w, st))
-                ok &= report(f"split-K {tag}", compile_kernel(sk._w8a8_splitk_kernel, const, w, st))
+                # plain, fp8_gemm_fuse_act (x quantized in the kernel), fp8_gemm_splitk_serial (no reduce
+                # launch), both (each constexpr given: one left out would compile as a runtime int)
+                for quant_a, serial in ((False, False), (True, False), (False, True), (True, True)):
+                    ok &= report(f"split-K {tag}{' quant_a' * quant_a}{' serial' * serial}",
+                                 compile_kernel(sk._w8a8_splitk_kernel, dict(const, QUANT_A=quant_a, SERIAL=serial),
+                                                w, st, ptrs=dict(POINTERS, a_ptr="*bf16") if quant_a else POINTERS))
             except Exception as e:  # noqa: BLE001 - reported, exit status 1
                 print(f"| {tag} | COMPILE FAILED: {type(e).__name__}: {str(e)[:300]} |")
                 ok = False
     ok &= report(f"split reduce (BLOCK {sk.REDUCE_BLOCK})",
-                 compile_kernel(sk._splitk_reduce_kernel, dict(BLOCK=sk.REDUCE_BLOCK), 4, 1))
+                 compile_kernel(sk._splitk_reduce_kernel.kernel, dict(BLOCK=sk.REDUCE_BLOCK), 4, 1))
     print("\nRESULT:", "ok" if ok else "NOT OK (a compile failure or spills)")
     return 0 if ok else 1
 
