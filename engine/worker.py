@@ -173,8 +173,8 @@ class Worker:
                              cfg.kv_lora_rank, cfg.qk_rope_head_dim)
         spec = args.speculative_config
         self.num_mtp_layers = 1 if spec is not None and spec.method == "mtp" else 0  # drafts chain on it
-        # unset: with --quantization fp8 FP8 kept where its kernels run, else where the dequantized
-        # weights would not fit (engine/weight_memory.py)
+        # unset: FP8 weights (a checkpoint's, or --quantization fp8's) kept where the W8A8 kernels
+        # run (engine/weight_memory.py)
         requested = args.fp8_gemm
         if requested is None and args.quantization == "fp8":
             requested = self.device.type == "cuda" and self.plan.any_triton
@@ -215,8 +215,7 @@ class Worker:
 
     def _weights_oom_message(self, fp8_gemm: bool) -> str:
         """What to do when the weights alone do not fit this rank's GPU: keep an FP8 checkpoint in
-        FP8 (half the bytes of the bf16 copy it is dequantized to by default), or split the
-        weights over more ranks."""
+        FP8 (half the bytes of its dequantized copy), or split the weights over more ranks."""
         where = str(self.device)
         if self.device.type == "cuda":
             total = torch.cuda.get_device_properties(self.device).total_memory
@@ -225,10 +224,11 @@ class Worker:
         tp = self.args.tensor_parallel_size
         more_tp = f"a larger --tensor-parallel-size than {tp} splits them over more GPUs"
         if self.cfg.fp8_block is not None and not fp8_gemm:
-            why = "with --no-fp8-gemm" if self.args.fp8_gemm is False else "by default where it seemed to fit"
+            why = ("with --no-fp8-gemm" if self.args.fp8_gemm is False
+                   else "by default where the W8A8 kernels do not run (the CPU, --kernels torch)")
             return (f"out of GPU memory loading the model's weights on {where}: this FP8 checkpoint is "
                     f"dequantized to {self.dtype} {why}; --fp8-gemm keeps its weights in FP8 (1 byte a "
-                    f"weight instead of {self.dtype.itemsize}), or {more_tp}")
+                    f"weight instead of {self.dtype.itemsize}; on CUDA with a Triton kernel plan), or {more_tp}")
         return f"out of GPU memory loading the model's weights on {where}: {more_tp}"
 
     def determine_num_blocks(self, max_num_batched_tokens: int) -> int:

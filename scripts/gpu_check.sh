@@ -75,16 +75,16 @@
 #               itself; and that with fp8_gemm_splitk_serial=1, no reduce launch): three runs, each
 #               under 3/10 of the step's timeout (`q8fuse:540`)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
-#   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1 and 64
+#   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights (kept in FP8: the default): TPOT at batch 1 and 64
 #   v3gluon     the DeepSeek-V3 config, 4 layers, bf16 dummy weights (128 heads: the Gluon decode by
 #               default on sm_90): TPOT at batch 1/32/128 with --kernels auto and with
 #               auto,decode_wgmma_min_heads=0 (the Triton decode), alternating twice; four runs,
 #               each under a quarter of the step's timeout (give it `v3gluon:480`)
 #   r1fp8       the R1 config, 4 layers, dummy FP8 weights: TPOT at batch 1/32/128 and offline
-#               throughput (500 x (1000 in, 100 out)), dequantized bf16 (the default) against
-#               --fp8-gemm; four runs, each under a quarter of the step's timeout (give it `r1fp8:400`)
+#               throughput (500 x (1000 in, 100 out)), dequantized to bf16 (--no-fp8-gemm) against
+#               kept in FP8 (--fp8-gemm, the default); four runs, each under a quarter of the step's timeout (give it `r1fp8:400`)
 #   r1dec       the R1 config, 4 layers, dummy FP8 weights: decode TPOT at batch 1/8/32/128, dequantized
-#               bf16 (the default) against --fp8-gemm; two runs, each under half the step's timeout
+#               to bf16 (--no-fp8-gemm) against kept in FP8 (--fp8-gemm, the default); two runs, each under half the step's timeout
 #               (`r1dec:360`; batches 1 and 8 run the fused small MoE, FP8 experts scaled per tile)
 #   r1fp8x      the same R1 config with --fp8-gemm, its FP8 kernels one at a time: TPOT at batch
 #               1/32/128 with --kernels auto (split-K on, weight-only FP8 MoE), with
@@ -221,19 +221,19 @@ for spec in $steps; do
                --hf-overrides '{"num_hidden_layers": 4}' --kernel-plan "$k" --batch-sizes 1 32 128 --decode-steps 50 \
                --json "$OUT/v3_latency_${k//[,=]/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
     r1fp8) { R1="--model configs/models/DeepSeek-R1 --hf-overrides {\"num_hidden_layers\":4}"
-            for g in "" "--fp8-gemm"; do
-              echo "## latency ${g:-default}"
+            for g in --no-fp8-gemm --fp8-gemm; do
+              echo "## latency $g"
               timeout $((T / 4)) python3 scripts/bench_latency.py $R1 $g --batch-sizes 1 32 128 --decode-steps 50 \
-                --json "$OUT/r1_latency${g:+_fp8gemm}.json"
-              echo "## throughput ${g:-default}"
+                --json "$OUT/r1_latency${g//-/_}.json"
+              echo "## throughput $g"
               timeout $((T / 4)) python3 scripts/bench_throughput.py $R1 $g --num-prompts 500 --no-enable-prefix-caching \
-                --json "$OUT/r1_throughput${g:+_fp8gemm}.json"
+                --json "$OUT/r1_throughput${g//-/_}.json"
             done; } > "$log" 2>&1 ;;
     r1dec) { R1="--model configs/models/DeepSeek-R1 --hf-overrides {\"num_hidden_layers\":4}"
-            for g in "" "--fp8-gemm"; do
-              echo "## latency ${g:-default}"
+            for g in --no-fp8-gemm --fp8-gemm; do
+              echo "## latency $g"
               timeout $((T / 2)) python3 scripts/bench_latency.py $R1 $g --batch-sizes 1 8 32 128 --decode-steps 50 \
-                --json "$OUT/r1dec${g:+_fp8gemm}.json"
+                --json "$OUT/r1dec${g//-/_}.json"
             done; } > "$log" 2>&1 ;;
     r1fp8x) { R1="--model configs/models/DeepSeek-R1 --hf-overrides {\"num_hidden_layers\":4}"
             for k in auto auto,fp8_gemm_splitk=0,moe_fp8_w8a8=1 auto,moe_fp8_w8a8=1; do

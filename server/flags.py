@@ -153,12 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "reference or Triton; auto: as --kernels says (the plan's attention key)")
     g.add_argument("--kernels", default=d["kernels"], metavar="BASE[,KEY=VALUE...]", help=kernels_help())
     g.add_argument("--fp8-gemm", action=argparse.BooleanOptionalAction, default=None,
-                   help="FP8 checkpoints: keep attention and dense MLP projections in FP8 (Triton "
-                        "W8A8 block GEMMs) and routed experts in FP8 instead of dequantizing them "
-                        "at load (half the weight memory; on the H200 faster decodes from batch 32, "
-                        "slower at batch 1: RESULTS.md). Unset: kept in FP8 only where the "
-                        "dequantized weights would take more than 90%% of the rank's memory budget "
-                        "(DeepSeek-V3/R1 at -tp 8 on H200s), else dequantized")
+                   help="FP8 checkpoints: keep attention and dense MLP projections in FP8 (W8A8 "
+                        "block GEMMs) and the experts in FP8 instead of dequantizing them at load "
+                        "(half the weight memory; R1's config decodes 1.3-1.6x faster at batch "
+                        "1-128: RESULTS.md). Unset: kept in FP8 wherever the W8A8 kernels run (CUDA "
+                        "with a Triton kernel plan), else dequantized; --no-fp8-gemm dequantizes")
     g.add_argument("--enforce-eager", action="store_true",
                    help="never capture CUDA graphs (decode steps, piecewise graphs of the others)")
     g.add_argument("--piecewise-graph-sizes", default=d["piecewise_graph_sizes"], metavar="SIZES",
