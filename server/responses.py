@@ -54,11 +54,19 @@ def install(v1: APIRouter, state, args=None) -> ResponseStore:
         return await create_response(state, store, await parse_body(raw, ResponsesRequest), raw)
 
     @v1.get("/responses/{response_id}")
-    async def retrieve_response(response_id: str, stream: bool = False) -> Response:
-        if stream:
-            raise APIError(400, "stream: replaying a response's events is not supported; poll a "
-                           "background response without stream until its status is final", param="stream")
-        return Response(_stored(store, response_id).response, media_type="application/json")
+    async def retrieve_response(response_id: str, stream: bool = False, starting_after: int | None = None) -> Response:
+        found = _stored(store, response_id)
+        if not stream:
+            return Response(found.response, media_type="application/json")
+        log = store.event_logs.get(response_id)
+        if log is None:
+            raise APIError(400, "stream: only a background response created with stream true keeps its "
+                           "events to stream again; GET it without stream", param="stream")
+        if starting_after is not None and starting_after < 0:
+            raise APIError(400, f"starting_after: a sequence number, >= 0 (got {starting_after})",
+                           param="starting_after")
+        return StreamingResponse(log.follow(-1 if starting_after is None else starting_after),
+                                 media_type="text/event-stream")
 
     @v1.get("/responses/{response_id}/input_items")
     async def input_items(response_id: str, after: str | None = None, before: str | None = None,
@@ -233,9 +241,6 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         raise APIError(400, "background: a background response is polled from the store, so it needs "
                        "store true and a server that keeps responses (--responses-store-size > 0)",
                        param="background")
-    if req.background and req.stream:
-        raise APIError(400, "background: streaming a background response is not supported; stream "
-                       "it in the foreground, or poll GET /v1/responses/{id}", param="background")
     if keep:
         background.check_running(store, rid, req.background)
     head = response_head(state, req, chat, rid, keep)
@@ -255,8 +260,12 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         return False
 
     if req.background:  # submitted, not primed: the answer does not wait for the queue and prefill
+        def events_of(streams, progress, save_final):
+            return stream_events(streams, builder, ResponseEvents(head), progress,
+                                 functools.partial(finished, state, head), save_final)
         return background.submit(state, store, rid, engine_id, prompt_ids, params, tracker, head, save,
-                                 functools.partial(_whole, state, head, builder), req.input)
+                                 functools.partial(_whole, state, head, builder), req.input,
+                                 events_of if req.stream else None)
     try:
         streams = await start_streams(state, raw, [prompt_ids], params, engine_id,
                                       ("input", "max_output_tokens"))

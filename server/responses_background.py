@@ -6,6 +6,12 @@ first output, and stores the final state (`completed`, `incomplete`, `failed` or
 `store.running` holds the running tasks by id: GET polls the store, /cancel and DELETE cancel the
 task (`stop`). The store never evicts a running entry, and at most --responses-store-size run at
 once (a 429 past that).
+
+With `stream: true` too, the task writes the response's stream events (server/responses_stream.py)
+into an `EventLog` kept in the store with the entry, and the POST is answered with a stream that
+follows that log: a client that goes away stops only its own stream, not the response, and
+`GET /v1/responses/{id}?stream=true&starting_after=N` streams the events after sequence number N
+again, following them while the response runs, as OpenAI's background streaming does.
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import AsyncIterator, Callable
 
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from engine.outputs import RequestOutput
 from server.errors import APIError
@@ -50,13 +57,73 @@ class _Progress:
             self._mark = None
         self._tracker.observe(i, out)
 
+    def close(self, n: int) -> None:
+        self._tracker.close(n)
+
+
+class EventLog:
+    """A background response's stream events as sent: one SSE event an entry, the entry's index
+    its sequence_number (ResponseEvents numbers them from 0), kept for readers that join late or
+    come back. Used on the event loop only."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.nbytes = 0
+        self.done = False
+        self._changed = asyncio.Event()
+
+    def extend(self, text: str) -> None:
+        """Add the events of one write (`event: ...\ndata: {...}\n\n` each; the JSON holds no
+        raw newline, so an event ends at its blank line)."""
+        for piece in text.split("\n\n"):
+            if piece:
+                self.events.append(piece + "\n\n")
+                self.nbytes += len(piece) + 2
+        self._wake()
+
+    def close(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, after: int) -> AsyncIterator[str]:
+        """The events after sequence number `after` (-1: all), then each new batch as it comes,
+        until the response's last event."""
+        i = max(after + 1, 0)
+        while True:
+            if i < len(self.events):
+                chunk = "".join(self.events[i:])
+                i = len(self.events)
+                yield chunk
+            elif self.done:
+                return
+            else:
+                await self._changed.wait()
+
+
+def _terminal_response(log: EventLog) -> dict | None:
+    """The response a failed stream's last event (`response.failed`) carries, if it is one."""
+    if not log.events:
+        return None
+    data = log.events[-1].partition("\ndata: ")[2]
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return None
+    return event.get("response") if event.get("type") == "response.failed" else None
+
 
 def submit(state, store: ResponseStore, rid: str, engine_id: str, prompt_ids, params, tracker, head: dict,
-           save, whole, given) -> Response:
+           save, whole, given, events_of: Callable | None = None) -> Response:
     """Hand the prompt to the engine (a refusal at submission: a 400) and start its task, with no
     await in between, so the checks made before (check_running) still hold. `save(response,
     body)` stores a response (False: too large), `whole(finals)` builds the finished one; `given`
-    is the request's input, stored with the queued response for its input_items."""
+    is the request's input, stored with the queued response for its input_items. `events_of(streams,
+    tracker, save)` (a request with stream): the response's stream events (responses_stream.
+    stream_events), written to an EventLog in the store; the answer is then a stream of that log."""
     streams = submit_streams(state, [prompt_ids], params, engine_id)
     if streams.refused is not None:
         streams.close()
@@ -77,7 +144,32 @@ def submit(state, store: ResponseStore, rid: str, engine_id: str, prompt_ids, pa
             save(response, None)
         return json.dumps(response, allow_nan=False).encode() if body is None else body
 
+    log = None
+    if events_of is not None:
+        log = store.event_logs[rid] = EventLog()
+
+    async def run_streamed() -> bytes:
+        kept: list[bytes] = []
+
+        def save_final(response: dict, body: bytes | None) -> bool:
+            kept.append(final(response, body))
+            return True
+        try:  # stream_events closes the streams and the tracker itself
+            async for chunk in events_of(streams, _Progress(tracker, lambda: put("in_progress")), save_final):
+                log.extend(chunk)
+        except asyncio.CancelledError:  # POST /cancel or DELETE (or the server stopping)
+            kept.append(final({**head, "status": "cancelled"}, None))
+        finally:
+            log.close()
+        if kept:
+            return kept[-1]
+        failed = _terminal_response(log) or {**head, "status": "failed", "error": {
+            "code": "server_error", "message": "the response's stream ended without its final event"}}
+        return final(failed, None)
+
     async def run() -> bytes:
+        if log is not None:
+            return await run_streamed()
         try:
             finals = await _collect(streams, _Progress(tracker, lambda: put("in_progress")))
             response, body = await whole(finals)
@@ -101,6 +193,8 @@ def submit(state, store: ResponseStore, rid: str, engine_id: str, prompt_ids, pa
             streams.close()
             tracker.close(1)
             final({**head, "status": "cancelled"}, None)
+            if log is not None:
+                log.close()
         if store.running.get(rid) is t:
             del store.running[rid]
 
@@ -108,6 +202,8 @@ def submit(state, store: ResponseStore, rid: str, engine_id: str, prompt_ids, pa
     task = asyncio.ensure_future(run())
     task.add_done_callback(gone)
     store.running[rid] = task
+    if log is not None:
+        return StreamingResponse(log.follow(-1), media_type="text/event-stream")
     return Response(body, media_type="application/json")
 
 

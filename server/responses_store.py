@@ -72,6 +72,10 @@ class ResponseStore:
         # background responses still running, by id (server/responses.py): each task stores its
         # final state, then leaves; until then its entry holds it queued or in_progress
         self.running: dict[str, asyncio.Task] = {}
+        # the events of background responses created with stream (server/responses_background.py
+        # EventLog), by id, for GET ?stream=true: kept as long as the entry, their bytes counted
+        # against --responses-store-max-bytes at each put
+        self.event_logs: dict = {}
 
     @classmethod
     def from_args(cls, args) -> ResponseStore:
@@ -97,7 +101,7 @@ class ResponseStore:
         evicting the oldest past the bounds; False when it alone is over the byte bound (then it
         is not kept). `nbytes` counts the input too (its text is the turns'; its objects are
         counted by the caller)."""
-        self.delete(response_id)
+        self._drop(response_id)
         if not self.enabled or nbytes > self.max_bytes:
             if self.enabled:
                 logger.warning("response %s not stored: %d bytes, over --responses-store-max-bytes %d",
@@ -105,19 +109,28 @@ class ResponseStore:
             return False
         self._entries[response_id] = Stored(response, turns, turn_bytes, nbytes, given)
         self.nbytes += nbytes
-        while len(self._entries) > self.max_entries or self.nbytes > self.max_bytes:
+        while len(self._entries) > self.max_entries or self.held_bytes() > self.max_bytes:
             # a running background response's entry stays (it is what GET polls; their number is
             # bounded by max_entries, a 429 past it), and so does the one just kept: with only
             # those left the store is over its bounds until one of them goes
             old_id = next((k for k in self._entries if k not in self.running and k != response_id), None)
             if old_id is None:
                 break
-            self.nbytes -= self._entries.pop(old_id).nbytes
+            self.delete(old_id)
         return True
 
-    def delete(self, response_id: str) -> bool:
+    def held_bytes(self) -> int:
+        """The entries' bytes and their event logs' (which grow while their responses run)."""
+        return self.nbytes + sum(log.nbytes for log in self.event_logs.values())
+
+    def _drop(self, response_id: str) -> bool:
         old = self._entries.pop(response_id, None)
         if old is None:
             return False
         self.nbytes -= old.nbytes
         return True
+
+    def delete(self, response_id: str) -> bool:
+        """Forget a response and its event log."""
+        self.event_logs.pop(response_id, None)
+        return self._drop(response_id)

@@ -4,6 +4,7 @@ fake engine whose tokens take a while."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -12,7 +13,7 @@ import pytest
 import transformers
 
 from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, assert_error
-from tests.test_responses_api import GREEDY, _server, create, text_of
+from tests.test_responses_api import GREEDY, _server, create, events_of, text_of
 
 os.environ.update(OFFLINE_ENV)
 
@@ -85,10 +86,99 @@ def test_delete_cancels_a_running_background_response(slow):
     assert any(rid.startswith(r["id"]) for rid in slow.engine.aborted)
 
 
-@pytest.mark.parametrize("extra", [{"stream": True}, {"store": False}])
-def test_background_needs_the_store_and_no_stream(slow, extra):
-    r = httpx.post(f"{slow.url}/v1/responses", json={"input": "hi", "background": True, **extra}, timeout=30)
+def test_background_needs_the_store(slow):
+    r = httpx.post(f"{slow.url}/v1/responses", json={"input": "hi", "background": True, "store": False}, timeout=30)
     assert_error(r, 400, "background")
+
+
+def sse(text: str) -> list[dict]:
+    """The events of an SSE body, each `event:` line naming its data's type."""
+    events = []
+    for block in filter(None, text.split("\n\n")):
+        kind, data = block.split("\n")
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}", block
+        events.append(event)
+    return events
+
+
+def replay(server, rid: str, starting_after: int | None = None, status: int = 200) -> list[dict]:
+    params = {"stream": "true"} if starting_after is None else {"stream": "true", "starting_after": starting_after}
+    r = httpx.get(f"{server.url}/v1/responses/{rid}", params=params, timeout=60)
+    assert r.status_code == status, r.text
+    return sse(r.text)
+
+
+def test_a_background_stream_goes_on_without_its_client_and_is_streamed_again(slow):
+    """background + stream: the POST streams the events; a client that leaves after the first
+    deltas stops only its own stream; GET ?stream=true replays every event (the same ones a
+    foreground stream sends) and, with starting_after, those after a sequence number; the
+    stored response is the stream's final one."""
+    body = {"input": "hi", "max_output_tokens": 40, **GREEDY}
+    with httpx.stream("POST", f"{slow.url}/v1/responses", json={**body, "background": True, "stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        seen = ""
+        for chunk in r.iter_text():
+            seen += chunk
+            if "response.output_text.delta" in seen:
+                break  # the client leaves mid-response
+    first = sse(seen[:seen.rindex("\n\n") + 2])
+    rid = first[0]["response"]["id"]
+    assert first[0]["type"] == "response.created" and first[0]["response"]["background"] is True
+    done = poll(slow, rid, lambda x: x["status"] not in ("queued", "in_progress"))
+    assert done["status"] == "incomplete" and done["usage"]["output_tokens"] == 40  # it went on
+    events = replay(slow, rid)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[:len(first)] == first
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"] == done
+    fg = events_of(slow, body)  # the same request streamed in the foreground: the same events
+    assert [e["type"] for e in fg] == [e["type"] for e in events]
+    assert text_of(fg[-1]["response"]) == text_of(done)
+    tail = replay(slow, rid, starting_after=5)
+    assert tail == events[6:]
+    assert replay(slow, rid, starting_after=len(events) + 10) == []
+    assert_error(httpx.get(f"{slow.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": -2},
+                           timeout=30), 400, "starting_after")
+
+
+def test_a_running_background_stream_is_followed_and_cancelled(slow):
+    """GET ?stream=true on a running background stream follows it as it is written, from the
+    sequence number asked; a cancel ends the followers' streams and stores it cancelled."""
+    body = {"input": "hi", "max_output_tokens": 500, "background": True, "stream": True}
+    with httpx.stream("POST", f"{slow.url}/v1/responses", json=body, timeout=60) as r:
+        head = ""
+        for chunk in r.iter_text():
+            head += chunk
+            if "\n\n" in head:
+                break
+    rid = sse(head[:head.index("\n\n") + 2])[0]["response"]["id"]
+    poll(slow, rid, lambda x: x["status"] == "in_progress")
+    with httpx.stream("GET", f"{slow.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": 1},
+                      timeout=60) as follower:
+        got = ""
+        it = follower.iter_text()
+        while got.count("response.output_text.delta") < 3:
+            got += next(it)
+        c = httpx.post(f"{slow.url}/v1/responses/{rid}/cancel", timeout=30)
+        assert c.status_code == 200 and c.json()["status"] == "cancelled"
+        got += "".join(it)  # the follower's stream ends with the response
+    events = sse(got)
+    assert events[0]["sequence_number"] == 2
+    assert [e["sequence_number"] for e in events] == list(range(2, 2 + len(events)))
+    assert get(slow, rid)["status"] == "cancelled"
+    assert any(x.startswith(rid) for x in slow.engine.aborted)
+
+
+def test_only_a_background_stream_is_streamed_again(slow):
+    fg = create(slow, {"input": "hi", "max_output_tokens": 2})
+    assert_error(httpx.get(f"{slow.url}/v1/responses/{fg['id']}", params={"stream": "true"}, timeout=30),
+                 400, "stream")
+    bg = create(slow, {"input": "hi", "max_output_tokens": 2, "background": True})
+    assert_error(httpx.get(f"{slow.url}/v1/responses/{bg['id']}", params={"stream": "true"}, timeout=30),
+                 400, "stream")
+    assert_error(httpx.get(f"{slow.url}/v1/responses/resp_none", params={"stream": "true"}, timeout=30),
+                 404, "response_id")
 
 
 def test_a_running_id_is_not_reused(slow):
@@ -112,3 +202,53 @@ def test_no_more_running_than_the_store_keeps():
         assert "--responses-store-size" in err["message"]
         httpx.post(f"{s.url}/v1/responses/{first['id']}/cancel", timeout=30)
         create(s, {**body, "max_output_tokens": 1})  # room again once it stopped
+
+
+def test_event_logs_live_and_go_with_their_entries():
+    """The store counts an event log's bytes against its byte bound (evicting older entries for
+    it), forgets the log with its entry (deleted or evicted), and keeps it when the entry is
+    replaced by a later put of the same id (queued, in_progress, final)."""
+    from server.responses_background import EventLog
+    from server.responses_store import ResponseStore
+    store = ResponseStore(max_entries=10, max_bytes=1000)
+    log = EventLog()
+    store.event_logs["a"] = log
+    store.put("a", b"{}", [], 0, 100)
+    store.put("a", b"{}", [], 0, 100)  # replaced: the log stays
+    assert store.event_logs["a"] is log and store.held_bytes() == 100
+    log.extend('event: x\ndata: {"type": "x", "sequence_number": 0}\n\n' * 2)
+    assert len(log.events) == 2 and store.held_bytes() == 100 + log.nbytes
+    store.put("b", b"{}", [], 0, 850)  # a's entry and log go: 100 + log + 850 > 1000
+    assert store.get("a") is None and "a" not in store.event_logs and store.get("b") is not None
+    store.event_logs["c"] = EventLog()
+    store.put("c", b"{}", [], 0, 10)
+    assert store.delete("c") and "c" not in store.event_logs
+
+
+def test_an_event_log_is_followed_from_a_sequence_number():
+    """EventLog.follow: what is there after `after`, then each new write, until the log closes."""
+    import asyncio
+
+    from server.responses_background import EventLog
+
+    def ev(n: int) -> str:
+        return f'event: e\ndata: {{"type": "e", "sequence_number": {n}}}\n\n'
+
+    async def main():
+        log = EventLog()
+        log.extend(ev(0) + ev(1))
+        got = []
+
+        async def reader():
+            async for chunk in log.follow(0):
+                got.append(chunk)
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0.01)
+        log.extend(ev(2))
+        await asyncio.sleep(0.01)
+        log.close()
+        await asyncio.wait_for(task, 5)
+        assert got == [ev(1), ev(2)]
+        assert [c async for c in log.follow(-1)] == [ev(0) + ev(1) + ev(2)]
+        assert [c async for c in log.follow(7)] == []
+    asyncio.run(main())
