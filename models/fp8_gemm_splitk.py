@@ -15,8 +15,9 @@ program counts itself done on its tile's counter (one atomic, acquire-release), 
 last program sums the S partials in split order, as the reduce kernel does (the same bits, in
 whichever order the splits finish), writes the output and sets the counter back to 0, so the
 counters are zero between launches (`tile_counters`: one zeroed buffer per device and stream,
-so that concurrent streams never share a counter). The splits cut on K-block boundaries: each 128-wide K block has one weight
-scale per 128 rows, so a program's scaling is what the unsplit kernel does on its blocks.
+so that concurrent streams never share a counter). The splits cut on K-block boundaries: each
+128-wide K block has one weight scale per 128 rows, so a program's scaling is what the unsplit
+kernel does on its blocks.
 
 `choose_k_splits` is the host-side rule for S (pure, from the shape and the SM count).
 """
