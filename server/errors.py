@@ -47,7 +47,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in err.get("loc", ())]
+    if loc and loc[0] in ("query", "path", "header", "cookie"):  # where a non-body field came from
+        loc = loc[1:]
+    loc = [p for p in loc if p != "body"]
     # Pydantic appends the failing union branch or validator kind to loc; keep the field path.
     loc = [p for p in loc if p not in ("str", "int", "float", "bool", "none")
            and not p.startswith(("function-", "list[", "dict[", "constrained-"))]

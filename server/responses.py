@@ -60,8 +60,9 @@ def install(v1: APIRouter, state, args=None) -> ResponseStore:
             return Response(found.response, media_type="application/json")
         log = store.event_logs.get(response_id)
         if log is None:
-            raise APIError(400, "stream: only a background response created with stream true keeps its "
-                           "events to stream again; GET it without stream", param="stream")
+            raise APIError(400, "stream: this response has no events kept: only a background response "
+                           "created with stream true keeps them, while they fit --responses-store-max-bytes "
+                           "with it; GET it without stream", param="stream")
         if starting_after is not None and starting_after < 0:
             raise APIError(400, f"starting_after: a sequence number, >= 0 (got {starting_after})",
                            param="starting_after")

@@ -132,21 +132,25 @@ def submit(state, store: ResponseStore, rid: str, engine_id: str, prompt_ids, pa
             raise streams.refused
         raise refusal_error(streams.refused, ("input", "max_output_tokens"))
 
+    log = EventLog() if events_of is not None else None
+
     def put(status: str) -> bytes:
         body = json.dumps({**head, "status": status}, allow_nan=False).encode()
-        store.put(rid, body, [], 0, len(body) + input_bytes(given), given)
+        store.put(rid, body, [], 0, len(body) + input_bytes(given), given, events=log)
         return body
 
     def final(response: dict, body: bytes | None) -> bytes:
+        """Store the final response (in place of a too large one, a failed one saying why; a
+        stream's last event says the same, as `response` is changed in place) with the log."""
         if not save(response, body):  # alone over --responses-store-max-bytes: keep why
-            response = {**head, "status": "failed", "error": {"code": "server_error", "message":
-                        "the response is larger than --responses-store-max-bytes"}}
+            response.clear()
+            response.update({**head, "status": "failed", "error": {"code": "server_error", "message":
+                             "the response is larger than --responses-store-max-bytes"}})
             save(response, None)
+            body = None
+        if log is not None:
+            store.attach_events(rid, log)  # the save replaced the entry and dropped it
         return json.dumps(response, allow_nan=False).encode() if body is None else body
-
-    log = None
-    if events_of is not None:
-        log = store.event_logs[rid] = EventLog()
 
     async def run_streamed() -> bytes:
         kept: list[bytes] = []

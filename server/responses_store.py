@@ -73,8 +73,9 @@ class ResponseStore:
         # final state, then leaves; until then its entry holds it queued or in_progress
         self.running: dict[str, asyncio.Task] = {}
         # the events of background responses created with stream (server/responses_background.py
-        # EventLog), by id, for GET ?stream=true: kept as long as the entry, their bytes counted
-        # against --responses-store-max-bytes at each put
+        # EventLog), by id, for GET ?stream=true: only with their entry (put with `events` and
+        # attach_events keep one, every put or delete of the id drops it), their bytes counted
+        # against --responses-store-max-bytes (a running one's as it grows, at each put)
         self.event_logs: dict = {}
 
     @classmethod
@@ -96,12 +97,13 @@ class ResponseStore:
         return self._entries.get(response_id)
 
     def put(self, response_id: str, response: bytes, turns: list, turn_bytes: int, nbytes: int,
-            given: str | list | None = None) -> bool:
-        """Keep a response (replacing one of the same id) and its request's `given` input,
-        evicting the oldest past the bounds; False when it alone is over the byte bound (then it
-        is not kept). `nbytes` counts the input too (its text is the turns'; its objects are
-        counted by the caller)."""
-        self._drop(response_id)
+            given: str | list | None = None, events=None) -> bool:
+        """Keep a response (replacing one of the same id, and its event log) and its request's
+        `given` input, evicting the oldest past the bounds; False when it alone is over the byte
+        bound (then it is not kept). `nbytes` counts the input too (its text is the turns'; its
+        objects are counted by the caller). `events`: the response's EventLog, kept with it where
+        both fit the byte bound (`attach_events`)."""
+        self.delete(response_id)
         if not self.enabled or nbytes > self.max_bytes:
             if self.enabled:
                 logger.warning("response %s not stored: %d bytes, over --responses-store-max-bytes %d",
@@ -109,6 +111,24 @@ class ResponseStore:
             return False
         self._entries[response_id] = Stored(response, turns, turn_bytes, nbytes, given)
         self.nbytes += nbytes
+        if events is not None:
+            self.attach_events(response_id, events)
+        self._evict(response_id)
+        return True
+
+    def attach_events(self, response_id: str, events) -> bool:
+        """Keep `events` (an EventLog) with the stored response of that id, if there is one and
+        both fit the byte bound together; evicts older entries for it. False when not kept."""
+        found = self._entries.get(response_id)
+        self.event_logs.pop(response_id, None)
+        if found is None or found.nbytes + events.nbytes > self.max_bytes:
+            return False
+        self.event_logs[response_id] = events
+        self._evict(response_id)
+        return True
+
+    def _evict(self, response_id: str) -> None:
+        """Evict the oldest entries (and their logs) past the bounds, never `response_id`'s."""
         while len(self._entries) > self.max_entries or self.held_bytes() > self.max_bytes:
             # a running background response's entry stays (it is what GET polls; their number is
             # bounded by max_entries, a 429 past it), and so does the one just kept: with only
@@ -117,20 +137,16 @@ class ResponseStore:
             if old_id is None:
                 break
             self.delete(old_id)
-        return True
 
     def held_bytes(self) -> int:
         """The entries' bytes and their event logs' (which grow while their responses run)."""
         return self.nbytes + sum(log.nbytes for log in self.event_logs.values())
 
-    def _drop(self, response_id: str) -> bool:
+    def delete(self, response_id: str) -> bool:
+        """Forget a response and its event log."""
+        self.event_logs.pop(response_id, None)
         old = self._entries.pop(response_id, None)
         if old is None:
             return False
         self.nbytes -= old.nbytes
         return True
-
-    def delete(self, response_id: str) -> bool:
-        """Forget a response and its event log."""
-        self.event_logs.pop(response_id, None)
-        return self._drop(response_id)

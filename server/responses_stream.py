@@ -129,8 +129,11 @@ class ResponseEvents:
         return f"event: {kind}\ndata: {json.dumps(data, allow_nan=False)}\n\n"
 
     def start(self) -> list[str]:
+        """`response.created` (`queued` for a background response, as it is stored until its
+        first output), then `response.in_progress`."""
         response = {**self.head, "status": "in_progress"}
-        return [self.event("response.created", response=response),
+        created = {**response, "status": "queued"} if self.head.get("background") else response
+        return [self.event("response.created", response=created),
                 self.event("response.in_progress", response=response)]
 
     def feed(self, choice: dict) -> list[str]:
@@ -168,7 +171,10 @@ class ResponseEvents:
         return out
 
     def end(self, response: dict) -> str:
-        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        """The last event: `response.<status>` of the finished response (completed or incomplete;
+        failed for a background response too large to store, server/responses_background.py)."""
+        kind = {"incomplete": "response.incomplete", "failed": "response.failed"}.get(response["status"],
+                                                                                    "response.completed")
         return self.event(kind, response=response)
 
     def fail(self, status: int, message: str) -> list[str]:

@@ -205,24 +205,62 @@ def test_no_more_running_than_the_store_keeps():
 
 
 def test_event_logs_live_and_go_with_their_entries():
-    """The store counts an event log's bytes against its byte bound (evicting older entries for
-    it), forgets the log with its entry (deleted or evicted), and keeps it when the entry is
-    replaced by a later put of the same id (queued, in_progress, final)."""
+    """An event log is kept only with its entry: put with `events` (or attach_events) keeps it,
+    any other put or a delete of the id drops it, and so does a put too large to keep; its bytes
+    count against the byte bound (evicting older entries for it), and a log that would not fit
+    with its entry is not kept."""
     from server.responses_background import EventLog
     from server.responses_store import ResponseStore
+
+    def ev(n: int) -> str:
+        return f'event: x\ndata: {{"type": "x", "sequence_number": {n}}}\n\n'
     store = ResponseStore(max_entries=10, max_bytes=1000)
     log = EventLog()
-    store.event_logs["a"] = log
-    store.put("a", b"{}", [], 0, 100)
-    store.put("a", b"{}", [], 0, 100)  # replaced: the log stays
+    store.put("a", b"{}", [], 0, 100, events=log)
+    store.put("a", b"{}", [], 0, 100, events=log)  # queued, then in_progress: kept
     assert store.event_logs["a"] is log and store.held_bytes() == 100
-    log.extend('event: x\ndata: {"type": "x", "sequence_number": 0}\n\n' * 2)
+    log.extend(ev(0) + ev(1))
     assert len(log.events) == 2 and store.held_bytes() == 100 + log.nbytes
-    store.put("b", b"{}", [], 0, 850)  # a's entry and log go: 100 + log + 850 > 1000
+    store.put("b", b"{}", [], 0, 850)  # a's entry and log go: 100 + log + 850 > 1000 (950 without it)
     assert store.get("a") is None and "a" not in store.event_logs and store.get("b") is not None
-    store.event_logs["c"] = EventLog()
-    store.put("c", b"{}", [], 0, 10)
-    assert store.delete("c") and "c" not in store.event_logs
+    store.put("c", b"{}", [], 0, 10, events=EventLog())
+    store.put("c", b"{}", [], 0, 10)  # the id reused by a response without events: dropped
+    assert "c" not in store.event_logs and store.get("c") is not None
+    assert store.attach_events("c", EventLog()) and store.delete("c") and "c" not in store.event_logs
+    store.put("d", b"{}", [], 0, 10, events=EventLog())
+    assert not store.put("d", b"{}", [], 0, 5000, events=log)  # too large: neither entry nor log stays
+    assert store.get("d") is None and "d" not in store.event_logs
+    big = EventLog()
+    big.extend(ev(0) * 30)  # ~1.6 KB of events: with its entry over the bound
+    assert store.put("e", b"{}", [], 0, 10, events=big) and "e" not in store.event_logs
+    assert not store.attach_events("nobody", EventLog()) and "nobody" not in store.event_logs
+
+
+def test_a_final_response_too_large_to_store_fails_alike_in_the_stream_and_the_store():
+    """A background stream whose final response is over --responses-store-max-bytes: the stored
+    response is `failed` saying why, and the stream's last event (live and replayed) is the same
+    `response.failed`; the log, too large to keep with it, is not kept."""
+    engine = FakeEngine(transformers.AutoTokenizer.from_pretrained(TINY_MODEL), max_model_len=1024)
+    with _server(engine, ["--responses-store-max-bytes", "6000"]) as s:
+        body = {"input": "hi", "max_output_tokens": 300, "background": True, "stream": True,
+                "top_logprobs": 5, "include": ["message.output_text.logprobs"], **GREEDY}
+        with httpx.stream("POST", f"{s.url}/v1/responses", json=body, timeout=60) as r:
+            live = sse(r.read().decode())
+        rid = live[0]["response"]["id"]
+        stored = get(s, rid)
+        assert stored["status"] == "failed" and "--responses-store-max-bytes" in stored["error"]["message"]
+        assert live[-1]["type"] == "response.failed" and live[-1]["response"] == stored
+        # its events (with logprobs, far over 6,000 bytes) are not kept with it
+        assert_error(httpx.get(f"{s.url}/v1/responses/{rid}", params={"stream": "true"}, timeout=30), 400, "stream")
+
+
+def test_starting_after_must_be_a_sequence_number(slow):
+    body = {"input": "hi", "max_output_tokens": 2, "background": True, "stream": True}
+    with httpx.stream("POST", f"{slow.url}/v1/responses", json=body, timeout=60) as r:
+        rid = sse(r.read().decode())[0]["response"]["id"]
+    for bad in ("abc", "1.5", "-1"):
+        assert_error(httpx.get(f"{slow.url}/v1/responses/{rid}", params={"stream": "true", "starting_after": bad},
+                               timeout=30), 400, "starting_after")
 
 
 def test_an_event_log_is_followed_from_a_sequence_number():
