@@ -10,6 +10,7 @@ import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
+BLOCK = 128  # DeepSeek's FP8 block: weights in 128 x 128 blocks, activations in groups of 128
 
 
 def expand_scales(s: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int]) -> torch.Tensor:

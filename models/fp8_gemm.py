@@ -9,9 +9,10 @@ per 128 x 128 block (`W = Wq * sw[n // 128, k // 128]`), so
 with an fp8 tensor-core product per K block and the two scales applied to its fp32 partial sum.
 
 Two implementations (w8a8_block_gemm picks; the kernel plan's fp8_gemm=triton|cublas forces one):
-- cuBLAS's block-scaled FP8 GEMM through torch._scaled_mm (the default where this torch and an
-  sm_90 GPU have it, from 4 rows, K a multiple of 512; from 17 rows with split_k, the plan's
-  fp8_gemm_splitk, on by default): 1.48-1.60x of bf16 cuBLAS at M = 4096, V3 shapes (H200).
+- cuBLAS's block-scaled FP8 GEMM through torch._scaled_mm (models/fp8_cublas.py; the default
+  where this torch and an sm_90 GPU have it, from 4 rows, K a multiple of 512; from 17 rows with
+  split_k, the plan's fp8_gemm_splitk, on by default): 1.48-1.60x of bf16 cuBLAS at M = 4096, V3
+  shapes (H200).
 - Triton, everywhere else (fewer rows, other GPUs, older torch): a persistent TMA kernel above 256
   rows (1.13-1.19x of bf16 at M = 4096), an autotuned pointer kernel below, which at <= 16
   rows with split_k splits K where its tiles alone would leave SMs idle
@@ -19,8 +20,8 @@ Two implementations (w8a8_block_gemm picks; the kernel plan's fp8_gemm=triton|cu
   the next accumulates, so Triton waits for every wgmma (wait 0) instead of keeping one in
   flight; an unscaled Triton fp8 GEMM reaches 1.2-1.7x.
 Measurements and the variants tried: RESULTS.md.
-The engine uses this where an FP8 checkpoint's weights are kept in FP8 (`--fp8-gemm`, or unset
-where the dequantized weights would not fit: engine/weight_memory.py).
+The engine uses this where an FP8 checkpoint's weights are kept in FP8 (the default wherever
+these kernels run; `--no-fp8-gemm` dequantizes: engine/weight_memory.py).
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ import triton
 import triton.language as tl
 
 from common.triton_launch import fast_launch
-from models.fp8 import FP8, FP8_MAX
+from models import fp8_cublas as cb
+from models.fp8 import BLOCK, FP8, FP8_MAX
+from models.fp8_cublas import capability as _capability
 from models.fp8_gemm_splitk import SPLIT_MAX_M, _w8a8_splitk_kernel, choose_k_splits, splitk_reduce, tile_counters
 from common.launch_settings import autotuning, interpreting
 
-GROUP = 128
+GROUP = BLOCK
 log = logging.getLogger(__name__)
 try:  # host-side TMA descriptors: Triton >= 3.4
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -196,11 +199,6 @@ _TMA_TUNED = triton.autotune(
 
 
 @functools.lru_cache(maxsize=None)
-def _capability(index: int | None) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-@functools.lru_cache(maxsize=None)
 def _sm_count(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
@@ -329,62 +327,6 @@ def fused_act_splitk(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor, splits
     return y
 
 
-# cuBLAS's block-scaled FP8 GEMM (cuBLASLt 12.9+, Hopper; through torch._scaled_mm, whose scale
-# shapes select the 1x128 / 128x128 recipe). It takes row counts that are multiples of 4 (probed on
-# the H200: 4, 8, 12, 16, 24, ..., 100, 1000 taken; 1, 2, 3, 5, 7, 15, 17, 33, 255,
-# 257 refused), so other counts >= 4 are padded with zero rows. A shape cuBLAS refuses anyway
-# (CUBLAS_STATUS_NOT_SUPPORTED) is remembered and goes to Triton; any other error from this path
-# (a torch that does not know the block-wise recipe) raises: the warm-up names the kernel plan's
-# fp8_gemm=triton, which avoids it.
-# K must be a multiple of 4 x 128: with 1 or 2 K blocks (K 128, 256) the GEMM ran without an error
-# and returned wrong products on the H200 (relative error 0.7-0.9 against the emulated W8A8 at 4-200
-# rows, torch 2.11 / CUDA 13; right at 8 blocks and at R1's 12-144; 4 blocks, K 512, is checked by
-# tests/test_fp8_gemm.py's small-K GPU test). The weight scales' rows are
-# then 4 or 8 bytes long where the 1x128 activation scales need 16-byte strides (the rows-of-4 rule
-# above); shapes with a partial 16-byte scale row go to Triton.
-_CUBLAS_MIN_ROWS = 4
-_CUBLAS_K_BLOCKS = 4  # K / 128 must be a multiple of this
-_CUBLAS_REFUSED: set[tuple] = set()  # (rows, N, K, out dtype)
-
-
-def _cublas_device_ok(t: torch.Tensor) -> bool:
-    return t.is_cuda and hasattr(torch, "_scaled_mm") and _capability(t.device.index) == (9, 0)
-
-
-def _cublas_rows(M: int) -> int:
-    return -(-M // 4) * 4
-
-
-def _cublas_key(M: int, N: int, K: int, out_dtype: torch.dtype) -> tuple:
-    return _cublas_rows(M), N, K, out_dtype
-
-
-def _cublas_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
-    M = xq.shape[0]
-    return (out_dtype in (torch.bfloat16, torch.float16) and N % GROUP == 0
-            and K % (GROUP * _CUBLAS_K_BLOCKS) == 0 and M >= _CUBLAS_MIN_ROWS
-            and _cublas_key(M, N, K, out_dtype) not in _CUBLAS_REFUSED and _cublas_device_ok(xq))
-
-
-def _cublas_gemm(xq, sx, wq, sw, out_dtype):
-    M, K = xq.shape
-    rows = _cublas_rows(M)
-    sa = sx
-    # M-major scales with strides exactly (1, rows), as torch checks for the 1x128 recipe (the
-    # Triton act_quant's layout: no copy then)
-    if rows != M or (sx.shape[1] > 1 and sx.stride() != (1, M)):
-        sa = torch.ones(sx.shape[1], rows, dtype=torch.float32, device=sx.device)
-        sa[:, :M] = sx.t()
-        sa = sa.t()
-    if rows != M:
-        xp = torch.empty(rows, K, dtype=xq.dtype, device=xq.device)
-        xp[:M] = xq
-        xp.view(torch.uint8)[M:] = 0  # fp8 zero is the zero byte
-        xq = xp
-    y = torch._scaled_mm(xq, wq.t(), sa, sw.t(), out_dtype=out_dtype)
-    return y[:M] if rows != M else y
-
-
 def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
                     out_dtype: torch.dtype = torch.bfloat16, tile: tuple[int, int] | None = None,
                     backend: str = "auto", splits: int | None = None, split_k: bool = False,
@@ -412,9 +354,9 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
     # on q_b and the gate/up projections, 1.03-1.08x on o_proj, level on the down projections)
     small = split_k and backend == "auto" and M <= SPLIT_MAX_M
     use_cublas = tile is None and splits is None and backend != "triton" and not small
-    if use_cublas and _cublas_ok(xq, N, K, out_dtype):
+    if use_cublas and cb.cublas_ok(xq, N, K, out_dtype):
         try:
-            return _cublas_gemm(xq, sx, wq, sw, out_dtype)
+            return cb.cublas_gemm(xq, sx, wq, sw, out_dtype)
         except torch.cuda.OutOfMemoryError:
             raise
         except RuntimeError as e:  # raised before the GEMM launches (the padding copies may have run)
@@ -424,13 +366,13 @@ def w8a8_block_gemm(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: to
             if (backend == "cublas" or "NOT_SUPPORTED" not in msg
                     or (xq.is_cuda and torch.cuda.is_current_stream_capturing())):
                 raise
-            _CUBLAS_REFUSED.add(_cublas_key(M, N, K, out_dtype))
+            cb.REFUSED.add(cb.cublas_key(M, N, K, out_dtype))
             log.info("cuBLAS block-scaled FP8 GEMM refused M %d, N %d, K %d (%s): Triton for that shape",
                      M, N, K, msg)
     elif backend == "cublas":
         raise ValueError(f"cuBLAS block-scaled FP8 GEMM unavailable for M {M}, N {N}, K {K}, {out_dtype} "
-                         f"on this torch / device (it takes M >= {_CUBLAS_MIN_ROWS}, N a multiple of {GROUP}, "
-                         f"K a multiple of {GROUP * _CUBLAS_K_BLOCKS}, bf16 or fp16 out, sm_90; or it refused "
+                         f"on this torch / device (it takes M >= {cb.MIN_ROWS}, N a multiple of {GROUP}, "
+                         f"K a multiple of {GROUP * cb.K_BLOCKS}, bf16 or fp16 out, sm_90; or it refused "
                          f"this shape before)")
     y = torch.empty(M, N, dtype=out_dtype, device=xq.device)
     _triton_gemm(xq, sx, wq.contiguous(), sw.contiguous(), y, tile, splits=splits, split_k=split_k, serial=serial)

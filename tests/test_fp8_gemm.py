@@ -44,6 +44,7 @@ def test_cublas_dispatch_pads_rows_and_keeps_m_major_scales(monkeypatch):
     weight scales): row counts >= 4 are padded and cut back, fewer go to Triton, as does a K that
     is not a multiple of 512, a refusal is remembered, a forced backend that cannot run says so,
     and any other error propagates."""
+    import models.fp8_cublas as cb
     import models.fp8_gemm as g
     from models.fp8 import dequantize, quantize
     calls = []
@@ -56,8 +57,8 @@ def test_cublas_dispatch_pads_rows_and_keeps_m_major_scales(monkeypatch):
         return (dequantize(a, scale_a, (1, 128)) @ dequantize(b.t(), scale_b.t(), (128, 128)).t()).to(out_dtype)
 
     monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm, raising=False)
-    monkeypatch.setattr(g, "_cublas_device_ok", lambda t: True)
-    monkeypatch.setattr(g, "_CUBLAS_REFUSED", set())
+    monkeypatch.setattr(cb, "cublas_device_ok", lambda t: True)
+    monkeypatch.setattr(cb, "REFUSED", set())
     wq, sw = quantize(torch.randn(256, 512) * 0.05)
     for M, padded in ((4, 4), (5, 8), (17, 20), (3, None)):
         xq, sx = g.act_quant(torch.randn(M, 512) * (1 + 5 * torch.rand(M, 1)))
@@ -83,7 +84,7 @@ def test_cublas_dispatch_pads_rows_and_keeps_m_major_scales(monkeypatch):
     xq, sx = g.act_quant(torch.randn(7, 512))
     g.w8a8_block_gemm(xq, sx, wq, sw)
     g.w8a8_block_gemm(xq, sx, wq, sw)
-    assert refusals == [8] and ran == [7, 7] and g._CUBLAS_REFUSED == {(8, 256, 512, torch.bfloat16)}
+    assert refusals == [8] and ran == [7, 7] and cb.REFUSED == {(8, 256, 512, torch.bfloat16)}
     with pytest.raises(RuntimeError, match="NOT_SUPPORTED"):  # forced: the error, not a silent Triton
         g.w8a8_block_gemm(*g.act_quant(torch.randn(12, 512)), wq, sw, backend="cublas")
     # K of 1-3 blocks (here 3): Triton without asking cuBLAS (it returned wrong products at 1 and 2
@@ -101,7 +102,7 @@ def test_cublas_dispatch_pads_rows_and_keeps_m_major_scales(monkeypatch):
     # with split_k (the plan's fp8_gemm_splitk), auto takes Triton through 16 rows and asks cuBLAS
     # from 17 (here refused, so Triton too); a forced cuBLAS is still asked at 8
     monkeypatch.setattr(torch, "_scaled_mm", refusing)
-    ran.clear(), refusals.clear(), g._CUBLAS_REFUSED.clear()
+    ran.clear(), refusals.clear(), cb.REFUSED.clear()
     for M in (4, 16, 17):
         g.w8a8_block_gemm(*g.act_quant(torch.randn(M, 512)), wq, sw, split_k=True)
     assert ran == [4, 16, 17] and refusals == [20], (ran, refusals)
@@ -135,11 +136,11 @@ def test_w8a8_auto_backend_small_k(M, N, K, monkeypatch):
     8 blocks (where this torch has its block-scaled GEMM), Triton below; equal to the dequantized
     product either way (cuBLAS's block-scaled GEMM returned wrong products at 1 and 2 blocks on the
     H200)."""
-    import models.fp8_gemm as g
-    ran, cublas = [], g._cublas_gemm
-    monkeypatch.setattr(g, "_cublas_gemm", lambda *a: ran.append(a[0].shape) or cublas(*a))
+    import models.fp8_cublas as cb
+    ran, cublas = [], cb.cublas_gemm
+    monkeypatch.setattr(cb, "cublas_gemm", lambda *a: ran.append(a[0].shape) or cublas(*a))
     check(M, N, K, "cuda", 8e-2, backend="auto", out=torch.bfloat16, m_major=True)
-    has_cublas = g._cublas_device_ok(torch.empty(1, device="cuda"))
+    has_cublas = cb.cublas_device_ok(torch.empty(1, device="cuda"))
     assert bool(ran) == (has_cublas and K % 512 == 0), (ran, has_cublas)
 
 
