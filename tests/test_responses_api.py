@@ -82,13 +82,19 @@ def events_of(server, body: dict, headers: dict | None = None) -> list[dict]:
         assert r.status_code == 200, r.read()
         assert r.headers["content-type"].startswith("text/event-stream")
         text = r.read().decode()
+    events = sse_events(text)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def sse_events(text: str) -> list[dict]:
+    """The events of an SSE body, each `event:` line naming its data's type."""
     events = []
     for block in filter(None, text.split("\n\n")):
         kind, data = block.split("\n")
         event = json.loads(data.removeprefix("data: "))
         assert kind == f"event: {event['type']}", block
         events.append(event)
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
 
 

@@ -4,7 +4,6 @@ fake engine whose tokens take a while."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -13,7 +12,7 @@ import pytest
 import transformers
 
 from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, assert_error
-from tests.test_responses_api import GREEDY, _server, create, events_of, text_of
+from tests.test_responses_api import GREEDY, _server, create, events_of, sse_events as sse, text_of
 
 os.environ.update(OFFLINE_ENV)
 
@@ -89,17 +88,6 @@ def test_delete_cancels_a_running_background_response(slow):
 def test_background_needs_the_store(slow):
     r = httpx.post(f"{slow.url}/v1/responses", json={"input": "hi", "background": True, "store": False}, timeout=30)
     assert_error(r, 400, "background")
-
-
-def sse(text: str) -> list[dict]:
-    """The events of an SSE body, each `event:` line naming its data's type."""
-    events = []
-    for block in filter(None, text.split("\n\n")):
-        kind, data = block.split("\n")
-        event = json.loads(data.removeprefix("data: "))
-        assert kind == f"event: {event['type']}", block
-        events.append(event)
-    return events
 
 
 def replay(server, rid: str, starting_after: int | None = None, status: int = 200) -> list[dict]:
