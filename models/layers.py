@@ -132,7 +132,8 @@ class PackedLinear(Linear):
                  fp8_block: tuple[int, int] | None = None, keep_fp8: bool = False):
         nn.Module.__init__(self)
         self.dtype, self.fp8_block, self.reduce = dtype, fp8_block, False
-        self.fp8_gemm, self.fp8_splitk, self.fp8_fuse_act, self.skinny_max = "auto", False, False, 0
+        self.fp8_gemm, self.fp8_splitk, self.skinny_max = "auto", False, 0
+        self.fp8_fuse_act = self.fp8_serial = False
         tp = pd.tp().size
         self.sizes = [out // tp if tp_dim == 0 else out for _, out, tp_dim in parts]
         for (name, out, tp_dim), n in zip(parts, self.sizes):
@@ -149,8 +150,9 @@ class PackedLinear(Linear):
             return
         bn, bk = fp8_block
         if keep_fp8 and any(n % bn for n in self.sizes[:-1]):
-            raise ValueError(f"--fp8-gemm: {', '.join(p[0] for p in parts)} ({self.sizes} rows) do not "
-                             f"pack on {bn}-row FP8 blocks; --no-fp8-gemm dequantizes them")
+            raise ValueError(f"--fp8-gemm (FP8 weights kept in FP8, the default on CUDA): "
+                             f"{', '.join(p[0] for p in parts)} ({self.sizes} rows) do not pack on {bn}-row "
+                             f"FP8 blocks; --no-fp8-gemm dequantizes them")
         self.block_rows = [-(-n // bn) for n in self.sizes]  # each part's scale rows
         b0 = [sum(self.block_rows[:i]) for i in range(len(parts))]
         self.weight_scale_inv = packed_param((sum(self.block_rows), -(-in_features // bk)), torch.float32, [
