@@ -245,7 +245,7 @@ def test_fp8_gemm_splitk_in_the_engine(tmp_path, monkeypatch):
     kernels = "auto,warmup=0,fp8_gemm=triton,fp8_gemm_splitk=1"
     graphs = _decode_logprobs(path, prompts, "bfloat16", kernels=kernels, fp8_gemm=True)
     splits, splitk_gemm = [], g._splitk_gemm
-    monkeypatch.setattr(g, "_splitk_gemm", lambda *a: splits.append(a[5]) or splitk_gemm(*a))
+    monkeypatch.setattr(g, "_splitk_gemm", lambda *a, **kw: splits.append(a[5]) or splitk_gemm(*a, **kw))
     eager = _decode_logprobs(path, prompts, "bfloat16", kernels=kernels, fp8_gemm=True, enforce_eager=True)
     assert splits and max(splits) > 1, splits  # the split kernel ran, with splits
     plain = _decode_logprobs(path, prompts, "bfloat16", kernels="auto,warmup=0,fp8_gemm=triton", fp8_gemm=True,
