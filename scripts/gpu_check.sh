@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -86,6 +86,9 @@
 #   r1dec       the R1 config, 4 layers, dummy FP8 weights: decode TPOT at batch 1/8/32/128, dequantized
 #               to bf16 (--no-fp8-gemm) against kept in FP8 (--fp8-gemm, the default); two runs, each under half the step's timeout
 #               (`r1dec:360`; batches 1 and 8 run the fused small MoE, FP8 experts scaled per tile)
+#   r1tput      the same R1 config's offline run, 500 x (1000 in, 100 out), prefix caching off,
+#               --no-fp8-gemm then --fp8-gemm, then both again (alternating: four runs, each under a
+#               quarter of the step's timeout; a cold run's warm-up is ~85 s, so give it `r1tput:560`)
 #   r1fp8x      the same R1 config with --fp8-gemm, its FP8 kernels one at a time: TPOT at batch
 #               1/32/128 with --kernels auto (split-K on, weight-only FP8 MoE), with
 #               fp8_gemm_splitk=0,moe_fp8_w8a8=1, and with moe_fp8_w8a8=1 (both); three runs, each
@@ -234,6 +237,12 @@ for spec in $steps; do
               echo "## latency $g"
               timeout $((T / 2)) python3 scripts/bench_latency.py $R1 $g --batch-sizes 1 8 32 128 --decode-steps 50 \
                 --json "$OUT/r1dec${g//-/_}.json"
+            done; } > "$log" 2>&1 ;;
+    r1tput) { R1="--model configs/models/DeepSeek-R1 --hf-overrides {\"num_hidden_layers\":4}"
+            for g in --no-fp8-gemm --fp8-gemm --no-fp8-gemm --fp8-gemm; do
+              echo "## throughput $g"
+              timeout $((T / 4)) python3 scripts/bench_throughput.py $R1 $g --num-prompts 500 --no-enable-prefix-caching \
+                --json "$OUT/r1tput${g//-/_}_$SECONDS.json"
             done; } > "$log" 2>&1 ;;
     r1fp8x) { R1="--model configs/models/DeepSeek-R1 --hf-overrides {\"num_hidden_layers\":4}"
             for k in auto auto,fp8_gemm_splitk=0,moe_fp8_w8a8=1 auto,moe_fp8_w8a8=1; do
