@@ -68,6 +68,7 @@ class MLAAttention:
         # the plan's fused decode-path kernels (None: the torch ops below)
         self.kv_finish = self.rope_kernel = self.absorb_q_kernel = self.absorb_o_kernel = None
         self.absorb_q_kv_finish = None  # decode_fuse_q_kv: absorb_q and kv_finish as one launch
+        self.absorb_o_merge = None  # decode_merge_in_absorb: the decode's split merge inside absorb_o
         if plan.finish_kv == TRITON:
             from attention.triton_cache import kv_finish  # triton: CUDA installs only
             self.kv_finish = kv_finish
@@ -77,6 +78,8 @@ class MLAAttention:
             self.absorb_o_kernel = triton_absorb.absorb_o
             if plan.decode_fuse_q_kv and plan.finish_kv == TRITON:
                 self.absorb_q_kv_finish = triton_absorb.absorb_q_kv_finish
+            if plan.decode_merge_in_absorb and plan.attention == TRITON:
+                self.absorb_o_merge = triton_absorb.absorb_o_merge
         self.w_kv_b: torch.Tensor | None = None  # [Hl*(P+V), Lkv]
         self.w_uk: torch.Tensor | None = None  # [Hl, P, Lkv]
         self.w_uv: torch.Tensor | None = None  # [Hl, V, Lkv]
@@ -179,8 +182,14 @@ class MLAAttention:
             padded = q.new_zeros(d.block_table.shape[0] * d.q_len, *q.shape[1:])
             padded[d.row_index] = q
             q = padded
+        # decode_merge_in_absorb: where no DCP merge or row selection needs the merged lse, the
+        # Triton decode may hand back its splits' partials, merged inside absorb_o
+        unmerged = ({"merge": False} if self.absorb_o_merge is not None and dcp.size == 1 and d.row_index is None
+                    else {})
         o_lat, lse = self.ops.decode(q, kv_cache, d.block_table, d.seq_lens, self.scale, self.Lkv,
-                                     q_len=d.q_len, q_pos=d.q_pos, dcp_size=dcp.size, dcp_rank=dcp.rank)
+                                     q_len=d.q_len, q_pos=d.q_pos, dcp_size=dcp.size, dcp_rank=dcp.rank, **unmerged)
+        if o_lat.dim() == 4:  # [Nd, splits, Hl, Lkv] fp32 partials and their lse [Nd, splits, Hl]
+            return self.absorb_o_merge(o_lat, lse, self.w_uv, out=out)
         if d.row_index is not None:
             o_lat, lse = o_lat[d.row_index], lse[d.row_index]
         if dcp.size > 1:

@@ -131,6 +131,82 @@ def _absorb_o_kernel(o_ptr, w_ptr, out_ptr, T, s_o_t, s_o_h, s_w_h, s_w_v,
              mask=mt[:, None] & mv[None, :])
 
 
+@triton.jit
+def _split_lse(plse_ptr, rows, mt, s0, S, h, s_lt, s_ls, s_lh, BS: tl.constexpr):
+    """lse of splits s0..s0+BS-1 for `rows` [BT]: [BT, BS], -inf past S and past T."""
+    offs_s = s0 + tl.arange(0, BS)
+    return tl.load(plse_ptr + rows[:, None] * s_lt + offs_s[None, :] * s_ls + h * s_lh,
+                   mask=mt[:, None] & (offs_s[None, :] < S), other=float("-inf"))
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["T", "S"])
+def _absorb_o_merge_kernel(po_ptr, plse_ptr, w_ptr, out_ptr, T, S, s_pt, s_ps, s_ph, s_lt, s_ls, s_lh, s_w_h, s_w_v,
+                           H: tl.constexpr, L: tl.constexpr, V: tl.constexpr, BS: tl.constexpr,
+                           CHUNKS: tl.constexpr, BL: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr,
+                           IEEE: tl.constexpr, PDL: tl.constexpr):
+    """Program (head h, value columns vb, rows t0..): the split merge of triton_decode's
+    `_mla_decode_reduce_kernel` for rows [BT] of head h, then their product with W_UV[h]^T as
+    `_absorb_o_kernel`. The splits' lse give each row's max and weight sum (with CHUNKS, passes
+    over them BS at a time; else one [BT, BS] load); each [BT, BL] chunk of the merged latent
+    output is then summed from [BT, BS, BL] partials, divided by the row's weight sum, rounded to
+    the weights' dtype (as the merge stores it) and multiplied into the accumulator."""
+    pdl_prologue(PDL)
+    h = tl.program_id(0)
+    vb = tl.program_id(1)
+    t0 = tl.program_id(2) * BT
+    offs_t = t0 + tl.arange(0, BT)
+    offs_v = vb * BV + tl.arange(0, BV)
+    mt = offs_t < T
+    mv = offs_v < V
+    rows = offs_t.to(tl.int64)
+    if CHUNKS:  # more splits than one [BT, BS] chunk: the max, then the weight sum, chunk by chunk
+        m = tl.full([BT], float("-inf"), tl.float32)
+        for s0 in range(0, S, BS):
+            m = tl.maximum(m, tl.max(_split_lse(plse_ptr, rows, mt, s0, S, h, s_lt, s_ls, s_lh, BS), 1))
+    else:
+        lse = _split_lse(plse_ptr, rows, mt, 0, S, h, s_lt, s_ls, s_lh, BS)
+        m = tl.max(lse, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    if CHUNKS:
+        total = tl.zeros([BT], tl.float32)
+        for s0 in range(0, S, BS):
+            lse = _split_lse(plse_ptr, rows, mt, s0, S, h, s_lt, s_ls, s_lh, BS)
+            total += tl.sum(tl.exp(lse - m_safe[:, None]), 1)
+    else:
+        wgt = tl.exp(lse - m_safe[:, None])  # 0 for empty splits (lse -inf), past S and past T
+        total = tl.sum(wgt, 1)
+    total = tl.where(total > 0.0, total, 1.0)  # every split empty: the row's output is 0
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    offs_s = tl.arange(0, BS)
+    for l0 in range(0, L, BL):
+        offs_l = l0 + tl.arange(0, BL)
+        ml = offs_l < L
+        # empty splits' rows were never written: masked, so they cannot reach the sum
+        if CHUNKS:
+            xs = tl.zeros([BT, BL], dtype=tl.float32)
+            for s0 in range(0, S, BS):
+                lse = _split_lse(plse_ptr, rows, mt, s0, S, h, s_lt, s_ls, s_lh, BS)
+                p = tl.load(po_ptr + rows[:, None, None] * s_pt + (s0 + offs_s)[None, :, None] * s_ps
+                            + h * s_ph + offs_l[None, None, :],
+                            mask=(lse > float("-inf"))[:, :, None] & ml[None, None, :], other=0.0)
+                xs += tl.sum(tl.exp(lse - m_safe[:, None])[:, :, None] * p, 1)
+        else:
+            p = tl.load(po_ptr + rows[:, None, None] * s_pt + offs_s[None, :, None] * s_ps + h * s_ph
+                        + offs_l[None, None, :], mask=(lse > float("-inf"))[:, :, None] & ml[None, None, :],
+                        other=0.0)
+            xs = tl.sum(wgt[:, :, None] * p, 1)
+        x = (xs / total[:, None]).to(w_ptr.dtype.element_ty)  # [BT, BL] of the merged o_lat rows
+        w = tl.load(w_ptr + h * s_w_h + offs_v[None, :] * s_w_v + offs_l[:, None],
+                    mask=mv[None, :] & ml[:, None], other=0.0)  # [BL, BV] = W_UV[h]^T tile
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    tl.store(out_ptr + offs_t[:, None] * (H * V) + h * V + offs_v[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mt[:, None] & mv[None, :])
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["T"])
 def _rope_kernel(x_ptr, cs_ptr, out_ptr, T, H, s_x_t, s_x_h, s_cs_t,
@@ -270,4 +346,38 @@ def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None =
     _absorb_o_kernel[(H, triton.cdiv(V, t["BV"]), triton.cdiv(T, t["BT"]))](
         o_lat, w_uv, out, T, o_lat.stride(0), o_lat.stride(1), w_uv.stride(0), w_uv.stride(1), H=H, L=L, V=V,
         IEEE=o_lat.dtype == torch.float32, **t, **pdl_launch())
+    return out
+
+
+def absorb_o_merge(po: torch.Tensor, plse: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None = None,
+                   tiles: dict | None = None) -> torch.Tensor:
+    """The split-KV decode's merge and absorb_o in one launch (the plan's decode_merge_in_absorb):
+    po [T, S, H, L] fp32 partial outputs and plse [T, S, H] their lse (triton_decode
+    `split_outputs`, last dims contiguous), w_uv [H, V, L] -> o [T, H, V] in w_uv's dtype, as
+    `absorb_o(reduce_splits(...))` computes it: each row's merged latent output is rounded to that
+    dtype before its product. The merged lse is not formed: callers without DCP drop it.
+    `out` as absorb_o's."""
+    T, S, H, L = po.shape
+    V = w_uv.shape[1]
+    if (po.dtype != torch.float32 or plse.shape != (T, S, H) or plse.dtype != torch.float32
+            or w_uv.shape[0] != H or w_uv.shape[2] != L or po.stride(-1) != 1 or w_uv.stride(-1) != 1):
+        raise ValueError(f"absorb_o_merge: po {tuple(po.shape)} {po.dtype}, plse {tuple(plse.shape)} {plse.dtype}, "
+                         f"w_uv {tuple(w_uv.shape)} {w_uv.dtype} (fp32 partials [T, S, H, L] and lse [T, S, H], "
+                         "w_uv [H, V, L], last dims contiguous)")
+    if out is None:
+        out = torch.empty(T, H, V, dtype=w_uv.dtype, device=po.device)
+    elif out.shape != (T, H, V) or out.dtype != w_uv.dtype or not out.is_contiguous():
+        raise ValueError(f"absorb_o_merge: out must be a contiguous {(T, H, V)} {w_uv.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    if T == 0:
+        return out
+    BT = _bt(T)
+    BS = min(triton.next_power_of_2(S), 16 if BT == 16 else 4)  # splits a chunk
+    # the [BT, BS, BL] partials chunk: 8192 values (64 a thread of 4 warps), BL at least 16
+    t = dict(BL=max(16, min(128, triton.next_power_of_2(L), 8192 // (BT * BS))),
+             BV=max(16, min(32, triton.next_power_of_2(V))), BT=BT, num_warps=4, num_stages=2) | (tiles or {})
+    _absorb_o_merge_kernel[(H, triton.cdiv(V, t["BV"]), triton.cdiv(T, t["BT"]))](
+        po, plse, w_uv, out, T, S, po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
+        plse.stride(2), w_uv.stride(0), w_uv.stride(1), H=H, L=L, V=V, BS=BS, CHUNKS=S > BS,
+        IEEE=w_uv.dtype == torch.float32, **t, **pdl_launch())
     return out

@@ -159,6 +159,11 @@ CHOICES: tuple[Choice, ...] = (
            "rows) as one launch (attention/triton_absorb.py absorb_q_kv_finish): one kernel fewer per layer; "
            "needs absorb and finish_kv triton", ("attention.triton_absorb",), triton=True, torch=False,
            triton_help="1 where absorb and finish_kv are triton, else 0"),
+    Choice("decode_merge_in_absorb", (bool,), "the Triton MLA decode's split merge runs inside absorb_o "
+           "(attention/triton_absorb.py absorb_o_merge: the splits' fp32 partials merged by their lse and "
+           "multiplied by W_UV in one launch) instead of its own launch, where the decode splits and no DCP "
+           "merge needs the lse; needs attention and absorb triton (opt-in: not yet timed on a GPU)",
+           ("attention.triton_absorb",), triton=False, torch=False),
     Choice("decode_qk_fp8", (bool,), "with --kv-cache-dtype fp8, the MLA decode's QK^T on e4m3 operands: each "
            "query row rounded to e4m3 with its own scale, the cache's bytes as they are (Triton: "
            "DecodeConfig.qk_fp8; torch: the same rounding); opt-in: on the H200 at B 128, S 16k, 16 heads 713.8 us "
@@ -220,6 +225,7 @@ class KernelPlan:
     decode_fp8_wgmma: bool = False
     decode_fp8_wgmma_min_rows: int = 0
     decode_fuse_q_kv: bool = False
+    decode_merge_in_absorb: bool = False
     decode_qk_fp8: bool = False
     pdl: bool = False
     pdl_graph_max_batch: int = 0

@@ -155,6 +155,10 @@ class Worker:
             raise ValueError(f"--kernels ...,decode_fuse_q_kv=1 fuses the Triton absorb_q and kv_finish kernels; this "
                              f"plan has absorb={self.plan.absorb} finish_kv={self.plan.finish_kv} (leave "
                              f"decode_fuse_q_kv at 0)")
+        if self.plan.decode_merge_in_absorb and not self.plan.attention == self.plan.absorb == TRITON:
+            raise ValueError(f"--kernels ...,decode_merge_in_absorb=1 merges the Triton decode's splits in the Triton "
+                             f"absorb_o kernel; this plan has attention={self.plan.attention} absorb={self.plan.absorb} "
+                             f"(leave decode_merge_in_absorb at 0)")
         if self.plan.router_fused_max_tokens:
             n = self.plan.router_fused_max_tokens
             if self.plan.router != TRITON:

@@ -147,6 +147,14 @@ def test_decode_fuse_q_kv_without_the_triton_kernels_is_refused(tiny_v2):
         LLM(tiny_v2[0], device="cpu", dtype="float32", kernels="torch,decode_fuse_q_kv=1")
 
 
+def test_decode_merge_in_absorb_without_the_triton_kernels_is_refused(tiny_v2):
+    """decode_merge_in_absorb folds the Triton decode's merge into the Triton absorb_o: asked for on
+    a plan without them, the engine does not start, naming the setting."""
+    from engine import LLM
+    with pytest.raises(ValueError, match=r"decode_merge_in_absorb=1 merges the Triton decode's splits"):
+        LLM(tiny_v2[0], device="cpu", dtype="float32", kernels="torch,decode_merge_in_absorb=1")
+
+
 def test_router_fused_without_the_triton_router_is_refused(tiny_v2):
     from engine import LLM
     with pytest.raises(ValueError, match=r"router_fused_max_tokens=8 is an option of the Triton router"):

@@ -73,6 +73,53 @@ def check_fused(T, H, P, R, L, page, dtype, device, fp8=False):
     assert torch.equal(got_cache.view(torch.uint8), ref_cache.view(torch.uint8))
 
 
+def check_merged(T, S, H, L, V, dtype, device, tol, po_pad=0):
+    """absorb_o_merge against reduce_splits + absorb_o, and against a float64 merge and product.
+    Some splits are empty (lse -inf) and their rows hold NaN, as rows the decode never wrote
+    would: none may reach the result; a row whose every split is empty gives 0. `po_pad` widens
+    the partials' rows (a strided view)."""
+    from attention.triton_absorb import absorb_o_merge
+    from attention.triton_decode import reduce_splits
+    g = torch.Generator().manual_seed(T * 13 + S)
+    po = torch.randn(T, S, H, L + po_pad, generator=g)[..., :L]
+    plse = 3 * torch.randn(T, S, H, generator=g)
+    plse[torch.rand(T, S, H, generator=g) < 0.3] = float("-inf")
+    plse[0, :, 0] = float("-inf")  # every split of (row 0, head 0) empty
+    po[plse == float("-inf")] = float("nan")
+    po, plse = po.to(device), plse.to(device)
+    w_uv = (torch.randn(H, V, L, generator=g) / L ** 0.5).to(device, dtype)
+    o = torch.empty(T, H, L, dtype=dtype, device=device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=device)
+    reduce_splits(po, plse, o, lse, S, (po.stride(0), po.stride(1), po.stride(2)),
+                  (plse.stride(0), plse.stride(1), plse.stride(2)))
+    want = absorb_o(o, w_uv)
+    got = absorb_o_merge(po, plse, w_uv)
+    assert got.shape == (T, H, V) and got.dtype == dtype and got.is_contiguous()
+    assert not got.isnan().any() and torch.equal(got[0, 0], torch.zeros_like(got[0, 0]))
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # float64: the merge by lse, then the product
+    w = torch.exp(plse.double() - plse.double().amax(1, keepdim=True).nan_to_num(neginf=0.0)).nan_to_num(0.0)
+    merged = (w.unsqueeze(-1) * po.double().nan_to_num(0.0)).sum(1) / w.sum(1).clamp_min(1e-300).unsqueeze(-1)
+    ref = torch.einsum("thl,hvl->thv", merged, w_uv.double())
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    assert err < tol, (T, S, H, L, V, dtype, err)
+    # into the first T rows of a larger joint output, the rest untouched
+    joint = torch.full((T + 2, H, V), float("nan"), device=device, dtype=dtype)
+    assert absorb_o_merge(po, plse, w_uv, out=joint[:T]).data_ptr() == joint.data_ptr()
+    assert torch.equal(joint[:T], got) and joint[T:].isnan().all()
+
+
+def test_absorb_o_merge_rejects_bad_partials():
+    from attention.triton_absorb import absorb_o_merge
+    po, plse, w_uv = torch.randn(2, 3, 4, 16), torch.randn(2, 3, 4), torch.randn(4, 8, 16)
+    with pytest.raises(ValueError, match="absorb_o_merge"):
+        absorb_o_merge(po.half(), plse, w_uv)
+    with pytest.raises(ValueError, match="absorb_o_merge"):
+        absorb_o_merge(po, plse[:, :2], w_uv)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        absorb_o_merge(po, plse, w_uv, out=torch.empty(2, 8, 4).transpose(1, 2))
+
+
 def test_absorb_q_kv_finish_rejects_mismatched_rope_widths():
     from attention.triton_absorb import absorb_q_kv_finish
     q_nope, q_pe, w_uk = torch.randn(2, 4, 16), torch.randn(2, 4, 8), torch.randn(4, 16, 32)
@@ -103,3 +150,12 @@ def test_absorb_kernels_real_shapes(T, H):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_absorb_q_kv_finish_real_shapes(T, fp8):
     check_fused(T, 16, 128, 64, 512, 64, torch.bfloat16, "cuda", fp8=fp8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,S", [(1, 132), (8, 16), (32, 4), (40, 3), (8, 1)])
+def test_absorb_o_merge_real_shapes(T, S):
+    """The decode's split merge folded into absorb_o at DeepSeek's widths (16 heads, Lkv 512, V
+    128) and the split counts the decode picks on an H100 / H200 (batch 1: ~132; 8: 16; 32: 4)."""
+    check_merged(T, S, 16, 512, 128, torch.bfloat16, "cuda", 1e-2)
+    check_merged(T, S, 16, 512, 128, torch.float32, "cuda", 1e-5)

@@ -4,7 +4,7 @@ tests/test_triton_absorb.py."""
 from __future__ import annotations
 
 import torch
-from test_triton_absorb import check, check_fused
+from test_triton_absorb import check, check_fused, check_merged
 
 
 def test_absorb_kernels_interpreter():
@@ -24,3 +24,13 @@ def test_absorb_q_kv_finish_interpreter():
         check_fused(T, 4, 16, 8, 32, 4, torch.float32, "cpu")
     check_fused(6, 3, 24, 16, 48, 16, torch.float16, "cpu")
     check_fused(5, 2, 16, 8, 32, 4, torch.float32, "cpu", fp8=True)
+
+
+def test_absorb_o_merge_interpreter():
+    """The split merge folded into absorb_o: one chunk of splits (BT 16 and 64 row tiles), several
+    chunks (17 and 40 splits), a partial V tile, strided partials; fp32 against reduce_splits +
+    absorb_o."""
+    check_merged(3, 4, 2, 32, 16, torch.float32, "cpu", 1e-5)
+    check_merged(5, 17, 3, 48, 20, torch.float32, "cpu", 1e-5, po_pad=8)
+    check_merged(20, 3, 2, 64, 32, torch.float32, "cpu", 1e-5)
+    check_merged(2, 40, 1, 32, 16, torch.float32, "cpu", 1e-5)

@@ -88,6 +88,30 @@ def test_triton_plan_equals_torch_plan(model, budget, kernels, spec, monkeypatch
     assert "norm=triton" in kernels or calls["norm_pairs"] == 0  # the interpreter's plan keeps the torch norms
 
 
+def test_decode_merge_in_absorb_in_the_engine(model, monkeypatch):
+    """decode_merge_in_absorb with every decode split in 20 (on the CPU the decode would not split:
+    one SM; 20 is more than one chunk of splits in absorb_o_merge, and most splits of these short
+    contexts are empty): the torch plan's greedy tokens, every decode merged inside absorb_o and
+    none by the merge launch; prompts chunked by 16, so mixed steps write their decode rows into
+    the joint output."""
+    if "interp_v2" not in model:
+        pytest.skip("the fold is the attention's alone: V2's tiny model covers it")
+    import attention.triton_decode as triton_decode
+    monkeypatch.setattr(triton_decode, "choose_num_splits", lambda *a, **k: 20)
+    calls = {"merged": 0, "reduce": 0}
+    for key, mod, name in (("merged", triton_absorb, "absorb_o_merge"), ("reduce", triton_decode, "reduce_splits")):
+        def counting(*a, _key=key, _fn=getattr(mod, name), **k):
+            calls[_key] += 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(mod, name, counting)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    want = [o.outputs[0].token_ids for o in _llm(model, "torch").generate(prompts, SP)]
+    got = [o.outputs[0].token_ids for o in _llm(model, "triton,warmup=0,decode_merge_in_absorb=1").generate(prompts, SP)]
+    assert got == want
+    assert calls["merged"] > 0 and calls["reduce"] == 0, calls
+
+
 def test_router_fused_in_the_engine(model, monkeypatch):
     """router_fused_max_tokens: V2's tiny model (no expert groups) routes every step of up to 64
     tokens in one launch, with the torch plan's greedy tokens; V3's (grouped) does not start,
