@@ -8,8 +8,9 @@ the timed batch sizes). For each batch the 1000-token prompts are prefilled once
 times in turn, each variant's decode graphs are captured again and `--steps` engine steps are
 timed (TPOT, as served: async scheduling unless --no-async-scheduling) with the graph replay
 alone. The variants differ only in what a capture reads at launch time, so no second engine is
-built: PDL in the graphs of up to N sequences (`pdl_graph_max_batch`) and the projections on the
-Triton skinny GEMM up to N rows (`gemm_skinny_max_tokens`). The printed figures are the median
+built: PDL in the graphs of up to N sequences (`pdl_graph_max_batch`), the projections on the
+Triton skinny GEMM up to N rows (`gemm_skinny_max_tokens`) and the decode's split merge inside
+absorb_o (`decode_merge_in_absorb`; needs the Triton attention and absorb kernels). The printed figures are the median
 over the reps of each variant; TPOT grows with the contexts (40 + 3 steps a variant and rep), so
 the variants take turns.
 """
@@ -22,24 +23,30 @@ import statistics
 import torch
 from bench_common import add_engine_flags, engine_kwargs, replay_ms, start_decodes, step_ms
 
+from attention import triton_absorb
 from common.kernel_plan import PDL_GRAPH_MAX_BATCH
 from engine import LLM
 from models.layers import Linear
 
-# name: (PDL graphs up to this batch, gemm_skinny_max_tokens); "base" is the plan's default on sm_90
+# name: (PDL graphs up to this batch, gemm_skinny_max_tokens, decode_merge_in_absorb); "base" is the
+# plan's default on sm_90
 VARIANTS = {
-    "base": (PDL_GRAPH_MAX_BATCH, 0),
-    "pdl": (1024, 0),
-    "skinny": (PDL_GRAPH_MAX_BATCH, 1024),
-    "pdl+skinny": (1024, 1024),
+    "base": (PDL_GRAPH_MAX_BATCH, 0, False),
+    "pdl": (1024, 0, False),
+    "skinny": (PDL_GRAPH_MAX_BATCH, 1024, False),
+    "pdl+skinny": (1024, 1024, False),
+    "merge_o": (PDL_GRAPH_MAX_BATCH, 0, True),
 }
 
 
 def set_variant(runner, model, name: str) -> None:
-    pdl_max, skinny = VARIANTS[name]
+    pdl_max, skinny, merge_o = VARIANTS[name]
     for m in model.modules():
         if isinstance(m, Linear):
             m.skinny_max = skinny
+        mla = getattr(m, "mla", None)
+        if mla is not None:
+            mla.absorb_o_merge = triton_absorb.absorb_o_merge if merge_o else None
     runner.graphs.pdl_max_batch = pdl_max
     torch.cuda.synchronize()
     runner.graphs.capture()
