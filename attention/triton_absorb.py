@@ -160,19 +160,25 @@ def _absorb_o_merge_kernel(po_ptr, plse_ptr, w_ptr, out_ptr, T, S, s_pt, s_ps, s
     mt = offs_t < T
     mv = offs_v < V
     rows = offs_t.to(tl.int64)
-    if CHUNKS:  # more splits than one [BT, BS] chunk: the max, then the weight sum, chunk by chunk
-        m = tl.full([BT], float("-inf"), tl.float32)
+    # With CHUNKS (more splits than one [BT, BS] chunk) the loops over the chunks carry [BT, BS]
+    # (max, weight sum) and [BT, BS, BL] (partials) accumulators and reduce over BS after the
+    # loop: Triton 3.6 cannot compile a reduction carried by an inner loop (its thread-locality
+    # pass asserts).
+    if CHUNKS:
+        m2 = tl.full([BT, BS], float("-inf"), tl.float32)
         for s0 in range(0, S, BS):
-            m = tl.maximum(m, tl.max(_split_lse(plse_ptr, rows, mt, s0, S, h, s_lt, s_ls, s_lh, BS), 1))
+            m2 = tl.maximum(m2, _split_lse(plse_ptr, rows, mt, s0, S, h, s_lt, s_ls, s_lh, BS))
+        m = tl.max(m2, 1)
     else:
         lse = _split_lse(plse_ptr, rows, mt, 0, S, h, s_lt, s_ls, s_lh, BS)
         m = tl.max(lse, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     if CHUNKS:
-        total = tl.zeros([BT], tl.float32)
+        total2 = tl.zeros([BT, BS], tl.float32)
         for s0 in range(0, S, BS):
             lse = _split_lse(plse_ptr, rows, mt, s0, S, h, s_lt, s_ls, s_lh, BS)
-            total += tl.sum(tl.exp(lse - m_safe[:, None]), 1)
+            total2 += tl.exp(lse - m_safe[:, None])
+        total = tl.sum(total2, 1)
     else:
         wgt = tl.exp(lse - m_safe[:, None])  # 0 for empty splits (lse -inf), past S and past T
         total = tl.sum(wgt, 1)
@@ -184,13 +190,14 @@ def _absorb_o_merge_kernel(po_ptr, plse_ptr, w_ptr, out_ptr, T, S, s_pt, s_ps, s
         ml = offs_l < L
         # empty splits' rows were never written: masked, so they cannot reach the sum
         if CHUNKS:
-            xs = tl.zeros([BT, BL], dtype=tl.float32)
+            xs3 = tl.zeros([BT, BS, BL], dtype=tl.float32)
             for s0 in range(0, S, BS):
                 lse = _split_lse(plse_ptr, rows, mt, s0, S, h, s_lt, s_ls, s_lh, BS)
                 p = tl.load(po_ptr + rows[:, None, None] * s_pt + (s0 + offs_s)[None, :, None] * s_ps
                             + h * s_ph + offs_l[None, None, :],
                             mask=(lse > float("-inf"))[:, :, None] & ml[None, None, :], other=0.0)
-                xs += tl.sum(tl.exp(lse - m_safe[:, None])[:, :, None] * p, 1)
+                xs3 += tl.exp(lse - m_safe[:, None])[:, :, None] * p
+            xs = tl.sum(xs3, 1)
         else:
             p = tl.load(po_ptr + rows[:, None, None] * s_pt + offs_s[None, :, None] * s_ps + h * s_ph
                         + offs_l[None, None, :], mask=(lse > float("-inf"))[:, :, None] & ml[None, None, :],
@@ -373,8 +380,9 @@ def absorb_o_merge(po: torch.Tensor, plse: torch.Tensor, w_uv: torch.Tensor, out
         return out
     BT = _bt(T)
     BS = min(triton.next_power_of_2(S), 16 if BT == 16 else 4)  # splits a chunk
-    # the [BT, BS, BL] partials chunk: 8192 values (64 a thread of 4 warps), BL at least 16
-    t = dict(BL=max(16, min(128, triton.next_power_of_2(L), 8192 // (BT * BS))),
+    # the [BT, BS, BL] partials chunk: 8192 values (64 a thread of 4 warps), 4096 where several
+    # chunks of splits are summed in a second tile of that shape; BL at least 16
+    t = dict(BL=max(16, min(128, triton.next_power_of_2(L), (4096 if S > BS else 8192) // (BT * BS))),
              BV=max(16, min(32, triton.next_power_of_2(V))), BT=BT, num_warps=4, num_stages=2) | (tiles or {})
     _absorb_o_merge_kernel[(H, triton.cdiv(V, t["BV"]), triton.cdiv(T, t["BT"]))](
         po, plse, w_uv, out, T, S, po.stride(0), po.stride(1), po.stride(2), plse.stride(0), plse.stride(1),
