@@ -24,6 +24,11 @@ from common import distributed as pd
 from common.fused import apply_rope, glue_for
 from common.kernel_plan import TRITON, KernelPlan
 
+# decode_merge_in_absorb folds the merge of up to this many splits into absorb_o; more (a few
+# sequences on many SMs: batch 1 takes ~130) keep the merge launch, whose programs each take one
+# [splits, columns] tile, where absorb_o_merge's would loop over chunks of splits
+MERGE_IN_ABSORB_MAX_SPLITS = 16
+
 
 def make_attention_ops(plan: KernelPlan) -> AttentionOps:
     """The plan's AttentionOps backend (decode, prefill, context gather, KV write)."""
@@ -183,9 +188,10 @@ class MLAAttention:
             padded[d.row_index] = q
             q = padded
         # decode_merge_in_absorb: where no DCP merge or row selection needs the merged lse, the
-        # Triton decode may hand back its splits' partials, merged inside absorb_o
-        unmerged = ({"merge": False} if self.absorb_o_merge is not None and dcp.size == 1 and d.row_index is None
-                    else {})
+        # Triton decode hands back the partials of up to MERGE_IN_ABSORB_MAX_SPLITS splits, merged
+        # inside absorb_o
+        unmerged = ({"unmerged_max_splits": MERGE_IN_ABSORB_MAX_SPLITS}
+                    if self.absorb_o_merge is not None and dcp.size == 1 and d.row_index is None else {})
         o_lat, lse = self.ops.decode(q, kv_cache, d.block_table, d.seq_lens, self.scale, self.Lkv,
                                      q_len=d.q_len, q_pos=d.q_pos, dcp_size=dcp.size, dcp_rank=dcp.rank, **unmerged)
         if o_lat.dim() == 4:  # [Nd, splits, Hl, Lkv] fp32 partials and their lse [Nd, splits, Hl]

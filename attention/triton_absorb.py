@@ -379,7 +379,7 @@ def absorb_o_merge(po: torch.Tensor, plse: torch.Tensor, w_uv: torch.Tensor, out
     if T == 0:
         return out
     BT = _bt(T)
-    BS = min(triton.next_power_of_2(S), 16 if BT == 16 else 4)  # splits a chunk
+    BS = min(triton.next_power_of_2(S), 16 if BT == 16 else 8)  # splits a chunk
     # the [BT, BS, BL] partials chunk: 8192 values (64 a thread of 4 warps), 4096 where several
     # chunks of splits are summed in a second tile of that shape; BL at least 16
     t = dict(BL=max(16, min(128, triton.next_power_of_2(L), (4096 if S > BS else 8192) // (BT * BS))),

@@ -118,10 +118,11 @@ class TritonAttentionOps:
         write_kv(kv_cache, _last_contiguous(kv), slot_mapping.contiguous(), self.kv_scale)
 
     def decode(self, q, kv_cache, block_table, seq_lens, scale, kv_lora_rank, q_len=1, q_pos=None,
-               dcp_size=1, dcp_rank=0, merge=True):
-        """AttentionOps.decode; with merge=False the Triton kernel's result, where it splits, is its
-        splits' fp32 partials `[B*q_len, splits, H, Lkv]` and their lse `[B*q_len, splits, H]`
-        (triton_decode `mla_decode`), for triton_absorb.absorb_o_merge. The Gluon kernels merge."""
+               dcp_size=1, dcp_rank=0, unmerged_max_splits=0):
+        """AttentionOps.decode; where the Triton kernel takes 2 to `unmerged_max_splits` splits its
+        result is the splits' fp32 partials `[B*q_len, splits, H, Lkv]` and their lse
+        `[B*q_len, splits, H]` (triton_decode `mla_decode`), for triton_absorb.absorb_o_merge. The
+        Gluon kernels merge."""
         _check(q.dim() == 3, lambda: f"q must be [B*q_len, H, Lkv+R], got {tuple(q.shape)}")
         _check(kv_cache.dim() == 3 and kv_cache.shape[2] == q.shape[2],
                lambda: f"kv_cache must be [num_blocks, block_size, {q.shape[2]}], got {tuple(kv_cache.shape)}")
@@ -150,7 +151,7 @@ class TritonAttentionOps:
         if self.fp8_wgmma and kv_cache.dtype == FP8_DTYPE and q.shape[0] * q.shape[1] >= self.fp8_wgmma_min_rows:
             return _fp8_wgmma_decode(*args, **kw, kv_scale=self.kv_scale)
         return mla_decode(*args, **kw, cfg=self.decode_config, kv_scale=self.kv_scale, qk_fp8=self.qk_fp8,
-                          merge=merge)
+                          unmerged_max_splits=unmerged_max_splits)
 
     def prefill(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
         _check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3,

@@ -351,13 +351,13 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
                q_pos: torch.Tensor | None = None, dcp_size: int = 1, dcp_rank: int = 0,
                num_splits: int | None = None, num_sms: int | None = None,
                cfg: DecodeConfig | None = None, kv_scale: float = 1.0,
-               qk_fp8: bool = False, merge: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+               qk_fp8: bool = False, unmerged_max_splits: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode: q [B*q_len, H, Lkv+R] -> (o [B*q_len, H, Lkv] in q.dtype, lse
     [B*q_len, H] fp32); `q_pos` and the DCP layout as in attention/backend.py `decode`.
 
     Inputs are assumed validated (TritonAttentionOps does it); the last dims must be contiguous.
     `kv_scale` is an FP8 cache's per-tensor scale (ignored for other caches); `qk_fp8` sets
-    DecodeConfig.qk_fp8 on the tiles chosen (or given). With merge=False and more than one split
+    DecodeConfig.qk_fp8 on the tiles chosen (or given). With 2 to `unmerged_max_splits` splits
     the splits' partials are returned unmerged: (po `[B*q_len, splits, H, Lkv]` fp32, plse
     `[B*q_len, splits, H]`), for triton_absorb.absorb_o_merge.
     """
@@ -414,7 +414,7 @@ def mla_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tenso
     )
     if direct:
         return o, lse
-    if not merge:
+    if num_splits <= unmerged_max_splits:
         return po, plse
     reduce_splits(po, plse, o, lse, num_splits, po_strides, plse_strides)
     return o, lse

@@ -22,7 +22,7 @@ from w8a8_sass import compile_kernel, sass_of  # noqa: E402
 from attention import triton_absorb as ta  # noqa: E402
 
 PTRS = {"po_ptr": "*fp32", "plse_ptr": "*fp32", "w_ptr": "*bf16", "out_ptr": "*bf16"}
-CASES = ((1, 132), (4, 33), (8, 16), (16, 8), (32, 4), (40, 3), (64, 2))  # (decode rows, splits)
+CASES = ((1, 132), (4, 33), (8, 16), (16, 8), (20, 6), (32, 4), (40, 3), (64, 2), (40, 12))  # (rows, splits)
 
 
 def main() -> int:
@@ -31,7 +31,7 @@ def main() -> int:
     print(f"triton {triton.__version__}")
     for T, S in CASES:
         BT = ta._bt(T)
-        BS = min(triton.next_power_of_2(S), 16 if BT == 16 else 4)
+        BS = min(triton.next_power_of_2(S), 16 if BT == 16 else 8)
         BL = max(16, min(128, 512, (4096 if S > BS else 8192) // (BT * BS)))
         const = dict(H=16, L=512, V=128, BS=BS, CHUNKS=S > BS, BL=BL, BV=32, BT=BT, IEEE=False, PDL=False)
         try:

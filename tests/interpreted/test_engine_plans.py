@@ -89,15 +89,16 @@ def test_triton_plan_equals_torch_plan(model, budget, kernels, spec, monkeypatch
 
 
 def test_decode_merge_in_absorb_in_the_engine(model, monkeypatch):
-    """decode_merge_in_absorb with every decode split in 20 (on the CPU the decode would not split:
-    one SM; 20 is more than one chunk of splits in absorb_o_merge, and most splits of these short
-    contexts are empty): the torch plan's greedy tokens, every decode merged inside absorb_o and
-    none by the merge launch; prompts chunked by 16, so mixed steps write their decode rows into
-    the joint output."""
+    """decode_merge_in_absorb with every decode split in 12 (on the CPU the decode would not split:
+    one SM; most splits of these short contexts are empty): the torch plan's greedy tokens, every
+    decode merged inside absorb_o and none by the merge launch; prompts chunked by 16, so mixed
+    steps write their decode rows into the joint output. With 17 splits, more than the fold takes
+    (mla.MERGE_IN_ABSORB_MAX_SPLITS), the merge launch serves them all."""
     if "interp_v2" not in model:
         pytest.skip("the fold is the attention's alone: V2's tiny model covers it")
     import attention.triton_decode as triton_decode
-    monkeypatch.setattr(triton_decode, "choose_num_splits", lambda *a, **k: 20)
+    splits = [12]
+    monkeypatch.setattr(triton_decode, "choose_num_splits", lambda *a, **k: splits[0])
     calls = {"merged": 0, "reduce": 0}
     for key, mod, name in (("merged", triton_absorb, "absorb_o_merge"), ("reduce", triton_decode, "reduce_splits")):
         def counting(*a, _key=key, _fn=getattr(mod, name), **k):
@@ -107,9 +108,12 @@ def test_decode_merge_in_absorb_in_the_engine(model, monkeypatch):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
     want = [o.outputs[0].token_ids for o in _llm(model, "torch").generate(prompts, SP)]
-    got = [o.outputs[0].token_ids for o in _llm(model, "triton,warmup=0,decode_merge_in_absorb=1").generate(prompts, SP)]
-    assert got == want
+    llm = _llm(model, "triton,warmup=0,decode_merge_in_absorb=1")
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, SP)] == want
     assert calls["merged"] > 0 and calls["reduce"] == 0, calls
+    splits[0], calls["merged"] = 17, 0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, SP)] == want
+    assert calls["merged"] == 0 and calls["reduce"] > 0, calls
 
 
 def test_router_fused_in_the_engine(model, monkeypatch):
