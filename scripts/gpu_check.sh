@@ -32,8 +32,9 @@
 #               launch), twice each, alternating: four runs of bench_latency.py, each under a quarter
 #               of the step's timeout (give it `pdl:480`)
 #   mergeo      the decode's split merge inside absorb_o (decode_merge_in_absorb): its GPU tests, then
-#               TPOT at batch 1/8/32/128 without and with it in one engine, alternating twice
-#               (bench_pdl_variants.py --variants base merge_o; batch 128 takes one split: a control);
+#               TPOT at batch 1/8/16/32/128 without and with it in one engine, alternating twice
+#               (bench_pdl_variants.py --variants base merge_o; batches 1 (~130 splits, more than the
+#               fold takes) and 128 (one split) are controls);
 #               1/5 and 4/5 of the step's timeout (give it `mergeo:420`)
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   graphs      the CUDA-graph decode step at batch 1/8/32/128: TPOT, the replay alone, kernel time
@@ -176,7 +177,7 @@ for spec in $steps; do
                --json "$OUT/latency_${k//[,=]/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
     mergeo) { timeout $((T / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_absorb.py \
                 -k "merge or absorb_kernels_real"
-              timeout $((T * 4 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 8 32 128 \
+              timeout $((T * 4 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 8 16 32 128 \
                 --variants base merge_o --reps 2; } > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;
     graphs) { P=${AB_PLANS:-auto}; n=$(echo $P | wc -w); for k in $P; do echo "## --kernels $k"
