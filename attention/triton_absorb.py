@@ -101,6 +101,32 @@ def _absorb_q_kv_finish_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, 
                       inv_scale, s_kv_t, s_cs_t, s_cb, s_cs, PAGE, LKV, RK, BLOCK_L, BLOCK_H, IS_FP8, False)
 
 
+@triton.jit
+def _o_tile(BT: tl.constexpr, BV: tl.constexpr, T, V):
+    """absorb_o's program (head, value-column tile, row tile): h, the rows and columns, their masks."""
+    h = tl.program_id(0)
+    offs_t = tl.program_id(2) * BT + tl.arange(0, BT)
+    offs_v = tl.program_id(1) * BV + tl.arange(0, BV)
+    return h, offs_t, offs_v, offs_t < T, offs_v < V
+
+
+@triton.jit
+def _wuv_product(acc, x, w_ptr, h, offs_v, mv, offs_l, ml, s_w_h, s_w_v, IEEE: tl.constexpr):
+    """acc + x [BT, BL] @ W_UV[h]^T's [BL, BV] tile at latent columns offs_l, value columns offs_v."""
+    w = tl.load(w_ptr + h * s_w_h + offs_v[None, :] * s_w_v + offs_l[:, None],
+                mask=mv[None, :] & ml[:, None], other=0.0)
+    if IEEE:
+        return tl.dot(x, w, acc, input_precision="ieee")
+    return tl.dot(x, w, acc)
+
+
+@triton.jit
+def _store_o(out_ptr, acc, h, offs_t, offs_v, mt, mv, H: tl.constexpr, V: tl.constexpr):
+    """acc [BT, BV] into the contiguous o [T, H, V]."""
+    tl.store(out_ptr + offs_t[:, None] * (H * V) + h * V + offs_v[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mt[:, None] & mv[None, :])
+
+
 @fast_launch
 @triton.jit(do_not_specialize=["T"])
 def _absorb_o_kernel(o_ptr, w_ptr, out_ptr, T, s_o_t, s_o_h, s_w_h, s_w_v,
@@ -108,27 +134,15 @@ def _absorb_o_kernel(o_ptr, w_ptr, out_ptr, T, s_o_t, s_o_h, s_w_h, s_w_v,
                      BL: tl.constexpr, BV: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr,
                      PDL: tl.constexpr):
     pdl_prologue(PDL)
-    h = tl.program_id(0)
-    vb = tl.program_id(1)
-    t0 = tl.program_id(2) * BT
-    offs_t = t0 + tl.arange(0, BT)
-    offs_v = vb * BV + tl.arange(0, BV)
-    mt = offs_t < T
-    mv = offs_v < V
+    h, offs_t, offs_v, mt, mv = _o_tile(BT, BV, T, V)
     acc = tl.zeros([BT, BV], dtype=tl.float32)
     for l0 in range(0, L, BL):
         offs_l = l0 + tl.arange(0, BL)
         ml = offs_l < L
         x = tl.load(o_ptr + offs_t[:, None] * s_o_t + h * s_o_h + offs_l[None, :],
                     mask=mt[:, None] & ml[None, :], other=0.0)  # [BT, BL]
-        w = tl.load(w_ptr + h * s_w_h + offs_v[None, :] * s_w_v + offs_l[:, None],
-                    mask=mv[None, :] & ml[:, None], other=0.0)  # [BL, BV] = W_UV[h]^T tile
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
-    tl.store(out_ptr + offs_t[:, None] * (H * V) + h * V + offs_v[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mt[:, None] & mv[None, :])
+        acc = _wuv_product(acc, x, w_ptr, h, offs_v, mv, offs_l, ml, s_w_h, s_w_v, IEEE)
+    _store_o(out_ptr, acc, h, offs_t, offs_v, mt, mv, H, V)
 
 
 @triton.jit
@@ -152,13 +166,7 @@ def _absorb_o_merge_kernel(po_ptr, plse_ptr, w_ptr, out_ptr, T, S, s_pt, s_ps, s
     output is then summed from [BT, BS, BL] partials, divided by the row's weight sum, rounded to
     the weights' dtype (as the merge stores it) and multiplied into the accumulator."""
     pdl_prologue(PDL)
-    h = tl.program_id(0)
-    vb = tl.program_id(1)
-    t0 = tl.program_id(2) * BT
-    offs_t = t0 + tl.arange(0, BT)
-    offs_v = vb * BV + tl.arange(0, BV)
-    mt = offs_t < T
-    mv = offs_v < V
+    h, offs_t, offs_v, mt, mv = _o_tile(BT, BV, T, V)
     rows = offs_t.to(tl.int64)
     # With CHUNKS (more splits than one [BT, BS] chunk) the loops over the chunks carry [BT, BS]
     # (max, weight sum) and [BT, BS, BL] (partials) accumulators and reduce over BS after the
@@ -204,14 +212,8 @@ def _absorb_o_merge_kernel(po_ptr, plse_ptr, w_ptr, out_ptr, T, S, s_pt, s_ps, s
                         other=0.0)
             xs = tl.sum(wgt[:, :, None] * p, 1)
         x = (xs / total[:, None]).to(w_ptr.dtype.element_ty)  # [BT, BL] of the merged o_lat rows
-        w = tl.load(w_ptr + h * s_w_h + offs_v[None, :] * s_w_v + offs_l[:, None],
-                    mask=mv[None, :] & ml[:, None], other=0.0)  # [BL, BV] = W_UV[h]^T tile
-        if IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
-    tl.store(out_ptr + offs_t[:, None] * (H * V) + h * V + offs_v[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mt[:, None] & mv[None, :])
+        acc = _wuv_product(acc, x, w_ptr, h, offs_v, mv, offs_l, ml, s_w_h, s_w_v, IEEE)
+    _store_o(out_ptr, acc, h, offs_t, offs_v, mt, mv, H, V)
 
 
 @fast_launch
