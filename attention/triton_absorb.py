@@ -332,6 +332,17 @@ def absorb_q_kv_finish(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Ten
     return q
 
 
+def _o_out(name: str, out: torch.Tensor | None, shape: tuple, dtype: torch.dtype,
+           device: torch.device) -> torch.Tensor:
+    """absorb_o's output: `out` checked (a contiguous `shape` of `dtype`), or a new tensor."""
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if out.shape != shape or out.dtype != dtype or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be a contiguous {shape} {dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    return out
+
+
 def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None = None,
              tiles: dict | None = None) -> torch.Tensor:
     """o_lat [T, H, L], w_uv [H, V, L] (last dims contiguous) -> o [T, H, V], contiguous: `out`
@@ -343,11 +354,7 @@ def absorb_o(o_lat: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor | None =
             or o_lat.stride(-1) != 1 or w_uv.stride(-1) != 1):
         raise ValueError(f"absorb_o: o_lat {tuple(o_lat.shape)} {o_lat.dtype}, w_uv {tuple(w_uv.shape)} {w_uv.dtype} "
                          "(one dtype, last dims contiguous)")
-    if out is None:
-        out = torch.empty(T, H, V, dtype=o_lat.dtype, device=o_lat.device)
-    elif out.shape != (T, H, V) or out.dtype != o_lat.dtype or not out.is_contiguous():
-        raise ValueError(f"absorb_o: out must be a contiguous {(T, H, V)} {o_lat.dtype}, got "
-                         f"{tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    out = _o_out("absorb_o", out, (T, H, V), o_lat.dtype, o_lat.device)
     if T == 0:
         return out
     t = dict(BL=max(16, min(128, triton.next_power_of_2(L))), BV=max(16, min(32, triton.next_power_of_2(V))),
@@ -373,11 +380,7 @@ def absorb_o_merge(po: torch.Tensor, plse: torch.Tensor, w_uv: torch.Tensor, out
         raise ValueError(f"absorb_o_merge: po {tuple(po.shape)} {po.dtype}, plse {tuple(plse.shape)} {plse.dtype}, "
                          f"w_uv {tuple(w_uv.shape)} {w_uv.dtype} (fp32 partials [T, S, H, L] and lse [T, S, H], "
                          "w_uv [H, V, L], last dims contiguous)")
-    if out is None:
-        out = torch.empty(T, H, V, dtype=w_uv.dtype, device=po.device)
-    elif out.shape != (T, H, V) or out.dtype != w_uv.dtype or not out.is_contiguous():
-        raise ValueError(f"absorb_o_merge: out must be a contiguous {(T, H, V)} {w_uv.dtype}, got "
-                         f"{tuple(out.shape)} {out.dtype} with strides {out.stride()}")
+    out = _o_out("absorb_o_merge", out, (T, H, V), w_uv.dtype, po.device)
     if T == 0:
         return out
     BT = _bt(T)
