@@ -50,6 +50,8 @@ class AttentionOps(Protocol):
 
         Returns o `[B*q_len, H, Lkv]` (q's dtype) and lse `[B*q_len, H]` fp32; a query token that
         sees no key on this rank gets lse -inf and o 0, so the DCP merge by LSE stays exact.
+        (TritonAttentionOps also takes `unmerged_max_splits`, which the attention passes only with
+        the plan's decode_merge_in_absorb: the split partials unmerged, for absorb_o_merge.)
         """
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -195,7 +195,11 @@ class MLAAttention:
         o_lat, lse = self.ops.decode(q, kv_cache, d.block_table, d.seq_lens, self.scale, self.Lkv,
                                      q_len=d.q_len, q_pos=d.q_pos, dcp_size=dcp.size, dcp_rank=dcp.rank, **unmerged)
         if o_lat.dim() == 4:  # [Nd, splits, Hl, Lkv] fp32 partials and their lse [Nd, splits, Hl]
-            return self.absorb_o_merge(o_lat, lse, self.w_uv, out=out)
+            try:
+                return self.absorb_o_merge(o_lat, lse, self.w_uv, out=out)
+            except Exception as e:  # charged to the fold's key, not `absorb` (the same module)
+                e.plan_key = "decode_merge_in_absorb"
+                raise
         if d.row_index is not None:
             o_lat, lse = o_lat[d.row_index], lse[d.row_index]
         if dcp.size > 1:

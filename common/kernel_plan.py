@@ -161,8 +161,9 @@ CHOICES: tuple[Choice, ...] = (
            triton_help="1 where absorb and finish_kv are triton, else 0"),
     Choice("decode_merge_in_absorb", (bool,), "the Triton MLA decode's split merge runs inside absorb_o "
            "(attention/triton_absorb.py absorb_o_merge: the splits' fp32 partials merged by their lse and "
-           "multiplied by W_UV in one launch) instead of its own launch, where the decode splits and no DCP "
-           "merge needs the lse; needs attention and absorb triton (opt-in: not yet timed on a GPU)",
+           "multiplied by W_UV in one launch) instead of its own launch, for decodes of 2 to 16 splits; not "
+           "under DCP (its merge needs the lse), for decodes of differing draft counts, or on the Gluon "
+           "decodes, which merge themselves; needs attention and absorb triton (opt-in: not yet timed on a GPU)",
            ("attention.triton_absorb",), triton=False, torch=False),
     Choice("decode_qk_fp8", (bool,), "with --kv-cache-dtype fp8, the MLA decode's QK^T on e4m3 operands: each "
            "query row rounded to e4m3 with its own scale, the cache's bytes as they are (Triton: "

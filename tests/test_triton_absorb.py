@@ -153,7 +153,7 @@ def test_absorb_q_kv_finish_real_shapes(T, fp8):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,S", [(1, 132), (8, 16), (32, 4), (40, 3), (8, 1)])
+@pytest.mark.parametrize("T,S", [(1, 132), (8, 16), (32, 4), (40, 3), (8, 1), (20, 12)])
 def test_absorb_o_merge_real_shapes(T, S):
     """The decode's split merge folded into absorb_o at DeepSeek's widths (16 heads, Lkv 512, V
     128) and the split counts the decode picks on an H100 / H200 (batch 1: ~132; 8: 16; 32: 4)."""

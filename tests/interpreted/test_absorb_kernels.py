@@ -28,9 +28,10 @@ def test_absorb_q_kv_finish_interpreter():
 
 def test_absorb_o_merge_interpreter():
     """The split merge folded into absorb_o: one chunk of splits (BT 16 and 64 row tiles), several
-    chunks (17 and 40 splits), a partial V tile, strided partials; fp32 against reduce_splits +
-    absorb_o."""
+    chunks (17 and 40 splits in 16-row tiles, 12 in 64-row tiles: the engine's case past 16 decode
+    rows), a partial V tile, strided partials; fp32 against reduce_splits + absorb_o."""
     check_merged(3, 4, 2, 32, 16, torch.float32, "cpu", 1e-5)
     check_merged(5, 17, 3, 48, 20, torch.float32, "cpu", 1e-5, po_pad=8)
     check_merged(20, 3, 2, 64, 32, torch.float32, "cpu", 1e-5)
     check_merged(2, 40, 1, 32, 16, torch.float32, "cpu", 1e-5)
+    check_merged(20, 12, 1, 32, 16, torch.float32, "cpu", 1e-5)  # 64-row tiles, chunks of 8 splits

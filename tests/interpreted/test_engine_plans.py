@@ -116,6 +116,22 @@ def test_decode_merge_in_absorb_in_the_engine(model, monkeypatch):
     assert calls["merged"] == 0 and calls["reduce"] > 0, calls
 
 
+def test_decode_merge_in_absorb_failure_names_its_setting(model, monkeypatch):
+    """The fold's kernel fails in the warm-up's decode: start-up stops naming
+    decode_merge_in_absorb=0, not absorb (the same module's other kernels)."""
+    if "interp_v2" not in model:
+        pytest.skip("the fold is the attention's alone: V2's tiny model covers it")
+    import attention.triton_decode as triton_decode
+    monkeypatch.setattr(triton_decode, "choose_num_splits", lambda *a, **k: 12)
+
+    def broken(*a, **k):
+        raise RuntimeError("PTX: no such instruction")
+    monkeypatch.setattr(triton_absorb, "absorb_o_merge", broken)
+    with pytest.raises(KernelError, match=r"the decode_merge_in_absorb kernel failed while warming up: RuntimeError: "
+                                          r"PTX: no such instruction\. --kernels auto,decode_merge_in_absorb=0"):
+        _llm(model, "triton,warmup=1,decode_merge_in_absorb=1")
+
+
 def test_router_fused_in_the_engine(model, monkeypatch):
     """router_fused_max_tokens: V2's tiny model (no expert groups) routes every step of up to 64
     tokens in one launch, with the torch plan's greedy tokens; V3's (grouped) does not start,
