@@ -28,8 +28,8 @@ from common.kernel_plan import PDL_GRAPH_MAX_BATCH
 from engine import LLM
 from models.layers import Linear
 
-# name: (PDL graphs up to this batch, gemm_skinny_max_tokens, decode_merge_in_absorb); "base" is the
-# plan's default on sm_90
+# name: (PDL graphs up to this batch, gemm_skinny_max_tokens, decode_merge_in_absorb on); "base" is the
+# plan's default on sm_90; the variants other than merge_o keep the plan's decode_merge_in_absorb
 VARIANTS = {
     "base": (PDL_GRAPH_MAX_BATCH, 0, False),
     "pdl": (1024, 0, False),
@@ -39,8 +39,9 @@ VARIANTS = {
 }
 
 
-def set_variant(runner, model, name: str) -> None:
+def set_variant(runner, model, name: str, plan) -> None:
     pdl_max, skinny, merge_o = VARIANTS[name]
+    merge_o = merge_o or plan.decode_merge_in_absorb
     for m in model.modules():
         if isinstance(m, Linear):
             m.skinny_max = skinny
@@ -65,6 +66,10 @@ def main() -> None:
     kw["cuda_graph_sizes"] = tuple(sorted(set(a.batch_sizes)))
     llm = LLM(**kw)
     core = llm.engine
+    plan = core.executor.worker.plan
+    if "merge_o" in a.variants and not plan.attention == plan.absorb == "triton":
+        raise SystemExit(f"--variants merge_o folds the Triton decode's merge into the Triton absorb_o; this plan "
+                         f"has attention={plan.attention} absorb={plan.absorb}")
     runner = core.executor.worker.runner
     model = runner.model
     print(f"device {torch.cuda.get_device_name()}, --kernels {a.kernel_plan}, variants {a.variants}")
@@ -74,7 +79,7 @@ def main() -> None:
         tpot, replay = {v: [] for v in a.variants}, {v: [] for v in a.variants}
         for _ in range(a.reps):
             for v in a.variants:
-                set_variant(runner, model, v)
+                set_variant(runner, model, v, plan)
                 for _ in range(3):
                     core.step()
                 tpot[v].append(step_ms(core, a.steps))
