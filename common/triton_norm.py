@@ -23,16 +23,15 @@ from common.pdl import pdl_launch, pdl_prologue
 from common.triton_launch import fast_launch
 
 
-@fast_launch
 @triton.jit
-def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, D, eps,
-                     stride_x, stride_h, stride_s, stride_y,
-                     ADD: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-    """Row t: (ADD) s = x + h stored to s_ptr; y = rms_norm(s or x) * w. With KT > 0, h is the
-    sum of KT fp32 rows (h_ptr + (t*KT + j) * stride_h), rounded to x's dtype: an MoE's pair rows
-    (common.fused.PairRows), summed as its pair-sum kernel sums them."""
-    pdl_prologue(PDL)
-    t = tl.program_id(0).to(tl.int64)
+def add_rms_norm_row(x_ptr, h_ptr, w_ptr, t, D, eps, stride_x, stride_h, Y_DTYPE: tl.constexpr,
+                     ADD: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Row t's (s, y) in registers, `[BLOCK_D]` (lanes past D zero): s = x + h rounded to x's
+    dtype (ADD; else x itself), y = rms_norm(s) * w rounded to Y_DTYPE. With KT > 0, h is the sum
+    of KT fp32 rows (h_ptr + (t*KT + j) * stride_h), rounded to x's dtype: an MoE's pair rows
+    (common.fused.PairRows), summed as its pair-sum kernel sums them. Shared by the norm kernel
+    and the router's norm + logits kernel (models/triton_route.py), so both give the same bits
+    when they run with the same BLOCK_D and warps (`norm_warps`)."""
     offs = tl.arange(0, BLOCK_D)
     m = offs < D
     x = tl.load(x_ptr + t * stride_x + offs, mask=m, other=0.0)
@@ -45,12 +44,33 @@ def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, D, eps,
         else:
             h = tl.load(h_ptr + t * stride_h + offs, mask=m, other=0.0)
         x = (x.to(tl.float32) + h.to(tl.float32)).to(x_ptr.dtype.element_ty)
-        tl.store(s_ptr + t * stride_s + offs, x, mask=m)
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
     n = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + t * stride_y + offs, (n * w).to(y_ptr.dtype.element_ty), mask=m)
+    return x, (n * w).to(Y_DTYPE)
+
+
+@fast_launch
+@triton.jit
+def _rms_norm_kernel(x_ptr, h_ptr, w_ptr, s_ptr, y_ptr, D, eps,
+                     stride_x, stride_h, stride_s, stride_y,
+                     ADD: tl.constexpr, KT: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+    """Row t: (ADD) s = x + h stored to s_ptr; y = rms_norm(s or x) * w (`add_rms_norm_row`)."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < D
+    s, y = add_rms_norm_row(x_ptr, h_ptr, w_ptr, t, D, eps, stride_x, stride_h, y_ptr.dtype.element_ty,
+                            ADD, KT, BLOCK_D)
+    if ADD:
+        tl.store(s_ptr + t * stride_s + offs, s, mask=m)
+    tl.store(y_ptr + t * stride_y + offs, y, mask=m)
+
+
+def norm_warps(block_d: int) -> int:
+    """The norm kernel's warps for a row block (its reduction's layout, and so its bits)."""
+    return 4 if block_d <= 2048 else 8
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -65,7 +85,7 @@ def _launch(x2, h2, w, s2, y2, eps: float, add: bool, kt: int = 0) -> None:
         return
     block = triton.next_power_of_2(D)
     _rms_norm_kernel[(T,)](x2, h2, w, s2, y2, D, eps, x2.stride(0), h2.stride(0), s2.stride(0), y2.stride(0),
-                           ADD=add, KT=kt, BLOCK_D=block, num_warps=4 if block <= 2048 else 8, **pdl_launch())
+                           ADD=add, KT=kt, BLOCK_D=block, num_warps=norm_warps(block), **pdl_launch())
 
 
 def _check_weight(x: torch.Tensor, w: torch.Tensor) -> None:

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from common.pdl import pdl_launch, pdl_prologue
+from common.triton_norm import add_rms_norm_row, norm_warps
 from common.triton_launch import fast_launch
 
 
@@ -69,7 +70,7 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tens
     E = weight.shape[0]
     if weight.dim() != 2 or weight.shape[1] != D:
         raise ValueError(f"router_logits: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not match")
-    if (T > LOGITS_MAX_TOKENS or (T > 1 and T * E * D > _LOGITS_MAX_ELEMS) or x.stride(-1) != 1
+    if (not logits_kernel_fits(T, E, D) or x.stride(-1) != 1
             or weight.dtype != torch.float32 or not weight.is_contiguous()):
         if weight_bf16 is not None and x.dtype == torch.bfloat16 and x.is_cuda:
             return torch.mm(x, weight_bf16.t(), out_dtype=torch.float32)
@@ -79,6 +80,62 @@ def router_logits(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tens
         _router_logits_kernel[(T, E)](x, weight, out, D, x.stride(0), E=E,
                                       BLOCK_K=min(triton.next_power_of_2(D), 2048), num_warps=4, **pdl_launch())
     return out
+
+
+def logits_kernel_fits(T: int, E: int, D: int) -> bool:
+    """Whether `router_logits` takes its Triton kernel for T tokens of a router [E, D]."""
+    return T <= LOGITS_MAX_TOKENS and (T <= 1 or T * E * D <= _LOGITS_MAX_ELEMS)
+
+
+@fast_launch
+@triton.jit
+def _norm_logits_kernel(x_ptr, h_ptr, nw_ptr, s_ptr, y_ptr, w_ptr, out_ptr, D, eps,
+                        stride_x, stride_h, stride_s, stride_y, E: tl.constexpr, BLOCK_D: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Program (t, e): row t's residual add + RMSNorm (`add_rms_norm_row`: s = x + h, y =
+    rms_norm(s) * nw, the norm kernel's arithmetic), then logits[t, e] = y . w[e] in fp32 as
+    `_router_logits_kernel` computes it from the stored y. Every program of the row computes the
+    row (it is 2 x D elements, from L2); program (t, 0) stores s and y."""
+    pdl_prologue(PDL)
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    m = offs < D
+    s, y = add_rms_norm_row(x_ptr, h_ptr, nw_ptr, t, D, eps, stride_x, stride_h, y_ptr.dtype.element_ty,
+                            True, 0, BLOCK_D)
+    if e == 0:
+        tl.store(s_ptr + t * stride_s + offs, s, mask=m)
+        tl.store(y_ptr + t * stride_y + offs, y, mask=m)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    acc += y.to(tl.float32) * tl.load(w_ptr + e * D + offs, mask=m, other=0.0)
+    tl.store(out_ptr + t * E + e, tl.sum(acc, axis=0))
+
+
+def add_norm_router_logits(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                           weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(s, y, logits) in one launch for x, h `[T, D]`: s = x + h and y = rms_norm(s) *
+    norm_weight with the Triton add + RMSNorm's arithmetic and bits (common/triton_norm.py), and
+    the fp32 router logits y @ weight.T `[T, E]` (weight fp32 `[E, D]`) as `router_logits`'s
+    kernel sums them up to 2048 columns (wider rows: one block, another order of the same fp32
+    sums). Within `logits_kernel_fits` only: a ValueError beyond it, or for other layouts."""
+    T, D = x.shape if x.dim() == 2 else (-1, -1)
+    E = weight.shape[0]
+    if (x.dim() != 2 or h.shape != x.shape or h.dtype != x.dtype or x.stride(-1) != 1 or h.stride(-1) != 1
+            or norm_weight.shape != (D,) or norm_weight.stride(0) != 1 or weight.shape != (E, D)
+            or weight.dtype != torch.float32 or not weight.is_contiguous() or not logits_kernel_fits(T, E, D)):
+        raise ValueError(f"add_norm_router_logits: x {tuple(x.shape)} {x.dtype}, h {tuple(h.shape)} {h.dtype}, norm "
+                         f"weight {tuple(norm_weight.shape)}, router {tuple(weight.shape)} {weight.dtype}: expected "
+                         f"rows [T, D] of one dtype with unit last strides, a contiguous [D] norm weight, a "
+                         f"contiguous fp32 [E, D] router and T * E * D within the logits kernel's envelope")
+    s = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, norm_weight.dtype), device=x.device)
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if T:
+        block = triton.next_power_of_2(D)
+        _norm_logits_kernel[(T, E)](x, h, norm_weight, s, y, weight, logits, D, eps, x.stride(0), h.stride(0),
+                                    s.stride(0), y.stride(0), E=E, BLOCK_D=block, num_warps=norm_warps(block),
+                                    **pdl_launch())
+    return s, y, logits
 
 
 @fast_launch
@@ -250,6 +307,16 @@ def _fused_weight(x: torch.Tensor, weight: torch.Tensor, weight_bf16: torch.Tens
                      f"leave router_fused_max_tokens at 0")
 
 
+def _layout(E: int, scoring: str, topk_method: str, n_group: int, topk_group: int,
+            top_k: int) -> tuple[bool, bool, int]:
+    """(sigmoid scoring, chosen by groups, groups) of a router; a ValueError where top-k cannot fill."""
+    grouped = router_grouped(scoring, topk_method, n_group)
+    G = n_group if grouped else 1
+    if E % G or top_k > E or (grouped and topk_group * (E // G) < top_k):
+        raise ValueError(f"router: {E} experts in {G} groups, top {topk_group} groups, top-{top_k} does not fit")
+    return scoring != "softmax", grouped, G
+
+
 def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, scoring: str,
                  topk_method: str, n_group: int, topk_group: int, top_k: int, norm: bool,
                  scale: float, weight_bf16: torch.Tensor | None = None,
@@ -262,14 +329,10 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     (`_router_fused_kernel`), for routers without groups (`_fused_weight` says which; others are
     refused, naming the setting)."""
     T, E = x.shape[0], weight.shape[0]
-    sigmoid = scoring != "softmax"
-    grouped = router_grouped(scoring, topk_method, n_group)
-    G = n_group if grouped else 1
-    if E % G or top_k > E or (grouped and topk_group * (E // G) < top_k):
-        raise ValueError(f"router: {E} experts in {G} groups, top {topk_group} groups, top-{top_k} does not fit")
-    weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=x.device)
-    ids = torch.empty(T, top_k + n_shared, dtype=torch.int64, device=x.device)
+    sigmoid, grouped, _ = _layout(E, scoring, topk_method, n_group, topk_group, top_k)
     if 0 < T <= fused_max_tokens:
+        weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=x.device)
+        ids = torch.empty(T, top_k + n_shared, dtype=torch.int64, device=x.device)
         D = x.shape[1]
         try:
             w_fused = _fused_weight(x, weight, weight_bf16, E, grouped)
@@ -286,6 +349,20 @@ def route_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             raise
         return weights, ids
     logits = router_logits(x, weight, weight_bf16)  # [T, E] fp32
+    return route_choice(logits, bias, scoring, topk_method, n_group, topk_group, top_k, norm, scale, n_shared)
+
+
+def route_choice(logits: torch.Tensor, bias: torch.Tensor | None, scoring: str, topk_method: str, n_group: int,
+                 topk_group: int, top_k: int, norm: bool, scale: float,
+                 n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert choice from fp32 logits `[T, E]` (`_route_kernel`, one program a token): the
+    second of `route_triton`'s launches, also run after `add_norm_router_logits`."""
+    T, E = logits.shape
+    sigmoid, grouped, G = _layout(E, scoring, topk_method, n_group, topk_group, top_k)
+    if logits.dtype != torch.float32 or not logits.is_contiguous():
+        raise ValueError(f"route_choice: logits {tuple(logits.shape)} {logits.dtype} must be contiguous fp32")
+    weights = torch.empty(T, top_k + n_shared, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(T, top_k + n_shared, dtype=torch.int64, device=logits.device)
     if T:
         _route_kernel[(T,)](logits, bias if bias is not None else logits, weights, ids, float(scale),
                             E=E, G=G, EPG=E // G, GP=triton.next_power_of_2(G),
