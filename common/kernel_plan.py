@@ -105,6 +105,12 @@ CHOICES: tuple[Choice, ...] = (
            "fewer per MoE layer; needs moe and norm triton; one TP rank only (under TP the sum precedes the "
            "all-reduce)", ("common.triton_norm",), triton=True, torch=False,
            triton_help="1 where norm is triton, else 0"),
+    Choice("moe_norm_in_router", (bool,), "MoE layers run the residual add + post-attention RMSNorm inside the "
+           "router's logits kernel (models/triton_route.py add_norm_router_logits: the norm kernel's bits, then "
+           "the logits from them): one launch fewer per MoE layer in steps the Triton logits kernel takes (up to "
+           "32 tokens on V2-Lite, one on larger routers; the one-launch router's steps excepted); needs router "
+           "and norm triton (opt-in: not yet timed on a GPU); a failure there is charged to this key by Router",
+           triton=False, torch=False),
     Choice("moe_shared_stream", (bool,), "with moe triton and the shared experts folded into the experts (not "
            "when --fp8-gemm keeps them in FP8: nothing to overlap, the setting is then unused), steps that take "
            "the pair-parallel fused MoE (moe_fused_max_tokens) or the block kernels (moe_blocked_max_tokens; not "
@@ -215,6 +221,7 @@ class KernelPlan:
     moe_fp8_w8a8: bool = False
     moe_large: str = "loop"
     moe_sum_in_norm: bool = False
+    moe_norm_in_router: bool = False
     moe_shared_stream: bool = False
     gemm_skinny_max_tokens: int = 0
     fp8_gemm: str = "auto"
@@ -365,6 +372,10 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
                              f"RMSNorm kernel; this plan has moe={values['moe']} norm={values['norm']} (set "
                              f"moe_sum_in_norm=0, or moe and norm triton)")
         values["moe_sum_in_norm"] = False
+    if values["moe_norm_in_router"] and not values["router"] == values["norm"] == TRITON:
+        raise ValueError(f"--kernels ...,moe_norm_in_router=1 runs the Triton add + RMSNorm inside the Triton router's "
+                         f"logits kernel; this plan has router={values['router']} norm={values['norm']} (leave "
+                         f"moe_norm_in_router at 0, or set router and norm triton)")
     if base == TRITON and wgmma_fit and values["attention"] == TRITON and "decode_wgmma_min_heads" not in over:
         values["decode_wgmma_min_heads"] = WGMMA_MIN_HEADS
     if (base == TRITON and fp8_wgmma_fit and values["attention"] == TRITON and "decode_fp8_wgmma" not in over

@@ -91,6 +91,8 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # the MoE's pair rows summed by the next layer's add + RMSNorm (or the final norm)
         self.defer_sum = plan.moe_sum_in_norm and isinstance(self.mlp, MoE)
+        # moe_norm_in_router: the post-attention add + norm inside the router's logits kernel
+        self.norm_in_router = plan.moe_norm_in_router and isinstance(self.mlp, MoE)
 
     def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None):
         """(residual, q, kv): the residual stream's add and the input norm (x alone, the embedding,
@@ -109,13 +111,18 @@ class DeepseekDecoderLayer(nn.Module):
         layer's input norm (one fused add + RMSNorm instead of an add and a norm). With
         `defer_sum` (a caller whose next op is the glue's add + RMSNorm) and the plan's
         moe_sum_in_norm, an MoE's output may come as its unsummed pair rows (`PairRows`),
-        which that Triton kernel sums."""
+        which that Triton kernel sums. With moe_norm_in_router, where the router's logits kernel
+        takes the step, the add + norm run inside it (`Router.add_norm_logits`)."""
         h = self.self_attn.o_proj(o.flatten(1))
         n = self.post_attention_layernorm
-        residual, h = self.glue.add_rms_norm(residual, h, n.weight, n.eps)
+        kw = {}
+        if self.norm_in_router and self.mlp.gate.fuses_norm(h):
+            residual, h, kw["logits"] = self.mlp.gate.add_norm_logits(residual, h, n.weight, n.eps)
+        else:
+            residual, h = self.glue.add_rms_norm(residual, h, n.weight, n.eps)
         if defer_sum and self.defer_sum:
-            return self.mlp(h, defer_sum=True), residual
-        return self.mlp(h), residual
+            kw["defer_sum"] = True
+        return self.mlp(h, **kw), residual
 
     def forward(self, x, residual, cos_sin, kv_cache, meta):
         """(x, residual) -> (mlp output, residual); residual None on the first layer, where x is the

@@ -205,11 +205,16 @@ class MoE(nn.Module):
             w13[e], w2[e] = self._expert(e, dtype)
         return w13, w2
 
-    def forward(self, x: torch.Tensor, defer_sum: bool = False) -> torch.Tensor | PairRows:
+    def forward(self, x: torch.Tensor, defer_sum: bool = False,
+                logits: torch.Tensor | None = None) -> torch.Tensor | PairRows:
         """The layer's output `[T, D]`; with `defer_sum` (the plan's moe_sum_in_norm, one TP rank,
         the shared experts folded in) the Triton paths return their pair rows unsummed
-        (`PairRows`) for the next add + RMSNorm to sum."""
+        (`PairRows`) for the next add + RMSNorm to sum. `logits`: the router's, already computed
+        with x's norm (moe_norm_in_router: `Router.add_norm_logits`); the choice alone remains."""
         T, p = x.shape[0], self.plan
+
+        def gate(n_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.gate(x, n_shared) if logits is None else self.gate.choose(logits, n_shared)
         fused_max = p.moe_fused_max_tokens_fp8 if self.fp8_block is not None else p.moe_fused_max_tokens
         small = self.fused_small is not None and T <= fused_max
         dense = not small and bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
@@ -226,11 +231,11 @@ class MoE(nn.Module):
             try:
                 if small:
                     out = self.fused_small_overlapped(
-                        x, self.w13, self.w2, lambda: self.gate(x, 0), self.cfg.num_experts_per_tok,
+                        x, self.w13, self.w2, lambda: gate(0), self.cfg.num_experts_per_tok,
                         self._shared_choice(x.device, torch.int32, torch.float32), side_stream(x.device),
                         self.w13_scale, self.w2_scale, block, defer_sum=defer)
                 else:
-                    route = (lambda: self.gate(x, self.n_shared)) if fold else (lambda: self._with_shared(*self.gate(x)))
+                    route = (lambda: gate(self.n_shared)) if fold else (lambda: self._with_shared(*gate(0)))
                     out = self.fused_blocked_overlapped(
                         x, self.w13, self.w2, route, self.cfg.num_experts_per_tok, self.n_shared, side_stream(x.device),
                         block_rows(T), defer_sum=defer)
@@ -239,7 +244,7 @@ class MoE(nn.Module):
                     e.plan_key = "moe_shared_stream"
                 raise
             return out if isinstance(out, PairRows) else pd.tp_all_reduce(out)
-        weights, ids = self.gate(x, self.n_shared if fold else 0)
+        weights, ids = gate(self.n_shared if fold else 0)
         if small:
             out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
                                    self.n_shared, defer_sum=defer)

@@ -21,6 +21,8 @@ class Router(nn.Module):
         self.cfg = cfg
         self.kernel = route
         self.fused_max_tokens = plan.router_fused_max_tokens
+        # moe_norm_in_router: the decoder layer asks `fuses_norm`, then `add_norm_logits` + `choose`
+        self.norm_in_logits = plan.moe_norm_in_router
         if plan.router == TRITON:  # logits (Triton at decode sizes, else cuBLAS) + the choice kernel
             from models.triton_route import route_triton  # triton: CUDA installs only
             self.kernel = route_triton
@@ -58,6 +60,36 @@ class Router(nn.Module):
                 raise ValueError("Router.forward(n_shared): the torch router does not append the shared experts")
             return route(*args)
         return self.kernel(*args, self.weight_bf16, n_shared, self.fused_max_tokens)
+
+
+    def fuses_norm(self, h: torch.Tensor) -> bool:
+        """Whether this step's residual add + norm before the router runs inside its logits kernel
+        (moe_norm_in_router): the Triton router, in the steps its Triton logits kernel takes and
+        the one-launch router (router_fused_max_tokens) does not."""
+        if not self.norm_in_logits or self.kernel is route:
+            return False
+        from models.triton_route import logits_kernel_fits
+        T = h.shape[0]
+        return self.fused_max_tokens < T and logits_kernel_fits(T, *self.weight.shape)
+
+    def add_norm_logits(self, residual: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor,
+                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(residual + h, its RMSNorm, the router's fp32 logits of it) in one launch, where
+        `fuses_norm`; `choose` then picks from the logits. A failure is charged to
+        moe_norm_in_router (its 0 avoids this kernel)."""
+        from models.triton_route import add_norm_router_logits
+        try:
+            return add_norm_router_logits(residual, h, norm_weight, eps, self.weight)
+        except Exception as e:
+            e.plan_key = "moe_norm_in_router"
+            raise
+
+    def choose(self, logits: torch.Tensor, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`'s (weights, ids) from `add_norm_logits`'s logits: the choice kernel alone."""
+        from models.triton_route import route_choice
+        c = self.cfg
+        return route_choice(logits, self.e_score_correction_bias, c.scoring_func, c.topk_method, c.n_group,
+                            c.topk_group, c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor, n_shared)
 
 
 def _group_mask(group_scores: torch.Tensor, topk_group: int, per_group: int) -> torch.Tensor:
