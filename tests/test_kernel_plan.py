@@ -170,3 +170,13 @@ def test_moe_sum_in_norm_where_moe_and_norm_are_triton():
     assert not _resolve("auto,norm=torch").moe_sum_in_norm and not _resolve("auto,moe=torch").moe_sum_in_norm
     with pytest.raises(ValueError, match=r"moe_sum_in_norm=1 sums the Triton MoE's pair rows .* moe=triton norm=torch"):
         _resolve("auto,norm=torch,moe_sum_in_norm=1")
+
+
+def test_moe_norm_in_router_needs_the_triton_router_and_norm():
+    """Opt-in; asked for where the router or the norms are torch's, it is refused, naming it."""
+    assert not _resolve("auto").moe_norm_in_router
+    assert _resolve("auto,moe_norm_in_router=1").moe_norm_in_router
+    for spec, have in (("auto,norm=torch,moe_norm_in_router=1", "router=triton norm=torch"),
+                       ("auto,router=torch,moe_norm_in_router=1", "router=torch norm=triton")):
+        with pytest.raises(ValueError, match=rf"moe_norm_in_router=1 runs the Triton add \+ RMSNorm .* {have} \(leave"):
+            _resolve(spec)

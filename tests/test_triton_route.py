@@ -174,3 +174,62 @@ def test_router_logits_bf16_gemm_equals_fp32_gemm(T):
     r.weight = torch.nn.Parameter(w + 1e-4, requires_grad=False)
     r.keep_bf16_weight()
     assert r.weight_bf16 is None
+
+
+def check_norm_logits(device, dtype, T, E, D, exact_logits=True, strided=False):
+    """`add_norm_router_logits` (moe_norm_in_router) against its two launches: the add + RMSNorm
+    kernel's s and y bit for bit, the logits kernel's logits from that y (bit for bit where both
+    sum one block of the same width; wider rows: within fp32 rounding), and the torch reference;
+    the choice from them is route_triton's."""
+    from common.fused import add_rms_norm as torch_add_rms_norm
+    from common.triton_norm import add_rms_norm
+    from models.triton_route import add_norm_router_logits, route_choice
+    g = torch.Generator().manual_seed(T * 1000 + D)
+    x = torch.randn(T, D + 8 if strided else D, generator=g).to(device, dtype)[:, :D]
+    h = (torch.randn(T, D, generator=g) * 0.5).to(device, dtype)
+    nw = (1 + 0.1 * torch.randn(D, generator=g)).to(device, dtype)
+    w = (torch.randn(E, D, generator=g) / D ** 0.5).to(device)
+    s, y, logits = add_norm_router_logits(x, h, nw, 1e-6, w)
+    rs, ry = add_rms_norm(x, h, nw, 1e-6)
+    assert s.is_contiguous() and y.dtype == ry.dtype and logits.shape == (T, E)
+    assert torch.equal(s, rs) and torch.equal(y, ry)
+    want = router_logits(ry, w)
+    if exact_logits:
+        assert torch.equal(logits, want)
+    else:
+        torch.testing.assert_close(logits, want, rtol=1e-5, atol=1e-5)
+    ts, ty = torch_add_rms_norm(x.float(), h.float(), nw.float(), 1e-6)
+    torch.testing.assert_close(y.float(), ty, rtol=2e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
+    args = (None, "softmax", "greedy", 1, 1, min(6, E), False, 1.0)
+    cw, ci = route_choice(logits, *args, n_shared=2)
+    tw, ti = route_triton(y, w, *args, n_shared=2)
+    assert torch.equal(ci, ti)  # from the same logits (exact_logits) or ones a rounding apart
+    assert torch.equal(cw, tw) if exact_logits else torch.allclose(cw, tw, rtol=1e-5, atol=1e-7)
+
+
+def test_norm_logits_refuses_what_its_kernel_cannot_take():
+    from models.triton_route import LOGITS_MAX_TOKENS, add_norm_router_logits
+    x, w, nw = torch.randn(LOGITS_MAX_TOKENS + 1, 16), torch.randn(8, 16), torch.ones(16)
+    with pytest.raises(ValueError, match=r"add_norm_router_logits: x \(33, 16\) .* within the logits kernel's envelope"):
+        add_norm_router_logits(x, x, nw, 1e-6, w)
+    with pytest.raises(ValueError, match="add_norm_router_logits"):
+        add_norm_router_logits(x[:4], x[:4].half(), nw, 1e-6, w)
+    with pytest.raises(ValueError, match="add_norm_router_logits"):
+        add_norm_router_logits(x[:4], x[:4], nw, 1e-6, w.double())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 2, 8, 16, 32])
+def test_norm_logits_gpu(T):
+    """V2-Lite's shapes in bf16 as the engine runs them: bit for bit the two launches'."""
+    check_norm_logits("cuda", torch.bfloat16, T, 64, 2048)
+    check_norm_logits("cuda", torch.bfloat16, T, 64, 2048, strided=True)
+
+
+@pytest.mark.gpu
+def test_norm_logits_wide_rows_gpu():
+    """V3's router at one token (7168 columns, 256 experts; V2's 5120 x 160): one 8192-wide block
+    with the norm kernel's 8 warps, so s and y are its bits; the logits sum in another order than
+    the logits kernel's 2048-column passes."""
+    check_norm_logits("cuda", torch.bfloat16, 1, 256, 7168, exact_logits=False)
+    check_norm_logits("cuda", torch.bfloat16, 1, 160, 5120, exact_logits=False)

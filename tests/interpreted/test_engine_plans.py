@@ -184,3 +184,34 @@ def test_router_fused_failure_names_its_setting(model, monkeypatch):
                                           r"RuntimeError: PTX: no such instruction\. --kernels "
                                           r"auto,router_fused_max_tokens=0"):
         _llm(model, "triton,warmup=1,router_fused_max_tokens=64")
+
+
+def test_moe_norm_in_router_in_the_engine(model, monkeypatch):
+    """moe_norm_in_router with the Triton norms: the torch plan's greedy tokens, and with prompts
+    chunked by 16 every MoE layer's step (at most 16 tokens: within the logits kernel's envelope)
+    runs its add + norm inside the router's logits kernel, so the two-launch router is never
+    called; V3's grouped choice and V2's plain one."""
+    calls = {"fused": 0, "two_launch": 0}
+    for key, name in (("fused", "add_norm_router_logits"), ("two_launch", "route_triton")):
+        def counting(*a, _key=key, _fn=getattr(triton_route, name), **k):
+            calls[_key] += 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(triton_route, name, counting)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    want = [o.outputs[0].token_ids for o in _llm(model, "torch").generate(prompts, SP)]
+    llm = _llm(model, "triton,norm=triton,moe_norm_in_router=1")
+    assert llm.engine.executor.worker.plan.moe_norm_in_router
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, SP)] == want
+    assert calls["fused"] > 0 and calls["two_launch"] == 0, calls
+
+
+def test_moe_norm_in_router_failure_names_its_setting(model, monkeypatch):
+    """Its kernel fails when first launched (the warm-up): start-up stops naming
+    moe_norm_in_router=0, not router (the same module's other kernels)."""
+    if "interp_v2" not in model:
+        pytest.skip("one model covers the charge")
+    monkeypatch.setattr(triton_route, "_norm_logits_kernel", _Broken())
+    with pytest.raises(KernelError, match=r"the moe_norm_in_router kernel failed while warming up: RuntimeError: "
+                                          r"PTX: no such instruction\. --kernels auto,moe_norm_in_router=0"):
+        _llm(model, "triton,warmup=1,norm=triton,moe_norm_in_router=1")

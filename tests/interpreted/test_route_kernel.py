@@ -4,7 +4,8 @@ tests/test_triton_route.py."""
 from __future__ import annotations
 
 import pytest
-from test_triton_route import CASES, check, check_ties
+import torch
+from test_triton_route import CASES, check, check_norm_logits, check_ties
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -27,3 +28,16 @@ def test_route_fused_kernel_interpreter(case):
 
 def test_route_ties_interpreter():
     check_ties("cpu")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T,E,D", [(1, 16, 48), (5, 64, 100), (3, 8, 16)])
+def test_norm_logits_kernel_interpreter(T, E, D, dtype):
+    """moe_norm_in_router's kernel: the add + RMSNorm's and the logits kernel's bits."""
+    check_norm_logits("cpu", dtype, T, E, D)
+    check_norm_logits("cpu", dtype, T, E, D, strided=True)
+
+
+def test_norm_logits_kernel_wide_rows_interpreter():
+    """Past 2048 columns: one block for the norm and the logits (the logits kernel loops)."""
+    check_norm_logits("cpu", torch.float32, 2, 8, 2100, exact_logits=False)
