@@ -10,8 +10,9 @@ timed (TPOT, as served: async scheduling unless --no-async-scheduling) with the 
 alone. The variants differ only in what a capture reads at launch time, so no second engine is
 built: PDL in the graphs of up to N sequences (`pdl_graph_max_batch`), the projections on the
 Triton skinny GEMM up to N rows (`gemm_skinny_max_tokens`) and the decode's split merge inside
-absorb_o (`decode_merge_in_absorb`; needs the Triton attention and absorb kernels). The printed figures are the median
-over the reps of each variant; TPOT grows with the contexts (40 + 3 steps a variant and rep), so
+absorb_o (`decode_merge_in_absorb`; needs the Triton attention and absorb kernels) and the MoE
+layers' add + norm inside the router's logits kernel (`moe_norm_in_router`; needs the Triton
+router and norms). The printed figures are the median over the reps of each variant; TPOT grows with the contexts (40 + 3 steps a variant and rep), so
 the variants take turns.
 """
 
@@ -26,28 +27,36 @@ from bench_common import add_engine_flags, engine_kwargs, replay_ms, start_decod
 from attention import triton_absorb
 from common.kernel_plan import PDL_GRAPH_MAX_BATCH
 from engine import LLM
+from models.deepseek import DeepseekDecoderLayer
 from models.layers import Linear
+from models.moe import MoE
 
-# name: (PDL graphs up to this batch, gemm_skinny_max_tokens, decode_merge_in_absorb on); "base" is the
-# plan's default on sm_90; the variants other than merge_o keep the plan's decode_merge_in_absorb
+# name: (PDL graphs up to this batch, gemm_skinny_max_tokens, decode_merge_in_absorb on,
+# moe_norm_in_router on); "base" is the plan's default on sm_90; the variants without merge_o or
+# norm_router keep the plan's own decode_merge_in_absorb and moe_norm_in_router
 VARIANTS = {
-    "base": (PDL_GRAPH_MAX_BATCH, 0, False),
-    "pdl": (1024, 0, False),
-    "skinny": (PDL_GRAPH_MAX_BATCH, 1024, False),
-    "pdl+skinny": (1024, 1024, False),
-    "merge_o": (PDL_GRAPH_MAX_BATCH, 0, True),
+    "base": (PDL_GRAPH_MAX_BATCH, 0, False, False),
+    "pdl": (1024, 0, False, False),
+    "skinny": (PDL_GRAPH_MAX_BATCH, 1024, False, False),
+    "pdl+skinny": (1024, 1024, False, False),
+    "merge_o": (PDL_GRAPH_MAX_BATCH, 0, True, False),
+    "norm_router": (PDL_GRAPH_MAX_BATCH, 0, False, True),
+    "merge_o+norm_router": (PDL_GRAPH_MAX_BATCH, 0, True, True),
 }
 
 
 def set_variant(runner, model, name: str, plan) -> None:
-    pdl_max, skinny, merge_o = VARIANTS[name]
+    pdl_max, skinny, merge_o, norm_router = VARIANTS[name]
     merge_o = merge_o or plan.decode_merge_in_absorb
+    norm_router = norm_router or plan.moe_norm_in_router
     for m in model.modules():
         if isinstance(m, Linear):
             m.skinny_max = skinny
         mla = getattr(m, "mla", None)
         if mla is not None:
             mla.absorb_o_merge = triton_absorb.absorb_o_merge if merge_o else None
+        if isinstance(m, DeepseekDecoderLayer) and isinstance(m.mlp, MoE):
+            m.norm_in_router = m.mlp.gate.norm_in_logits = norm_router
     runner.graphs.pdl_max_batch = pdl_max
     torch.cuda.synchronize()
     runner.graphs.capture()
@@ -70,6 +79,9 @@ def main() -> None:
     if "merge_o" in a.variants and not plan.attention == plan.absorb == "triton":
         raise SystemExit(f"--variants merge_o folds the Triton decode's merge into the Triton absorb_o; this plan "
                          f"has attention={plan.attention} absorb={plan.absorb}")
+    if any("norm_router" in v for v in a.variants) and not plan.router == plan.norm == "triton":
+        raise SystemExit(f"--variants norm_router runs the Triton add + RMSNorm inside the Triton router's logits "
+                         f"kernel; this plan has router={plan.router} norm={plan.norm}")
     runner = core.executor.worker.runner
     model = runner.model
     print(f"device {torch.cuda.get_device_name()}, --kernels {a.kernel_plan}, variants {a.variants}")
@@ -86,15 +98,15 @@ def main() -> None:
                 replay[v].append(replay_ms(runner.graphs, bs))
         for v in a.variants:
             table[bs, v] = statistics.median(tpot[v]), statistics.median(replay[v])
-            print(f"batch {bs:4d}  {v:14s}  TPOT {' / '.join(f'{t:.3f}' for t in tpot[v])} ms, "
+            print(f"batch {bs:4d}  {v:20s}  TPOT {' / '.join(f'{t:.3f}' for t in tpot[v])} ms, "
                   f"replay {' / '.join(f'{r:.3f}' for r in replay[v])} ms", flush=True)
         core.abort_requests(ids)
         while core.has_unfinished_requests():
             core.step()
     print("\nmedian TPOT / graph replay alone, ms")
-    print(f"{'variant':14s} " + " ".join(f"{'batch ' + str(b):>17s}" for b in a.batch_sizes))
+    print(f"{'variant':20s} " + " ".join(f"{'batch ' + str(b):>17s}" for b in a.batch_sizes))
     for v in a.variants:
-        print(f"{v:14s} " + " ".join(f"{table[b, v][0]:8.3f} /{table[b, v][1]:7.3f}" for b in a.batch_sizes))
+        print(f"{v:20s} " + " ".join(f"{table[b, v][0]:8.3f} /{table[b, v][1]:7.3f}" for b in a.batch_sizes))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|mergeo|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|mergeo|fewer|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -36,6 +36,10 @@
 #               (bench_pdl_variants.py --variants base merge_o; batches 1 (~130 splits, more than the
 #               fold takes) and 128 (one split) are controls);
 #               1/5 and 4/5 of the step's timeout (give it `mergeo:420`)
+#   fewer       the two opt-in launch removals: decode_merge_in_absorb (above) and moe_norm_in_router
+#               (the MoE layers' add + norm inside the router's logits kernel): their GPU tests, then
+#               TPOT at batch 1/8/16/32/128 in one engine, base / each / both, alternating twice
+#               (bench_pdl_variants.py); 1/5 and 4/5 of the step's timeout (give it `fewer:560`)
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   graphs      the CUDA-graph decode step at batch 1/8/32/128: TPOT, the replay alone, kernel time
 #               and the idle time before each kernel (profile_graphs.py), once per --kernels plan of
@@ -179,6 +183,10 @@ for spec in $steps; do
                 -k "merge or absorb_kernels_real"
               timeout $((T * 4 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 8 16 32 128 \
                 --variants base merge_o --reps 2; } > "$log" 2>&1 ;;
+    fewer) { timeout $((T / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_absorb.py \
+               tests/test_triton_route.py -k "merge or absorb_kernels_real or norm_logits"
+             timeout $((T * 4 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 8 16 32 128 \
+               --variants base merge_o norm_router merge_o+norm_router --reps 2; } > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;
     graphs) { P=${AB_PLANS:-auto}; n=$(echo $P | wc -w); for k in $P; do echo "## --kernels $k"
         timeout $((T / n)) python3 scripts/profile_graphs.py --kernel-plan "$k" \
