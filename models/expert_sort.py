@@ -149,19 +149,14 @@ def sort_pairs_into_blocks(ids: torch.Tensor, num_experts: int, block_m: int,
     return rows, block_expert
 
 
-@fast_launch
-@triton.jit(do_not_specialize=["P", "NB"])
-def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
-                  BINS: tl.constexpr, PDL: tl.constexpr):
-    """Program e < E writes expert e's run of `rows` and its blocks' `bexp`; program E the unused
-    tail. Every program histograms all P pair ids (they are few, and read from L2) to find
-    where its run starts: the padded counts of the experts before it. Ids >= E land in no run:
-    their bins are masked (BINS > E), and past BINS the histogram drops them."""
-    pdl_prologue(PDL)
-    e = tl.program_id(0)
-    offs = tl.arange(0, BLOCK_P)
-    in_p = offs < P
-    flat = tl.load(ids_ptr + offs, mask=in_p, other=E).to(tl.int32)  # padding lands in bin E
+@triton.jit
+def write_runs(flat, pair, e, E, NB, rows_ptr, bexp_ptr, BLOCK_M: tl.constexpr, BINS: tl.constexpr):
+    """Program e < E of an alignment: expert e's run of `rows` (the `pair` indices whose id in
+    `flat` is e, ascending as they come, padded with -1 to whole blocks of BLOCK_M) and its
+    blocks' `bexp`; program E the unused tail. `flat` holds every pair's id (1-D, in ascending
+    pair order; padding lanes carry E); each program histograms them all to find where its run
+    starts: the padded counts of the experts before it. Ids >= E land in no run: their bins are
+    masked (BINS > E), and past BINS the histogram drops them."""
     bins = tl.arange(0, BINS)
     counts = tl.where(bins < E, tl.histogram(flat, BINS), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -171,7 +166,7 @@ def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB, BLOCK_M: tl.constexpr, 
         count = tl.sum(tl.where(bins == e, counts, 0))
         mine = flat == e
         rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # ascending pair index within the expert
-        tl.store(rows_ptr + start + rank, offs.to(tl.int64), mask=mine)
+        tl.store(rows_ptr + start + rank, pair.to(tl.int64), mask=mine)
         n_pad = tl.sum(tl.where(bins == e, padded, 0))
         tail = tl.arange(0, BLOCK_M)
         tl.store(rows_ptr + start + count + tail, tl.full([BLOCK_M], -1, tl.int64), mask=count + tail < n_pad)
@@ -181,8 +176,19 @@ def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB, BLOCK_M: tl.constexpr, 
         used = tl.sum(padded) // BLOCK_M
         lane = tl.arange(0, BLOCK_M)
         for b in range(used, NB):
-            tl.store(bexp_ptr + b, E.to(tl.int64))
+            tl.store(bexp_ptr + b, tl.cast(E, tl.int64))  # E: an int argument or a constexpr
             tl.store(rows_ptr + b * BLOCK_M + lane, tl.full([BLOCK_M], -1, tl.int64))
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["P", "NB"])
+def _align_kernel(ids_ptr, rows_ptr, bexp_ptr, P, E, NB, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BINS: tl.constexpr, PDL: tl.constexpr):
+    """Program e of `write_runs` over the P pair ids of ids_ptr (pair index = position)."""
+    pdl_prologue(PDL)
+    offs = tl.arange(0, BLOCK_P)
+    flat = tl.load(ids_ptr + offs, mask=offs < P, other=E).to(tl.int32)  # padding lands in bin E
+    write_runs(flat, offs, tl.program_id(0), E, NB, rows_ptr, bexp_ptr, BLOCK_M, BINS)
 
 
 # Up to this many pairs align_pairs is one kernel, each of whose E + 1 programs holds all pair ids

@@ -231,31 +231,13 @@ def fused_router_refusal(num_experts: int, grouped: bool) -> str | None:
     return None
 
 
-@fast_launch
-@triton.jit(do_not_specialize=["T"])
-def _router_fused_kernel(x_ptr, w_ptr, bias_ptr, w_out_ptr, ids_ptr, T, D, stride_x, scale,
-                         E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                         SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                         NS: tl.constexpr, NSP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                         PRECISION: tl.constexpr, PDL: tl.constexpr):
-    """Rows [BT] of tokens: their logits x . w over all E experts on the tensor cores (fp32
-    accumulation; bf16 x bf16 products are exact), then, as `_route_kernel` does for one row
-    without groups, the scores, the top-K (lower id on ties, NaN as -inf) and the weights, and
-    the NS folded shared experts after them."""
-    pdl_prologue(PDL)
-    rows = tl.program_id(0) * BT + tl.arange(0, BT)
-    live = rows < T
-    e = tl.arange(0, EP)
-    real = e < E
-    acc = tl.zeros([BT, EP], dtype=tl.float32)
-    for k0 in range(0, D, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        mk = offs_k < D
-        xv = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + offs_k[None, :],
-                     mask=live[:, None] & mk[None, :], other=0.0)
-        wv = tl.load(w_ptr + e[None, :] * D + offs_k[:, None], mask=real[None, :] & mk[:, None], other=0.0)
-        acc = tl.dot(xv, wv, acc, input_precision=PRECISION)  # [BT, EP]
-    logit = tl.where(real[None, :], acc, float("-inf"))
+@triton.jit
+def choose_rows(logit, real, live, e, bias_ptr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                BT: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+    """The choice of routers without groups for rows of fp32 logits `[BT, EP]` (-inf where the
+    expert is not `real`; rows not `live` choose nothing): as `_route_kernel` does for one row,
+    the scores, the top-K (lower id on ties, NaN as -inf) and their weights, normalised with
+    NORM, not yet scaled: (weights `[BT, KP]`, ids `[BT, KP]` int64)."""
     if SIGMOID:
         scores = tl.where(real[None, :], 1.0 / (1.0 + tl.exp(-logit)), 0.0)
         choice = scores
@@ -280,6 +262,35 @@ def _router_fused_kernel(x_ptr, w_ptr, bias_ptr, w_out_ptr, ids_ptr, T, D, strid
         avail = avail & (~hit)
     if NORM:
         w_out = w_out / (tl.sum(w_out, axis=1)[:, None] + 1e-20)
+    return w_out, id_out
+
+
+@fast_launch
+@triton.jit(do_not_specialize=["T"])
+def _router_fused_kernel(x_ptr, w_ptr, bias_ptr, w_out_ptr, ids_ptr, T, D, stride_x, scale,
+                         E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                         SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                         NS: tl.constexpr, NSP: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                         PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Rows [BT] of tokens: their logits x . w over all E experts on the tensor cores (fp32
+    accumulation; bf16 x bf16 products are exact), then their choice (`choose_rows`), and the NS
+    folded shared experts after them."""
+    pdl_prologue(PDL)
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    live = rows < T
+    e = tl.arange(0, EP)
+    real = e < E
+    acc = tl.zeros([BT, EP], dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mk = offs_k < D
+        xv = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + offs_k[None, :],
+                     mask=live[:, None] & mk[None, :], other=0.0)
+        wv = tl.load(w_ptr + e[None, :] * D + offs_k[:, None], mask=real[None, :] & mk[:, None], other=0.0)
+        acc = tl.dot(xv, wv, acc, input_precision=PRECISION)  # [BT, EP]
+    w_out, id_out = choose_rows(tl.where(real[None, :], acc, float("-inf")), real, live, e, bias_ptr,
+                                E, K, KP, BT, SIGMOID, HAS_BIAS, NORM)
+    kk = tl.arange(0, KP)[None, :]
     out = rows[:, None].to(tl.int64) * (K + NS)
     tl.store(w_out_ptr + out + kk, w_out * scale, mask=live[:, None] & (kk < K))
     tl.store(ids_ptr + out + kk, id_out, mask=live[:, None] & (kk < K))
