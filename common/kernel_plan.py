@@ -111,6 +111,12 @@ CHOICES: tuple[Choice, ...] = (
            "32 tokens on V2-Lite, one on larger routers; the one-launch router's steps excepted); needs router "
            "and norm triton (opt-in: not yet timed on a GPU); a failure there is charged to this key by Router",
            triton=False, torch=False),
+    Choice("moe_route_align", (bool,), "the block MoE's steps make the expert choice and the alignment of the "
+           "routed pairs into blocks in one launch (models/route_align.py) instead of two, where the choice's "
+           "tile holds the step (up to 32 tokens on V2-Lite's 64 experts); routers without expert groups only "
+           "(V2-Lite; V2's and V3's grouped routers stop the start-up naming this setting); needs router and moe "
+           "triton (opt-in: not yet timed on a GPU); a failure there is charged to this key by Router",
+           triton=False, torch=False),
     Choice("moe_shared_stream", (bool,), "with moe triton and the shared experts folded into the experts (not "
            "when --fp8-gemm keeps them in FP8: nothing to overlap, the setting is then unused), steps that take "
            "the pair-parallel fused MoE (moe_fused_max_tokens) or the block kernels (moe_blocked_max_tokens; not "
@@ -222,6 +228,7 @@ class KernelPlan:
     moe_large: str = "loop"
     moe_sum_in_norm: bool = False
     moe_norm_in_router: bool = False
+    moe_route_align: bool = False
     moe_shared_stream: bool = False
     gemm_skinny_max_tokens: int = 0
     fp8_gemm: str = "auto"
@@ -372,6 +379,10 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
                              f"RMSNorm kernel; this plan has moe={values['moe']} norm={values['norm']} (set "
                              f"moe_sum_in_norm=0, or moe and norm triton)")
         values["moe_sum_in_norm"] = False
+    if values["moe_route_align"] and not values["router"] == values["moe"] == TRITON:
+        raise ValueError(f"--kernels ...,moe_route_align=1 makes the Triton router's choice and the Triton block MoE's "
+                         f"alignment in one launch; this plan has router={values['router']} moe={values['moe']} "
+                         f"(leave moe_route_align at 0, or set router and moe triton)")
     if values["moe_norm_in_router"] and not values["router"] == values["norm"] == TRITON:
         raise ValueError(f"--kernels ...,moe_norm_in_router=1 runs the Triton add + RMSNorm inside the Triton router's "
                          f"logits kernel; this plan has router={values['router']} norm={values['norm']} (leave "

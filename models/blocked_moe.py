@@ -221,7 +221,8 @@ def block_group(T: int) -> int:
 def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                       ids: torch.Tensor, block_m: int = 16, w13_scale: torch.Tensor | None = None,
                       w2_scale: torch.Tensor | None = None, block: int = 128, a8: bool = False,
-                      defer_sum: bool = False, group_b: int | None = None) -> torch.Tensor | PairRows:
+                      defer_sum: bool = False, group_b: int | None = None,
+                      aligned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | PairRows:
     """Routed-expert output `[T, D]`: pairs sorted by expert into blocks of block_m rows, so each
     expert's weights are read once per block. ids / weights `[T, kt]` are every pair a token
     takes, folded shared experts included (`MoE._with_shared`).
@@ -233,9 +234,11 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     128-wide groups by `act_quant`, and the kernels multiply FP8 by FP8 on the tensor cores, each
     tile's product scaled per row by the activation scales and per column by the weight scales.
     `defer_sum`: the pair rows unsummed, as `fused_moe_small`'s.
-    `group_b`: the programs' order (`_block_tile`'s GROUP_B); None: `block_group(T)`."""
+    `group_b`: the programs' order (`_block_tile`'s GROUP_B); None: `block_group(T)`.
+    `aligned`: the blocks (rows, bexp) as `align_pairs(ids, E, block_m)` gives them, already made
+    with the choice (models/route_align.py)."""
     run = _BlockedMoE(x, w13, w2, ids.shape[1], w13_scale, w2_scale, block, a8, group_b)
-    rows, bexp = align_pairs(ids, w13.shape[0], block_m)
+    rows, bexp = aligned if aligned is not None else align_pairs(ids, w13.shape[0], block_m)
     run.launch(rows, bexp, weights.contiguous().flatten(), w13.shape[0], block_m)
     return sum_pairs(run.part, run.x.dtype, run.kt, defer_sum)
 
@@ -260,8 +263,10 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
     blocks need no sort: one small kernel writes them (`_shared_blocks_kernel`), and it and the
     shared blocks' two product kernels go to `stream` first. Meanwhile the current stream runs
     `route()` -> (weights, ids) `[T, k + n_shared]` (the shared columns last, as the Triton router
-    appends them; their weights are not read), sorts the routed pairs alone into blocks and runs
-    their product kernels; it waits for `stream` before the pair sum.
+    appends them; their weights are not read), sorts the routed pairs alone into blocks (unless
+    route() gave them too: (weights, ids, rows, bexp), as `align_pairs(ids, E - n_shared, block_m,
+    max_pairs=T * k)` would) and runs their product kernels; it waits for `stream` before the
+    pair sum.
 
     The shared experts' blocks are `shared_block_m` rows deep (SHARED_BLOCK_M, above). With
     `shared_block_m` = block_m every pair row is computed as `fused_moe_blocked` computes it (the
@@ -300,12 +305,12 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
             stream.wait_stream(main)  # x (and the buffers' memory) ready
             with torch.cuda.stream(stream):
                 shared()
-        weights, ids = route()
+        weights, ids, *aligned = route()
         if ids.shape != (T, kt) or weights.shape != (T, kt):
             raise ValueError(f"route() gave weights {tuple(weights.shape)} and ids {tuple(ids.shape)}, "
                              f"expected [{T}, {kt}] (k routed choices, then the {n_shared} shared experts)")
         # the shared ids land past the bins: not sorted, and no blocks are bounded for them
-        rows, bexp = align_pairs(ids, E - n_shared, block_m, max_pairs=T * k)
+        rows, bexp = aligned or align_pairs(ids, E - n_shared, block_m, max_pairs=T * k)
         run.launch(rows, bexp, weights.contiguous().flatten(), E - n_shared, block_m)
     finally:
         if main is not None:

@@ -118,6 +118,7 @@ class MoE(nn.Module):
             raise ValueError(f"moe_intermediate_size {I} is not divisible by tensor parallel size {tp}")
         Il, q = I // tp, cfg.fp8_block
         self.gate = Router(cfg, plan)
+        self.route_align = plan.moe_route_align  # Router.route_aligned in the block MoE's steps
         if q is not None and Il % q[0]:
             raise ValueError(f"tensor parallel size {tp} would split a {q[0]}x{q[1]} FP8 block: "
                              f"moe_intermediate_size {I} gives {Il} per rank")
@@ -212,8 +213,14 @@ class MoE(nn.Module):
         (`PairRows`) for the next add + RMSNorm to sum. `logits`: the router's, already computed
         with x's norm (moe_norm_in_router: `Router.add_norm_logits`); the choice alone remains."""
         T, p = x.shape[0], self.plan
+        align = self.route_align and self.gate.aligns(T)
 
-        def gate(n_shared: int) -> tuple[torch.Tensor, torch.Tensor]:
+        def gate(n_shared: int, block_m: int | None = None, sort_shared: bool = False) -> tuple[torch.Tensor, ...]:
+            """(weights, ids); with `block_m` where moe_route_align takes the step, the pairs'
+            blocks too (`Router.route_aligned`; the shared experts' with `sort_shared`):
+            (weights, ids, rows, bexp)."""
+            if block_m is not None and align:
+                return self.gate.route_aligned(x, logits, n_shared, block_m, sort_shared)
             return self.gate(x, n_shared) if logits is None else self.gate.choose(logits, n_shared)
         fused_max = p.moe_fused_max_tokens_fp8 if self.fp8_block is not None else p.moe_fused_max_tokens
         small = self.fused_small is not None and T <= fused_max
@@ -235,7 +242,7 @@ class MoE(nn.Module):
                         self._shared_choice(x.device, torch.int32, torch.float32), side_stream(x.device),
                         self.w13_scale, self.w2_scale, block, defer_sum=defer)
                 else:
-                    route = (lambda: gate(self.n_shared)) if fold else (lambda: self._with_shared(*gate(0)))
+                    route = (lambda: gate(self.n_shared, block_rows(T))) if fold else (lambda: self._with_shared(*gate(0)))
                     out = self.fused_blocked_overlapped(
                         x, self.w13, self.w2, route, self.cfg.num_experts_per_tok, self.n_shared, side_stream(x.device),
                         block_rows(T), defer_sum=defer)
@@ -244,7 +251,12 @@ class MoE(nn.Module):
                     e.plan_key = "moe_shared_stream"
                 raise
             return out if isinstance(out, PairRows) else pd.tp_all_reduce(out)
-        weights, ids = gate(self.n_shared if fold else 0)
+        # moe_route_align on the block path (the shared experts folded in, or none): the blocks of
+        # the pairs come with the choice
+        sorts = blocked and not small and not dense and (fold or not self.n_shared)
+        weights, ids, *aligned = gate(self.n_shared if fold else 0,
+                                      block_rows(T, fp8=self.fp8_block is not None) if sorts else None, fold)
+        aligned = tuple(aligned) or None
         if small:
             out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
                                    self.n_shared, defer_sum=defer)
@@ -254,13 +266,14 @@ class MoE(nn.Module):
                 try:
                     out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T, fp8=True), self.w13_scale,
                                              self.w2_scale, self.fp8_block[0], a8=p.moe_fp8_w8a8,
-                                             defer_sum=defer and not dense)
+                                             defer_sum=defer and not dense, aligned=aligned)
                 except Exception as e:
                     if p.moe_fp8_w8a8:  # its kernels and act_quant: the plan names moe_fp8_w8a8=0
                         e.plan_key = "moe_fp8_w8a8"
                     raise
             elif blocked:
-                out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T), defer_sum=defer and not dense)
+                out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T), defer_sum=defer and not dense,
+                                         aligned=aligned)
             else:
                 out = self.routed_large(x, *pairs)
             if dense:

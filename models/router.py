@@ -84,6 +84,34 @@ class Router(nn.Module):
             e.plan_key = "moe_norm_in_router"
             raise
 
+    def aligns(self, T: int) -> bool:
+        """Whether `route_aligned` takes a step of T tokens (moe_route_align): the Triton router, in
+        steps the one-launch router (router_fused_max_tokens) does not take and the choice's
+        tile holds (models/route_align.py; the router's shape is checked at start-up)."""
+        if self.kernel is route or T <= self.fused_max_tokens:
+            return False
+        from models.route_align import route_align_fits
+        return route_align_fits(T, self.cfg.n_routed_experts)
+
+    def route_aligned(self, x: torch.Tensor, logits: torch.Tensor | None, n_shared: int, block_m: int,
+                      sort_shared: bool = False) -> tuple[torch.Tensor, ...]:
+        """(weights, ids, rows, bexp): `forward`'s choice and its pairs' blocks of block_m rows
+        (`align_pairs`'s layout: the routed pairs', and the n_shared folded shared experts' too
+        with `sort_shared`) from one launch after the logits (`logits`, or computed here from x).
+        A failure is charged to moe_route_align."""
+        from models.route_align import route_align
+        from models.triton_route import router_logits
+        c = self.cfg
+        try:
+            if logits is None:
+                logits = router_logits(x, self.weight, self.weight_bf16)
+            return route_align(logits, self.e_score_correction_bias, c.scoring_func, c.topk_method, c.n_group,
+                               c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor, n_shared, block_m,
+                               sort_shared)
+        except Exception as e:
+            e.plan_key = "moe_route_align"
+            raise
+
     def choose(self, logits: torch.Tensor, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """`forward`'s (weights, ids) from `add_norm_logits`'s logits: the choice kernel alone."""
         from models.triton_route import route_choice
