@@ -180,3 +180,12 @@ def test_moe_norm_in_router_needs_the_triton_router_and_norm():
                        ("auto,router=torch,moe_norm_in_router=1", "router=torch norm=triton")):
         with pytest.raises(ValueError, match=rf"moe_norm_in_router=1 runs the Triton add \+ RMSNorm .* {have} \(leave"):
             _resolve(spec)
+
+
+def test_moe_route_align_needs_the_triton_router_and_moe():
+    assert not _resolve("auto").moe_route_align
+    assert _resolve("auto,moe_route_align=1").moe_route_align
+    for spec, have in (("auto,moe=torch,moe_route_align=1", "router=triton moe=torch"),
+                       ("auto,router=torch,moe_route_align=1", "router=torch moe=triton")):
+        with pytest.raises(ValueError, match=rf"moe_route_align=1 makes the Triton router's choice .* {have} \(leave"):
+            _resolve(spec)

@@ -215,3 +215,37 @@ def test_moe_norm_in_router_failure_names_its_setting(model, monkeypatch):
     with pytest.raises(KernelError, match=r"the moe_norm_in_router kernel failed while warming up: RuntimeError: "
                                           r"PTX: no such instruction\. --kernels auto,moe_norm_in_router=0"):
         _llm(model, "triton,warmup=1,norm=triton,moe_norm_in_router=1")
+
+
+@pytest.mark.parametrize("kernels", ["triton,moe_route_align=1", "triton,norm=triton,moe_norm_in_router=1,moe_route_align=1"])
+def test_moe_route_align_in_the_engine(model, kernels, monkeypatch):
+    """moe_route_align: V2's tiny model (no expert groups) with prompts chunked by 16 makes every
+    block-MoE step's choice and alignment in one launch (alone, and after the norm + logits
+    kernel), with the torch plan's greedy tokens, and `align_pairs` is never called; V3's grouped
+    router does not start, the error naming the setting."""
+    if "interp_v3" in model:
+        with pytest.raises(ValueError, match=r"moe_route_align=1: .* chosen by groups; leave moe_route_align at 0"):
+            _llm(model, "triton,warmup=0,moe_route_align=1")
+        return
+    import models.route_align as route_align
+    calls = {"route_align": 0, "align_pairs": 0}
+    for key, mod in (("route_align", route_align), ("align_pairs", blocked_moe)):
+        def counting(*a, _key=key, _fn=getattr(mod, key), **k):
+            calls[_key] += 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(mod, key, counting)
+    g = torch.Generator().manual_seed(13)
+    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    want = [o.outputs[0].token_ids for o in _llm(model, "torch").generate(prompts, SP)]
+    assert [o.outputs[0].token_ids for o in _llm(model, kernels).generate(prompts, SP)] == want
+    assert calls["route_align"] > 0 and calls["align_pairs"] == 0, calls
+
+
+def test_moe_route_align_failure_names_its_setting(model, monkeypatch):
+    if "interp_v2" not in model:
+        pytest.skip("V3's grouped router never takes it")
+    import models.route_align as route_align
+    monkeypatch.setattr(route_align, "_route_align_kernel", _Broken())
+    with pytest.raises(KernelError, match=r"the moe_route_align kernel failed while warming up: RuntimeError: "
+                                          r"PTX: no such instruction\. --kernels auto,moe_route_align=0"):
+        _llm(model, "triton,warmup=1,moe_route_align=1")
