@@ -12,7 +12,8 @@ built: PDL in the graphs of up to N sequences (`pdl_graph_max_batch`), the proje
 Triton skinny GEMM up to N rows (`gemm_skinny_max_tokens`) and the decode's split merge inside
 absorb_o (`decode_merge_in_absorb`; needs the Triton attention and absorb kernels) and the MoE
 layers' add + norm inside the router's logits kernel (`moe_norm_in_router`; needs the Triton
-router and norms). The printed figures are the median over the reps of each variant; TPOT grows with the contexts (40 + 3 steps a variant and rep), so
+router and norms), and the choice with the block MoE's alignment in one launch (`moe_route_align`;
+needs the Triton router and MoE; routers without expert groups). The printed figures are the median over the reps of each variant; TPOT grows with the contexts (40 + 3 steps a variant and rep), so
 the variants take turns.
 """
 
@@ -32,23 +33,27 @@ from models.layers import Linear
 from models.moe import MoE
 
 # name: (PDL graphs up to this batch, gemm_skinny_max_tokens, decode_merge_in_absorb on,
-# moe_norm_in_router on); "base" is the plan's default on sm_90; the variants without merge_o or
-# norm_router keep the plan's own decode_merge_in_absorb and moe_norm_in_router
+# moe_norm_in_router on, moe_route_align on); "base" is the plan's default on sm_90; a variant
+# leaves an opt-in it does not turn on as the plan has it
+B = PDL_GRAPH_MAX_BATCH
 VARIANTS = {
-    "base": (PDL_GRAPH_MAX_BATCH, 0, False, False),
-    "pdl": (1024, 0, False, False),
-    "skinny": (PDL_GRAPH_MAX_BATCH, 1024, False, False),
-    "pdl+skinny": (1024, 1024, False, False),
-    "merge_o": (PDL_GRAPH_MAX_BATCH, 0, True, False),
-    "norm_router": (PDL_GRAPH_MAX_BATCH, 0, False, True),
-    "merge_o+norm_router": (PDL_GRAPH_MAX_BATCH, 0, True, True),
+    "base": (B, 0, False, False, False),
+    "pdl": (1024, 0, False, False, False),
+    "skinny": (B, 1024, False, False, False),
+    "pdl+skinny": (1024, 1024, False, False, False),
+    "merge_o": (B, 0, True, False, False),
+    "norm_router": (B, 0, False, True, False),
+    "route_align": (B, 0, False, False, True),
+    "merge_o+norm_router": (B, 0, True, True, False),
+    "all3": (B, 0, True, True, True),
 }
 
 
 def set_variant(runner, model, name: str, plan) -> None:
-    pdl_max, skinny, merge_o, norm_router = VARIANTS[name]
+    pdl_max, skinny, merge_o, norm_router, route_align = VARIANTS[name]
     merge_o = merge_o or plan.decode_merge_in_absorb
     norm_router = norm_router or plan.moe_norm_in_router
+    route_align = route_align or plan.moe_route_align
     for m in model.modules():
         if isinstance(m, Linear):
             m.skinny_max = skinny
@@ -57,6 +62,7 @@ def set_variant(runner, model, name: str, plan) -> None:
             mla.absorb_o_merge = triton_absorb.absorb_o_merge if merge_o else None
         if isinstance(m, DeepseekDecoderLayer) and isinstance(m.mlp, MoE):
             m.norm_in_router = m.mlp.gate.norm_in_logits = norm_router
+            m.mlp.route_align = route_align
     runner.graphs.pdl_max_batch = pdl_max
     torch.cuda.synchronize()
     runner.graphs.capture()
@@ -76,12 +82,15 @@ def main() -> None:
     llm = LLM(**kw)
     core = llm.engine
     plan = core.executor.worker.plan
-    if "merge_o" in a.variants and not plan.attention == plan.absorb == "triton":
+    if any(VARIANTS[v][2] for v in a.variants) and not plan.attention == plan.absorb == "triton":
         raise SystemExit(f"--variants merge_o folds the Triton decode's merge into the Triton absorb_o; this plan "
                          f"has attention={plan.attention} absorb={plan.absorb}")
-    if any("norm_router" in v for v in a.variants) and not plan.router == plan.norm == "triton":
+    if any(VARIANTS[v][3] for v in a.variants) and not plan.router == plan.norm == "triton":
         raise SystemExit(f"--variants norm_router runs the Triton add + RMSNorm inside the Triton router's logits "
                          f"kernel; this plan has router={plan.router} norm={plan.norm}")
+    if any(VARIANTS[v][4] for v in a.variants) and not plan.router == plan.moe == "triton":
+        raise SystemExit(f"--variants route_align makes the Triton router's choice and the block MoE's alignment in "
+                         f"one launch; this plan has router={plan.router} moe={plan.moe}")
     runner = core.executor.worker.runner
     model = runner.model
     print(f"device {torch.cuda.get_device_name()}, --kernels {a.kernel_plan}, variants {a.variants}")

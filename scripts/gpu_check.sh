@@ -36,10 +36,11 @@
 #               (bench_pdl_variants.py --variants base merge_o; batches 1 (~130 splits, more than the
 #               fold takes) and 128 (one split) are controls);
 #               1/5 and 4/5 of the step's timeout (give it `mergeo:420`)
-#   fewer       the two opt-in launch removals: decode_merge_in_absorb (above) and moe_norm_in_router
-#               (the MoE layers' add + norm inside the router's logits kernel): their GPU tests, then
-#               TPOT at batch 1/8/16/32/128 in one engine, base / each / both, alternating twice
-#               (bench_pdl_variants.py); 1/5 and 4/5 of the step's timeout (give it `fewer:560`)
+#   fewer       the three opt-in launch removals: decode_merge_in_absorb (above), moe_norm_in_router
+#               (the MoE layers' add + norm inside the router's logits kernel) and moe_route_align (the
+#               choice and the block MoE's alignment in one launch): their kernels' GPU tests, then
+#               TPOT at batch 1/8/16/32/128 in one engine, base / each / all three, alternating twice
+#               (bench_pdl_variants.py); 1/5 and 4/5 of the step's timeout (give it `fewer:580`)
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   graphs      the CUDA-graph decode step at batch 1/8/32/128: TPOT, the replay alone, kernel time
 #               and the idle time before each kernel (profile_graphs.py), once per --kernels plan of
@@ -184,9 +185,9 @@ for spec in $steps; do
               timeout $((T * 4 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 8 16 32 128 \
                 --variants base merge_o --reps 2; } > "$log" 2>&1 ;;
     fewer) { timeout $((T / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_absorb.py \
-               tests/test_triton_route.py -k "merge or absorb_kernels_real or norm_logits"
+               tests/test_triton_route.py tests/test_route_align.py -k "merge or absorb_kernels_real or norm_logits or route_align"
              timeout $((T * 4 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 8 16 32 128 \
-               --variants base merge_o norm_router merge_o+norm_router --reps 2; } > "$log" 2>&1 ;;
+               --variants base merge_o norm_router route_align all3 --reps 2; } > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;
     graphs) { P=${AB_PLANS:-auto}; n=$(echo $P | wc -w); for k in $P; do echo "## --kernels $k"
         timeout $((T / n)) python3 scripts/profile_graphs.py --kernel-plan "$k" \
