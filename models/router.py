@@ -79,7 +79,7 @@ class Router(nn.Module):
         moe_norm_in_router (its 0 avoids this kernel)."""
         from models.triton_route import add_norm_router_logits
         try:
-            return add_norm_router_logits(residual, h, norm_weight, eps, self.weight)
+            return add_norm_router_logits(residual, h, norm_weight, eps, self.weight, self.weight_bf16)
         except Exception as e:
             e.plan_key = "moe_norm_in_router"
             raise

@@ -107,17 +107,20 @@ def _norm_logits_kernel(x_ptr, h_ptr, nw_ptr, s_ptr, y_ptr, w_ptr, out_ptr, D, e
         tl.store(s_ptr + t * stride_s + offs, s, mask=m)
         tl.store(y_ptr + t * stride_y + offs, y, mask=m)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    acc += y.to(tl.float32) * tl.load(w_ptr + e * D + offs, mask=m, other=0.0)
+    acc += y.to(tl.float32) * tl.load(w_ptr + e * D + offs, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * E + e, tl.sum(acc, axis=0))
 
 
 def add_norm_router_logits(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                           weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           weight: torch.Tensor, weight_bf16: torch.Tensor | None = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(s, y, logits) in one launch for x, h `[T, D]`: s = x + h and y = rms_norm(s) *
     norm_weight with the Triton add + RMSNorm's arithmetic and bits (common/triton_norm.py), and
     the fp32 router logits y @ weight.T `[T, E]` (weight fp32 `[E, D]`) as `router_logits`'s
     kernel sums them up to 2048 columns (wider rows: one block, another order of the same fp32
-    sums). Within `logits_kernel_fits` only: a ValueError beyond it, or for other layouts."""
+    sums). `weight_bf16`: the same weight in bf16 (exact, `Router.keep_bf16_weight`), read
+    instead: half the bytes, the same products. Within `logits_kernel_fits` only: a ValueError
+    beyond it, or for other layouts."""
     T, D = x.shape if x.dim() == 2 else (-1, -1)
     E = weight.shape[0]
     if (x.dim() != 2 or h.shape != x.shape or h.dtype != x.dtype or x.stride(-1) != 1 or h.stride(-1) != 1
@@ -130,9 +133,12 @@ def add_norm_router_logits(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.
     s = torch.empty_like(x, memory_format=torch.contiguous_format)
     y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, norm_weight.dtype), device=x.device)
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    if weight_bf16 is not None and (weight_bf16.shape != weight.shape or not weight_bf16.is_contiguous()):
+        raise ValueError(f"add_norm_router_logits: the bf16 router {tuple(weight_bf16.shape)} is not a contiguous "
+                         f"copy of {tuple(weight.shape)}")
     if T:
         block = triton.next_power_of_2(D)
-        _norm_logits_kernel[(T, E)](x, h, norm_weight, s, y, weight, logits, D, eps, x.stride(0), h.stride(0),
+        _norm_logits_kernel[(T, E)](x, h, norm_weight, s, y, weight if weight_bf16 is None else weight_bf16, logits, D, eps, x.stride(0), h.stride(0),
                                     s.stride(0), y.stride(0), E=E, BLOCK_D=block, num_warps=norm_warps(block),
                                     **pdl_launch())
     return s, y, logits

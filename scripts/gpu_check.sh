@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|mergeo|fewer|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|mergeo|fewer|fewer2|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -41,6 +41,10 @@
 #               choice and the block MoE's alignment in one launch): their kernels' GPU tests, then
 #               TPOT at batch 1/8/16/32/128 in one engine, base / each / all three, alternating twice
 #               (bench_pdl_variants.py); 1/5 and 4/5 of the step's timeout (give it `fewer:580`)
+#   fewer2      the two that did not lose in `fewer` (H100, 2026-12-06): TPOT at batch 1/4/8/16/24/32
+#               (where they apply), base / each / both, reps in ABBA order (3/5 of the timeout), then
+#               their GPU tests (kernels, and the engine's tokens against the default plan; 2/5)
+#               (give it `fewer2:570`)
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   graphs      the CUDA-graph decode step at batch 1/8/32/128: TPOT, the replay alone, kernel time
 #               and the idle time before each kernel (profile_graphs.py), once per --kernels plan of
@@ -188,6 +192,11 @@ for spec in $steps; do
                tests/test_triton_route.py tests/test_route_align.py -k "merge or absorb_kernels_real or norm_logits or route_align"
              timeout $((T * 4 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 8 16 32 128 \
                --variants base merge_o norm_router route_align all3 --reps 2; } > "$log" 2>&1 ;;
+    fewer2) { timeout $((T * 3 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 4 8 16 24 32 \
+                --variants base norm_router route_align norm_router+route_align --reps 2
+              timeout $((T * 2 / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_route.py \
+                tests/test_route_align.py tests/test_gpu_launch_opt_ins.py -k "norm_logits or route_align or opt_ins"
+            } > "$log" 2>&1 ;;
     profile) timeout "$T" python3 scripts/profile_step.py --kernels > "$log" 2>&1 ;;
     graphs) { P=${AB_PLANS:-auto}; n=$(echo $P | wc -w); for k in $P; do echo "## --kernels $k"
         timeout $((T / n)) python3 scripts/profile_graphs.py --kernel-plan "$k" \

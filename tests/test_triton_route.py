@@ -191,6 +191,10 @@ def check_norm_logits(device, dtype, T, E, D, exact_logits=True, strided=False):
     w = (torch.randn(E, D, generator=g) / D ** 0.5).to(device)
     s, y, logits = add_norm_router_logits(x, h, nw, 1e-6, w)
     rs, ry = add_rms_norm(x, h, nw, 1e-6)
+    if device == "cuda":  # a bf16-exact weight read as its bf16 copy: the same logits
+        wb = w.to(torch.bfloat16)
+        assert torch.equal(add_norm_router_logits(x, h, nw, 1e-6, wb.float(), wb)[2],
+                           add_norm_router_logits(x, h, nw, 1e-6, wb.float())[2])
     assert s.is_contiguous() and y.dtype == ry.dtype and logits.shape == (T, E)
     assert torch.equal(s, rs) and torch.equal(y, ry)
     want = router_logits(ry, w)
