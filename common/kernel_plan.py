@@ -49,6 +49,13 @@ class Choice:
     triton_help: str | None = None  # the help's "triton:" entry where resolve_plan adjusts the value
 
 
+# moe_norm_in_router_max_tokens under base triton: the norm inside the router's logits kernel at
+# batch 1 only. On an H100 (V2-Lite, scripts/bench_pdl_variants.py, both in one engine, two reps in
+# ABBA order, 2026-12-06) TPOT at batch 1 was 2.501 against 2.575 ms (-2.9%), batch 4 4.883 against
+# 4.821 (replay level), batch 8 7.012 against 6.937 (+1.1%), 16-32 level.
+NORM_IN_ROUTER_MAX_TOKENS = 1
+
+
 # Every kernel choice, in log order. `triton` / `torch` give each key's value under that base;
 # the resolver (resolve_plan) adjusts a few for the device and dtype.
 CHOICES: tuple[Choice, ...] = (
@@ -105,18 +112,21 @@ CHOICES: tuple[Choice, ...] = (
            "fewer per MoE layer; needs moe and norm triton; one TP rank only (under TP the sum precedes the "
            "all-reduce)", ("common.triton_norm",), triton=True, torch=False,
            triton_help="1 where norm is triton, else 0"),
-    Choice("moe_norm_in_router", (bool,), "MoE layers run the residual add + post-attention RMSNorm inside the "
-           "router's logits kernel (models/triton_route.py add_norm_router_logits: the norm kernel's bits, then "
-           "the logits from them): one launch fewer per MoE layer in steps the Triton logits kernel takes (up to "
-           "32 tokens on V2-Lite, one on larger routers; the one-launch router's steps excepted); needs router "
-           "and norm triton (opt-in: not yet timed on a GPU); a failure there is charged to this key by Router",
-           triton=False, torch=False),
-    Choice("moe_route_align", (bool,), "the block MoE's steps make the expert choice and the alignment of the "
-           "routed pairs into blocks in one launch (models/route_align.py) instead of two, where the choice's "
-           "tile holds the step (up to 32 tokens on V2-Lite's 64 experts); routers without expert groups only "
-           "(V2-Lite; V2's and V3's grouped routers stop the start-up naming this setting); needs router and moe "
-           "triton (opt-in: not yet timed on a GPU); a failure there is charged to this key by Router",
-           triton=False, torch=False),
+    Choice("moe_norm_in_router_max_tokens", (int,), "MoE layers of steps of up to this many tokens run the residual "
+           "add + post-attention RMSNorm inside the router's logits kernel (models/triton_route.py "
+           "add_norm_router_logits: the norm kernel's bits, then the logits from them) where the Triton logits "
+           "kernel takes the step (up to 32 tokens on V2-Lite, 1 on larger routers; not the one-launch router's "
+           "steps): one launch fewer a layer; needs router and norm triton (0: never); on an H100 (V2-Lite, "
+           "bench_pdl_variants.py) TPOT at batch 1 -2.9%, 4 level, 8 +1.1% (the shared experts' stream then forks "
+           "after the router's logits, not before); a failure there is charged to this key by Router",
+           triton=NORM_IN_ROUTER_MAX_TOKENS, torch=0, triton_help=f"{NORM_IN_ROUTER_MAX_TOKENS} where router and norm "
+           f"are triton, else 0"),
+    Choice("moe_route_align_max_tokens", (int,), "block-MoE steps of up to this many tokens make the expert choice "
+           "and the alignment of the pairs into blocks in one launch (models/route_align.py) instead of two, where "
+           "the choice's tile holds the step (T x E <= 2048 logits: 32 tokens on V2-Lite's 64 experts); routers "
+           "without expert groups only (V2's and V3's grouped routers stop the start-up naming this setting); "
+           "needs router and moe triton (0: never; opt-in: level with the two launches on an H100 at batch 8-32); "
+           "a failure there is charged to this key by Router", triton=0, torch=0),
     Choice("moe_shared_stream", (bool,), "with moe triton and the shared experts folded into the experts (not "
            "when --fp8-gemm keeps them in FP8: nothing to overlap, the setting is then unused), steps that take "
            "the pair-parallel fused MoE (moe_fused_max_tokens) or the block kernels (moe_blocked_max_tokens; not "
@@ -175,7 +185,8 @@ CHOICES: tuple[Choice, ...] = (
            "(attention/triton_absorb.py absorb_o_merge: the splits' fp32 partials merged by their lse and "
            "multiplied by W_UV in one launch) instead of its own launch, for decodes of 2 to 16 splits; not "
            "under DCP (its merge needs the lse), for decodes of differing draft counts, or on the Gluon "
-           "decodes, which merge themselves; needs attention and absorb triton (opt-in: not yet timed on a GPU)",
+           "decodes, which merge themselves; needs attention and absorb triton (opt-in, slower: on an H100 TPOT at "
+           "batch 8 / 16 / 32 +7.7% / +1.4% / +3.0%, its 64 programs each streaming 512 KB of partials)",
            ("attention.triton_absorb",), triton=False, torch=False),
     Choice("decode_qk_fp8", (bool,), "with --kv-cache-dtype fp8, the MLA decode's QK^T on e4m3 operands: each "
            "query row rounded to e4m3 with its own scale, the cache's bytes as they are (Triton: "
@@ -227,8 +238,8 @@ class KernelPlan:
     moe_fp8_w8a8: bool = False
     moe_large: str = "loop"
     moe_sum_in_norm: bool = False
-    moe_norm_in_router: bool = False
-    moe_route_align: bool = False
+    moe_norm_in_router_max_tokens: int = 0
+    moe_route_align_max_tokens: int = 0
     moe_shared_stream: bool = False
     gemm_skinny_max_tokens: int = 0
     fp8_gemm: str = "auto"
@@ -379,14 +390,18 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
                              f"RMSNorm kernel; this plan has moe={values['moe']} norm={values['norm']} (set "
                              f"moe_sum_in_norm=0, or moe and norm triton)")
         values["moe_sum_in_norm"] = False
-    if values["moe_route_align"] and not values["router"] == values["moe"] == TRITON:
-        raise ValueError(f"--kernels ...,moe_route_align=1 makes the Triton router's choice and the Triton block MoE's "
-                         f"alignment in one launch; this plan has router={values['router']} moe={values['moe']} "
-                         f"(leave moe_route_align at 0, or set router and moe triton)")
-    if values["moe_norm_in_router"] and not values["router"] == values["norm"] == TRITON:
-        raise ValueError(f"--kernels ...,moe_norm_in_router=1 runs the Triton add + RMSNorm inside the Triton router's "
-                         f"logits kernel; this plan has router={values['router']} norm={values['norm']} (leave "
-                         f"moe_norm_in_router at 0, or set router and norm triton)")
+    if values["moe_route_align_max_tokens"] and not values["router"] == values["moe"] == TRITON:
+        raise ValueError(f"--kernels ...,moe_route_align_max_tokens={values['moe_route_align_max_tokens']} makes the "
+                         f"Triton router's choice and the Triton block MoE's alignment in one launch; this plan has "
+                         f"router={values['router']} moe={values['moe']} (leave moe_route_align_max_tokens at 0, or "
+                         f"set router and moe triton)")
+    if values["moe_norm_in_router_max_tokens"] and not values["router"] == values["norm"] == TRITON:
+        if "moe_norm_in_router_max_tokens" in over:
+            raise ValueError(f"--kernels ...,moe_norm_in_router_max_tokens={values['moe_norm_in_router_max_tokens']} "
+                             f"runs the Triton add + RMSNorm inside the Triton router's logits kernel; this plan has "
+                             f"router={values['router']} norm={values['norm']} (leave moe_norm_in_router_max_tokens at "
+                             f"0, or set router and norm triton)")
+        values["moe_norm_in_router_max_tokens"] = 0
     if base == TRITON and wgmma_fit and values["attention"] == TRITON and "decode_wgmma_min_heads" not in over:
         values["decode_wgmma_min_heads"] = WGMMA_MIN_HEADS
     if (base == TRITON and fp8_wgmma_fit and values["attention"] == TRITON and "decode_fp8_wgmma" not in over

@@ -171,14 +171,15 @@ class Worker:
             if why is not None:
                 raise ValueError(f"--kernels ...,router_fused_max_tokens={n}: the one-launch router cannot serve "
                                  f"this model's router: {why}; leave router_fused_max_tokens at 0")
-        if self.plan.moe_route_align and cfg.n_routed_experts is not None:
+        if self.plan.moe_route_align_max_tokens and cfg.n_routed_experts is not None:
             from models.route_align import route_align_refusal
             from models.triton_route import router_grouped
             why = route_align_refusal(cfg.n_routed_experts, router_grouped(cfg.scoring_func, cfg.topk_method,
                                                                             cfg.n_group))
             if why is not None:
-                raise ValueError(f"--kernels ...,moe_route_align=1: the one-launch choice and alignment cannot serve "
-                                 f"this model's router: {why}; leave moe_route_align at 0")
+                raise ValueError(f"--kernels ...,moe_route_align_max_tokens={self.plan.moe_route_align_max_tokens}: "
+                                 f"the one-launch choice and alignment cannot serve this model's router: {why}; "
+                                 f"leave moe_route_align_max_tokens at 0")
         if self.plan.decode_wgmma_min_heads and self.plan.attention == TRITON:
             from attention.gluon_decode_plan import check_engine_fit
             check_engine_fit(self.plan.decode_wgmma_min_heads, self.device, self.dtype, self.cache_dtype,

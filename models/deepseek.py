@@ -91,8 +91,9 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # the MoE's pair rows summed by the next layer's add + RMSNorm (or the final norm)
         self.defer_sum = plan.moe_sum_in_norm and isinstance(self.mlp, MoE)
-        # moe_norm_in_router: the post-attention add + norm inside the router's logits kernel
-        self.norm_in_router = plan.moe_norm_in_router and isinstance(self.mlp, MoE)
+        # moe_norm_in_router_max_tokens: the post-attention add + norm inside the router's logits
+        # kernel (the router says in which steps)
+        self.norm_in_router = bool(plan.moe_norm_in_router_max_tokens) and isinstance(self.mlp, MoE)
 
     def pre_attention(self, x: torch.Tensor, residual: torch.Tensor | None):
         """(residual, q, kv): the residual stream's add and the input norm (x alone, the embedding,
@@ -111,8 +112,9 @@ class DeepseekDecoderLayer(nn.Module):
         layer's input norm (one fused add + RMSNorm instead of an add and a norm). With
         `defer_sum` (a caller whose next op is the glue's add + RMSNorm) and the plan's
         moe_sum_in_norm, an MoE's output may come as its unsummed pair rows (`PairRows`),
-        which that Triton kernel sums. With moe_norm_in_router, where the router's logits kernel
-        takes the step, the add + norm run inside it (`Router.add_norm_logits`)."""
+        which that Triton kernel sums. With moe_norm_in_router_max_tokens, in the steps the
+        router's logits kernel takes up to that bound, the add + norm run inside it
+        (`Router.add_norm_logits`)."""
         h = self.self_attn.o_proj(o.flatten(1))
         n = self.post_attention_layernorm
         kw = {}

@@ -118,7 +118,7 @@ class MoE(nn.Module):
             raise ValueError(f"moe_intermediate_size {I} is not divisible by tensor parallel size {tp}")
         Il, q = I // tp, cfg.fp8_block
         self.gate = Router(cfg, plan)
-        self.route_align = plan.moe_route_align  # Router.route_aligned in the block MoE's steps
+        self.route_align = plan.moe_route_align_max_tokens  # Router.route_aligned up to this many tokens
         if q is not None and Il % q[0]:
             raise ValueError(f"tensor parallel size {tp} would split a {q[0]}x{q[1]} FP8 block: "
                              f"moe_intermediate_size {I} gives {Il} per rank")
@@ -211,13 +211,14 @@ class MoE(nn.Module):
         """The layer's output `[T, D]`; with `defer_sum` (the plan's moe_sum_in_norm, one TP rank,
         the shared experts folded in) the Triton paths return their pair rows unsummed
         (`PairRows`) for the next add + RMSNorm to sum. `logits`: the router's, already computed
-        with x's norm (moe_norm_in_router: `Router.add_norm_logits`); the choice alone remains."""
+        with x's norm (moe_norm_in_router_max_tokens: `Router.add_norm_logits`); the choice alone
+        remains."""
         T, p = x.shape[0], self.plan
-        align = self.route_align and self.gate.aligns(T)
+        align = T <= self.route_align and self.gate.aligns(T)
 
         def gate(n_shared: int, block_m: int | None = None, sort_shared: bool = False) -> tuple[torch.Tensor, ...]:
-            """(weights, ids); with `block_m` where moe_route_align takes the step, the pairs'
-            blocks too (`Router.route_aligned`; the shared experts' with `sort_shared`):
+            """(weights, ids); with `block_m` where moe_route_align_max_tokens takes the step, the
+            pairs' blocks too (`Router.route_aligned`; the shared experts' with `sort_shared`):
             (weights, ids, rows, bexp)."""
             if block_m is not None and align:
                 return self.gate.route_aligned(x, logits, n_shared, block_m, sort_shared)
@@ -251,7 +252,7 @@ class MoE(nn.Module):
                     e.plan_key = "moe_shared_stream"
                 raise
             return out if isinstance(out, PairRows) else pd.tp_all_reduce(out)
-        # moe_route_align on the block path (the shared experts folded in, or none): the blocks of
+        # moe_route_align_max_tokens on the block path (the shared experts folded in, or none): the blocks of
         # the pairs come with the choice
         sorts = blocked and not small and not dense and (fold or not self.n_shared)
         weights, ids, *aligned = gate(self.n_shared if fold else 0,

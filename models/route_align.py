@@ -1,4 +1,4 @@
-"""The expert choice and the block MoE's alignment in one launch (the plan's moe_route_align).
+"""The expert choice and the block MoE's alignment in one launch (moe_route_align_max_tokens).
 
 At decode sizes the block MoE (models/blocked_moe.py) runs after the router's logits two small
 launches: the choice (`_route_kernel`, one program a token) and the alignment of the chosen pairs
@@ -89,7 +89,7 @@ def route_align(logits: torch.Tensor, bias: torch.Tensor | None, scoring: str, t
     pairs, as `align_pairs(ids, E, block_m, max_pairs=T * top_k)` makes them for the routed pairs
     alone (the shared experts' blocks made apart: `fused_moe_blocked_overlapped`), or with
     `sort_shared` as `align_pairs(ids, E + n_shared, block_m)` makes them for all (the shared
-    experts folded into the block kernels' launch). A ValueError (naming moe_route_align) for
+    experts folded into the block kernels' launch). A ValueError (naming its setting) for
     routers with groups or steps past the tile (`route_align_fits`)."""
     T, E = logits.shape
     why = route_align_refusal(E, router_grouped(scoring, topk_method, n_group))
@@ -98,8 +98,8 @@ def route_align(logits: torch.Tensor, bias: torch.Tensor | None, scoring: str, t
     if why is None and (logits.dtype != torch.float32 or not logits.is_contiguous() or top_k > E):
         why = f"logits {tuple(logits.shape)} {logits.dtype} (contiguous fp32 [T, E >= {top_k}] only)"
     if why is not None:
-        raise ValueError(f"moe_route_align: the one-launch choice and alignment cannot serve this router: {why}; "
-                         f"leave moe_route_align at 0")
+        raise ValueError(f"moe_route_align_max_tokens: the one-launch choice and alignment cannot serve this "
+                         f"router: {why}; leave moe_route_align_max_tokens at 0")
     dev = logits.device
     kt = top_k + n_shared
     weights = torch.empty(T, kt, dtype=torch.float32, device=dev)

@@ -21,8 +21,9 @@ class Router(nn.Module):
         self.cfg = cfg
         self.kernel = route
         self.fused_max_tokens = plan.router_fused_max_tokens
-        # moe_norm_in_router: the decoder layer asks `fuses_norm`, then `add_norm_logits` + `choose`
-        self.norm_in_logits = plan.moe_norm_in_router
+        # moe_norm_in_router_max_tokens: the decoder layer asks `fuses_norm`, then `add_norm_logits`
+        # + `choose`
+        self.norm_in_logits = plan.moe_norm_in_router_max_tokens
         if plan.router == TRITON:  # logits (Triton at decode sizes, else cuBLAS) + the choice kernel
             from models.triton_route import route_triton  # triton: CUDA installs only
             self.kernel = route_triton
@@ -64,30 +65,31 @@ class Router(nn.Module):
 
     def fuses_norm(self, h: torch.Tensor) -> bool:
         """Whether this step's residual add + norm before the router runs inside its logits kernel
-        (moe_norm_in_router): the Triton router, in the steps its Triton logits kernel takes and
-        the one-launch router (router_fused_max_tokens) does not."""
-        if not self.norm_in_logits or self.kernel is route:
+        (moe_norm_in_router_max_tokens): the Triton router, in the steps of up to that many tokens
+        its Triton logits kernel takes and the one-launch router (router_fused_max_tokens) does not."""
+        T = h.shape[0]
+        if T > self.norm_in_logits or self.kernel is route:
             return False
         from models.triton_route import logits_kernel_fits
-        T = h.shape[0]
         return self.fused_max_tokens < T and logits_kernel_fits(T, *self.weight.shape)
 
     def add_norm_logits(self, residual: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor,
                         eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(residual + h, its RMSNorm, the router's fp32 logits of it) in one launch, where
         `fuses_norm`; `choose` then picks from the logits. A failure is charged to
-        moe_norm_in_router (its 0 avoids this kernel)."""
+        moe_norm_in_router_max_tokens (its 0 avoids this kernel)."""
         from models.triton_route import add_norm_router_logits
         try:
             return add_norm_router_logits(residual, h, norm_weight, eps, self.weight, self.weight_bf16)
         except Exception as e:
-            e.plan_key = "moe_norm_in_router"
+            e.plan_key = "moe_norm_in_router_max_tokens"
             raise
 
     def aligns(self, T: int) -> bool:
-        """Whether `route_aligned` takes a step of T tokens (moe_route_align): the Triton router, in
-        steps the one-launch router (router_fused_max_tokens) does not take and the choice's
-        tile holds (models/route_align.py; the router's shape is checked at start-up)."""
+        """Whether `route_aligned` can take a step of T tokens (MoE bounds it by
+        moe_route_align_max_tokens): the Triton router, in steps the one-launch router
+        (router_fused_max_tokens) does not take and the choice's tile holds (models/route_align.py;
+        the router's shape is checked at start-up)."""
         if self.kernel is route or T <= self.fused_max_tokens:
             return False
         from models.route_align import route_align_fits
@@ -98,7 +100,7 @@ class Router(nn.Module):
         """(weights, ids, rows, bexp): `forward`'s choice and its pairs' blocks of block_m rows
         (`align_pairs`'s layout: the routed pairs', and the n_shared folded shared experts' too
         with `sort_shared`) from one launch after the logits (`logits`, or computed here from x).
-        A failure is charged to moe_route_align."""
+        A failure is charged to moe_route_align_max_tokens."""
         from models.route_align import route_align
         from models.triton_route import router_logits
         c = self.cfg
@@ -109,7 +111,7 @@ class Router(nn.Module):
                                c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor, n_shared, block_m,
                                sort_shared)
         except Exception as e:
-            e.plan_key = "moe_route_align"
+            e.plan_key = "moe_route_align_max_tokens"
             raise
 
     def choose(self, logits: torch.Tensor, n_shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

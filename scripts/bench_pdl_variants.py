@@ -11,8 +11,8 @@ alone. The variants differ only in what a capture reads at launch time, so no se
 built: PDL in the graphs of up to N sequences (`pdl_graph_max_batch`), the projections on the
 Triton skinny GEMM up to N rows (`gemm_skinny_max_tokens`) and the decode's split merge inside
 absorb_o (`decode_merge_in_absorb`; needs the Triton attention and absorb kernels) and the MoE
-layers' add + norm inside the router's logits kernel (`moe_norm_in_router`; needs the Triton
-router and norms), and the choice with the block MoE's alignment in one launch (`moe_route_align`;
+layers' add + norm inside the router's logits kernel (`moe_norm_in_router_max_tokens`; needs the Triton
+router and norms), and the choice with the block MoE's alignment in one launch (`moe_route_align_max_tokens`;
 needs the Triton router and MoE; routers without expert groups). The printed figures are the median over the reps of each variant; TPOT grows with the contexts (40 + 3 steps a variant and rep), so
 the variants take turns, in reverse order every other rep (an even --reps cancels a linear drift;
 in order every rep, the last of five variants read ~1.7% slow at batch 128 on an H100, where none
@@ -35,8 +35,9 @@ from models.layers import Linear
 from models.moe import MoE
 
 # name: (PDL graphs up to this batch, gemm_skinny_max_tokens, decode_merge_in_absorb on,
-# moe_norm_in_router on, moe_route_align on); "base" is the plan's default on sm_90; a variant
-# leaves an opt-in it does not turn on as the plan has it
+# moe_norm_in_router_max_tokens and moe_route_align_max_tokens at 1024 (every step they can
+# take)); "base" is the plan's default on sm_90; a variant leaves a key it does not set as the
+# plan has it
 B = PDL_GRAPH_MAX_BATCH
 VARIANTS = {
     "base": (B, 0, False, False, False),
@@ -55,8 +56,8 @@ VARIANTS = {
 def set_variant(runner, model, name: str, plan) -> None:
     pdl_max, skinny, merge_o, norm_router, route_align = VARIANTS[name]
     merge_o = merge_o or plan.decode_merge_in_absorb
-    norm_router = norm_router or plan.moe_norm_in_router
-    route_align = route_align or plan.moe_route_align
+    norm_router = 1024 if norm_router else plan.moe_norm_in_router_max_tokens
+    route_align = 1024 if route_align else plan.moe_route_align_max_tokens
     for m in model.modules():
         if isinstance(m, Linear):
             m.skinny_max = skinny
