@@ -172,20 +172,26 @@ def test_moe_sum_in_norm_where_moe_and_norm_are_triton():
         _resolve("auto,norm=torch,moe_sum_in_norm=1")
 
 
-def test_moe_norm_in_router_needs_the_triton_router_and_norm():
-    """Opt-in; asked for where the router or the norms are torch's, it is refused, naming it."""
-    assert not _resolve("auto").moe_norm_in_router
-    assert _resolve("auto,moe_norm_in_router=1").moe_norm_in_router
-    for spec, have in (("auto,norm=torch,moe_norm_in_router=1", "router=triton norm=torch"),
-                       ("auto,router=torch,moe_norm_in_router=1", "router=torch norm=triton")):
-        with pytest.raises(ValueError, match=rf"moe_norm_in_router=1 runs the Triton add \+ RMSNorm .* {have} \(leave"):
+def test_moe_norm_in_router_where_the_router_and_norm_are_triton():
+    """Batch 1 under the triton plan; 0 where the router or the norms are torch's (the
+    interpreter's default norms), and asked for there it is refused, naming it."""
+    from common.kernel_plan import NORM_IN_ROUTER_MAX_TOKENS
+    assert _resolve("auto").moe_norm_in_router_max_tokens == NORM_IN_ROUTER_MAX_TOKENS == 1
+    assert _resolve("auto,moe_norm_in_router_max_tokens=32").moe_norm_in_router_max_tokens == 32
+    assert _resolve("auto,norm=torch").moe_norm_in_router_max_tokens == 0
+    assert _resolve("auto,router=torch").moe_norm_in_router_max_tokens == 0
+    for spec, have in (("auto,norm=torch,moe_norm_in_router_max_tokens=8", "router=triton norm=torch"),
+                       ("auto,router=torch,moe_norm_in_router_max_tokens=8", "router=torch norm=triton")):
+        with pytest.raises(ValueError, match=rf"moe_norm_in_router_max_tokens=8 runs the Triton add \+ RMSNorm .* "
+                                             rf"{have} \(leave"):
             _resolve(spec)
 
 
 def test_moe_route_align_needs_the_triton_router_and_moe():
-    assert not _resolve("auto").moe_route_align
-    assert _resolve("auto,moe_route_align=1").moe_route_align
-    for spec, have in (("auto,moe=torch,moe_route_align=1", "router=triton moe=torch"),
-                       ("auto,router=torch,moe_route_align=1", "router=torch moe=triton")):
-        with pytest.raises(ValueError, match=rf"moe_route_align=1 makes the Triton router's choice .* {have} \(leave"):
+    assert _resolve("auto").moe_route_align_max_tokens == 0
+    assert _resolve("auto,moe_route_align_max_tokens=16").moe_route_align_max_tokens == 16
+    for spec, have in (("auto,moe=torch,moe_route_align_max_tokens=16", "router=triton moe=torch"),
+                       ("auto,router=torch,moe_route_align_max_tokens=16", "router=torch moe=triton")):
+        with pytest.raises(ValueError, match=rf"moe_route_align_max_tokens=16 makes the Triton router's choice .* "
+                                             rf"{have} \(leave"):
             _resolve(spec)

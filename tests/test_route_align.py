@@ -1,5 +1,5 @@
 """The expert choice and the block MoE's alignment in one launch (models/route_align.py,
-moe_route_align) against the two launches it replaces: `route_choice`, then `align_pairs`."""
+moe_route_align_max_tokens) against the two launches it replaces: `route_choice`, then `align_pairs`."""
 
 from __future__ import annotations
 
@@ -55,9 +55,10 @@ def test_route_align_refuses_what_it_cannot_serve():
     assert route_align_fits(32, 64) and not route_align_fits(33, 64)
     assert route_align_fits(ROUTE_ALIGN_MAX_ELEMS // 16, 8)
     logits = torch.randn(33, 64)
-    with pytest.raises(ValueError, match=r"moe_route_align: .* 33 tokens x 64 experts exceed .*; leave moe_route_align at 0"):
+    with pytest.raises(ValueError, match=r"moe_route_align_max_tokens: .* 33 tokens x 64 experts exceed .*; leave "
+                                         r"moe_route_align_max_tokens at 0"):
         route_align(logits, None, "softmax", "greedy", 1, 6, False, 1.0, 2, 16)
-    with pytest.raises(ValueError, match=r"moe_route_align: .* chosen by groups; leave"):
+    with pytest.raises(ValueError, match=r"moe_route_align_max_tokens: .* chosen by groups; leave"):
         route_align(logits[:4], None, "softmax", "group_limited_greedy", 4, 6, False, 1.0, 2, 16)
 
 

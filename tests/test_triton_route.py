@@ -177,7 +177,7 @@ def test_router_logits_bf16_gemm_equals_fp32_gemm(T):
 
 
 def check_norm_logits(device, dtype, T, E, D, exact_logits=True, strided=False):
-    """`add_norm_router_logits` (moe_norm_in_router) against its two launches: the add + RMSNorm
+    """`add_norm_router_logits` (moe_norm_in_router_max_tokens) against its two launches: the add + RMSNorm
     kernel's s and y bit for bit, the logits kernel's logits from that y (bit for bit where both
     sum one block of the same width; wider rows: within fp32 rounding), and the torch reference;
     the choice from them is route_triton's."""

@@ -187,7 +187,7 @@ def test_router_fused_failure_names_its_setting(model, monkeypatch):
 
 
 def test_moe_norm_in_router_in_the_engine(model, monkeypatch):
-    """moe_norm_in_router with the Triton norms: the torch plan's greedy tokens, and with prompts
+    """moe_norm_in_router_max_tokens with the Triton norms: the torch plan's greedy tokens, and with prompts
     chunked by 16 every MoE layer's step (at most 16 tokens: within the logits kernel's envelope)
     runs its add + norm inside the router's logits kernel, so the two-launch router is never
     called; V3's grouped choice and V2's plain one."""
@@ -200,32 +200,35 @@ def test_moe_norm_in_router_in_the_engine(model, monkeypatch):
     g = torch.Generator().manual_seed(11)
     prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
     want = [o.outputs[0].token_ids for o in _llm(model, "torch").generate(prompts, SP)]
-    llm = _llm(model, "triton,norm=triton,moe_norm_in_router=1")
-    assert llm.engine.executor.worker.plan.moe_norm_in_router
+    llm = _llm(model, "triton,norm=triton,moe_norm_in_router_max_tokens=32")
+    assert llm.engine.executor.worker.plan.moe_norm_in_router_max_tokens == 32
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, SP)] == want
     assert calls["fused"] > 0 and calls["two_launch"] == 0, calls
 
 
 def test_moe_norm_in_router_failure_names_its_setting(model, monkeypatch):
     """Its kernel fails when first launched (the warm-up): start-up stops naming
-    moe_norm_in_router=0, not router (the same module's other kernels)."""
+    moe_norm_in_router_max_tokens=0, not router (the same module's other kernels)."""
     if "interp_v2" not in model:
         pytest.skip("one model covers the charge")
     monkeypatch.setattr(triton_route, "_norm_logits_kernel", _Broken())
-    with pytest.raises(KernelError, match=r"the moe_norm_in_router kernel failed while warming up: RuntimeError: "
-                                          r"PTX: no such instruction\. --kernels auto,moe_norm_in_router=0"):
-        _llm(model, "triton,warmup=1,norm=triton,moe_norm_in_router=1")
+    with pytest.raises(KernelError, match=r"the moe_norm_in_router_max_tokens kernel failed while warming up: "
+                                          r"RuntimeError: PTX: no such instruction\. --kernels "
+                                          r"auto,moe_norm_in_router_max_tokens=0"):
+        _llm(model, "triton,warmup=1,norm=triton,moe_norm_in_router_max_tokens=32")
 
 
-@pytest.mark.parametrize("kernels", ["triton,moe_route_align=1", "triton,norm=triton,moe_norm_in_router=1,moe_route_align=1"])
+@pytest.mark.parametrize("kernels", ["triton,moe_route_align_max_tokens=64",
+                                     "triton,norm=triton,moe_norm_in_router_max_tokens=64,moe_route_align_max_tokens=64"])
 def test_moe_route_align_in_the_engine(model, kernels, monkeypatch):
-    """moe_route_align: V2's tiny model (no expert groups) with prompts chunked by 16 makes every
+    """moe_route_align_max_tokens: V2's tiny model (no expert groups) with prompts chunked by 16 makes every
     block-MoE step's choice and alignment in one launch (alone, and after the norm + logits
     kernel), with the torch plan's greedy tokens, and `align_pairs` is never called; V3's grouped
     router does not start, the error naming the setting."""
     if "interp_v3" in model:
-        with pytest.raises(ValueError, match=r"moe_route_align=1: .* chosen by groups; leave moe_route_align at 0"):
-            _llm(model, "triton,warmup=0,moe_route_align=1")
+        with pytest.raises(ValueError, match=r"moe_route_align_max_tokens=64: .* chosen by groups; leave "
+                                             r"moe_route_align_max_tokens at 0"):
+            _llm(model, "triton,warmup=0,moe_route_align_max_tokens=64")
         return
     import models.route_align as route_align
     calls = {"route_align": 0, "align_pairs": 0}
@@ -246,6 +249,7 @@ def test_moe_route_align_failure_names_its_setting(model, monkeypatch):
         pytest.skip("V3's grouped router never takes it")
     import models.route_align as route_align
     monkeypatch.setattr(route_align, "_route_align_kernel", _Broken())
-    with pytest.raises(KernelError, match=r"the moe_route_align kernel failed while warming up: RuntimeError: "
-                                          r"PTX: no such instruction\. --kernels auto,moe_route_align=0"):
-        _llm(model, "triton,warmup=1,moe_route_align=1")
+    with pytest.raises(KernelError, match=r"the moe_route_align_max_tokens kernel failed while warming up: "
+                                          r"RuntimeError: PTX: no such instruction\. --kernels "
+                                          r"auto,moe_route_align_max_tokens=0"):
+        _llm(model, "triton,warmup=1,moe_route_align_max_tokens=64")

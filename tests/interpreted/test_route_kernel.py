@@ -33,7 +33,7 @@ def test_route_ties_interpreter():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T,E,D", [(1, 16, 48), (5, 64, 100), (3, 8, 16)])
 def test_norm_logits_kernel_interpreter(T, E, D, dtype):
-    """moe_norm_in_router's kernel: the add + RMSNorm's and the logits kernel's bits."""
+    """moe_norm_in_router_max_tokens's kernel: the add + RMSNorm's and the logits kernel's bits."""
     check_norm_logits("cpu", dtype, T, E, D)
     check_norm_logits("cpu", dtype, T, E, D, strided=True)
 
