@@ -243,7 +243,8 @@ class MoE(nn.Module):
                         self._shared_choice(x.device, torch.int32, torch.float32), side_stream(x.device),
                         self.w13_scale, self.w2_scale, block, defer_sum=defer)
                 else:
-                    route = (lambda: gate(self.n_shared, block_rows(T))) if fold else (lambda: self._with_shared(*gate(0)))
+                    route = ((lambda: gate(self.n_shared, block_rows(T))) if fold else
+                             (lambda: self._with_shared(*gate(0))))
                     out = self.fused_blocked_overlapped(
                         x, self.w13, self.w2, route, self.cfg.num_experts_per_tok, self.n_shared, side_stream(x.device),
                         block_rows(T), defer_sum=defer)
@@ -252,8 +253,8 @@ class MoE(nn.Module):
                     e.plan_key = "moe_shared_stream"
                 raise
             return out if isinstance(out, PairRows) else pd.tp_all_reduce(out)
-        # moe_route_align_max_tokens on the block path (the shared experts folded in, or none): the blocks of
-        # the pairs come with the choice
+        # moe_route_align_max_tokens on the block path (the shared experts folded in, or none): the
+        # blocks of the pairs come with the choice
         sorts = blocked and not small and not dense and (fold or not self.n_shared)
         weights, ids, *aligned = gate(self.n_shared if fold else 0,
                                       block_rows(T, fp8=self.fp8_block is not None) if sorts else None, fold)

@@ -62,7 +62,6 @@ class Router(nn.Module):
             return route(*args)
         return self.kernel(*args, self.weight_bf16, n_shared, self.fused_max_tokens)
 
-
     def fuses_norm(self, h: torch.Tensor) -> bool:
         """Whether this step's residual add + norm before the router runs inside its logits kernel
         (moe_norm_in_router_max_tokens): the Triton router, in the steps of up to that many tokens
@@ -104,9 +103,9 @@ class Router(nn.Module):
         from models.route_align import route_align
         from models.triton_route import router_logits
         c = self.cfg
+        if logits is None:
+            logits = router_logits(x, self.weight, self.weight_bf16)
         try:
-            if logits is None:
-                logits = router_logits(x, self.weight, self.weight_bf16)
             return route_align(logits, self.e_score_correction_bias, c.scoring_func, c.topk_method, c.n_group,
                                c.num_experts_per_tok, c.norm_topk_prob, c.routed_scaling_factor, n_shared, block_m,
                                sort_shared)

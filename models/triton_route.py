@@ -138,9 +138,9 @@ def add_norm_router_logits(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.
                          f"copy of {tuple(weight.shape)}")
     if T:
         block = triton.next_power_of_2(D)
-        _norm_logits_kernel[(T, E)](x, h, norm_weight, s, y, weight if weight_bf16 is None else weight_bf16, logits, D, eps, x.stride(0), h.stride(0),
-                                    s.stride(0), y.stride(0), E=E, BLOCK_D=block, num_warps=norm_warps(block),
-                                    **pdl_launch())
+        w = weight if weight_bf16 is None else weight_bf16
+        _norm_logits_kernel[(T, E)](x, h, norm_weight, s, y, w, logits, D, eps, x.stride(0), h.stride(0), s.stride(0),
+                                    y.stride(0), E=E, BLOCK_D=block, num_warps=norm_warps(block), **pdl_launch())
     return s, y, logits
 
 

@@ -47,6 +47,24 @@ def _llm(model, kernels, budget=16, spec=None):
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
+def _count_calls(monkeypatch, targets: dict) -> dict:
+    """{key: calls} of each (module, function) in `targets`, wrapped in place to count."""
+    calls = dict.fromkeys(targets, 0)
+    for key, (mod, name) in targets.items():
+        def counting(*a, _key=key, _fn=getattr(mod, name), **k):
+            calls[_key] += 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(mod, name, counting)
+    return calls
+
+
+def _three_prompts(model, seed):
+    """Three prompts of 5, 23 and 40 tokens and the torch plan's greedy tokens for them."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
+    return prompts, [o.outputs[0].token_ids for o in _llm(model, "torch").generate(prompts, SP)]
+
+
 @pytest.mark.parametrize("budget,kernels,spec", [(16, "triton", None), (2048, "triton,norm=triton", None),
                                                  (16, "triton,moe_blocked_max_tokens=0,decode_fuse_q_kv=0", None),
                                                  (2048, "triton", NGRAM)])
@@ -56,12 +74,7 @@ def test_triton_plan_equals_torch_plan(model, budget, kernels, spec, monkeypatch
     as one launch, except with decode_fuse_q_kv=0; with norm=triton (torch under the interpreter
     unless set) the MoE's pair rows are summed by the next add + RMSNorm (moe_sum_in_norm); greedy
     argmax is the Triton one. With ngram speculation the decode kernel verifies drafts (q_len 1 + k, masks from positions); the torch engine runs without it."""
-    calls = dict.fromkeys(KERNELS, 0)
-    for key, (mod, name) in KERNELS.items():
-        def counting(*a, _key=key, _fn=getattr(mod, name), **k):
-            calls[_key] += 1
-            return _fn(*a, **k)
-        monkeypatch.setattr(mod, name, counting)
+    calls = _count_calls(monkeypatch, KERNELS)
     g = torch.Generator().manual_seed(budget)
     prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
     sp = SP
@@ -99,15 +112,9 @@ def test_decode_merge_in_absorb_in_the_engine(model, monkeypatch):
     import attention.triton_decode as triton_decode
     splits = [12]
     monkeypatch.setattr(triton_decode, "choose_num_splits", lambda *a, **k: splits[0])
-    calls = {"merged": 0, "reduce": 0}
-    for key, mod, name in (("merged", triton_absorb, "absorb_o_merge"), ("reduce", triton_decode, "reduce_splits")):
-        def counting(*a, _key=key, _fn=getattr(mod, name), **k):
-            calls[_key] += 1
-            return _fn(*a, **k)
-        monkeypatch.setattr(mod, name, counting)
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
-    want = [o.outputs[0].token_ids for o in _llm(model, "torch").generate(prompts, SP)]
+    calls = _count_calls(monkeypatch, {"merged": (triton_absorb, "absorb_o_merge"),
+                                       "reduce": (triton_decode, "reduce_splits")})
+    prompts, want = _three_prompts(model, 7)
     llm = _llm(model, "triton,warmup=0,decode_merge_in_absorb=1")
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, SP)] == want
     assert calls["merged"] > 0 and calls["reduce"] == 0, calls
@@ -187,19 +194,13 @@ def test_router_fused_failure_names_its_setting(model, monkeypatch):
 
 
 def test_moe_norm_in_router_in_the_engine(model, monkeypatch):
-    """moe_norm_in_router_max_tokens with the Triton norms: the torch plan's greedy tokens, and with prompts
-    chunked by 16 every MoE layer's step (at most 16 tokens: within the logits kernel's envelope)
+    """moe_norm_in_router_max_tokens with the Triton norms: the torch plan's greedy tokens, and with
+    prompts chunked by 16 every MoE layer's step (at most 16 tokens: within the logits kernel's envelope)
     runs its add + norm inside the router's logits kernel, so the two-launch router is never
     called; V3's grouped choice and V2's plain one."""
-    calls = {"fused": 0, "two_launch": 0}
-    for key, name in (("fused", "add_norm_router_logits"), ("two_launch", "route_triton")):
-        def counting(*a, _key=key, _fn=getattr(triton_route, name), **k):
-            calls[_key] += 1
-            return _fn(*a, **k)
-        monkeypatch.setattr(triton_route, name, counting)
-    g = torch.Generator().manual_seed(11)
-    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
-    want = [o.outputs[0].token_ids for o in _llm(model, "torch").generate(prompts, SP)]
+    calls = _count_calls(monkeypatch, {"fused": (triton_route, "add_norm_router_logits"),
+                                       "two_launch": (triton_route, "route_triton")})
+    prompts, want = _three_prompts(model, 11)
     llm = _llm(model, "triton,norm=triton,moe_norm_in_router_max_tokens=32")
     assert llm.engine.executor.worker.plan.moe_norm_in_router_max_tokens == 32
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, SP)] == want
@@ -218,11 +219,13 @@ def test_moe_norm_in_router_failure_names_its_setting(model, monkeypatch):
         _llm(model, "triton,warmup=1,norm=triton,moe_norm_in_router_max_tokens=32")
 
 
-@pytest.mark.parametrize("kernels", ["triton,moe_route_align_max_tokens=64",
-                                     "triton,norm=triton,moe_norm_in_router_max_tokens=64,moe_route_align_max_tokens=64"])
+BOTH = "triton,norm=triton,moe_norm_in_router_max_tokens=64,moe_route_align_max_tokens=64"
+
+
+@pytest.mark.parametrize("kernels", ["triton,moe_route_align_max_tokens=64", BOTH])
 def test_moe_route_align_in_the_engine(model, kernels, monkeypatch):
-    """moe_route_align_max_tokens: V2's tiny model (no expert groups) with prompts chunked by 16 makes every
-    block-MoE step's choice and alignment in one launch (alone, and after the norm + logits
+    """moe_route_align_max_tokens: V2's tiny model (no expert groups) with prompts chunked by 16
+    makes every block-MoE step's choice and alignment in one launch (alone, and after the norm + logits
     kernel), with the torch plan's greedy tokens, and `align_pairs` is never called; V3's grouped
     router does not start, the error naming the setting."""
     if "interp_v3" in model:
@@ -231,15 +234,9 @@ def test_moe_route_align_in_the_engine(model, kernels, monkeypatch):
             _llm(model, "triton,warmup=0,moe_route_align_max_tokens=64")
         return
     import models.route_align as route_align
-    calls = {"route_align": 0, "align_pairs": 0}
-    for key, mod in (("route_align", route_align), ("align_pairs", blocked_moe)):
-        def counting(*a, _key=key, _fn=getattr(mod, key), **k):
-            calls[_key] += 1
-            return _fn(*a, **k)
-        monkeypatch.setattr(mod, key, counting)
-    g = torch.Generator().manual_seed(13)
-    prompts = [torch.randint(2, 300, (n,), generator=g).tolist() for n in (5, 23, 40)]
-    want = [o.outputs[0].token_ids for o in _llm(model, "torch").generate(prompts, SP)]
+    calls = _count_calls(monkeypatch, {"route_align": (route_align, "route_align"),
+                                       "align_pairs": (blocked_moe, "align_pairs")})
+    prompts, want = _three_prompts(model, 13)
     assert [o.outputs[0].token_ids for o in _llm(model, kernels).generate(prompts, SP)] == want
     assert calls["route_align"] > 0 and calls["align_pairs"] == 0, calls
 
