@@ -115,7 +115,7 @@ CHOICES: tuple[Choice, ...] = (
     Choice("moe_norm_in_router_max_tokens", (int,), "MoE layers of steps of up to this many tokens run the residual "
            "add + post-attention RMSNorm inside the router's logits kernel (models/triton_route.py "
            "add_norm_router_logits: the norm kernel's bits, then the logits from them) where the Triton logits "
-           "kernel takes the step (up to 32 tokens on V2-Lite, 1 on larger routers; not the one-launch router's "
+           "kernel takes the step (up to 32 tokens on V2-Lite, 5 on V2, 2 on V3; not the one-launch router's "
            "steps): one launch fewer a layer; needs router and norm triton (0: never); on an H100 (V2-Lite, "
            "bench_pdl_variants.py) TPOT at batch 1 -2.9%, 4 level, 8 +1.1% (the shared experts' stream then forks "
            "after the router's logits, not before); a failure there is charged to this key by Router",

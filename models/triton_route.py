@@ -38,8 +38,8 @@ LOGITS_MAX_TOKENS = 32
 # Each program reads its expert's row for its own token (the T programs of a row run side by
 # side, so all but the first read hit L2). Beyond one token the kernel is used within the
 # envelope measured on the H200 (scripts/bench_router_logits.py): T * E * D up to V2-Lite's at 32
-# tokens. Larger routers (V2, V3) take it at batch 1 only, where it reads the weight exactly
-# once, as cuBLAS does.
+# tokens: larger routers take it at fewer tokens (V2's 160 x 5120 up to 5, V3's 256 x 7168 up
+# to 2); at one token it reads the weight exactly once, as cuBLAS does.
 _LOGITS_MAX_ELEMS = 32 * 64 * 2048
 
 

@@ -9,14 +9,15 @@ times in turn, each variant's decode graphs are captured again and `--steps` eng
 timed (TPOT, as served: async scheduling unless --no-async-scheduling) with the graph replay
 alone. The variants differ only in what a capture reads at launch time, so no second engine is
 built: PDL in the graphs of up to N sequences (`pdl_graph_max_batch`), the projections on the
-Triton skinny GEMM up to N rows (`gemm_skinny_max_tokens`) and the decode's split merge inside
-absorb_o (`decode_merge_in_absorb`; needs the Triton attention and absorb kernels) and the MoE
-layers' add + norm inside the router's logits kernel (`moe_norm_in_router_max_tokens`; needs the Triton
-router and norms), and the choice with the block MoE's alignment in one launch (`moe_route_align_max_tokens`;
-needs the Triton router and MoE; routers without expert groups). The printed figures are the median over the reps of each variant; TPOT grows with the contexts (40 + 3 steps a variant and rep), so
-the variants take turns, in reverse order every other rep (an even --reps cancels a linear drift;
-in order every rep, the last of five variants read ~1.7% slow at batch 128 on an H100, where none
-of them changed anything).
+Triton skinny GEMM up to N rows (`gemm_skinny_max_tokens`), the decode's split merge inside
+absorb_o (`decode_merge_in_absorb`; needs the Triton attention and absorb kernels), the MoE
+layers' add + norm inside the router's logits kernel (`moe_norm_in_router_max_tokens`; needs the
+Triton router and norms) and the choice with the block MoE's alignment in one launch
+(`moe_route_align_max_tokens`; needs the Triton router and MoE, and a router without expert
+groups). The printed figures are the median over the reps of each variant; TPOT grows with the
+contexts (40 + 3 steps a variant and rep), so the variants take turns, in reverse order every
+other rep (an even --reps cancels a linear drift; in order every rep, the last of five variants
+read ~1.7% slow at batch 128 on an H100, where none of them changed anything).
 """
 
 from __future__ import annotations
@@ -35,29 +36,30 @@ from models.layers import Linear
 from models.moe import MoE
 
 # name: (PDL graphs up to this batch, gemm_skinny_max_tokens, decode_merge_in_absorb on,
-# moe_norm_in_router_max_tokens and moe_route_align_max_tokens at 1024 (every step they can
-# take)); "base" is the plan's default on sm_90; a variant leaves a key it does not set as the
-# plan has it
+# moe_norm_in_router_max_tokens, moe_route_align_max_tokens); None: the plan's own value. "base" is
+# the plan's default on sm_90 (its batch-1 norm in the router included: "norm_router_off" is the
+# one before it); 1024 is every step a key can take
 B = PDL_GRAPH_MAX_BATCH
 VARIANTS = {
-    "base": (B, 0, False, False, False),
-    "pdl": (1024, 0, False, False, False),
-    "skinny": (B, 1024, False, False, False),
-    "pdl+skinny": (1024, 1024, False, False, False),
-    "merge_o": (B, 0, True, False, False),
-    "norm_router": (B, 0, False, True, False),
-    "route_align": (B, 0, False, False, True),
-    "merge_o+norm_router": (B, 0, True, True, False),
-    "norm_router+route_align": (B, 0, False, True, True),
-    "all3": (B, 0, True, True, True),
+    "base": (B, 0, False, None, None),
+    "pdl": (1024, 0, False, None, None),
+    "skinny": (B, 1024, False, None, None),
+    "pdl+skinny": (1024, 1024, False, None, None),
+    "merge_o": (B, 0, True, None, None),
+    "norm_router": (B, 0, False, 1024, None),
+    "norm_router_off": (B, 0, False, 0, None),
+    "route_align": (B, 0, False, None, 1024),
+    "merge_o+norm_router": (B, 0, True, 1024, None),
+    "norm_router+route_align": (B, 0, False, 1024, 1024),
+    "all3": (B, 0, True, 1024, 1024),
 }
 
 
 def set_variant(runner, model, name: str, plan) -> None:
     pdl_max, skinny, merge_o, norm_router, route_align = VARIANTS[name]
     merge_o = merge_o or plan.decode_merge_in_absorb
-    norm_router = 1024 if norm_router else plan.moe_norm_in_router_max_tokens
-    route_align = 1024 if route_align else plan.moe_route_align_max_tokens
+    norm_router = plan.moe_norm_in_router_max_tokens if norm_router is None else norm_router
+    route_align = plan.moe_route_align_max_tokens if route_align is None else route_align
     for m in model.modules():
         if isinstance(m, Linear):
             m.skinny_max = skinny
@@ -92,9 +94,16 @@ def main() -> None:
     if any(VARIANTS[v][3] for v in a.variants) and not plan.router == plan.norm == "triton":
         raise SystemExit(f"--variants norm_router runs the Triton add + RMSNorm inside the Triton router's logits "
                          f"kernel; this plan has router={plan.router} norm={plan.norm}")
-    if any(VARIANTS[v][4] for v in a.variants) and not plan.router == plan.moe == "triton":
-        raise SystemExit(f"--variants route_align makes the Triton router's choice and the block MoE's alignment in "
-                         f"one launch; this plan has router={plan.router} moe={plan.moe}")
+    if any(VARIANTS[v][4] for v in a.variants):
+        from models.route_align import route_align_refusal
+        from models.triton_route import router_grouped
+        cfg = core.executor.worker.cfg
+        grouped = router_grouped(cfg.scoring_func, cfg.topk_method, cfg.n_group)
+        why = (f"this plan has router={plan.router} moe={plan.moe}" if not plan.router == plan.moe == "triton"
+               else route_align_refusal(cfg.n_routed_experts, grouped))
+        if why is not None:
+            raise SystemExit(f"--variants route_align makes the Triton router's choice and the block MoE's "
+                             f"alignment in one launch: {why}")
     runner = core.executor.worker.runner
     model = runner.model
     print(f"device {torch.cuda.get_device_name()}, --kernels {a.kernel_plan}, variants {a.variants}")

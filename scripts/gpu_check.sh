@@ -42,7 +42,8 @@
 #               TPOT at batch 1/8/16/32/128 in one engine, base / each / all three, alternating twice
 #               (bench_pdl_variants.py); 1/5 and 4/5 of the step's timeout (give it `fewer:580`)
 #   fewer2      the two that did not lose in `fewer` (H100, 2026-12-06): TPOT at batch 1/4/8/16/24/32
-#               (where they apply), base / each / both, reps in ABBA order (3/5 of the timeout), then
+#               (where they apply): the norm in the router off, the default (on at batch 1), on to 32,
+#               the choice + alignment in one launch, reps in ABBA order (3/5 of the timeout), then
 #               their GPU tests (kernels, and the engine's tokens against the default plan; 2/5)
 #               (give it `fewer2:570`)
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
@@ -193,7 +194,7 @@ for spec in $steps; do
              timeout $((T * 4 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 8 16 32 128 \
                --variants base merge_o norm_router route_align all3 --reps 2; } > "$log" 2>&1 ;;
     fewer2) { timeout $((T * 3 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 4 8 16 24 32 \
-                --variants base norm_router route_align norm_router+route_align --reps 2
+                --variants norm_router_off base norm_router route_align --reps 2
               timeout $((T * 2 / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_route.py \
                 tests/test_route_align.py tests/test_gpu_launch_opt_ins.py -k "norm_logits or route_align or opt_ins"
             } > "$log" 2>&1 ;;

@@ -151,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
                    default=d["attention_backend"],
                    help="MLA attention ops (decode, prefill, context gather, KV write): torch "
                         "reference or Triton; auto: as --kernels says (the plan's attention key)")
-    g.add_argument("--kernels", default=d["kernels"], metavar="BASE[,KEY=VALUE...]", help=kernels_help())
+    # argparse formats help with %: the plan's measured figures carry percent signs
+    g.add_argument("--kernels", default=d["kernels"], metavar="BASE[,KEY=VALUE...]",
+                   help=kernels_help().replace("%", "%%"))
     g.add_argument("--fp8-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="FP8 checkpoints: keep attention and dense MLP projections in FP8 (W8A8 "
                         "block GEMMs) and the experts in FP8 instead of dequantizing them at load "

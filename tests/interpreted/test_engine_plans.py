@@ -235,10 +235,12 @@ def test_moe_route_align_in_the_engine(model, kernels, monkeypatch):
         return
     import models.route_align as route_align
     calls = _count_calls(monkeypatch, {"route_align": (route_align, "route_align"),
-                                       "align_pairs": (blocked_moe, "align_pairs")})
+                                       "align_pairs": (blocked_moe, "align_pairs"),
+                                       "norm_logits": (triton_route, "add_norm_router_logits")})
     prompts, want = _three_prompts(model, 13)
     assert [o.outputs[0].token_ids for o in _llm(model, kernels).generate(prompts, SP)] == want
     assert calls["route_align"] > 0 and calls["align_pairs"] == 0, calls
+    assert (calls["norm_logits"] > 0) == (kernels == BOTH), calls  # the choice from the norm kernel's logits
 
 
 def test_moe_route_align_failure_names_its_setting(model, monkeypatch):
