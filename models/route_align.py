@@ -11,9 +11,9 @@ run as `align_pairs` does (models/expert_sort.py `write_runs`).
 
 For routers without expert groups (V2-Lite's; `models.triton_route.choose_rows` is the choice of
 the one-launch router) and up to ROUTE_ALIGN_MAX_ELEMS logits a step (V2-Lite's 64 experts at 32
-tokens); the choice's arithmetic is the one-launch router's, whose expert ids are the two-launch
-router's and whose weights may differ from them in the last bits (the softmax sums in another
-order).
+tokens); the choice's arithmetic is the one-launch router's: its softmax sums in another order
+than the two-launch router's, so its weights may differ from those in the last bits, and its
+expert ids too where two scores are within such a rounding of each other.
 """
 
 from __future__ import annotations
