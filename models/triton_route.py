@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from common.pdl import pdl_launch, pdl_prologue
-from common.triton_norm import add_rms_norm_row, norm_warps
 from common.triton_launch import fast_launch
+from common.triton_norm import add_rms_norm_row, norm_warps
 
 
 LOGITS_MAX_TOKENS = 32
@@ -130,12 +130,12 @@ def add_norm_router_logits(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.
                          f"weight {tuple(norm_weight.shape)}, router {tuple(weight.shape)} {weight.dtype}: expected "
                          f"rows [T, D] of one dtype with unit last strides, a contiguous [D] norm weight, a "
                          f"contiguous fp32 [E, D] router and T * E * D within the logits kernel's envelope")
-    s = torch.empty_like(x, memory_format=torch.contiguous_format)
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, norm_weight.dtype), device=x.device)
-    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if weight_bf16 is not None and (weight_bf16.shape != weight.shape or not weight_bf16.is_contiguous()):
         raise ValueError(f"add_norm_router_logits: the bf16 router {tuple(weight_bf16.shape)} is not a contiguous "
                          f"copy of {tuple(weight.shape)}")
+    s = torch.empty_like(x, memory_format=torch.contiguous_format)
+    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, norm_weight.dtype), device=x.device)
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
     if T:
         block = triton.next_power_of_2(D)
         w = weight if weight_bf16 is None else weight_bf16
