@@ -181,23 +181,11 @@ def test_kernel_failure_in_warm_up_names_the_flag(model, monkeypatch):
     assert len(llm.generate([[5, 6, 7]], SP)[0].outputs[0].token_ids) == 6
 
 
-def test_router_fused_failure_names_its_setting(model, monkeypatch):
-    """The one-launch router fails when first launched: start-up stops naming
-    router_fused_max_tokens=0, the setting that leaves the router on its two launches."""
-    if "interp_v2" not in model:
-        pytest.skip("V3's grouped router never takes the one launch")
-    monkeypatch.setattr(triton_route, "_router_fused_kernel", _Broken())
-    with pytest.raises(KernelError, match=r"the router_fused_max_tokens kernel failed while warming up: "
-                                          r"RuntimeError: PTX: no such instruction\. --kernels "
-                                          r"auto,router_fused_max_tokens=0"):
-        _llm(model, "triton,warmup=1,router_fused_max_tokens=64")
-
-
 def test_moe_norm_in_router_in_the_engine(model, monkeypatch):
-    """moe_norm_in_router_max_tokens with the Triton norms: the torch plan's greedy tokens, and with
-    prompts chunked by 16 every MoE layer's step (at most 16 tokens: within the logits kernel's envelope)
-    runs its add + norm inside the router's logits kernel, so the two-launch router is never
-    called; V3's grouped choice and V2's plain one."""
+    """moe_norm_in_router_max_tokens with the Triton norms: the torch plan's greedy tokens, and
+    with prompts chunked by 16 every MoE layer's step (at most 16 tokens: within the logits
+    kernel's envelope) runs its add + norm inside the router's logits kernel, so the two-launch
+    router is never called; V3's grouped choice and V2's plain one."""
     calls = _count_calls(monkeypatch, {"fused": (triton_route, "add_norm_router_logits"),
                                        "two_launch": (triton_route, "route_triton")})
     prompts, want = _three_prompts(model, 11)
@@ -205,18 +193,6 @@ def test_moe_norm_in_router_in_the_engine(model, monkeypatch):
     assert llm.engine.executor.worker.plan.moe_norm_in_router_max_tokens == 32
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, SP)] == want
     assert calls["fused"] > 0 and calls["two_launch"] == 0, calls
-
-
-def test_moe_norm_in_router_failure_names_its_setting(model, monkeypatch):
-    """Its kernel fails when first launched (the warm-up): start-up stops naming
-    moe_norm_in_router_max_tokens=0, not router (the same module's other kernels)."""
-    if "interp_v2" not in model:
-        pytest.skip("one model covers the charge")
-    monkeypatch.setattr(triton_route, "_norm_logits_kernel", _Broken())
-    with pytest.raises(KernelError, match=r"the moe_norm_in_router_max_tokens kernel failed while warming up: "
-                                          r"RuntimeError: PTX: no such instruction\. --kernels "
-                                          r"auto,moe_norm_in_router_max_tokens=0"):
-        _llm(model, "triton,warmup=1,norm=triton,moe_norm_in_router_max_tokens=32")
 
 
 BOTH = "triton,norm=triton,moe_norm_in_router_max_tokens=64,moe_route_align_max_tokens=64"
@@ -243,12 +219,19 @@ def test_moe_route_align_in_the_engine(model, kernels, monkeypatch):
     assert (calls["norm_logits"] > 0) == (kernels == BOTH), calls  # the choice from the norm kernel's logits
 
 
-def test_moe_route_align_failure_names_its_setting(model, monkeypatch):
+@pytest.mark.parametrize("kernel,key,spec", [
+    ("_router_fused_kernel", "router_fused_max_tokens", "router_fused_max_tokens=64"),
+    ("_norm_logits_kernel", "moe_norm_in_router_max_tokens", "norm=triton,moe_norm_in_router_max_tokens=32"),
+    ("route_align._route_align_kernel", "moe_route_align_max_tokens", "moe_route_align_max_tokens=64")])
+def test_opt_in_router_kernel_failure_names_its_setting(model, monkeypatch, kernel, key, spec):
+    """A router kernel taken by an opt-in fails when first launched (the warm-up): start-up stops
+    naming that setting's 0 (not router, whose module they share or call), the setting that
+    leaves the router on its two launches."""
     if "interp_v2" not in model:
-        pytest.skip("V3's grouped router never takes it")
+        pytest.skip("V3's grouped router never takes the one launch; one model covers the charge")
     import models.route_align as route_align
-    monkeypatch.setattr(route_align, "_route_align_kernel", _Broken())
-    with pytest.raises(KernelError, match=r"the moe_route_align_max_tokens kernel failed while warming up: "
-                                          r"RuntimeError: PTX: no such instruction\. --kernels "
-                                          r"auto,moe_route_align_max_tokens=0"):
-        _llm(model, "triton,warmup=1,moe_route_align_max_tokens=64")
+    mod, name = (route_align, kernel.split(".")[1]) if "." in kernel else (triton_route, kernel)
+    monkeypatch.setattr(mod, name, _Broken())
+    with pytest.raises(KernelError, match=rf"the {key} kernel failed while warming up: RuntimeError: PTX: no such "
+                                          rf"instruction\. --kernels auto,{key}=0"):
+        _llm(model, "triton,warmup=1," + spec)
