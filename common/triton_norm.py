@@ -104,19 +104,30 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
-def add_rms_norm(x: torch.Tensor, h: torch.Tensor | PairRows, w: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor | PairRows, w: torch.Tensor, eps: float,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + h, rms_norm(x + h)) in one kernel; x, h `[.., D]` of one shape and dtype. h may be an
     MoE output left unsummed (`PairRows`, x `[T, D]`): its sum is taken in the same kernel, with
-    the pair-sum kernel's arithmetic, so the result is the one of summing first."""
+    the pair-sum kernel's arithmetic, so the result is the one of summing first. `out` (plain h
+    only): the (s, y) tensors to write, contiguous, of x's shape, x's dtype and the promoted one
+    (allocated by a caller that launches this on another stream)."""
     if isinstance(h, PairRows):
+        if out is not None:
+            raise ValueError("add_rms_norm: out is for a plain h, not pair rows")
         return _add_pairs_rms_norm(x, h, w, eps)
     if h.shape != x.shape or h.dtype != x.dtype:
         raise ValueError(f"add_rms_norm: x {tuple(x.shape)} {x.dtype} and h {tuple(h.shape)} {h.dtype} differ")
     _check_weight(x, w)
     x2, h2 = _rows(x), _rows(h)
-    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, w.dtype), device=x.device)
+    ydt = torch.promote_types(x.dtype, w.dtype)
+    if out is None:
+        s, y = torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=ydt, device=x.device)
+    else:
+        s, y = out
+        if (s.shape != x.shape or y.shape != x.shape or s.dtype != x.dtype or y.dtype != ydt
+                or not s.is_contiguous() or not y.is_contiguous()):
+            raise ValueError(f"add_rms_norm: out {tuple(s.shape)} {s.dtype} / {tuple(y.shape)} {y.dtype}, expected "
+                             f"contiguous {tuple(x.shape)} {x.dtype} / {ydt}")
     _launch(x2, h2, w, s.view(-1, x.shape[-1]), y.view(-1, x.shape[-1]), eps, True)
     return s, y
 

@@ -6,6 +6,8 @@ the pair sum, the FP8 scale checks) are in models/fused_moe.py.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -257,7 +259,8 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
                                  n_shared: int, stream: torch.cuda.Stream | None, block_m: int = 16,
                                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                                  block: int = 128, defer_sum: bool = False, group_b: int | None = None,
-                                 shared_block_m: int = SHARED_BLOCK_M) -> torch.Tensor | PairRows:
+                                 shared_block_m: int = SHARED_BLOCK_M,
+                                 shared_x: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | PairRows:
     """`fused_moe_blocked` with the routing done here and the shared experts' blocks off its path.
     The shared experts are the last n_shared of w13 / w2, and every token takes them, so their
     blocks need no sort: one small kernel writes them (`_shared_blocks_kernel`), and it and the
@@ -275,6 +278,11 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
     bits. With other depths the shared rows' products are tiled otherwise (on the tensor cores,
     possibly another rounding of the same sums).
     Not for W8A8 (`a8`): its activation pass quantizes all pair rows of h at once.
+    `shared_x`: called first on `stream`, it launches what computes the shared experts' input
+    and returns it (x's shape and dtype, allocated before this call), while x is what `route()`
+    writes on the current stream before it returns (moe_norm_in_router_max_tokens: the add +
+    norm inside the router's logits kernel for the routed pairs, a norm kernel of its own for the
+    shared experts, so that their stream forks before the router's first launch).
     Nothing is allocated on `stream` (the shared blocks, h and the pair rows are the current
     stream's, which waits for `stream` before it uses or frees them, also when the router or a
     launch raises; only the autotuner's first, eager timing runs allocate there), so this is
@@ -292,10 +300,11 @@ def fused_moe_blocked_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.T
     s_pw = torch.empty(T * kt, dtype=torch.float32, device=x.device)  # only the shared slots are written and read
 
     def shared() -> None:
+        xs = None if shared_x is None else shared_x()
         if nbt:
             _shared_blocks_kernel[(n_shared * nbt,)](s_rows, s_bexp, s_pw, T, kt, k, E - n_shared, nbt,
                                                      BLOCK_M=sbm, **pdl_launch())
-        run.launch(s_rows, s_bexp, s_pw, E, sbm)
+        run.launch(s_rows, s_bexp, s_pw, E, sbm, x=xs)
 
     main = None if stream is None else torch.cuda.current_stream(x.device)
     try:
@@ -365,17 +374,26 @@ class _BlockedMoE:
         self.const = dict(QB=block, SCALED=scaled, A8=a8, IEEE=x.dtype == torch.float32,
                           GROUP_B=block_group(T) if group_b is None else group_b, **pdl_launch())
 
-    def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int, block_m: int) -> None:
+    def launch(self, rows: torch.Tensor, bexp: torch.Tensor, pw: torch.Tensor, e_limit: int, block_m: int,
+               x: torch.Tensor | None = None) -> None:
         """The product kernels over the blocks of block_m rows `rows` / `bexp` (`align_pairs`'
-        layout; blocks of expert >= e_limit are skipped), pair weights `pw` by pair index."""
-        x, w13, w2, s13, s2 = self.x, self.w13, self.w2, self.s13, self.s2
-        T, D = x.shape
+        layout; blocks of expert >= e_limit are skipped), pair weights `pw` by pair index. `x`:
+        these blocks' tokens' rows, instead of the call's (the same shape and dtype, contiguous;
+        not with a8, whose quantized rows are the call's)."""
+        xq = self.xq
+        if x is not None:
+            if self.a8 or x.shape != self.x.shape or x.dtype != self.x.dtype or not x.is_contiguous():
+                raise ValueError(f"_BlockedMoE.launch: x {tuple(x.shape)} {x.dtype} for a call on {tuple(self.x.shape)} "
+                                 f"{self.x.dtype} (contiguous, not W8A8)")
+            xq = x
+        w13, w2, s13, s2 = self.w13, self.w2, self.s13, self.s2
+        T, D = self.x.shape
         I, nb, a8 = w2.shape[-1], bexp.numel(), self.a8
         r13, c13 = (s13.shape[1], s13.shape[2]) if self.scaled else (1, 1)
         r2, c2 = (s2.shape[1], s2.shape[2]) if self.scaled else (1, 1)
         sx_strides = (self.sx.stride(0), self.sx.stride(1)) if a8 else (0, 0)
         bucket = triton.next_power_of_2(T)
-        up_args = (self.xq, self.sx, rows, bexp, w13, s13, self.h, D, I, e_limit, self.kt, bucket, r13, c13,
+        up_args = (xq, self.sx, rows, bexp, w13, s13, self.h, D, I, e_limit, self.kt, bucket, r13, c13,
                    *sx_strides, nb)
         if not autotuning():
             t = _BLOCKED_INTERPRET if interpreting() else _BLOCKED_FIXED

@@ -17,7 +17,7 @@ from common.fused import PairRows, glue_for
 from common.kernel_plan import KernelPlan
 from models.config import ModelConfig
 from models.layers import Linear, PackedLinear, ParallelLMHead, RMSNorm, VocabParallelEmbedding, YarnRotaryEmbedding
-from models.moe import MLP, MoE
+from models.moe import MLP, MoE, SideNorm
 
 
 class DeepseekAttention(nn.Module):
@@ -114,16 +114,20 @@ class DeepseekDecoderLayer(nn.Module):
         moe_sum_in_norm, an MoE's output may come as its unsummed pair rows (`PairRows`),
         which that Triton kernel sums. With moe_norm_in_router_max_tokens, in the steps the
         router's logits kernel takes up to that bound, the add + norm run inside it
-        (`Router.add_norm_logits`)."""
+        (`Router.add_norm_logits`), and where the shared experts run on the side stream's block
+        path, in a norm kernel of that stream too (`SideNorm`)."""
         h = self.self_attn.o_proj(o.flatten(1))
         n = self.post_attention_layernorm
         kw = {}
+        if defer_sum and self.defer_sum:
+            kw["defer_sum"] = True
         if self.norm_in_router and self.mlp.gate.fuses_norm(h):
+            if self.mlp.takes_side_norm(h):  # launched inside the MoE, after its side stream forks
+                side = SideNorm(self.mlp.gate, residual, h, n.weight, n.eps)
+                return self.mlp(side.x, logits=side.logits, side_norm=side, **kw), side.s
             residual, h, kw["logits"] = self.mlp.gate.add_norm_logits(residual, h, n.weight, n.eps)
         else:
             residual, h = self.glue.add_rms_norm(residual, h, n.weight, n.eps)
-        if defer_sum and self.defer_sum:
-            kw["defer_sum"] = True
         return self.mlp(h, **kw), residual
 
     def forward(self, x, residual, cos_sin, kv_cache, meta):

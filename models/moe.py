@@ -88,6 +88,34 @@ class MLP(nn.Module):
         return self.down_proj(self.glue.silu_mul(self.gate_up_proj(x)))
 
 
+class SideNorm:
+    """A MoE layer's input add + RMSNorm on both streams, for the block path with the shared
+    experts on the side stream (`MoE.takes_side_norm`) where moe_norm_in_router_max_tokens puts
+    the norm inside the router's logits kernel. That kernel computes it for the routed pairs on
+    the current stream (`main`: s = residual + h, x = its norm, the logits); a norm kernel of its
+    own computes the same x for the shared experts on the side stream (`side`, bit for bit: the
+    two kernels share the norm's code, block and warps). So the side stream forks before the
+    router's first launch instead of after the norm. Every buffer is made here, on the current
+    stream, before the fork; neither kernel writes what the other reads."""
+
+    def __init__(self, gate: Router, residual: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float):
+        from models.triton_route import norm_logits_buffers
+        self.gate, self.residual, self.h, self.weight, self.eps = gate, residual, h, weight, eps
+        self.s, self.x, self.logits = norm_logits_buffers(residual, weight, gate.weight.shape[0])
+        self._side_out = (torch.empty_like(self.s), torch.empty_like(self.x))
+
+    def main(self) -> None:
+        self.gate.add_norm_logits(self.residual, self.h, self.weight, self.eps, out=(self.s, self.x, self.logits))
+
+    def side(self) -> torch.Tensor:
+        from common.triton_norm import add_rms_norm
+        try:
+            return add_rms_norm(self.residual, self.h, self.weight, self.eps, out=self._side_out)[1]
+        except Exception as e:
+            e.plan_key = "moe_norm_in_router_max_tokens"
+            raise
+
+
 class MoE(nn.Module):
     """Routed experts + shared experts, summed locally, one all-reduce per layer under TP.
 
@@ -206,13 +234,33 @@ class MoE(nn.Module):
             w13[e], w2[e] = self._expert(e, dtype)
         return w13, w2
 
-    def forward(self, x: torch.Tensor, defer_sum: bool = False,
-                logits: torch.Tensor | None = None) -> torch.Tensor | PairRows:
+    def _paths(self, T: int, device: torch.device) -> tuple[bool, bool, bool, bool]:
+        """(small, dense, blocked, overlapped) for a step of T tokens: the fused MoE takes it,
+        the shared experts run dense, the block kernels take it, the shared experts' pairs run
+        on the side stream (moe_shared_stream, the fused or the block path)."""
+        p = self.plan
+        fused_max = p.moe_fused_max_tokens_fp8 if self.fp8_block is not None else p.moe_fused_max_tokens
+        small = self.fused_small is not None and T <= fused_max
+        dense = not small and bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
+        blocked = self.fused_blocked is not None and (self.fp8_block is not None or T <= p.moe_blocked_max_tokens)
+        overlapped = (p.moe_shared_stream and bool(self.n_shared) and device.type == "cuda"
+                      and (small or (blocked and not dense)))
+        return small, dense, blocked, overlapped
+
+    def takes_side_norm(self, h: torch.Tensor) -> bool:
+        """Whether a step whose input norm runs in the router's logits kernel takes `SideNorm`:
+        the block path with the shared experts on the side stream."""
+        small, _, _, overlapped = self._paths(h.shape[0], h.device)
+        return overlapped and not small
+
+    def forward(self, x: torch.Tensor, defer_sum: bool = False, logits: torch.Tensor | None = None,
+                side_norm: SideNorm | None = None) -> torch.Tensor | PairRows:
         """The layer's output `[T, D]`; with `defer_sum` (the plan's moe_sum_in_norm, one TP rank,
         the shared experts folded in) the Triton paths return their pair rows unsummed
         (`PairRows`) for the next add + RMSNorm to sum. `logits`: the router's, already computed
         with x's norm (moe_norm_in_router_max_tokens: `Router.add_norm_logits`); the choice alone
-        remains."""
+        remains. `side_norm` (where `takes_side_norm`): x and logits are its buffers, which its
+        launches fill once the side stream has forked (see `SideNorm`)."""
         T, p = x.shape[0], self.plan
         align = T <= self.route_align and self.gate.aligns(T)
 
@@ -223,10 +271,10 @@ class MoE(nn.Module):
             if block_m is not None and align:
                 return self.gate.route_aligned(x, logits, n_shared, block_m, sort_shared)
             return self.gate(x, n_shared) if logits is None else self.gate.choose(logits, n_shared)
-        fused_max = p.moe_fused_max_tokens_fp8 if self.fp8_block is not None else p.moe_fused_max_tokens
-        small = self.fused_small is not None and T <= fused_max
-        dense = not small and bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
-        blocked = self.fused_blocked is not None and (self.fp8_block is not None or T <= p.moe_blocked_max_tokens)
+        small, dense, blocked, overlapped = self._paths(T, x.device)
+        if side_norm is not None and (small or not overlapped):
+            raise ValueError(f"MoE.forward: a SideNorm for a step of {T} tokens that is not on the block path "
+                             "with the shared experts' stream (MoE.takes_side_norm)")
         # the block and large paths take the shared experts as pairs of every token: the Triton
         # router writes their columns beside its choices (two cats fewer per layer)
         fold = not small and not dense and bool(self.n_shared) and self.gate.appends_shared
@@ -235,7 +283,7 @@ class MoE(nn.Module):
         # moe_shared_stream: the shared experts' pairs on the side stream while the router and the
         # routed pairs run (the fused and the block paths; n_shared > 0 means the experts are not
         # kept in FP8, so never W8A8)
-        if p.moe_shared_stream and self.n_shared and x.device.type == "cuda" and (small or (blocked and not dense)):
+        if overlapped:
             try:
                 if small:
                     out = self.fused_small_overlapped(
@@ -243,11 +291,12 @@ class MoE(nn.Module):
                         self._shared_choice(x.device, torch.int32, torch.float32), side_stream(x.device),
                         self.w13_scale, self.w2_scale, block, defer_sum=defer)
                 else:
-                    route = ((lambda: gate(self.n_shared, block_rows(T))) if fold else
-                             (lambda: self._with_shared(*gate(0))))
+                    choose = ((lambda: gate(self.n_shared, block_rows(T))) if fold else
+                              (lambda: self._with_shared(*gate(0))))
+                    route = choose if side_norm is None else (lambda: (side_norm.main(), choose())[1])
                     out = self.fused_blocked_overlapped(
                         x, self.w13, self.w2, route, self.cfg.num_experts_per_tok, self.n_shared, side_stream(x.device),
-                        block_rows(T), defer_sum=defer)
+                        block_rows(T), defer_sum=defer, shared_x=None if side_norm is None else side_norm.side)
             except Exception as e:
                 if charged_key(e) in (None, "moe"):  # the split launches, not the router inside them
                     e.plan_key = "moe_shared_stream"

@@ -72,14 +72,15 @@ class Router(nn.Module):
         from models.triton_route import logits_kernel_fits
         return self.fused_max_tokens < T and logits_kernel_fits(T, *self.weight.shape)
 
-    def add_norm_logits(self, residual: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor,
-                        eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def add_norm_logits(self, residual: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(residual + h, its RMSNorm, the router's fp32 logits of it) in one launch, where
-        `fuses_norm`; `choose` then picks from the logits. A failure is charged to
-        moe_norm_in_router_max_tokens (its 0 avoids this kernel)."""
+        `fuses_norm`, written to `out` if given; `choose` then picks from the logits. A failure is
+        charged to moe_norm_in_router_max_tokens (its 0 avoids this kernel)."""
         from models.triton_route import add_norm_router_logits
         try:
-            return add_norm_router_logits(residual, h, norm_weight, eps, self.weight, self.weight_bf16)
+            return add_norm_router_logits(residual, h, norm_weight, eps, self.weight, self.weight_bf16, out)
         except Exception as e:
             e.plan_key = "moe_norm_in_router_max_tokens"
             raise

@@ -113,14 +113,17 @@ def _norm_logits_kernel(x_ptr, h_ptr, nw_ptr, s_ptr, y_ptr, w_ptr, out_ptr, D, e
 
 def add_norm_router_logits(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                            weight: torch.Tensor, weight_bf16: torch.Tensor | None = None,
+                           out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(s, y, logits) in one launch for x, h `[T, D]`: s = x + h and y = rms_norm(s) *
     norm_weight with the Triton add + RMSNorm's arithmetic and bits (common/triton_norm.py), and
     the fp32 router logits y @ weight.T `[T, E]` (weight fp32 `[E, D]`) as `router_logits`'s
     kernel sums them up to 2048 columns (wider rows: one block, another order of the same fp32
     sums). `weight_bf16`: the same weight in bf16 (exact, `Router.keep_bf16_weight`), read
-    instead: half the bytes, the same products. Within `logits_kernel_fits` only: a ValueError
-    beyond it, or for other layouts."""
+    instead: half the bytes, the same products. `out`: (s, y, logits) to write, contiguous and
+    of those shapes and dtypes (`norm_logits_buffers`), allocated by a caller that hands them to
+    another stream before this launch. Within `logits_kernel_fits` only: a ValueError beyond it,
+    or for other layouts."""
     T, D = x.shape if x.dim() == 2 else (-1, -1)
     E = weight.shape[0]
     if (x.dim() != 2 or h.shape != x.shape or h.dtype != x.dtype or x.stride(-1) != 1 or h.stride(-1) != 1
@@ -133,15 +136,30 @@ def add_norm_router_logits(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.
     if weight_bf16 is not None and (weight_bf16.shape != weight.shape or not weight_bf16.is_contiguous()):
         raise ValueError(f"add_norm_router_logits: the bf16 router {tuple(weight_bf16.shape)} is not a contiguous "
                          f"copy of {tuple(weight.shape)}")
-    s = torch.empty_like(x, memory_format=torch.contiguous_format)
-    y = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, norm_weight.dtype), device=x.device)
-    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    want = norm_logits_buffers(x, norm_weight, E, alloc=False)
+    if out is None:
+        s, y, logits = norm_logits_buffers(x, norm_weight, E)
+    elif any(o.shape != w[0] or o.dtype != w[1] or o.device != x.device or not o.is_contiguous()
+             for o, w in zip(out, want)):
+        raise ValueError(f"add_norm_router_logits: out {[(tuple(o.shape), o.dtype) for o in out]}, expected "
+                         f"contiguous {[(tuple(w[0]), w[1]) for w in want]} on {x.device}")
+    else:
+        s, y, logits = out
     if T:
         block = triton.next_power_of_2(D)
         w = weight if weight_bf16 is None else weight_bf16
         _norm_logits_kernel[(T, E)](x, h, norm_weight, s, y, w, logits, D, eps, x.stride(0), h.stride(0), s.stride(0),
                                     y.stride(0), E=E, BLOCK_D=block, num_warps=norm_warps(block), **pdl_launch())
     return s, y, logits
+
+
+def norm_logits_buffers(x: torch.Tensor, norm_weight: torch.Tensor, E: int, alloc: bool = True):
+    """`add_norm_router_logits`' outputs for x `[T, D]` and a router of E experts: (s, y, logits),
+    new and contiguous; with `alloc` False, their (shape, dtype) pairs."""
+    T = x.shape[0]
+    want = ((x.shape, x.dtype), (x.shape, torch.promote_types(x.dtype, norm_weight.dtype)),
+            (torch.Size((T, E)), torch.float32))
+    return tuple(torch.empty(shape, dtype=dt, device=x.device) for shape, dt in want) if alloc else want
 
 
 @fast_launch

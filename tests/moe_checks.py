@@ -94,6 +94,21 @@ def check_blocked(cfg_overrides, T, dtype, device, tol, block_m):
     deferred = fused_moe_blocked_overlapped(x, moe.w13, moe.w2, route, k, ns, stream, block_m, defer_sum=True,
                                             shared_block_m=block_m)
     assert torch.equal(deferred.part, pairs.part)
+    # shared_x: the shared experts' input from a launch of its own on the side stream, while
+    # route() writes the routed pairs' x (SideNorm). The same rows give the same bits; zero rows
+    # for the shared launch zero the shared pairs' rows alone
+    x_routed = torch.full_like(x, float("nan"))  # written by route(), read only after it
+
+    def route_writing_x():
+        x_routed.copy_(x)
+        return w_all, ids_all
+
+    both = fused_moe_blocked_overlapped(x_routed, moe.w13, moe.w2, route_writing_x, k, ns, stream, block_m,
+                                        defer_sum=True, shared_block_m=block_m, shared_x=lambda: x.clone())
+    assert torch.equal(both.part, pairs.part)
+    zero = fused_moe_blocked_overlapped(x_routed, moe.w13, moe.w2, route_writing_x, k, ns, stream, block_m,
+                                        defer_sum=True, shared_block_m=block_m, shared_x=lambda: torch.zeros_like(x))
+    assert torch.equal(zero.part[:, :k], pairs.part[:, :k]) and not zero.part[:, k:].any()
     # the default: the shared experts in deeper blocks (SHARED_BLOCK_M), tiled otherwise; the
     # routed pairs' rows are still the same bits
     deep = fused_moe_blocked_overlapped(x, moe.w13, moe.w2, route, k, ns, stream, block_m, defer_sum=True)
@@ -120,6 +135,41 @@ def check_shared_dense(cfg_overrides, T, dtype, device, tol, **plan):
     err = ((got - ref).norm() / ref.norm()).item()
     assert err < tol, (cfg_overrides, T, dtype, plan, err)
     return err
+
+
+def check_side_norm(cfg_overrides, T, dtype, device, monkeypatch):
+    """MoE.forward with a `SideNorm` (moe_norm_in_router_max_tokens on the block path with the
+    shared experts' stream: the add + norm in the router's logits kernel for the routed pairs and
+    in a norm kernel of the side stream for the shared ones) equals the same path after one add +
+    norm kernel, bit for bit, and gives the same residual. On the CPU the side stream is the
+    current one (the path itself is CUDA's: `_paths` is made to say it is taken)."""
+    from common.kernel_plan import KernelPlan
+    from common.triton_norm import add_rms_norm
+    from models import moe as moe_module
+    from models.moe import SideNorm
+    moe, x, _, _ = random_moe(cfg_overrides, T, dtype, device)
+    plan = KernelPlan(router="triton", norm="triton", moe="triton", moe_fused_max_tokens=4, moe_blocked_max_tokens=512,
+                      moe_shared_stream=True, moe_norm_in_router_max_tokens=T)
+    fast = MoE(moe.cfg, dtype, plan).to(device)
+    fast.load_state_dict(moe.state_dict())
+    fast.gate.weight.data = fast.gate.weight.data.to(dtype).float()  # the router's values exact in bf16
+    fast.gate.keep_bf16_weight()
+    fast.process_weights_after_loading()
+    if device != "cuda":
+        paths = MoE._paths
+        monkeypatch.setattr(MoE, "_paths", lambda self, T, dev: (*paths(self, T, dev)[:3], True))
+        monkeypatch.setattr(moe_module, "side_stream", lambda dev: None)
+    torch.manual_seed(T + 1)
+    residual, h = (torch.randn(T, moe.cfg.hidden_size, dtype=dtype, device=device) for _ in range(2))
+    nw = 1 + 0.1 * torch.randn(moe.cfg.hidden_size, dtype=dtype, device=device)
+    assert fast.gate.fuses_norm(h) and fast.takes_side_norm(h)
+    with torch.device(device):
+        s_ref, y_ref = add_rms_norm(residual, h, nw, 1e-6)
+        ref = fast(y_ref)
+        side = SideNorm(fast.gate, residual, h, nw, 1e-6)
+        got = fast(side.x, logits=side.logits, side_norm=side)
+    assert torch.equal(side.s, s_ref) and torch.equal(side.x, y_ref) and torch.equal(got, ref)
+    return got
 
 
 def check_align_leaves_out(ids, E, block_m, n_out=2, kernel=True):

@@ -8,7 +8,7 @@ import pytest
 import torch
 from moe_checks import (SMALL_FP8_MOE, check, check_align_leaves_out, check_blocked, check_expert_sort, check_fp8,
                         check_fp8_blocked, check_fp8_blocked_a8, check_fp8_moe, check_glue, check_shared_dense,
-                        expert_sort_ids, fp8_experts, fp8_moe_pair, routed_reference)
+                        check_side_norm, expert_sort_ids, fp8_experts, fp8_moe_pair, routed_reference)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("I", [2048, 256])
@@ -64,6 +64,15 @@ def test_fused_moe_blocked_real_shapes(T, block_m):
     check_glue(T, 9, 257, block_m, "cuda", seed=T)
     check_blocked({}, T, torch.bfloat16, "cuda", 2e-2, block_m)
     check_blocked({}, T, torch.float32, "cuda", 1e-5, block_m)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [5, 8, 32])
+def test_side_norm_real_shapes(T, monkeypatch):
+    """V2-Lite's MoE layer, bf16, the shared experts on a real second stream: the add + norm in
+    the router's logits kernel and in the side stream's norm kernel (SideNorm) give the output
+    and residual of the block path after one add + norm kernel, bit for bit."""
+    check_side_norm({}, T, torch.bfloat16, "cuda", monkeypatch)
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from moe_checks import (SMALL_FP8_MOE, check, check_blocked, check_expert_sort, check_fp8, check_fp8_blocked,
-                        check_fp8_blocked_a8, check_fp8_moe, check_glue, check_shared_dense, expert_sort_ids,
+                        check_fp8_blocked_a8, check_fp8_moe, check_glue, check_shared_dense, check_side_norm, expert_sort_ids,
                         fp8_moe_pair, w8a8_reference)
 
 
@@ -22,6 +22,15 @@ def test_fused_moe_interpreter():
     # E 15: the left-out ids 15 and 16 (check_align_leaves_out) straddle the kernel's 16 histogram bins
     for T, kt, E, bm in ((1, 1, 2, 16), (3, 2, 4, 4), (37, 3, 8, 16), (64, 8, 66, 32), (5, 4, 300, 16), (9, 3, 15, 16)):
         check_glue(T, kt, E, bm, "cpu", seed=T)
+
+
+@pytest.mark.parametrize("T", [5, 9])
+def test_side_norm_on_the_block_path(T, monkeypatch):
+    """moe_norm_in_router_max_tokens past the fused MoE's bound, with the shared experts' stream:
+    the add + norm in the router's logits kernel and in the side stream's own norm kernel give
+    the block path's output and residual bit for bit."""
+    small = {"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8, "num_experts_per_tok": 3}
+    check_side_norm(small, T, torch.float32, "cpu", monkeypatch)
 
 
 @pytest.mark.parametrize("T,kt,E,block", [(37, 3, 8, 16), (300, 8, 257, 16), (50, 6, 66, 32), (7, 2, 3, 16)])
