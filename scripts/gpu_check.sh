@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|mergeo|fewer|fewer2|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|mergeo|fewer|fewer2|sidenorm|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -46,6 +46,11 @@
 #               the choice + alignment in one launch, reps in ABBA order (3/5 of the timeout), then
 #               their GPU tests (kernels, and the engine's tokens against the default plan; 2/5)
 #               (give it `fewer2:570`)
+#   sidenorm    the norm in the router's logits kernel past the fused MoE (5-32 tokens), the shared
+#               experts' stream computing the norm for itself (SideNorm): its GPU tests (the MoE
+#               layer at V2-Lite shapes, the engine's tokens; fixed tiles), then TPOT at batch
+#               1/4/8/16/24/32 with the norm in the router off, the default (batch 1), on to 1024,
+#               ABBA (bench_pdl_variants.py); 2/5 and 3/5 of the step's timeout (`sidenorm:500`)
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   graphs      the CUDA-graph decode step at batch 1/8/32/128: TPOT, the replay alone, kernel time
 #               and the idle time before each kernel (profile_graphs.py), once per --kernels plan of
@@ -193,6 +198,10 @@ for spec in $steps; do
                tests/test_triton_route.py tests/test_route_align.py -k "merge or absorb_kernels_real or norm_logits or route_align"
              timeout $((T * 4 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 8 16 32 128 \
                --variants base merge_o norm_router route_align all3 --reps 2; } > "$log" 2>&1 ;;
+    sidenorm) { timeout $((T * 2 / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --no-autotune \
+                  tests/test_fused_moe.py tests/test_gpu_launch_opt_ins.py -k "side_norm or norm_in_router"
+                timeout $((T * 3 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 4 8 16 24 32 \
+                  --variants norm_router_off base norm_router --reps 2; } > "$log" 2>&1 ;;
     fewer2) { timeout $((T * 3 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 4 8 16 24 32 \
                 --variants norm_router_off base norm_router route_align --reps 2
               timeout $((T * 2 / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_route.py \
