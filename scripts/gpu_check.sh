@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|mergeo|fewer|fewer2|sidenorm|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|mergeo|fewer|fewer2|sidenorm|b1norm|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -51,6 +51,10 @@
 #               layer at V2-Lite shapes, the engine's tokens; fixed tiles), then TPOT at batch
 #               1/4/8/16/24/32 with the norm in the router off, the default (batch 1), on to 1024,
 #               ABBA (bench_pdl_variants.py); 2/5 and 3/5 of the step's timeout (`sidenorm:500`)
+#   b1norm      the norm in the router at batch 1 and 8, off against on (to 1024), in two engines: one
+#               warmed up and tuned with it off (`moe_norm_in_router_max_tokens=0`), one with fixed
+#               tiles (`autotune=0`); does the engine's warm-up path decide which variant is faster?
+#               (half the step's timeout each; `b1norm:400`)
 #   profile     GPU time per op over eager decode steps at batch 1 (profile_step.py --kernels)
 #   graphs      the CUDA-graph decode step at batch 1/8/32/128: TPOT, the replay alone, kernel time
 #               and the idle time before each kernel (profile_graphs.py), once per --kernels plan of
@@ -202,6 +206,9 @@ for spec in $steps; do
                   tests/test_fused_moe.py tests/test_gpu_launch_opt_ins.py -k "side_norm or norm_in_router"
                 timeout $((T * 3 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 4 8 16 24 32 \
                   --variants norm_router_off base norm_router --reps 2; } > "$log" 2>&1 ;;
+    b1norm) { for k in auto,moe_norm_in_router_max_tokens=0 auto,autotune=0; do echo "## --kernel-plan $k"
+                timeout $((T / 2)) python3 scripts/bench_pdl_variants.py --kernel-plan $k --batch-sizes 1 8 \
+                  --variants norm_router_off norm_router --reps 2; done; } > "$log" 2>&1 ;;
     fewer2) { timeout $((T * 3 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 4 8 16 24 32 \
                 --variants norm_router_off base norm_router route_align --reps 2
               timeout $((T * 2 / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_route.py \
