@@ -114,8 +114,8 @@ class DeepseekDecoderLayer(nn.Module):
         moe_sum_in_norm, an MoE's output may come as its unsummed pair rows (`PairRows`),
         which that Triton kernel sums. With moe_norm_in_router_max_tokens, in the steps the
         router's logits kernel takes up to that bound, the add + norm run inside it
-        (`Router.add_norm_logits`), and where the shared experts run on the side stream's block
-        path, in a norm kernel of that stream too (`SideNorm`)."""
+        (`Router.add_norm_logits`), and where the shared experts run on the side stream, in a
+        norm kernel of that stream too (`SideNorm`)."""
         h = self.self_attn.o_proj(o.flatten(1))
         n = self.post_attention_layernorm
         kw = {}

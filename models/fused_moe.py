@@ -27,6 +27,8 @@ path's elementwise glue for large batches is at the end of this file.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -220,9 +222,10 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
 
 
 def fused_moe_small_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route, k: int,
-                               shared: tuple[torch.Tensor, torch.Tensor], stream: torch.cuda.Stream,
+                               shared: tuple[torch.Tensor, torch.Tensor], stream: torch.cuda.Stream | None,
                                w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                               block: int = 128, defer_sum: bool = False) -> torch.Tensor | PairRows:
+                               block: int = 128, defer_sum: bool = False,
+                               shared_x: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | PairRows:
     """`fused_moe_small` with the routing done here and the shared experts' pairs off its path:
     their two kernels go to `stream` first, then `route()` -> (weights, ids) `[T, k]` and the
     routed pairs' kernels run on the current stream meanwhile, which waits for `stream` before the
@@ -231,27 +234,38 @@ def fused_moe_small_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Ten
     Every pair row is computed as fused_moe_small computes it and summed in the same order: the
     output is the same bits where both launches take the same tiles (the fixed tiles always; the
     autotuner keys on the slots a launch covers, and its tiles differ only in how K is split
-    into steps, which the tests' bit equality covers on the GPU).
+    into steps, which the tests' bit equality covers on the GPU). `shared_x`: called first on
+    `stream`, it launches what computes the shared pairs' input and returns it, while x is what
+    `route()` writes (as in `blocked_moe.fused_moe_blocked_overlapped`; `models.moe.SideNorm`).
 
     Nothing is allocated on `stream` (h and the pair rows are the current stream's, which waits
     for `stream` before it uses or frees them, also when the router or a launch raises), so this
-    is CUDA-graph capture safe."""
+    is CUDA-graph capture safe. `stream` None (CPU tests): everything on the current stream, the
+    shared pairs first."""
     n_shared = shared[0].shape[1]
     if n_shared < 1 or shared[1].shape != shared[0].shape:
         raise ValueError(f"fused_moe_small_overlapped needs the shared experts' ids and weights [1, n_shared >= 1], "
                          f"got {tuple(shared[0].shape)} and {tuple(shared[1].shape)}")
     run = _SmallMoE(x, w13, w2, w13_scale, w2_scale, block, k, n_shared)
-    main = torch.cuda.current_stream(x.device)
+
+    def shared_pairs() -> None:
+        run.launch(shared[1], shared[0], k, n_shared, x=None if shared_x is None else shared_x())
+
+    main = None if stream is None else torch.cuda.current_stream(x.device)
     try:
-        stream.wait_stream(main)  # x (and h / part's memory) ready
-        with torch.cuda.stream(stream):
-            run.launch(shared[1], shared[0], k, n_shared)
+        if main is None:
+            shared_pairs()
+        else:
+            stream.wait_stream(main)  # x (and h / part's memory) ready
+            with torch.cuda.stream(stream):
+                shared_pairs()
         weights, ids = route()
         if ids.shape != (x.shape[0], k):
             raise ValueError(f"route() gave ids {tuple(ids.shape)}, expected [{x.shape[0]}, {k}]")
         run.launch(weights, ids, 0, k)
     finally:
-        main.wait_stream(stream)  # joined on every path: h / part outlive the side stream's kernels
+        if main is not None:
+            main.wait_stream(stream)  # joined on every path: h / part outlive the side stream's kernels
     return sum_pairs(run.part, run.x.dtype, k + n_shared, defer_sum)
 
 
@@ -277,8 +291,15 @@ class _SmallMoE:
         self.h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
         self.part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
 
-    def launch(self, weights: torch.Tensor, ids: torch.Tensor, j0: int, jn: int) -> None:
-        x, w13, w2, s13, s2 = self.x, self.w13, self.w2, self.s13, self.s2
+    def launch(self, weights: torch.Tensor, ids: torch.Tensor, j0: int, jn: int, x: torch.Tensor | None = None) -> None:
+        """The two kernels over pair slots j0.. j0+jn-1; `x`: these pairs' tokens' rows instead
+        of the call's (the same shape and dtype, contiguous)."""
+        if x is None:
+            x = self.x
+        elif x.shape != self.x.shape or x.dtype != self.x.dtype or not x.is_contiguous():
+            raise ValueError(f"_SmallMoE.launch: x {tuple(x.shape)} {x.dtype} for a call on {tuple(self.x.shape)} "
+                             f"{self.x.dtype} (contiguous)")
+        w13, w2, s13, s2 = self.w13, self.w2, self.s13, self.s2
         T, D = x.shape
         I, E = w2.shape[-1], w13.shape[0]
         ids, weights = ids.contiguous(), weights.contiguous()

@@ -89,8 +89,8 @@ class MLP(nn.Module):
 
 
 class SideNorm:
-    """A MoE layer's input add + RMSNorm on both streams, for the block path with the shared
-    experts on the side stream (`MoE.takes_side_norm`) where moe_norm_in_router_max_tokens puts
+    """A MoE layer's input add + RMSNorm on both streams, for the fused and the block paths with
+    the shared experts on the side stream (`MoE.takes_side_norm`) where moe_norm_in_router_max_tokens puts
     the norm inside the router's logits kernel. That kernel computes it for the routed pairs on
     the current stream (`main`: s = residual + h, x = its norm, the logits); a norm kernel of its
     own computes the same x for the shared experts on the side stream (`side`, bit for bit: the
@@ -249,9 +249,8 @@ class MoE(nn.Module):
 
     def takes_side_norm(self, h: torch.Tensor) -> bool:
         """Whether a step whose input norm runs in the router's logits kernel takes `SideNorm`:
-        the block path with the shared experts on the side stream."""
-        small, _, _, overlapped = self._paths(h.shape[0], h.device)
-        return overlapped and not small
+        the fused or the block path with the shared experts on the side stream."""
+        return self._paths(h.shape[0], h.device)[3]
 
     def forward(self, x: torch.Tensor, defer_sum: bool = False, logits: torch.Tensor | None = None,
                 side_norm: SideNorm | None = None) -> torch.Tensor | PairRows:
@@ -272,9 +271,9 @@ class MoE(nn.Module):
                 return self.gate.route_aligned(x, logits, n_shared, block_m, sort_shared)
             return self.gate(x, n_shared) if logits is None else self.gate.choose(logits, n_shared)
         small, dense, blocked, overlapped = self._paths(T, x.device)
-        if side_norm is not None and (small or not overlapped):
-            raise ValueError(f"MoE.forward: a SideNorm for a step of {T} tokens that is not on the block path "
-                             "with the shared experts' stream (MoE.takes_side_norm)")
+        if side_norm is not None and not overlapped:
+            raise ValueError(f"MoE.forward: a SideNorm for a step of {T} tokens that does not run the shared "
+                             "experts on their own stream (MoE.takes_side_norm)")
         # the block and large paths take the shared experts as pairs of every token: the Triton
         # router writes their columns beside its choices (two cats fewer per layer)
         fold = not small and not dense and bool(self.n_shared) and self.gate.appends_shared
@@ -284,19 +283,22 @@ class MoE(nn.Module):
         # routed pairs run (the fused and the block paths; n_shared > 0 means the experts are not
         # kept in FP8, so never W8A8)
         if overlapped:
+            choose = ((lambda: gate(0)) if small else (lambda: gate(self.n_shared, block_rows(T))) if fold else
+                      (lambda: self._with_shared(*gate(0))))
+            # with a SideNorm, route() first launches the norm + logits kernel, and the side stream
+            # computes the shared experts' input itself
+            route = choose if side_norm is None else (lambda: (side_norm.main(), choose())[1])
+            shared_x = None if side_norm is None else side_norm.side
             try:
                 if small:
                     out = self.fused_small_overlapped(
-                        x, self.w13, self.w2, lambda: gate(0), self.cfg.num_experts_per_tok,
+                        x, self.w13, self.w2, route, self.cfg.num_experts_per_tok,
                         self._shared_choice(x.device, torch.int32, torch.float32), side_stream(x.device),
-                        self.w13_scale, self.w2_scale, block, defer_sum=defer)
+                        self.w13_scale, self.w2_scale, block, defer_sum=defer, shared_x=shared_x)
                 else:
-                    choose = ((lambda: gate(self.n_shared, block_rows(T))) if fold else
-                              (lambda: self._with_shared(*gate(0))))
-                    route = choose if side_norm is None else (lambda: (side_norm.main(), choose())[1])
                     out = self.fused_blocked_overlapped(
                         x, self.w13, self.w2, route, self.cfg.num_experts_per_tok, self.n_shared, side_stream(x.device),
-                        block_rows(T), defer_sum=defer, shared_x=None if side_norm is None else side_norm.side)
+                        block_rows(T), defer_sum=defer, shared_x=shared_x)
             except Exception as e:
                 if charged_key(e) in (None, "moe"):  # the split launches, not the router inside them
                     e.plan_key = "moe_shared_stream"

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from models.config import ModelConfig
-from models.fused_moe import _SmallMoE, fused_moe_small, fused_moe_small_overlapped, sum_pairs
+from models.fused_moe import fused_moe_small, fused_moe_small_overlapped
 from models.moe import MoE
 
 
@@ -45,14 +45,23 @@ def check(cfg_overrides, T, dtype, device, tol):
         # second stream on CUDA): the same pair rows, the same output bits
         k, ns = ids.shape[1], moe.n_shared
         shared = torch.zeros(1, ns, dtype=torch.int32), torch.full((1, ns), float("nan"))  # never read
-        if device == "cuda":
-            split = fused_moe_small_overlapped(x, moe.w13, moe.w2, lambda: (w, ids), k, shared, torch.cuda.Stream())
-        else:
-            run = _SmallMoE(x, moe.w13, moe.w2, None, None, 128, k, ns)
-            run.launch(shared[1], shared[0], k, ns)
-            run.launch(w, ids, 0, k)
-            split = sum_pairs(run.part, x.dtype, k + ns, False)
+        stream = torch.cuda.Stream() if device == "cuda" else None
+        split = fused_moe_small_overlapped(x, moe.w13, moe.w2, lambda: (w, ids), k, shared, stream)
         assert torch.equal(split, out_all)
+        # shared_x: the shared pairs' input from a launch of the side stream while route() writes
+        # x (SideNorm): the same rows give the same bits; zero rows zero the shared pairs alone
+        x_routed = torch.full_like(x, float("nan"))
+
+        def route_writing_x():
+            x_routed.copy_(x)
+            return w, ids
+
+        both = fused_moe_small_overlapped(x_routed, moe.w13, moe.w2, route_writing_x, k, shared, stream,
+                                          defer_sum=True, shared_x=lambda: x.clone())
+        assert torch.equal(both.part, pairs.part)
+        zero = fused_moe_small_overlapped(x_routed, moe.w13, moe.w2, route_writing_x, k, shared, stream,
+                                          defer_sum=True, shared_x=lambda: torch.zeros_like(x))
+        assert torch.equal(zero.part[:, :k], pairs.part[:, :k]) and not zero.part[:, k:].any()
         sh = moe.w13[-moe.n_shared:], moe.w2[-moe.n_shared:]
         I = moe.w2.shape[-1]
         shared = sum(F.linear(F.silu(x @ a[:I].T) * (x @ a[I:].T), b) for a, b in zip(*sh)).double()

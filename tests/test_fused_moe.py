@@ -67,11 +67,12 @@ def test_fused_moe_blocked_real_shapes(T, block_m):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [5, 8, 32])
+@pytest.mark.parametrize("T", [1, 4, 5, 8, 32])
 def test_side_norm_real_shapes(T, monkeypatch):
-    """V2-Lite's MoE layer, bf16, the shared experts on a real second stream: the add + norm in
-    the router's logits kernel and in the side stream's norm kernel (SideNorm) give the output
-    and residual of the block path after one add + norm kernel, bit for bit."""
+    """V2-Lite's MoE layer, bf16, the shared experts on a real second stream (the fused path at 1
+    and 4 tokens, the block path from 5): the add + norm in the router's logits kernel and in the
+    side stream's norm kernel (SideNorm) give the output and residual of the path after one add +
+    norm kernel, bit for bit."""
     check_side_norm({}, T, torch.bfloat16, "cuda", monkeypatch)
 
 

@@ -24,11 +24,11 @@ def test_fused_moe_interpreter():
         check_glue(T, kt, E, bm, "cpu", seed=T)
 
 
-@pytest.mark.parametrize("T", [5, 9])
-def test_side_norm_on_the_block_path(T, monkeypatch):
-    """moe_norm_in_router_max_tokens past the fused MoE's bound, with the shared experts' stream:
-    the add + norm in the router's logits kernel and in the side stream's own norm kernel give
-    the block path's output and residual bit for bit."""
+@pytest.mark.parametrize("T", [1, 3, 5, 9])
+def test_side_norm_with_the_shared_stream(T, monkeypatch):
+    """moe_norm_in_router_max_tokens with the shared experts' stream, on the fused path (1, 3) and
+    the block path (5, 9): the add + norm in the router's logits kernel and in the side stream's
+    own norm kernel give the path's output and residual bit for bit."""
     small = {"hidden_size": 160, "moe_intermediate_size": 48, "n_routed_experts": 8, "num_experts_per_tok": 3}
     check_side_norm(small, T, torch.float32, "cpu", monkeypatch)
 
