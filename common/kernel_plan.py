@@ -49,11 +49,14 @@ class Choice:
     triton_help: str | None = None  # the help's "triton:" entry where resolve_plan adjusts the value
 
 
-# moe_norm_in_router_max_tokens under base triton: the norm inside the router's logits kernel at
-# batch 1 only. On an H100 (V2-Lite, scripts/bench_pdl_variants.py, both in one engine, two reps in
-# ABBA order, 2026-12-06) TPOT at batch 1 was 2.501 against 2.575 ms (-2.9%), batch 4 4.883 against
-# 4.821 (replay level), batch 8 7.012 against 6.937 (+1.1%), 16-32 level.
-NORM_IN_ROUTER_MAX_TOKENS = 1
+# moe_norm_in_router_max_tokens under base triton: off. On H100s (V2-Lite, scripts/bench_pdl_variants.py,
+# each comparison in one engine, reps in ABBA order) the norm inside the router's logits kernel at
+# batch 1 won 2.9% and 2.1% in two engines on 2026-12-06 (forty-second session) and lost 8%, 6.5%
+# and 3.5% in three on another machine later that day (2.670 / 2.634 / 2.572 against 2.472 / 2.474
+# / 2.486 ms; the last with fixed tiles): no consistent win. With the shared experts' stream taking
+# its own norm (models/moe.py SideNorm) it was 0.4-0.6% faster at batch 8 in three engines, 0.4%
+# at 16, level at 24-32 (RESULTS.md).
+NORM_IN_ROUTER_MAX_TOKENS = 0
 
 
 # Every kernel choice, in log order. `triton` / `torch` give each key's value under that base;
@@ -116,11 +119,12 @@ CHOICES: tuple[Choice, ...] = (
            "add + post-attention RMSNorm inside the router's logits kernel (models/triton_route.py "
            "add_norm_router_logits: the norm kernel's bits, then the logits from them) where the Triton logits "
            "kernel takes the step (up to 32 tokens on V2-Lite, 5 on V2, 2 on V3; not the one-launch router's "
-           "steps): one launch fewer a layer; needs router and norm triton (0: never); on an H100 (V2-Lite, "
-           "bench_pdl_variants.py) TPOT at batch 1 -2.9%, 4 level, 8 +1.1% (the shared experts' stream then forks "
-           "after the router's logits, not before); a failure there is charged to this key by Router",
-           triton=NORM_IN_ROUTER_MAX_TOKENS, torch=0, triton_help=f"{NORM_IN_ROUTER_MAX_TOKENS} where router and norm "
-           f"are triton, else 0"),
+           "steps): one launch fewer a layer; where the shared experts run on their own stream (moe_shared_stream) "
+           "that stream computes the same norm for them with a kernel of its own and forks first (models/moe.py "
+           "SideNorm); needs router and norm triton (0: never; opt-in: on H100s V2-Lite's TPOT at batch 8 "
+           "-0.4 to -0.6%, 16 -0.4%, 24-32 level, and batch 1 without the side stream's norm +3.5 to +8% in three "
+           "engines, -2.1 and -2.9% in two others); a failure there is charged to this key",
+           triton=NORM_IN_ROUTER_MAX_TOKENS, torch=0),
     Choice("moe_route_align_max_tokens", (int,), "block-MoE steps of up to this many tokens make the expert choice "
            "and the alignment of the pairs into blocks in one launch (models/route_align.py) instead of two, where "
            "the choice's tile holds the step (T x E <= 2048 logits: 32 tokens on V2-Lite's 64 experts); routers "

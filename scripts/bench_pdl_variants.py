@@ -37,8 +37,8 @@ from models.moe import MoE
 
 # name: (PDL graphs up to this batch, gemm_skinny_max_tokens, decode_merge_in_absorb on,
 # moe_norm_in_router_max_tokens, moe_route_align_max_tokens); None: the plan's own value. "base" is
-# the plan's default on sm_90 (its batch-1 norm in the router included: "norm_router_off" is the
-# one before it); 1024 is every step a key can take
+# the plan's default on sm_90; "norm_router_off" sets the norm in the router off whatever the
+# default, "norm_router_b1" on at batch 1 alone; 1024 is every step a key can take
 B = PDL_GRAPH_MAX_BATCH
 VARIANTS = {
     "base": (B, 0, False, None, None),
@@ -48,6 +48,7 @@ VARIANTS = {
     "merge_o": (B, 0, True, None, None),
     "norm_router": (B, 0, False, 1024, None),
     "norm_router_off": (B, 0, False, 0, None),
+    "norm_router_b1": (B, 0, False, 1, None),
     "route_align": (B, 0, False, None, 1024),
     "merge_o+norm_router": (B, 0, True, 1024, None),
     "norm_router+route_align": (B, 0, False, 1024, 1024),

@@ -49,8 +49,8 @@
 #   sidenorm    the norm in the router's logits kernel past the fused MoE (5-32 tokens), the shared
 #               experts' stream computing the norm for itself (SideNorm): its GPU tests (the MoE
 #               layer at V2-Lite shapes, the engine's tokens; fixed tiles), then TPOT at batch
-#               1/4/8/16/24/32 with the norm in the router off, the default (batch 1), on to 1024,
-#               ABBA (bench_pdl_variants.py); 2/5 and 3/5 of the step's timeout (`sidenorm:500`)
+#               1/4/8/16/24/32 with the norm in the router off, on at batch 1 alone, on to 1024,
+#               ABBA (bench_pdl_variants.py); 2/5 and 3/5 of the step's timeout (`sidenorm:300`)
 #   b1norm      the norm in the router at batch 1 and 8, off against on (to 1024), in two engines: one
 #               warmed up and tuned with it off (`moe_norm_in_router_max_tokens=0`), one with fixed
 #               tiles (`autotune=0`); does the engine's warm-up path decide which variant is faster?
@@ -205,7 +205,7 @@ for spec in $steps; do
     sidenorm) { timeout $((T * 2 / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --no-autotune \
                   tests/test_fused_moe.py tests/test_gpu_launch_opt_ins.py -k "side_norm or norm_in_router"
                 timeout $((T * 3 / 5)) python3 scripts/bench_pdl_variants.py --batch-sizes 1 4 8 16 24 32 \
-                  --variants norm_router_off base norm_router --reps 2; } > "$log" 2>&1 ;;
+                  --variants norm_router_off norm_router_b1 norm_router --reps 2; } > "$log" 2>&1 ;;
     b1norm) { for k in auto,moe_norm_in_router_max_tokens=0 auto,autotune=0; do echo "## --kernel-plan $k"
                 timeout $((T / 2)) python3 scripts/bench_pdl_variants.py --kernel-plan $k --batch-sizes 1 8 \
                   --variants norm_router_off norm_router --reps 2; done; } > "$log" 2>&1 ;;

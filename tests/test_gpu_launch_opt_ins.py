@@ -1,6 +1,6 @@
-"""The launch removals of the decode step on the GPU, in the engine (the opt-ins, and the default's
-norm inside the router at batch 1 turned off): the same greedy tokens as the default plan, in CUDA
-graphs and eagerly (skipped without CUDA)."""
+"""The launch removals of the decode step on the GPU, in the engine (the opt-ins, the norm inside the
+router at batch 1 alone among them): the same greedy tokens as the default plan, in CUDA graphs and
+eagerly (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 OPT_INS = ("decode_merge_in_absorb=1", "moe_norm_in_router_max_tokens=64", "moe_route_align_max_tokens=64",
            "decode_merge_in_absorb=1,moe_norm_in_router_max_tokens=64,moe_route_align_max_tokens=64",
-           "moe_norm_in_router_max_tokens=0")  # the default's batch-1 norm in the router, off
+           "moe_norm_in_router_max_tokens=1")  # the norm in the router at batch 1 alone
 
 
 @pytest.fixture(scope="module")

@@ -173,12 +173,13 @@ def test_moe_sum_in_norm_where_moe_and_norm_are_triton():
 
 
 def test_moe_norm_in_router_where_the_router_and_norm_are_triton():
-    """Batch 1 under the triton plan; 0 where the router or the norms are torch's (the
-    interpreter's default norms), and asked for there it is refused, naming it."""
+    """The triton plan's default (NORM_IN_ROUTER_MAX_TOKENS), and any bound asked for, where the
+    router and the norms are Triton's; 0 where either is torch's (the interpreter's default
+    norms), and asked for there it is refused, naming it."""
     from common.kernel_plan import NORM_IN_ROUTER_MAX_TOKENS
-    assert _resolve("auto").moe_norm_in_router_max_tokens == NORM_IN_ROUTER_MAX_TOKENS == 1
+    assert _resolve("auto").moe_norm_in_router_max_tokens == NORM_IN_ROUTER_MAX_TOKENS
     assert _resolve("auto,moe_norm_in_router_max_tokens=32").moe_norm_in_router_max_tokens == 32
-    assert _resolve("auto,norm=torch").moe_norm_in_router_max_tokens == 0
+    assert _resolve("auto,norm=torch,router=triton").moe_norm_in_router_max_tokens == 0
     assert _resolve("auto,router=torch").moe_norm_in_router_max_tokens == 0
     for spec, have in (("auto,norm=torch,moe_norm_in_router_max_tokens=8", "router=triton norm=torch"),
                        ("auto,router=torch,moe_norm_in_router_max_tokens=8", "router=torch norm=triton")):
