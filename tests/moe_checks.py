@@ -56,12 +56,14 @@ def check(cfg_overrides, T, dtype, device, tol):
             x_routed.copy_(x)
             return w, ids
 
+        split_pairs = fused_moe_small_overlapped(x, moe.w13, moe.w2, lambda: (w, ids), k, shared, stream,
+                                                 defer_sum=True)  # the same launches' tiles as below
         both = fused_moe_small_overlapped(x_routed, moe.w13, moe.w2, route_writing_x, k, shared, stream,
                                           defer_sum=True, shared_x=lambda: x.clone())
-        assert torch.equal(both.part, pairs.part)
+        assert torch.equal(both.part, split_pairs.part)
         zero = fused_moe_small_overlapped(x_routed, moe.w13, moe.w2, route_writing_x, k, shared, stream,
                                           defer_sum=True, shared_x=lambda: torch.zeros_like(x))
-        assert torch.equal(zero.part[:, :k], pairs.part[:, :k]) and not zero.part[:, k:].any()
+        assert torch.equal(zero.part[:, :k], split_pairs.part[:, :k]) and not zero.part[:, k:].any()
         sh = moe.w13[-moe.n_shared:], moe.w2[-moe.n_shared:]
         I = moe.w2.shape[-1]
         shared = sum(F.linear(F.silu(x @ a[:I].T) * (x @ a[I:].T), b) for a, b in zip(*sh)).double()
