@@ -383,8 +383,8 @@ class _BlockedMoE:
         xq = self.xq
         if x is not None:
             if self.a8 or x.shape != self.x.shape or x.dtype != self.x.dtype or not x.is_contiguous():
-                raise ValueError(f"_BlockedMoE.launch: x {tuple(x.shape)} {x.dtype} for a call on {tuple(self.x.shape)} "
-                                 f"{self.x.dtype} (contiguous, not W8A8)")
+                raise ValueError(f"_BlockedMoE.launch: x {tuple(x.shape)} {x.dtype} for a call on "
+                                 f"{tuple(self.x.shape)} {self.x.dtype} (contiguous, not W8A8)")
             xq = x
         w13, w2, s13, s2 = self.w13, self.w2, self.s13, self.s2
         T, D = self.x.shape

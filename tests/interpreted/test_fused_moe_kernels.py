@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 from moe_checks import (SMALL_FP8_MOE, check, check_blocked, check_expert_sort, check_fp8, check_fp8_blocked,
-                        check_fp8_blocked_a8, check_fp8_moe, check_glue, check_shared_dense, check_side_norm, expert_sort_ids,
-                        fp8_moe_pair, w8a8_reference)
+                        check_fp8_blocked_a8, check_fp8_moe, check_glue, check_shared_dense, check_side_norm,
+                        expert_sort_ids, fp8_moe_pair, w8a8_reference)
 
 
 def test_fused_moe_interpreter():
