@@ -136,14 +136,14 @@ def add_norm_router_logits(x: torch.Tensor, h: torch.Tensor, norm_weight: torch.
     if weight_bf16 is not None and (weight_bf16.shape != weight.shape or not weight_bf16.is_contiguous()):
         raise ValueError(f"add_norm_router_logits: the bf16 router {tuple(weight_bf16.shape)} is not a contiguous "
                          f"copy of {tuple(weight.shape)}")
-    want = norm_logits_buffers(x, norm_weight, E, alloc=False)
     if out is None:
         s, y, logits = norm_logits_buffers(x, norm_weight, E)
-    elif any(o.shape != w[0] or o.dtype != w[1] or o.device != x.device or not o.is_contiguous()
-             for o, w in zip(out, want)):
-        raise ValueError(f"add_norm_router_logits: out {[(tuple(o.shape), o.dtype) for o in out]}, expected "
-                         f"contiguous {[(tuple(w[0]), w[1]) for w in want]} on {x.device}")
     else:
+        want = norm_logits_buffers(x, norm_weight, E, alloc=False)
+        if any(o.shape != w[0] or o.dtype != w[1] or o.device != x.device or not o.is_contiguous()
+               for o, w in zip(out, want)):
+            raise ValueError(f"add_norm_router_logits: out {[(tuple(o.shape), o.dtype) for o in out]}, expected "
+                             f"contiguous {[(tuple(w[0]), w[1]) for w in want]} on {x.device}")
         s, y, logits = out
     if T:
         block = triton.next_power_of_2(D)
