@@ -52,11 +52,11 @@ import functools
 import torch
 
 from attention.decode_config import LAZY_TAU
-from attention.gluon_decode_plan import (BLOCK_H, LKV, OPTION, SMEM_LIMIT, GluonDecodeConfig, plan_splits,
-                                         validate_inputs)
+from attention.gluon_decode_plan import (BLOCK_H, LKV, OPTION, SEESAW, SMEM_LIMIT, GluonDecodeConfig,
+                                         plan_splits, validate_inputs)
 
-__all__ = ["GluonDecodeConfig", "SMEM_LIMIT", "check_gluon_available", "mla_decode_wgmma", "plan_splits",
-           "validate_inputs"]
+__all__ = ["GluonDecodeConfig", "SEESAW", "SMEM_LIMIT", "check_gluon_available", "mla_decode_wgmma",
+           "plan_splits", "validate_inputs"]
 from attention.triton_decode import LOG2E, reduce_splits, split_outputs
 
 try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its API moves
@@ -66,6 +66,7 @@ try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its AP
                                                                   warpgroup_mma_wait)
     from attention.gluon_copies import (_load_tile, _producer_partition, _split_bounds, _tile_ids,
                                        _wait_tile)
+    from attention.gluon_seesaw import _mla_decode_seesaw_kernel
     _GLUON_ERROR: Exception | None = None
 except Exception as exc:  # noqa: BLE001 - reported by check_gluon_available when the path is used
     _GLUON_ERROR = exc
@@ -408,12 +409,17 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     direct = num_splits == 1
     po, plse, po_strides, plse_strides = split_outputs(o, lse, num_splits)
     grid = ((q_len * H) // BLOCK_H, num_splits, B)
-    _mla_decode_wgmma_kernel[grid](
-        *launch_args(q, kv_cache, block_table, seq_lens, q_pos, po, plse, po_strides, plse_strides,
-                     scale, H, num_splits, q_len, dcp_size, dcp_rank),
-        PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf, DIRECT=direct,
-        HAS_POS=q_pos is not None, QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale, PROD=cfg.producer,
-        WORKER_REGS=cfg.worker_regs, PROD_REGS=cfg.producer_regs, num_warps=4)
+    args = launch_args(q, kv_cache, block_table, seq_lens, q_pos, po, plse, po_strides, plse_strides,
+                       scale, H, num_splits, q_len, dcp_size, dcp_rank)
+    if cfg.seesaw:  # attention/gluon_seesaw.py
+        _mla_decode_seesaw_kernel[grid](*args, PAGE=page, BLOCK_N=cfg.block_n, DIRECT=direct,
+                                        HAS_POS=q_pos is not None, WORKER_REGS=cfg.worker_regs,
+                                        PROD_REGS=cfg.producer_regs, num_warps=4)
+    else:
+        _mla_decode_wgmma_kernel[grid](
+            *args, PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf, DIRECT=direct,
+            HAS_POS=q_pos is not None, QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale, PROD=cfg.producer,
+            WORKER_REGS=cfg.worker_regs, PROD_REGS=cfg.producer_regs, num_warps=4)
     if not direct:
         reduce_splits(po, plse, o, lse, num_splits, po_strides, plse_strides)
     return o, lse

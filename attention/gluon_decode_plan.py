@@ -27,11 +27,14 @@ class GluonDecodeConfig:
     lazy_rescale: bool = False  # rescale O only when some row's max grows by > 2^LAZY_TAU (decode_config)
     producer: bool = False  # a third warpgroup issues every copy (gluon_copies._producer_partition; >= 4 stages)
     producer_regs: int = 64  # its register budget (setmaxnreg; 64 compiles without spills)
+    seesaw: bool = False  # the 64-row seesaw schedule (attention/gluon_seesaw.py; SEESAW below)
     min_split_tokens: int = 64
     max_splits: int = 128
 
     def smem_bytes(self) -> int:
         """Shared memory per program: q, the KV stages, the exchange slots, alpha, the mbarriers."""
+        if self.seesaw:  # q whole, two 64-row stages, m / a / l per warpgroup, 14 mbarriers
+            return (1 + self.num_stages) * BLOCK_H * (LKV + R) * 2 + 3 * 2 * BLOCK_H * 4 + 14 * 8
         q = BLOCK_H * LKV * 2 + (8 if self.q_pe_regs else BLOCK_H) * R * 2  # rope: 8-row token
         kv = self.num_stages * self.block_n * (LKV + R) * 2
         x = 2 * self.xbuf * BLOCK_H * self.block_n * 4
@@ -45,6 +48,9 @@ class GluonDecodeConfig:
 
 
 SMEM_LIMIT = 227 * 1024  # Hopper's opt-in shared memory per block
+# the seesaw schedule's one shape: 64-row tiles in two stages, a producer warpgroup at 56 registers,
+# the second compute warpgroup at 224 (the first gets the rest; the split that compiles without spills)
+SEESAW = GluonDecodeConfig(block_n=64, num_stages=2, seesaw=True, worker_regs=224, producer_regs=56)
 
 
 def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
@@ -57,7 +63,11 @@ def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
     if q.dtype != torch.bfloat16 or kv_cache.dtype != torch.bfloat16:
         raise ValueError(f"q and kv_cache must be bfloat16 (got {q.dtype}, {kv_cache.dtype})")
     check_paged_decode_args(q, kv_cache, block_table, seq_lens, LKV, R, q_len, q_pos, BLOCK_H, aligned=("q", "kv_cache"))
-    if cfg.block_n not in (16, 32):
+    if cfg.seesaw:
+        if (cfg.block_n, cfg.num_stages, cfg.producer, cfg.lazy_rescale) != (64, 2, False, False):
+            raise ValueError("GluonDecodeConfig(seesaw=True) runs 64-row tiles in 2 stages with its own "
+                             f"copy warpgroup and no lazy rescale (gluon_decode_plan.SEESAW), got {cfg}")
+    elif cfg.block_n not in (16, 32):
         raise ValueError(f"GluonDecodeConfig.block_n must be 16 or 32, got {cfg.block_n}")
     if cfg.producer and not cfg.q_pe_regs:
         raise ValueError("GluonDecodeConfig.producer needs q_pe_regs=True (the compute warpgroups issue no copies)")
@@ -70,7 +80,7 @@ def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         regs = getattr(cfg, name)
         if regs % 8 or not 24 <= regs <= 256:  # setmaxnreg's operand
             raise ValueError(f"GluonDecodeConfig.{name} must be a multiple of 8 in [24, 256], got {regs}")
-    if cfg.num_stages < 3:  # the loop refills tile j-1's stage while tile j+1's must be loaded
+    if cfg.num_stages < 3 and not cfg.seesaw:  # the loop refills tile j-1's stage while tile j+1's must be loaded
         raise ValueError(f"GluonDecodeConfig.num_stages must be >= 3, got {cfg.num_stages}")
     if cfg.smem_bytes() > SMEM_LIMIT:
         raise ValueError(f"GluonDecodeConfig needs {cfg.smem_bytes()} bytes of shared memory, "

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO))
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
-from attention.gluon_decode import (GluonDecodeConfig, check_gluon_available,  # noqa: E402
+from attention.gluon_decode import (SEESAW, GluonDecodeConfig, check_gluon_available,  # noqa: E402
                                     mla_decode_wgmma, plan_splits)
 from attention.kv_quant import FP8_DTYPE, store_as  # noqa: E402
 from attention.triton_cache import gather_context, write_kv  # noqa: E402
@@ -174,7 +174,7 @@ def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float, shapes, he
                         if sweep:
                             cfgs += [GluonDecodeConfig(producer=True), GluonDecodeConfig(lazy_rescale=True),
                                      GluonDecodeConfig(producer=True, lazy_rescale=True),
-                                     GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)]
+                                     GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False), SEESAW]
                     else:
                         log.append(f"decode B={B} S={S} H={H} {cname}: --impl gluon needs H % 64 == 0 "
                                    "and a bf16 cache; Triton only")

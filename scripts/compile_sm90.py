@@ -17,6 +17,7 @@ or ptxas serialises its wgmma.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 import subprocess
@@ -66,11 +67,17 @@ def compile_report(page: int = 16, direct: bool = False, has_pos: bool = False,
     if gd._GLUON_ERROR is not None:
         raise RuntimeError(f"gluon import failed: {gd._GLUON_ERROR!r}")
     cfg = cfg or gd.GluonDecodeConfig()
-    fn = gd._mla_decode_wgmma_kernel
     sig = {name: ty or ("*bf16" if direct else "*fp32") for name, ty in SIGNATURE}
-    constexprs = dict(PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf,
-                      DIRECT=bool(direct), HAS_POS=bool(has_pos), QPE_REGS=cfg.q_pe_regs, LAZY=cfg.lazy_rescale,
-                      PROD=cfg.producer, WORKER_REGS=cfg.worker_regs, PROD_REGS=cfg.producer_regs)
+    if cfg.seesaw:  # attention/gluon_seesaw.py: the same runtime arguments
+        fn = gd._mla_decode_seesaw_kernel
+        constexprs = dict(PAGE=page, BLOCK_N=cfg.block_n, DIRECT=bool(direct), HAS_POS=bool(has_pos),
+                          WORKER_REGS=cfg.worker_regs, PROD_REGS=cfg.producer_regs)
+    else:
+        fn = gd._mla_decode_wgmma_kernel
+        constexprs = dict(PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf,
+                          DIRECT=bool(direct), HAS_POS=bool(has_pos), QPE_REGS=cfg.q_pe_regs,
+                          LAZY=cfg.lazy_rescale, PROD=cfg.producer, WORKER_REGS=cfg.worker_regs,
+                          PROD_REGS=cfg.producer_regs)
     sig.update({k: "constexpr" for k in constexprs})
     names = [n for n, _ in SIGNATURE]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in DIVISIBLE}
@@ -158,12 +165,18 @@ def main() -> int:
     ap.add_argument("--producer", type=int, default=int(gd.GluonDecodeConfig.producer))
     ap.add_argument("--producer-regs", type=int, default=gd.GluonDecodeConfig.producer_regs)
     ap.add_argument("--dump", help="directory to write the ttgir / llir / ptx / sass into")
+    ap.add_argument("--seesaw", type=int, default=0, help="1: the seesaw kernel (gluon_decode_plan.SEESAW; "
+                    "the tile options above are ignored, --worker-regs / --producer-regs kept if given)")
     args = ap.parse_args()
     print(f"triton {triton.__version__} ({triton.__file__})")
     cfg = gd.GluonDecodeConfig(block_n=args.block_n, num_stages=args.stages, xbuf=args.xbuf,
                                worker_regs=args.worker_regs, q_pe_regs=bool(args.q_pe_regs),
                                lazy_rescale=bool(args.lazy), producer=bool(args.producer),
                                producer_regs=args.producer_regs)
+    if args.seesaw:
+        regs = {k: getattr(args, k) for k in ("worker_regs", "producer_regs")
+                if getattr(args, k) != getattr(gd.GluonDecodeConfig, k)}
+        cfg = dataclasses.replace(gd.SEESAW, **regs)
     print(f"config {cfg}, page {args.page}, direct {bool(args.direct)}, q_pos {bool(args.has_pos)}; "
           f"planned shared memory {cfg.smem_bytes()} bytes")
     rep = compile_report(args.page, bool(args.direct), bool(args.has_pos), cfg)

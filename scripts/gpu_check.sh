@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|pdl|mergeo|fewer|fewer2|sidenorm|b1norm|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|seesaw|pdl|mergeo|fewer|fewer2|sidenorm|b1norm|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -22,6 +22,9 @@
 #               3-case smoke test (a hang shows here), all its GPU tests and its engine test
 #               (decode_wgmma_min_heads=64), then its time next to the Triton kernel's at 64 and
 #               128 heads over B 1..128, S 1k..16k; the step's timeout is shared out (give it `gluon:540`)
+#   seesaw      the seesaw many-heads decode (attention/gluon_seesaw.py): its sm_90 compile report, a
+#               1-case smoke test (a hang shows here), its GPU tests, then its time next to the default
+#               Gluon config and producer+lazy at 128 heads (bench_gluon_configs.py; `seesaw:420`)
 #   decode      the MLA decode kernel alone: its GPU tests (bf16 and FP8 caches, every DecodeConfig
 #               variant), split counts at 1k contexts (bench_decode_splits.py), then its tiles swept at B=128, S=4k/16k,
 #               16 and 128 heads, bf16 and FP8 (bench_mla_decode.py --decode-only --sweep); the step's
@@ -188,6 +191,13 @@ for spec in $steps; do
              timeout $((T / 5)) python3 scripts/bench_mla_decode.py --decode-only --impl gluon --heads 64,128 \
                --decode-shapes 1x4096,8x4096,32x1024,32x4096,128x1024,128x4096,128x16384 --cache-dtypes bf16 \
                --out "$OUT/gluon_decode.json"; } > "$log" 2>&1 ;;
+    seesaw) { timeout $((T / 10)) python3 scripts/compile_sm90.py --seesaw 1 --page 64
+              timeout $((T / 6)) python3 -m pytest tests/test_gluon_decode.py -m gpu -x -q -p no:cacheprovider \
+                -k "seesaw_S17_H128_p16_auto" && \
+              timeout $((T / 3)) python3 -m pytest tests/test_gluon_decode.py -m gpu -q -p no:cacheprovider -rfE \
+                -k "seesaw"
+              timeout $((T / 3)) python3 scripts/bench_gluon_configs.py --configs default,producer+lazy,seesaw \
+                --shapes ${SEESAW_SHAPES:-128x4096,128x16384,32x4096,8x4096}; } > "$log" 2>&1 ;;
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
     latency_sync) timeout "$T" python3 scripts/bench_latency.py --no-async-scheduling ${LATENCY_ARGS:-} \
           --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;

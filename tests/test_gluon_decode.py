@@ -267,6 +267,27 @@ def test_compiles_for_sm90_without_spills(page, direct, has_pos, cfg):
         assert tiles and max(tiles) < 560, rep["loops"]
 
 
+@pytest.mark.skipif(not _triton_36(), reason="the kernel is written against Triton 3.6's Gluon")
+@pytest.mark.parametrize("page,direct,has_pos", [(16, False, False), (64, True, False), (16, False, True),
+                                                 (32, False, True)])
+def test_seesaw_compiles_for_sm90_without_spills(page, direct, has_pos):
+    """The seesaw kernel (attention/gluon_seesaw.py) at SEESAW's register split: no spills in any
+    partition, shared memory within the limit, and the wgmma it is written to issue."""
+    rep = _compile_module().compile_report(page, direct, has_pos, gd.SEESAW)
+    assert rep["error"] is None, rep["error"]
+    assert rep["spill_bytes"] == 0 and rep["regs"] is not None, rep["ptxas"]
+    assert gd.SEESAW.smem_bytes() <= rep["smem"] <= gd.SMEM_LIMIT
+    assert not rep["wgmma_serialised"], rep["ptxas"]
+    assert rep["wgmma_shapes"] == ["m64n256k16", "m64n64k16"]
+    # per warpgroup and pair: QK^T over 576 columns (36 k-steps), PV of both tiles (2 x 4)
+    assert rep["counts"]["wgmma.mma_async"][0] == 2 * (36 + 8)
+    assert rep["counts"]["cp.async"][0] > 0 and rep["counts"]["setmaxnreg"][0] > 0
+    # the compute loops, per pair of 64-row tiles (128 cache rows): the lockstep kernel issues
+    # ~650 a warp per 32 rows (docs/kernel_notes.md)
+    pairs = [loop["instructions"] for loop in rep["loops"] if loop["instructions"] < 1000]
+    assert pairs and max(pairs) < 1000, rep["loops"]
+
+
 # --- GPU: the kernel against the reference ---
 
 def _poisoned_cache(lens, page, gen, spare_entries=2, extra_blocks=3):
@@ -371,6 +392,23 @@ for _page in (16, 64):  # the producer-warpgroup kernel over the main shape clas
     for _name, _lens in {**_S, **_B3}.items():
         GPU_CASES[f"producer_{_name}_H128_p{_page}_auto"] = (
             lambda lens=_lens, page=_page: check_gluon_decode(lens, 128, page, cfg=_PRODUCER))
+# the seesaw schedule (attention/gluon_seesaw.py): 64-row tiles in pairs, odd tile counts, empty
+# splits, both page sizes, many splits, multi-token queries with positions under DCP
+_SEESAW = gd.SEESAW
+for _page in (16, 64):
+    GPU_CASES[f"seesaw_B128_mixed_H128_p{_page}_splits3"] = (
+        lambda page=_page: check_gluon_decode(_B128, 128, page, num_splits=3, cfg=_SEESAW))
+    for _name, _lens in {**_S, **_B3}.items():
+        GPU_CASES[f"seesaw_{_name}_H128_p{_page}_auto"] = (
+            lambda lens=_lens, page=_page: check_gluon_decode(lens, 128, page, cfg=_SEESAW))
+GPU_CASES["seesaw_S1000_H64_p16_splits5"] = lambda: check_gluon_decode([1000], 64, 16, num_splits=5, cfg=_SEESAW)
+GPU_CASES["seesaw_B1_S4096_H128_p64_splits64"] = (
+    lambda: check_gluon_decode([4096], 128, 64, num_splits=64, cfg=_SEESAW))
+GPU_CASES["seesaw_qlen2_H64_pos"] = (
+    lambda: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, cfg=_SEESAW))
+GPU_CASES["seesaw_qlen2_H64_dcp2_rank1"] = (
+    lambda: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, dcp=(2, 1), num_splits=4,
+                               cfg=_SEESAW))
 GPU_CASES["producer_qlen2_H64_dcp2_rank1"] = (
     lambda: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, dcp=(2, 1), num_splits=4,
                                cfg=_PRODUCER))
