@@ -219,10 +219,7 @@ if _ERROR is None:
                 mbarrier.wait(bar_m.index(1), phase)  # WG1's m1, a1, and P1 in rp[1]
                 m_i = m_x1.load(row_l)
                 a1 = a_x1.load(row_l)
-                # P0 at m1 for WG1's V0_R, from the bf16 operand (fp32 p is dead by now: 32
-                # registers fewer while PV runs, at the cost of rounding P0 twice)
-                a1_p = a_x1.load(gl.SliceLayout(1, p_layout))
-                rp.index(0).store((p_op.to(gl.float32) * a1_p[:, None]).to(gl.bfloat16))
+                rp.index(0).store((p * a1[:, None]).to(gl.bfloat16))  # P0 at m1, for WG1's V0_R
                 fence_async_shared()
                 gl.thread_barrier()
                 mbarrier.arrive(bar_p.index(0), count=1)
@@ -242,7 +239,8 @@ if _ERROR is None:
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
                 a1 = gl.exp2(m0 - m_use)
                 p = gl.exp2(s - m_use[:, None])
-                rp.index(1).store(p.to(gl.bfloat16))  # P1 for WG0's V1_L (this tile's QK^T is done)
+                gl.thread_barrier()  # every warp's QK^T has read the rope rows that P1 overwrites
+                rp.index(1).store(p.to(gl.bfloat16))  # P1 for WG0's V1_L
                 fence_async_shared()
                 m_x1.store(m_new)
                 a_x1.store(a1)
