@@ -35,7 +35,8 @@ def make_attention_ops(plan: KernelPlan) -> AttentionOps:
     if plan.attention == TRITON:
         from attention.triton_backend import TritonAttentionOps  # triton: CUDA installs only
         return TritonAttentionOps(wgmma_min_heads=plan.decode_wgmma_min_heads, qk_fp8=plan.decode_qk_fp8,
-                                  wgmma_producer=plan.decode_wgmma_producer, fp8_wgmma=plan.decode_fp8_wgmma,
+                                  wgmma_producer=plan.decode_wgmma_producer, wgmma_seesaw=plan.decode_wgmma_seesaw,
+                                  fp8_wgmma=plan.decode_fp8_wgmma,
                                   fp8_wgmma_min_rows=plan.decode_fp8_wgmma_min_rows)
     return TorchAttentionOps(qk_fp8=plan.decode_qk_fp8)
 

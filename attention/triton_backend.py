@@ -11,7 +11,7 @@ import triton
 
 from attention import gluon_decode, gluon_decode_fp8  # Gluon (Triton's Hopper dialect): importable without it
 from attention.backend import check_prefill_out
-from attention.gluon_decode_plan import GluonDecodeConfig
+from attention.gluon_decode_plan import SEESAW, GluonDecodeConfig
 from attention.kv_quant import FP8_DTYPE
 from attention.triton_cache import gather_context, write_kv
 from attention.triton_decode import DecodeConfig, mla_decode
@@ -43,13 +43,16 @@ def _wgmma_decode(min_heads: int, *args, **kw):
     """The Gluon wgmma decode; its refusals (cache dtype, widths, heads, GPU) name the plan
     setting that sent the call there and the one that avoids it, and any failure (a compile
     error among them) is charged to that setting in the kernel plan's message; with the producer
-    warpgroup (decode_wgmma_producer=1) to that one, whose 0 avoids the variant."""
-    producer = kw.get("cfg") is not None and kw["cfg"].producer
-    key = "decode_wgmma_producer" if producer else "decode_wgmma_min_heads"
+    warpgroup (decode_wgmma_producer=1) or the seesaw schedule (decode_wgmma_seesaw=1) to that
+    setting, whose 0 avoids the variant."""
+    cfg = kw.get("cfg")
+    variant = None if cfg is None else ("decode_wgmma_seesaw" if cfg.seesaw else
+                                        "decode_wgmma_producer" if cfg.producer else None)
+    key = variant or "decode_wgmma_min_heads"
     try:
         return gluon_decode.mla_decode_wgmma(*args, **kw)
     except (ValueError, RuntimeError) as e:
-        avoid = ("decode_wgmma_producer=0 runs the kernel without it, " if producer else "")
+        avoid = f"{variant}=0 runs the kernel without it, " if variant else ""
         err = type(e)(f"{e} (--kernels ...,decode_wgmma_min_heads={min_heads} sent this decode of "
                       f"{args[0].shape[1]} heads there; {avoid}decode_wgmma_min_heads=0 avoids it)")
         err.plan_key = key
@@ -79,7 +82,8 @@ class TritonAttentionOps:
     `wgmma_min_heads` (the plan's decode_wgmma_min_heads): decodes of at least this many query
     heads run on the Gluon wgmma kernel (attention/gluon_decode.py); 0: never. `qk_fp8` (the plan's
     decode_qk_fp8): over an FP8 cache the decode's QK^T runs on e4m3 operands (DecodeConfig.qk_fp8).
-    `wgmma_producer` (the plan's decode_wgmma_producer): the Gluon decode with its producer warpgroup.
+    `wgmma_producer` (the plan's decode_wgmma_producer): the Gluon decode with its producer warpgroup;
+    `wgmma_seesaw` (decode_wgmma_seesaw): its seesaw schedule (attention/gluon_seesaw.py).
     `fp8_wgmma` (the plan's decode_fp8_wgmma): decodes over an FP8 cache of at least
     `fp8_wgmma_min_rows` query rows (decode_fp8_wgmma_min_rows; tokens x heads) run on the Gluon e4m3
     kernel (attention/gluon_decode_fp8.py), smaller ones on the Triton kernel."""
@@ -89,11 +93,13 @@ class TritonAttentionOps:
     def __init__(self, decode_config: DecodeConfig | None = None,
                  prefill_config: PrefillConfig | None = None, kv_scale: float = 1.0, wgmma_min_heads: int = 0,
                  qk_fp8: bool = False, wgmma_producer: bool = False, fp8_wgmma: bool = False,
-                 fp8_wgmma_min_rows: int = 0):
+                 fp8_wgmma_min_rows: int = 0, wgmma_seesaw: bool = False):
         self.kv_scale = kv_scale
         self.fp8_wgmma = fp8_wgmma
         self.fp8_wgmma_min_rows = fp8_wgmma_min_rows
-        self.wgmma_cfg = GluonDecodeConfig(producer=True) if wgmma_producer else None
+        if wgmma_producer and wgmma_seesaw:
+            raise ValueError("wgmma_producer and wgmma_seesaw are two schedules of the Gluon decode: set one")
+        self.wgmma_cfg = SEESAW if wgmma_seesaw else GluonDecodeConfig(producer=True) if wgmma_producer else None
         self.qk_fp8 = qk_fp8
         self.decode_config = decode_config
         self.wgmma_min_heads = wgmma_min_heads

@@ -171,6 +171,10 @@ CHOICES: tuple[Choice, ...] = (
            "issues every copy (GluonDecodeConfig.producer, attention/gluon_copies.py); opt-in: on the H200 at 128 "
            "heads, S 4096, B 8 / 32 / 128: 36.6 / 104.3 / 377.2 us against 38.9 / 111.8 / 396.8 (S 16k, B 128: "
            "1,529 against 1,501)", ("attention.gluon_copies",), triton=False, torch=False),
+    Choice("decode_wgmma_seesaw", (bool,), "with decode_wgmma_min_heads, the Gluon decode's seesaw schedule "
+           "(attention/gluon_seesaw.py): 64-row cache tiles in pairs, each warpgroup the QK^T and softmax of one "
+           "tile of the pair and half of O over both, a third warpgroup issuing the copies; opt-in (RESULTS.md)",
+           ("attention.gluon_seesaw",), triton=False, torch=False),
     Choice("decode_fp8_wgmma", (bool,), "with --kv-cache-dtype fp8, the MLA decode on the Gluon e4m3-wgmma kernel "
            "(attention/gluon_decode_fp8.py: sm_90, bf16 model, kv_lora_rank 512, rope 64, a multiple of 16 heads "
            "per rank up to 128, --block-size 16 or 64, Triton 3.6): the cache's bytes are the products' operands, "
@@ -252,6 +256,7 @@ class KernelPlan:
     fp8_gemm_splitk_serial: bool = False
     decode_wgmma_min_heads: int = 0
     decode_wgmma_producer: bool = False
+    decode_wgmma_seesaw: bool = False
     decode_fp8_wgmma: bool = False
     decode_fp8_wgmma_min_rows: int = 0
     decode_fuse_q_kv: bool = False

@@ -135,10 +135,14 @@ class Worker:
                                  f"launch needs an sm_90+ GPU (Hopper or newer), not {self.device}; leave {key} at 0")
         use_pdl(self.plan.pdl)
         use_fast_launch(self.plan.launch == "fast")
-        if self.plan.decode_wgmma_producer and not self.plan.decode_wgmma_min_heads:
-            raise ValueError("--kernels ...,decode_wgmma_producer=1 configures the Gluon decode, which this plan does "
-                             "not use (decode_wgmma_min_heads=0): set decode_wgmma_min_heads, or leave "
-                             "decode_wgmma_producer at 0")
+        for key in ("decode_wgmma_producer", "decode_wgmma_seesaw"):
+            if getattr(self.plan, key) and not self.plan.decode_wgmma_min_heads:
+                raise ValueError(f"--kernels ...,{key}=1 configures the Gluon decode, which this plan does "
+                                 "not use (decode_wgmma_min_heads=0): set decode_wgmma_min_heads, or leave "
+                                 f"{key} at 0")
+        if self.plan.decode_wgmma_producer and self.plan.decode_wgmma_seesaw:
+            raise ValueError("--kernels ...,decode_wgmma_producer=1,decode_wgmma_seesaw=1: two schedules of the "
+                             "Gluon decode (the seesaw one has its own copy warpgroup); set one of them")
         if self.plan.decode_fp8_wgmma:
             problem = fp8_wgmma_problem(cfg, self.device, self.dtype, self.cache_dtype, args.block_size)
             if problem is None and self.plan.attention != TRITON:

@@ -157,6 +157,50 @@ def test_producer_failure_names_its_plan_setting(monkeypatch):
     assert info.value.plan_key == "decode_wgmma_producer"
 
 
+def test_plan_setting_selects_the_seesaw_schedule(monkeypatch, tmp_path):
+    """`--kernels ...,decode_wgmma_seesaw=1` reaches mla_decode_wgmma as gluon_decode_plan.SEESAW;
+    refused without the Gluon decode and together with the producer variant; a failure names
+    decode_wgmma_seesaw=0 and is charged to that key."""
+    from attention.mla import make_attention_ops
+    from attention.triton_backend import TritonAttentionOps
+    from common.kernel_plan import KernelPlan, parse_kernels
+    assert parse_kernels("triton,decode_wgmma_seesaw=1")[1] == {"decode_wgmma_seesaw": True}
+    seen = []
+    monkeypatch.setattr(gd, "mla_decode_wgmma",
+                        lambda q, *a, cfg=None, **kw: (seen.append(cfg), torch.zeros(q.shape[0], q.shape[1], LKV),
+                                                       torch.zeros(q.shape[0], q.shape[1]))[1:])
+    make_attention_ops(KernelPlan(attention="triton", decode_wgmma_min_heads=64,
+                                  decode_wgmma_seesaw=True)).decode(*_args(H=128), 0.1, LKV)
+    assert seen == [gd.SEESAW] and gd.SEESAW.seesaw and gd.SEESAW.block_n == 64
+    with pytest.raises(ValueError, match="set one"):
+        TritonAttentionOps(wgmma_min_heads=64, wgmma_producer=True, wgmma_seesaw=True)
+    from tiny_models import make_model
+
+    from engine import LLM
+    make_model(tmp_path, "v3", qk_rope_head_dim=16)
+    with pytest.raises(ValueError, match=r"decode_wgmma_seesaw=1 .*decode_wgmma_min_heads"):
+        LLM(str(tmp_path), device="cpu", dtype="float32", kernels="torch,decode_wgmma_seesaw=1", num_kv_blocks=64)
+
+    def fail(*a, **k):
+        raise RuntimeError("compile failed")
+    monkeypatch.setattr(gd, "mla_decode_wgmma", fail)
+    ops = TritonAttentionOps(wgmma_min_heads=64, wgmma_seesaw=True)
+    with pytest.raises(RuntimeError, match=r"compile failed.*decode_wgmma_seesaw=0 runs the kernel without it") as info:
+        ops.decode(*_args(H=64), 0.1, LKV)
+    assert info.value.plan_key == "decode_wgmma_seesaw"
+
+
+def test_seesaw_config_checks():
+    """The seesaw schedule takes SEESAW's tile shape only, and its plan fits the shared memory."""
+    import dataclasses
+    q, cache, bt, lens = _args(H=128)
+    for bad in (dict(block_n=32), dict(num_stages=3), dict(producer=True), dict(lazy_rescale=True)):
+        with pytest.raises(ValueError, match="seesaw"):
+            validate_inputs(q, cache, bt, lens, LKV, 1, None, dataclasses.replace(gd.SEESAW, **bad))
+    validate_inputs(q, cache, bt, lens, LKV, 1, None, gd.SEESAW)
+    assert gd.SEESAW.smem_bytes() == 3 * 64 * 576 * 2 + 3 * 2 * 64 * 4 + 14 * 8 <= gd.SMEM_LIMIT
+
+
 def test_gluon_decode_refusal_names_the_plan_setting(monkeypatch):
     """A decode the plan sends to the Gluon kernel and that it cannot run (here: an FP8 cache, then
     the CPU) raises naming decode_wgmma_min_heads and the value that avoids it."""

@@ -155,10 +155,10 @@ def _assert_same_greedy(run, ref, near_tie=NEAR_TIE) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon wgmma decode needs sm_90")
-@pytest.mark.parametrize("producer", [0, 1])
-def test_gluon_decode_in_the_engine(tmp_path, producer):
+@pytest.mark.parametrize("variant", ["", "decode_wgmma_producer=1", "decode_wgmma_seesaw=1"])
+def test_gluon_decode_in_the_engine(tmp_path, variant):
     """`--kernels auto,decode_wgmma_min_heads=64` (the default here; with decode_wgmma_producer=1 the
-    kernel's producer-warpgroup variant) on a tiny V3 with the Gluon
+    kernel's producer-warpgroup variant, with decode_wgmma_seesaw=1 its seesaw schedule) on a tiny V3 with the Gluon
     kernel's widths (64 heads, kv_lora_rank 512, rope 64), bf16: CUDA graphs agree with eager
     (`_assert_same_greedy`) with every decode on the Gluon kernel, and the generated tokens' log-probabilities as close to the fp32
     reference as the Triton decode's in bf16 (decode_wgmma_min_heads=0; mean error at most 1.25x;
@@ -166,12 +166,12 @@ def test_gluon_decode_in_the_engine(tmp_path, producer):
     from tiny_models import make_model
     make_model(tmp_path, "v3", num_attention_heads=64, kv_lora_rank=512, qk_rope_head_dim=64)
     path, prompts = str(tmp_path), _prompts64()
-    gluon = f"auto,warmup=0,decode_wgmma_min_heads=64,decode_wgmma_producer={producer}"
+    gluon = "auto,warmup=0,decode_wgmma_min_heads=64" + (f",{variant}" if variant else "")
     fast = _decode_logprobs(path, prompts, "bfloat16", kernels=gluon)
     _assert_same_greedy(fast, _decode_logprobs(path, prompts, "bfloat16", kernels=gluon, enforce_eager=True))
     ref = _decode_logprobs(path, prompts, attention_backend="torch", enforce_eager=True)
     triton = _decode_logprobs(path, prompts, "bfloat16", kernels="auto,warmup=0,decode_wgmma_min_heads=0")
-    if not producer:
+    if not variant:
         assert _decode_logprobs(path, prompts, "bfloat16") == fast  # the default plan: the Gluon decode
     e_fast, e_triton = _decode_error(fast, ref), _decode_error(triton, ref)
     print(f"mean |decode logprob - fp32|: gluon bf16 {e_fast:.2e}, triton bf16 {e_triton:.2e}")
