@@ -250,14 +250,16 @@ if _ERROR is None:
                 l_i = l_i * f + gl.sum(p, axis=1)
                 acc = acc * gl.convert_layout(f, orow_l)[:, None]
                 p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-                o_tok = warpgroup_mma(p_op, h_own.index(1), acc, is_async=True)  # P1 V1_R
-                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_op])
-                _release(empty_e.index(1))  # h1 of stage 1
+                # tile 2i's product first: its release lets the producer refill the part of stage 0
+                # that WG0's next QK^T waits for, the one copy on the pair-to-pair critical path
                 mbarrier.wait(bar_p.index(0), phase)  # P0 a1 in rp[0]
                 fence_async_shared()
                 o_tok = warpgroup_mma(rp.index(0), h_own.index(0), acc, is_async=True)  # (P0 a1) V0_R
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
                 _release(empty_l.index(0))  # h1 and the rope / P slot of stage 0
+                o_tok = warpgroup_mma(p_op, h_own.index(1), acc, is_async=True)  # P1 V1_R
+                acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_op])
+                _release(empty_e.index(1))  # h1 of stage 1
                 m_i = m_new
 
         # l = l_0 + l_1 (the same sum in both warpgroups: fp32 addition commutes)
