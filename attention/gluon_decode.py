@@ -413,7 +413,7 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
                        scale, H, num_splits, q_len, dcp_size, dcp_rank)
     if cfg.seesaw:  # attention/gluon_seesaw.py
         _mla_decode_seesaw_kernel[grid](*args, PAGE=page, BLOCK_N=cfg.block_n, DIRECT=direct,
-                                        HAS_POS=q_pos is not None, WORKER_REGS=cfg.worker_regs,
+                                        HAS_POS=q_pos is not None, LAZY=cfg.lazy_rescale, WORKER_REGS=cfg.worker_regs,
                                         PROD_REGS=cfg.producer_regs, num_warps=4)
     else:
         _mla_decode_wgmma_kernel[grid](

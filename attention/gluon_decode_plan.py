@@ -66,9 +66,9 @@ def validate_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.
         raise ValueError(f"q and kv_cache must be bfloat16 (got {q.dtype}, {kv_cache.dtype})")
     check_paged_decode_args(q, kv_cache, block_table, seq_lens, LKV, R, q_len, q_pos, BLOCK_H, aligned=("q", "kv_cache"))
     if cfg.seesaw:
-        if (cfg.block_n, cfg.num_stages, cfg.producer, cfg.lazy_rescale) != (64, 2, False, False):
+        if (cfg.block_n, cfg.num_stages, cfg.producer) != (64, 2, False):
             raise ValueError("GluonDecodeConfig(seesaw=True) runs 64-row tiles in 2 stages with its own "
-                             f"copy warpgroup and no lazy rescale (gluon_decode_plan.SEESAW), got {cfg}")
+                             f"copy warpgroup (gluon_decode_plan.SEESAW), got {cfg}")
     elif cfg.block_n not in (16, 32):
         raise ValueError(f"GluonDecodeConfig.block_n must be 16 or 32, got {cfg.block_n}")
     if cfg.producer and not cfg.q_pe_regs:

@@ -56,12 +56,36 @@ try:  # Gluon is Triton's experimental dialect; gluon_decode.check_gluon_availab
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, mbarrier,
                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from attention.decode_config import LAZY_TAU
     from attention.gluon_copies import _split_bounds
     _ERROR: Exception | None = None
 except Exception as exc:  # noqa: BLE001
     _ERROR = exc
 
 if _ERROR is None:
+    _TAU = gl.constexpr(LAZY_TAU)
+
+    @gluon.jit
+    def _new_max(m_prev, s, LAZY: gl.constexpr):
+        """The running row max after a tile's (masked, log2-domain) scores; with LAZY it moves only
+        where the tile's max passes it by more than LAZY_TAU (so p <= 2^LAZY_TAU), which leaves the
+        rescale factor exactly 1 on most tiles."""
+        m_new = gl.maximum(m_prev, gl.max(s, axis=1))
+        if LAZY:  # from m_prev = -inf any finite max moves it
+            m_new = gl.where(m_new > m_prev + _TAU, m_new, m_prev)
+        return m_new
+
+    @gluon.jit
+    def _rescale(acc, a, orow_l: gl.constexpr, LAZY: gl.constexpr):
+        """acc scaled per row by a; with LAZY skipped (128 multiplies a thread) when every row's
+        factor is exactly 1."""
+        if LAZY:
+            if gl.max((a != 1.0).to(gl.int32), axis=0) > 0:
+                acc = acc * gl.convert_layout(a, orow_l)[:, None]
+        else:
+            acc = acc * gl.convert_layout(a, orow_l)[:, None]
+        return acc
+
     @gluon.jit
     def _load_rows(kv_ptr, bt_row, buf, t0, end, col0, stride_kvb, stride_kvs,
                    PAGE: gl.constexpr, BLOCK_N: gl.constexpr, NCOLS: gl.constexpr, layout: gl.constexpr):
@@ -150,7 +174,8 @@ if _ERROR is None:
                    stride_lb, stride_ls, stride_lh,
                    q_own, q_oth, q_pe, h_own, h_oth, rp, q_full, full_e, full_l, empty_e, empty_l,
                    m_x0, m_x1, a_x0, a_x1, l_own, l_oth, bar_m, bar_p, bar_l,
-                   W: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr, HAS_POS: gl.constexpr):
+                   W: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr, HAS_POS: gl.constexpr,
+                   LAZY: gl.constexpr):
         """Warpgroup W: the QK^T and softmax of tile 2i + W of each pair, O[:, 256 W : 256 W + 256]
         over both tiles (module docstring). q_own / h_own: the latent half W of q and of the
         stages; q_oth / h_oth: the other half."""
@@ -204,7 +229,7 @@ if _ERROR is None:
                 valid = valid & (offs_n[None, :] < visible[:, None])
             s = gl.where(valid, s * qk_scale_log2, float("-inf"))
             if W == 0:
-                m_new = gl.maximum(m_i, gl.max(s, axis=1))
+                m_new = _new_max(m_i, s, LAZY)
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no visible key yet: p = 0
                 a0 = gl.exp2(m_i - m_use)
                 p = gl.exp2(s - m_use[:, None])
@@ -213,7 +238,7 @@ if _ERROR is None:
                 gl.thread_barrier()
                 mbarrier.arrive(bar_m.index(0), count=1)
                 l_i = l_i * a0 + gl.sum(p, axis=1)
-                acc = acc * gl.convert_layout(a0, orow_l)[:, None]
+                acc = _rescale(acc, a0, orow_l, LAZY)
                 p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
                 o_tok = warpgroup_mma(p_op, h_own.index(0), acc, is_async=True)  # P0 V0_L
                 mbarrier.wait(bar_m.index(1), phase)  # WG1's m1, a1, and P1 in rp[1]
@@ -226,7 +251,7 @@ if _ERROR is None:
                 acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_op])
                 _release(empty_e.index(0))  # h0 of stage 0
                 l_i = l_i * a1
-                acc = acc * gl.convert_layout(a1, orow_l)[:, None]
+                acc = _rescale(acc, a1, orow_l, LAZY)
                 fence_async_shared()
                 o_tok = warpgroup_mma(rp.index(1), h_own.index(1), acc, is_async=True)  # P1 V1_L
                 acc = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok])
@@ -235,7 +260,7 @@ if _ERROR is None:
                 mbarrier.wait(bar_m.index(0), phase)  # WG0's m0 and a0
                 m0 = m_x0.load(row_l)
                 a0 = a_x0.load(row_l)
-                m_new = gl.maximum(m0, gl.max(s, axis=1))
+                m_new = _new_max(m0, s, LAZY)
                 m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
                 a1 = gl.exp2(m0 - m_use)
                 p = gl.exp2(s - m_use[:, None])
@@ -248,7 +273,7 @@ if _ERROR is None:
                 mbarrier.arrive(bar_m.index(1), count=1)
                 f = a0 * a1
                 l_i = l_i * f + gl.sum(p, axis=1)
-                acc = acc * gl.convert_layout(f, orow_l)[:, None]
+                acc = _rescale(acc, f, orow_l, LAZY)
                 p_op = gl.convert_layout(p.to(gl.bfloat16), p_layout)
                 # tile 2i's product first: its release lets the producer refill the part of stage 0
                 # that WG0's next QK^T waits for, the one copy on the pair-to-pair critical path
@@ -293,7 +318,8 @@ if _ERROR is None:
                                   stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
                                   stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
                                   PAGE: gl.constexpr, BLOCK_N: gl.constexpr, DIRECT: gl.constexpr,
-                                  HAS_POS: gl.constexpr, WORKER_REGS: gl.constexpr, PROD_REGS: gl.constexpr):
+                                  HAS_POS: gl.constexpr, LAZY: gl.constexpr, WORKER_REGS: gl.constexpr,
+                                  PROD_REGS: gl.constexpr):
         BH: gl.constexpr = 64
         HALF: gl.constexpr = 256
         half_l: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BH, HALF], gl.bfloat16)
@@ -339,13 +365,13 @@ if _ERROR is None:
                           stride_lb, stride_ls, stride_lh,
                           q_lat0, q_lat1, q_pe, h0, h1, rp, q_full, full_e, full_l, empty_e, empty_l,
                           m_x0, m_x1, a_x0, a_x1, l_x0, l_x1, bar_m, bar_p, bar_l, 0, BLOCK_N, DIRECT,
-                          HAS_POS)),
+                          HAS_POS, LAZY)),
             (_seesaw_wg, (q_pos_ptr, seq_lens_ptr, block_table_ptr, o_ptr, lse_ptr, qk_scale_log2, H, num_splits,
                           q_len, dcp_size, dcp_rank, stride_btb, stride_ob, stride_os, stride_oh,
                           stride_lb, stride_ls, stride_lh,
                           q_lat1, q_lat0, q_pe, h1, h0, rp, q_full, full_e, full_l, empty_e, empty_l,
                           m_x0, m_x1, a_x0, a_x1, l_x1, l_x0, bar_m, bar_p, bar_l, 1, BLOCK_N, DIRECT,
-                          HAS_POS)),
+                          HAS_POS, LAZY)),
             (_seesaw_producer, (q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, H, num_splits, q_len,
                                 stride_qb, stride_qh, stride_kvb, stride_kvs, stride_btb,
                                 q_lat0, q_lat1, q_pe, h0, h1, rp, q_full, full_e, full_l, empty_e, empty_l,

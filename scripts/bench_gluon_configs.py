@@ -13,6 +13,7 @@ kernel and work, the cache read from L2): how much of the time is the cache's HB
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from bench_mla_decode import decode_inputs, graph_ms  # noqa: E402
 LKV, R = 512, 64
 CONFIGS = {"default": GluonDecodeConfig(), "lazy": GluonDecodeConfig(lazy_rescale=True),
            "producer": GluonDecodeConfig(producer=True),
-           "producer+lazy": GluonDecodeConfig(producer=True, lazy_rescale=True), "seesaw": SEESAW}
+           "producer+lazy": GluonDecodeConfig(producer=True, lazy_rescale=True), "seesaw": SEESAW,
+           "seesaw+lazy": dataclasses.replace(SEESAW, lazy_rescale=True)}
 
 
 def main() -> int:

@@ -71,7 +71,7 @@ def compile_report(page: int = 16, direct: bool = False, has_pos: bool = False,
     if cfg.seesaw:  # attention/gluon_seesaw.py: the same runtime arguments
         fn = gd._mla_decode_seesaw_kernel
         constexprs = dict(PAGE=page, BLOCK_N=cfg.block_n, DIRECT=bool(direct), HAS_POS=bool(has_pos),
-                          WORKER_REGS=cfg.worker_regs, PROD_REGS=cfg.producer_regs)
+                          LAZY=cfg.lazy_rescale, WORKER_REGS=cfg.worker_regs, PROD_REGS=cfg.producer_regs)
     else:
         fn = gd._mla_decode_wgmma_kernel
         constexprs = dict(PAGE=page, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, XBUF=cfg.xbuf,
@@ -176,7 +176,7 @@ def main() -> int:
     if args.seesaw:
         regs = {k: getattr(args, k) for k in ("worker_regs", "producer_regs")
                 if getattr(args, k) != getattr(gd.GluonDecodeConfig, k)}
-        cfg = dataclasses.replace(gd.SEESAW, **regs)
+        cfg = dataclasses.replace(gd.SEESAW, lazy_rescale=bool(args.lazy), **regs)
     print(f"config {cfg}, page {args.page}, direct {bool(args.direct)}, q_pos {bool(args.has_pos)}; "
           f"planned shared memory {cfg.smem_bytes()} bytes")
     rep = compile_report(args.page, bool(args.direct), bool(args.has_pos), cfg)

@@ -10,6 +10,7 @@ reads one into a result shows NaN).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -192,9 +193,8 @@ def test_plan_setting_selects_the_seesaw_schedule(monkeypatch, tmp_path):
 
 def test_seesaw_config_checks():
     """The seesaw schedule takes SEESAW's tile shape only, and its plan fits the shared memory."""
-    import dataclasses
     q, cache, bt, lens = _args(H=128)
-    for bad in (dict(block_n=32), dict(num_stages=3), dict(producer=True), dict(lazy_rescale=True)):
+    for bad in (dict(block_n=32), dict(num_stages=3), dict(producer=True)):
         with pytest.raises(ValueError, match="seesaw"):
             validate_inputs(q, cache, bt, lens, LKV, 1, None, dataclasses.replace(gd.SEESAW, **bad))
     validate_inputs(q, cache, bt, lens, LKV, 1, None, gd.SEESAW)
@@ -312,12 +312,12 @@ def test_compiles_for_sm90_without_spills(page, direct, has_pos, cfg):
 
 
 @pytest.mark.skipif(not _triton_36(), reason="the kernel is written against Triton 3.6's Gluon")
-@pytest.mark.parametrize("page,direct,has_pos", [(16, False, False), (64, True, False), (16, False, True),
-                                                 (32, False, True)])
-def test_seesaw_compiles_for_sm90_without_spills(page, direct, has_pos):
+@pytest.mark.parametrize("page,direct,has_pos,lazy", [(16, False, False, False), (64, True, False, False),
+                                                      (16, False, True, False), (32, False, True, True)])
+def test_seesaw_compiles_for_sm90_without_spills(page, direct, has_pos, lazy):
     """The seesaw kernel (attention/gluon_seesaw.py) at SEESAW's register split: no spills in any
     partition, shared memory within the limit, and the wgmma it is written to issue."""
-    rep = _compile_module().compile_report(page, direct, has_pos, gd.SEESAW)
+    rep = _compile_module().compile_report(page, direct, has_pos, dataclasses.replace(gd.SEESAW, lazy_rescale=lazy))
     assert rep["error"] is None, rep["error"]
     assert rep["spill_bytes"] == 0 and rep["regs"] is not None, rep["ptxas"]
     assert gd.SEESAW.smem_bytes() <= rep["smem"] <= gd.SMEM_LIMIT
@@ -453,6 +453,14 @@ GPU_CASES["seesaw_qlen2_H64_pos"] = (
 GPU_CASES["seesaw_qlen2_H64_dcp2_rank1"] = (
     lambda: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, dcp=(2, 1), num_splits=4,
                                cfg=_SEESAW))
+_SEESAW_LAZY = dataclasses.replace(gd.SEESAW, lazy_rescale=True)
+for _name, _lens in (("B3_0_17_1000", [0, 17, 1000]), ("B1_S4096", [4096])):
+    GPU_CASES[f"seesaw_lazy_{_name}_H128_p16_splits5"] = (
+        lambda lens=_lens: check_gluon_decode(lens, 128, 16, num_splits=5, cfg=_SEESAW_LAZY))
+GPU_CASES["seesaw_lazy_B128_mixed_H128_p64_splits3"] = (
+    lambda: check_gluon_decode(_B128, 128, 64, num_splits=3, cfg=_SEESAW_LAZY))
+GPU_CASES["seesaw_lazy_qlen2_H64_pos"] = (
+    lambda: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, cfg=_SEESAW_LAZY))
 GPU_CASES["producer_qlen2_H64_dcp2_rank1"] = (
     lambda: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, dcp=(2, 1), num_splits=4,
                                cfg=_PRODUCER))
