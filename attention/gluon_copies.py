@@ -1,7 +1,9 @@
 """The copy side of the Gluon many-heads MLA decode (attention/gluon_decode.py): which cache rows
 a tile reads, the cp.async copies of a tile's column half into shared memory, the wait that makes
 them visible to wgmma, and the producer warpgroup of `GluonDecodeConfig.producer`, which issues
-every copy so that the compute warpgroups issue none. Layouts and the cache format are
+every copy so that the compute warpgroups issue none; also the pieces both many-heads kernels
+(gluon_decode.py, gluon_seesaw.py) share: the split bounds, the keys visible to a row under DCP
+and the output stores. Layouts and the cache format are
 gluon_decode's (DESIGN.md §4)."""
 
 from __future__ import annotations
@@ -27,6 +29,41 @@ if _ERROR is None:
         end = gl.minimum(start + per_split, seq_len)
         n_tiles = gl.maximum(gl.cdiv(gl.maximum(end - start, 0), BLOCK_N), 1)
         return seq_len, start, end, n_tiles, block_table_ptr + b.to(gl.int64) * stride_btb
+
+    @gluon.jit
+    def _visible_keys(q_pos_ptr, tok, seq_len, dcp_size, dcp_rank):
+        """Keys of this rank's cache visible to each query row: local_len(p + 1) of its token's
+        position p under DCP (DESIGN.md), at most the sequence's local length."""
+        p1 = gl.load(q_pos_ptr + tok).to(gl.int32) + 1
+        return gl.minimum(p1 // dcp_size + (dcp_rank < p1 % dcp_size).to(gl.int32), seq_len)
+
+    @gluon.jit
+    def _store_outputs(acc, m_i, l_i, o_ptr, lse_ptr, pid_h, b, split, start, seq_len, H, q_len, tok, heads,
+                       stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh,
+                       W: gl.constexpr, DIRECT: gl.constexpr, o_layout: gl.constexpr):
+        """A program's outputs, as both many-heads kernels write them: warpgroup W's 256 columns of o
+        (acc / l; the split's partial, or o itself with DIRECT) and, from warpgroup 0, the lse
+        (natural log; -inf with o 0 for rows without a visible key). A split past the sequence's
+        end stores only its lse, and the reduce skips its rows."""
+        BH: gl.constexpr = 64
+        HALF: gl.constexpr = 256
+        empty = l_i == 0.0
+        lse = gl.where(empty, float("-inf"),
+                       (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
+        inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))
+        o = acc * inv_l[:, None]
+        rows_o = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, o_layout))
+        tok_o = b.to(gl.int64) * q_len + rows_o // H
+        cols_o = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = (o_ptr + tok_o[:, None] * stride_ob + split * stride_os
+                  + (rows_o % H)[:, None] * stride_oh + cols_o[None, :])
+        if DIRECT:
+            gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty))
+        else:
+            if start < seq_len:
+                gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty))
+        if W == 0:
+            gl.store(lse_ptr + tok * stride_lb + split * stride_ls + heads * stride_lh, lse)
 
     @gluon.jit
     def _tile_ids(bt_row, t0, end, PAGE: gl.constexpr, BLOCK_N: gl.constexpr):

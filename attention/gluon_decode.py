@@ -64,8 +64,8 @@ try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its AP
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (async_copy, mbarrier, warpgroup_mma,
                                                                   warpgroup_mma_wait)
-    from attention.gluon_copies import (_load_tile, _producer_partition, _split_bounds, _tile_ids,
-                                       _wait_tile)
+    from attention.gluon_copies import (_load_tile, _producer_partition, _split_bounds, _store_outputs,
+                                       _tile_ids, _visible_keys, _wait_tile)
     from attention.gluon_seesaw import _mla_decode_seesaw_kernel
     _GLUON_ERROR: Exception | None = None
 except Exception as exc:  # noqa: BLE001 - reported by check_gluon_available when the path is used
@@ -194,9 +194,8 @@ if _GLUON_ERROR is None:
         rows = pid_h * BH + gl.arange(0, BH, layout=row_l)  # (query token, head) pairs of b
         tok = b.to(gl.int64) * q_len + rows // H
         heads = rows % H
-        if HAS_POS:  # keys visible to each row: local_len(p + 1) of its token's position p
-            p1 = gl.load(q_pos_ptr + tok).to(gl.int32) + 1
-            visible = gl.minimum(p1 // dcp_size + (dcp_rank < p1 % dcp_size).to(gl.int32), seq_len)
+        if HAS_POS:
+            visible = _visible_keys(q_pos_ptr, tok, seq_len, dcp_size, dcp_rank)
         else:
             visible = rows  # unused
 
@@ -269,24 +268,8 @@ if _GLUON_ERROR is None:
         acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=[o_tok, p_op])
         async_copy.wait_group(0)  # no copy may land after the program ends
 
-        empty = l_i == 0.0  # a split (or sequence) without visible keys: lse -inf, o 0
-        lse = gl.where(empty, float("-inf"),
-                       (m_i + gl.log2(gl.where(empty, 1.0, l_i))) * 0.6931471805599453)
-        inv_l = gl.convert_layout(1.0 / gl.where(empty, 1.0, l_i), gl.SliceLayout(1, o_layout))
-        o = acc * inv_l[:, None]
-        rows_o = pid_h * BH + gl.arange(0, BH, layout=gl.SliceLayout(1, o_layout))
-        tok_o = b.to(gl.int64) * q_len + rows_o // H
-        cols_o = W * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = (o_ptr + tok_o[:, None] * stride_ob + split * stride_os
-                  + (rows_o % H)[:, None] * stride_oh + cols_o[None, :])
-        # a split past the sequence's end stores only its lse (-inf): the reduce skips its rows
-        if DIRECT:
-            gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty))
-        else:
-            if start < seq_len:
-                gl.store(o_ptrs, o.to(o_ptr.dtype.element_ty))
-        if W == 0:
-            gl.store(lse_ptr + tok * stride_lb + split * stride_ls + heads * stride_lh, lse)
+        _store_outputs(acc, m_i, l_i, o_ptr, lse_ptr, pid_h, b, split, start, seq_len, H, q_len, tok, heads,
+                       stride_ob, stride_os, stride_oh, stride_lb, stride_ls, stride_lh, W, DIRECT, o_layout)
 
     @gluon.jit(do_not_specialize=["num_splits", "stride_btb"])
     def _mla_decode_wgmma_kernel(q_ptr, kv_ptr, block_table_ptr, seq_lens_ptr, q_pos_ptr, o_ptr,
