@@ -448,6 +448,8 @@ for _page in (16, 64):
 GPU_CASES["seesaw_S1000_H64_p16_splits5"] = lambda: check_gluon_decode([1000], 64, 16, num_splits=5, cfg=_SEESAW)
 GPU_CASES["seesaw_B1_S4096_H128_p64_splits64"] = (
     lambda: check_gluon_decode([4096], 128, 64, num_splits=64, cfg=_SEESAW))
+GPU_CASES["seesaw_qlen2_H32_pos"] = (  # a 64-row tile spans two query tokens
+    lambda: check_gluon_decode([1000, 17, 3], 32, 16, q_len=2, with_pos=True, cfg=_SEESAW))
 GPU_CASES["seesaw_qlen2_H64_pos"] = (
     lambda: check_gluon_decode([1000, 17, 3], 64, 16, q_len=2, with_pos=True, cfg=_SEESAW))
 GPU_CASES["seesaw_qlen2_H64_dcp2_rank1"] = (
