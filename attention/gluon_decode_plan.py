@@ -50,7 +50,8 @@ class GluonDecodeConfig:
 SMEM_LIMIT = 227 * 1024  # Hopper's opt-in shared memory per block
 # the seesaw schedule's one shape: 64-row tiles in two stages, a producer warpgroup at 56 registers,
 # the second compute warpgroup at 224 (the first gets the rest; the split that compiles without spills);
-# splits of at least one pair of tiles (the kernel rounds split boundaries to 128 rows)
+# splits of at least one pair of tiles (the kernel rounds split boundaries to 128 rows); xbuf and
+# q_pe_regs do not apply (no score exchange; q whole in shared memory), lazy_rescale does
 SEESAW = GluonDecodeConfig(block_n=64, num_stages=2, seesaw=True, worker_regs=224, producer_regs=56,
                            min_split_tokens=128)
 
