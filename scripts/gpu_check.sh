@@ -197,7 +197,8 @@ for spec in $steps; do
               timeout $((T / 3)) python3 -m pytest tests/test_gluon_decode.py tests/test_gpu_engine.py -m gpu -q \
                 -p no:cacheprovider -rfE -k "seesaw"
               timeout $((T / 3)) python3 scripts/bench_gluon_configs.py \
-                --configs default,producer+lazy,seesaw,seesaw+lazy --shapes ${SEESAW_SHAPES:-128x4096,128x16384,32x4096,8x4096}; } > "$log" 2>&1 ;;
+                --configs default,producer+lazy,seesaw,seesaw+lazy \
+                --shapes ${SEESAW_SHAPES:-128x4096,128x16384,32x4096,8x4096}; } > "$log" 2>&1 ;;
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
     latency_sync) timeout "$T" python3 scripts/bench_latency.py --no-async-scheduling ${LATENCY_ARGS:-} \
           --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;
