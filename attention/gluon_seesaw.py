@@ -27,7 +27,7 @@ it. With m the running row max before the pair (held by both warpgroups), per pa
 layout and these loads.) While WG0 runs its softmax, WG1's QK^T runs, and the other way round,
 so the tensor cores stay fed from two warpgroups that each wait only for the other's row max.
 
-Shared memory (223 KB of the 227): q whole (the latent part as two [64, 256] halves, the rope
+Shared memory (218 KiB of the 227): q whole (the latent part as two [64, 256] halves, the rope
 part [64, 64]: 72 KB) and two tile stages of 72 KB, stage s holding tile 2i + s as halves h0
 (columns 0-255), h1 (256-511) and rope (512-575). P_s travels through stage s's rope slot: the
 rope is read only by tile s's own QK^T, which has finished when P_s is written, and no third
@@ -46,7 +46,8 @@ rewrite of pair i+1's value depends, through the barriers above, on a step the r
 its read of pair i's.
 
 Rows of the last pair past the split's end are masked to -inf before the softmax (P = 0 exactly),
-so an odd tile count costs one masked QK^T and no special case.
+so an odd tile count costs one masked QK^T and no special case. With `lazy_rescale` the max moves
+only by more than 2^LAZY_TAU and a warpgroup skips each rescale of O whose factors are all 1.
 """
 
 from __future__ import annotations
