@@ -192,9 +192,9 @@ for spec in $steps; do
                --decode-shapes 1x4096,8x4096,32x1024,32x4096,128x1024,128x4096,128x16384 --cache-dtypes bf16 \
                --out "$OUT/gluon_decode.json"; } > "$log" 2>&1 ;;
     seesaw) { timeout $((T / 10)) python3 scripts/compile_sm90.py --seesaw 1 --page 64
-              timeout $((T / 6)) python3 -m pytest tests/test_gluon_decode.py -m gpu -x -q -p no:cacheprovider \
+              timeout $((T / 6)) python3 -m pytest tests/test_gluon_seesaw.py -m gpu -x -q -p no:cacheprovider \
                 -k "seesaw_S17_H128_p16_auto" && \
-              timeout $((T / 3)) python3 -m pytest tests/test_gluon_decode.py tests/test_gpu_engine.py -m gpu -q \
+              timeout $((T / 3)) python3 -m pytest tests/test_gluon_seesaw.py tests/test_gpu_engine.py -m gpu -q \
                 -p no:cacheprovider -rfE -k "seesaw"
               timeout $((T / 3)) python3 scripts/bench_gluon_configs.py \
                 --configs default,producer+lazy,seesaw,seesaw+lazy \
