@@ -159,23 +159,22 @@ def main() -> int:
     ap.add_argument("--block-n", type=int, default=gd.GluonDecodeConfig.block_n)
     ap.add_argument("--stages", type=int, default=gd.GluonDecodeConfig.num_stages)
     ap.add_argument("--xbuf", type=int, default=gd.GluonDecodeConfig.xbuf)
-    ap.add_argument("--worker-regs", type=int, default=gd.GluonDecodeConfig.worker_regs)
+    ap.add_argument("--worker-regs", type=int, help="default: the config's own")
     ap.add_argument("--q-pe-regs", type=int, default=int(gd.GluonDecodeConfig.q_pe_regs))
     ap.add_argument("--lazy", type=int, default=int(gd.GluonDecodeConfig.lazy_rescale))
     ap.add_argument("--producer", type=int, default=int(gd.GluonDecodeConfig.producer))
-    ap.add_argument("--producer-regs", type=int, default=gd.GluonDecodeConfig.producer_regs)
+    ap.add_argument("--producer-regs", type=int, help="default: the config's own")
     ap.add_argument("--dump", help="directory to write the ttgir / llir / ptx / sass into")
     ap.add_argument("--seesaw", type=int, default=0, help="1: the seesaw kernel (gluon_decode_plan.SEESAW; "
                     "the tile options above are ignored, --worker-regs / --producer-regs kept if given)")
     args = ap.parse_args()
     print(f"triton {triton.__version__} ({triton.__file__})")
+    # Register budgets given on the command line override the chosen config's; the others keep its own.
+    regs = {k: getattr(args, k) for k in ("worker_regs", "producer_regs") if getattr(args, k) is not None}
     cfg = gd.GluonDecodeConfig(block_n=args.block_n, num_stages=args.stages, xbuf=args.xbuf,
-                               worker_regs=args.worker_regs, q_pe_regs=bool(args.q_pe_regs),
-                               lazy_rescale=bool(args.lazy), producer=bool(args.producer),
-                               producer_regs=args.producer_regs)
+                               q_pe_regs=bool(args.q_pe_regs), lazy_rescale=bool(args.lazy),
+                               producer=bool(args.producer), **regs)
     if args.seesaw:
-        regs = {k: getattr(args, k) for k in ("worker_regs", "producer_regs")
-                if getattr(args, k) != getattr(gd.GluonDecodeConfig, k)}
         cfg = dataclasses.replace(gd.SEESAW, lazy_rescale=bool(args.lazy), **regs)
     print(f"config {cfg}, page {args.page}, direct {bool(args.direct)}, q_pos {bool(args.has_pos)}; "
           f"planned shared memory {cfg.smem_bytes()} bytes")
