@@ -26,31 +26,18 @@ from common.triton_launch import fast_launch
 @triton.jit
 def absorb_q_tile(h, lb, t0, qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h,
                   s_w_p, s_cs_t, H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
-                  BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, RT: tl.constexpr,
+                  BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
                   IEEE: tl.constexpr, ROPE: tl.constexpr):
-    """Head h, latent columns lb*BL.., rows t0..t0+RT-1 of q = [q_nope @ W_UK ‖ rope(q_pe)] (the
-    rope part by the lb == 0 tile): the W_UK tile is loaded once and the rows taken BT at a time
-    (RT a multiple of BT; the chunks are unrolled, so their loads can be issued ahead)."""
-    offs_p = tl.arange(0, BP)
-    offs_l = lb * BL + tl.arange(0, BL)
-    w = tl.load(w_ptr + h * s_w_h + offs_p[:, None] * s_w_p + offs_l[None, :],
-                mask=(offs_p[:, None] < P) & (offs_l[None, :] < L), other=0.0)  # [BP, BL]
-    for c in tl.static_range(0, RT, BT):
-        if t0 + c < T:
-            _absorb_q_rows(h, lb, t0 + c, w, offs_l, qn_ptr, qp_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t,
-                           s_qp_h, s_cs_t, H, P, L, R, BP, BR, BT, IEEE, ROPE)
-
-
-@triton.jit
-def _absorb_q_rows(h, lb, t0, w, offs_l, qn_ptr, qp_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_cs_t,
-                   H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr, BP: tl.constexpr,
-                   BR: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr, ROPE: tl.constexpr):
-    """Rows t0..t0+BT-1 of head h against the loaded W_UK tile w [BP, BL] (columns offs_l)."""
+    """Head h, latent columns lb*BL.., rows t0..t0+BT-1 of q = [q_nope @ W_UK ‖ rope(q_pe)] (the
+    rope part by the lb == 0 tile)."""
     offs_t = t0 + tl.arange(0, BT)
     offs_p = tl.arange(0, BP)
+    offs_l = lb * BL + tl.arange(0, BL)
     mt = offs_t < T
     x = tl.load(qn_ptr + offs_t[:, None] * s_qn_t + h * s_qn_h + offs_p[None, :],
                 mask=mt[:, None] & (offs_p[None, :] < P), other=0.0)  # [BT, BP]
+    w = tl.load(w_ptr + h * s_w_h + offs_p[:, None] * s_w_p + offs_l[None, :],
+                mask=(offs_p[:, None] < P) & (offs_l[None, :] < L), other=0.0)  # [BP, BL]
     if IEEE:
         acc = tl.dot(x, w, input_precision="ieee")
     else:
@@ -82,11 +69,11 @@ def _absorb_q_rows(h, lb, t0, w, offs_l, qn_ptr, qp_ptr, q_ptr, cs_ptr, T, s_qn_
 @triton.jit(do_not_specialize=["T"])
 def _absorb_q_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t,
                      H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
-                     BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr, RT: tl.constexpr,
+                     BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
                      IEEE: tl.constexpr, ROPE: tl.constexpr, PDL: tl.constexpr):
     pdl_prologue(PDL)
-    absorb_q_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) * RT, qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr,
-                  T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t, H, P, L, R, BP, BL, BR, BT, RT, IEEE, ROPE)
+    absorb_q_tile(tl.program_id(0), tl.program_id(1), tl.program_id(2) * BT, qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr,
+                  T, s_qn_t, s_qn_h, s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t, H, P, L, R, BP, BL, BR, BT, IEEE, ROPE)
 
 
 @fast_launch
@@ -96,8 +83,7 @@ def _absorb_q_kv_finish_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, 
                                s_cb, s_cs, N_ABS, NL,
                                H: tl.constexpr, P: tl.constexpr, L: tl.constexpr, R: tl.constexpr,
                                BP: tl.constexpr, BL: tl.constexpr, BR: tl.constexpr, BT: tl.constexpr,
-                               RT: tl.constexpr, IEEE: tl.constexpr, PAGE: tl.constexpr, LKV: tl.constexpr,
-                               RK: tl.constexpr,
+                               IEEE: tl.constexpr, PAGE: tl.constexpr, LKV: tl.constexpr, RK: tl.constexpr,
                                BLOCK_L: tl.constexpr, BLOCK_H: tl.constexpr, IS_FP8: tl.constexpr,
                                PDL: tl.constexpr):
     """absorb_q (q_pe rotated) and kv_finish's cache rows as one launch: programs 0..N_ABS-1 are
@@ -108,8 +94,8 @@ def _absorb_q_kv_finish_kernel(qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, 
     if pid < N_ABS:
         h = pid % H
         rest = pid // H
-        absorb_q_tile(h, rest % NL, (rest // NL) * RT, qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h,
-                      s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t, H, P, L, R, BP, BL, BR, BT, RT, IEEE, True)
+        absorb_q_tile(h, rest % NL, (rest // NL) * BT, qn_ptr, qp_ptr, w_ptr, q_ptr, cs_ptr, T, s_qn_t, s_qn_h,
+                      s_qp_t, s_qp_h, s_w_h, s_w_p, s_cs_t, H, P, L, R, BP, BL, BR, BT, IEEE, True)
     else:
         kv_finish_row((pid - N_ABS).to(tl.int64), kv_ptr, nw_ptr, cs_ptr, kv_ptr, cache_ptr, slot_ptr, eps,
                       inv_scale, s_kv_t, s_cs_t, s_cb, s_cs, PAGE, LKV, RK, BLOCK_L, BLOCK_H, IS_FP8, False)
@@ -284,17 +270,6 @@ def _absorb_q_tiles(T: int) -> dict:
     return dict(BL=32, BT=16, num_warps=2) if T <= 32 else dict(BL=128, BT=16, num_warps=4)
 
 
-def _q_tiles(T: int, L: int, tiles: dict | None) -> dict:
-    """absorb_q's tiles for T rows with `tiles` over them: the latent tile no wider than L needs
-    (tiny models), RT (rows a program takes, BT at a time) BT unless given."""
-    t = _absorb_q_tiles(T) | (tiles or {})
-    t["BL"] = max(16, min(t["BL"], triton.next_power_of_2(L)))
-    t.setdefault("RT", t["BT"])
-    if t["RT"] % t["BT"]:
-        raise ValueError(f"absorb_q tiles {t}: RT must be a multiple of BT")
-    return t
-
-
 def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
              cos_sin: torch.Tensor | None = None, tiles: dict | None = None) -> torch.Tensor:
     """q_nope [T, H, P], q_pe [T, H, R], w_uk [H, P, L] (last dims contiguous) -> q [T, H, L+R].
@@ -311,8 +286,9 @@ def absorb_q(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor,
     q = torch.empty(T, H, L + R, dtype=q_nope.dtype, device=q_nope.device)
     if T == 0:
         return q
-    t = _q_tiles(T, L, tiles)
-    _absorb_q_kernel[(H, triton.cdiv(L, t["BL"]), triton.cdiv(T, t["RT"]))](
+    t = _absorb_q_tiles(T) | (tiles or {})
+    t["BL"] = max(16, min(t["BL"], triton.next_power_of_2(L)))  # a latent narrower than the tile (tiny models)
+    _absorb_q_kernel[(H, triton.cdiv(L, t["BL"]), triton.cdiv(T, t["BT"]))](
         q_nope, q_pe, w_uk, q, q if cos_sin is None else cos_sin, T, q_nope.stride(0), q_nope.stride(1),
         q_pe.stride(0), q_pe.stride(1), w_uk.stride(0), w_uk.stride(1), 0 if cos_sin is None else cos_sin.stride(0),
         H=H, P=P, L=L, R=R, BP=max(16, triton.next_power_of_2(P)), BR=max(2, triton.next_power_of_2(R)),
@@ -339,9 +315,10 @@ def absorb_q_kv_finish(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Ten
     q = torch.empty(T, H, L + R, dtype=q_nope.dtype, device=q_nope.device)
     if T == 0:
         return q
-    t = _q_tiles(T, L, tiles)
+    t = _absorb_q_tiles(T) | (tiles or {})
+    t["BL"] = max(16, min(t["BL"], triton.next_power_of_2(L)))
     nl = triton.cdiv(L, t["BL"])
-    n_abs = H * nl * triton.cdiv(T, t["RT"])
+    n_abs = H * nl * triton.cdiv(T, t["BT"])
     lkv = norm_weight.shape[0]
     rk = kv.shape[1] - lkv
     _absorb_q_kv_finish_kernel[(n_abs + T,)](

@@ -20,10 +20,7 @@ from bench_common import graph_us
 
 from attention.triton_absorb import absorb_o, absorb_q
 
-# RT: rows a program takes, BT at a time, loading its W_UK tile once. One-chunk programs (RT = BT)
-# were swept before (_absorb_q_tiles' docstring); --rt-only 0 sweeps them again too.
-Q_TILES = [dict(BL=bl, BT=bt, RT=bt * k, num_warps=w)
-           for bl, bt, k, w in itertools.product((32, 64, 128), (16, 32, 64), (1, 2, 4, 8), (2, 4)) if bt * k <= 128]
+Q_TILES = [dict(BL=bl, BT=bt, num_warps=w) for bl, bt, w in itertools.product((32, 64, 128), (16, 32, 64), (2, 4))]
 O_TILES = [dict(BL=bl, BV=bv, BT=bt, num_warps=4, num_stages=2)
            for bl, bv, bt in itertools.product((64, 128), (16, 32, 64), (16, 32, 64))]
 
@@ -33,10 +30,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="*", default=[1, 8, 32, 128, 256])
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--copies", type=int, default=48, help="weight copies cycled through (2 MB each at 16 heads)")
-    p.add_argument("--ops", nargs="*", default=["absorb_q", "absorb_o"], choices=["absorb_q", "absorb_o"])
-    p.add_argument("--rt-only", type=int, default=0, help="1: absorb_q's tiles of several chunks a program only")
     a = p.parse_args()
-    q_tiles = [t for t in Q_TILES if t["RT"] > t["BT"] or not a.rt_only]
     dev, dt, H, P, L, R, V = "cuda", torch.bfloat16, a.heads, 128, 512, 64, 128
     w_uk = [torch.randn(H, P + V, L, device=dev, dtype=dt)[:, :P] for _ in range(a.copies)]
     w_uv = [torch.randn(H, P + V, L, device=dev, dtype=dt)[:, P:] for _ in range(a.copies)]
@@ -46,17 +40,15 @@ def main() -> None:
         cs = torch.randn(T, R, device=dev, dtype=torch.float32)
         o_lat = torch.randn(T, H, L, device=dev, dtype=dt)
         for name, tiles, fn, calls, nbytes in (
-                ("absorb_q", q_tiles, lambda w, t: absorb_q(q[..., :P], q[..., P:], w, cs, tiles=t),
+                ("absorb_q", Q_TILES, lambda w, t: absorb_q(q[..., :P], q[..., P:], w, cs, tiles=t),
                  w_uk, H * P * L * 2 + T * H * (P + R + L + R) * 2),
                 ("absorb_o", O_TILES, lambda w, t: absorb_o(o_lat, w, tiles=t), w_uv,
                  H * V * L * 2 + T * H * (L + V) * 2)):
-            if name not in a.ops:
-                continue
             ref = fn(calls[0], None).float()
             base = graph_us(lambda w: fn(w, None), [(w,) for w in calls])
             best, best_t, tried = base, "default", 0
             for t in tiles:
-                if max(t["BT"], t.get("RT", 0)) > max(16, T) * 2:  # tiles of mostly masked rows
+                if t["BT"] > max(16, T) * 2:  # tiles of mostly masked rows
                     continue
                 try:
                     got = fn(calls[0], t).float()

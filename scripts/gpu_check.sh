@@ -25,9 +25,6 @@
 #   seesaw      the seesaw many-heads decode (attention/gluon_seesaw.py): its sm_90 compile report, a
 #               1-case smoke test (a hang shows here), its GPU tests and engine test, then its time next to the default
 #               Gluon config and producer+lazy at 128 heads (bench_gluon_configs.py; `seesaw:420`)
-#   absorb      absorb_q: its GPU tests (rows per program included), then its programs of several row
-#               chunks swept at 8 / 32 / 128 / 256 rows against the default tiles (bench_absorb.py
-#               --ops absorb_q --rt-only 1); 1/3 and 2/3 of the step's timeout (`absorb:200`)
 #   decode      the MLA decode kernel alone: its GPU tests (bf16 and FP8 caches, every DecodeConfig
 #               variant), split counts at 1k contexts (bench_decode_splits.py), then its tiles swept at B=128, S=4k/16k,
 #               16 and 128 heads, bf16 and FP8 (bench_mla_decode.py --decode-only --sweep); the step's
@@ -202,9 +199,6 @@ for spec in $steps; do
               timeout $((T / 3)) python3 scripts/bench_gluon_configs.py \
                 --configs default,producer+lazy,seesaw,seesaw+lazy \
                 --shapes ${SEESAW_SHAPES:-128x4096,128x16384,32x4096,8x4096}; } > "$log" 2>&1 ;;
-    absorb) { timeout $((T / 3)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_triton_absorb.py \
-                -k "absorb_q or absorb_kernels_real"
-              timeout $((T * 2 / 3)) python3 scripts/bench_absorb.py --tokens 8 32 128 256 --ops absorb_q --rt-only 1; } > "$log" 2>&1 ;;
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
     latency_sync) timeout "$T" python3 scripts/bench_latency.py --no-async-scheduling ${LATENCY_ARGS:-} \
           --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;

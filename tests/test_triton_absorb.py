@@ -73,31 +73,6 @@ def check_fused(T, H, P, R, L, page, dtype, device, fp8=False):
     assert torch.equal(got_cache.view(torch.uint8), ref_cache.view(torch.uint8))
 
 
-def check_rows_per_program(T, H, P, R, L, dtype, device, page=16):
-    """absorb_q's and absorb_q_kv_finish's programs taking RT rows BT at a time (one W_UK tile
-    load a program): bit for bit the default tiles' result (the same products per BT rows),
-    T not a multiple of RT included (chunks past T skipped)."""
-    from attention.triton_absorb import absorb_q_kv_finish
-    g = torch.Generator().manual_seed(T * 5 + H)
-    q_nope, q_pe = torch.randn(T, H, P + R, generator=g).to(device, dtype).split([P, R], dim=-1)
-    w_uk = (torch.randn(H, P, L, generator=g) / L ** 0.5).to(device, dtype)
-    cos_sin = torch.randn(T, R, generator=g).to(device)
-    kv = torch.randn(T, L + R, generator=g).to(device, dtype)
-    norm_w = torch.ones(L, device=device, dtype=dtype)
-    slots = torch.arange(T, device=device)
-    for bl, w in ((32, 2), (128, 4)):
-        base = dict(BL=bl, BT=16, num_warps=w)
-        want = absorb_q(q_nope, q_pe, w_uk, cos_sin, tiles=base)
-        for rt in (32, 64):
-            assert torch.equal(absorb_q(q_nope, q_pe, w_uk, cos_sin, tiles=base | dict(RT=rt)), want), (bl, rt)
-            cache = torch.zeros(-(-T // page) + 1, page, L + R, dtype=dtype, device=device)
-            got = absorb_q_kv_finish(q_nope, q_pe, w_uk, cos_sin, kv, norm_w, 1e-6, cache, slots,
-                                     tiles=base | dict(RT=rt))
-            assert torch.equal(got, want), (bl, rt)
-    with pytest.raises(ValueError, match="RT must be a multiple of BT"):
-        absorb_q(q_nope, q_pe, w_uk, cos_sin, tiles=dict(BT=16, RT=24))
-
-
 def check_merged(T, S, H, L, V, dtype, device, tol, po_pad=0):
     """absorb_o_merge against reduce_splits + absorb_o, and against a float64 merge and product.
     Some splits are empty (lse -inf) and their rows hold NaN, as rows the decode never wrote
@@ -175,12 +150,6 @@ def test_absorb_kernels_real_shapes(T, H):
 @pytest.mark.parametrize("fp8", [False, True])
 def test_absorb_q_kv_finish_real_shapes(T, fp8):
     check_fused(T, 16, 128, 64, 512, 64, torch.bfloat16, "cuda", fp8=fp8)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [8, 100, 128])
-def test_absorb_q_rows_per_program_real_shapes(T):
-    check_rows_per_program(T, 16, 128, 64, 512, torch.bfloat16, "cuda")
 
 
 @pytest.mark.gpu

@@ -4,7 +4,7 @@ tests/test_triton_absorb.py."""
 from __future__ import annotations
 
 import torch
-from test_triton_absorb import check, check_fused, check_merged, check_rows_per_program
+from test_triton_absorb import check, check_fused, check_merged
 
 
 def test_absorb_kernels_interpreter():
@@ -35,9 +35,3 @@ def test_absorb_o_merge_interpreter():
     check_merged(20, 3, 2, 64, 32, torch.float32, "cpu", 1e-5)
     check_merged(2, 40, 1, 32, 16, torch.float32, "cpu", 1e-5)
     check_merged(20, 12, 1, 32, 16, torch.float32, "cpu", 1e-5)  # 64-row tiles, chunks of 8 splits
-
-
-def test_absorb_q_rows_per_program_interpreter():
-    """Programs of 32 / 64 rows taken 16 at a time equal the 16-row programs bit for bit (37 rows:
-    the last program's later chunks past T)."""
-    check_rows_per_program(37, 2, 16, 8, 64, torch.float32, "cpu")
