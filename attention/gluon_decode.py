@@ -5,9 +5,11 @@ q `[B*q_len, H, 576]` = `[q_lat (512) ‖ q_pe (64)]`, paged cache `[NB, page, 5
 o = softmax(q·[c ‖ k_pe] * scale) @ c in q's dtype `[T, H, 512]`, lse (natural log) fp32 `[T, H]`;
 splits merged by `triton_decode.reduce_splits`. Scope: bf16 q and cache, q_len * H a
 multiple of 64, the DeepSeek widths 512 + 64, sm_90 only, written against Triton 3.6's Gluon.
-The engine's decodes of 64+ heads per rank run here by default where all of that fits (the kernel
-plan's decode_wgmma_min_heads; attention/gluon_decode_plan.py `engine_fit_problem`);
-`bench_mla_decode.py --impl gluon` times it.
+The engine's decodes of 64+ heads per rank run on the Gluon decode by default where all of that
+fits (the kernel plan's decode_wgmma_min_heads; attention/gluon_decode_plan.py
+`engine_fit_problem`), in the seesaw schedule of attention/gluon_seesaw.py (`SEESAW`, the plan's
+decode_wgmma_seesaw, faster at 32+ sequences); this module's lockstep schedule below runs with
+decode_wgmma_seesaw=0. `bench_mla_decode.py --impl gluon` times it.
 
 Design. One program = 64 query rows (a wgmma's M) x one split of one sequence, two warpgroups
 as two warp-specialised partitions of 4 warps each, both running `_wg_partition` with W = 0 or 1.

@@ -156,11 +156,11 @@ def _assert_same_greedy(run, ref, near_tie=NEAR_TIE) -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the Gluon wgmma decode needs sm_90")
-@pytest.mark.parametrize("variant", ["", "decode_wgmma_producer=1", "decode_wgmma_seesaw=1"])
+@pytest.mark.parametrize("variant", ["", "decode_wgmma_seesaw=0", "decode_wgmma_producer=1"])
 def test_gluon_decode_in_the_engine(tmp_path, variant):
-    """`--kernels auto,decode_wgmma_min_heads=64` (the default here; with decode_wgmma_producer=1 the
-    kernel's producer-warpgroup variant, with decode_wgmma_seesaw=1 its seesaw schedule) on a tiny V3 with the Gluon
-    kernel's widths (64 heads, kv_lora_rank 512, rope 64), bf16: CUDA graphs agree with eager
+    """`--kernels auto,decode_wgmma_min_heads=64` (the default here, in the seesaw schedule; with
+    decode_wgmma_seesaw=0 the lockstep schedule, with decode_wgmma_producer=1 the lockstep
+    schedule's producer-warpgroup variant) on a tiny V3 with the Gluon kernel's widths (64 heads, kv_lora_rank 512, rope 64), bf16: CUDA graphs agree with eager
     (`_assert_same_greedy`) with every decode on the Gluon kernel, and the generated tokens' log-probabilities as close to the fp32
     reference as the Triton decode's in bf16 (decode_wgmma_min_heads=0; mean error at most 1.25x;
     prompt log-probabilities would test the prefill, not the decode)."""

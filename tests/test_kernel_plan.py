@@ -55,6 +55,20 @@ def test_the_gluon_decode_is_the_default_where_it_fits():
     assert _resolve("torch", wgmma_fit=True).decode_wgmma_min_heads == 0
 
 
+def test_the_seesaw_schedule_is_the_gluon_decodes_default():
+    """decode_wgmma_seesaw follows the Gluon decode (default or asked for) unless set, or unless the
+    lockstep schedule's producer variant is asked for; never without the Gluon decode."""
+    assert _resolve("auto", wgmma_fit=True).decode_wgmma_seesaw
+    assert _resolve("auto,decode_wgmma_min_heads=128").decode_wgmma_seesaw
+    assert not _resolve("auto").decode_wgmma_seesaw
+    assert not _resolve("auto,decode_wgmma_min_heads=0", wgmma_fit=True).decode_wgmma_seesaw
+    assert not _resolve("auto,decode_wgmma_seesaw=0", wgmma_fit=True).decode_wgmma_seesaw
+    p = _resolve("auto,decode_wgmma_producer=1", wgmma_fit=True)
+    assert p.decode_wgmma_producer and not p.decode_wgmma_seesaw
+    assert not _resolve("torch", wgmma_fit=True).decode_wgmma_seesaw
+    assert not _resolve("auto", attention="torch", wgmma_fit=True).decode_wgmma_seesaw
+
+
 @pytest.mark.parametrize("spec,match", [
     ("fast", "must start with auto, triton or torch"),
     ("auto,router", "not key=value"),
