@@ -3,7 +3,7 @@ side, in CUDA graphs, on bench_mla_decode's inputs (random bf16 cache, page 64, 
 S; the calls rotate over sets of caches that together exceed L2, so the cache is read from HBM).
 Each config's output is compared with the first config's; a disagreement is printed.
 
-  python3 scripts/bench_gluon_configs.py                       # default, lazy, producer, both, seesaw
+  python3 scripts/bench_gluon_configs.py                       # lockstep, lazy, producer, both, seesaw
   python3 scripts/bench_gluon_configs.py --shapes 128x4096 --hot-l2   # also an L2-resident cache
 
 --hot-l2 adds each config over a block table whose every entry is the same block (the same
@@ -26,7 +26,8 @@ from attention.gluon_decode import SEESAW, GluonDecodeConfig, check_gluon_availa
 from bench_mla_decode import decode_inputs, graph_ms  # noqa: E402
 
 LKV, R = 512, 64
-CONFIGS = {"default": GluonDecodeConfig(), "lazy": GluonDecodeConfig(lazy_rescale=True),
+# "lockstep": GluonDecodeConfig()'s schedule (attention/gluon_decode.py); the engine's default is SEESAW
+CONFIGS = {"lockstep": GluonDecodeConfig(), "lazy": GluonDecodeConfig(lazy_rescale=True),
            "producer": GluonDecodeConfig(producer=True),
            "producer+lazy": GluonDecodeConfig(producer=True, lazy_rescale=True), "seesaw": SEESAW,
            "seesaw+lazy": dataclasses.replace(SEESAW, lazy_rescale=True)}

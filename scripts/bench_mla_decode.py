@@ -170,11 +170,12 @@ def run_decode(rows, sweep: bool, num_sms: int, log, deadline: float, shapes, he
                              if sweep_match is None or re.search(sweep_match, _short(vars(DecodeConfig(**c))))]
                 if impl == "gluon":  # attention/gluon_decode.py, timed after the Triton default
                     if H % 64 == 0 and cname == "bf16":
-                        cfgs.append(GluonDecodeConfig())
-                        if sweep:
-                            cfgs += [GluonDecodeConfig(producer=True), GluonDecodeConfig(lazy_rescale=True),
+                        cfgs.append(SEESAW)  # the engine's Gluon default (the plan's decode_wgmma_seesaw)
+                        if sweep:  # the lockstep schedule and its variants
+                            cfgs += [GluonDecodeConfig(), GluonDecodeConfig(producer=True),
+                                     GluonDecodeConfig(lazy_rescale=True),
                                      GluonDecodeConfig(producer=True, lazy_rescale=True),
-                                     GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False), SEESAW]
+                                     GluonDecodeConfig(num_stages=3, xbuf=2, q_pe_regs=False)]
                     else:
                         log.append(f"decode B={B} S={S} H={H} {cname}: --impl gluon needs H % 64 == 0 "
                                    "and a bf16 cache; Triton only")
@@ -374,8 +375,9 @@ def main():
     ap.add_argument("--sweep-match", default=None, metavar="REGEX",
                     help="--sweep times only the candidates whose tile tag matches (e.g. 'Q$': the qk_fp8 ones)")
     ap.add_argument("--impl", choices=("triton", "gluon"), default="triton",
-                    help="gluon: also time attention/gluon_decode.py (H %% 64 == 0, bf16 cache, sm_90) "
-                         "next to the Triton default")
+                    help="gluon: also time the Gluon decode in the engine's schedule (SEESAW, "
+                         "attention/gluon_seesaw.py; H %% 64 == 0, bf16 cache, sm_90) next to the Triton default, "
+                         "and with --sweep the lockstep schedule's configs (attention/gluon_decode.py)")
     ap.add_argument("--page", type=int, default=64, help="cache rows per page (the engine's --block-size)")
     ap.add_argument("--out", default=None, help="JSON path (default $OUT/bench_mla_decode.json or ./)")
     args = ap.parse_args()
