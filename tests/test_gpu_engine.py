@@ -160,10 +160,11 @@ def _assert_same_greedy(run, ref, near_tie=NEAR_TIE) -> None:
 def test_gluon_decode_in_the_engine(tmp_path, variant):
     """`--kernels auto,decode_wgmma_min_heads=64` (the default here, in the seesaw schedule; with
     decode_wgmma_seesaw=0 the lockstep schedule, with decode_wgmma_producer=1 the lockstep
-    schedule's producer-warpgroup variant) on a tiny V3 with the Gluon kernel's widths (64 heads, kv_lora_rank 512, rope 64), bf16: CUDA graphs agree with eager
-    (`_assert_same_greedy`) with every decode on the Gluon kernel, and the generated tokens' log-probabilities as close to the fp32
-    reference as the Triton decode's in bf16 (decode_wgmma_min_heads=0; mean error at most 1.25x;
-    prompt log-probabilities would test the prefill, not the decode)."""
+    schedule's producer-warpgroup variant) on a tiny V3 with the Gluon kernel's widths (64 heads,
+    kv_lora_rank 512, rope 64), bf16: CUDA graphs agree with eager (`_assert_same_greedy`) with
+    every decode on the Gluon kernel, and the generated tokens' log-probabilities as close to the
+    fp32 reference as the Triton decode's in bf16 (decode_wgmma_min_heads=0; mean error at most
+    1.25x; prompt log-probabilities would test the prefill, not the decode)."""
     from tiny_models import make_model
     make_model(tmp_path, "v3", num_attention_heads=64, kv_lora_rank=512, qk_rope_head_dim=64)
     path, prompts = str(tmp_path), _prompts64()
