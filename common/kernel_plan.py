@@ -26,12 +26,6 @@ TRITON, TORCH = "triton", "torch"
 # On the H200 it beat the Triton decode at every 64- and 128-head shape timed (B 1..128, S 1k..16k:
 # 1.15-1.41x; RESULTS.md)
 WGMMA_MIN_HEADS = 64
-# decode_wgmma_seesaw wherever the Gluon decode runs (and decode_wgmma_producer is not asked for):
-# on an H100 at 128 heads (bench_gluon_configs.py, CUDA graphs) it took B 128 S 4096 from 401.4 us
-# (lockstep) to 302.0 (483.5 TFLOP/s), S 16k 1,500.5 -> 1,152.8, B 32 S 4096 114.2 -> 92.2, B 8
-# S 4096 39.9 -> 39.2; V3 with 4 layers, TPOT at batch 32 / 128: 4.586 / 7.057 ms against
-# 4.618 / 7.143 (RESULTS.md)
-SEESAW_DEFAULT = True
 # decode_fp8_wgmma_min_rows under base triton: 16 tiles of 16 query rows (B 16 at 16 heads, B 2 at
 # 128), where the two FP8 decodes were level on the H200 (16 heads, S 4k: 38.0 us Triton, 39.3
 # Gluon; 128 heads, B 1: 28.2 against 34.1; B 8: 76.4 against 67.7; RESULTS.md)
@@ -422,7 +416,9 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
         values["decode_wgmma_min_heads"] = WGMMA_MIN_HEADS
     if (base == TRITON and values["decode_wgmma_min_heads"] and "decode_wgmma_seesaw" not in over
             and not values["decode_wgmma_producer"]):
-        values["decode_wgmma_seesaw"] = SEESAW_DEFAULT
+        # H100, 128 heads: B 128 S 4096 302.0 us against the lockstep schedule's 401.4, B 32 92.2
+        # against 114.2, B 8 level (RESULTS.md, issue 24)
+        values["decode_wgmma_seesaw"] = True
     if (base == TRITON and fp8_wgmma_fit and values["attention"] == TRITON and "decode_fp8_wgmma" not in over
             and not values["decode_qk_fp8"]):
         values["decode_fp8_wgmma"] = True
