@@ -23,7 +23,8 @@
 #               (decode_wgmma_min_heads=64), then its time next to the Triton kernel's at 64 and
 #               128 heads over B 1..128, S 1k..16k; the step's timeout is shared out (give it `gluon:540`)
 #   seesaw      the seesaw many-heads decode (attention/gluon_seesaw.py): its sm_90 compile report, a
-#               1-case smoke test (a hang shows here), its GPU tests and engine test, then its time next to the
+#               1-case smoke test (a hang shows here), its GPU tests and the engine's Gluon-decode tests (the
+#               first compiles for ~130 s on an H100: half the step's timeout), then its time next to the
 #               lockstep schedule and its producer+lazy variant at 128 heads (bench_gluon_configs.py; `seesaw:420`)
 #   decode      the MLA decode kernel alone: its GPU tests (bf16 and FP8 caches, every DecodeConfig
 #               variant), split counts at 1k contexts (bench_decode_splits.py), then its tiles swept at B=128, S=4k/16k,
@@ -194,9 +195,10 @@ for spec in $steps; do
     seesaw) { timeout $((T / 10)) python3 scripts/compile_sm90.py --seesaw 1 --page 64
               timeout $((T / 6)) python3 -m pytest tests/test_gluon_seesaw.py -m gpu -x -q -p no:cacheprovider \
                 -k "seesaw_S17_H128_p16_auto" && \
-              timeout $((T / 3)) python3 -m pytest tests/test_gluon_seesaw.py tests/test_gpu_engine.py -m gpu -q \
-                -p no:cacheprovider -rfE -k "seesaw"
-              timeout $((T / 3)) python3 scripts/bench_gluon_configs.py \
+              timeout $((T / 2)) python3 -m pytest tests/test_gluon_seesaw.py tests/test_gpu_engine.py -m gpu -q \
+                -p no:cacheprovider -rfE --durations=5 \
+                -k "seesaw or gluon_decode_in_the_engine or gluon_decode_with_mtp"
+              timeout $((T / 4)) python3 scripts/bench_gluon_configs.py \
                 --configs seesaw,lockstep,producer+lazy,seesaw+lazy \
                 --shapes ${SEESAW_SHAPES:-128x4096,128x16384,32x4096,8x4096}; } > "$log" 2>&1 ;;
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
