@@ -55,6 +55,9 @@ class EngineArgs:
     skip_tokenizer_init: bool = False  # no tokenizer: token-id prompts in, token ids out (no text)
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1
+    # vLLM's --enable-expert-parallel: the MoE layers' routed experts split by expert over the TP
+    # ranks (E / tp whole experts each) instead of every expert split tp ways; no-op at -tp 1
+    enable_expert_parallel: bool = False
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     # most tokens of one request's prompt a step prefills (0: the step's budget alone)

@@ -1,7 +1,9 @@
 """Process groups and collectives, in one module with accessor functions (STYLE.md rule 6).
 
 Ranks: `world = tp` (one TP group; pipeline parallelism is not supported). DCP groups are
-`tp / dcp` groups of `dcp` consecutive ranks inside the TP group (DESIGN.md §7). With a single
+`tp / dcp` groups of `dcp` consecutive ranks inside the TP group (DESIGN.md §7). With expert
+parallelism (--enable-expert-parallel) the EP group is the TP group: the MoE layers split their
+routed experts by expert over it instead of splitting every expert (models/expert_parallel.py). With a single
 rank nothing is initialised and every collective is the identity, so the model code never
 branches on "distributed or not".
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import datetime
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,14 +37,16 @@ class _State:
     tp: GroupInfo
     dcp: GroupInfo
     cpu: dist.ProcessGroup | None  # gloo group over all ranks, for control messages
+    ep: GroupInfo = field(default_factory=GroupInfo)  # the TP group with expert parallelism, else size 1
 
 
 _state = _State(GroupInfo(), GroupInfo(), None)  # set once by init_parallel, read by accessors
 
 
 def init_parallel(tp_size: int, dcp_size: int, rank: int, init_method: str, backend: str,
-                  timeout_s: float = 600.0) -> None:
-    """Join the process group and build TP and DCP groups; every rank calls this once."""
+                  timeout_s: float = 600.0, expert_parallel: bool = False) -> None:
+    """Join the process group and build TP and DCP groups (and with `expert_parallel` the EP
+    group, the TP group itself); every rank calls this once."""
     global _state
     if tp_size % dcp_size:
         raise ValueError(f"decode context parallel size {dcp_size} must divide tensor parallel size {tp_size}")
@@ -60,8 +64,10 @@ def init_parallel(tp_size: int, dcp_size: int, rank: int, init_method: str, back
             g = dist.new_group(ranks)
             if rank in ranks:
                 dcp = GroupInfo(dcp_size, rank - start, g)
-    _state = _State(GroupInfo(tp_size, rank, tp_group), dcp, cpu_group)
-    log.info("rank %d: tp %d/%d, dcp %d/%d", rank, rank, tp_size, dcp.rank, dcp.size)
+    tp_info = GroupInfo(tp_size, rank, tp_group)
+    _state = _State(tp_info, dcp, cpu_group, tp_info if expert_parallel else GroupInfo())
+    log.info("rank %d: tp %d/%d, dcp %d/%d%s", rank, rank, tp_size, dcp.rank, dcp.size,
+             f", ep {rank}/{tp_size}" if expert_parallel else "")
 
 
 def destroy_parallel() -> None:
@@ -77,6 +83,11 @@ def tp() -> GroupInfo:
 
 def dcp() -> GroupInfo:
     return _state.dcp
+
+
+def ep() -> GroupInfo:
+    """The expert-parallel group: the TP group under --enable-expert-parallel, else one rank."""
+    return _state.ep
 
 
 def cpu_group() -> dist.ProcessGroup | None:

@@ -60,7 +60,7 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
         local_world = args.tensor_parallel_size // args.nnodes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         pd.init_parallel(args.tensor_parallel_size, args.decode_context_parallel_size, rank,
-                         init_method, backend)
+                         init_method, backend, expert_parallel=args.enable_expert_parallel)
         worker = Worker(args, cfg, local_rank=local_rank)
         n = torch.tensor([worker.determine_num_blocks(args.max_num_batched_tokens)])
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=pd.cpu_group())  # every rank the same pool

@@ -224,7 +224,8 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
                       ids: torch.Tensor, block_m: int = 16, w13_scale: torch.Tensor | None = None,
                       w2_scale: torch.Tensor | None = None, block: int = 128, a8: bool = False,
                       defer_sum: bool = False, group_b: int | None = None,
-                      aligned: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | PairRows:
+                      aligned: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      left_out: bool = False) -> torch.Tensor | PairRows:
     """Routed-expert output `[T, D]`: pairs sorted by expert into blocks of block_m rows, so each
     expert's weights are read once per block. ids / weights `[T, kt]` are every pair a token
     takes, folded shared experts included (`MoE._with_shared`).
@@ -238,11 +239,14 @@ def fused_moe_blocked(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     `defer_sum`: the pair rows unsummed, as `fused_moe_small`'s.
     `group_b`: the programs' order (`_block_tile`'s GROUP_B); None: `block_group(T)`.
     `aligned`: the blocks (rows, bexp) as `align_pairs(ids, E, block_m)` gives them, already made
-    with the choice (models/route_align.py)."""
+    with the choice (models/route_align.py).
+    `left_out`: ids may be >= E, the experts' count (expert parallelism: pairs another rank
+    computes); such pairs are in no block and out of the sum."""
     run = _BlockedMoE(x, w13, w2, ids.shape[1], w13_scale, w2_scale, block, a8, group_b)
-    rows, bexp = aligned if aligned is not None else align_pairs(ids, w13.shape[0], block_m)
-    run.launch(rows, bexp, weights.contiguous().flatten(), w13.shape[0], block_m)
-    return sum_pairs(run.part, run.x.dtype, run.kt, defer_sum)
+    E = w13.shape[0]
+    rows, bexp = aligned if aligned is not None else align_pairs(ids, E, block_m)
+    run.launch(rows, bexp, weights.contiguous().flatten(), E, block_m)
+    return sum_pairs(run.part, run.x.dtype, run.kt, defer_sum, (ids, E) if left_out else None)
 
 
 # The shared experts' block depth in `fused_moe_blocked_overlapped`: every token takes them, so

@@ -184,15 +184,24 @@ class ModelConfig:
              f"rope_scaling type {self.rope.type!r} is not supported (default, yarn)")
 
 
-def check_parallel_layout(cfg: ModelConfig, tp: int, dcp: int) -> None:
-    """Refuse a TP/DCP layout this model cannot be split into, naming the flag."""
+def check_parallel_layout(cfg: ModelConfig, tp: int, dcp: int, expert_parallel: bool = False) -> None:
+    """Refuse a TP/DCP(/EP) layout this model cannot be split into, naming the flag. With
+    `expert_parallel` (at tp > 1) the routed experts are split by expert, each kept whole, and the
+    shared experts (moe_intermediate_size x n_shared_experts units) over the TP ranks."""
     if tp % dcp:
         raise ValueError(f"--decode-context-parallel-size {dcp} must divide --tensor-parallel-size {tp}")
     if cfg.num_attention_heads % tp:
         raise ValueError(f"--tensor-parallel-size {tp} must divide the model's "
                          f"{cfg.num_attention_heads} attention heads")
-    for name in ("intermediate_size", "moe_intermediate_size"):
-        v = getattr(cfg, name)
+    ep = expert_parallel and tp > 1 and bool(cfg.n_routed_experts)
+    if ep and cfg.n_routed_experts % tp:
+        raise ValueError(f"--enable-expert-parallel: --tensor-parallel-size {tp} must divide the model's "
+                         f"{cfg.n_routed_experts} routed experts")
+    # what the TP ranks split of the MoE layers: with EP only the shared experts' units
+    moe_split = (("shared experts' units (moe_intermediate_size x n_shared_experts)",
+                  (cfg.moe_intermediate_size or 0) * cfg.n_shared_experts) if ep else
+                 ("moe_intermediate_size", cfg.moe_intermediate_size))
+    for name, v in (("intermediate_size", cfg.intermediate_size), moe_split):
         if v and v % tp:
             raise ValueError(f"--tensor-parallel-size {tp} must divide the model's {name} {v}")
     if cfg.fp8_block and tp > 1:
@@ -200,7 +209,7 @@ def check_parallel_layout(cfg: ModelConfig, tp: int, dcp: int) -> None:
         split = {"q_b_proj/q_proj rows": H * cfg.qk_head_dim,
                  "kv_b_proj rows": H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
                  "o_proj columns": H * cfg.v_head_dim, "intermediate_size": cfg.intermediate_size,
-                 "moe_intermediate_size": cfg.moe_intermediate_size}
+                 moe_split[0]: moe_split[1]}
         for name, v in split.items():
             if v and (v // tp) % cfg.fp8_block[0]:
                 raise ValueError(f"--tensor-parallel-size {tp} would split a {cfg.fp8_block[0]}x"

@@ -176,6 +176,18 @@ class DeepseekModel(nn.Module):
         return out
 
 
+def finish_linears(module: nn.Module, plan: KernelPlan, keep_fp8: bool) -> None:
+    """The plan's GEMM choices on every `Linear` of `module`; FP8 weights dequantized unless kept
+    (`kv_b_proj` always: it feeds W_UK / W_UV)."""
+    for name, m in module.named_modules():
+        if isinstance(m, Linear):
+            m.fp8_gemm, m.fp8_splitk = plan.fp8_gemm, plan.fp8_gemm_splitk
+            m.fp8_fuse_act, m.fp8_serial = plan.fp8_gemm_fuse_act, plan.fp8_gemm_splitk_serial
+            m.skinny_max = plan.gemm_skinny_max_tokens
+            if not keep_fp8 or name.endswith("kv_b_proj"):
+                m.dequantize_weights()
+
+
 class DeepseekForCausalLM(nn.Module):
     """Token ids + positions + per-layer caches + step metadata -> hidden states; logits on demand.
     Every op runs as the kernel plan says (common/kernel_plan.py; default: pure torch).
@@ -217,13 +229,7 @@ class DeepseekForCausalLM(nn.Module):
         absorbed MLA matrices, the tied LM head."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        for name, m in self.named_modules():
-            if isinstance(m, Linear):
-                m.fp8_gemm, m.fp8_splitk = self.plan.fp8_gemm, self.plan.fp8_gemm_splitk
-                m.fp8_fuse_act, m.fp8_serial = self.plan.fp8_gemm_fuse_act, self.plan.fp8_gemm_splitk_serial
-                m.skinny_max = self.plan.gemm_skinny_max_tokens
-                if not self.keep_fp8 or name.endswith("kv_b_proj"):
-                    m.dequantize_weights()
+        finish_linears(self, self.plan, self.keep_fp8)
         for layer in [*self.model.layers, *(m.block for m in self.mtp)]:
             layer.self_attn.process_weights_after_loading()
             if isinstance(layer.mlp, MoE):

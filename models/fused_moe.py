@@ -142,16 +142,22 @@ def _down_dot_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E_
 
 @fast_launch
 @triton.jit
-def _sum_pairs_kernel(part_ptr, out_ptr, D, KT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+def _sum_pairs_kernel(part_ptr, ids_ptr, out_ptr, D, E, KT: tl.constexpr, BLOCK: tl.constexpr,
+                      LEFT_OUT: tl.constexpr, PDL: tl.constexpr):
     """out[t] = sum of token t's KT partial rows (fp32), in the output dtype: one launch where
-    torch took a strided reduction and a cast (~5 µs at batch 1 on the H200)."""
+    torch took a strided reduction and a cast (~5 µs at batch 1 on the H200). LEFT_OUT: rows of
+    pairs whose id (ids [T*KT]) is >= E were not computed (expert parallelism: another rank's) and
+    are not read."""
     pdl_prologue(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < D
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(KT):
-        acc += tl.load(part_ptr + (t * KT + j) * D + offs, mask=m, other=0.0)
+        mj = m
+        if LEFT_OUT:  # the pair's id, broadcast over the row
+            mj = m & (offs * 0 + tl.load(ids_ptr + t * KT + j) < E)
+        acc += tl.load(part_ptr + (t * KT + j) * D + offs, mask=mj, other=0.0)
     tl.store(out_ptr + t * D + offs, acc.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -323,15 +329,22 @@ class _SmallMoE:
             down[lambda m: (T * jn, triton.cdiv(D, m["BLOCK_N"]))](*down_args, **const)
 
 
-def sum_pairs(part: torch.Tensor, dtype: torch.dtype, kt: int, defer: bool) -> torch.Tensor | PairRows:
+def sum_pairs(part: torch.Tensor, dtype: torch.dtype, kt: int, defer: bool,
+              left_out: tuple[torch.Tensor, int] | None = None) -> torch.Tensor | PairRows:
     """The MoE output from its pair rows `part [T*kt, D]` (fp32): summed per token in `dtype`
-    (one launch), or with `defer` left to the next add + RMSNorm (`PairRows`)."""
+    (one launch), or with `defer` left to the next add + RMSNorm (`PairRows`). `left_out` (ids
+    `[T, kt]`, E): the rows of pairs with ids >= E were not computed and are skipped (not with
+    `defer`)."""
     D = part.shape[-1]
     T = part.shape[0] // kt
     if defer:
+        if left_out is not None:
+            raise ValueError("sum_pairs: pairs left out cannot be summed by the next add + RMSNorm (defer)")
         return PairRows(part.view(T, kt, D), dtype)
     out = torch.empty(T, D, dtype=dtype, device=part.device)
-    _sum_pairs_kernel[(T, triton.cdiv(D, 1024))](part, out, D, KT=kt, BLOCK=1024, num_warps=4, **pdl_launch())
+    ids, E = (left_out[0].contiguous(), left_out[1]) if left_out is not None else (part, 0)
+    _sum_pairs_kernel[(T, triton.cdiv(D, 1024))](part, ids, out, D, E, KT=kt, BLOCK=1024,
+                                                 LEFT_OUT=left_out is not None, num_warps=4, **pdl_launch())
     return out
 
 

@@ -58,6 +58,13 @@ def checkpoint_shards(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, S
     return out
 
 
+def foreign_tensors(model: torch.nn.Module) -> set[str]:
+    """Checkpoint tensors another rank reads and this one skips: the `foreign_tensors` (names
+    relative to the module) of the MoE layers under expert parallelism (models/expert_parallel.py)."""
+    return {f"{prefix}.{n}" if prefix else n for prefix, m in model.named_modules()
+            for n in getattr(m, "foreign_tensors", ())}
+
+
 def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig) -> None:
     """Read this rank's slice of every checkpoint tensor into its place; fail with a message naming
     any bad tensor."""
@@ -68,6 +75,8 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig
     shareable = {f"mtp.{i}.{n}" for i in range(len(mtp)) for n in ("embed_tokens.weight", "shared_head.head.weight")}
     loaded: set[str] = set()
     skipped_mtp = 0
+    foreign = foreign_tensors(model)  # expert parallel: other ranks' experts
+    skipped_foreign = 0
     files = checkpoint_files(model_dir)
     show = pd.tp().rank == 0
     with tqdm(desc="Loading weights", unit="tensor", disable=not show) as bar:
@@ -89,6 +98,9 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig
                         raise ValueError(f"checkpoint tensor {name}: an FP8-quantized checkpoint "
                                          "whose config.json has no quantization_config")
                     target = params.get(name)
+                    if target is None and name in foreign:
+                        skipped_foreign += 1
+                        continue
                     if target is None:
                         log.warning("checkpoint tensor %s has no matching parameter; ignored", name)
                         continue
@@ -98,6 +110,9 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path, cfg: ModelConfig
                         continue
                     _copy_slice(*target, sl, name)
                     loaded.add(name)
+    if skipped_foreign:
+        log.info("skipped %d tensors of the routed experts other ranks hold (--enable-expert-parallel)",
+                 skipped_foreign)
     if skipped_mtp:
         log.info("skipped %d tensors of multi-token-prediction layers (num_nextn_predict_layers=%d)",
                  skipped_mtp, cfg.num_nextn_predict_layers)

@@ -10,8 +10,10 @@ from common import distributed as pd
 from common.fused import EAGER, Glue, PairRows, glue_for
 from common.kernel_plan import TRITON, KernelPlan, charged_key
 from models.config import ModelConfig
+from models.expert_parallel import local_range, routed_shards, to_local
 from models.fp8 import FP8, dequantize
 from models.layers import Linear, PackedLinear, Shard, packed_param
+from models.moe_paths import RoutedPaths, capturing
 from models.router import Router
 
 TORCH_PLAN = KernelPlan()
@@ -67,11 +69,6 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
     return got
 
 
-def _capturing(device: torch.device) -> bool:
-    """Whether CUDA-graph capture is recording on `device`'s current stream."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 class MLP(nn.Module):
     """SwiGLU: gate and up column-parallel as one GEMM (`gate_up_proj`, loaded from the
     checkpoint's gate_proj and up_proj), down row-parallel (reduced by the caller when reduce=False)."""
@@ -116,7 +113,7 @@ class SideNorm:
             raise
 
 
-class MoE(nn.Module):
+class MoE(RoutedPaths, nn.Module):
     """Routed experts + shared experts, summed locally, one all-reduce per layer under TP.
 
     The experts are stacked at load: `w13 [E, 2*I/tp, D]` (each expert's gate rows, then its up
@@ -133,6 +130,11 @@ class MoE(nn.Module):
     I/tp/128]`. After loading they stay FP8 with `keep_fp8` (the Triton kernels read them as they
     are; the torch paths dequantize the experts they use, per call), else they are dequantized to
     the compute dtype once.
+
+    Expert parallelism (--enable-expert-parallel, models/expert_parallel.py): this rank's E / tp
+    routed experts whole (`w13 [E/tp, 2I, D]`, `w2 [E/tp, D, I]`), the shared experts an MLP of
+    their own split over the TP ranks, and the router's choices made local (`to_local`) before the
+    block kernels (every batch size) or the torch paths.
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan = TORCH_PLAN,
@@ -144,19 +146,23 @@ class MoE(nn.Module):
         tp = pd.tp().size
         if I % tp:
             raise ValueError(f"moe_intermediate_size {I} is not divisible by tensor parallel size {tp}")
-        Il, q = I // tp, cfg.fp8_block
+        q = cfg.fp8_block
+        # expert parallel: this rank's routed experts are ep_first .. ep_first + El - 1 (`to_local`)
+        self.ep_first, El = local_range(E)
+        self.expert_parallel = El < E
+        w13, w2, Il, foreign = routed_shards(E, I, D)
+        self.foreign_tensors = foreign + [f"{n}_scale_inv" for n in foreign if q is not None]  # for the loader
         self.gate = Router(cfg, plan)
-        self.route_align = plan.moe_route_align_max_tokens  # Router.route_aligned up to this many tokens
+        # Router.route_aligned up to this many tokens (its blocks are over all E experts: not with EP)
+        self.route_align = 0 if self.expert_parallel else plan.moe_route_align_max_tokens
         if q is not None and Il % q[0]:
             raise ValueError(f"tensor parallel size {tp} would split a {q[0]}x{q[1]} FP8 block: "
                              f"moe_intermediate_size {I} gives {Il} per rank")
-        self.n_shared = S if S and not keep_fp8 else 0  # shared experts stacked after the routed
+        # shared experts stacked after the routed (pieces of Il units: not with EP, whose Il is I)
+        self.n_shared = S if S and not keep_fp8 and not self.expert_parallel else 0
         self.shared_experts = (MLP(D, I * S, dtype, reduce=False, fp8_block=q, glue=self.glue, keep_fp8=keep_fp8)
                                if S and not self.n_shared else None)
-        n, wdt = E + self.n_shared, FP8 if q else dtype
-        w13 = [Shard(f"experts.{e}.{name}.weight", (I, D), 0, (e, slice(h * Il, (h + 1) * Il)))
-               for e in range(E) for h, name in enumerate(("gate_proj", "up_proj"))]
-        w2 = [Shard(f"experts.{e}.down_proj.weight", (D, I), 1, (e,)) for e in range(E)]
+        n, wdt = El + self.n_shared, FP8 if q else dtype
         if self.n_shared:  # this rank's units of the shared MLP, in n_shared pieces (Shard.stack)
             w13 += [Shard(f"shared_experts.{name}.weight", (S * I, D), 0, (slice(E, n), slice(h * Il, (h + 1) * Il)),
                           stack=0) for h, name in enumerate(("gate_proj", "up_proj"))]
@@ -169,10 +175,10 @@ class MoE(nn.Module):
         if q is not None:
             # one scale per 128 x 128 block: the weights' shards on the block grid
             cb, db = Il // q[0], -(-D // q[1])
-            s13 = [Shard(f"{sh.name}_scale_inv", (sh.shape[0] // q[0], db), 0,
+            s13 = [Shard(f"{sh.name}_scale_inv", (sh.shape[0] // q[0], db), sh.tp_dim,
                          sh.index[:-1] + (slice(sh.index[-1].start // q[0], sh.index[-1].stop // q[0]),),
                          stack=sh.stack) for sh in w13]
-            s2 = [Shard(f"{sh.name}_scale_inv", (db, sh.shape[1] // q[1]), 1, sh.index, stack=sh.stack)
+            s2 = [Shard(f"{sh.name}_scale_inv", (db, sh.shape[1] // q[1]), sh.tp_dim, sh.index, stack=sh.stack)
                   for sh in w2]
             self.w13_scale = packed_param((n, 2 * cb, db), torch.float32, s13)
             self.w2_scale = packed_param((n, db, cb), torch.float32, s2)
@@ -187,6 +193,9 @@ class MoE(nn.Module):
             self.sort_by_expert = expert_sort.sort_by_expert
         self._shared_cache: dict = {}  # _shared_choice's tensors by (device, dtypes)
         self._expert_ends: dict = {}  # _routed_grouped's expert end keys by device
+        if self.expert_parallel and plan.moe != TRITON and plan.moe_large == "grouped":
+            raise ValueError("--enable-expert-parallel: the grouped-GEMM MoE path does not leave out other ranks' "
+                             "experts; --kernels ...,moe=triton or moe_large=dense|loop")
         self.routed_large = {"grouped": self._routed_grouped, "dense": self._routed_dense,
                              "loop": self._routed}[plan.moe_large]
 
@@ -212,32 +221,12 @@ class MoE(nn.Module):
         self.w13, self.w2 = nn.Parameter(w13, requires_grad=False), nn.Parameter(w2, requires_grad=False)
         self.w13_scale = self.w2_scale = None
 
-    def _expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's w13 `[2I, D]`, w2 `[D, I]` in the compute dtype; FP8 experts dequantized
-        here, per call (fp32 temporaries of this one expert)."""
-        if self.fp8_block is None:
-            return self.w13[e], self.w2[e]
-        q = self.fp8_block
-        return (dequantize(self.w13[e], self.w13_scale[e], q, dtype),
-                dequantize(self.w2[e], self.w2_scale[e], q, dtype))
-
-    def _expert_weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """All experts' w13, w2 in the compute dtype, for the grouped GEMM. FP8 experts are
-        dequantized per call into one scratch copy of the layer, expert by expert (fp32
-        temporaries of one expert at a time): the torch plan's path only, the Triton plan's block
-        kernels read FP8 as it is."""
-        if self.fp8_block is None:
-            return self.w13, self.w2
-        w13 = torch.empty(self.w13.shape, dtype=dtype, device=self.w13.device)
-        w2 = torch.empty(self.w2.shape, dtype=dtype, device=self.w2.device)
-        for e in range(w13.shape[0]):
-            w13[e], w2[e] = self._expert(e, dtype)
-        return w13, w2
-
     def _paths(self, T: int, device: torch.device) -> tuple[bool, bool, bool, bool]:
         """(small, dense, blocked, overlapped) for a step of T tokens: the fused MoE takes it,
         the shared experts run dense, the block kernels take it, the shared experts' pairs run
         on the side stream (moe_shared_stream, the fused or the block path)."""
+        if self.expert_parallel:  # the block kernels at every size, or the torch paths (module docstring)
+            return False, False, self.fused_blocked is not None, False
         p = self.plan
         fused_max = p.moe_fused_max_tokens_fp8 if self.fp8_block is not None else p.moe_fused_max_tokens
         small = self.fused_small is not None and T <= fused_max
@@ -310,6 +299,10 @@ class MoE(nn.Module):
         weights, ids, *aligned = gate(self.n_shared if fold else 0,
                                       block_rows(T, fp8=self.fp8_block is not None) if sorts else None, fold)
         aligned = tuple(aligned) or None
+        ep = {}
+        if self.expert_parallel:  # other ranks' pairs: id El, left out of the products and the sum
+            weights, ids = to_local(weights, ids, self.ep_first, self.w13.shape[0])
+            ep["left_out"] = True
         if small:
             out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
                                    self.n_shared, defer_sum=defer)
@@ -319,14 +312,14 @@ class MoE(nn.Module):
                 try:
                     out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T, fp8=True), self.w13_scale,
                                              self.w2_scale, self.fp8_block[0], a8=p.moe_fp8_w8a8,
-                                             defer_sum=defer and not dense, aligned=aligned)
+                                             defer_sum=defer and not dense, aligned=aligned, **ep)
                 except Exception as e:
                     if p.moe_fp8_w8a8:  # its kernels and act_quant: the plan names moe_fp8_w8a8=0
                         e.plan_key = "moe_fp8_w8a8"
                     raise
             elif blocked:
                 out = self.fused_blocked(x, self.w13, self.w2, *pairs, block_rows(T), defer_sum=defer and not dense,
-                                         aligned=aligned)
+                                         aligned=aligned, **ep)
             else:
                 out = self.routed_large(x, *pairs)
             if dense:
@@ -368,73 +361,6 @@ class MoE(nn.Module):
             E = self.cfg.n_routed_experts
             got = (torch.arange(E, E + self.n_shared, device=device, dtype=id_dtype).unsqueeze(0),
                    torch.ones(1, self.n_shared, device=device, dtype=w_dtype))
-            if not _capturing(device):  # made inside a graph capture, they would hold values only in replays
+            if not capturing(device):  # made inside a graph capture, they would hold values only in replays
                 self._shared_cache[key] = got
         return got
-
-    def _routed_grouped(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """CUDA path with no host sync (CUDA-graph safe): (token, expert) pairs sorted by expert,
-        two grouped GEMMs over the expert segments, weighted scatter-add back to tokens. With the
-        Triton plan the sort, the row gather, the SwiGLU and the weighted sum are Triton kernels
-        (the sort a counting sort in three launches, models/expert_sort.py); else torch ops."""
-        w13, w2 = self._expert_weights(x.dtype)
-        glue = self.triton_glue
-        if glue is not None:
-            token_of, pos, offs = self.sort_by_expert(ids, self.w13.shape[0])
-            gate_up = torch._grouped_mm(glue.gather_rows(x, token_of), w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
-            y = torch._grouped_mm(glue.silu_mul(gate_up), w2.transpose(-2, -1), offs=offs)  # [T*k, D]
-            return glue.unpermute_sum(y, pos, weights)  # weights and the sum over k in one pass
-        T, k = ids.shape
-        flat = ids.flatten().to(torch.int32)  # int32 keys: half the radix-sort passes of int64
-        order = flat.argsort(stable=True)
-        # each expert's end offset in the sorted pairs, by binary search (no host sync, no atomics)
-        ends = self._expert_ends.get(x.device)
-        if ends is None:  # 1 .. E: made once, not one launch per layer and step
-            ends = torch.arange(1, self.w13.shape[0] + 1, dtype=torch.int32, device=x.device)
-            if not _capturing(x.device):
-                self._expert_ends[x.device] = ends
-        offs = torch.searchsorted(flat[order], ends, out_int32=True)
-        token_of = order // k
-        xs = x[token_of]  # [T*k, D], grouped by expert
-        gate_up = torch._grouped_mm(xs, w13.transpose(-2, -1), offs=offs)  # [T*k, 2I]
-        y = torch._grouped_mm(self.glue.silu_mul(gate_up), w2.transpose(-2, -1), offs=offs)
-        y = y * weights.flatten()[order].unsqueeze(-1).to(y.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of, y)
-
-    def _routed_dense(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """CUDA path without host syncs for dtypes the grouped GEMM lacks (fp32 tiny models):
-        every expert on every token, weighted by its routing weight (0 where not chosen)."""
-        E, I = self.w2.shape[0], self.w2.shape[-1]
-        dense_w = torch.zeros(x.shape[0], E, dtype=weights.dtype, device=x.device)
-        dense_w.scatter_(1, ids, weights)  # [T, E]
-        out = torch.zeros_like(x)
-        for e in range(E):
-            w13, w2 = self._expert(e, x.dtype)
-            gate_up = F.linear(x, w13)
-            y = F.linear(F.silu(gate_up[:, :I]) * gate_up[:, I:], w2)
-            out += y * dense_w[:, e:e + 1].to(y.dtype)
-        return out
-
-    def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Plain path: tokens grouped by expert with one sort, a loop over the experts hit (FP8
-        experts dequantized one by one, only those hit)."""
-        T, k = ids.shape
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
-        token_of = order // k  # token index of each sorted (token, slot) pair
-        out = torch.zeros_like(x)
-        start = 0
-        I = self.w2.shape[-1]
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            w13, w2 = self._expert(e, x.dtype)
-            rows = token_of[start:start + n]
-            gate_up = F.linear(x[rows], w13)  # [n, 2I]
-            h = F.silu(gate_up[:, :I]) * gate_up[:, I:]
-            y = F.linear(h, w2)  # [n, D]
-            w = weights.flatten()[order[start:start + n]].unsqueeze(-1)
-            out.index_add_(0, rows, (y * w).to(x.dtype))
-            start += n
-        return out

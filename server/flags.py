@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
                    default=d["decode_context_parallel_size"],
                    help="ranks that share the KV cache by token inside each TP group (must "
                         "divide -tp); multiplies KV capacity")
+    g.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction,
+                   default=d["enable_expert_parallel"],
+                   help="split the MoE layers' routed experts by expert over the -tp ranks (E / tp whole "
+                        "experts each) instead of splitting every expert; the shared experts stay split")
     g.add_argument("--device", choices=["auto", "cuda", "cpu"], default=d["device"],
                    help="where to run; auto: cuda when available, else cpu")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
@@ -373,6 +377,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         skip_tokenizer_init=ns.skip_tokenizer_init,
         tensor_parallel_size=ns.tensor_parallel_size,
         decode_context_parallel_size=ns.decode_context_parallel_size,
+        enable_expert_parallel=ns.enable_expert_parallel,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
         long_prefill_token_threshold=ns.long_prefill_token_threshold,
         scheduling_policy=ns.scheduling_policy,
