@@ -42,17 +42,16 @@ ACCEPTED = [
      "--max-model-len=65536 --max-num-batched-tokens=32768 --gpu-memory-utilization=0.95",
      dict(tensor_parallel_size=8, max_model_len=65536, max_num_batched_tokens=32768,
           gpu_memory_utilization=0.95)),
+    # docs.vllm.ai recipes, DeepSeek-V3 (R1), 8xH200: TP8+EP
+    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --tensor-parallel-size 8 "
+     "--enable-expert-parallel",
+     dict(tensor_parallel_size=8, enable_expert_parallel=True)),
     # a vLLM bug report ("'_moe_C' object has no attribute 'moe_align_block_size'"), DeepSeek-V3
     ("vllm serve xxx --served-model-name deepseek-v3 -tp 8 --gpu-memory-utilization 0.85 "
      "--max-model-len 65536 --enable-auto-tool-choice --tool-call-parser deepseek_v3",
      dict(served_model_name=["deepseek-v3"], tensor_parallel_size=8, max_model_len=65536)),
 ]
 REJECTED = [
-    # docs.vllm.ai recipes, DeepSeek-V3 (R1), 8xH200: TP8+EP and DP8+EP
-    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --tensor-parallel-size 8 "
-     "--enable-expert-parallel", ["--enable-expert-parallel"]),
-    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8 "
-     "--enable-expert-parallel", ["--enable-expert-parallel"]),
     # docs.vllm.ai/projects/ascend, context parallel guide (DeepSeek-V2-Lite)
     ("vllm serve deepseek-ai/DeepSeek-V2-Lite --tensor-parallel-size 2 "
      "--decode-context-parallel-size 2 --prefill-context-parallel-size 2",
@@ -64,7 +63,7 @@ REJECTED = [
      "--compilation-config '{\"cudagraph_mode\":\"FULL_AND_PIECEWISE\", \"custom_ops\":[\"all\"]}' "
      "--attention_config.use_fp4_indexer_cache=True --tokenizer-mode deepseek_v4 "
      "--tool-call-parser deepseek_v4 --enable-auto-tool-choice --reasoning-parser deepseek_v4",
-     ["--enable-expert-parallel", "--compilation-config", "--attention_config.use_fp4_indexer_cache"]),
+     ["--compilation-config", "--attention_config.use_fp4_indexer_cache"]),
 ]
 
 
@@ -77,6 +76,9 @@ REFUSED_VALUES = [
      "--tokenizer-mode deepseek_v32: only auto is supported"),
     ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8",
      "--data-parallel-size 8: only 1 is supported"),
+    # docs.vllm.ai recipes, DeepSeek-V3 (R1), 8xH200: DP8+EP (the recipe's TP8+EP line is in ACCEPTED)
+    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8 "
+     "--enable-expert-parallel", "--data-parallel-size 8: only 1 is supported"),
 ]
 # launch lines of FP8 checkpoints with --quantization fp8: the model is replaced by a copy of the
 # tiny model whose config.json carries DeepSeek-V3's quantization_config
