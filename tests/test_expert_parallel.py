@@ -85,3 +85,14 @@ def test_engine_with_expert_parallel_equals_one_rank(tiny_v3, prompts):
     ref = _greedy(tiny_v3[0], prompts, 1, max_num_batched_tokens=16)
     assert _greedy(tiny_v3[0], prompts, 2, ep=True, max_num_batched_tokens=16) == ref
     assert _greedy(tiny_v3[0], prompts, 2, dcp=2, ep=True, max_num_batched_tokens=16) == ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 8, 128, 600])
+def test_block_kernels_split_by_expert_on_the_gpu(T, monkeypatch):
+    """V2-Lite's MoE layer at its real shapes (64 experts, 2 shared) on the Triton plan, as each
+    of 4 EP ranks runs it on one GPU, summed, against the one-rank layer (its fused, block and
+    grouped paths by T), bf16."""
+    plan = KernelPlan(router="triton", moe="triton", moe_fused_max_tokens=4, moe_blocked_max_tokens=512,
+                      moe_large="grouped", moe_shared_stream=True)
+    check_expert_parallel(V2_LITE, {}, T, torch.bfloat16, "cuda", 2e-2, plan, 4, monkeypatch)
