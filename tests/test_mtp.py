@@ -50,7 +50,7 @@ def test_mtp_greedy_equals_no_speculation(tiny_mtp, k):
     assert shared != copies  # loaded where the checkpoint has copies, shared where not
 
 
-def test_mtp_under_chunking_preemption_and_dcp(tiny_mtp):
+def test_mtp_under_chunking_preemption_dcp_and_ep(tiny_mtp):
     path, _ = tiny_mtp
     spec = {"method": "mtp", "num_speculative_tokens": 2}
     ref, _, _ = generate(path)
@@ -58,6 +58,9 @@ def test_mtp_under_chunking_preemption_and_dcp(tiny_mtp):
     assert got == ref and s.num_preemptions > 0 and s.spec.num_accepted_tokens > 0
     got, s, _ = generate(path, speculative_config=spec, max_num_batched_tokens=16,
                          tensor_parallel_size=2, decode_context_parallel_size=2, num_kv_blocks=128)
+    assert got == ref and s.spec.num_accepted_tokens > 0
+    # expert parallel: the MTP layer's MoE split by expert too (its other rank's experts skipped at load)
+    got, s, _ = generate(path, speculative_config=spec, tensor_parallel_size=2, enable_expert_parallel=True)
     assert got == ref and s.spec.num_accepted_tokens > 0
 
 
