@@ -184,8 +184,11 @@ class MoE(RoutedPaths, nn.Module):
             self.w2_scale = packed_param((n, db, cb), torch.float32, s2)
         self.fused_small = self.fused_small_overlapped = self.fused_blocked = self.fused_blocked_overlapped = None
         self.triton_glue = self.sort_by_expert = None
+        self.to_local = to_local  # expert parallel: the choices made this rank's
         if plan.moe == TRITON:
             from models import blocked_moe, expert_sort, fused_moe  # triton: CUDA installs only
+            from models.expert_parallel_kernel import to_local_triton
+            self.to_local = to_local_triton
             self.fused_small, self.fused_blocked = fused_moe.fused_moe_small, blocked_moe.fused_moe_blocked
             self.fused_blocked_overlapped = blocked_moe.fused_moe_blocked_overlapped
             self.fused_small_overlapped = fused_moe.fused_moe_small_overlapped
@@ -301,7 +304,7 @@ class MoE(RoutedPaths, nn.Module):
         aligned = tuple(aligned) or None
         ep = {}
         if self.expert_parallel:  # other ranks' pairs: id El, left out of the products and the sum
-            weights, ids = to_local(weights, ids, self.ep_first, self.w13.shape[0])
+            weights, ids = self.to_local(weights, ids, self.ep_first, self.w13.shape[0])
             ep["left_out"] = True
         if small:
             out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,

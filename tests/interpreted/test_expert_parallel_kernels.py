@@ -31,3 +31,20 @@ def test_fp8_experts_kept_split_by_expert(w8a8, monkeypatch):
     shared experts a W8A8 MLP split over the 2 ranks."""
     check_expert_parallel("configs/models/DeepSeek-R1", R1_SMALL, 9, torch.float32, "cpu", 1e-5,
                           KernelPlan(**TRITON_MOE, moe_fp8_w8a8=w8a8), 2, monkeypatch, keep_fp8=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_to_local_kernel_equals_torch(dtype):
+    """The one-launch `to_local` against the torch ops, element for element: ids below, at both
+    ends of and above this rank's range, 300 pairs (two programs, the last partly masked)."""
+    from models.expert_parallel import to_local
+    from models.expert_parallel_kernel import to_local_triton
+    torch.manual_seed(3)
+    ids = torch.randint(0, 64, (100, 3), dtype=dtype)
+    ids[0] = torch.tensor([15, 16, 31], dtype=dtype)  # first - 1, first, first + count - 1
+    ids[1] = torch.tensor([32, 0, 63], dtype=dtype)
+    w = torch.rand(100, 3)
+    want_w, want_ids = to_local(w, ids, 16, 16)
+    got_w, got_ids = to_local_triton(w, ids, 16, 16)
+    assert got_ids.dtype == dtype and torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
+    assert got_ids[0].tolist() == [16, 0, 15] and got_ids[1].tolist() == [16, 16, 16]
