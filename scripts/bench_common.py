@@ -36,6 +36,8 @@ def add_engine_flags(p) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     p.add_argument("-dcp", "--decode-context-parallel-size", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true",
+                   help="the MoE layers' routed experts split by expert over the -tp ranks (serve's flag)")
     p.add_argument("--hf-overrides", default=None)
     p.add_argument("--fp8-gemm", action=argparse.BooleanOptionalAction, default=None,
                    help="keep FP8 checkpoints' projections in FP8 (W8A8 GEMM); unset: the engine's choice")
@@ -54,7 +56,8 @@ def engine_kwargs(a) -> dict:
               enforce_eager=a.enforce_eager, async_scheduling=a.async_scheduling,
               attention_backend=a.attention_backend, kernels=a.kernel_plan,
               gpu_memory_utilization=a.gpu_memory_utilization, tensor_parallel_size=a.tensor_parallel_size,
-              decode_context_parallel_size=a.decode_context_parallel_size)
+              decode_context_parallel_size=a.decode_context_parallel_size,
+              enable_expert_parallel=a.enable_expert_parallel)
     if a.hf_overrides:
         kw["hf_overrides"] = a.hf_overrides
     if getattr(a, "piecewise_graph_sizes", None) is not None:
