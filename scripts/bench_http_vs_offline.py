@@ -76,6 +76,8 @@ def engine_argv(a: argparse.Namespace, serve: bool = False) -> list[str]:
         out.append("--enable-prefix-caching" if a.enable_prefix_caching else "--no-enable-prefix-caching")
     if a.skip_tokenizer_init:
         out.append("--skip-tokenizer-init")
+    if a.enable_expert_parallel:
+        out.append("--enable-expert-parallel")
     return out
 
 

@@ -110,6 +110,7 @@ def test_vocab_and_context_checks():
     [], ["--kernel-plan", "torch"], ["--no-enable-prefix-caching"], ["--async-scheduling"],
     ["--no-async-scheduling", "--enforce-eager"], ["--skip-tokenizer-init"],
     ["--max-num-seqs", "64", "--max-num-batched-tokens", "4096", "--max-model-len", "2048"],
+    ["--enable-expert-parallel"],
 ])
 def test_http_vs_offline_runs_serve_with_the_offline_engine_settings(extra):
     """bench_http_vs_offline.py starts `serve` with the EngineArgs bench_throughput.py builds:
