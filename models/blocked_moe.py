@@ -412,7 +412,9 @@ class _BlockedMoE:
             down = tuned_down[lambda m: (nb * triton.cdiv(D, m["BLOCK_N"]),)]
         const = dict(self.const, BLOCK_M=block_m)
         up(*up_args, **const, **t)
-        hq, sh = act_quant(self.h) if a8 else (self.h, self.h)  # per pair row (every pair's row is written)
+        # per pair row; the rows of pairs in no block (expert parallelism's other ranks') hold no
+        # value, and their quantized rows are never read
+        hq, sh = act_quant(self.h) if a8 else (self.h, self.h)
         sh_strides = (sh.stride(0), sh.stride(1)) if a8 else (0, 0)
         down_args = (hq, sh, rows, bexp, pw, w2, s2, self.part, D, I, e_limit, bucket, r2, c2, *sh_strides, nb)
         down(*down_args, **const, **t)

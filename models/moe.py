@@ -144,12 +144,12 @@ class MoE(RoutedPaths, nn.Module):
         self.glue = glue_for(plan)
         E, S, D, I = cfg.n_routed_experts, cfg.n_shared_experts, cfg.hidden_size, cfg.moe_intermediate_size
         tp = pd.tp().size
-        if I % tp:
-            raise ValueError(f"moe_intermediate_size {I} is not divisible by tensor parallel size {tp}")
         q = cfg.fp8_block
         # expert parallel: this rank's routed experts are ep_first .. ep_first + El - 1 (`to_local`)
         self.ep_first, El = local_range(E)
         self.expert_parallel = El < E
+        if I % tp and not self.expert_parallel:  # under EP only the shared MLP is split (its own check)
+            raise ValueError(f"moe_intermediate_size {I} is not divisible by tensor parallel size {tp}")
         w13, w2, Il, foreign = routed_shards(E, I, D)
         self.foreign_tensors = foreign + [f"{n}_scale_inv" for n in foreign if q is not None]  # for the loader
         self.gate = Router(cfg, plan)

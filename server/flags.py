@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=d["decode_context_parallel_size"],
                    help="ranks that share the KV cache by token inside each TP group (must "
                         "divide -tp); multiplies KV capacity")
-    g.add_argument("--enable-expert-parallel", action=argparse.BooleanOptionalAction,
+    g.add_argument("-ep", "--enable-expert-parallel", action=argparse.BooleanOptionalAction,
                    default=d["enable_expert_parallel"],
                    help="split the MoE layers' routed experts by expert over the -tp ranks (E / tp whole "
                         "experts each) instead of splitting every expert; the shared experts stay split")

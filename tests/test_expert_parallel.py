@@ -60,8 +60,39 @@ def test_layouts_expert_parallel_cannot_split():
     with pytest.raises(ValueError, match="must divide the model's moe_intermediate_size 1400"):
         check_parallel_layout(odd, 16, 1)
     check_parallel_layout(odd, 16, 1, expert_parallel=True)
+    from ep_checks import as_rank
+    with as_rank(16, 3), torch.device("meta"):  # and the layer builds: 4 whole experts, 175 shared units
+        moe = MoE(odd, torch.bfloat16)
+    assert moe.w13.shape == (4, 2 * 1400, 2048) and moe.shared_experts.down_proj.weight.shape == (2048, 175)
     with pytest.raises(ValueError, match=r"must divide the model's shared experts' units .* 2808"):
         check_parallel_layout(ModelConfig.from_pretrained(V2_LITE, {"moe_intermediate_size": 1404}), 16, 1, True)
+
+
+def test_loader_skips_other_ranks_experts_by_name(tiny_v3, caplog):
+    """The real loader on the tiny checkpoint as rank 1 of 2: each MoE layer's 4 other experts'
+    12 tensors are skipped as other ranks' (logged once, no warning), nothing is missing, and the
+    loaded experts are the checkpoint's experts 4-7."""
+    import logging
+
+    from safetensors import safe_open
+
+    from ep_checks import as_rank
+    from models.deepseek import DeepseekForCausalLM
+    from models.loader import checkpoint_files, load_weights
+    cfg = ModelConfig.from_pretrained(tiny_v3[0])
+    with as_rank(2, 1):
+        model = DeepseekForCausalLM(cfg, torch.float32)
+        with caplog.at_level(logging.INFO, logger="models.loader"):
+            load_weights(model, tiny_v3[0], cfg)
+    moe_layers = [layer.mlp for layer in model.model.layers if isinstance(layer.mlp, MoE)]
+    assert moe_layers and not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert f"skipped {12 * len(moe_layers)} tensors of the routed experts other ranks hold" in caplog.text
+    name, want = "model.layers.1.mlp.experts.5.down_proj.weight", None
+    for path in checkpoint_files(tiny_v3[0]):
+        with safe_open(str(path), framework="pt") as f:
+            if name in f.keys():
+                want = f.get_tensor(name).float()
+    assert want is not None and torch.equal(model.model.layers[1].mlp.w2[1], want)  # expert 5: rank 1's local 1
 
 
 @pytest.fixture(scope="module")

@@ -46,6 +46,7 @@ ACCEPTED = [
     ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --tensor-parallel-size 8 "
      "--enable-expert-parallel",
      dict(tensor_parallel_size=8, enable_expert_parallel=True)),
+    ("vllm serve deepseek-ai/DeepSeek-V3 -tp 8 -ep", dict(tensor_parallel_size=8, enable_expert_parallel=True)),
     # a vLLM bug report ("'_moe_C' object has no attribute 'moe_align_block_size'"), DeepSeek-V3
     ("vllm serve xxx --served-model-name deepseek-v3 -tp 8 --gpu-memory-utilization 0.85 "
      "--max-model-len 65536 --enable-auto-tool-choice --tool-call-parser deepseek_v3",
