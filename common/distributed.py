@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import logging
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -88,6 +89,20 @@ def dcp() -> GroupInfo:
 def ep() -> GroupInfo:
     """The expert-parallel group: the TP group under --enable-expert-parallel, else one rank."""
     return _state.ep
+
+
+@contextmanager
+def as_rank(tp_size: int, rank: int, expert_parallel: bool = True):
+    """For tests and benchmarks in one process: the state rank `rank` of `-tp tp_size` (with
+    expert parallelism) sees while its modules are built, with no process group, so nothing may
+    call a collective meanwhile (the caller replaces tp_all_reduce where a forward runs)."""
+    global _state
+    saved, g = _state, GroupInfo(tp_size, rank)
+    _state = _State(g, GroupInfo(), None, g if expert_parallel else GroupInfo())
+    try:
+        yield
+    finally:
+        _state = saved
 
 
 def cpu_group() -> dist.ProcessGroup | None:

@@ -1,34 +1,20 @@
 """Expert parallelism checked one MoE layer at a time, in one process: the layer as each of N EP
-ranks builds and loads it (common.distributed's state set per rank; the all-reduce left to the
-check, which sums the ranks' outputs) against the one-rank layer on the same checkpoint tensors.
+ranks builds and loads it (common.distributed's `as_rank`; the all-reduce left to the check,
+which sums the ranks' outputs) against the one-rank layer on the same checkpoint tensors.
 Used by tests/test_expert_parallel.py (torch plan) and tests/interpreted/ (the Triton block
 kernels under the interpreter)."""
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 
 from common import distributed as pd
+from common.distributed import as_rank
 from models.config import ModelConfig
 from models.deepseek import finish_linears
 from models.fp8 import FP8
 from models.loader import _copy_slice, _FullTensor, checkpoint_shards
 from models.moe import MoE
-
-
-@contextmanager
-def as_rank(n: int, r: int):
-    """common.distributed's state as rank r of `-tp n --enable-expert-parallel` sees it, with no
-    process group (nothing here may call a collective but tp_all_reduce, patched by the caller)."""
-    saved = pd._state
-    g = pd.GroupInfo(n, r)
-    pd._state = pd._State(g, pd.GroupInfo(), None, g)
-    try:
-        yield
-    finally:
-        pd._state = saved
 
 
 def checkpoint_tensors(moe: MoE, seed: int) -> dict[str, torch.Tensor]:

@@ -42,7 +42,7 @@ def test_fp8_experts_split_by_expert(n, monkeypatch):
 
 
 def test_grouped_path_refused_under_expert_parallel():
-    from ep_checks import as_rank
+    from common.distributed import as_rank
     cfg = ModelConfig.from_pretrained(V2_LITE, SMALL)
     with as_rank(2, 0), pytest.raises(ValueError, match="--enable-expert-parallel: the grouped-GEMM"):
         MoE(cfg, torch.float32, KernelPlan(moe_large="grouped"))
@@ -60,7 +60,7 @@ def test_layouts_expert_parallel_cannot_split():
     with pytest.raises(ValueError, match="must divide the model's moe_intermediate_size 1400"):
         check_parallel_layout(odd, 16, 1)
     check_parallel_layout(odd, 16, 1, expert_parallel=True)
-    from ep_checks import as_rank
+    from common.distributed import as_rank
     with as_rank(16, 3), torch.device("meta"):  # and the layer builds: 4 whole experts, 175 shared units
         moe = MoE(odd, torch.bfloat16)
     assert moe.w13.shape == (4, 2 * 1400, 2048) and moe.shared_experts.down_proj.weight.shape == (2048, 175)
@@ -76,7 +76,7 @@ def test_loader_skips_other_ranks_experts_by_name(tiny_v3, caplog):
 
     from safetensors import safe_open
 
-    from ep_checks import as_rank
+    from common.distributed import as_rank
     from models.deepseek import DeepseekForCausalLM
     from models.loader import checkpoint_files, load_weights
     cfg = ModelConfig.from_pretrained(tiny_v3[0])
