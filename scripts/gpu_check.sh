@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|seesaw|pdl|mergeo|fewer|fewer2|sidenorm|b1norm|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|seesaw|ep|pdl|mergeo|fewer|fewer2|sidenorm|b1norm|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -26,6 +26,9 @@
 #               1-case smoke test (a hang shows here), its GPU tests and the engine's Gluon-decode tests (the
 #               first compiles for ~130 s on an H100: half the step's timeout), then its time next to the
 #               lockstep schedule and its producer+lazy variant at 128 heads (bench_gluon_configs.py; `seesaw:420`)
+#   ep          --enable-expert-parallel: its GPU test (V2-Lite's MoE layer as 4 EP ranks on one GPU, summed,
+#               against one rank), then bench_expert_parallel.py (R1's MoE layer of one rank at -tp 8, split by
+#               expert against every expert split; 1/3 and 2/3 of the step's timeout, `ep:420`)
 #   decode      the MLA decode kernel alone: its GPU tests (bf16 and FP8 caches, every DecodeConfig
 #               variant), split counts at 1k contexts (bench_decode_splits.py), then its tiles swept at B=128, S=4k/16k,
 #               16 and 128 heads, bf16 and FP8 (bench_mla_decode.py --decode-only --sweep); the step's
@@ -255,6 +258,8 @@ for spec in $steps; do
              timeout $((T / n)) python3 scripts/bench_throughput.py --no-enable-prefix-caching --piecewise-graph-sizes "$k" \
                --step-stats --json "$OUT/offline_pw_${k//,/_}_$SECONDS.json"; done; } > "$log" 2>&1 ;;
     http) timeout "$T" python3 scripts/bench_http_vs_offline.py --out-dir "$OUT/http" > "$log" 2>&1 ;;
+    ep) { timeout $((T / 3)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_expert_parallel.py
+          timeout $((T * 2 / 3)) python3 scripts/bench_expert_parallel.py; } > "$log" 2>&1 ;;
     peer) { [ -f .bench/peer_bench.py ] || echo "no .bench/peer_bench.py: copy ../shared/bench to .bench and carry it"
             [ -f /tmp/v2l/config.json ] || timeout $((T / 4)) python3 .bench/make_random_ckpt.py configs/models/DeepSeek-V2-Lite /tmp/v2l
             timeout $((T * 3 / 4)) python3 .bench/peer_bench.py --engine ours --model /tmp/v2l --load-format auto \
