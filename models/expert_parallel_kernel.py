@@ -29,7 +29,8 @@ def _to_local_kernel(w_ptr, ids_ptr, w_out_ptr, ids_out_ptr, N, first, count, BL
     tl.store(w_out_ptr + offs, tl.where(mine, w, 0.0).to(w_out_ptr.dtype.element_ty), mask=m)
 
 
-def to_local_triton(weights: torch.Tensor, ids: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+def to_local_triton(weights: torch.Tensor, ids: torch.Tensor, first: int,
+                    count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`expert_parallel.to_local`'s result, element for element, in one launch."""
     weights, ids = weights.contiguous(), ids.contiguous()
     w_out, ids_out = torch.empty_like(weights), torch.empty_like(ids)

@@ -164,9 +164,9 @@ class MoE(RoutedPaths, nn.Module):
                                if S and not self.n_shared else None)
         n, wdt = El + self.n_shared, FP8 if q else dtype
         if self.n_shared:  # this rank's units of the shared MLP, in n_shared pieces (Shard.stack)
-            w13 += [Shard(f"shared_experts.{name}.weight", (S * I, D), 0, (slice(E, n), slice(h * Il, (h + 1) * Il)),
+            w13 += [Shard(f"shared_experts.{name}.weight", (S * I, D), 0, (slice(El, n), slice(h * Il, (h + 1) * Il)),
                           stack=0) for h, name in enumerate(("gate_proj", "up_proj"))]
-            w2.append(Shard("shared_experts.down_proj.weight", (D, S * I), 1, (slice(E, n),), stack=1))
+            w2.append(Shard("shared_experts.down_proj.weight", (D, S * I), 1, (slice(El, n),), stack=1))
         self.w13 = packed_param((n, 2 * Il, D), wdt, w13)
         self.w2 = packed_param((n, D, Il), wdt, w2)
         self.fp8_block: tuple[int, int] | None = None  # set when the experts stay in FP8

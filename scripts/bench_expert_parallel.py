@@ -58,7 +58,8 @@ def main() -> None:
     pd.tp_all_reduce = lambda t: t  # one process: the ranks' partial outputs are not summed here
     tp_layers = build(cfg, plan, a.tp, 0, False, a.layers)
     ep_ranks = [build(cfg, plan, a.tp, r, True, a.layers) for r in range(a.tp)]
-    print(f"{torch.cuda.get_device_name()}, {a.model}, -tp {a.tp}, {a.layers} layers; µs per MoE layer (no all-reduce)")
+    print(f"{torch.cuda.get_device_name()}, {a.model}, -tp {a.tp}, {a.layers} layers; "
+          "µs per MoE layer (no all-reduce)")
     print("| tokens | TP split (each rank) | EP, slowest rank | EP, mean over ranks |\n|---|---|---|---|")
     for T in a.tokens:
         torch.manual_seed(T)
