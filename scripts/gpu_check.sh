@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|seesaw|ep|pdl|mergeo|fewer|fewer2|sidenorm|b1norm|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|seesaw|seesawtime|ep|pdl|mergeo|fewer|fewer2|sidenorm|b1norm|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -29,6 +29,8 @@
 #   ep          --enable-expert-parallel: its GPU test (V2-Lite's MoE layer as 4 EP ranks on one GPU, summed,
 #               against one rank), then bench_expert_parallel.py (R1's MoE layer of one rank at -tp 8, split by
 #               expert against every expert split; 1/3 and 2/3 of the step's timeout, `ep:420`)
+#   seesawtime  the seesaw step's timing alone (compile report, then seesaw against lockstep at 128 heads, B x S
+#               from SEESAW_SHAPES), no tests: issue 24's figure where device time is short (`seesawtime:120`)
 #   decode      the MLA decode kernel alone: its GPU tests (bf16 and FP8 caches, every DecodeConfig
 #               variant), split counts at 1k contexts (bench_decode_splits.py), then its tiles swept at B=128, S=4k/16k,
 #               16 and 128 heads, bf16 and FP8 (bench_mla_decode.py --decode-only --sweep); the step's
@@ -204,6 +206,9 @@ for spec in $steps; do
               timeout $((T / 4)) python3 scripts/bench_gluon_configs.py \
                 --configs seesaw,lockstep,producer+lazy,seesaw+lazy \
                 --shapes ${SEESAW_SHAPES:-128x4096,128x16384,32x4096,8x4096}; } > "$log" 2>&1 ;;
+    seesawtime) { timeout $((T / 3)) python3 scripts/compile_sm90.py --seesaw 1 --page 64 | tail -3
+                  timeout $((T * 2 / 3)) python3 scripts/bench_gluon_configs.py --configs seesaw,lockstep \
+                    --shapes ${SEESAW_SHAPES:-128x4096,128x16384,32x4096}; } > "$log" 2>&1 ;;
     latency) timeout "$T" python3 scripts/bench_latency.py ${LATENCY_ARGS:-} --json "$OUT/latency.json" > "$log" 2>&1 ;;
     latency_sync) timeout "$T" python3 scripts/bench_latency.py --no-async-scheduling ${LATENCY_ARGS:-} \
           --json "$OUT/latency_sync.json" > "$log" 2>&1 ;;
