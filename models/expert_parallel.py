@@ -14,8 +14,8 @@ choices into this rank's: a local expert index, or `count` (one past the last) f
 rank computes, with weight 0. The MoE paths leave such pairs out: the block kernels sort only ids
 below the expert count (models/expert_sort.py) and their pair sum skips the rest
 (fused_moe.sum_pairs), the torch loop stops at the last local expert, the dense path drops the
-extra column. The pair-parallel fused MoE (models/fused_moe.py `fused_moe_small`) would read an
-expert for every pair, so under EP the block kernels serve every batch size.
+extra column. The pair-parallel fused MoE (models/fused_moe.py `fused_moe_small`) runs a program
+for every pair and has no way to skip one, so under EP the block kernels serve every batch size.
 
 What it changes in speed is not measured here: this project's GPU machines have one GPU.
 """
