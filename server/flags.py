@@ -19,7 +19,8 @@ from server.reasoning import check_parser_name
 from server.responses_store import ResponseStore, add_responses_flags
 from server.tls import check_ssl
 from server.tool_calls import check_tool_flags
-from server.vllm_flags import add_vllm_flags, check_quantization, check_vllm_flags, cuda_graph_sizes
+from server.vllm_flags import (add_vllm_flags, check_quantization, check_vllm_flags, compilation_config,
+                               cuda_graph_sizes)
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)
              if f.default is not dataclasses.MISSING}
@@ -340,6 +341,20 @@ def _check_limits(ns: argparse.Namespace) -> None:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(ns, flag)}")
 
 
+def graph_modes(ns: argparse.Namespace) -> tuple[bool, str]:
+    """(enforce_eager, piecewise_graph_sizes) from the flags and --compilation-config's
+    cudagraph_mode: NONE is --enforce-eager, FULL_DECODE_ONLY is --piecewise-graph-sizes none (a
+    list of sizes given with it is an error naming both), FULL_AND_PIECEWISE changes nothing."""
+    mode = compilation_config(ns).get("cudagraph_mode")
+    piecewise = ns.piecewise_graph_sizes
+    if mode == "FULL_DECODE_ONLY":
+        if piecewise.strip().lower() not in ("auto", "none"):
+            raise ValueError(f"--compilation-config cudagraph_mode FULL_DECODE_ONLY and --piecewise-graph-sizes "
+                             f"{piecewise}: give one of them")
+        piecewise = "none"
+    return ns.enforce_eager or mode == "NONE", piecewise
+
+
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     """EngineArgs from parsed flags; raises ValueError naming the flag."""
     try:
@@ -355,6 +370,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         raise ValueError(f"--port must be in [1, 65535], got {ns.port}")
     check_vllm_flags(ns)
     graph_sizes = cuda_graph_sizes(ns)
+    enforce_eager, piecewise = graph_modes(ns)
     check_ssl(ns)
     check_parser_name(ns.reasoning_parser)
     check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
@@ -385,8 +401,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         device=ns.device, load_format=ns.load_format, num_kv_blocks=ns.num_kv_blocks,
         gpu_memory_utilization=ns.gpu_memory_utilization, cpu_kv_cache_gb=ns.cpu_kv_cache_gb,
         enable_prefix_caching=ns.enable_prefix_caching, seed=ns.seed,
-        enforce_eager=ns.enforce_eager,
-        piecewise_graph_sizes=ns.piecewise_graph_sizes, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend,
+        enforce_eager=enforce_eager,
+        piecewise_graph_sizes=piecewise, async_scheduling=ns.async_scheduling, attention_backend=ns.attention_backend,
         kernels=ns.kernels, fp8_gemm=ns.fp8_gemm, quantization=ns.quantization,
         kv_cache_dtype=ns.kv_cache_dtype,
         hf_overrides=overrides, rank_check_interval=ns.rank_check_interval,

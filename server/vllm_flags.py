@@ -1,7 +1,7 @@
 """vLLM's engine flags that a vLLM launch line carries, on the `serve` parser: those that ask for
 what this server does anyway (accepted, any other value an error naming the flag), the CUDA-graph
-capture sizes (--cuda-graph-sizes, --max-cudagraph-capture-size) and --quantization, which
-names the checkpoint's own FP8 quantization.
+capture sizes (--cuda-graph-sizes, --max-cudagraph-capture-size, and --compilation-config's
+CUDA-graph keys) and --quantization, which names the checkpoint's own FP8 quantization.
 """
 
 from __future__ import annotations
@@ -56,6 +56,15 @@ def add_vllm_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-cudagraph-capture-size", type=int, default=None, metavar="N",
                    help="the largest decode batch captured as a CUDA graph (vLLM's flag): this "
                         "engine's default sizes (1, 2, 4, 8, then every 16) up to N, and N itself")
+    g.add_argument("--compilation-config", default=None, metavar="JSON",
+                   help="vLLM's compilation config, a JSON object; of its keys this server takes "
+                        "cudagraph_mode (FULL_AND_PIECEWISE: the default here, decode steps captured "
+                        "whole and the others in pieces; FULL_DECODE_ONLY: --piecewise-graph-sizes none; "
+                        "NONE: --enforce-eager), cudagraph_capture_sizes (decode batch sizes, as "
+                        "--cuda-graph-sizes with several values), max_cudagraph_capture_size (as the "
+                        "flag), and accepts level, mode and custom_ops with any value (this server "
+                        "compiles nothing with torch.compile and has no op choices); any other key, or "
+                        "cudagraph_mode PIECEWISE or FULL, is an error naming it")
     for flag, kind, help_text in VLLM_NOOPS:
         if kind is bool:
             g.add_argument(flag, action="store_true", help=help_text)
@@ -79,18 +88,71 @@ def check_vllm_flags(ns: argparse.Namespace) -> None:
                 raise ValueError(f"{name} {value}: only {kind[1]} is supported")
 
 
+# --compilation-config's keys: what each must be; the CUDA-graph ones are read below, the others
+# accepted with any value (vLLM's torch.compile level / mode and custom-op choices: nothing here
+# is compiled by torch.compile, and there are no op implementations to choose between)
+_CC_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
+_CC_ANY = ("level", "mode", "custom_ops")
+
+
+def compilation_config(ns: argparse.Namespace) -> dict:
+    """--compilation-config, checked: {} when not given; a JSON object whose keys are among
+    cudagraph_mode, cudagraph_capture_sizes, max_cudagraph_capture_size and _CC_ANY (a bare
+    integer is vLLM's older spelling of its level). ValueError naming the key otherwise."""
+    text = getattr(ns, "compilation_config", None)
+    if text is None:
+        return {}
+    try:
+        cc = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"--compilation-config is not valid JSON: {e}") from None
+    if isinstance(cc, int) and not isinstance(cc, bool):
+        return {"level": cc}
+    if not isinstance(cc, dict):
+        raise ValueError("--compilation-config must be a JSON object")
+    known = ("cudagraph_mode", "cudagraph_capture_sizes", "max_cudagraph_capture_size", *_CC_ANY)
+    unknown = [k for k in cc if k not in known]
+    if unknown:
+        raise ValueError(f"--compilation-config: {', '.join(map(repr, unknown))} not supported here (this server "
+                         f"takes {', '.join(known)})")
+    mode = cc.get("cudagraph_mode", "FULL_AND_PIECEWISE")
+    if not isinstance(mode, str) or mode.upper() not in _CC_MODES:
+        raise ValueError(f"--compilation-config cudagraph_mode {mode!r}: this server captures decode steps whole "
+                         f"and the others in pieces, so it takes {', '.join(_CC_MODES)}")
+    sizes = cc.get("cudagraph_capture_sizes")
+    if sizes is not None and (not isinstance(sizes, list) or not sizes
+                              or not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes)):
+        raise ValueError(f"--compilation-config cudagraph_capture_sizes must be a list of integers, got {sizes!r}")
+    largest = cc.get("max_cudagraph_capture_size")
+    if largest is not None and (not isinstance(largest, int) or isinstance(largest, bool)):
+        raise ValueError(f"--compilation-config max_cudagraph_capture_size must be an integer, got {largest!r}")
+    return dict(cc, cudagraph_mode=mode.upper())
+
+
 def cuda_graph_sizes(ns: argparse.Namespace) -> tuple[int, ...] | None:
-    """The decode CUDA-graph batch sizes that --cuda-graph-sizes or --max-cudagraph-capture-size
-    ask for, or None for the engine's default. The patterns are built only up to --max-num-seqs
-    (no decode batch is larger), so a huge N costs nothing; a list is kept as given (the engine
-    leaves out its sizes above --max-num-seqs)."""
+    """The decode CUDA-graph batch sizes that --cuda-graph-sizes, --max-cudagraph-capture-size or
+    --compilation-config's cudagraph_capture_sizes / max_cudagraph_capture_size ask for, or None
+    for the engine's default. The patterns are built only up to --max-num-seqs (no decode batch is
+    larger), so a huge N costs nothing; a list is kept as given (the engine leaves out its sizes
+    above --max-num-seqs)."""
     sizes, largest = getattr(ns, "cuda_graph_sizes", None), getattr(ns, "max_cudagraph_capture_size", None)
-    if sizes is not None and largest is not None:
-        raise ValueError("--cuda-graph-sizes and --max-cudagraph-capture-size: give one of them")
+    cc = compilation_config(ns)
+    given = [name for name, v in (("--cuda-graph-sizes", sizes), ("--max-cudagraph-capture-size", largest),
+                                  ("--compilation-config cudagraph_capture_sizes", cc.get("cudagraph_capture_sizes")),
+                                  ("--compilation-config max_cudagraph_capture_size",
+                                   cc.get("max_cudagraph_capture_size"))) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)}: give one of them")
+    listed = cc.get("cudagraph_capture_sizes")
+    if listed is not None:  # vLLM's list: the sizes themselves, one value too (no pattern)
+        if min(listed) < 1:
+            raise ValueError(f"--compilation-config cudagraph_capture_sizes must be >= 1, got {min(listed)}")
+        return tuple(sorted(set(listed)))
+    largest = cc.get("max_cudagraph_capture_size", largest)
     cap = getattr(ns, "max_num_seqs", None) or 1 << 30
     if largest is not None:
         if largest < 1:
-            raise ValueError(f"--max-cudagraph-capture-size must be >= 1, got {largest}")
+            raise ValueError(f"{given[0]} must be >= 1, got {largest}")
         top = min(largest, cap)  # the default pattern, and the largest size itself
         return tuple(sorted({b for b in (1, 2, 4, 8, *range(16, top + 1, 16)) if b <= top} | {top}))
     if sizes is None:

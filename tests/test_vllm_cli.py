@@ -47,6 +47,21 @@ ACCEPTED = [
      "--enable-expert-parallel",
      dict(tensor_parallel_size=8, enable_expert_parallel=True)),
     ("vllm serve deepseek-ai/DeepSeek-V3 -tp 8 -ep", dict(tensor_parallel_size=8, enable_expert_parallel=True)),
+    # --compilation-config's CUDA-graph keys (vLLM's CompilationConfig), and those accepted as no-ops here
+    ("vllm serve deepseek-ai/DeepSeek-V3 -tp 8 --compilation-config "
+     "'{\"cudagraph_mode\": \"FULL_AND_PIECEWISE\", \"custom_ops\": [\"all\"]}'",
+     dict(tensor_parallel_size=8, enforce_eager=False, piecewise_graph_sizes="auto", cuda_graph_sizes=None)),
+    ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config '{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'",
+     dict(enforce_eager=False, piecewise_graph_sizes="none")),
+    ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config '{\"cudagraph_mode\": \"NONE\", \"level\": 0}'",
+     dict(enforce_eager=True)),
+    ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config '{\"cudagraph_capture_sizes\": [1, 2, 4, 8, 16]}'",
+     dict(cuda_graph_sizes=(1, 2, 4, 8, 16))),
+    ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config '{\"cudagraph_capture_sizes\": [24]}'",
+     dict(cuda_graph_sizes=(24,))),
+    ("vllm serve deepseek-ai/DeepSeek-V3 --max-num-seqs 64 --compilation-config "
+     "'{\"max_cudagraph_capture_size\": 40}'", dict(cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 40))),
+    ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config 3", dict(enforce_eager=False)),
     # a vLLM bug report ("'_moe_C' object has no attribute 'moe_align_block_size'"), DeepSeek-V3
     ("vllm serve xxx --served-model-name deepseek-v3 -tp 8 --gpu-memory-utilization 0.85 "
      "--max-model-len 65536 --enable-auto-tool-choice --tool-call-parser deepseek_v3",
@@ -64,7 +79,7 @@ REJECTED = [
      "--compilation-config '{\"cudagraph_mode\":\"FULL_AND_PIECEWISE\", \"custom_ops\":[\"all\"]}' "
      "--attention_config.use_fp4_indexer_cache=True --tokenizer-mode deepseek_v4 "
      "--tool-call-parser deepseek_v4 --enable-auto-tool-choice --reasoning-parser deepseek_v4",
-     ["--compilation-config", "--attention_config.use_fp4_indexer_cache"]),
+     ["--attention_config.use_fp4_indexer_cache"]),
 ]
 
 
@@ -77,6 +92,20 @@ REFUSED_VALUES = [
      "--tokenizer-mode deepseek_v32: only auto is supported"),
     ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8",
      "--data-parallel-size 8: only 1 is supported"),
+    ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}'",
+     "cudagraph_mode 'PIECEWISE': this server captures decode steps whole"),
+    ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config '{\"pass_config\": {}, \"level\": 3}'",
+     "--compilation-config: 'pass_config' not supported here"),
+    ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config '[1, 2]'",
+     "--compilation-config must be a JSON object"),
+    ("vllm serve deepseek-ai/DeepSeek-V3 --cuda-graph-sizes 8 --compilation-config "
+     "'{\"cudagraph_capture_sizes\": [8]}'",
+     "--cuda-graph-sizes and --compilation-config cudagraph_capture_sizes: give one of them"),
+    ("vllm serve deepseek-ai/DeepSeek-V3 --piecewise-graph-sizes 512 --compilation-config "
+     "'{\"cudagraph_mode\": \"FULL_DECODE_ONLY\"}'",
+     "cudagraph_mode FULL_DECODE_ONLY and --piecewise-graph-sizes 512: give one of them"),
+    ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config '{\"cudagraph_capture_sizes\": [0, 8]}'",
+     "cudagraph_capture_sizes must be >= 1, got 0"),
     # docs.vllm.ai recipes, DeepSeek-V3 (R1), 8xH200: DP8+EP (the recipe's TP8+EP line is in ACCEPTED)
     ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8 "
      "--enable-expert-parallel", "--data-parallel-size 8: only 1 is supported"),
