@@ -41,17 +41,13 @@ MAX_CACHED_GRAMMARS, MAX_CACHED_GRAMMAR_CHARS = 256, 8_000_000
 MAX_ERROR_CHARS = 300  # of a matcher's error, as a request's answer carries it
 # threads that compute the bitmask rows of one step in parallel (llguidance's LLExecutor)
 MASK_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
-# constraints compiled at once off the step loop (compile_async's workers): two, so that one huge
-# grammar does not hold every other structured request behind it
-COMPILE_THREADS = 2
+COMPILE_THREADS = 2  # compiles at once off the step loop: one huge grammar holds no other behind it
 # A request waits at most COMPILE_TIMEOUT_S for its constraint's compile, then fails alone (a 400
 # naming its field; EngineCore.admit_compiled). The compile itself cannot be stopped (a thread in
 # the library) and runs on. A worker on one compile for longer than HELD_COMPILE_S no longer
 # counts: while compiles queue, another is started (`keep_up`), up to MAX_COMPILE_THREADS in all,
 # so the requests behind a grammar the library takes minutes over still get most of their wait.
-COMPILE_TIMEOUT_S = 60.0
-HELD_COMPILE_S = 10.0
-MAX_COMPILE_THREADS = 6
+COMPILE_TIMEOUT_S, HELD_COMPILE_S, MAX_COMPILE_THREADS = 60.0, 10.0, 6
 
 # JSON is generated compact, as json.dumps writes it ('{"a": 1, "b": [2, 3]}'): free whitespace
 # lets a model pad its output with newlines until max_tokens instead of closing the object.
@@ -330,6 +326,12 @@ class GrammarCompiler:
         # log_level 0: llguidance's own warnings (which can quote the whole grammar) stay
         # off stderr; its errors reach the request (RequestGrammar.error)
         template = llg.LLMatcher(self._ll_tokenizer(), grammar_text(so), log_level=0)
+        if template.is_error():
+            raise ValueError(f"the {so.kind} constraint does not compile: {_first_lines(template.get_error())}")
+        # the lexer is built with the first mask (nested repeats: ~1 s): here, off the step loop, on the
+        # template, whose copies start from it (~0.1 s each; a copy that built it left later ones failing)
+        row = np.zeros(self.words, dtype=np.int32)
+        template.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         if template.is_error():
             raise ValueError(f"the {so.kind} constraint does not compile: {_first_lines(template.get_error())}")
         key = self._key(so)

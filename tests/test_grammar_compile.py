@@ -386,3 +386,19 @@ def test_the_compiled_lru_is_bounded_by_characters(monkeypatch):
     assert [k[1] for k in gc._cache] == specs[1:3] and gc._cache_chars == 22
     gc.compile(StructuredOutputs("regex", specs[3]))  # past the budget alone: kept alone
     assert [k[1] for k in gc._cache] == specs[3:] and gc._cache_chars == 30
+
+
+def test_the_lexer_is_built_with_the_compile_for_every_copy():
+    """llguidance builds a grammar's lexer with its first mask. The compile (off the step loop)
+    computes that mask on the cached template, so every request's copy starts from the built
+    lexer: with nested repeats, a copy that built it first left the next copies failing ("too
+    many expressions constructed") on their first mask."""
+    from engine.structured_outputs import GrammarCompiler
+    from models.config import ModelConfig
+    compiler = GrammarCompiler(str(TINY_MODEL), ModelConfig.from_pretrained(str(TINY_MODEL)).vocab_size)
+    so = StructuredOutputs("regex", "((a{211}){200}){100}")
+    grammars = [compiler.compile(so) for _ in range(3)]  # the first compiles, the others are cached copies
+    compiler.fill_bitmask(grammars[:1])
+    masks = compiler.fill_bitmask(grammars[1:])
+    assert not any(g.failed for g in grammars), [g.error() for g in grammars if g.failed]
+    assert (masks != 0).any(axis=1).all()  # each copy allows a next token ("a")
