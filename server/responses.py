@@ -254,6 +254,9 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         false, so that the client is told."""
         if not keep:
             return True
+        if not req.background and rid in store.running:  # a background response of this id started
+            response["store"] = False                      # meanwhile: its entry, which GET polls, stays
+            return False
         body = json.dumps(response, allow_nan=False).encode() if body is None else body
         if _save(store, rid, body, response["output"], previous, own_turns, req.input):
             return True

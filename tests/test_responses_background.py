@@ -180,6 +180,27 @@ def test_a_running_id_is_not_reused(slow):
     httpx.post(f"{slow.url}/v1/responses/resp_mine/cancel", timeout=30)
 
 
+def test_a_foreground_response_does_not_replace_a_background_one_of_its_id(slow):
+    """A stored foreground response running when a background one of the same id starts (which
+    check_running cannot see: only background responses are marked running) leaves the background
+    one's entry alone when it finishes, and says so (store false); GET keeps polling the
+    background one."""
+    import threading
+    headers = {"X-Request-Id": "twice"}
+    fg = {}
+    t = threading.Thread(target=lambda: fg.update(create(slow, {"input": "hi", "max_output_tokens": 15},
+                                                         headers=headers)))
+    t.start()
+    time.sleep(0.1)  # the foreground one is running (20 ms a token)
+    bg = create(slow, {"input": "hi", "max_output_tokens": 500, "background": True}, headers=headers)
+    assert bg["id"] == "resp_twice"
+    t.join(30)
+    assert fg["id"] == "resp_twice" and fg["store"] is False and fg["usage"]["output_tokens"] == 15
+    assert get(slow, "resp_twice")["status"] in ("queued", "in_progress")  # still the background one
+    httpx.post(f"{slow.url}/v1/responses/resp_twice/cancel", timeout=30)
+    assert poll(slow, "resp_twice", lambda x: x["status"] == "cancelled")["status"] == "cancelled"
+
+
 def test_no_more_running_than_the_store_keeps():
     engine = FakeEngine(transformers.AutoTokenizer.from_pretrained(TINY_MODEL), max_model_len=1024,
                         step_delay=0.02)
