@@ -69,7 +69,9 @@ class AsyncLLM:
         self.tokenizer = self.outputs.tokenizer
         self.model_name = args.model_name
         self.model_names = args.model_names  # all accepted as `model`; model_name is the first
-        self.vocab_size = self.model_config.vocab_size
+        # the token ids prompts may hold (the model's vocabulary, cut to the tokenizer's where the
+        # config's is padded past it): what /v1/models reports
+        self.vocab_size = self.inputs.vocab_size
         self._queues: dict[str, asyncio.Queue] = {}
         try:
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()

@@ -25,6 +25,12 @@ def test_models_health_tokenizer_routes(server):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [server.model]
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    vocab = models["data"][0].get("vocab_size")
+    if vocab is not None:  # the ids a prompt may hold: the first one past them is refused
+        body = {"model": server.model, "max_tokens": 1}
+        assert httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": [vocab - 1]}).status_code == 200
+        r = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": [vocab]})
+        assert r.status_code == 400 and f"{vocab} is outside" in r.json()["error"]["message"]
     assert httpx.get(f"{server.url}/health").status_code == 200
     info = httpx.get(f"{server.url}/tokenizer_info").json()
     tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
