@@ -194,14 +194,32 @@ def check_token_ids(params: SamplingParams, vocab_size: int, eos_token_id: int |
         bad = next((t for t in ids if not 0 <= t < vocab_size), None)
         if bad is not None:
             raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})")
-    if params.allowed_token_ids is None:
-        return
-    banned = {seq[0] for seq in params.bad_words_token_ids or () if len(seq) == 1}
-    if params.min_tokens > 0:
-        banned.update(params.stop_token_ids)
-        if eos_token_id is not None and not params.ignore_eos:
-            banned.add(eos_token_id)
-    if banned.issuperset(params.allowed_token_ids):
+    if nothing_to_sample(params, [], eos_token_id):
         raise ValueError(f"allowed_token_ids: every listed token is also banned (by a one-token bad word, "
                          f"or as a stop/EOS token while below min_tokens {params.min_tokens}), so nothing "
                          "could be sampled")
+
+
+def bad_word_bans(sequences: list[list[int]], output: list[int]) -> list[int]:
+    """The tokens a row may not sample next: each bad word's last token where the output ends
+    with the word's other tokens (a one-token word: always)."""
+    bans = []
+    for seq in sequences:
+        k = len(seq) - 1
+        if k == 0 or (len(output) >= k and output[-k:] == seq[:-1]):
+            bans.append(seq[-1])
+    return bans
+
+
+def nothing_to_sample(params: SamplingParams, output: list[int], eos_token_id: int | None) -> bool:
+    """Whether, after `output`, the sampler's masks leave no token of allowed_token_ids: all banned
+    by bad words the output now ends with, or as stop / EOS tokens while below min_tokens (the
+    sampler would then pick from a row of -inf, a token outside the list)."""
+    if params.allowed_token_ids is None:
+        return False
+    banned = set(bad_word_bans(params.bad_words_token_ids or (), output))
+    if len(output) < params.min_tokens:
+        banned.update(params.stop_token_ids)
+        if eos_token_id is not None and not params.ignore_eos:
+            banned.add(eos_token_id)
+    return banned.issuperset(params.allowed_token_ids)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.sampling_params import FP32_OVERFLOW, GREEDY_TEMPERATURE_EPS, SamplingParams
+from common.sampling_params import FP32_OVERFLOW, GREEDY_TEMPERATURE_EPS, SamplingParams, bad_word_bans
 from common.transfer import to_device
 from engine.logprobs import DeviceLogprobs, gather_logprobs
 
@@ -257,17 +257,6 @@ class Sampler:
             logits = _apply_min_p(logits, batch.min_p)
         probs = torch.softmax(logits, dim=-1)
         return _exponential_race(probs, batch.generators)
-
-
-def bad_word_bans(sequences: list[list[int]], output: list[int]) -> list[int]:
-    """The tokens a row may not sample next: each bad word's last token where the output ends
-    with the word's other tokens (a one-token word: always)."""
-    bans = []
-    for seq in sequences:
-        k = len(seq) - 1
-        if k == 0 or (len(output) >= k and output[-k:] == seq[:-1]):
-            bans.append(seq[-1])
-    return bans
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable
 
+from common.sampling_params import nothing_to_sample
 from scheduler.block_manager import BlockManager
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
@@ -408,6 +409,15 @@ class Scheduler:
         if (request.num_tokens >= self.config.max_model_len
                 or request.num_tokens > self.config.capacity_tokens):
             request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        # allowed_token_ids all banned next (by a bad word the output now ends with, or below
+        # min_tokens): the sampler would take a token off the list, so the request ends in an error
+        if (sp.allowed_token_ids is not None and (sp.bad_words_token_ids or sp.min_tokens)
+                and nothing_to_sample(sp, request.output_token_ids, request.eos_token_id)):
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = (f"allowed_token_ids: after {request.num_output_tokens} output tokens every "
+                                   "listed token is banned next (by bad_words, the output ending with a bad "
+                                   "word's first tokens, or below min_tokens), so nothing can be sampled")
             return True
         return False
 

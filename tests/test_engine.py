@@ -263,3 +263,24 @@ def test_bad_words(tiny_v3):
     one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
                                                  bad_words_token_ids=[[free[0]]]))[0].outputs[0].token_ids
     assert free[0] not in one
+
+
+def test_allowed_tokens_banned_by_a_bad_word_end_in_an_error(tiny_v3):
+    """allowed_token_ids [11] with the bad word [11, 11]: after one 11 the only allowed token is
+    banned. The request ends in an error after that token, naming allowed_token_ids, where the
+    sampler would have taken a token off the list from a row of -inf (an adversarial pass found
+    token 0 there); likewise [11, 12] below min_tokens 3 with 12 a stop token and [11, 11] banned."""
+    from common.sampling_params import nothing_to_sample
+    llm = make_llm(tiny_v3[0])
+    dead = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, allowed_token_ids=[11],
+                          bad_words_token_ids=[[11, 11]])
+    stops = SamplingParams(temperature=1.0, seed=1, max_tokens=5, ignore_eos=True, allowed_token_ids=[11, 12],
+                           bad_words_token_ids=[[11, 11]], stop_token_ids=[12], min_tokens=3)
+    for params in (dead, stops):
+        o = llm.generate(["Hello"], params)[0].outputs[0]
+        assert o.token_ids == [11] and o.finish_reason == "error", (o.token_ids, o.finish_reason)
+        assert str(o.stop_reason).startswith("allowed_token_ids: after 1 output tokens every listed token")
+    # the check itself: only where the output ends with the bad word's first token, below min_tokens
+    assert nothing_to_sample(stops, [11], None) and not nothing_to_sample(stops, [12], None)
+    assert not nothing_to_sample(SamplingParams(allowed_token_ids=[11, 12], bad_words_token_ids=[[11, 11]]),
+                                 [11], None)
