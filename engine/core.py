@@ -6,6 +6,8 @@ import logging
 import time
 from concurrent.futures import Future
 
+import numpy as np
+
 from common.args import EngineArgs
 from common.gc_tuning import freeze_startup_objects, thaw_frozen_objects
 from engine.executor import make_executor
@@ -21,6 +23,12 @@ from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+
+
+def allowed_bits(row: np.ndarray, ids: list[int]) -> np.ndarray:
+    """The bits of token `ids` in a grammar bitmask row (int32 words, bit t % 32 of word t // 32)."""
+    t = np.asarray(ids, dtype=np.int64)
+    return (row[t >> 5].view(np.uint32) >> (t & 31).astype(np.uint32)) & 1
 
 
 class EngineCore:
@@ -203,6 +211,11 @@ class EngineCore:
         if rows:
             so.grammar_req_ids = [r.request_id for r in rows]
             so.grammar_bitmask = self.grammars.fill_bitmask([r.grammar for r in rows])
+            for row, r in enumerate(rows):  # a constraint that allows none of allowed_token_ids next
+                allowed = r.sampling_params.allowed_token_ids
+                if allowed is not None and not allowed_bits(so.grammar_bitmask[row], allowed).any():
+                    r.no_allowed_token = ("allowed_token_ids: the structured-output constraint allows none of "
+                                          f"the listed tokens after {r.num_output_tokens} output tokens")
         return so
 
     def _drain(self) -> list[EngineCoreOutput]:

@@ -59,6 +59,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # set by the engine core when the step's grammar mask leaves none of allowed_token_ids:
+        # the token sampled from that row ends the request in this error
+        self.no_allowed_token: str | None = None
 
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.queue_time: float | None = None  # seconds from arrival to first admission

@@ -379,6 +379,10 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set the finished status if token_id ends the request; stop tokens wait for min_tokens."""
         sp = request.sampling_params
+        if request.no_allowed_token is not None:  # the token came from a row with nothing allowed
+            request.status = RequestStatus.FINISHED_ERROR
+            request.stop_reason = request.no_allowed_token
+            return True
         # checked first: a matcher that failed while computing its mask allows only EOS, which
         # must not read as a normal stop
         if request.grammar is not None and request.grammar.failed:

@@ -416,3 +416,15 @@ def test_forced_required_choice_keeps_the_tools_definitions():
     validate(StructuredOutputs("json", json.dumps(schema)), "tools")  # compiles
     with pytest.raises(ValueError, match=r"^tools: two tools define \$defs 'Unit' differently"):
         forced_schema([tool("a", {"Unit": unit}), tool("b", {"Unit": {"type": "integer"}})], "required")
+
+
+def test_a_constraint_that_allows_none_of_allowed_token_ids_is_an_error(llm):
+    """guided regex "b+" with allowed_token_ids holding only "a": the step's grammar mask leaves
+    none of the listed tokens, so the request ends in an error naming allowed_token_ids (the
+    sampler's row is all -inf; an adversarial pass saw token 0 taken and then the constraint's
+    own, fieldless error)."""
+    import transformers
+    a = transformers.AutoTokenizer.from_pretrained(str(TINY_MODEL)).encode("a", add_special_tokens=False)
+    out = llm.generate(["Hello"], constrained("regex", "b+", allowed_token_ids=a[:1]))[0].outputs[0]
+    assert out.finish_reason == "error" and len(out.token_ids) == 1
+    assert str(out.stop_reason).startswith("allowed_token_ids: the structured-output constraint allows none")
