@@ -46,18 +46,16 @@ def routed_shards(num_experts: int, inter: int, hidden: int) -> tuple[list[Shard
     weight names). Without EP: every expert, each split over the TP ranks (Il = I / tp); with EP:
     this rank's experts whole (Il = I), loaded at their local index."""
     first, count = local_range(num_experts)
-    if count == num_experts:  # TP split of every expert
-        il = inter // pd.tp().size
-        w13 = [Shard(f"experts.{e}.{name}.weight", (inter, hidden), 0, (e, slice(h * il, (h + 1) * il)))
-               for e in range(num_experts) for h, name in enumerate(("gate_proj", "up_proj"))]
-        w2 = [Shard(f"experts.{e}.down_proj.weight", (hidden, inter), 1, (e,)) for e in range(num_experts)]
-        return w13, w2, il, []
-    w13 = [Shard(f"experts.{first + e}.{name}.weight", (inter, hidden), None, (e, slice(h * inter, (h + 1) * inter)))
+    split = count == num_experts  # no EP: every expert's units split over the TP ranks
+    il = inter // pd.tp().size if split else inter
+    w13 = [Shard(f"experts.{first + e}.{name}.weight", (inter, hidden), 0 if split else None,
+                 (e, slice(h * il, (h + 1) * il)))
            for e in range(count) for h, name in enumerate(("gate_proj", "up_proj"))]
-    w2 = [Shard(f"experts.{first + e}.down_proj.weight", (hidden, inter), None, (e,)) for e in range(count)]
+    w2 = [Shard(f"experts.{first + e}.down_proj.weight", (hidden, inter), 1 if split else None, (e,))
+          for e in range(count)]
     foreign = [f"experts.{e}.{name}.weight" for e in range(num_experts) if not first <= e < first + count
                for name in ("gate_proj", "up_proj", "down_proj")]
-    return w13, w2, inter, foreign
+    return w13, w2, il, foreign
 
 
 def to_local(weights: torch.Tensor, ids: torch.Tensor, first: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
