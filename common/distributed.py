@@ -1,15 +1,20 @@
 """Process groups and collectives, in one module with accessor functions (STYLE.md rule 6).
 
-Ranks: `world = tp` (one TP group; pipeline parallelism is not supported). DCP groups are
-`tp / dcp` groups of `dcp` consecutive ranks inside the TP group (DESIGN.md §7). With expert
-parallelism (--enable-expert-parallel) the EP group is the TP group: the MoE layers split their
-routed experts by expert over it instead of splitting every expert (models/expert_parallel.py). With a single
-rank nothing is initialised and every collective is the identity, so the model code never
-branches on "distributed or not".
+Ranks: `world = dp * tp`, rank `d * tp + t` the TP rank t of data-parallel rank d (pipeline
+parallelism is not supported). Each DP rank is a TP group of `tp` consecutive ranks with its own
+requests and KV cache (engine/data_parallel.py); DCP groups are `tp / dcp` groups of `dcp`
+consecutive ranks inside a TP group (DESIGN.md §7). The MoE group is every rank: the MoE layers
+split their experts over all `dp * tp` ranks and run on the tokens of every DP rank, gathered over
+the DP group (the ranks of one TP rank across the DP ranks; models/data_parallel_moe.py). Without
+DP the MoE group is the TP group. With expert parallelism (--enable-expert-parallel) the EP group
+is the MoE group: the MoE layers split their routed experts by expert over it instead of
+splitting every expert (models/expert_parallel.py). With a single rank nothing is initialised and
+every collective is the identity, so the model code never branches on "distributed or not".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import warnings
@@ -38,37 +43,56 @@ class _State:
     tp: GroupInfo
     dcp: GroupInfo
     cpu: dist.ProcessGroup | None  # gloo group over all ranks, for control messages
-    ep: GroupInfo = field(default_factory=GroupInfo)  # the TP group with expert parallelism, else size 1
+    ep: GroupInfo = field(default_factory=GroupInfo)  # the MoE group with expert parallelism, else size 1
+    dp: GroupInfo = field(default_factory=GroupInfo)  # this TP rank across the DP ranks
+    moe: GroupInfo | None = None  # every rank under DP; None: the TP group
+    world_cpu: dist.ProcessGroup | None = None  # gloo over every rank (cpu is one TP group's)
+    dp_rows: int = 0  # the step's rows per DP rank in the MoE gather (0: this rank's token count)
 
 
 _state = _State(GroupInfo(), GroupInfo(), None)  # set once by init_parallel, read by accessors
 
 
 def init_parallel(tp_size: int, dcp_size: int, rank: int, init_method: str, backend: str,
-                  timeout_s: float = 600.0, expert_parallel: bool = False) -> None:
-    """Join the process group and build TP and DCP groups (and with `expert_parallel` the EP
-    group, the TP group itself); every rank calls this once."""
+                  timeout_s: float = 600.0, expert_parallel: bool = False, dp_size: int = 1) -> None:
+    """Join the process group of `dp_size * tp_size` ranks and build the TP, DCP, DP and MoE
+    groups (and with `expert_parallel` the EP group, the MoE group itself); every rank calls this
+    once, with its global rank."""
     global _state
     if tp_size % dcp_size:
         raise ValueError(f"decode context parallel size {dcp_size} must divide tensor parallel size {tp_size}")
-    if tp_size == 1:
+    world = tp_size * dp_size
+    if world == 1:
         _state = _State(GroupInfo(), GroupInfo(), None)
         return
-    dist.init_process_group(backend, init_method=init_method, world_size=tp_size, rank=rank,
+    dist.init_process_group(backend, init_method=init_method, world_size=world, rank=rank,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    tp_group = dist.new_group(list(range(tp_size)))
-    cpu_group = dist.new_group(list(range(tp_size)), backend="gloo") if backend != "gloo" else tp_group
+    d, t = divmod(rank, tp_size)
+
+    def mine(groups: list[list[int]], cpu: bool = False) -> tuple[GroupInfo, dist.ProcessGroup | None]:
+        """Every rank creates every group, in one order; (this rank's GroupInfo, its gloo twin)."""
+        info, twin = GroupInfo(), None
+        for ranks in groups:
+            g = dist.new_group(ranks)
+            c = (dist.new_group(ranks, backend="gloo") if backend != "gloo" else g) if cpu else None
+            if rank in ranks:
+                info, twin = GroupInfo(len(ranks), ranks.index(rank), g), c
+        return info, twin
+
+    tp_info, cpu_group = mine([list(range(s, s + tp_size)) for s in range(0, world, tp_size)], cpu=True)
     dcp = GroupInfo()
     if dcp_size > 1:
-        for start in range(0, tp_size, dcp_size):  # every rank must create every group
-            ranks = list(range(start, start + dcp_size))
-            g = dist.new_group(ranks)
-            if rank in ranks:
-                dcp = GroupInfo(dcp_size, rank - start, g)
-    tp_info = GroupInfo(tp_size, rank, tp_group)
-    _state = _State(tp_info, dcp, cpu_group, tp_info if expert_parallel else GroupInfo())
-    log.info("rank %d: tp %d/%d, dcp %d/%d%s", rank, rank, tp_size, dcp.rank, dcp.size,
-             f", ep {rank}/{tp_size}" if expert_parallel else "")
+        dcp, _ = mine([list(range(s, s + dcp_size)) for s in range(0, world, dcp_size)])
+    dp_info, moe, world_cpu = GroupInfo(), None, cpu_group
+    if dp_size > 1:
+        dp_info, _ = mine([list(range(j, world, tp_size)) for j in range(tp_size)])
+        world_group = dist.new_group(list(range(world)))
+        moe = GroupInfo(world, rank, world_group)
+        world_cpu = dist.new_group(list(range(world)), backend="gloo") if backend != "gloo" else world_group
+    ep = (moe or tp_info) if expert_parallel else GroupInfo()
+    _state = _State(tp_info, dcp, cpu_group, ep, dp_info, moe, world_cpu)
+    log.info("rank %d: dp %d/%d, tp %d/%d, dcp %d/%d%s", rank, d, dp_size, t, tp_size, dcp.rank, dcp.size,
+             f", ep {ep.rank}/{ep.size}" if expert_parallel else "")
 
 
 def destroy_parallel() -> None:
@@ -87,18 +111,55 @@ def dcp() -> GroupInfo:
 
 
 def ep() -> GroupInfo:
-    """The expert-parallel group: the TP group under --enable-expert-parallel, else one rank."""
+    """The expert-parallel group: the MoE group under --enable-expert-parallel, else one rank."""
     return _state.ep
 
 
+def dp() -> GroupInfo:
+    """This TP rank across the data-parallel ranks (size 1 without DP); its rank is the DP rank."""
+    return _state.dp
+
+
+def moe() -> GroupInfo:
+    """The group the MoE layers split their experts over: every rank under DP, else the TP group."""
+    return _state.moe or _state.tp
+
+
 @contextmanager
-def as_rank(tp_size: int, rank: int, expert_parallel: bool = True):
-    """For tests and benchmarks in one process: the state rank `rank` of `-tp tp_size` (with
-    expert parallelism) sees while its modules are built, with no process group, so nothing may
-    call a collective meanwhile (the caller replaces tp_all_reduce where a forward runs)."""
+def moe_scope():
+    """While the MoE layers are built, `tp()` is the MoE group: their parameters are split over it
+    (a parameter records its split when made: models/layers.py `split_of`)."""
     global _state
-    saved, g = _state, GroupInfo(tp_size, rank)
-    _state = _State(g, GroupInfo(), None, g if expert_parallel else GroupInfo())
+    saved = _state
+    if _state.moe is not None:
+        _state = dataclasses.replace(_state, tp=_state.moe)
+    try:
+        yield
+    finally:
+        _state = saved
+
+
+def set_dp_rows(rows: int) -> None:
+    """The step's rows per DP rank in the MoE layers' gather (the most tokens any DP rank runs;
+    0: this rank's own count, as in start-up passes that every rank runs alike)."""
+    _state.dp_rows = rows
+
+
+def dp_rows() -> int:
+    return _state.dp_rows
+
+
+@contextmanager
+def as_rank(tp_size: int, rank: int, expert_parallel: bool = True, dp_size: int = 1):
+    """For tests and benchmarks in one process: the state global rank `rank` of `-tp tp_size -dp
+    dp_size` (with expert parallelism) sees while its modules are built, with no process group, so
+    nothing may call a collective meanwhile (the caller replaces moe_all_reduce where a forward
+    runs)."""
+    global _state
+    saved, g = _state, GroupInfo(tp_size, rank % tp_size)
+    moe = GroupInfo(tp_size * dp_size, rank) if dp_size > 1 else None
+    _state = _State(g, GroupInfo(), None, (moe or g) if expert_parallel else GroupInfo(),
+                    GroupInfo(dp_size, rank // tp_size), moe)
     try:
         yield
     finally:
@@ -106,7 +167,13 @@ def as_rank(tp_size: int, rank: int, expert_parallel: bool = True):
 
 
 def cpu_group() -> dist.ProcessGroup | None:
+    """gloo over this rank's TP group, for control messages."""
     return _state.cpu
+
+
+def world_cpu_group() -> dist.ProcessGroup | None:
+    """gloo over every rank (the TP group's without DP)."""
+    return _state.world_cpu if _state.moe is not None else _state.cpu
 
 
 # ---- collectives (identity on one rank) ----
@@ -114,6 +181,14 @@ def cpu_group() -> dist.ProcessGroup | None:
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _state.tp.size > 1:
         dist.all_reduce(x, group=_state.tp.group)
+    return x
+
+
+def moe_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum a MoE layer's partial outputs over the MoE group."""
+    g = moe()
+    if g.size > 1:
+        dist.all_reduce(x, group=g.group)
     return x
 
 
@@ -136,6 +211,11 @@ def _all_gather(x: torch.Tensor, g: GroupInfo, dim: int) -> torch.Tensor:
 
 def tp_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return _all_gather(x, _state.tp, dim % x.dim())
+
+
+def dp_all_gather(x: torch.Tensor) -> torch.Tensor:
+    """All-gather over the DP group along dim 0, DP-rank-major (equal row counts)."""
+    return _all_gather(x, _state.dp, 0)
 
 
 def dcp_all_gather(x: torch.Tensor, dim: int = 0) -> torch.Tensor:

@@ -42,6 +42,7 @@ def packed_param(shape: tuple[int, ...], dtype: torch.dtype, shards: list[Shard]
     """An uninitialised parameter `shape` (this rank's) filled by the loader from `shards`."""
     p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.shards = shards
+    p.tp_split = (pd.tp().size, pd.tp().rank)
     return p
 
 
@@ -55,7 +56,15 @@ def shard_param(shape: tuple[int, ...], tp_dim: int | None, dtype: torch.dtype) 
         shape[tp_dim] //= size
     p = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
     p.tp_dim = tp_dim
+    p.tp_split = (pd.tp().size, pd.tp().rank)
     return p
+
+
+def split_of(p: torch.Tensor) -> tuple[int, int]:
+    """(ranks, this rank's index) that a parameter's `tp_dim` is split over: the TP group's as the
+    parameter was made (the MoE group's for the MoE layers under data parallelism,
+    common/distributed.py `moe_scope`)."""
+    return getattr(p, "tp_split", None) or (pd.tp().size, pd.tp().rank)
 
 
 class RMSNorm(nn.Module):

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from common import distributed as pd
 from models.config import ModelConfig
 from models.fp8 import FP8, quantize
-from models.layers import Shard
+from models.layers import Shard, split_of
 
 log = logging.getLogger(__name__)
 
@@ -158,8 +158,9 @@ def _copy_slice(p: torch.Tensor, sh: Shard, sl, name: str) -> None:
         if sh.tp_dim is None:
             part = sl[:]
         else:
-            n = p.shape[0] if vocab is not None else full[sh.tp_dim] // pd.tp().size
-            start = pd.tp().rank * n
+            size, rank = split_of(p)
+            n = p.shape[0] if vocab is not None else full[sh.tp_dim] // size
+            start = rank * n
             stop = min(start + n, full[sh.tp_dim])
             index = [slice(None)] * len(full)
             index[sh.tp_dim] = slice(start, stop)
@@ -226,7 +227,7 @@ def _full_shape(p: torch.Tensor) -> list[int]:
     """The checkpoint shape of a parameter: this rank's slice times the TP size, unpadded vocab."""
     shape = list(p.shape)
     if getattr(p, "tp_dim", None) is not None:
-        shape[p.tp_dim] *= pd.tp().size
+        shape[p.tp_dim] *= split_of(p)[0]
     if getattr(p, "vocab_size", None) is not None:
         shape[0] = p.vocab_size
     return shape

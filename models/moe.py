@@ -114,7 +114,9 @@ class SideNorm:
 
 
 class MoE(RoutedPaths, nn.Module):
-    """Routed experts + shared experts, summed locally, one all-reduce per layer under TP.
+    """Routed experts + shared experts, summed locally, one all-reduce per layer over the MoE group
+    (the TP group, or every rank under data parallelism: built inside `pd.moe_scope()`, where
+    `pd.tp()` is that group).
 
     The experts are stacked at load: `w13 [E, 2*I/tp, D]` (each expert's gate rows, then its up
     rows) and `w2 [E, D, I/tp]`, filled from the checkpoint's `experts.N.{gate,up,down}_proj`
@@ -269,7 +271,7 @@ class MoE(RoutedPaths, nn.Module):
         # the block and large paths take the shared experts as pairs of every token: the Triton
         # router writes their columns beside its choices (two cats fewer per layer)
         fold = not small and not dense and bool(self.n_shared) and self.gate.appends_shared
-        defer = defer_sum and self.shared_experts is None and pd.tp().size == 1
+        defer = defer_sum and self.shared_experts is None and pd.moe().size == 1
         block = self.fp8_block[0] if self.fp8_block else 128
         # moe_shared_stream: the shared experts' pairs on the side stream while the router and the
         # routed pairs run (the fused and the block paths; n_shared > 0 means the experts are not
@@ -295,7 +297,7 @@ class MoE(RoutedPaths, nn.Module):
                 if charged_key(e) in (None, "moe"):  # the split launches, not the router inside them
                     e.plan_key = "moe_shared_stream"
                 raise
-            return out if isinstance(out, PairRows) else pd.tp_all_reduce(out)
+            return out if isinstance(out, PairRows) else pd.moe_all_reduce(out)
         # moe_route_align_max_tokens on the block path (the shared experts folded in, or none): the
         # blocks of the pairs come with the choice
         sorts = blocked and not small and not dense and (fold or not self.n_shared)
@@ -329,7 +331,7 @@ class MoE(RoutedPaths, nn.Module):
                 out = self._shared_dense(x, out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out if isinstance(out, PairRows) else pd.tp_all_reduce(out)
+        return out if isinstance(out, PairRows) else pd.moe_all_reduce(out)
 
     def _shared_dense(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out + the shared experts' MLP of x, from their stacked pieces E.. E+n_shared-1 of w13 /

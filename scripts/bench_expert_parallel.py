@@ -55,7 +55,7 @@ def main() -> None:
     a = p.parse_args()
     cfg = ModelConfig.from_pretrained(a.model)
     plan, _ = resolve_plan("auto", "auto", "cuda", "bfloat16", True, True, hopper=True)
-    pd.tp_all_reduce = lambda t: t  # one process: the ranks' partial outputs are not summed here
+    pd.moe_all_reduce = lambda t: t  # one process: the ranks' partial outputs are not summed here
     tp_layers = build(cfg, plan, a.tp, 0, False, a.layers)
     ep_ranks = [build(cfg, plan, a.tp, r, True, a.layers) for r in range(a.tp)]
     print(f"{torch.cuda.get_device_name()}, {a.model}, -tp {a.tp}, {a.layers} layers; "

@@ -60,7 +60,7 @@ def check_expert_parallel(config: str, overrides: dict, T: int, dtype, device: s
     torch.manual_seed(T)
     x = torch.randn(T, cfg.hidden_size, dtype=dtype, device=device)
     ref = full(x).double()
-    monkeypatch.setattr(pd, "tp_all_reduce", lambda t: t)  # the ranks' partial sums added below
+    monkeypatch.setattr(pd, "moe_all_reduce", lambda t: t)  # the ranks' partial sums added below
     total = torch.zeros_like(ref)
     E = cfg.n_routed_experts
     for r in range(n):
