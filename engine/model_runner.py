@@ -156,7 +156,10 @@ class ModelRunner:
         is the token that step samples gets it on the device, from that step's sampled ids.
         """
         self._update_states(so)
+        pd.set_dp_rows(so.dp_rows)
         if so.is_empty:
+            if so.dp_rows:  # data parallelism: the other DP ranks' MoE layers need this rank
+                self.model.dp_idle_step()
             return None
         states = [self.requests[rid] for rid in so.num_scheduled_tokens]
         spec = so.scheduled_spec_decode_tokens

@@ -184,36 +184,40 @@ class ModelConfig:
              f"rope_scaling type {self.rope.type!r} is not supported (default, yarn)")
 
 
-def check_parallel_layout(cfg: ModelConfig, tp: int, dcp: int, expert_parallel: bool = False) -> None:
-    """Refuse a TP/DCP(/EP) layout this model cannot be split into, naming the flag. With
-    `expert_parallel` (at tp > 1) the routed experts are split by expert, each kept whole, and the
-    shared experts (moe_intermediate_size x n_shared_experts units) over the TP ranks."""
+def check_parallel_layout(cfg: ModelConfig, tp: int, dcp: int, expert_parallel: bool = False, dp: int = 1) -> None:
+    """Refuse a TP/DCP(/EP/DP) layout this model cannot be split into, naming the flag. The MoE
+    layers are split over `tp * dp` ranks (every rank under data parallelism); with
+    `expert_parallel` (over more than one rank) their routed experts by expert, each kept whole,
+    and their shared experts (moe_intermediate_size x n_shared_experts units) by units."""
     if tp % dcp:
         raise ValueError(f"--decode-context-parallel-size {dcp} must divide --tensor-parallel-size {tp}")
     if cfg.num_attention_heads % tp:
         raise ValueError(f"--tensor-parallel-size {tp} must divide the model's "
                          f"{cfg.num_attention_heads} attention heads")
-    ep = expert_parallel and tp > 1 and bool(cfg.n_routed_experts)
-    if ep and cfg.n_routed_experts % tp:
-        raise ValueError(f"--enable-expert-parallel: --tensor-parallel-size {tp} must divide the model's "
+    moe_ranks = tp * dp
+    flag = "--tensor-parallel-size" + (" x --data-parallel-size" if dp > 1 else "")
+    ep = expert_parallel and moe_ranks > 1 and bool(cfg.n_routed_experts)
+    if ep and cfg.n_routed_experts % moe_ranks:
+        raise ValueError(f"--enable-expert-parallel: {flag} {moe_ranks} must divide the model's "
                          f"{cfg.n_routed_experts} routed experts")
-    # what the TP ranks split of the MoE layers: with EP only the shared experts' units
+    # what the MoE ranks split of the MoE layers: with EP only the shared experts' units
     moe_split = (("shared experts' units (moe_intermediate_size x n_shared_experts)",
                   (cfg.moe_intermediate_size or 0) * cfg.n_shared_experts) if ep else
                  ("moe_intermediate_size", cfg.moe_intermediate_size))
-    for name, v in (("intermediate_size", cfg.intermediate_size), moe_split):
-        if v and v % tp:
-            raise ValueError(f"--tensor-parallel-size {tp} must divide the model's {name} {v}")
-    if cfg.fp8_block and tp > 1:
+    for name, v, n, f in (("intermediate_size", cfg.intermediate_size, tp, "--tensor-parallel-size"),
+                          (*moe_split, moe_ranks, flag)):
+        if v and v % n:
+            raise ValueError(f"{f} {n} must divide the model's {name} {v}")
+    if cfg.fp8_block and moe_ranks > 1:
         H = cfg.num_attention_heads
-        split = {"q_b_proj/q_proj rows": H * cfg.qk_head_dim,
-                 "kv_b_proj rows": H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                 "o_proj columns": H * cfg.v_head_dim, "intermediate_size": cfg.intermediate_size,
-                 moe_split[0]: moe_split[1]}
-        for name, v in split.items():
-            if v and (v // tp) % cfg.fp8_block[0]:
-                raise ValueError(f"--tensor-parallel-size {tp} would split a {cfg.fp8_block[0]}x"
-                                 f"{cfg.fp8_block[1]} FP8 block: {name} {v} gives {v // tp} per rank")
+        split = {"q_b_proj/q_proj rows": (H * cfg.qk_head_dim, tp),
+                 "kv_b_proj rows": (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp),
+                 "o_proj columns": (H * cfg.v_head_dim, tp), "intermediate_size": (cfg.intermediate_size, tp),
+                 moe_split[0]: (moe_split[1], moe_ranks)}
+        for name, (v, n) in split.items():
+            if v and (v // n) % cfg.fp8_block[0]:
+                raise ValueError(f"{'--tensor-parallel-size' if n == tp else flag} {n} would split a "
+                                 f"{cfg.fp8_block[0]}x{cfg.fp8_block[1]} FP8 block: {name} {v} gives {v // n} per rank")
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:

@@ -17,6 +17,7 @@ from common.fused import PairRows, glue_for
 from common.kernel_plan import KernelPlan
 from models.config import ModelConfig
 from models.layers import Linear, PackedLinear, ParallelLMHead, RMSNorm, VocabParallelEmbedding, YarnRotaryEmbedding
+from models.data_parallel_moe import gathered_moe, idle_pass
 from models.moe import MLP, MoE, SideNorm
 
 
@@ -84,9 +85,14 @@ class DeepseekDecoderLayer(nn.Module):
         super().__init__()
         self.glue = glue_for(plan)
         self.self_attn = DeepseekAttention(cfg, dtype, plan, ops, keep_fp8)
-        self.mlp = MoE(cfg, dtype, plan, keep_fp8) if cfg.is_moe_layer(layer_idx) else \
-            MLP(cfg.hidden_size, cfg.intermediate_size, dtype, glue=self.glue, keep_fp8=keep_fp8,
-                fp8_block=cfg.packed_fp8_block([cfg.intermediate_size // pd.tp().size] * 2))
+        if cfg.is_moe_layer(layer_idx):
+            with pd.moe_scope():  # split over every rank under data parallelism
+                self.mlp = MoE(cfg, dtype, plan, keep_fp8)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, dtype, glue=self.glue, keep_fp8=keep_fp8,
+                           fp8_block=cfg.packed_fp8_block([cfg.intermediate_size // pd.tp().size] * 2))
+        # data parallelism: the MoE runs on every DP rank's tokens (models/data_parallel_moe.py)
+        self.dp_moe = isinstance(self.mlp, MoE) and pd.dp().size > 1
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, self.glue)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # the MoE's pair rows summed by the next layer's add + RMSNorm (or the final norm)
@@ -118,6 +124,9 @@ class DeepseekDecoderLayer(nn.Module):
         norm kernel of that stream too (`SideNorm`)."""
         h = self.self_attn.o_proj(o.flatten(1))
         n = self.post_attention_layernorm
+        if self.dp_moe:
+            residual, h = self.glue.add_rms_norm(residual, h, n.weight, n.eps)
+            return gathered_moe(self.mlp, h), residual
         kw = {}
         if defer_sum and self.defer_sum:
             kw["defer_sum"] = True
@@ -200,7 +209,7 @@ class DeepseekForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, plan: KernelPlan = KernelPlan(),
                  keep_fp8: bool = False, num_mtp_layers: int = 0):
         super().__init__()
-        self.config, self.plan = cfg, plan
+        self.config, self.plan, self.dtype = cfg, plan, dtype
         self.keep_fp8 = keep_fp8 and cfg.fp8_block is not None
         self.ops = make_attention_ops(plan)
         self.model = DeepseekModel(cfg, dtype, plan, self.ops, self.keep_fp8)
@@ -217,6 +226,12 @@ class DeepseekForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: MLAMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, meta)  # [T, hidden]
+
+    @torch.inference_mode()
+    def dp_idle_step(self) -> None:
+        """Under data parallelism, this DP rank's part in a step it has no tokens for: the MoE
+        layers' collectives (models/data_parallel_moe.py `idle_pass`)."""
+        idle_pass(self.model.layers, self.config.hidden_size, self.dtype, self.model.embed_tokens.weight.device)
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """Logits `[N, vocab]`: fp32, or with fp32=False in the LM head's dtype (the sampler
