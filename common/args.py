@@ -58,6 +58,9 @@ class EngineArgs:
     # vLLM's --enable-expert-parallel: the MoE layers' routed experts split by expert over the TP
     # ranks (E / tp whole experts each) instead of every expert split tp ways; no-op at -tp 1
     enable_expert_parallel: bool = False
+    # vLLM's --data-parallel-size: this many TP groups, each with its own requests and KV cache
+    # (data-parallel attention), their MoE layers split over all dp * tp ranks (engine/data_parallel.py)
+    data_parallel_size: int = 1
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
     # most tokens of one request's prompt a step prefills (0: the step's budget alone)
@@ -133,6 +136,12 @@ class EngineArgs:
         need(self.tensor_parallel_size % self.decode_context_parallel_size == 0,
              f"--decode-context-parallel-size {self.decode_context_parallel_size} must divide "
              f"--tensor-parallel-size {self.tensor_parallel_size}")
+        need(self.data_parallel_size >= 1, f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1:
+            need(self.speculative_config is None,
+                 "--data-parallel-size > 1 does not run speculative decoding yet (its drafter's MoE steps "
+                 "would need every DP rank in lockstep): leave out --speculative-config or -dp")
+            need(self.nnodes == 1, "--data-parallel-size > 1 runs on one node: leave out --nnodes or -dp")
         need(self.max_num_batched_tokens >= 1,
              f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")

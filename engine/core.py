@@ -10,6 +10,7 @@ import numpy as np
 
 from common.args import EngineArgs
 from common.gc_tuning import freeze_startup_objects, thaw_frozen_objects
+from engine.data_parallel import DataParallelScheduler
 from engine.executor import make_executor
 from engine.sampler import check_sampling_params
 from common.sampling_params import SamplingParams, check_token_ids
@@ -18,7 +19,7 @@ from engine.structured_outputs import GrammarCompiler
 from engine.worker import resolve_device
 from models.config import ModelConfig
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import EngineCoreOutput
+from scheduler.outputs import EngineCoreOutput, SchedulerOutput
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 
@@ -65,7 +66,7 @@ class EngineCore:
         self._early: list[EngineCoreOutput] = []  # drained outside step(), reported by the next one
         self.step_tokens = 0  # tokens the last step() scheduled (0: it only drained)
         self._spec_logged = (time.monotonic(), 0, 0, 0)  # time, drafts, draft tokens, accepted
-        self.scheduler = Scheduler(SchedulerConfig(
+        sched_config = SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
             max_model_len=self.max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             enable_prefix_caching=args.enable_prefix_caching,
@@ -73,11 +74,14 @@ class EngineCore:
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
             scheduling_policy=args.scheduling_policy,
-            num_lookahead_tokens=spec.num_speculative_tokens - 1 if spec is not None and spec.method == "mtp" else 0))
-        log.info("KV cache (%s): %d blocks of %d tokens%s: capacity %d tokens",
+            num_lookahead_tokens=spec.num_speculative_tokens - 1 if spec is not None and spec.method == "mtp" else 0)
+        dp = args.data_parallel_size
+        self.scheduler = Scheduler(sched_config) if dp == 1 else DataParallelScheduler(sched_config, dp)
+        log.info("KV cache (%s): %d blocks of %d tokens%s: capacity %d tokens%s",
                  args.kv_cache_dtype, num_blocks, args.block_size,
                  f" x dcp {args.decode_context_parallel_size}" if args.decode_context_parallel_size > 1 else "",
-                 self.scheduler.config.capacity_tokens)
+                 self.scheduler.config.capacity_tokens,
+                 f" on each of {dp} DP ranks ({dp * self.scheduler.config.capacity_tokens} in all)" if dp > 1 else "")
         freeze_startup_objects()  # full collections while serving walk only the requests' objects
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -207,7 +211,13 @@ class EngineCore:
         """The next step, with the bitmask of its constrained rows (needs_sync() guarantees that
         no step in flight holds tokens of theirs)."""
         so = self.scheduler.schedule()
-        rows = self.scheduler.grammar_rows(so)
+        for sched, part in self.scheduler.parts(so):
+            self._fill_bitmask(sched, part)
+        return so
+
+    def _fill_bitmask(self, sched: Scheduler, so: SchedulerOutput) -> None:
+        """One DP rank's step `so` (of `sched`): its constrained rows' bitmask."""
+        rows = sched.grammar_rows(so)
         if rows:
             so.grammar_req_ids = [r.request_id for r in rows]
             so.grammar_bitmask = self.grammars.fill_bitmask([r.grammar for r in rows])
@@ -216,7 +226,6 @@ class EngineCore:
                 if allowed is not None and not allowed_bits(so.grammar_bitmask[row], allowed).any():
                     r.no_allowed_token = ("allowed_token_ids: the structured-output constraint allows none of "
                                           f"the listed tokens after {r.num_output_tokens} output tokens")
-        return so
 
     def _drain(self) -> list[EngineCoreOutput]:
         """Wait for the step in flight, if any, and apply its output."""

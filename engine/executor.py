@@ -35,6 +35,9 @@ class UniProcExecutor:
 
 
 def make_executor(args: EngineArgs, cfg: ModelConfig, eos_token_ids: list[int]):
+    if args.data_parallel_size > 1:
+        from engine.multiproc import DataParallelExecutor
+        return DataParallelExecutor(args, cfg, eos_token_ids)
     if args.tensor_parallel_size == 1:
         return UniProcExecutor(args, cfg, eos_token_ids)
     from engine.multiproc import MultiProcExecutor

@@ -24,7 +24,7 @@ def load_front_end(args: EngineArgs) -> tuple[ModelConfig, InputProcessor, Outpu
     """Config, tokenizer and the front-end processors (the engine core is built separately)."""
     cfg = ModelConfig.from_pretrained(args.model, args.hf_overrides, args.quantization)
     check_parallel_layout(cfg, args.tensor_parallel_size, args.decode_context_parallel_size,
-                          args.enable_expert_parallel)
+                          args.enable_expert_parallel, args.data_parallel_size)
     tokenizer = None if args.skip_tokenizer_init else \
         load_tokenizer(args.tokenizer_path, required=args.load_format != "dummy")
     return cfg, InputProcessor(tokenizer, cfg, 0), OutputProcessor(tokenizer)

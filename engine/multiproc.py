@@ -26,6 +26,7 @@ import torch
 
 from common.args import EngineArgs
 from models.config import ModelConfig
+from engine.data_parallel import DPModelRunnerOutput, DPSchedulerOutput
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def world_size(args: EngineArgs) -> int:
+    return args.tensor_parallel_size * args.data_parallel_size
+
+
 def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
                  eos_token_ids: list[int], init_method: str, conn) -> None:
     """Entry point of one rank's process; `conn` is the engine's pipe (local ranks only)."""
@@ -57,13 +62,14 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
 
         device = resolve_device(args, local_rank)
         backend = "nccl" if device.type == "cuda" else "gloo"
-        local_world = args.tensor_parallel_size // args.nnodes
+        local_world = world_size(args) // args.nnodes
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
         pd.init_parallel(args.tensor_parallel_size, args.decode_context_parallel_size, rank,
-                         init_method, backend, expert_parallel=args.enable_expert_parallel)
+                         init_method, backend, expert_parallel=args.enable_expert_parallel,
+                         dp_size=args.data_parallel_size)
         worker = Worker(args, cfg, local_rank=local_rank)
         n = torch.tensor([worker.determine_num_blocks(args.max_num_batched_tokens)])
-        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=pd.cpu_group())  # every rank the same pool
+        dist.all_reduce(n, op=dist.ReduceOp.MIN, group=pd.world_cpu_group())  # every rank the same pool
         worker.init_kv_cache(int(n), eos_token_ids, args.resolve_max_model_len(cfg))
         freeze_startup_objects()
         conn.send(("ready", int(n)))
@@ -83,7 +89,7 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
                     launched.append(pending)
                 continue
             out = worker.runner.execute(so) if op == "run" else worker.runner.finish(launched.popleft())
-            if rank == 0:
+            if pd.tp().rank == 0:  # each DP rank's first
                 conn.send(("out", out))
     except (EOFError, KeyboardInterrupt):
         pass
@@ -101,11 +107,12 @@ class _LocalRanks:
     """Spawns this node's ranks and watches them."""
 
     def __init__(self, args: EngineArgs, cfg: ModelConfig, eos_token_ids: list[int]):
-        world, nn = args.tensor_parallel_size, args.nnodes
+        world, nn = world_size(args), args.nnodes
         local = world // nn
         if args.device != "cpu" and torch.cuda.is_available() and torch.cuda.device_count() < local:
-            raise ValueError(f"--tensor-parallel-size {world} needs {local} GPUs on this node, "
-                             f"found {torch.cuda.device_count()}")
+            dp = f" x --data-parallel-size {args.data_parallel_size}" if args.data_parallel_size > 1 else ""
+            raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}{dp} needs {local} GPUs on this "
+                             f"node, found {torch.cuda.device_count()}")
         port = args.master_port or _free_port()
         init_method = f"tcp://{args.master_addr}:{port}"
         ctx = mp.get_context("spawn")
@@ -151,6 +158,12 @@ class _LocalRanks:
         "finish" (wait for the oldest launched step and report it)."""
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         for conn in self.conns[:1] if multi_node else self.conns:
+            conn.send_bytes(data)
+
+    def send_group(self, first: int, count: int, msg: tuple[str, SchedulerOutput | None]) -> None:
+        """(op, step) to local ranks first .. first + count - 1 (one DP rank's TP group)."""
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns[first:first + count]:
             conn.send_bytes(data)
 
     def shutdown(self) -> None:
@@ -200,6 +213,46 @@ class MultiProcExecutor:
 
     def shutdown(self) -> None:
         self.ranks.shutdown()
+
+
+class DataParallelExecutor(MultiProcExecutor):
+    """The ranks of `--data-parallel-size` TP groups: each step's DPSchedulerOutput part d goes to
+    DP rank d's TP group, whose first rank sends back that part's output (engine/data_parallel.py)."""
+
+    def __init__(self, args: EngineArgs, cfg: ModelConfig, eos_token_ids: list[int]):
+        super().__init__(args, cfg, eos_token_ids)
+        self.tp, self.dp = args.tensor_parallel_size, args.data_parallel_size
+        log.info("data parallel: %d DP ranks of %d TP ranks each", self.dp, self.tp)
+
+    def _send_parts(self, op: str, parts: list) -> None:
+        try:
+            for d, part in enumerate(parts):
+                if part is not False:  # False: nothing for this DP rank
+                    self.ranks.send_group(d * self.tp, self.tp, (op, part))
+        except OSError:
+            self.ranks.check_alive()
+            raise
+
+    def _recv_parts(self, which: list[bool]) -> DPModelRunnerOutput:
+        return DPModelRunnerOutput([self.ranks.recv(d * self.tp, "out") if w else ModelRunnerOutput([], [], [])
+                                    for d, w in enumerate(which)])
+
+    def execute(self, so: DPSchedulerOutput) -> DPModelRunnerOutput:
+        self._send_parts("run", so.parts)
+        return self._recv_parts([True] * self.dp)
+
+    def launch(self, so: DPSchedulerOutput) -> list[bool] | None:
+        """Every DP rank launches its part (one with no tokens runs the MoE layers' collectives
+        and keeps nothing); returns which DP ranks keep a step to finish, None: none."""
+        self._send_parts("launch", so.parts)
+        kept = [not p.is_empty for p in so.parts]
+        return kept if any(kept) else None
+
+    def finish(self, pending: list[bool] | None) -> DPModelRunnerOutput:
+        if pending is None:
+            return DPModelRunnerOutput([ModelRunnerOutput([], [], []) for _ in range(self.dp)])
+        self._send_parts("finish", [None if k else False for k in pending])
+        return self._recv_parts(pending)
 
 
 def run_worker_node(args: EngineArgs, cfg: ModelConfig, eos_token_ids: list[int]) -> None:

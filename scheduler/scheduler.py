@@ -277,6 +277,10 @@ class Scheduler:
         return ((max_tokens is not None and num_out >= max_tokens)
                 or num_tokens >= self.config.max_model_len or num_tokens > self.config.capacity_tokens)
 
+    def parts(self, so: SchedulerOutput) -> list[tuple[Scheduler, SchedulerOutput]]:
+        """(scheduler, its step) of each DP rank in `so`: this one alone (engine/data_parallel.py)."""
+        return [(self, so)]
+
     def needs_sync(self) -> bool:
         """True if a running request reads its own output history when sampling (penalties,
         min_tokens), or any request has a grammar (its next bitmask needs every token it has

@@ -130,7 +130,7 @@ def _worker_node(args: EngineArgs) -> int:
     try:
         cfg = ModelConfig.from_pretrained(args.model, args.hf_overrides, args.quantization)
         check_parallel_layout(cfg, args.tensor_parallel_size, args.decode_context_parallel_size,
-                              args.enable_expert_parallel)
+                              args.enable_expert_parallel, args.data_parallel_size)
         run_worker_node(args, cfg, cfg.eos_token_ids[:1])
     except (ValueError, RuntimeError) as e:
         print(f"serve: error: {e}", file=sys.stderr)

@@ -148,8 +148,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "divide -tp); multiplies KV capacity")
     g.add_argument("-ep", "--enable-expert-parallel", action=argparse.BooleanOptionalAction,
                    default=d["enable_expert_parallel"],
-                   help="split the MoE layers' routed experts by expert over the -tp ranks (E / tp whole "
-                        "experts each) instead of splitting every expert; the shared experts stay split")
+                   help="split the MoE layers' routed experts by expert over the -tp (x -dp) ranks (E / "
+                        "(tp x dp) whole experts each) instead of splitting every expert; the shared experts "
+                        "stay split")
+    g.add_argument("-dp", "--data-parallel-size", type=int, default=d["data_parallel_size"],
+                   help="data-parallel attention: this many groups of -tp ranks (dp x tp processes, one GPU "
+                        "each on CUDA), each with its own requests and KV cache; the MoE layers are split over "
+                        "all dp x tp ranks and run on every group's tokens (vLLM's -dp for DeepSeek; one node; "
+                        "eager, no CUDA graphs yet; no --speculative-config)")
     g.add_argument("--device", choices=["auto", "cuda", "cpu"], default=d["device"],
                    help="where to run; auto: cuda when available, else cpu")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"],
@@ -393,7 +399,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         skip_tokenizer_init=ns.skip_tokenizer_init,
         tensor_parallel_size=ns.tensor_parallel_size,
         decode_context_parallel_size=ns.decode_context_parallel_size,
-        enable_expert_parallel=ns.enable_expert_parallel,
+        enable_expert_parallel=ns.enable_expert_parallel, data_parallel_size=ns.data_parallel_size,
         max_num_batched_tokens=ns.max_num_batched_tokens, max_num_seqs=ns.max_num_seqs,
         long_prefill_token_threshold=ns.long_prefill_token_threshold,
         scheduling_policy=ns.scheduling_policy,
@@ -423,6 +429,8 @@ def _check_devices(args: EngineArgs) -> None:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if args.device == "cuda" and n == 0:
         raise ValueError("--device cuda: no CUDA device is visible")
-    if n and args.device in ("cuda", "auto") and args.tensor_parallel_size > n:
-        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size} needs "
-                         f"{args.tensor_parallel_size} CUDA devices, only {n} visible")
+    ranks = args.tensor_parallel_size * args.data_parallel_size
+    if n and args.device in ("cuda", "auto") and ranks > n:
+        dp = f" x --data-parallel-size {args.data_parallel_size}" if args.data_parallel_size > 1 else ""
+        raise ValueError(f"--tensor-parallel-size {args.tensor_parallel_size}{dp} needs "
+                         f"{ranks} CUDA devices, only {n} visible")

@@ -22,8 +22,6 @@ VLLM_NOOPS = [
      "chunked prefill is always on (prompts longer than --max-num-batched-tokens are prefilled in "
      "chunks); --no-enable-chunked-prefill is an error"),
     ("-pp|--pipeline-parallel-size", (int, 1), "only 1: no pipeline parallelism (use -tp / -dcp)"),
-    ("-dp|--data-parallel-size", (int, 1),
-     "only 1: one engine per server (run a server per GPU group behind a load balancer)"),
     ("--distributed-executor-backend", (str, "mp"), "only mp: the ranks are worker processes"),
     ("--tokenizer-mode", (str, "auto"), "only auto: the Hugging Face tokenizer of the model"),
     ("--disable-log-stats", bool, "accepted: this server logs no periodic stats (they are on /metrics)"),

@@ -1,0 +1,128 @@
+"""Data parallelism in the engine core (vLLM's `--data-parallel-size`): `dp` schedulers, one per
+DP rank, behind the one-scheduler interface the core drives.
+
+Each DP rank is a TP group of worker processes with its own KV cache; the core gives each new
+request to the DP rank with the fewest unfinished requests (the lowest index on a tie), and every
+step schedules each DP rank on its own. Every DP rank runs every step, since the MoE layers are
+split over all ranks and gather every DP rank's tokens (models/data_parallel_moe.py): a step
+carries `dp_rows`, the most tokens any DP rank runs in it, and a DP rank with none joins the MoE
+layers' collectives alone. A step with no tokens on any rank runs nowhere.
+
+One core process schedules every DP rank (as one scheduler with dp times the requests would), so
+the front end, the output processing and the metrics see one engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from scheduler.request import Request
+from scheduler.scheduler import Scheduler, SchedulerStats
+
+
+@dataclass
+class DPSchedulerOutput:
+    """One step of every DP rank: `parts[d]` is DP rank d's."""
+
+    parts: list[SchedulerOutput]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(p.total_num_scheduled_tokens for p in self.parts)
+
+    @property
+    def is_empty(self) -> bool:
+        return all(p.is_empty for p in self.parts)
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {rid: n for p in self.parts for rid, n in p.num_scheduled_tokens.items()}
+
+
+@dataclass
+class DPModelRunnerOutput:
+    """The outputs of one step: `parts[d]` from DP rank d's TP rank 0."""
+
+    parts: list[ModelRunnerOutput]
+
+
+class DataParallelScheduler:
+    """`dp` Schedulers of `config` (each its own block pool) as one."""
+
+    def __init__(self, config: SchedulerConfig, dp: int):
+        self.config = config  # each DP rank's: capacity_tokens is what one request can have
+        self.schedulers = [Scheduler(config) for _ in range(dp)]
+
+    def _owner(self, request_id: str) -> Scheduler | None:
+        return next((s for s in self.schedulers if request_id in s.requests), None)
+
+    # ---- intake ----
+
+    def check_request(self, request: Request) -> None:
+        if self._owner(request.request_id) is not None:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.schedulers[0].check_request(request)
+
+    def check_priority(self, params) -> None:
+        self.schedulers[0].check_priority(params)
+
+    def add_request(self, request: Request) -> None:
+        """To the DP rank with the fewest unfinished requests."""
+        self.check_request(request)
+        min(self.schedulers, key=lambda s: len(s.requests)).add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
+        outputs = []
+        for rid in request_ids:
+            owner = self._owner(rid)
+            if owner is not None:
+                outputs += owner.abort_requests([rid])
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return any(s.has_unfinished_requests() for s in self.schedulers)
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        return {rid: r for s in self.schedulers for rid, r in s.requests.items()}
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for s in self.schedulers for r in s.running]
+
+    @property
+    def waiting(self) -> list[Request]:
+        return [r for s in self.schedulers for r in s.waiting]
+
+    @property
+    def stats(self) -> SchedulerStats:
+        """Every DP rank's counts summed (the KV usage over all their blocks)."""
+        parts = [s.stats for s in self.schedulers]
+        total = sum(p.num_total_blocks for p in parts)
+        used = sum(p.kv_cache_usage * p.num_total_blocks for p in parts)
+        return SchedulerStats(*(sum(getattr(p, f) for p in parts) for f in ("num_running", "num_waiting",
+                                                                            "num_free_blocks", "num_total_blocks")),
+                              used / total if total else 0.0,
+                              *(sum(getattr(p, f) for p in parts) for f in ("num_preemptions", "prefix_cache_queries",
+                                                                            "prefix_cache_hits")))
+
+    # ---- steps ----
+
+    def schedule(self) -> DPSchedulerOutput:
+        parts = [s.schedule() for s in self.schedulers]
+        rows = max(p.total_num_scheduled_tokens for p in parts)
+        for p in parts:
+            p.dp_rows = rows
+        return DPSchedulerOutput(parts)
+
+    def parts(self, so: DPSchedulerOutput) -> list[tuple[Scheduler, SchedulerOutput]]:
+        return list(zip(self.schedulers, so.parts))
+
+    def needs_sync(self) -> bool:
+        return any(s.needs_sync() for s in self.schedulers)
+
+    def update_from_output(self, so: DPSchedulerOutput, out: DPModelRunnerOutput) -> list[EngineCoreOutput]:
+        return [o for s, p, r in zip(self.schedulers, so.parts, out.parts) for o in s.update_from_output(p, r)]
