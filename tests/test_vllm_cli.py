@@ -18,6 +18,11 @@ from tests.server_fixtures import TINY_MODEL
 # Real launch lines, copied from where they were published (the model is then replaced by the
 # tiny model's directory: these checkpoints are not on this machine).
 ACCEPTED = [
+    # docs.vllm.ai recipes, DeepSeek-V3 (R1), 8xH200: DP8+EP (data-parallel attention, experts over all 8)
+    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8 "
+     "--enable-expert-parallel", dict(data_parallel_size=8, enable_expert_parallel=True, tensor_parallel_size=1)),
+    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8",
+     dict(data_parallel_size=8, enable_expert_parallel=False)),
     # deepseek.csdn.net/6805bfcfda5d787fd5d0ee89.html (underscored flag names, as vLLM allows): a
     # bf16 checkpoint (the tiny model stands in) with --quantization fp8, quantized at load as vLLM does
     ("vllm serve /home/ca2/models/DeepSeek-R1-Distill-Qwen-32B --dtype bfloat16 --max_model_len 32384 "
@@ -90,8 +95,6 @@ REFUSED_VALUES = [
     ("vllm serve deepseek-ai/DeepSeek-V3.2 --tensor-parallel-size 8 --tokenizer-mode deepseek_v32 "
      "--tool-call-parser deepseek_v32 --enable-auto-tool-choice --reasoning-parser deepseek_v3",
      "--tokenizer-mode deepseek_v32: only auto is supported"),
-    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8",
-     "--data-parallel-size 8: only 1 is supported"),
     ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config '{\"cudagraph_mode\": \"PIECEWISE\"}'",
      "cudagraph_mode 'PIECEWISE': this server captures decode steps whole"),
     ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config '{\"pass_config\": {}, \"level\": 3}'",
@@ -106,9 +109,10 @@ REFUSED_VALUES = [
      "cudagraph_mode FULL_DECODE_ONLY and --piecewise-graph-sizes 512: give one of them"),
     ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config '{\"cudagraph_capture_sizes\": [0, 8]}'",
      "cudagraph_capture_sizes must be >= 1, got 0"),
-    # docs.vllm.ai recipes, DeepSeek-V3 (R1), 8xH200: DP8+EP (the recipe's TP8+EP line is in ACCEPTED)
-    ("vllm serve deepseek-ai/DeepSeek-R1-0528 --trust-remote-code --data-parallel-size 8 "
-     "--enable-expert-parallel", "--data-parallel-size 8: only 1 is supported"),
+    # data parallelism with speculative decoding (not built yet)
+    ("vllm serve deepseek-ai/DeepSeek-R1-0528 -dp 2 --speculative-config "
+     "'{\"method\": \"ngram\", \"num_speculative_tokens\": 2}'",
+     "--data-parallel-size > 1 does not run speculative decoding yet"),
 ]
 # launch lines of FP8 checkpoints with --quantization fp8: the model is replaced by a copy of the
 # tiny model whose config.json carries DeepSeek-V3's quantization_config

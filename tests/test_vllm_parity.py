@@ -314,12 +314,12 @@ def _engine_args(line: str):
 
 
 def test_vllm_no_op_flags(monkeypatch):
-    _engine_args("--enable-chunked-prefill -pp 1 --data-parallel-size 1 --distributed-executor-backend mp "
+    _engine_args("--enable-chunked-prefill -pp 1 --distributed-executor-backend mp "
                  "--tokenizer-mode auto --scheduling-policy fcfs --disable-log-stats --disable-fastapi-docs "
                  "--max-logprobs 5")
     for line, msg in (("--no-enable-chunked-prefill", "chunked prefill cannot be turned off"),
                       ("-pp 2", "--pipeline-parallel-size 2: only 1"),
-                      ("-dp 8", "--data-parallel-size 8: only 1"),
+                      ("-dp 0", "--data-parallel-size must be >= 1, got 0"),
                       ("--distributed-executor-backend ray", "only mp"),
                       ("--tokenizer-mode slow", "only auto"),
                       ("--max-logprobs 21", "--max-logprobs must be in \\[0, 20\\]")):

@@ -1,0 +1,126 @@
+"""Data parallelism (-dp): DP ranks with their own requests and KV caches, the MoE layers split
+over every rank and run on every DP rank's tokens (engine/data_parallel.py,
+models/data_parallel_moe.py). On the CPU: the layer split over dp x tp ranks in one process, the
+DP scheduler, and the engine on 2 and 4 gloo processes against one rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common import distributed as pd
+from common.distributed import as_rank
+from common.sampling_params import SamplingParams
+from engine import LLM
+from engine.data_parallel import DataParallelScheduler, DPModelRunnerOutput
+from models.config import ModelConfig
+from models.moe import MoE
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import ModelRunnerOutput
+from scheduler.request import Request
+from tests.ep_checks import checkpoint_tensors, load
+
+V2_LITE = "configs/models/DeepSeek-V2-Lite"
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+SMALL = {"hidden_size": 64, "moe_intermediate_size": 32, "n_routed_experts": 8, "num_experts_per_tok": 2,
+         "n_shared_experts": 2, "n_group": 1, "topk_group": 1}
+
+
+@pytest.mark.parametrize("tp,dp,ep", [(1, 2, False), (2, 2, False), (1, 4, True), (2, 2, True)])
+def test_moe_layer_split_over_every_rank(tp, dp, ep, monkeypatch):
+    """Built as each of the dp x tp ranks (inside moe_scope), the layer holds 1 / (dp x tp) of every
+    expert (or with EP E / (dp x tp) experts whole), loads its slice of the checkpoint tensors, and
+    the ranks' partial outputs on the same (gathered) tokens sum to the one-rank layer's."""
+    cfg = ModelConfig.from_pretrained(V2_LITE, SMALL)
+    full = MoE(cfg, torch.float32)
+    tensors = checkpoint_tensors(full, seed=3)
+    load(full, tensors)
+    x = torch.randn(12, cfg.hidden_size)
+    ref = full(x).double()
+    monkeypatch.setattr(pd, "moe_all_reduce", lambda t: t)  # the partial sums are added below
+    total, n = torch.zeros_like(ref), tp * dp
+    for r in range(n):
+        with as_rank(tp, r, ep, dp_size=dp):
+            assert pd.tp().size == tp and pd.dp().rank == r // tp and pd.moe().size == n
+            with pd.moe_scope():
+                moe = MoE(cfg, torch.float32)
+            assert pd.tp().size == tp  # the scope ends with the layer
+            if ep:
+                assert moe.w13.shape[0] == cfg.n_routed_experts // n and moe.ep_first == r * cfg.n_routed_experts // n
+            else:
+                assert moe.w2.shape[-1] == cfg.moe_intermediate_size // n
+            load(moe, tensors)
+        total += moe(x).double()
+    assert ((total - ref).norm() / ref.norm()).item() < 1e-5
+
+
+def _request(rid: str, n: int) -> Request:
+    return Request(rid, list(range(2, 2 + n)), SamplingParams(max_tokens=3), None)
+
+
+def test_scheduler_balances_requests_and_pads_every_rank():
+    s = DataParallelScheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64,
+                                              block_size=4, num_blocks=32), dp=2)
+    for rid, n in (("a", 10), ("b", 3), ("c", 5)):
+        s.add_request(_request(rid, n))
+    assert [sorted(x.requests) for x in s.schedulers] == [["a", "c"], ["b"]]  # the fewest unfinished first
+    with pytest.raises(ValueError, match="request_id 'b' is already in use"):
+        s.add_request(_request("b", 4))  # held by DP rank 1: refused from any rank
+    so = s.schedule()
+    assert [p.total_num_scheduled_tokens for p in so.parts] == [15, 3]
+    assert [p.dp_rows for p in so.parts] == [15, 15] and so.total_num_scheduled_tokens == 18
+    assert so.num_scheduled_tokens == {"a": 10, "c": 5, "b": 3}
+    st = s.stats
+    assert (st.num_running, st.num_waiting, st.num_total_blocks) == (3, 0, 64)
+    assert st.num_free_blocks == 64 - 3 - 2 - 1 and st.kv_cache_usage == pytest.approx(6 / 64)
+    news = s.update_from_output(so, DPModelRunnerOutput([ModelRunnerOutput(["a", "c"], [7, 8], [None, None]),
+                                                         ModelRunnerOutput(["b"], [9], [None])]))
+    assert {(o.req_id, tuple(o.new_token_ids)) for o in news} == {("a", (7,)), ("c", (8,)), ("b", (9,))}
+    out = s.abort_requests(["b", "zzz"])
+    assert [o.req_id for o in out] == ["b"] and not s.schedulers[1].requests
+    so = s.schedule()  # DP rank 1 has nothing: an empty part that still pads to the others' rows
+    assert so.parts[0].num_scheduled_tokens == {"a": 1, "c": 1}
+    assert so.parts[1].is_empty and so.parts[1].dp_rows == 2 and so.parts[1].finished_req_ids == {"b"}
+
+
+@pytest.fixture(scope="module")
+def workload():
+    torch.manual_seed(5)
+    shared = torch.randint(2, 320, (21,)).tolist()
+    prompts = [torch.randint(2, 320, (n,)).tolist() for n in (5, 17, 33, 64, 3)]
+    prompts += [shared + torch.randint(2, 320, (n,)).tolist() for n in (2, 9, 14, 30)]
+    return prompts
+
+
+def _outputs(path, prompts, tp=1, dp=1, **kw):
+    """Greedy outputs of two waves (the second hits the prefix cache), the stats and the capacity."""
+    llm = LLM(path, device="cpu", dtype="float32", block_size=4, tensor_parallel_size=tp, data_parallel_size=dp,
+              max_num_batched_tokens=16, **kw)
+    try:
+        outs = llm.generate(prompts[:5], GREEDY) + llm.generate(prompts[5:], GREEDY)
+        s = llm.scheduler.stats
+        assert s.num_free_blocks == s.num_total_blocks and not llm.engine.has_unfinished_requests()
+        return [o.outputs[0].token_ids for o in outs], s, llm.scheduler.config.capacity_tokens
+    finally:
+        llm.engine.shutdown()
+
+
+def test_engine_with_data_parallel_equals_one_rank(tiny_v3, workload):
+    """-dp 2 (2 processes), with expert parallelism and async scheduling, and -tp 2 -dcp 2 -dp 2 with
+    EP (4 processes): every prompt chunked by 16 tokens on each DP rank, KV pools small enough to
+    preempt, DP ranks whose requests end at different steps (the idle one joins the MoE layers
+    alone): the one-rank greedy tokens, each DP rank with the one-rank capacity."""
+    ref, _, cap1 = _outputs(tiny_v3[0], workload, num_kv_blocks=24)
+    for tp, dp, kw in [(1, 2, {}), (1, 2, dict(enable_expert_parallel=True, async_scheduling=True)),
+                       (2, 2, dict(enable_expert_parallel=True, decode_context_parallel_size=2))]:
+        got, s, cap = _outputs(tiny_v3[0], workload, tp, dp,
+                               num_kv_blocks=24 // kw.get("decode_context_parallel_size", 1), **kw)
+        assert got == ref, (tp, dp, kw)
+        assert cap == cap1 and s.num_total_blocks == dp * 24 // kw.get("decode_context_parallel_size", 1)
+        assert s.prefix_cache_hits > 0 and s.num_preemptions > 0, s
+
+
+def test_data_parallel_v2_dense_first_layer(tiny_v2, workload):
+    """V2's layout (a dense first layer, softmax routing): -dp 2 equals one rank."""
+    ref, _, _ = _outputs(tiny_v2[0], workload, num_kv_blocks=256)
+    assert _outputs(tiny_v2[0], workload, dp=2, num_kv_blocks=256)[0] == ref
