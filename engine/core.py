@@ -76,7 +76,8 @@ class EngineCore:
             scheduling_policy=args.scheduling_policy,
             num_lookahead_tokens=spec.num_speculative_tokens - 1 if spec is not None and spec.method == "mtp" else 0)
         dp = args.data_parallel_size
-        self.scheduler = Scheduler(sched_config) if dp == 1 else DataParallelScheduler(sched_config, dp)
+        self.scheduler = (Scheduler(sched_config) if dp == 1 else
+                          DataParallelScheduler(sched_config, dp, self.executor.graph_sizes))
         log.info("KV cache (%s): %d blocks of %d tokens%s: capacity %d tokens%s",
                  args.kv_cache_dtype, num_blocks, args.block_size,
                  f" x dcp {args.decode_context_parallel_size}" if args.decode_context_parallel_size > 1 else "",

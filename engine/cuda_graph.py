@@ -115,12 +115,13 @@ class DecodeGraphs:
         return None
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: MLAMetadata,
-            hidden: torch.Tensor | None = None) -> torch.Tensor:
+            hidden: torch.Tensor | None = None, bucket: int | None = None) -> torch.Tensor:
         """Replay the bucket's graph for a pure-decode batch (with `hidden` rows when captured
-        with them); returns the output rows `[B*q_len, width]`."""
+        with them); returns the output rows `[B*q_len, width]`. `bucket`: that captured size
+        (>= the batch) instead of the smallest that fits (data parallelism: every DP rank's)."""
         d = meta.decode
         B, q = meta.num_decodes, d.q_len
-        b = self.bucket_for(B, q)
+        b = bucket or self.bucket_for(B, q)
         T = B * q
         self.input_ids[:T].copy_(input_ids, non_blocking=True)
         self.positions[:T].copy_(positions, non_blocking=True)

@@ -5,8 +5,9 @@ Each DP rank is a TP group of worker processes with its own KV cache; the core g
 request to the DP rank with the fewest unfinished requests (the lowest index on a tie), and every
 step schedules each DP rank on its own. Every DP rank runs every step, since the MoE layers are
 split over all ranks and gather every DP rank's tokens (models/data_parallel_moe.py): a step
-carries `dp_rows`, the most tokens any DP rank runs in it, and a DP rank with none joins the MoE
-layers' collectives alone. A step with no tokens on any rank runs nowhere.
+carries `dp_rows`, the rows every DP rank pads its MoE input to (at least the most tokens any DP
+rank runs, rounded up to a captured CUDA-graph size where one takes it), and a DP rank with none
+joins the MoE layers' collectives alone. A step with no tokens on any rank runs nowhere.
 
 One core process schedules every DP rank (as one scheduler with dp times the requests would), so
 the front end, the output processing and the metrics see one engine.
@@ -49,12 +50,29 @@ class DPModelRunnerOutput:
     parts: list[ModelRunnerOutput]
 
 
-class DataParallelScheduler:
-    """`dp` Schedulers of `config` (each its own block pool) as one."""
+def padded_rows(so: SchedulerOutput, decode_sizes: list[int], piecewise_sizes: list[int]) -> int:
+    """The rows one DP rank's step would run as on its own: the smallest captured CUDA-graph size
+    that takes it (a decode batch's for a step of one-token requests, else a piecewise graph's),
+    else its token count (eager)."""
+    T = so.total_num_scheduled_tokens
+    if not T:
+        return 0
+    decode_only = len(so.num_scheduled_tokens) == T  # every request one token (the runner's decodes)
+    for s in (decode_sizes if decode_only else []) + piecewise_sizes:
+        if s >= T:
+            return s
+    return T
 
-    def __init__(self, config: SchedulerConfig, dp: int):
+
+class DataParallelScheduler:
+    """`dp` Schedulers of `config` (each its own block pool) as one. `graph_sizes`: the decode batch
+    sizes and piecewise token counts the ranks captured as CUDA graphs (engine/worker.py
+    `graph_sizes`)."""
+
+    def __init__(self, config: SchedulerConfig, dp: int, graph_sizes: tuple[list[int], list[int]] = ([], [])):
         self.config = config  # each DP rank's: capacity_tokens is what one request can have
         self.schedulers = [Scheduler(config) for _ in range(dp)]
+        self.decode_sizes, self.piecewise_sizes = sorted(graph_sizes[0]), sorted(graph_sizes[1])
 
     def _owner(self, request_id: str) -> Scheduler | None:
         return next((s for s in self.schedulers if request_id in s.requests), None)
@@ -112,8 +130,11 @@ class DataParallelScheduler:
     # ---- steps ----
 
     def schedule(self) -> DPSchedulerOutput:
+        """Every DP rank's step, each to pad its MoE rows to the same count: the largest of the
+        ranks' own padded counts (`padded_rows`), so that where that is a captured size every rank
+        that can replays its graph of it (engine/model_runner.py)."""
         parts = [s.schedule() for s in self.schedulers]
-        rows = max(p.total_num_scheduled_tokens for p in parts)
+        rows = max(padded_rows(p, self.decode_sizes, self.piecewise_sizes) for p in parts)
         for p in parts:
             p.dp_rows = rows
         return DPSchedulerOutput(parts)

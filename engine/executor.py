@@ -19,6 +19,7 @@ class UniProcExecutor:
         self.worker = Worker(args, cfg)
         self.num_blocks = self.worker.determine_num_blocks(args.max_num_batched_tokens)
         self.worker.init_kv_cache(self.num_blocks, eos_token_ids, args.resolve_max_model_len(cfg))
+        self.graph_sizes = self.worker.graph_sizes()
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.runner.execute(so)

@@ -109,12 +109,20 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: StepBatch) -> torch.Tensor:
         """Hidden states `[T, hidden]` of every row of the batch."""
-        m = batch.meta
+        m, rows = batch.meta, pd.dp_rows()
         if (self.graphs is not None and m.prefill is None and m.decode is not None
-                and m.decode.row_index is None and self.graphs.bucket_for(m.num_decodes, m.decode.q_len)):
-            return self.graphs.run(batch.input_ids, batch.positions, m)
-        if self.piecewise is not None and self.piecewise.size_for(batch.input_ids.shape[0]):
-            return self.piecewise.run(batch.input_ids, batch.positions, m)
+                and m.decode.row_index is None):
+            b = self.graphs.bucket_for(m.num_decodes, m.decode.q_len)
+            if rows:  # data parallelism: only the graph whose MoE gathers the step's rows per DP rank
+                b = rows if b is not None and rows >= b and rows in self.graphs.buckets and m.decode.q_len == 1 else None
+            if b:
+                return self.graphs.run(batch.input_ids, batch.positions, m, bucket=b)
+        if self.piecewise is not None:
+            size = self.piecewise.size_for(batch.input_ids.shape[0])
+            if rows:
+                size = rows if size is not None and rows in self.piecewise.sizes else None
+            if size:
+                return self.piecewise.run(batch.input_ids, batch.positions, m, size=size)
         return self.model(batch.input_ids, batch.positions, self.kv_caches, m)
 
     @torch.inference_mode()

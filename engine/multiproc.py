@@ -72,7 +72,7 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=pd.world_cpu_group())  # every rank the same pool
         worker.init_kv_cache(int(n), eos_token_ids, args.resolve_max_model_len(cfg))
         freeze_startup_objects()
-        conn.send(("ready", int(n)))
+        conn.send(("ready", (int(n), worker.graph_sizes())))
         box = [None]
         launched = collections.deque()  # async scheduling: steps launched, not yet finished
         while True:
@@ -185,7 +185,7 @@ class MultiProcExecutor:
             raise ValueError("the engine runs on node 0; other nodes run `serve --node-rank K` (workers only)")
         self.ranks = _LocalRanks(args, cfg, eos_token_ids)
         blocks = [self.ranks.recv(i, "ready") for i in range(len(self.ranks.conns))]
-        self.num_blocks = blocks[0]
+        self.num_blocks, self.graph_sizes = blocks[0]
         log.info("started %d local worker processes (tp %d over %d node(s), dcp %d)", len(blocks),
                  args.tensor_parallel_size, args.nnodes, args.decode_context_parallel_size)
 

@@ -107,12 +107,13 @@ class PiecewiseGraphs:
                  len(self.chains), L + 1, ",".join(map(str, self.sizes)), time.perf_counter() - t0,
                  (free0 - torch.cuda.mem_get_info()[0]) / 2**30)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: MLAMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: MLAMetadata,
+            size: int | None = None) -> torch.Tensor:
         """The hidden rows `[T, hidden]` of a step of T = len(input_ids) tokens (T <= the largest
-        size): the pieces of the smallest size >= T replayed, the attention cores run eagerly on
-        the real rows between them."""
+        size): the pieces of the smallest size >= T (or of `size`, a captured one >= T) replayed,
+        the attention cores run eagerly on the real rows between them."""
         T = input_ids.shape[0]
-        chain = self.chains[self.size_for(T)]
+        chain = self.chains[size or self.size_for(T)]
         self.input_ids[:T].copy_(input_ids, non_blocking=True)
         cos_sin = self.inner.rotary_emb.at(positions)
         o = self.o[:T]

@@ -396,7 +396,7 @@ class Worker:
         if self.plan.warmup:
             self.warm_up(a.max_num_batched_tokens, max_model_len, a.max_num_seqs)
         # The torch reference ops sync with the host (lengths to Python): they cannot be captured.
-        if self.device.type == "cuda" and not self.eager_by_dp() and self.plan.attention != "torch":
+        if self.device.type == "cuda" and not a.enforce_eager and self.plan.attention != "torch":
             from engine.cuda_graph import DecodeGraphs, default_buckets
             blocks_per_seq = -(-max_model_len // (bs * a.decode_context_parallel_size))
             spec = a.speculative_config
@@ -424,18 +424,20 @@ class Worker:
                     raise self.plan.error("capturing piecewise CUDA graphs (--piecewise-graph-sizes none or "
                                           "--enforce-eager avoids them)", e) from e
 
-    def eager_by_dp(self) -> bool:
-        """--enforce-eager, or data parallelism: its MoE gather takes the step's rows per DP rank,
-        which every rank's captured graph sizes would have to agree on; not yet done, so -dp runs
-        eager."""
-        return self.args.enforce_eager or self.args.data_parallel_size > 1
+    def graph_sizes(self) -> tuple[list[int], list[int]]:
+        """(decode batch sizes, piecewise token counts) captured as CUDA graphs (empty: none): under
+        data parallelism the engine core pads each step's MoE rows to one of them
+        (engine/data_parallel.py)."""
+        r = self.runner
+        decode = r.graphs.buckets if r.graphs is not None and 1 in r.graphs.q_lens else []
+        return list(decode), list(r.piecewise.sizes) if r.piecewise is not None else []
 
     def piecewise_sizes(self) -> list[int]:
         """The token counts whose piecewise CUDA graphs this rank captures (engine/piecewise_graph.py):
         none without CUDA graphs (--enforce-eager, no CUDA, the torch attention ops, which sync with
         the host), none with moe_large=loop (it reads expert counts on the host)."""
         a = self.args
-        if (self.device.type != "cuda" or self.eager_by_dp() or self.plan.attention == "torch"
+        if (self.device.type != "cuda" or a.enforce_eager or self.plan.attention == "torch"
                 or self.plan.moe_large == "loop" or not self.cfg.num_hidden_layers):
             return []
         return piecewise_graph_sizes(a.piecewise_graph_sizes, a.max_num_batched_tokens)

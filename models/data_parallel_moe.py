@@ -5,8 +5,9 @@ Each DP rank (a TP group with its own requests and KV cache) runs attention and 
 on its own tokens. Its MoE layers are split over every rank (common/distributed.py's MoE group: each
 rank holds 1 / (dp * tp) of every expert, or with --enable-expert-parallel E / (dp * tp) experts
 whole), so a MoE layer's input is the tokens of every DP rank: each rank pads its rows to the
-step's `dp_rows` (the most tokens any DP rank runs this step, set by the runner from its
-SchedulerOutput), the DP group (this TP rank on every DP rank) all-gathers them, the layer runs on
+step's `dp_rows` (at least the most tokens any DP rank runs this step, engine/data_parallel.py; set
+by the runner from its SchedulerOutput; inside a CUDA graph, the rows it was captured with, which
+the runner replays only where they are the step's), the DP group (this TP rank on every DP rank) all-gathers them, the layer runs on
 all `dp * dp_rows` rows and sums its partial outputs over every rank (`MoE`'s one all-reduce over
 the MoE group), and each rank keeps its own rows. A DP rank with no tokens in a step still takes
 part in every MoE layer's collectives, with no rows of its own (`idle_pass`): every rank runs

@@ -52,9 +52,9 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the draft tokens it verifies this step, computed after its
     # known tokens (they count in num_scheduled_tokens and have KV slots allocated)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
-    # Data parallelism: the most tokens any DP rank runs this step, the rows each pads to in the
-    # MoE layers' gather; a DP rank with no tokens runs the MoE layers' collectives alone
-    # (models/data_parallel_moe.py). 0: no DP.
+    # Data parallelism: the rows every DP rank pads its MoE input to this step (at least the most
+    # tokens any DP rank runs; engine/data_parallel.py); a DP rank with no tokens runs the MoE
+    # layers' collectives alone (models/data_parallel_moe.py). 0: no DP.
     dp_rows: int = 0
 
     @property

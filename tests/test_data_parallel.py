@@ -124,3 +124,61 @@ def test_data_parallel_v2_dense_first_layer(tiny_v2, workload):
     """V2's layout (a dense first layer, softmax routing): -dp 2 equals one rank."""
     ref, _, _ = _outputs(tiny_v2[0], workload, num_kv_blocks=256)
     assert _outputs(tiny_v2[0], workload, dp=2, num_kv_blocks=256)[0] == ref
+
+
+def test_padded_rows_rounds_each_rank_to_its_graph_size():
+    from engine.data_parallel import padded_rows
+    from scheduler.outputs import SchedulerOutput
+
+    def step(lens):
+        return SchedulerOutput([], [], {str(i): n for i, n in enumerate(lens)}, sum(lens))
+    decode, piecewise = [1, 2, 4, 8, 16, 32], [16, 64]
+    assert padded_rows(step([]), decode, piecewise) == 0
+    assert padded_rows(step([1] * 5), decode, piecewise) == 8  # decodes: the decode graphs' bucket
+    assert padded_rows(step([1] * 40), decode, piecewise) == 64  # past them: the piecewise size
+    assert padded_rows(step([1, 1, 3]), decode, piecewise) == 16  # a chunk: piecewise only
+    assert padded_rows(step([70]), decode, piecewise) == 70  # past every graph: eager, its own count
+    assert padded_rows(step([1] * 5), [], []) == 5
+
+
+class _Graphs:
+    buckets, q_lens = [1, 2, 4, 8, 16], (1,)
+
+    def bucket_for(self, n, q=1):
+        return next((b for b in self.buckets if b >= n), None)
+
+    def run(self, ids, pos, meta, bucket=None):
+        return ("decode graph", bucket)
+
+
+class _Pieces:
+    sizes = [8, 16]
+
+    def size_for(self, n):
+        return next((s for s in self.sizes if s >= n), None)
+
+    def run(self, ids, pos, meta, size=None):
+        return ("piecewise", size)
+
+
+@pytest.mark.parametrize("decodes,rows,want", [
+    (3, 0, ("decode graph", 4)), (3, 8, ("decode graph", 8)), (3, 16, ("decode graph", 16)),
+    (3, 5, "eager"),  # no decode graph of 5 rows and no piece of 5: eager, gathering 5 rows
+    (0, 16, ("piecewise", 16)), (0, 12, "eager"), (0, 0, ("piecewise", 8))])
+def test_runner_replays_only_graphs_of_the_steps_rows(decodes, rows, want):
+    """Under DP the runner replays a CUDA graph only where its captured rows are the step's dp_rows
+    (each MoE gather must take the same rows on every DP rank); else it runs eagerly."""
+    from types import SimpleNamespace
+    from engine.model_runner import ModelRunner, StepBatch
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.graphs, runner.piecewise, runner.kv_caches = _Graphs(), _Pieces(), []
+    runner.model = lambda *a: "eager"
+    T = decodes or 5
+    meta = SimpleNamespace(prefill=None if decodes else object(), num_decodes=decodes,
+                           decode=SimpleNamespace(row_index=None, q_len=1) if decodes else None)
+    batch = StepBatch(torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64), meta, [], [], [])
+    pd.set_dp_rows(rows)
+    try:
+        assert runner.forward(batch) == want
+    finally:
+        pd.set_dp_rows(0)
