@@ -64,6 +64,19 @@ def padded_rows(so: SchedulerOutput, decode_sizes: list[int], piecewise_sizes: l
     return T
 
 
+class Chained:
+    """Every DP rank's queue (running or waiting) as one, read live: its length and its requests."""
+
+    def __init__(self, queues: list):
+        self.queues = queues
+
+    def __len__(self) -> int:
+        return sum(map(len, self.queues))
+
+    def __iter__(self):
+        return (r for q in self.queues for r in q)
+
+
 class DataParallelScheduler:
     """`dp` Schedulers of `config` (each its own block pool) as one. `graph_sizes`: the decode batch
     sizes and piecewise token counts the ranks captured as CUDA graphs (engine/worker.py
@@ -108,12 +121,12 @@ class DataParallelScheduler:
         return {rid: r for s in self.schedulers for rid, r in s.requests.items()}
 
     @property
-    def running(self) -> list[Request]:
-        return [r for s in self.schedulers for r in s.running]
+    def running(self) -> Chained:
+        return Chained([s.running for s in self.schedulers])
 
     @property
-    def waiting(self) -> list[Request]:
-        return [r for s in self.schedulers for r in s.waiting]
+    def waiting(self) -> Chained:
+        return Chained([s.waiting for s in self.schedulers])
 
     @property
     def stats(self) -> SchedulerStats:

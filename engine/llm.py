@@ -79,7 +79,8 @@ class LLM:
         # Under the priority policy every request is queued before the first step, so that a
         # late prompt of a high priority is not held back behind the feed.
         feed = iter(zip(order, checked))
-        keep = len(order) if self.args.scheduling_policy == "priority" else self.args.max_num_seqs
+        keep = (len(order) if self.args.scheduling_policy == "priority" else
+                self.args.max_num_seqs * self.args.data_parallel_size)  # each DP rank admits max_num_seqs
         waiting = self.engine.scheduler.waiting
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)

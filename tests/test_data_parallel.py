@@ -64,10 +64,13 @@ def test_scheduler_balances_requests_and_pads_every_rank():
     for rid, n in (("a", 10), ("b", 3), ("c", 5)):
         s.add_request(_request(rid, n))
     assert [sorted(x.requests) for x in s.schedulers] == [["a", "c"], ["b"]]  # the fewest unfinished first
+    waiting, running = s.waiting, s.running  # live views over every rank's queues
+    assert len(waiting) == 3 and len(running) == 0
     with pytest.raises(ValueError, match="request_id 'b' is already in use"):
         s.add_request(_request("b", 4))  # held by DP rank 1: refused from any rank
     so = s.schedule()
     assert [p.total_num_scheduled_tokens for p in so.parts] == [15, 3]
+    assert len(waiting) == 0 and sorted(r.request_id for r in running) == ["a", "b", "c"]
     assert [p.dp_rows for p in so.parts] == [15, 15] and so.total_num_scheduled_tokens == 18
     assert so.num_scheduled_tokens == {"a": 10, "c": 5, "b": 3}
     st = s.stats
