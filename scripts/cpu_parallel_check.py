@@ -1,11 +1,12 @@
-"""TP / DCP layouts of 4 and 8 ranks on the CPU (gloo): greedy outputs equal one rank.
+"""TP / DCP / DP layouts of 4 and 8 ranks on the CPU (gloo): greedy outputs equal one rank.
 
-The layouts (-tp 4, -tp 4 -dcp 2, -tp 4 -dcp 4, -tp 8 -dcp 8, -tp 8 -dcp 4) on a tiny V3
-model with 8 heads, fp32, every prompt chunked by 16 tokens, two waves (the second hits the
-prefix cache). The 4-rank layouts also run in CI (tests/test_parallel.py); 8 ranks take ~1 min
-each on 2 cores, so they live here.
+The layouts (TPxDCP[xDP]: -tp 4, -tp 4 -dcp 2, -tp 4 -dcp 4, -tp 8 -dcp 8, -tp 8 -dcp 4, and with
+data parallelism -tp 2 -dp 4, -tp 2 -dcp 2 -dp 4 with expert parallelism) on a tiny V3 model with 8
+heads, fp32, every prompt chunked by 16 tokens, two waves (the second hits the prefix cache). The
+4-rank layouts also run in CI (tests/test_parallel.py, tests/test_data_parallel.py); 8 ranks take
+~1 min each on 2 cores, so they live here.
 
-    python scripts/cpu_parallel_check.py [--layouts 4x1 4x2 4x4 8x8 8x4]
+    python scripts/cpu_parallel_check.py [--layouts 4x1 4x2 4x4 8x8 8x4 2x1x4 2x2x4ep]
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import torch  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
 
 
-def run(path: str, prompts: list[list[int]], tp: int, dcp: int) -> tuple[list[list[int]], int]:
+def run(path: str, prompts: list[list[int]], tp: int, dcp: int, dp: int = 1,
+        ep: bool = False) -> tuple[list[list[int]], int]:
     llm = LLM(path, device="cpu", dtype="float32", block_size=4, tensor_parallel_size=tp,
-              decode_context_parallel_size=dcp, max_num_batched_tokens=16, num_kv_blocks=256 // dcp)
+              decode_context_parallel_size=dcp, data_parallel_size=dp, enable_expert_parallel=ep,
+              max_num_batched_tokens=16, num_kv_blocks=256 // dcp)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     try:
         outs = llm.generate(prompts[:4], greedy) + llm.generate(prompts[4:], greedy)
@@ -37,7 +40,8 @@ def run(path: str, prompts: list[list[int]], tp: int, dcp: int) -> tuple[list[li
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", nargs="+", default=["4x1", "4x2", "4x4", "8x8", "8x4"], help="TPxDCP")
+    p.add_argument("--layouts", nargs="+", default=["4x1", "4x2", "4x4", "8x8", "8x4", "2x1x4", "2x2x4ep"],
+                   help="TPxDCP or TPxDCPxDP, ep at the end for expert parallelism")
     a = p.parse_args()
     from tiny_models import make_model
     path = tempfile.mkdtemp()
@@ -50,11 +54,13 @@ def main() -> None:
     failed = 0
     print("| layout | equal to one rank | prefix-cache hits | seconds |\n|---|---|---|---|")
     for layout in a.layouts:
-        tp, dcp = map(int, layout.split("x"))
+        ep = layout.endswith("ep")
+        tp, dcp, dp = (list(map(int, layout.removesuffix("ep").split("x"))) + [1])[:3]
         t = time.time()
-        got, hits = run(path, prompts, tp, dcp)
+        got, hits = run(path, prompts, tp, dcp, dp, ep)
         failed += got != ref
-        print(f"| -tp {tp} -dcp {dcp} | {'yes' if got == ref else 'NO'} | {hits} | {time.time() - t:.1f} |", flush=True)
+        name = f"-tp {tp} -dcp {dcp}" + (f" -dp {dp}" if dp > 1 else "") + (" -ep" if ep else "")
+        print(f"| {name} | {'yes' if got == ref else 'NO'} | {hits} | {time.time() - t:.1f} |", flush=True)
     sys.exit(1 if failed else 0)
 
 
