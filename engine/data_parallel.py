@@ -2,8 +2,9 @@
 DP rank, behind the one-scheduler interface the core drives.
 
 Each DP rank is a TP group of worker processes with its own KV cache; the core gives each new
-request to the DP rank with the fewest unfinished requests (the lowest index on a tie), and every
-step schedules each DP rank on its own. Every DP rank runs every step, since the MoE layers are
+request to a DP rank (`DataParallelScheduler.add_request`: the fewest unfinished requests, or,
+within a slack of that, the longest prefix-cache hit), and every step schedules each DP rank on
+its own. Every DP rank runs every step, since the MoE layers are
 split over all ranks and gather every DP rank's tokens (models/data_parallel_moe.py): a step
 carries `dp_rows`, the rows every DP rank pads its MoE input to (at least the most tokens any DP
 rank runs, rounded up to a captured CUDA-graph size where one takes it), and a DP rank with none
@@ -86,6 +87,9 @@ class DataParallelScheduler:
         self.config = config  # each DP rank's: capacity_tokens is what one request can have
         self.schedulers = [Scheduler(config) for _ in range(dp)]
         self.decode_sizes, self.piecewise_sizes = sorted(graph_sizes[0]), sorted(graph_sizes[1])
+        # how many more unfinished requests than the least loaded rank a rank may hold and still
+        # take a request for its prefix-cache hit
+        self.affinity_slack = max(1, config.max_num_seqs // 8)
 
     def _owner(self, request_id: str) -> Scheduler | None:
         return next((s for s in self.schedulers if request_id in s.requests), None)
@@ -101,9 +105,17 @@ class DataParallelScheduler:
         self.schedulers[0].check_priority(params)
 
     def add_request(self, request: Request) -> None:
-        """To the DP rank with the fewest unfinished requests."""
+        """To the DP rank whose prefix cache holds the most of its prompt among those within
+        `affinity_slack` unfinished requests of the least loaded, else to the least loaded (the
+        lowest index on a tie): a conversation's next turn finds its history where the last turn
+        left it, while no rank takes more than its share."""
         self.check_request(request)
-        min(self.schedulers, key=lambda s: len(s.requests)).add_request(request)
+        loads = [len(s.requests) for s in self.schedulers]
+        least = min(loads)
+        near = [d for d, n in enumerate(loads) if n <= least + self.affinity_slack]
+        hits = {d: len(self.schedulers[d].block_manager.find_cached_prefix(request)) for d in near}
+        best = max(near, key=lambda d: (hits[d], -loads[d], -d))
+        self.schedulers[best].add_request(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = []

@@ -86,6 +86,27 @@ def test_scheduler_balances_requests_and_pads_every_rank():
     assert so.parts[1].is_empty and so.parts[1].dp_rows == 2 and so.parts[1].finished_req_ids == {"b"}
 
 
+def test_requests_follow_their_cached_prefix_within_a_slack():
+    """A prompt whose prefix one rank has cached goes there while that rank holds at most
+    `affinity_slack` (here 1) more unfinished requests than the least loaded, else to the least loaded."""
+    s = DataParallelScheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64,
+                                              block_size=4, num_blocks=32), dp=2)
+    history = list(range(2, 22))  # 5 full blocks
+    s.add_request(Request("x", history, SamplingParams(max_tokens=1), None))  # rank 0
+    s.add_request(_request("f1", 3))  # rank 1
+    s.add_request(_request("f0", 3))  # rank 0 (a tie: the lower index)
+    so = s.schedule()
+    s.update_from_output(so, DPModelRunnerOutput([ModelRunnerOutput(["x", "f0"], [7, 7], [None, None]),
+                                                  ModelRunnerOutput(["f1"], [7], [None])]))
+    assert "x" not in s.requests  # finished: its 5 blocks stay in rank 0's prefix cache
+    s.add_request(_request("g", 3))  # a tie again: rank 0, now 2 unfinished against 1
+    turn = history + [30, 31]
+    s.add_request(Request("y", turn, SamplingParams(max_tokens=1), None))
+    assert "y" in s.schedulers[0].requests  # 5 blocks cached there, one request over the least loaded
+    s.add_request(Request("z", turn + [32], SamplingParams(max_tokens=1), None))
+    assert "z" in s.schedulers[1].requests  # rank 0 is now two over: the least loaded takes it
+
+
 @pytest.fixture(scope="module")
 def workload():
     torch.manual_seed(5)
