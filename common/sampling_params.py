@@ -211,15 +211,20 @@ def bad_word_bans(sequences: list[list[int]], output: list[int]) -> list[int]:
     return bans
 
 
-def nothing_to_sample(params: SamplingParams, output: list[int], eos_token_id: int | None) -> bool:
-    """Whether, after `output`, the sampler's masks leave no token of allowed_token_ids: all banned
-    by bad words the output now ends with, or as stop / EOS tokens while below min_tokens (the
-    sampler would then pick from a row of -inf, a token outside the list)."""
-    if params.allowed_token_ids is None:
-        return False
+def banned_next(params: SamplingParams, output: list[int], eos_token_id: int | None) -> set[int]:
+    """The tokens the sampler's masks forbid after `output`: bad words' last tokens where the output
+    ends with the rest, and stop / EOS tokens while below min_tokens."""
     banned = set(bad_word_bans(params.bad_words_token_ids or (), output))
     if len(output) < params.min_tokens:
         banned.update(params.stop_token_ids)
         if eos_token_id is not None and not params.ignore_eos:
             banned.add(eos_token_id)
-    return banned.issuperset(params.allowed_token_ids)
+    return banned
+
+
+def nothing_to_sample(params: SamplingParams, output: list[int], eos_token_id: int | None) -> bool:
+    """Whether, after `output`, the sampler's masks leave no token of allowed_token_ids: all
+    `banned_next` (the sampler would then pick from a row of -inf, a token outside the list)."""
+    if params.allowed_token_ids is None:
+        return False
+    return banned_next(params, output, eos_token_id).issuperset(params.allowed_token_ids)

@@ -13,7 +13,7 @@ from common.gc_tuning import freeze_startup_objects, thaw_frozen_objects
 from engine.data_parallel import DataParallelScheduler
 from engine.executor import make_executor
 from engine.sampler import check_sampling_params
-from common.sampling_params import SamplingParams, check_token_ids
+from common.sampling_params import SamplingParams, banned_next, check_token_ids
 from engine import structured_outputs
 from engine.structured_outputs import GrammarCompiler
 from engine.worker import resolve_device
@@ -223,10 +223,15 @@ class EngineCore:
             so.grammar_req_ids = [r.request_id for r in rows]
             so.grammar_bitmask = self.grammars.fill_bitmask([r.grammar for r in rows])
             for row, r in enumerate(rows):  # a constraint that allows none of allowed_token_ids next
-                allowed = r.sampling_params.allowed_token_ids
-                if allowed is not None and not allowed_bits(so.grammar_bitmask[row], allowed).any():
+                sp = r.sampling_params
+                if sp.allowed_token_ids is None:
+                    continue
+                banned = banned_next(sp, r.output_token_ids, r.eos_token_id)  # bad words, min_tokens
+                left = [t for t in sp.allowed_token_ids if t not in banned]
+                if not left or not allowed_bits(so.grammar_bitmask[row], left).any():
                     r.no_allowed_token = ("allowed_token_ids: the structured-output constraint allows none of "
-                                          f"the listed tokens after {r.num_output_tokens} output tokens")
+                                          f"the listed tokens{' not banned (bad_words, min_tokens)' if banned else ''} "
+                                          f"after {r.num_output_tokens} output tokens")
 
     def _drain(self) -> list[EngineCoreOutput]:
         """Wait for the step in flight, if any, and apply its output."""

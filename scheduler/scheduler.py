@@ -359,9 +359,10 @@ class Scheduler:
             first = request.num_output_tokens == 0
             out = EngineCoreOutput(req_id, [], [])
             for tok, lp in zip(tokens, lps):
-                request.append_output_token(tok)
-                out.new_token_ids.append(tok)
-                out.new_logprobs.append(lp)
+                if request.no_allowed_token is None:  # else sampled from a row its masks left empty: not output
+                    request.append_output_token(tok)
+                    out.new_token_ids.append(tok)
+                    out.new_logprobs.append(lp)
                 if self._check_stop(request, tok):
                     out.finish_reason = request.finish_reason
                     out.stop_reason = request.stop_reason
@@ -383,7 +384,7 @@ class Scheduler:
     def _check_stop(self, request: Request, token_id: int) -> bool:
         """Set the finished status if token_id ends the request; stop tokens wait for min_tokens."""
         sp = request.sampling_params
-        if request.no_allowed_token is not None:  # the token came from a row with nothing allowed
+        if request.no_allowed_token is not None:  # the step sampled from a row with nothing allowed
             request.status = RequestStatus.FINISHED_ERROR
             request.stop_reason = request.no_allowed_token
             return True

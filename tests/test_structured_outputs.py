@@ -426,5 +426,20 @@ def test_a_constraint_that_allows_none_of_allowed_token_ids_is_an_error(llm):
     import transformers
     a = transformers.AutoTokenizer.from_pretrained(str(TINY_MODEL)).encode("a", add_special_tokens=False)
     out = llm.generate(["Hello"], constrained("regex", "b+", allowed_token_ids=a[:1]))[0].outputs[0]
-    assert out.finish_reason == "error" and len(out.token_ids) == 1
+    assert out.finish_reason == "error" and out.token_ids == []  # the dead row's sample is not output
     assert str(out.stop_reason).startswith("allowed_token_ids: the structured-output constraint allows none")
+
+
+def test_a_constraint_and_bad_words_that_together_allow_none_is_an_error(llm):
+    """guided regex "a+" with allowed_token_ids ["a", "b"] and the bad word ["a", "a"]: after one
+    "a" the constraint allows only "a" of the list, which the bad word bans, and neither mask alone
+    empties the row. The request ends in an error naming allowed_token_ids after that token (the
+    token sampled from the dead row, off the list, is not output)."""
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(str(TINY_MODEL))
+    a, b = (tok.encode(c, add_special_tokens=False)[0] for c in "ab")
+    out = llm.generate(["Hello"], constrained("regex", "a+", allowed_token_ids=[a, b],
+                                              bad_words_token_ids=[[a, a]]))[0].outputs[0]
+    assert out.token_ids == [a] and out.finish_reason == "error", (out.token_ids, out.finish_reason)
+    assert str(out.stop_reason).startswith("allowed_token_ids: the structured-output constraint allows none of "
+                                           "the listed tokens not banned (bad_words, min_tokens) after 1")
