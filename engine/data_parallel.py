@@ -22,7 +22,7 @@ from typing import Iterable
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
-from scheduler.scheduler import Scheduler, SchedulerStats
+from scheduler.scheduler import Scheduler, SchedulerStats, SpecDecodeStats
 
 
 @dataclass
@@ -146,11 +146,16 @@ class DataParallelScheduler:
         parts = [s.stats for s in self.schedulers]
         total = sum(p.num_total_blocks for p in parts)
         used = sum(p.kv_cache_usage * p.num_total_blocks for p in parts)
+        spec = None
+        if parts[0].spec is not None:  # speculative decoding's counters, summed
+            spec = SpecDecodeStats(*(sum(getattr(p.spec, f) for p in parts)
+                                     for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")),
+                                   [sum(c) for c in zip(*(p.spec.accepted_per_pos for p in parts))])
         return SchedulerStats(*(sum(getattr(p, f) for p in parts) for f in ("num_running", "num_waiting",
                                                                             "num_free_blocks", "num_total_blocks")),
                               used / total if total else 0.0,
                               *(sum(getattr(p, f) for p in parts) for f in ("num_preemptions", "prefix_cache_queries",
-                                                                            "prefix_cache_hits")))
+                                                                            "prefix_cache_hits")), spec)
 
     # ---- steps ----
 
