@@ -192,6 +192,22 @@ def moe_all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def moe_reduce_own_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """A MoE layer's partial outputs for every DP rank's `rows` rows (`[dp * rows, ...]`, DP-rank
+    major), summed over the MoE group: this rank's DP rank's rows `[rows, ...]`. Without TP inside
+    the DP ranks the MoE group is the DP group and those rows are this rank's chunk of a
+    reduce-scatter (half an all-reduce's traffic); with it, an all-reduce and a slice."""
+    g, d = moe(), _state.dp
+    if g.size == 1:
+        return x
+    if _state.tp.size == 1:
+        out = x.new_empty((rows, *x.shape[1:]))
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=d.group)
+        return out
+    dist.all_reduce(x, group=g.group)
+    return x[d.rank * rows:(d.rank + 1) * rows]
+
+
 def _gather_stacked(x: torch.Tensor, g: GroupInfo) -> torch.Tensor:
     """All-gather into `[size, *x.shape]`, rank-major."""
     x = x.contiguous()

@@ -8,8 +8,9 @@ whole), so a MoE layer's input is the tokens of every DP rank: each rank pads it
 step's `dp_rows` (at least the most tokens any DP rank runs this step, engine/data_parallel.py; set
 by the runner from its SchedulerOutput; inside a CUDA graph, the rows it was captured with, which
 the runner replays only where they are the step's), the DP group (this TP rank on every DP rank) all-gathers them, the layer runs on
-all `dp * dp_rows` rows and sums its partial outputs over every rank (`MoE`'s one all-reduce over
-the MoE group), and each rank keeps its own rows. A DP rank with no tokens in a step still takes
+all `dp * dp_rows` rows, and its partial outputs are summed over every rank into each rank's own
+rows (`pd.moe_reduce_own_rows`: a reduce-scatter at -tp 1, where a rank's rows are its chunk;
+an all-reduce and a slice otherwise). A DP rank with no tokens in a step still takes
 part in every MoE layer's collectives, with no rows of its own (`idle_pass`): every rank runs
 every step.
 
@@ -30,8 +31,7 @@ def gathered_moe(moe, h: torch.Tensor) -> torch.Tensor:
     if n > rows:
         raise RuntimeError(f"data parallel MoE: {n} rows on this rank, more than the step's {rows} per rank")
     x = h if n == rows else torch.cat([h, h.new_zeros(rows - n, h.shape[1])])
-    start = pd.dp().rank * rows
-    return moe(pd.dp_all_gather(x))[start:start + n]
+    return pd.moe_reduce_own_rows(moe(pd.dp_all_gather(x)), rows)[:n]
 
 
 def idle_pass(layers, hidden: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -93,6 +93,8 @@ class DeepseekDecoderLayer(nn.Module):
                            fp8_block=cfg.packed_fp8_block([cfg.intermediate_size // pd.tp().size] * 2))
         # data parallelism: the MoE runs on every DP rank's tokens (models/data_parallel_moe.py)
         self.dp_moe = isinstance(self.mlp, MoE) and pd.dp().size > 1
+        if self.dp_moe:
+            self.mlp.reduce_out = False  # summed into each rank's own rows by gathered_moe
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, self.glue)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # the MoE's pair rows summed by the next layer's add + RMSNorm (or the final norm)

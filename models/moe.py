@@ -197,6 +197,7 @@ class MoE(RoutedPaths, nn.Module):
             self.triton_glue = fused_moe  # the grouped path's gather, SwiGLU and un-permute kernels
             self.sort_by_expert = expert_sort.sort_by_expert
         self._shared_cache: dict = {}  # _shared_choice's tensors by (device, dtypes)
+        self.reduce_out = True  # False: the caller sums the partial outputs (models/data_parallel_moe.py)
         self._expert_ends: dict = {}  # _routed_grouped's expert end keys by device
         if self.expert_parallel and plan.moe != TRITON and plan.moe_large == "grouped":
             raise ValueError("--enable-expert-parallel: the grouped-GEMM MoE path does not leave out other ranks' "
@@ -297,7 +298,7 @@ class MoE(RoutedPaths, nn.Module):
                 if charged_key(e) in (None, "moe"):  # the split launches, not the router inside them
                     e.plan_key = "moe_shared_stream"
                 raise
-            return out if isinstance(out, PairRows) else pd.moe_all_reduce(out)
+            return out if isinstance(out, PairRows) or not self.reduce_out else pd.moe_all_reduce(out)
         # moe_route_align_max_tokens on the block path (the shared experts folded in, or none): the
         # blocks of the pairs come with the choice
         sorts = blocked and not small and not dense and (fold or not self.n_shared)
@@ -331,7 +332,7 @@ class MoE(RoutedPaths, nn.Module):
                 out = self._shared_dense(x, out)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out if isinstance(out, PairRows) else pd.moe_all_reduce(out)
+        return out if isinstance(out, PairRows) or not self.reduce_out else pd.moe_all_reduce(out)
 
     def _shared_dense(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """out + the shared experts' MLP of x, from their stacked pieces E.. E+n_shared-1 of w13 /
