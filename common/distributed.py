@@ -125,6 +125,11 @@ def moe() -> GroupInfo:
     return _state.moe or _state.tp
 
 
+def moe_size_name() -> str:
+    """How the MoE group's size is given on the command line, for error messages."""
+    return "tensor parallel size" + (" x data parallel size" if _state.dp.size > 1 else "")
+
+
 @contextmanager
 def moe_scope():
     """While the MoE layers are built, `tp()` is the MoE group: their parameters are split over it

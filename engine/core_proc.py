@@ -56,7 +56,7 @@ class CoreInfo:
 
     max_model_len: int
     capacity_tokens: int
-    num_blocks: int
+    num_blocks: int  # every DP rank's
 
 
 @dataclass
@@ -112,7 +112,7 @@ def core_main(args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None, cmd_
     try:
         _send(out_conn, ("ready", CoreInfo(core.max_model_len,
                                            core.scheduler.config.capacity_tokens,
-                                           core.executor.num_blocks)))
+                                           core.scheduler.stats.num_total_blocks)))
         sender = _Sender(out_conn)
         _loop(core, _Receiver(cmd_conn), sender)
     except (EOFError, BrokenPipeError):

@@ -34,7 +34,7 @@ def local_range(num_experts: int) -> tuple[int, int]:
     if ep.size == 1:
         return 0, num_experts
     if num_experts % ep.size:
-        raise ValueError(f"--enable-expert-parallel: --tensor-parallel-size {ep.size} must divide the model's "
+        raise ValueError(f"--enable-expert-parallel: {pd.moe_size_name()} {ep.size} must divide the model's "
                          f"{num_experts} routed experts")
     count = num_experts // ep.size
     return ep.rank * count, count

@@ -151,14 +151,14 @@ class MoE(RoutedPaths, nn.Module):
         self.ep_first, El = local_range(E)
         self.expert_parallel = El < E
         if I % tp and not self.expert_parallel:  # under EP only the shared MLP is split (its own check)
-            raise ValueError(f"moe_intermediate_size {I} is not divisible by tensor parallel size {tp}")
+            raise ValueError(f"moe_intermediate_size {I} is not divisible by {pd.moe_size_name()} {tp}")
         w13, w2, Il, foreign = routed_shards(E, I, D)
         self.foreign_tensors = foreign + [f"{n}_scale_inv" for n in foreign if q is not None]  # for the loader
         self.gate = Router(cfg, plan)
         # Router.route_aligned up to this many tokens (its blocks are over all E experts: not with EP)
         self.route_align = 0 if self.expert_parallel else plan.moe_route_align_max_tokens
         if q is not None and Il % q[0]:
-            raise ValueError(f"tensor parallel size {tp} would split a {q[0]}x{q[1]} FP8 block: "
+            raise ValueError(f"{pd.moe_size_name()} {tp} would split a {q[0]}x{q[1]} FP8 block: "
                              f"moe_intermediate_size {I} gives {Il} per rank")
         # shared experts stacked after the routed (pieces of Il units: not with EP, whose Il is I)
         self.n_shared = S if S and not keep_fp8 and not self.expert_parallel else 0

@@ -210,3 +210,27 @@ def test_runner_replays_only_graphs_of_the_steps_rows(decodes, rows, want):
         assert runner.forward(batch) == want
     finally:
         pd.set_dp_rows(0)
+
+
+def test_served_engine_reports_every_dp_ranks_blocks(tmp_path_factory):
+    """The HTTP side's engine (its core in a process of its own): the KV block counts it reports
+    (/metrics) are every DP rank's from the start, not one rank's until the first step."""
+    import asyncio
+    from common.args import EngineArgs
+    from engine.async_llm import AsyncLLM
+    from tests.server_fixtures import tiny_model_dir
+    args = EngineArgs(model=tiny_model_dir(tmp_path_factory), device="cpu", dtype="float32",
+                      max_model_len=512, num_kv_blocks=64, data_parallel_size=2)
+
+    async def run():
+        e = AsyncLLM(args, core_in_thread=False)
+        try:
+            before = e.stats()
+            async for _ in e.generate([5, 6, 7], SamplingParams(max_tokens=2), "x"):
+                pass
+            await asyncio.sleep(0.5)
+            return before, e.stats()
+        finally:
+            e.shutdown()
+    before, after = asyncio.run(run())
+    assert before.num_total_blocks == after.num_total_blocks == before.num_free_blocks == 128
