@@ -234,3 +234,37 @@ def test_served_engine_reports_every_dp_ranks_blocks(tmp_path_factory):
             e.shutdown()
     before, after = asyncio.run(run())
     assert before.num_total_blocks == after.num_total_blocks == before.num_free_blocks == 128
+
+
+@pytest.mark.parametrize("when", ["between-steps", "mid-step"])
+def test_a_dead_dp_rank_fails_the_engine_fast(tiny_v3, when):
+    """DP rank 1's process dies between steps (the next step's send finds it) or after its step
+    was sent (DP rank 0 then waits in the MoE gather for it, and the engine, waiting on rank 0's
+    output, finds it dead, or rank 0's gather fails first): WorkerDiedError, within seconds, not a
+    hang."""
+    import time
+
+    from engine.multiproc import WorkerDiedError
+    llm = LLM(tiny_v3[0], device="cpu", dtype="float32", num_kv_blocks=64, data_parallel_size=2)
+    ranks = llm.engine.executor.ranks
+    victim = ranks.procs[1]
+
+    def kill():
+        victim.kill()
+        victim.join()
+    if when == "mid-step":
+        send = ranks.send_group
+
+        def send_then_kill(first, count, msg):
+            send(first, count, msg)
+            if first == 1 and victim.is_alive():
+                kill()
+        ranks.send_group = send_then_kill
+    else:
+        kill()
+    t0 = time.monotonic()
+    # (mid-step, gloo's gather on DP rank 0 fails once its peer is gone, and rank 0 reports that)
+    with pytest.raises(WorkerDiedError, match="worker process died: worker-1|worker failed: rank 0: .*reset by peer"):
+        llm.generate([[5, 6, 7], [8, 9, 10]], GREEDY)
+    assert time.monotonic() - t0 < 60
+    llm.engine.shutdown()
