@@ -309,10 +309,10 @@ class ModelRunner:
         out = pending.out
         for rid, first, lps in pending.prompt_jobs:
             out.prompt_logprobs[rid] = ([None] if first else []) + list(lps)
+        accepted: dict[str, int] = {}  # req_id -> drafts accepted, for the requests that sampled
         if pending.token_ids is not None:
             self.agreement.record(pending.host_ids.numpy())
             ids = pending.host_ids.tolist()
-            accepted: dict[str, int] = {}
             row = 0
             while row < len(ids):
                 rid = pending.req_ids[row]
@@ -336,8 +336,8 @@ class ModelRunner:
                     if any(lp is not None for lp in lps):
                         out.spec_logprobs[rid] = lps[:-1]
                 row += len(drafts) + 1
-            if pending.mtp_inputs is not None:
-                out.draft_token_ids.update(mtp_propose(self, pending, accepted))
+        if pending.mtp_inputs is not None:  # also in steps that sample nothing: the prompt rows' MTP cache
+            out.draft_token_ids.update(mtp_propose(self, pending, accepted))
         if self._last is pending:
             self._last = None
         return out

@@ -149,3 +149,24 @@ def test_bundled_model_mtp_drafts_are_mostly_accepted():
         assert st.spec.num_accepted_tokens > 0
         if "num_kv_blocks" in kw:
             assert st.num_preemptions > 0
+
+
+def test_mtp_cache_holds_every_prompt_row_under_chunking(tiny_mtp):
+    """A prompt prefilled in chunks by steps that sample nothing (one request, a 16-token budget):
+    the MTP layer still writes its cache at every prompt row, as one unchunked prefill does (the
+    drafter once ran only in steps that sampled, leaving the earlier chunks' rows unwritten)."""
+    path, _ = tiny_mtp
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    prompt = prompts()[2]  # 40 tokens: two chunks of 16 that sample nothing, then the last 8
+    caches = []
+    for budget in (2048, 16):
+        llm = LLM(path, device="cpu", dtype="float32", block_size=4, num_kv_blocks=64,
+                  speculative_config=spec, max_num_batched_tokens=budget)
+        try:
+            llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            caches.append(llm.engine.executor.worker.runner.mtp_kv_caches[0].clone())
+        finally:
+            llm.engine.shutdown()
+    rows = caches[0].flatten(0, 1)[:39]  # positions 0..38 (block ids from 0): each row's next token is known
+    assert rows.abs().sum(-1).gt(0).all()
+    torch.testing.assert_close(caches[1].flatten(0, 1)[:39], rows, atol=1e-4, rtol=1e-4)
