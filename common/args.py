@@ -138,9 +138,6 @@ class EngineArgs:
              f"--tensor-parallel-size {self.tensor_parallel_size}")
         need(self.data_parallel_size >= 1, f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
         if self.data_parallel_size > 1:
-            need(self.speculative_config is None or self.speculative_config.method != "mtp",
-                 "--data-parallel-size > 1 does not run MTP speculative decoding yet (the drafter's MoE "
-                 "layer would need every DP rank in its steps): use method ngram, or leave out -dp")
             need(self.nnodes == 1, "--data-parallel-size > 1 runs on one node: leave out --nnodes or -dp")
         need(self.max_num_batched_tokens >= 1,
              f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")

@@ -167,7 +167,8 @@ class ModelRunner:
         pd.set_dp_rows(so.dp_rows)
         if so.is_empty:
             if so.dp_rows:  # data parallelism: the other DP ranks' MoE layers need this rank
-                self.model.dp_idle_step()
+                mtp = self.spec is not None and self.spec.method == "mtp"
+                self.model.dp_idle_step(mtp_passes=self.spec.num_speculative_tokens if mtp else 0)
             return None
         states = [self.requests[rid] for rid in so.num_scheduled_tokens]
         spec = so.scheduled_spec_decode_tokens

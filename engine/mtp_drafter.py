@@ -35,7 +35,10 @@ def _run_layer(runner, batch, hidden: torch.Tensor) -> torch.Tensor:
     row -> output rows in the batch's row order: a CUDA graph where one fits, else eager."""
     m, graphs = batch.meta, runner.mtp_graphs
     d = m.decode
-    if graphs is None or m.prefill is not None or d is None or graphs.bucket_for(m.num_decodes, d.q_len) is None:
+    # under data parallelism eager: its MoE gathers the step's dp_rows rows, which no graph of the
+    # layer's buckets need be (models/data_parallel_moe.py)
+    if (graphs is None or pd.dp_rows() or m.prefill is not None or d is None
+            or graphs.bucket_for(m.num_decodes, d.q_len) is None):
         step = MTPStep(runner.model.mtp[0], runner.model.model.rotary_emb)  # what the graphs replay
         return step(batch.input_ids, batch.positions, runner.mtp_kv_caches[0], m, hidden)
     if d.row_index is None:  # every request has d.q_len rows
@@ -61,6 +64,23 @@ def mtp_propose(runner, pending, accepted: dict[str, int]) -> dict[str, list[int
     sampled yields its first draft. Further drafts feed the layer its own output and the
     draft, one row per request (the scheduler allocates those k - 1 lookahead slots).
     """
+    if not pd.dp_rows():
+        return _propose(runner, pending, accepted, lambda b, h: _run_layer(runner, b, h))
+    # data parallelism: every DP rank runs the layer num_speculative_tokens times a step (its MoE
+    # joins the other DP ranks'), with no rows of its own where this rank has none to draft
+    passes = [0]
+
+    def counted(b, h):
+        passes[0] += 1
+        return _run_layer(runner, b, h)
+    try:
+        return _propose(runner, pending, accepted, counted)
+    finally:
+        runner.model.dp_idle_step(mtp_passes=runner.spec.num_speculative_tokens - passes[0], main=False)
+
+
+def _propose(runner, pending, accepted: dict[str, int], run_layer) -> dict[str, list[int]]:
+    """mtp_propose's drafts, each pass of the MTP layer through `run_layer(batch, hidden)`."""
     batch, hidden = pending.mtp_inputs
     layer = runner.model.mtp[0]
     rotary = runner.model.model.rotary_emb
@@ -81,7 +101,7 @@ def mtp_propose(runner, pending, accepted: dict[str, int]) -> dict[str, list[int
         return {}
     mb = runner.prepare(toks, ctxs, tables, rids)
     index = to_device([r for rid in mb.order for r in rows[rid]], torch.int64, hidden.device)
-    out = _run_layer(runner, mb, hidden[index])
+    out = run_layer(mb, hidden[index])
     sampled = set(accepted)
     ends, lasts, pos = [], [], {}
     row = 0
@@ -110,5 +130,5 @@ def mtp_propose(runner, pending, accepted: dict[str, int]) -> dict[str, list[int
         ends, h, d = [ends[i] for i in keep], h[keep], [d[i] for i in keep]
         cb = runner.prepare([[t] for t in d], [pos[rid] + depth for rid in ends],
                           [runner.requests[rid].block_ids for rid in ends], ends)
-        h = _run_layer(runner, cb, h)  # same order: all 1 token
+        h = run_layer(cb, h)  # same order: all 1 token
     return drafts

@@ -406,7 +406,7 @@ class Worker:
                                               pdl_max_batch=self.plan.pdl_graph_max_batch)
             try:
                 self.runner.graphs.capture()
-                if self.num_mtp_layers:
+                if self.num_mtp_layers and a.data_parallel_size == 1:  # under DP it runs eagerly (mtp_drafter.py)
                     self.runner.mtp_graphs = self._mtp_graphs(blocks_per_seq, mtp_caches[0])
             except torch.cuda.OutOfMemoryError:
                 raise

@@ -230,10 +230,12 @@ class DeepseekForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)  # [T, hidden]
 
     @torch.inference_mode()
-    def dp_idle_step(self) -> None:
+    def dp_idle_step(self, mtp_passes: int = 0, main: bool = True) -> None:
         """Under data parallelism, this DP rank's part in a step it has no tokens for: the MoE
-        layers' collectives (models/data_parallel_moe.py `idle_pass`)."""
-        idle_pass(self.model.layers, self.config.hidden_size, self.dtype, self.model.embed_tokens.weight.device)
+        layers' collectives (models/data_parallel_moe.py `idle_pass`) of the model (`main`), then
+        of `mtp_passes` passes of the MTP layer (the drafter's, engine/mtp_drafter.py)."""
+        layers = (list(self.model.layers) if main else []) + [m.block for m in self.mtp[:1]] * mtp_passes
+        idle_pass(layers, self.config.hidden_size, self.dtype, self.model.embed_tokens.weight.device)
 
     def compute_logits(self, hidden: torch.Tensor, fp32: bool = True) -> torch.Tensor:
         """Logits `[N, vocab]`: fp32, or with fp32=False in the LM head's dtype (the sampler

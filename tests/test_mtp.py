@@ -170,3 +170,14 @@ def test_mtp_cache_holds_every_prompt_row_under_chunking(tiny_mtp):
     rows = caches[0].flatten(0, 1)[:39]  # positions 0..38 (block ids from 0): each row's next token is known
     assert rows.abs().sum(-1).gt(0).all()
     torch.testing.assert_close(caches[1].flatten(0, 1)[:39], rows, atol=1e-4, rtol=1e-4)
+
+
+def test_mtp_under_data_parallelism(tiny_mtp):
+    """-dp 2 (with expert parallelism): every DP rank runs the MTP layer k times a step, one with
+    nothing to draft with no rows of its own, prompts chunked by 16 tokens: the greedy tokens
+    without speculation, with drafts accepted."""
+    path, _ = tiny_mtp
+    ref, _, _ = generate(path)
+    got, s, _ = generate(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
+                         max_num_batched_tokens=16, data_parallel_size=2, enable_expert_parallel=True)
+    assert got == ref and s.spec.num_accepted_tokens > 0, s.spec
