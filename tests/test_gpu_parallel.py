@@ -43,3 +43,11 @@ def test_nccl_async_scheduling_equals_one_gpu(model):
     """-tp 2 -dcp 2 with async scheduling (each rank launches step N+1 before finishing N)."""
     assert _outputs(model, 2, 2, async_scheduling=True) == _outputs(model, 1, 1, async_scheduling=False)
 
+
+
+@pytest.mark.parametrize("kw", [{}, {"enable_expert_parallel": True, "async_scheduling": True},
+                                {"enforce_eager": True}])
+def test_nccl_data_parallel_equals_one_gpu(model, kw):
+    """-dp 2 on 2 GPUs with CUDA graphs (decode and piecewise; a DP rank replays one only where
+    its rows are the step's dp_rows), with EP and async scheduling, and eager: one GPU's tokens."""
+    assert _outputs(model, 1, 1, data_parallel_size=2, **kw) == _outputs(model, 1, 1)
