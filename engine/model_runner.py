@@ -114,7 +114,8 @@ class ModelRunner:
                 and m.decode.row_index is None):
             b = self.graphs.bucket_for(m.num_decodes, m.decode.q_len)
             if rows:  # data parallelism: only the graph whose MoE gathers the step's rows per DP rank
-                b = rows if b is not None and rows >= b and rows in self.graphs.buckets and m.decode.q_len == 1 else None
+                fits = b is not None and rows >= b and rows in self.graphs.buckets and m.decode.q_len == 1
+                b = rows if fits else None
             if b:
                 return self.graphs.run(batch.input_ids, batch.positions, m, bucket=b)
         if self.piecewise is not None:

@@ -129,10 +129,25 @@ class _LocalRanks:
             self.procs.append(p)
 
     def check_alive(self) -> None:
-        dead = [f"{p.name} (exit code {p.exitcode})" for p in self.procs if not p.is_alive()]
-        if dead:
-            self.shutdown()
-            raise WorkerDiedError(f"worker process died: {', '.join(dead)}")
+        """WorkerDiedError if a rank's process has exited: with the error it reported, where it
+        left one in its pipe (a rank that failed while the one being waited on blocks in a
+        collective with it), else naming the process and its exit code."""
+        gone = [i for i, p in enumerate(self.procs) if not p.is_alive()]
+        if not gone:
+            return
+        names = ", ".join(f"{self.procs[i].name} (exit code {self.procs[i].exitcode})" for i in gone)
+        why = f"worker process died: {names}"
+        for i in gone:
+            try:
+                if self.conns[i].poll():
+                    tag, payload = self.conns[i].recv()
+                    if tag == "error":
+                        why = f"worker failed: {payload}"
+                        break
+            except (EOFError, OSError):
+                pass
+        self.shutdown()
+        raise WorkerDiedError(why)
 
     def recv(self, i: int, kind: str):
         conn = self.conns[i]

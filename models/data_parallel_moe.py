@@ -1,18 +1,18 @@
 """The MoE layers under data parallelism (vLLM's `--data-parallel-size` for DeepSeek: data-parallel
 attention, experts over every rank).
 
-Each DP rank (a TP group with its own requests and KV cache) runs attention and the dense layers
-on its own tokens. Its MoE layers are split over every rank (common/distributed.py's MoE group: each
+Each DP rank (a TP group with its own requests and KV cache) runs attention and the dense layers on
+its own tokens. Its MoE layers are split over every rank (common/distributed.py's MoE group: each
 rank holds 1 / (dp * tp) of every expert, or with --enable-expert-parallel E / (dp * tp) experts
 whole), so a MoE layer's input is the tokens of every DP rank: each rank pads its rows to the
 step's `dp_rows` (at least the most tokens any DP rank runs this step, engine/data_parallel.py; set
 by the runner from its SchedulerOutput; inside a CUDA graph, the rows it was captured with, which
-the runner replays only where they are the step's), the DP group (this TP rank on every DP rank) all-gathers them, the layer runs on
-all `dp * dp_rows` rows, and its partial outputs are summed over every rank into each rank's own
-rows (`pd.moe_reduce_own_rows`: a reduce-scatter at -tp 1, where a rank's rows are its chunk;
-an all-reduce and a slice otherwise). A DP rank with no tokens in a step still takes
-part in every MoE layer's collectives, with no rows of its own (`idle_pass`): every rank runs
-every step.
+the runner replays only where they are the step's), the DP group (this TP rank on every DP rank)
+all-gathers them, the layer runs on all `dp * dp_rows` rows, and its partial outputs are summed
+over every rank into each rank's own rows (`pd.moe_reduce_own_rows`: a reduce-scatter at -tp 1,
+where a rank's rows are its chunk; an all-reduce and a slice otherwise). A DP rank with no tokens
+in a step still takes part in every MoE layer's collectives, with no rows of its own (`idle_pass`):
+every rank runs every step.
 
 The padding rows are zeros: they route like any token, and their outputs are dropped.
 """

@@ -268,3 +268,17 @@ def test_a_dead_dp_rank_fails_the_engine_fast(tiny_v3, when):
         llm.generate([[5, 6, 7], [8, 9, 10]], GREEDY)
     assert time.monotonic() - t0 < 60
     llm.engine.shutdown()
+
+
+def test_a_failing_dp_rank_reports_its_own_error(tiny_v3):
+    """DP rank 1 fails on its step while the engine waits on DP rank 0's output: the engine raises
+    rank 1's own error (left in its pipe), not only that its process died."""
+    from engine.multiproc import WorkerDiedError
+    llm = LLM(tiny_v3[0], device="cpu", dtype="float32", num_kv_blocks=64, data_parallel_size=2)
+    ranks = llm.engine.executor.ranks
+    try:
+        ranks.send_group(1, 1, ("run", "not a step"))  # rank 1 fails on it; rank 0 is sent nothing
+        with pytest.raises(WorkerDiedError, match="worker failed: rank 1: AttributeError"):
+            ranks.recv(0, "out")
+    finally:
+        llm.engine.shutdown()
