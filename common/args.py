@@ -137,8 +137,6 @@ class EngineArgs:
              f"--decode-context-parallel-size {self.decode_context_parallel_size} must divide "
              f"--tensor-parallel-size {self.tensor_parallel_size}")
         need(self.data_parallel_size >= 1, f"--data-parallel-size must be >= 1, got {self.data_parallel_size}")
-        if self.data_parallel_size > 1:
-            need(self.nnodes == 1, "--data-parallel-size > 1 runs on one node: leave out --nnodes or -dp")
         need(self.max_num_batched_tokens >= 1,
              f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         need(self.max_num_seqs >= 1, f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
@@ -167,8 +165,10 @@ class EngineArgs:
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
              f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
-        need(self.nnodes >= 1 and self.tensor_parallel_size % self.nnodes == 0,
-             f"--nnodes {self.nnodes} must divide --tensor-parallel-size {self.tensor_parallel_size}")
+        ranks = self.tensor_parallel_size * max(self.data_parallel_size, 1)
+        need(self.nnodes >= 1 and ranks % self.nnodes == 0,
+             f"--nnodes {self.nnodes} must divide --tensor-parallel-size {self.tensor_parallel_size}"
+             + (f" x --data-parallel-size {self.data_parallel_size}" if self.data_parallel_size > 1 else ""))
         need(0 <= self.node_rank < self.nnodes, f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}")
         need(self.nnodes == 1 or self.master_port is not None, "--master-port is required with --nnodes > 1")
         need(self.async_scheduling is None or isinstance(self.async_scheduling, bool),

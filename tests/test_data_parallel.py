@@ -282,3 +282,43 @@ def test_a_failing_dp_rank_reports_its_own_error(tiny_v3):
             ranks.recv(0, "out")
     finally:
         llm.engine.shutdown()
+
+
+@pytest.mark.parametrize("kw", [{}, {"enable_expert_parallel": True, "async_scheduling": True}])
+def test_data_parallel_over_two_nodes_on_loopback(tiny_v3, workload, kw):
+    """-dp 2 split over two "nodes" (node 1 runs DP rank 1's worker only): rank 0 relays each
+    step's parts and gathers the outputs back; the one-rank greedy tokens, with EP and async
+    scheduling too, and node 1's worker stops with the engine."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = tiny_v3[0]
+    common = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=64, max_num_batched_tokens=16)
+    node1 = subprocess.Popen(
+        [sys.executable, "-c",
+         "from common.args import EngineArgs; from models.config import ModelConfig;"
+         "from engine.multiproc import run_worker_node;"
+         f"a = EngineArgs(model={path!r}, data_parallel_size=2, nnodes=2, node_rank=1, master_port={port},"
+         f" **{ {**common, **kw}!r});"
+         "run_worker_node(a, ModelConfig.from_pretrained(a.model), [])"])
+    try:
+        llm = LLM(path, data_parallel_size=2, nnodes=2, node_rank=0, master_port=port, **common, **kw)
+        try:
+            got = [o.outputs[0].token_ids for o in llm.generate(workload[:5], GREEDY)]
+            s = llm.scheduler.stats
+            assert s.num_free_blocks == s.num_total_blocks == 128
+        finally:
+            llm.engine.shutdown()
+        one = LLM(path, **common)
+        try:
+            assert got == [o.outputs[0].token_ids for o in one.generate(workload[:5], GREEDY)]
+        finally:
+            one.engine.shutdown()
+        assert node1.wait(timeout=30) == 0  # the stop reached the other node's worker
+    finally:
+        if node1.poll() is None:
+            node1.kill()

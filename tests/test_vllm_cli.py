@@ -109,8 +109,8 @@ REFUSED_VALUES = [
      "cudagraph_mode FULL_DECODE_ONLY and --piecewise-graph-sizes 512: give one of them"),
     ("vllm serve deepseek-ai/DeepSeek-V3 --compilation-config '{\"cudagraph_capture_sizes\": [0, 8]}'",
      "cudagraph_capture_sizes must be >= 1, got 0"),
-    ("vllm serve deepseek-ai/DeepSeek-R1-0528 -dp 2 --nnodes 2 --master-port 29500",
-     "--data-parallel-size > 1 runs on one node"),
+    ("vllm serve deepseek-ai/DeepSeek-R1-0528 -dp 3 --nnodes 2 --master-port 29500",
+     "--nnodes 2 must divide --tensor-parallel-size 1 x --data-parallel-size 3"),
 ]
 # launch lines of FP8 checkpoints with --quantization fp8: the model is replaced by a copy of the
 # tiny model whose config.json carries DeepSeek-V3's quantization_config
