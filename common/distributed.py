@@ -145,8 +145,9 @@ def moe_scope():
 
 
 def set_dp_rows(rows: int) -> None:
-    """The step's rows per DP rank in the MoE layers' gather (the most tokens any DP rank runs;
-    0: this rank's own count, as in start-up passes that every rank runs alike)."""
+    """The step's rows per DP rank in the MoE layers' gather (at least the most tokens any DP rank
+    runs: engine/data_parallel.py; 0: this rank's own count, as in the start-up passes, which every
+    rank runs alike)."""
     _state.dp_rows = rows
 
 
