@@ -12,12 +12,13 @@ its partial output summed by the same all-reduce.
 The router runs on every rank over all E experts, as without EP; `to_local` then turns its global
 choices into this rank's: a local expert index, or `count` (one past the last) for a pair another
 rank computes, with weight 0. The MoE paths leave such pairs out: the block kernels sort only ids
-below the expert count (models/expert_sort.py) and their pair sum skips the rest
-(fused_moe.sum_pairs), the torch loop stops at the last local expert, the dense path drops the
-extra column. The pair-parallel fused MoE (models/fused_moe.py `fused_moe_small`) runs a program
-for every pair and has no way to skip one, so under EP the block kernels serve every batch size.
+below the expert count (models/expert_sort.py), the pair-parallel fused MoE of small batches
+(models/fused_moe.py `fused_moe_small`) ends such a pair's programs at once, both pair sums skip
+their rows (fused_moe.sum_pairs), the torch loop stops at the last local expert, the dense path
+drops the extra column.
 
-What it changes in speed is not measured here: this project's GPU machines have one GPU.
+Its speed across GPUs is not measured here: this project's GPU machines have one GPU
+(scripts/bench_expert_parallel.py times one rank's layer on one GPU; RESULTS.md).
 """
 
 from __future__ import annotations

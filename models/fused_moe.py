@@ -80,13 +80,17 @@ def _pair(pid, ids_ptr, E_R, K_TOP: tl.constexpr, NS: tl.constexpr, J0: tl.const
 def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BUCKET, S_ROWS, S_COLS,
                         K_TOP: tl.constexpr, NS: tl.constexpr, J0: tl.constexpr, JN: tl.constexpr,
                         QB: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr, LEFT_OUT: tl.constexpr = False):
     """The gate/up GEMV as tensor-core products: the token's row padded to 16 (rows 1-15 zero).
     The padding costs compute nobody waits for; what it buys is the compiler's software
-    pipeline for loads that feed a dot (num_stages tiles in flight per program)."""
+    pipeline for loads that feed a dot (num_stages tiles in flight per program). LEFT_OUT: a pair
+    whose expert id is >= E_R (expert parallelism: another rank's) is skipped."""
     pdl_prologue(PDL)
     nb = tl.program_id(1)
     tok, _, e, row = _pair(tl.program_id(0), ids_ptr, E_R, K_TOP, NS, J0, JN)
+    if LEFT_OUT:
+        if e >= E_R:
+            return
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
     row0 = (tl.arange(0, 16) == 0)[:, None]
@@ -117,12 +121,16 @@ def _gate_up_dot_kernel(x_ptr, ids_ptr, w13_ptr, s13_ptr, h_ptr, D, I, E_R, T_BU
 def _down_dot_kernel(h_ptr, ids_ptr, wts_ptr, w2_ptr, s2_ptr, part_ptr, D, I, E_R, T_BUCKET, S_ROWS, S_COLS,
                      K_TOP: tl.constexpr, NS: tl.constexpr, J0: tl.constexpr, JN: tl.constexpr,
                      QB: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr, LEFT_OUT: tl.constexpr = False):
+    """A pair's down GEMV times its weight, into its fp32 pair row (LEFT_OUT: as gate/up's)."""
     pdl_prologue(PDL)
     db = tl.program_id(1)
     offs_n = db * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < D
     tok, j, e, row = _pair(tl.program_id(0), ids_ptr, E_R, K_TOP, NS, J0, JN)
+    if LEFT_OUT:
+        if e >= E_R:
+            return
     wt = tl.load(wts_ptr + tok * K_TOP + j, mask=j < K_TOP, other=1.0).to(tl.float32)
     row0 = (tl.arange(0, 16) == 0)[:, None]
     acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
@@ -208,7 +216,7 @@ def _expert_scales(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_sca
 def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                     ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
                     w2_scale: torch.Tensor | None = None, block: int = 128,
-                    n_shared: int = 0, defer_sum: bool = False) -> torch.Tensor | PairRows:
+                    n_shared: int = 0, defer_sum: bool = False, left_out: bool = False) -> torch.Tensor | PairRows:
     """Routed-expert output `[T, D]` for x `[T, D]`, ids / weights `[T, k]` (no host sync).
 
     `n_shared`: the last n_shared experts of w13 / w2 are shared experts folded in
@@ -219,12 +227,15 @@ def fused_moe_small(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weight
     the kernels dequantize each tile as they read it (weight-only: x stays in its dtype). I must
     be a multiple of `block` so that the up rows start on a block boundary.
     `defer_sum`: the pair rows unsummed (`PairRows`, for the next add + RMSNorm to sum), no
-    pair-sum launch.
+    pair-sum launch. `left_out`: ids may be >= E (expert parallelism: another rank's pairs, no
+    shared experts folded in); those pairs are skipped and left out of the sum.
     """
     k = ids.shape[1]
+    if left_out and n_shared:
+        raise ValueError("fused_moe_small: left_out pairs with shared experts folded in")
     run = _SmallMoE(x, w13, w2, w13_scale, w2_scale, block, k, n_shared)
-    run.launch(weights, ids, 0, k + n_shared)
-    return sum_pairs(run.part, run.x.dtype, k + n_shared, defer_sum)
+    run.launch(weights, ids, 0, k + n_shared, left_out=left_out)
+    return sum_pairs(run.part, run.x.dtype, k + n_shared, defer_sum, (ids, w13.shape[0]) if left_out else None)
 
 
 def fused_moe_small_overlapped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route, k: int,
@@ -297,9 +308,11 @@ class _SmallMoE:
         self.h = torch.empty(T * kt, I, dtype=x.dtype, device=x.device)
         self.part = torch.empty(T * kt, D, dtype=torch.float32, device=x.device)
 
-    def launch(self, weights: torch.Tensor, ids: torch.Tensor, j0: int, jn: int, x: torch.Tensor | None = None) -> None:
+    def launch(self, weights: torch.Tensor, ids: torch.Tensor, j0: int, jn: int, x: torch.Tensor | None = None,
+               left_out: bool = False) -> None:
         """The two kernels over pair slots j0.. j0+jn-1; `x`: these pairs' tokens' rows instead
-        of the call's (the same shape and dtype, contiguous)."""
+        of the call's (the same shape and dtype, contiguous); `left_out`: pairs of ids >= the
+        routed experts' count are skipped (their pair rows are not written)."""
         if x is None:
             x = self.x
         elif x.shape != self.x.shape or x.dtype != self.x.dtype or not x.is_contiguous():
@@ -317,7 +330,7 @@ class _SmallMoE:
         down_args = (self.h, ids, weights, w2, s2, self.part, D, I, e_r, bucket, r2, c2)
         # fp32 models (the tiny test models on CUDA): exact products, not TF32
         const = dict(K_TOP=self.k, NS=self.n_shared, J0=j0, JN=jn, QB=self.block, SCALED=self.scaled,
-                     IEEE=x.dtype == torch.float32, **pdl_launch())
+                     IEEE=x.dtype == torch.float32, LEFT_OUT=left_out, **pdl_launch())
         if not autotuning():
             t = _INTERPRET_TILES if interpreting() else _FIXED_TILES
             _gate_up_dot_kernel[(T * jn, triton.cdiv(I, t["BLOCK_N"]))](*up_args, **const, **t)

@@ -231,11 +231,11 @@ class MoE(RoutedPaths, nn.Module):
         """(small, dense, blocked, overlapped) for a step of T tokens: the fused MoE takes it,
         the shared experts run dense, the block kernels take it, the shared experts' pairs run
         on the side stream (moe_shared_stream, the fused or the block path)."""
-        if self.expert_parallel:  # the block kernels at every size, or the torch paths (module docstring)
-            return False, False, self.fused_blocked is not None, False
         p = self.plan
         fused_max = p.moe_fused_max_tokens_fp8 if self.fp8_block is not None else p.moe_fused_max_tokens
         small = self.fused_small is not None and T <= fused_max
+        if self.expert_parallel:  # the fused MoE or the block kernels, skipping other ranks' pairs (or torch)
+            return small, False, self.fused_blocked is not None and not small, False
         dense = not small and bool(self.n_shared) and 0 < p.moe_shared_dense_min_tokens <= T
         blocked = self.fused_blocked is not None and (self.fp8_block is not None or T <= p.moe_blocked_max_tokens)
         overlapped = (p.moe_shared_stream and bool(self.n_shared) and device.type == "cuda"
@@ -311,7 +311,7 @@ class MoE(RoutedPaths, nn.Module):
             ep["left_out"] = True
         if small:
             out = self.fused_small(x, self.w13, self.w2, weights, ids, self.w13_scale, self.w2_scale, block,
-                                   self.n_shared, defer_sum=defer)
+                                   self.n_shared, defer_sum=defer, **ep)
         else:
             pairs = (weights, ids) if dense or fold else self._with_shared(weights, ids)
             if blocked and self.fp8_block is not None:  # FP8 experts: any size

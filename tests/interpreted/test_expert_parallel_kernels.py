@@ -1,7 +1,8 @@
 """--enable-expert-parallel through the Triton MoE paths under the interpreter: one MoE layer as
 each of N EP ranks builds it, summed over the ranks, against the one-rank layer
-(tests/ep_checks.py). Under EP the block kernels take every batch size, the other ranks' pairs
-left out of their sort and of the pair sum (models/expert_parallel.py)."""
+(tests/ep_checks.py). Under EP the fused MoE (small batches) skips the other ranks' pairs in its
+programs, and the block kernels leave them out of their sort; both leave them out of the pair
+sum (models/expert_parallel.py)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,38 @@ R1_SMALL = {"hidden_size": 256, "moe_intermediate_size": 256, "n_routed_experts"
 TRITON_MOE = dict(router="triton", moe="triton", moe_fused_max_tokens=4, moe_blocked_max_tokens=16)
 
 
-@pytest.mark.parametrize("T,n", [(1, 2), (9, 2), (40, 4)])
-def test_block_kernels_split_by_expert(T, n, monkeypatch):
-    """V2-Lite's MoE narrowed (2 shared experts): at 1 token (the fused MoE's size without EP), 9,
-    and 40 (past moe_blocked_max_tokens, the grouped GEMM's size without EP)."""
+def _count_calls(monkeypatch, module, name: str) -> list:
+    """Record each call of `module.name` (before the layers are built: they keep the function)."""
+    calls, f = [], getattr(module, name)
+
+    def spy(*a, **kw):
+        calls.append(kw.get("left_out", False))
+        return f(*a, **kw)
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("T,n", [(1, 2), (4, 4), (9, 2), (40, 4)])
+def test_moe_kernels_split_by_expert(T, n, monkeypatch):
+    """V2-Lite's MoE narrowed (2 shared experts): at 1 and 4 tokens the fused MoE (other ranks'
+    pairs skipped by its programs and left out of the pair sum), at 9 the block kernels, and at 40
+    (past moe_blocked_max_tokens, the grouped GEMM's size without EP) the block kernels too."""
+    from models import blocked_moe, fused_moe
+    small = _count_calls(monkeypatch, fused_moe, "fused_moe_small")
+    blocked = _count_calls(monkeypatch, blocked_moe, "fused_moe_blocked")
     check_expert_parallel("configs/models/DeepSeek-V2-Lite", SMALL, T, torch.float32, "cpu", 1e-5,
                           KernelPlan(**TRITON_MOE), n, monkeypatch)
+    # the one-rank layer (at 40 tokens the grouped GEMM's), then the n EP ranks', each leaving pairs out
+    assert (small if T <= 4 else blocked) == [False] * (T <= 16) + [True] * n
+    assert not (blocked if T <= 4 else small)
 
 
-@pytest.mark.parametrize("w8a8", [False, True])
-def test_fp8_experts_kept_split_by_expert(w8a8, monkeypatch):
-    """R1's FP8 MoE narrowed, kept in FP8: the FP8 block kernels (weight-only, and W8A8), the
-    shared experts a W8A8 MLP split over the 2 ranks."""
-    check_expert_parallel("configs/models/DeepSeek-R1", R1_SMALL, 9, torch.float32, "cpu", 1e-5,
+@pytest.mark.parametrize("w8a8,T", [(False, 9), (True, 9), (False, 2)])
+def test_fp8_experts_kept_split_by_expert(w8a8, T, monkeypatch):
+    """R1's FP8 MoE narrowed, kept in FP8: the FP8 block kernels (weight-only, and W8A8) at 9
+    tokens, the fused MoE's FP8 programs at 2, the shared experts a W8A8 MLP split over the 2
+    ranks."""
+    check_expert_parallel("configs/models/DeepSeek-R1", R1_SMALL, T, torch.float32, "cpu", 1e-5,
                           KernelPlan(**TRITON_MOE, moe_fp8_w8a8=w8a8), 2, monkeypatch, keep_fp8=True)
 
 
