@@ -1,7 +1,9 @@
 """Data parallelism (-dp): DP ranks with their own requests and KV caches, the MoE layers split
 over every rank and run on every DP rank's tokens (engine/data_parallel.py,
 models/data_parallel_moe.py). On the CPU: the layer split over dp x tp ranks in one process, the
-DP scheduler, and the engine on 2 and 4 gloo processes against one rank."""
+DP scheduler and its routing, the runner's CUDA-graph choice, the engine on 2 and 4 gloo processes
+and over two "nodes" on loopback against one rank, and dead or failing DP ranks. MTP drafts under
+DP: tests/test_mtp.py; under NCCL on 2+ GPUs: tests/test_gpu_parallel.py."""
 
 from __future__ import annotations
 
