@@ -384,13 +384,11 @@ class Worker:
                  str(self.cache_dtype).removeprefix("torch."), per_token, num_blocks, bs, num_blocks * bs,
                  num_blocks * bs * per_token / 2**30)
         argmax = None
-        if self.plan.argmax == TRITON:
-            from common.triton_argmax import argmax_rows  # triton: CUDA installs only
-            argmax = argmax_rows
+        if self.plan.argmax == TRITON:  # (triton: CUDA installs only)
+            from common.triton_argmax import argmax_rows as argmax
         self.runner = ModelRunner(self.model, self.cfg, self.kv_caches, bs, self.device, eos_token_ids,
-                                  rank_check_interval=a.rank_check_interval,
-                                  speculative_config=a.speculative_config, mtp_kv_caches=mtp_caches,
-                                  argmax=argmax)
+                                  rank_check_interval=a.rank_check_interval, speculative_config=a.speculative_config,
+                                  mtp_kv_caches=mtp_caches, argmax=argmax)
         if argmax is not None:  # compiled now, not at the first greedy request (one variant for every batch)
             argmax(torch.zeros(2, self.cfg.vocab_size, device=self.device))
         if self.plan.warmup:
@@ -425,12 +423,10 @@ class Worker:
                                           "--enforce-eager avoids them)", e) from e
 
     def graph_sizes(self) -> tuple[list[int], list[int]]:
-        """(decode batch sizes, piecewise token counts) captured as CUDA graphs (empty: none): under
-        data parallelism the engine core pads each step's MoE rows to one of them
-        (engine/data_parallel.py)."""
+        """(decode batch sizes, piecewise token counts) captured (engine/data_parallel.py pads to them)."""
         r = self.runner
-        decode = r.graphs.buckets if r.graphs is not None and 1 in r.graphs.q_lens else []
-        return list(decode), list(r.piecewise.sizes) if r.piecewise is not None else []
+        return (list(r.graphs.buckets) if r.graphs is not None and 1 in r.graphs.q_lens else [],
+                list(r.piecewise.sizes) if r.piecewise is not None else [])
 
     def piecewise_sizes(self) -> list[int]:
         """The token counts whose piecewise CUDA graphs this rank captures (engine/piecewise_graph.py):

@@ -188,13 +188,13 @@ class MoE(RoutedPaths, nn.Module):
         self.triton_glue = self.sort_by_expert = None
         self.to_local = to_local  # expert parallel: the choices made this rank's
         if plan.moe == TRITON:
-            from models import blocked_moe, expert_sort, fused_moe  # triton: CUDA installs only
+            from models import blocked_moe, expert_sort, fused_moe, grouped_glue  # triton: CUDA installs only
             from models.expert_parallel_kernel import to_local_triton
             self.to_local = to_local_triton
             self.fused_small, self.fused_blocked = fused_moe.fused_moe_small, blocked_moe.fused_moe_blocked
             self.fused_blocked_overlapped = blocked_moe.fused_moe_blocked_overlapped
             self.fused_small_overlapped = fused_moe.fused_moe_small_overlapped
-            self.triton_glue = fused_moe  # the grouped path's gather, SwiGLU and un-permute kernels
+            self.triton_glue = grouped_glue  # the grouped path's gather, SwiGLU and un-permute kernels
             self.sort_by_expert = expert_sort.sort_by_expert
         self._shared_cache: dict = {}  # _shared_choice's tensors by (device, dtypes)
         self.reduce_out = True  # False: the caller sums the partial outputs (models/data_parallel_moe.py)

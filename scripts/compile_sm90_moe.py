@@ -43,8 +43,8 @@ def main() -> None:
                 "h_ptr": "*bf16", "ids_ptr": "*i32", "wts_ptr": "*fp32", "w2_ptr": wdt, "s2_ptr": "*fp32",
                 "part_ptr": "*fp32", "D": "i32", "I": "i32", "E_R": "i32", "T_BUCKET": "i32", "S_ROWS": "i32",
                 "S_COLS": "i32"}, c)
-            print(f"LEFT_OUT={int(left_out)} {'fp8' if scaled else 'bf16'}: gate/up {len(up.asm['ptx'])} B PTX, "
-                  f"{len(up.asm['cubin'])} B cubin; down {len(down.asm['ptx'])} B PTX, {len(down.asm['cubin'])} B cubin")
+            sizes = [f"{len(k.asm['ptx'])} B PTX, {len(k.asm['cubin'])} B cubin" for k in (up, down)]
+            print(f"LEFT_OUT={int(left_out)} {'fp8' if scaled else 'bf16'}: gate/up {sizes[0]}; down {sizes[1]}")
 
 
 if __name__ == "__main__":

@@ -154,7 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("-dp", "--data-parallel-size", type=int, default=d["data_parallel_size"],
                    help="data-parallel attention: this many groups of -tp ranks (dp x tp processes, one GPU "
                         "each on CUDA), each with its own requests and KV cache; the MoE layers are split over "
-                        "all dp x tp ranks and run on every group's tokens (vLLM's -dp for DeepSeek; over --nnodes too)")
+                        "all dp x tp ranks and run on every group's tokens (vLLM's -dp for DeepSeek; over "
+                        "--nnodes too)")
     g.add_argument("--device", choices=["auto", "cuda", "cpu"], default=d["device"],
                    help="where to run; auto: cuda when available, else cpu")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"],

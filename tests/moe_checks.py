@@ -202,7 +202,7 @@ def check_glue(T, kt, E, block_m, device, seed=0):
     # the blocked path's one-kernel alignment equals the torch reference element for element;
     # the grouped path's row gather, SwiGLU and weighted un-permute equal their torch forms
     from models.expert_sort import align_pairs, sort_pairs_into_blocks
-    from models.fused_moe import gather_rows, silu_mul, unpermute_sum
+    from models.grouped_glue import gather_rows, silu_mul, unpermute_sum
     from common.fused import silu_mul as silu_ref
     g = torch.Generator().manual_seed(seed)
     ids = torch.stack([torch.randperm(E, generator=g)[:kt] for _ in range(T)]).to(device)
