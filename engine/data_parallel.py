@@ -17,6 +17,7 @@ the front end, the output processing and the metrics see one engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterable
 
 from scheduler.config import SchedulerConfig
@@ -39,8 +40,9 @@ class DPSchedulerOutput:
     def is_empty(self) -> bool:
         return all(p.is_empty for p in self.parts)
 
-    @property
+    @cached_property
     def num_scheduled_tokens(self) -> dict[str, int]:
+        """Every part's, merged once (the core looks ids up in it as requests arrive)."""
         return {rid: n for p in self.parts for rid, n in p.num_scheduled_tokens.items()}
 
 
