@@ -44,6 +44,9 @@ class EngineStats:
     # sum of tokens); vLLM's iteration_tokens_total histogram
     iteration_tokens: tuple[tuple[int, ...], list[int], int] | None = None
     spec: object = None  # scheduler.scheduler.SpecDecodeStats with speculative decoding, else None
+    engine_index: int = 0
+    # under -dp, each DP rank's own (EngineStats with per_engine None); else None
+    per_engine: list | None = None
 
 
 def iteration_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
@@ -78,11 +81,11 @@ class AsyncLLM:
         except RuntimeError:
             self._loop = None  # bound by the first generate()
         self._error: str | None = None
-        self._prompt_tokens = self._generation_tokens = 0
         self._core_stats = CoreStats()
         self._iter_buckets = iteration_buckets(args.max_num_batched_tokens)
-        self._iter_counts = [0] * (len(self._iter_buckets) + 1)  # written by the reader thread
-        self._iter_sum = 0
+        # tokens per step (written by the reader thread): [counts per bucket and +Inf, sum], of
+        # the whole engine and then of each DP rank under -dp
+        self._iter = [[[0] * (len(self._iter_buckets) + 1), 0] for _ in range(1 + args.data_parallel_size)]
         self.last_output_time = time.monotonic()  # when outputs last reached the event loop
         # Stall detection (/health): the core reports after every step, outputs or not.
         self._last_core_message = self._busy_since = time.monotonic()
@@ -92,8 +95,9 @@ class AsyncLLM:
         self.core = CoreClient(args, self.model_config, self.inputs.eos_token_id,
                                self._on_core_outputs, self._on_core_death, self._on_refused,
                                in_thread=core_in_thread)
-        n = self.core.info.num_blocks
-        self._core_stats = CoreStats(num_free_blocks=n, num_total_blocks=n)
+        n, dp = self.core.info.num_blocks, self.core.info.num_engines
+        per = [CoreStats(num_free_blocks=n // dp, num_total_blocks=n // dp) for _ in range(dp)] if dp > 1 else None
+        self._core_stats = CoreStats(num_free_blocks=n, num_total_blocks=n, per_engine=per)
         self.max_model_len = self.core.info.max_model_len
         self.inputs.max_model_len = self.core.info.max_model_len
         self.inputs.capacity_tokens = self.core.info.capacity_tokens
@@ -103,8 +107,10 @@ class AsyncLLM:
     def _on_core_outputs(self, outs: list[EngineCoreOutput], stats: CoreStats) -> None:
         self._last_core_message = time.monotonic()
         if stats.num_steps > self._core_stats.num_steps and stats.step_tokens > 0:
-            self._iter_counts[bisect.bisect_left(self._iter_buckets, stats.step_tokens)] += 1
-            self._iter_sum += stats.step_tokens
+            for hist, tokens in zip(self._iter, [stats] + (stats.per_engine or [])):
+                if tokens.step_tokens:
+                    hist[0][bisect.bisect_left(self._iter_buckets, tokens.step_tokens)] += 1
+                    hist[1] += tokens.step_tokens
         self._core_stats = stats
         if outs and self._loop is not None:
             self._loop.call_soon_threadsafe(self._on_outputs, outs)
@@ -132,8 +138,6 @@ class AsyncLLM:
 
     def _on_outputs(self, outs: list[EngineCoreOutput]) -> None:
         self.last_output_time = time.monotonic()
-        for o in outs:
-            self._generation_tokens += len(o.new_token_ids)
         results, to_abort = self.outputs.process(outs)
         if to_abort:
             self.core.abort(to_abort)
@@ -197,7 +201,6 @@ class AsyncLLM:
         children = self.outputs.add_request(request_id, text, ids, params)
         if self.args.enable_log_requests:
             log.info("request %s: %d prompt tokens, %s", request_id, len(ids), params)
-        self._prompt_tokens += len(ids)
         self._children[request_id] = [cid for cid, _ in children]
         for cid, _ in children:
             self._parent[cid] = request_id
@@ -247,13 +250,21 @@ class AsyncLLM:
             self.core.abort(children)
 
     def stats(self) -> EngineStats:
-        """Scheduler counters as of the core's last message, plus the front end's token counts."""
+        """Scheduler counters as of the core's last message, and the steps' token counts: the
+        whole engine's, with each DP rank's under -dp."""
         s = self._core_stats
+        out = self._engine_stats(s, self._iter[0])
+        if s.per_engine:
+            out.per_engine = [self._engine_stats(p, h) for p, h in zip(s.per_engine, self._iter[1:])]
+            for d, p in enumerate(out.per_engine):
+                p.engine_index = d
+        return out
+
+    def _engine_stats(self, s: CoreStats, hist: list) -> EngineStats:
         return EngineStats(s.num_running, s.num_waiting, s.num_free_blocks, s.num_total_blocks,
-                           s.kv_cache_usage, s.num_preemptions, self._prompt_tokens,
-                           self._generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits,
-                           s.num_steps, (self._iter_buckets, list(self._iter_counts),
-                                         self._iter_sum), s.spec)
+                           s.kv_cache_usage, s.num_preemptions, s.prompt_tokens, s.generation_tokens,
+                           s.prefix_cache_queries, s.prefix_cache_hits, s.num_steps,
+                           (self._iter_buckets, list(hist[0]), hist[1]), s.spec)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine core and its workers, and wait for them."""

@@ -65,6 +65,7 @@ class EngineCore:
         self._in_flight = None  # (SchedulerOutput, PendingStep) of the step launched last
         self._early: list[EngineCoreOutput] = []  # drained outside step(), reported by the next one
         self.step_tokens = 0  # tokens the last step() scheduled (0: it only drained)
+        self.step_tokens_per_engine: list[int] | None = None  # each DP rank's, under -dp
         self._spec_logged = (time.monotonic(), 0, 0, 0)  # time, drafts, draft tokens, accepted
         sched_config = SchedulerConfig(
             max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -168,13 +169,13 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         self._log_spec_decode()
-        self.step_tokens = 0
+        self.step_tokens, self.step_tokens_per_engine = 0, None
         if self._early:
             early, self._early = self._early, []
             return early + self.step()
         if not self.async_scheduling:
             so = self._schedule()
-            self.step_tokens = so.total_num_scheduled_tokens
+            self._count_tokens(so)
             out = self.executor.execute(so)
             return self.scheduler.update_from_output(so, out)
         # Async: schedule and launch step N+1, then wait for step N and report it. The host work
@@ -182,7 +183,7 @@ class EngineCore:
         if self._in_flight is not None and self.scheduler.needs_sync():
             return self._drain()  # a request samples with its full history: no token may be in flight
         so = self._schedule()
-        self.step_tokens = so.total_num_scheduled_tokens
+        self._count_tokens(so)
         launched = self.executor.launch(so)
         outputs = self._drain()
         if launched is not None:
@@ -190,6 +191,12 @@ class EngineCore:
             if not self.scheduler.has_unfinished_requests():
                 outputs += self._drain()  # every request ended with step N: nothing to wait for
         return outputs
+
+    def _count_tokens(self, so) -> None:
+        """The step's scheduled tokens, and each DP rank's under data parallelism."""
+        self.step_tokens = so.total_num_scheduled_tokens
+        parts = getattr(so, "parts", None)  # engine/data_parallel.DPSchedulerOutput
+        self.step_tokens_per_engine = None if parts is None else [p.total_num_scheduled_tokens for p in parts]
 
     def _log_spec_decode(self, interval: float = 10.0) -> None:
         """Every `interval` seconds with drafts verified: the mean acceptance length (tokens one

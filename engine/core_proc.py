@@ -57,6 +57,7 @@ class CoreInfo:
     max_model_len: int
     capacity_tokens: int
     num_blocks: int  # every DP rank's
+    num_engines: int = 1  # DP ranks (each its own scheduler and KV cache)
 
 
 @dataclass
@@ -74,6 +75,11 @@ class CoreStats:
     num_steps: int = 0
     step_tokens: int = 0  # tokens scheduled by the step this message reports (0: none)
     spec: object = None  # scheduler.scheduler.SpecDecodeStats (a copy) with speculative decoding
+    prompt_tokens: int = 0  # cumulative: each request's prompt as its first output comes
+    generation_tokens: int = 0  # cumulative: tokens output
+    # under -dp, each DP rank's own (CoreStats with per_engine None; requests whose grammar is
+    # still compiling, not yet given to a rank, wait on rank 0's); else None
+    per_engine: list | None = None
 
 
 def encode_outputs(outs: list[EngineCoreOutput]) -> list[tuple]:
@@ -112,7 +118,8 @@ def core_main(args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None, cmd_
     try:
         _send(out_conn, ("ready", CoreInfo(core.max_model_len,
                                            core.scheduler.config.capacity_tokens,
-                                           core.scheduler.stats.num_total_blocks)))
+                                           core.scheduler.stats.num_total_blocks,
+                                           len(getattr(core.scheduler, "schedulers", [None])))))
         sender = _Sender(out_conn)
         _loop(core, _Receiver(cmd_conn), sender)
     except (EOFError, BrokenPipeError):
@@ -258,8 +265,19 @@ def _report(core, sender: _Sender, outs: list[EngineCoreOutput], steps: int,
             step_tokens: int) -> None:
     """Queue one output message: the outputs and the scheduler's counters (the sender thread
     encodes and writes it)."""
-    s = core.scheduler.stats
-    sender.put(("outputs", (outs, CoreStats(
-        s.num_running, s.num_waiting + core.num_compiling, s.num_free_blocks, s.num_total_blocks,
-        s.kv_cache_usage, s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits,
-        steps, step_tokens, copy.deepcopy(s.spec)))))
+    sched = core.scheduler
+    per_engine = None
+    if hasattr(sched, "stats_per_engine"):  # engine/data_parallel.DataParallelScheduler
+        step_parts = core.step_tokens_per_engine if step_tokens else None
+        per_engine = [_core_stats(s, core.num_compiling if d == 0 else 0, steps,
+                                  step_parts[d] if step_parts else 0)
+                      for d, s in enumerate(sched.stats_per_engine)]
+    stats = _core_stats(sched.stats, core.num_compiling, steps, step_tokens)
+    stats.per_engine = per_engine
+    sender.put(("outputs", (outs, stats)))
+
+
+def _core_stats(s, compiling: int, steps: int, step_tokens: int) -> CoreStats:
+    return CoreStats(s.num_running, s.num_waiting + compiling, s.num_free_blocks, s.num_total_blocks,
+                     s.kv_cache_usage, s.num_preemptions, s.prefix_cache_queries, s.prefix_cache_hits,
+                     steps, step_tokens, copy.deepcopy(s.spec), s.prompt_tokens, s.generation_tokens)

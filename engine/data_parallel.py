@@ -11,12 +11,13 @@ rank runs, rounded up to a captured CUDA-graph size where one takes it), and a D
 joins the MoE layers' collectives alone. A step with no tokens on any rank runs nowhere.
 
 One core process schedules every DP rank (as one scheduler with dp times the requests would), so
-the front end, the output processing and the metrics see one engine.
+the front end and the output processing see one engine; the metrics see the sum and each DP rank
+(`stats_per_engine`, vLLM's `engine` label).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Iterable
 
@@ -88,6 +89,8 @@ class DataParallelScheduler:
     def __init__(self, config: SchedulerConfig, dp: int, graph_sizes: tuple[list[int], list[int]] = ([], [])):
         self.config = config  # each DP rank's: capacity_tokens is what one request can have
         self.schedulers = [Scheduler(config) for _ in range(dp)]
+        for d, s in enumerate(self.schedulers):
+            s.engine_index = d
         self.decode_sizes, self.piecewise_sizes = sorted(graph_sizes[0]), sorted(graph_sizes[1])
         # how many more unfinished requests than the least loaded rank a rank may hold and still
         # take a request for its prefix-cache hit
@@ -145,19 +148,22 @@ class DataParallelScheduler:
     @property
     def stats(self) -> SchedulerStats:
         """Every DP rank's counts summed (the KV usage over all their blocks)."""
-        parts = [s.stats for s in self.schedulers]
+        parts = self.stats_per_engine
         total = sum(p.num_total_blocks for p in parts)
-        used = sum(p.kv_cache_usage * p.num_total_blocks for p in parts)
+        summed = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(SchedulerStats)
+                  if f.name not in ("kv_cache_usage", "spec")}
         spec = None
         if parts[0].spec is not None:  # speculative decoding's counters, summed
             spec = SpecDecodeStats(*(sum(getattr(p.spec, f) for p in parts)
                                      for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")),
                                    [sum(c) for c in zip(*(p.spec.accepted_per_pos for p in parts))])
-        return SchedulerStats(*(sum(getattr(p, f) for p in parts) for f in ("num_running", "num_waiting",
-                                                                            "num_free_blocks", "num_total_blocks")),
-                              used / total if total else 0.0,
-                              *(sum(getattr(p, f) for p in parts) for f in ("num_preemptions", "prefix_cache_queries",
-                                                                            "prefix_cache_hits")), spec)
+        used = sum(p.kv_cache_usage * p.num_total_blocks for p in parts)
+        return SchedulerStats(**summed, kv_cache_usage=used / total if total else 0.0, spec=spec)
+
+    @property
+    def stats_per_engine(self) -> list[SchedulerStats]:
+        """Each DP rank's own counts, in rank order."""
+        return [s.stats for s in self.schedulers]
 
     # ---- steps ----
 

@@ -62,6 +62,7 @@ class _Parent:
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
     queue_time: float | None = None
+    engine_index: int = 0  # the DP rank of the first sample admitted
 
     @property
     def finished(self) -> bool:
@@ -125,6 +126,7 @@ class OutputProcessor:
                 parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
             if o.queue_time is not None and parent.queue_time is None:
                 parent.queue_time = o.queue_time  # the first sample admitted (n > 1)
+                parent.engine_index = o.engine_index
             # A "stop" finish from the engine is a token (EOS or a stop token id) whose text is
             # left out, as OpenAI and vLLM do, unless the request's grammar ended it.
             ends_stopped = o.finish_reason == "stop" and not o.grammar_ended
@@ -183,4 +185,5 @@ class OutputProcessor:
                              prompt_token_ids=p.prompt_token_ids,
                              outputs=[s.take_delta(final) for s in p.samples],
                              prompt_logprobs=p.prompt_logprobs, finished=final,
-                             num_cached_tokens=p.num_cached_tokens, queue_time=p.queue_time)
+                             num_cached_tokens=p.num_cached_tokens, queue_time=p.queue_time,
+                             engine_index=p.engine_index)

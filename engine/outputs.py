@@ -43,3 +43,4 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds the request waited before its first step
+    engine_index: int = 0  # the DP rank that ran it (its first choice admitted), 0 without -dp

@@ -105,6 +105,7 @@ class EngineCoreOutput:
     # a "stop" because the request's grammar allows nothing more: its last token is output text,
     # not an eos / stop token
     grammar_ended: bool = False
+    engine_index: int = 0  # the DP rank whose scheduler holds the request (vLLM's `engine` label)
 
     @property
     def finished(self) -> bool:

@@ -40,6 +40,10 @@ class SchedulerStats:
     prefix_cache_queries: int  # tokens looked up, cumulative
     prefix_cache_hits: int  # tokens found, cumulative
     spec: SpecDecodeStats | None = None  # speculative decoding counters, when it is on
+    # cumulative, as vLLM counts them: each request's prompt when its first output comes (an n > 1
+    # request's every choice), and every token output
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
 
 
 @dataclass
@@ -80,6 +84,8 @@ class Scheduler:
         self._structured: set[str] = set()  # unfinished requests with a grammar
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._prompt_tokens = self._generation_tokens = 0
+        self.engine_index = 0  # this scheduler's DP rank (engine/data_parallel.py sets it)
         k = config.num_speculative_tokens
         self._spec = SpecDecodeStats(accepted_per_pos=[0] * k) if k else None
 
@@ -132,7 +138,8 @@ class Scheduler:
             del self.requests[req_id]
             self._structured.discard(req_id)
             outputs.append(EngineCoreOutput(req_id, [], finish_reason="abort",
-                                            num_cached_tokens=max(request.num_cached_tokens, 0)))
+                                            num_cached_tokens=max(request.num_cached_tokens, 0),
+                                            engine_index=self.engine_index))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
@@ -143,7 +150,8 @@ class Scheduler:
         bm = self.block_manager
         return SchedulerStats(len(self.running), len(self.waiting), bm.num_free_blocks,
                               bm.num_total_blocks, bm.usage, self._num_preemptions,
-                              self._prefix_queries, self._prefix_hits, self._spec)
+                              self._prefix_queries, self._prefix_hits, self._spec,
+                              self._prompt_tokens, self._generation_tokens)
 
     # ---- scheduling ----
 
@@ -357,7 +365,7 @@ class Scheduler:
                 if self._spec is not None:
                     self._spec.record(len(drafts), len(accepted))
             first = request.num_output_tokens == 0
-            out = EngineCoreOutput(req_id, [], [])
+            out = EngineCoreOutput(req_id, [], [], engine_index=self.engine_index)
             for tok, lp in zip(tokens, lps):
                 if request.no_allowed_token is None:  # else sampled from a row its masks left empty: not output
                     request.append_output_token(tok)
@@ -370,9 +378,11 @@ class Scheduler:
                     self.running.remove(request)
                     self._finish(request)
                     break
+            self._generation_tokens += len(out.new_token_ids)
             if first:
                 out.num_cached_tokens = max(request.num_cached_tokens, 0)
                 out.queue_time = request.queue_time
+                self._prompt_tokens += request.num_prompt_tokens
             if request.wants_prompt_logprobs:
                 out.prompt_logprobs = list(request.prompt_logprobs)
                 request.prompt_logprobs_emitted = True

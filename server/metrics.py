@@ -3,8 +3,9 @@
 Each app owns its `CollectorRegistry` so that several servers (tests) in one process do not
 share series. Every series is exported twice: under our own `mla_serve_` names, and under the
 names vLLM's V1 engine exports (`vllm:num_requests_running`, `vllm:time_to_first_token_seconds`,
-...), labelled `model_name` with the served model name as vLLM labels them, so that dashboards
-and autoscalers written for vLLM read this server unchanged. `vllm:request_queue_time_seconds`
+...), labelled as vLLM labels them, `model_name` (the served model name) and `engine` (the DP rank:
+"0" without -dp; under -dp one series per rank, a request's under the rank that ran it), so that
+dashboards and autoscalers written for vLLM read this server unchanged. `vllm:request_queue_time_seconds`
 (time from arrival in the engine to first admission) and the per-request phase and size
 histograms (`vllm:request_prefill_time_seconds`, ..., `vllm:request_prompt_tokens`,
 `vllm:request_max_num_generation_tokens`) exist under vLLM's names only, and so does
@@ -14,6 +15,9 @@ dashboard still queries.
 Per-request phases are timed on the front end, per choice, as vLLM times each engine request:
 admission = arrival + the engine's queue time; prefill = admission to first token; decode =
 first to last token; inference = admission to last token.
+
+The token counters count as vLLM counts them, in the engine core: a request's prompt when its first
+output comes (each choice of an n > 1 request), and every token output.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from engine.outputs import RequestOutput
 
 PREFIX = "mla_serve"
 VLLM = "vllm:"
+LABELS = ["model_name", "engine"]  # of every vLLM series, as vLLM labels them
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
@@ -53,89 +58,102 @@ class _EngineCollector:
 
     def collect(self):
         s = self._engine.stats()
-        # (our name, vLLM's name or None, help, value)
+        engines = getattr(s, "per_engine", None) or [s]  # vLLM's series: one per DP rank
+        # (our name, vLLM's name or None, help, the value from the engine's or a DP rank's stats)
         gauges = [
-            ("num_requests_running", "num_requests_running", "Requests in the running batch", s.num_running),
-            ("num_requests_waiting", "num_requests_waiting", "Requests waiting to be scheduled", s.num_waiting),
+            ("num_requests_running", "num_requests_running", "Requests in the running batch",
+             lambda e: e.num_running),
+            ("num_requests_waiting", "num_requests_waiting", "Requests waiting to be scheduled",
+             lambda e: e.num_waiting),
             ("kv_cache_usage_perc", "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)",
-             s.kv_cache_usage),
+             lambda e: e.kv_cache_usage),
             # vLLM's older name of the same gauge, which its example Grafana dashboard queries
             (None, "gpu_cache_usage_perc", "Fraction of KV cache blocks in use (0..1)",
-             s.kv_cache_usage),
-            ("kv_cache_blocks_total", None, "KV cache blocks in the pool", s.num_total_blocks),
+             lambda e: e.kv_cache_usage),
+            ("kv_cache_blocks_total", None, "KV cache blocks in the pool", lambda e: e.num_total_blocks),
             ("kv_cache_blocks_used", None, "KV cache blocks held by requests",
-             s.num_total_blocks - s.num_free_blocks),
+             lambda e: e.num_total_blocks - e.num_free_blocks),
         ]
         counters = [
-            ("prompt_tokens", "prompt_tokens", "Prompt tokens processed", s.prompt_tokens_total),
-            ("generation_tokens", "generation_tokens", "Tokens generated", s.generation_tokens_total),
-            ("num_preemptions", "num_preemptions", "Requests preempted to free KV blocks", s.num_preemptions),
+            ("prompt_tokens", "prompt_tokens", "Prompt tokens processed", lambda e: e.prompt_tokens_total),
+            ("generation_tokens", "generation_tokens", "Tokens generated", lambda e: e.generation_tokens_total),
+            ("num_preemptions", "num_preemptions", "Requests preempted to free KV blocks",
+             lambda e: e.num_preemptions),
             ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-             s.prefix_cache_queries),
+             lambda e: e.prefix_cache_queries),
             ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache",
-             s.prefix_cache_hits),
+             lambda e: e.prefix_cache_hits),
         ]
         for family, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, vllm_name, doc, value in rows:
                 if name is not None:
                     m = family(f"{PREFIX}_{name}", doc)
-                    m.add_metric([], float(value))
+                    m.add_metric([], float(value(s)))
                     yield m
                 if vllm_name is not None:
-                    m = family(f"{VLLM}{vllm_name}", doc, labels=["model_name"])
-                    m.add_metric([self._model_name], float(value))
+                    m = family(f"{VLLM}{vllm_name}", doc, labels=LABELS)
+                    for e in engines:
+                        m.add_metric(self._labels(e), float(value(e)))
                     yield m
-        spec = getattr(s, "spec", None)
-        if spec is not None:
-            yield from self._spec_decode(spec)
-        iteration = getattr(s, "iteration_tokens", None)
-        if iteration is not None:
-            bounds, counts, total = iteration
+        if getattr(s, "spec", None) is not None:
+            yield from self._spec_decode(s, engines)
+        if getattr(s, "iteration_tokens", None) is not None:
             m = HistogramMetricFamily(f"{VLLM}iteration_tokens_total",
-                                      "Tokens scheduled per engine step", labels=["model_name"])
-            cumulative, acc = [], 0
-            for bound, count in zip([*(str(float(b)) for b in bounds), "+Inf"], counts):
-                acc += count
-                cumulative.append((bound, acc))
-            m.add_metric([self._model_name], cumulative, sum_value=total)
+                                      "Tokens scheduled per engine step", labels=LABELS)
+            for e in engines:
+                bounds, counts, total = e.iteration_tokens
+                cumulative, acc = [], 0
+                for bound, count in zip([*(str(float(b)) for b in bounds), "+Inf"], counts):
+                    acc += count
+                    cumulative.append((bound, acc))
+                m.add_metric(self._labels(e), cumulative, sum_value=total)
             yield m
-        info = self._cache_config(s)
-        if info is not None:
+        infos = [self._cache_config(e) for e in engines]
+        if infos[0] is not None:
             m = GaugeMetricFamily(f"{VLLM}cache_config_info", "Information of the KV cache's configuration",
-                                  labels=list(info))
-            m.add_metric(list(info.values()), 1.0)
+                                  labels=list(infos[0]))
+            for info in infos:
+                m.add_metric(list(info.values()), 1.0)
             yield m
 
+    def _labels(self, e) -> list[str]:
+        return [self._model_name, str(getattr(e, "engine_index", 0))]
+
     def _cache_config(self, s) -> dict | None:
-        """vLLM's cache_config_info labels, from the engine's args (None for an engine without)."""
+        """vLLM's cache_config_info labels of one DP rank, from the engine's args (None for an
+        engine without)."""
         args = getattr(self._engine, "args", None)
         if args is None:
             return None
-        return {"block_size": str(args.block_size), "num_gpu_blocks": str(s.num_total_blocks),
+        return {"engine": str(getattr(s, "engine_index", 0)),
+                "block_size": str(args.block_size), "num_gpu_blocks": str(s.num_total_blocks),
                 "cache_dtype": str(args.kv_cache_dtype), "enable_prefix_caching": str(args.enable_prefix_caching),
                 "gpu_memory_utilization": str(args.gpu_memory_utilization)}
 
 
-    def _spec_decode(self, spec):
+    def _spec_decode(self, s, engines):
         """vLLM's spec_decode counters (and ours): drafts verified, draft tokens, accepted draft
         tokens, and accepted tokens per draft position (label `position`, 0-based)."""
-        rows = [("num_drafts", "Draft sequences verified (one per request and step)", spec.num_drafts),
-                ("num_draft_tokens", "Draft tokens verified", spec.num_draft_tokens),
-                ("num_accepted_tokens", "Draft tokens accepted", spec.num_accepted_tokens)]
-        for name, doc, value in rows:
+        rows = [("num_drafts", "Draft sequences verified (one per request and step)"),
+                ("num_draft_tokens", "Draft tokens verified"),
+                ("num_accepted_tokens", "Draft tokens accepted")]
+        for name, doc in rows:
             m = CounterMetricFamily(f"{PREFIX}_spec_decode_{name}", doc)
-            m.add_metric([], float(value))
+            m.add_metric([], float(getattr(s.spec, name)))
             yield m
-            m = CounterMetricFamily(f"{VLLM}spec_decode_{name}", doc, labels=["model_name"])
-            m.add_metric([self._model_name], float(value))
+            m = CounterMetricFamily(f"{VLLM}spec_decode_{name}", doc, labels=LABELS)
+            for e in engines:
+                m.add_metric(self._labels(e), float(getattr(e.spec, name)))
             yield m
         doc = "Draft tokens accepted at each draft position"
         ours = CounterMetricFamily(f"{PREFIX}_spec_decode_num_accepted_tokens_per_pos", doc, labels=["position"])
         theirs = CounterMetricFamily(f"{VLLM}spec_decode_num_accepted_tokens_per_pos", doc,
-                                     labels=["model_name", "position"])
-        for pos, value in enumerate(spec.accepted_per_pos):
+                                     labels=[*LABELS, "position"])
+        for pos, value in enumerate(s.spec.accepted_per_pos):
             ours.add_metric([str(pos)], float(value))
-            theirs.add_metric([self._model_name, str(pos)], float(value))
+        for e in engines:
+            for pos, value in enumerate(e.spec.accepted_per_pos):
+                theirs.add_metric([*self._labels(e), str(pos)], float(value))
         yield ours
         yield theirs
 
@@ -145,6 +163,8 @@ class ServerMetrics:
 
     def __init__(self, engine, model_name: str | None = None) -> None:
         self.model_name = model_name or engine.model_name
+        # vLLM's per-request series exist for each DP rank from the start, as vLLM's do
+        self.num_engines = getattr(getattr(engine, "args", None), "data_parallel_size", 1)
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine, self.model_name))
         self.ttft = self._histogram("time_to_first_token_seconds",
@@ -152,14 +172,12 @@ class ServerMetrics:
         self.itl = self._histogram("inter_token_latency_seconds",
                                    "Time between successive engine outputs of a request, per token")
         self.e2e = self._histogram("e2e_request_latency_seconds", "Time from request arrival to its last token")
-        self.queue = Histogram(f"{VLLM}request_queue_time_seconds",
-                               "Time a request waited in the engine before its first step",
-                               ["model_name"], buckets=_LATENCY_BUCKETS,
-                               registry=self.registry).labels(self.model_name)
-        self.tpot = Histogram(f"{VLLM}time_per_output_token_seconds",
-                              "Time per output token (vLLM's older name of the inter-token latency)",
-                              ["model_name"], buckets=_LATENCY_BUCKETS,
-                              registry=self.registry).labels(self.model_name)
+        self.queue = self._vllm_histogram("request_queue_time_seconds",
+                                          "Time a request waited in the engine before its first step",
+                                          _LATENCY_BUCKETS)
+        self.tpot = self._vllm_histogram("time_per_output_token_seconds",
+                                         "Time per output token (vLLM's older name of the inter-token latency)",
+                                         _LATENCY_BUCKETS)
         self.request_tpot = self._vllm_histogram(
             "request_time_per_output_token_seconds",
             "Per choice: decode time / (generated tokens - 1)", _LATENCY_BUCKETS)
@@ -188,18 +206,16 @@ class ServerMetrics:
         self.success = Counter(f"{PREFIX}_request_success", "Finished choices by finish reason",
                                ["finished_reason"], registry=self.registry)
         self.vllm_success = Counter(f"{VLLM}request_success", "Finished choices by finish reason",
-                                    ["model_name", "finished_reason"], registry=self.registry)
+                                    [*LABELS, "finished_reason"], registry=self.registry)
 
-    def _histogram(self, name: str, doc: str) -> tuple[Histogram, Histogram]:
+    def _histogram(self, name: str, doc: str) -> tuple[Histogram, PerEngine]:
         """Our histogram and vLLM's (labelled), observed together."""
         ours = Histogram(f"{PREFIX}_{name}", doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
-        theirs = Histogram(f"{VLLM}{name}", doc, ["model_name"], buckets=_LATENCY_BUCKETS,
-                           registry=self.registry).labels(self.model_name)
-        return ours, theirs
+        return ours, self._vllm_histogram(name, doc, _LATENCY_BUCKETS)
 
-    def _vllm_histogram(self, name: str, doc: str, buckets):
-        return Histogram(f"{VLLM}{name}", doc, ["model_name"], buckets=buckets,
-                         registry=self.registry).labels(self.model_name)
+    def _vllm_histogram(self, name: str, doc: str, buckets) -> PerEngine:
+        return PerEngine(Histogram(f"{VLLM}{name}", doc, LABELS, buckets=buckets, registry=self.registry),
+                         self.model_name, self.num_engines)
 
     def tracker(self, n: int = 1, max_tokens: int | None = None) -> RequestTracker:
         return RequestTracker(self, n, max_tokens)
@@ -208,9 +224,19 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-def _observe(pair: tuple[Histogram, Histogram], value: float) -> None:
+class PerEngine:
+    """A vLLM histogram's series of each DP rank (label values made once)."""
+
+    def __init__(self, metric: Histogram, model_name: str, num_engines: int) -> None:
+        self._series = [metric.labels(model_name, str(d)) for d in range(num_engines)]
+
+    def at(self, engine: int) -> Histogram:
+        return self._series[engine]
+
+
+def _observe(pair: tuple[Histogram, PerEngine], engine: int, value: float) -> None:
     pair[0].observe(value)
-    pair[1].observe(value)
+    pair[1].at(engine).observe(value)
 
 
 class RequestTracker:
@@ -226,23 +252,25 @@ class RequestTracker:
         self._choices: dict[tuple[int, int], list] = {}
         self._finished_choices = 0
         self._closed = False
+        self._engine = 0  # the DP rank of the last output (aborted choices count under it)
 
     def observe(self, prompt_idx: int, out: RequestOutput) -> None:
         """Record one engine output of prompt `prompt_idx`."""
         now = time.perf_counter()
+        e = self._engine = out.engine_index  # the DP rank that runs the prompt (0 until admitted)
         if out.queue_time is not None and prompt_idx not in self._queued:
             self._queued[prompt_idx] = out.queue_time
-            self._m.queue.observe(out.queue_time)
+            self._m.queue.at(e).observe(out.queue_time)
         new_tokens = max((len(o.delta_token_ids) for o in out.outputs), default=0)
         if new_tokens:
             prev = self._last.get(prompt_idx)
             if prev is None:
-                _observe(self._m.ttft, now - self._arrival)
+                _observe(self._m.ttft, e, now - self._arrival)
             else:
                 per_token = (now - prev) / new_tokens
                 for _ in range(new_tokens):
-                    _observe(self._m.itl, per_token)
-                    self._m.tpot.observe(per_token)
+                    _observe(self._m.itl, e, per_token)
+                    self._m.tpot.at(e).observe(per_token)
             self._last[prompt_idx] = now
         for o in out.outputs:
             if o.delta_token_ids:
@@ -250,29 +278,30 @@ class RequestTracker:
                 c[1] = now
                 c[2] += len(o.delta_token_ids)
         if out.finished:
-            _observe(self._m.e2e, now - self._arrival)
+            _observe(self._m.e2e, e, now - self._arrival)
             admitted = self._arrival + self._queued.get(prompt_idx, 0.0)
             most = 0
             for o in out.outputs:
                 first, last, tokens = self._choices.pop((prompt_idx, o.index), (None, None, 0))
                 most = max(most, tokens)
-                self._m.prompt_tokens.observe(len(out.prompt_token_ids))
-                self._m.generation_tokens.observe(tokens)
+                self._m.prompt_tokens.at(e).observe(len(out.prompt_token_ids))
+                self._m.generation_tokens.at(e).observe(tokens)
                 if first is not None:
-                    self._m.prefill.observe(max(0.0, first - admitted))
-                    self._m.decode.observe(last - first)
-                    self._m.inference.observe(max(0.0, last - admitted))
+                    self._m.prefill.at(e).observe(max(0.0, first - admitted))
+                    self._m.decode.at(e).observe(last - first)
+                    self._m.inference.at(e).observe(max(0.0, last - admitted))
                     if tokens > 1:
-                        self._m.request_tpot.observe((last - first) / (tokens - 1))
+                        self._m.request_tpot.at(e).observe((last - first) / (tokens - 1))
                 reason = o.finish_reason or "unknown"
                 self._m.success.labels(finished_reason=reason).inc()
-                self._m.vllm_success.labels(model_name=self._m.model_name, finished_reason=reason).inc()
+                self._m.vllm_success.labels(self._m.model_name, str(e), reason).inc()
                 self._finished_choices += 1
-            self._m.max_generation_tokens.observe(most)
+            self._m.max_generation_tokens.at(e).observe(most)
             # per engine request (prompt), as vLLM observes them
-            self._m.params_n.observe(self._n)
-            self._m.params_max_tokens.observe(self._max_tokens if self._max_tokens is not None
-                                              else max(0, self._m.max_model_len - len(out.prompt_token_ids)))
+            self._m.params_n.at(e).observe(self._n)
+            self._m.params_max_tokens.at(e).observe(
+                self._max_tokens if self._max_tokens is not None
+                else max(0, self._m.max_model_len - len(out.prompt_token_ids)))
 
     def close(self, num_choices: int) -> None:
         """The HTTP request is over: its choices that never finished (client gone, fault) were
@@ -283,4 +312,4 @@ class RequestTracker:
         aborted = num_choices - self._finished_choices
         if aborted > 0:
             self._m.success.labels(finished_reason="abort").inc(aborted)
-            self._m.vllm_success.labels(model_name=self._m.model_name, finished_reason="abort").inc(aborted)
+            self._m.vllm_success.labels(self._m.model_name, str(self._engine), "abort").inc(aborted)

@@ -80,7 +80,11 @@ def test_scheduler_balances_requests_and_pads_every_rank():
     assert st.num_free_blocks == 64 - 3 - 2 - 1 and st.kv_cache_usage == pytest.approx(6 / 64)
     news = s.update_from_output(so, DPModelRunnerOutput([ModelRunnerOutput(["a", "c"], [7, 8], [None, None]),
                                                          ModelRunnerOutput(["b"], [9], [None])]))
-    assert {(o.req_id, tuple(o.new_token_ids)) for o in news} == {("a", (7,)), ("c", (8,)), ("b", (9,))}
+    assert {(o.req_id, tuple(o.new_token_ids), o.engine_index) for o in news} == {
+        ("a", (7,), 0), ("c", (8,), 0), ("b", (9,), 1)}  # each output names the DP rank that ran it
+    per = s.stats_per_engine  # each rank's own counts (the metrics' `engine` label), summing to the above
+    assert [(p.num_running, p.prompt_tokens, p.generation_tokens) for p in per] == [(2, 15, 2), (1, 3, 1)]
+    assert (s.stats.prompt_tokens, s.stats.generation_tokens) == (18, 3)
     out = s.abort_requests(["b", "zzz"])
     assert [o.req_id for o in out] == ["b"] and not s.schedulers[1].requests
     so = s.schedule()  # DP rank 1 has nothing: an empty part that still pads to the others' rows
@@ -214,28 +218,62 @@ def test_runner_replays_only_graphs_of_the_steps_rows(decodes, rows, want):
         pd.set_dp_rows(0)
 
 
-def test_served_engine_reports_every_dp_ranks_blocks(tmp_path_factory):
+def test_served_engine_reports_every_dp_rank(tmp_path_factory):
     """The HTTP side's engine (its core in a process of its own): the KV block counts it reports
-    (/metrics) are every DP rank's from the start, not one rank's until the first step."""
+    are every DP rank's from the start, not one rank's until the first step; /metrics has vLLM's
+    series once per DP rank (label `engine`), a request's under the rank that ran it."""
     import asyncio
+    import re
+
     from common.args import EngineArgs
     from engine.async_llm import AsyncLLM
+    from server.metrics import ServerMetrics
     from tests.server_fixtures import tiny_model_dir
     args = EngineArgs(model=tiny_model_dir(tmp_path_factory), device="cpu", dtype="float32",
                       max_model_len=512, num_kv_blocks=64, data_parallel_size=2)
 
     async def run():
         e = AsyncLLM(args, core_in_thread=False)
+        metrics = ServerMetrics(e, "m")
+
+        async def one(prompt, n, rid):
+            tracker = metrics.tracker(max_tokens=n)
+            async for out in e.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True), rid):
+                tracker.observe(0, out)
+            tracker.close(1)
+            return out.engine_index
         try:
             before = e.stats()
-            async for _ in e.generate([5, 6, 7], SamplingParams(max_tokens=2), "x"):
-                pass
+            # two requests at once: the least loaded rank takes each, so one on each rank
+            engines = await asyncio.gather(one([5, 6, 7], 2, "x"), one([5, 6, 7, 8], 5, "y"))
             await asyncio.sleep(0.5)
-            return before, e.stats()
+            return before, e.stats(), engines, metrics.render().decode()
         finally:
             e.shutdown()
-    before, after = asyncio.run(run())
+    before, after, engines, text = asyncio.run(run())
     assert before.num_total_blocks == after.num_total_blocks == before.num_free_blocks == 128
+    assert [p.num_total_blocks for p in before.per_engine] == [64, 64]
+    assert sorted(engines) == [0, 1]
+    x, y = after.per_engine[engines[0]], after.per_engine[engines[1]]
+    assert (x.prompt_tokens_total, x.generation_tokens_total) == (3, 2)
+    assert (y.prompt_tokens_total, y.generation_tokens_total) == (4, 5)
+    assert (after.prompt_tokens_total, after.generation_tokens_total) == (7, 7)
+    hists = [p.iteration_tokens for p in after.per_engine]
+    assert sum(h[2] for h in hists) == after.iteration_tokens[2] >= 7 + 5  # each rank's step tokens
+
+    def sample(name, engine):
+        m = re.search(rf'^{re.escape(name)}{{engine="{engine}",(.*)}} (\S+)$', text, re.M)
+        assert m, (name, engine)
+        return float(m.group(2))
+    for d, (prompt, generated) in ((engines[0], (3, 2)), (engines[1], (4, 5))):
+        assert sample("vllm:prompt_tokens_total", d) == prompt
+        assert sample("vllm:generation_tokens_total", d) == generated
+        assert sample("vllm:num_requests_running", d) == 0
+        assert sample("vllm:time_to_first_token_seconds_count", d) == 1
+        assert sample("vllm:request_generation_tokens_sum", d) == generated
+        assert sample("vllm:request_success_total", d) == 1  # finished_reason="length"
+    assert text.count('vllm:cache_config_info{') == 2 and 'num_gpu_blocks="64"' in text
+    assert "mla_serve_generation_tokens_total 7.0" in text  # ours: the whole engine's, unlabelled
 
 
 @pytest.mark.parametrize("when", ["between-steps", "mid-step"])

@@ -114,7 +114,7 @@ def test_metrics_count_requests_and_latencies(client, server):
     assert delta["mla_serve_e2e_request_latency_seconds_count"] == 1
     assert 'mla_serve_request_success_total{finished_reason="length"}' in after
     # vLLM's per-request histograms: one observation per finished choice
-    label = f'{{model_name="{server.model}"}}'
+    label = f'{{engine="0",model_name="{server.model}"}}'
     vdelta = {name: metric(after, f"vllm:{name}{label}") - metric(before, f"vllm:{name}{label}")
               for name in ("request_prefill_time_seconds_count", "request_decode_time_seconds_count",
                            "request_inference_time_seconds_count",
@@ -139,6 +139,6 @@ def test_metrics_count_requests_and_latencies(client, server):
         # the prompt (prefilled in one step) and 5 decode steps of one token; async scheduling
         # may launch one more step whose token is dropped
         assert 6 <= steps <= 7 and r.usage.prompt_tokens + 5 <= tokens <= r.usage.prompt_tokens + 6
-        assert f'vllm:iteration_tokens_total_bucket{{le="1.0",model_name="{server.model}"}}' in after
+        assert f'vllm:iteration_tokens_total_bucket{{engine="0",le="1.0",model_name="{server.model}"}}' in after
     assert 0 <= metric(after, "mla_serve_kv_cache_usage_perc") <= 1
     assert metric(after, "mla_serve_num_requests_waiting") == 0

@@ -242,10 +242,10 @@ def test_spec_decode_metrics_use_vllm_names(tiny_v3, workload):
     text = ServerMetrics(engine).render().decode()
     for name, value in (("num_drafts", sp.num_drafts), ("num_draft_tokens", sp.num_draft_tokens),
                         ("num_accepted_tokens", sp.num_accepted_tokens)):
-        assert f'vllm:spec_decode_{name}_total{{model_name="m"}} {float(value)}' in text
+        assert f'vllm:spec_decode_{name}_total{{engine="0",model_name="m"}} {float(value)}' in text
         assert f"mla_serve_spec_decode_{name}_total {float(value)}" in text
     for pos, value in enumerate(sp.accepted_per_pos):
-        assert (f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{pos}"}} '
+        assert (f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="{pos}"}} '
                 f'{float(value)}') in text
 
 

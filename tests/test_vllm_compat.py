@@ -201,7 +201,7 @@ def test_vllm_metric_names_with_model_name_label():
             llm.shutdown()
 
     before, after, prompt_tokens = asyncio.run(run())
-    lab = '{model_name="tiny"}'
+    lab = '{engine="0",model_name="tiny"}'
 
     def delta(name):
         return _sample(after, name) - _sample(before, name)
@@ -213,7 +213,7 @@ def test_vllm_metric_names_with_model_name_label():
     assert delta(f"vllm:inter_token_latency_seconds_count{lab}") == 4
     assert delta(f"vllm:request_queue_time_seconds_count{lab}") == 1
     assert 0 <= delta(f"vllm:request_queue_time_seconds_sum{lab}") < 5
-    assert _sample(after, 'vllm:request_success_total{finished_reason="length",model_name="tiny"}') == 1
+    assert _sample(after, 'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"}') == 1
     for g in ("num_requests_running", "num_requests_waiting"):
         assert _sample(after, f"vllm:{g}{lab}") == 0 == _sample(after, f"mla_serve_{g}")
     assert 0 <= _sample(after, f"vllm:kv_cache_usage_perc{lab}") <= 1
@@ -335,7 +335,7 @@ def test_grafana_dashboard_series_are_served(client_for):
     lines = text.splitlines()
     for name in GRAFANA_SERIES:
         assert any(ln.startswith(name + "{") and 'model_name="dash"' in ln for ln in lines), name
-    assert _sample(text, 'vllm:request_max_num_generation_tokens_count{model_name="dash"}') == 1
-    assert _sample(text, 'vllm:request_max_num_generation_tokens_sum{model_name="dash"}') == 3
-    assert _sample(text, 'vllm:gpu_cache_usage_perc{model_name="dash"}') == _sample(
-        text, 'vllm:kv_cache_usage_perc{model_name="dash"}')
+    assert _sample(text, 'vllm:request_max_num_generation_tokens_count{engine="0",model_name="dash"}') == 1
+    assert _sample(text, 'vllm:request_max_num_generation_tokens_sum{engine="0",model_name="dash"}') == 3
+    assert _sample(text, 'vllm:gpu_cache_usage_perc{engine="0",model_name="dash"}') == _sample(
+        text, 'vllm:kv_cache_usage_perc{engine="0",model_name="dash"}')
