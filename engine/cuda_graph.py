@@ -13,6 +13,7 @@ takes each row's hidden state: `hidden=(width, dtype)` gives it a persistent inp
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 
@@ -22,6 +23,13 @@ from attention.metadata import DecodeMetadata, MLAMetadata
 from common.launch_settings import pdl, use_pdl
 
 log = logging.getLogger(__name__)
+
+
+def smallest_at_least(sizes: list[int], n: int) -> int | None:
+    """The smallest of the sorted `sizes` that is >= n, or None: the captured graph a step of n
+    rows (or sequences) replays, padded to it."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if i < len(sizes) else None
 
 
 def default_buckets(max_num_seqs: int, sizes: tuple[int, ...] | None = None) -> list[int]:
@@ -109,10 +117,7 @@ class DecodeGraphs:
         """The smallest captured batch size >= `batch` for decodes of `q_len` tokens, or None."""
         if q_len not in self.q_lens:
             return None
-        for b in self.buckets:
-            if b >= batch:
-                return b
-        return None
+        return smallest_at_least(self.buckets, batch)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: MLAMetadata,
             hidden: torch.Tensor | None = None, bucket: int | None = None) -> torch.Tensor:

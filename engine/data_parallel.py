@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Iterable
 
+from engine.cuda_graph import smallest_at_least
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
@@ -62,10 +63,7 @@ def padded_rows(so: SchedulerOutput, decode_sizes: list[int], piecewise_sizes: l
     if not T:
         return 0
     decode_only = len(so.num_scheduled_tokens) == T  # every request one token (the runner's decodes)
-    for s in (decode_sizes if decode_only else []) + piecewise_sizes:
-        if s >= T:
-            return s
-    return T
+    return (decode_only and smallest_at_least(decode_sizes, T)) or smallest_at_least(piecewise_sizes, T) or T
 
 
 class Chained:

@@ -31,6 +31,7 @@ import time
 import torch
 
 from attention.metadata import MLAMetadata
+from engine.cuda_graph import smallest_at_least
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +68,7 @@ class PiecewiseGraphs:
 
     def size_for(self, num_tokens: int) -> int | None:
         """The smallest captured size >= num_tokens, or None."""
-        for s in self.sizes:
-            if s >= num_tokens:
-                return s
-        return None
+        return smallest_at_least(self.sizes, num_tokens)
 
     @torch.inference_mode()
     def capture(self) -> None:
