@@ -249,6 +249,11 @@ class AsyncLLM:
         if children:
             self.core.abort(children)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prefix cache's blocks (every DP rank's). The core applies it in command
+        order: every request submitted after this call is admitted after the reset."""
+        self.core.reset_prefix_cache()
+
     def stats(self) -> EngineStats:
         """Scheduler counters as of the core's last message, and the steps' token counts: the
         whole engine's, with each DP rank's under -dp."""

@@ -167,6 +167,12 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every DP rank's cached blocks (scheduler/block_manager.py); returns how many."""
+        n = sum(s.block_manager.reset_prefix_cache() for s in getattr(self.scheduler, "schedulers", [self.scheduler]))
+        log.info("prefix cache reset: %d cached blocks forgotten", n)
+        return n
+
     def step(self) -> list[EngineCoreOutput]:
         self._log_spec_decode()
         self.step_tokens, self.step_tokens_per_engine = 0, None

@@ -115,6 +115,9 @@ class CoreClient:
     def abort(self, req_ids: list[str]) -> None:
         self._commands.put(("abort", req_ids))
 
+    def reset_prefix_cache(self) -> None:
+        self._commands.put(("reset_prefix_cache", None))
+
     # ---- pipe threads ----
 
     def _write(self) -> None:

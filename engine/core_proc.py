@@ -255,6 +255,8 @@ def _take_commands(core, receiver: _Receiver, sender: _Sender,
                     sender.put(("refused", refused))
             elif kind == "abort":
                 outs += core.abort_requests(payload)
+            elif kind == "reset_prefix_cache":  # before any request sent after it is admitted
+                core.reset_prefix_cache()
             elif kind == "shutdown":
                 return None
         changed, timeout = True, 0

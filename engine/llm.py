@@ -51,6 +51,10 @@ class LLM:
     def scheduler(self):
         return self.engine.scheduler
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's blocks (vLLM's LLM.reset_prefix_cache); returns how many."""
+        return self.engine.reset_prefix_cache()
+
     def generate(self, prompts: str | list[int] | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -145,6 +145,17 @@ class BlockManager:
             # (computed concurrently); this copy stays unhashed and is reused when freed.
         self._num_registered[request.request_id] = num_full
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block: no later lookup finds one. Blocks held by requests stay
+        theirs (their KV is still right), unhashed, so they do not come back to the cache when
+        freed; a request's blocks filled from here on are cached as usual. Returns the number
+        forgotten."""
+        for block_id in self.cached.values():
+            self.blocks[block_id].block_hash = None
+        n = len(self.cached)
+        self.cached.clear()
+        return n
+
     # ---- allocation ----
 
     def allocate(self, request: Request, num_new_tokens: int,

@@ -2,7 +2,8 @@
 (GET and POST, as SageMaker's health check sends it), `POST /invocations` (SageMaker's inference
 route: chat or completions by the body's shape), CORS from `--allowed-origins`,
 `--allowed-methods`, `--allowed-headers`, `--allow-credentials`, the X-Request-Id response header
-(`--enable-request-id-headers`) and `/load` (`--enable-server-load-tracking`).
+(`--enable-request-id-headers`), `/load` (`--enable-server-load-tracking`), and `POST
+/reset_prefix_cache` (SGLang's `/flush_cache` the same), which benchmarks call between runs.
 
 CORS differs from vLLM in one way: vLLM always installs the middleware (every origin allowed by
 default); here it is installed only when one of those flags is given, the others then taking
@@ -79,6 +80,24 @@ def install(app: FastAPI, engine, args=None) -> None:
         return {"server_load": app.state.server_load_metrics}
 
     state = app.state.server
+
+    # Forgets the prefix cache's blocks: no request sent after the response hits a block cached
+    # before it. vLLM's query flags are accepted: running requests keep their blocks either way
+    # (their KV stays right; vLLM preempts them with reset_running_requests=true because its
+    # weights may have changed, which cannot happen here) and there is no external cache. It
+    # needs --api-key's header as /v1 does: anyone able to reach it could otherwise cost every
+    # user their cache hits.
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False) -> Response:
+        if engine.errored:
+            return error_response(503, "the engine stopped; restart the server")
+        engine.reset_prefix_cache()
+        return Response(status_code=200)
+
+    auth = [Depends(state.check_api_key)]
+    app.add_api_route("/reset_prefix_cache", reset_prefix_cache, methods=["POST"], dependencies=auth)
+    for method in ("GET", "POST"):  # SGLang's route
+        app.add_api_route("/flush_cache", reset_prefix_cache, methods=[method], dependencies=auth,
+                          operation_id=f"flush_cache_{method.lower()}")
 
     @app.post("/invocations", dependencies=[Depends(state.check_api_key)])
     async def invocations(raw: Request) -> Response:

@@ -235,3 +235,34 @@ def test_config_rejects_bad_values(field, value):
 def test_config_virtual_block():
     cfg = SchedulerConfig(block_size=16, dcp_size=4, num_blocks=10)
     assert cfg.virtual_block_size == 64 and cfg.capacity_tokens == 640
+
+
+def test_reset_prefix_cache_forgets_every_block_and_keeps_held_ones_right():
+    """After a reset no lookup hits a block cached before it, free or held; held blocks stay
+    their request's and do not come back to the cache when freed; blocks filled after it cache."""
+    bm = BlockManager(16, TPB)
+    prompt = list(range(100, 113))  # 3 full blocks + 1
+    a, b = make_req("a", prompt), make_req("b", [7] * 9)
+    compute(bm, a, 13)
+    compute(bm, b, 9)
+    bm.free("b")  # its 2 full blocks: free and cached
+    assert len(bm.cached) == 5
+    assert bm.reset_prefix_cache() == 5
+    check_invariants(bm)
+    assert admit(bm, make_req("c", prompt))[0] == [] and admit(bm, make_req("d", [7] * 9))[0] == []
+    held = bm.get_block_ids("a")
+    assert all(bm.blocks[x].ref_cnt == 1 for x in held)  # still a's
+    a.append_output_token(1)
+    a.append_output_token(2)
+    a.append_output_token(3)
+    compute(bm, a, 3)  # fills a's 4th block: cached from here on, as after any step
+    assert list(bm.cached.values()) == [held[3]]
+    bm.free("a")
+    check_invariants(bm)
+    assert len(bm.cached) == 1  # a's first 3 blocks came back unhashed
+    e = make_req("e", prompt)
+    hits, _ = admit(bm, e)
+    assert hits == []  # the chain starts at block 0, forgotten: nothing before the reset is found
+    compute(bm, e, 13)
+    f = make_req("f", prompt)
+    assert admit(bm, f)[0] == bm.get_block_ids("e")[:3]  # blocks computed after the reset hit

@@ -111,6 +111,12 @@ def test_requests_follow_their_cached_prefix_within_a_slack():
     assert "y" in s.schedulers[0].requests  # 5 blocks cached there, one request over the least loaded
     s.add_request(Request("z", turn + [32], SamplingParams(max_tokens=1), None))
     assert "z" in s.schedulers[1].requests  # rank 0 is now two over: the least loaded takes it
+    # /reset_prefix_cache forgets every rank's cached blocks
+    from types import SimpleNamespace
+
+    from engine.core import EngineCore
+    assert EngineCore.reset_prefix_cache(SimpleNamespace(scheduler=s)) == 5
+    assert not s.schedulers[0].block_manager.find_cached_prefix(Request("w", turn, SamplingParams(), None))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """vLLM's server extras work: /version, /ping, CORS, several served model names, request logging,
 vLLM's metric names, a --chat-template and a --generation-config in requests, the Grafana
-dashboard's series (the launch lines and flags themselves: tests/test_vllm_cli.py)."""
+dashboard's series, /reset_prefix_cache (the launch lines and flags themselves:
+tests/test_vllm_cli.py)."""
 
 from __future__ import annotations
 
@@ -339,3 +340,44 @@ def test_grafana_dashboard_series_are_served(client_for):
     assert _sample(text, 'vllm:request_max_num_generation_tokens_sum{engine="0",model_name="dash"}') == 3
     assert _sample(text, 'vllm:gpu_cache_usage_perc{engine="0",model_name="dash"}') == _sample(
         text, 'vllm:kv_cache_usage_perc{engine="0",model_name="dash"}')
+
+
+def test_reset_prefix_cache_route_on_the_real_engine():
+    """POST /reset_prefix_cache (and SGLang's /flush_cache): a prompt sent after it hits none of
+    the blocks cached before it, and blocks cached after it hit again; behind --api-key."""
+    from types import SimpleNamespace
+
+    from engine.async_llm import AsyncLLM
+    from server.api_server import build_app
+
+    def hits(text: str) -> float:
+        return _sample(text, 'vllm:prefix_cache_hits_total{engine="0",model_name="tiny"}')
+
+    async def run():
+        llm = AsyncLLM(EngineArgs(model=str(TINY_MODEL), device="cpu", num_kv_blocks=64, block_size=16,
+                                  served_model_name=["tiny"]))
+        try:
+            app = build_app(llm, SimpleNamespace(api_key="k"))
+            auth = {"Authorization": "Bearer k"}
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                async def send() -> float:
+                    r = await c.post("/v1/completions", headers=auth,
+                                     json={"prompt": list(range(5, 45)), "max_tokens": 2})
+                    assert r.status_code == 200
+                    await asyncio.sleep(0.2)  # the core's stats of that step reach the front end
+                    return hits((await c.get("/metrics")).text)
+                seen = [await send(), await send()]  # the second hits the first's 2 full blocks
+                assert (await c.post("/reset_prefix_cache")).status_code == 401
+                r = await c.post("/reset_prefix_cache?reset_running_requests=true", headers=auth)
+                assert r.status_code == 200
+                seen.append(await send())  # nothing found
+                seen.append(await send())  # the blocks cached after the reset
+                assert (await c.get("/flush_cache", headers=auth)).status_code == 200
+                seen.append(await send())
+                bad = await c.post("/reset_prefix_cache?reset_running_requests=maybe", headers=auth)
+                return seen, bad
+        finally:
+            llm.shutdown()
+    seen, bad = asyncio.run(run())
+    assert [b - a for a, b in zip(seen, seen[1:])] == [32, 0, 32, 0], seen
+    assert bad.status_code == 400 and "reset_running_requests" in bad.text
