@@ -106,6 +106,8 @@ class EngineArgs:
     # speculative decoding, vLLM's JSON: {"method": "ngram" | "mtp", "num_speculative_tokens": k,
     # "prompt_lookup_min": a, "prompt_lookup_max": b}; parsed into engine.spec_decode.SpeculativeConfig
     speculative_config: object = None
+    # vLLM's --profiler-config JSON, parsed into engine.profiler.ProfilerConfig (None: off)
+    profiler_config: object = None
     enable_log_requests: bool = False  # log each request's id, prompt length and parameters
     # multi-node: ranks are split evenly over nodes; node 0 runs the engine and the HTTP server
     nnodes: int = 1
@@ -119,6 +121,8 @@ class EngineArgs:
         self.dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
         from engine.spec_decode import SpeculativeConfig
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        from engine.profiler import ProfilerConfig
+        self.profiler_config = ProfilerConfig.parse(self.profiler_config)
         if isinstance(self.served_model_name, (list, tuple)):
             self.served_model_name = list(self.served_model_name) or None
         self.validate()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -92,9 +93,11 @@ class AsyncLLM:
         self._parent: dict[str, str] = {}  # engine (child) request id -> request id
         self._children: dict[str, list[str]] = {}  # request id -> its engine request ids
         self._submitted: set[str] = set()  # requests handed to the core and not yet over
+        self._controls: dict[int, asyncio.Future] = {}  # control id -> its answer (/start_profile ...)
+        self._control_ids = itertools.count()
         self.core = CoreClient(args, self.model_config, self.inputs.eos_token_id,
                                self._on_core_outputs, self._on_core_death, self._on_refused,
-                               in_thread=core_in_thread)
+                               in_thread=core_in_thread, on_control=self._on_control)
         n, dp = self.core.info.num_blocks, self.core.info.num_engines
         per = [CoreStats(num_free_blocks=n // dp, num_total_blocks=n // dp) for _ in range(dp)] if dp > 1 else None
         self._core_stats = CoreStats(num_free_blocks=n, num_total_blocks=n, per_engine=per)
@@ -149,6 +152,43 @@ class AsyncLLM:
     def _fail_all(self) -> None:
         for q in self._queues.values():
             q.put_nowait(EngineDeadError(self._error or "the engine core stopped"))
+        for fut in self._controls.values():
+            if not fut.done():
+                fut.set_exception(EngineDeadError(self._error or "the engine core stopped"))
+
+    def _on_control(self, answer: tuple) -> None:  # reader thread
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._resolve_control, *answer)
+
+    def _resolve_control(self, cid: int, error: str | None, result) -> None:
+        fut = self._controls.pop(cid, None)
+        if fut is None or fut.done():
+            return
+        if error is not None:
+            fut.set_exception(ValueError(error))
+        else:
+            fut.set_result(result)
+
+    async def start_profile(self) -> None:
+        """Start every rank's profiler (--profiler-config); ValueError when it is off or running."""
+        await self._control("start")
+
+    async def stop_profile(self) -> list[str]:
+        """Stop it and wait for the traces to be written; returns their paths."""
+        return await self._control("stop")
+
+    async def _control(self, action: str):
+        if self.errored:
+            raise EngineDeadError(self._error or "the engine core stopped")
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        cid = next(self._control_ids)
+        fut = self._controls[cid] = self._loop.create_future()
+        self.core.profile(cid, action)
+        try:
+            return await fut
+        finally:
+            self._controls.pop(cid, None)
 
     @property
     def errored(self) -> bool:

@@ -12,6 +12,7 @@ from common.args import EngineArgs
 from common.gc_tuning import freeze_startup_objects, thaw_frozen_objects
 from engine.data_parallel import DataParallelScheduler
 from engine.executor import make_executor
+from engine.profiler import ProfileControl
 from engine.sampler import check_sampling_params
 from common.sampling_params import SamplingParams, banned_next, check_token_ids
 from engine import structured_outputs
@@ -84,6 +85,7 @@ class EngineCore:
                  f" x dcp {args.decode_context_parallel_size}" if args.decode_context_parallel_size > 1 else "",
                  self.scheduler.config.capacity_tokens,
                  f" on each of {dp} DP ranks ({dp * self.scheduler.config.capacity_tokens} in all)" if dp > 1 else "")
+        self.profile = ProfileControl(args.profiler_config, self.executor)  # /start_profile, /stop_profile
         freeze_startup_objects()  # full collections while serving walk only the requests' objects
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -174,11 +176,16 @@ class EngineCore:
         return n
 
     def step(self) -> list[EngineCoreOutput]:
+        outputs = self._step()
+        self.profile.after_step()
+        return outputs
+
+    def _step(self) -> list[EngineCoreOutput]:
         self._log_spec_decode()
         self.step_tokens, self.step_tokens_per_engine = 0, None
         if self._early:
             early, self._early = self._early, []
-            return early + self.step()
+            return early + self._step()
         if not self.async_scheduling:
             so = self._schedule()
             self._count_tokens(so)

@@ -38,7 +38,8 @@ class CoreClient:
 
     `on_outputs(outputs, stats)` runs on the reader thread for every output message;
     `on_refused([(engine_req_id, message)])` there for requests the core would not take (their
-    own values could not run); `on_death(message)` there once if the core dies.
+    own values could not run); `on_control((id, error, result))` there for the answer to a
+    `profile` command; `on_death(message)` there once if the core dies.
     `in_thread=True` runs the same loop in a thread of this process (same protocol), for tests
     and debugging; the default is a spawned process (CUDA-safe, its own GIL).
     """
@@ -47,9 +48,10 @@ class CoreClient:
                  on_outputs: Callable[[list[EngineCoreOutput], CoreStats], None],
                  on_death: Callable[[str], None],
                  on_refused: Callable[[list[tuple[str, str]]], None] | None = None,
-                 in_thread: bool = False):
+                 in_thread: bool = False, on_control: Callable[[tuple], None] | None = None):
         self._on_outputs, self._on_death = on_outputs, on_death
         self._on_refused = on_refused or (lambda refused: None)
+        self._on_control = on_control or (lambda answer: None)
         ctx = mp.get_context("spawn")
         cmd_r, self._cmd = ctx.Pipe(duplex=False)
         self._out, out_w = ctx.Pipe(duplex=False)
@@ -118,6 +120,9 @@ class CoreClient:
     def reset_prefix_cache(self) -> None:
         self._commands.put(("reset_prefix_cache", None))
 
+    def profile(self, control_id: int, action: str) -> None:
+        self._commands.put(("profile", (control_id, action)))
+
     # ---- pipe threads ----
 
     def _write(self) -> None:
@@ -144,6 +149,8 @@ class CoreClient:
                     self._on_outputs(decode_outputs(rows), stats)
                 elif kind == "refused":
                     self._on_refused(payload)
+                elif kind == "control":
+                    self._on_control(payload)
                 elif kind == "dead":
                     self._die(f"engine core died: {payload}")
                     return

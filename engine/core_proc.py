@@ -257,6 +257,13 @@ def _take_commands(core, receiver: _Receiver, sender: _Sender,
                 outs += core.abort_requests(payload)
             elif kind == "reset_prefix_cache":  # before any request sent after it is admitted
                 core.reset_prefix_cache()
+            elif kind == "profile":  # (control id, "start" | "stop"): answered ("control", (id, error, traces))
+                cid, action = payload
+                try:
+                    traces = core.profile.start() if action == "start" else core.profile.stop()
+                    sender.put(("control", (cid, None, traces)))
+                except ValueError as e:  # misuse (not configured, already running, not running)
+                    sender.put(("control", (cid, str(e), None)))
             elif kind == "shutdown":
                 return None
         changed, timeout = True, 0

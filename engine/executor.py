@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from common.args import EngineArgs
+from engine.profiler import RankProfiler
 from engine.worker import Worker
 from models.config import ModelConfig
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput
@@ -20,6 +21,12 @@ class UniProcExecutor:
         self.num_blocks = self.worker.determine_num_blocks(args.max_num_batched_tokens)
         self.worker.init_kv_cache(self.num_blocks, eos_token_ids, args.resolve_max_model_len(cfg))
         self.graph_sizes = self.worker.graph_sizes()
+        cfg = args.profiler_config
+        self.profiler = None if cfg is None else RankProfiler(cfg, 0, self.worker.device)
+
+    def profile(self, action: str) -> list[str | None]:
+        """Start or stop the rank's profiler (engine/profiler.py); a stop returns its trace."""
+        return [self.profiler.apply(action)]
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.runner.execute(so)

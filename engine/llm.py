@@ -51,6 +51,14 @@ class LLM:
     def scheduler(self):
         return self.engine.scheduler
 
+    def start_profile(self) -> None:
+        """Start every rank's profiler (needs profiler_config; engine/profiler.py), as vLLM's LLM."""
+        self.engine.profile.start()
+
+    def stop_profile(self) -> list[str]:
+        """Stop it; returns the traces written."""
+        return self.engine.profile.stop()
+
     def reset_prefix_cache(self) -> int:
         """Forget the prefix cache's blocks (vLLM's LLM.reset_prefix_cache); returns how many."""
         return self.engine.reset_prefix_cache()

@@ -60,6 +60,7 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
 
         from common import distributed as pd
         from common.gc_tuning import freeze_startup_objects
+        from engine.profiler import RankProfiler
         from engine.worker import Worker, resolve_device
 
         device = resolve_device(args, local_rank)
@@ -70,6 +71,7 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
                          init_method, backend, expert_parallel=args.enable_expert_parallel,
                          dp_size=args.data_parallel_size)
         worker = Worker(args, cfg, local_rank=local_rank)
+        profiler = None if args.profiler_config is None else RankProfiler(args.profiler_config, rank, worker.device)
         n = torch.tensor([worker.determine_num_blocks(args.max_num_batched_tokens)])
         dist.all_reduce(n, op=dist.ReduceOp.MIN, group=pd.world_cpu_group())  # every rank the same pool
         worker.init_kv_cache(int(n), eos_token_ids, args.resolve_max_model_len(cfg))
@@ -88,6 +90,13 @@ def _worker_main(rank: int, local_rank: int, args: EngineArgs, cfg: ModelConfig,
             if box[0] is None:
                 break
             op, so = box[0]
+            if op == "profile":  # so: "start" | "stop"; every rank acknowledges (across nodes rank 0 for all)
+                done = profiler.apply(so)
+                if args.nnodes > 1:
+                    dist.barrier(group=pd.world_cpu_group())
+                if args.nnodes == 1 or rank == 0:
+                    conn.send(("profiled", done))
+                continue
             if relayed:  # (op, every DP rank's part): this rank's DP rank's
                 so = so[pd.dp().rank]
             if op == "launch":
@@ -235,6 +244,13 @@ class MultiProcExecutor:
             return ModelRunnerOutput([], [], [])
         self._send(("finish", None))
         return self.ranks.recv(0, "out")
+
+    def profile(self, action: str) -> list[str | None]:
+        """Start or stop every rank's profiler (engine/profiler.py); a stop returns each local
+        rank's trace (across nodes rank 0's)."""
+        self._send(("profile", action))
+        n = 1 if self.ranks.multi_node else len(self.ranks.conns)
+        return [self.ranks.recv(i, "profiled") for i in range(n)]
 
     def _send(self, msg) -> None:
         try:

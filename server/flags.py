@@ -190,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
                         '"num_speculative_tokens": k} (the checkpoint\'s multi-token-prediction layer, '
                         'V3/R1); every decode then verifies up to k drafts in one step; turns async '
                         'scheduling off')
+    g.add_argument("--profiler-config", default=None, metavar="JSON",
+                   help='vLLM\'s profiler config, a JSON object: {"profiler": "torch", "torch_profiler_dir": '
+                        'DIR} serves POST /start_profile and /stop_profile, between which every rank '
+                        'records a torch.profiler trace (written to DIR at the stop, one a rank); '
+                        '"profiler": "cuda" brackets the span with cudaProfilerStart/Stop for nsys; '
+                        'keys torch_profiler_with_stack, _with_flops, _use_gzip, _dump_cuda_time_total, '
+                        '_record_shapes, _with_memory, delay_iterations, max_iterations as vLLM\'s')
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch step N+1 while the GPU runs step N "
                         "(default: on with CUDA, off on the CPU)")
@@ -412,7 +419,8 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         kernels=ns.kernels, fp8_gemm=ns.fp8_gemm, quantization=ns.quantization,
         kv_cache_dtype=ns.kv_cache_dtype,
         hf_overrides=overrides, rank_check_interval=ns.rank_check_interval,
-        speculative_config=ns.speculative_config, cuda_graph_sizes=graph_sizes,
+        speculative_config=ns.speculative_config, profiler_config=ns.profiler_config,
+        cuda_graph_sizes=graph_sizes,
         enable_log_requests=ns.enable_log_requests and not ns.disable_log_requests, nnodes=ns.nnodes, node_rank=ns.node_rank,
         master_addr=ns.master_addr, master_port=ns.master_port)
     load_chat_template(ns.chat_template)

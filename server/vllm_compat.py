@@ -2,8 +2,9 @@
 (GET and POST, as SageMaker's health check sends it), `POST /invocations` (SageMaker's inference
 route: chat or completions by the body's shape), CORS from `--allowed-origins`,
 `--allowed-methods`, `--allowed-headers`, `--allow-credentials`, the X-Request-Id response header
-(`--enable-request-id-headers`), `/load` (`--enable-server-load-tracking`), and `POST
-/reset_prefix_cache` (SGLang's `/flush_cache` the same), which benchmarks call between runs.
+(`--enable-request-id-headers`), `/load` (`--enable-server-load-tracking`), `POST
+/reset_prefix_cache` (SGLang's `/flush_cache` the same), which benchmarks call between runs, and
+with `--profiler-config` `POST /start_profile` and `/stop_profile` (`vllm bench serve --profile`).
 
 CORS differs from vLLM in one way: vLLM always installs the middleware (every origin allowed by
 default); here it is installed only when one of those flags is given, the others then taking
@@ -19,6 +20,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
+from engine.async_llm import EngineDeadError
 from server.chat import create_chat_completion
 from server.chat_protocol import ChatCompletionRequest
 from server.completions import create_completion
@@ -98,6 +100,29 @@ def install(app: FastAPI, engine, args=None) -> None:
     for method in ("GET", "POST"):  # SGLang's route
         app.add_api_route("/flush_cache", reset_prefix_cache, methods=[method], dependencies=auth,
                           operation_id=f"flush_cache_{method.lower()}")
+
+    if getattr(getattr(engine, "args", None), "profiler_config", None) is not None:
+        async def start_profile() -> Response:
+            try:
+                await engine.start_profile()
+            except ValueError as e:  # already running
+                raise APIError(400, str(e)) from None
+            except EngineDeadError as e:
+                raise APIError(503, str(e)) from None
+            return JSONResponse({})
+
+        async def stop_profile() -> Response:
+            """Answers once every rank has written its trace (seconds to minutes for a long
+            profile; the engine steps no further meanwhile)."""
+            try:
+                traces = await engine.stop_profile()
+            except ValueError as e:  # not running
+                raise APIError(400, str(e)) from None
+            except EngineDeadError as e:
+                raise APIError(503, str(e)) from None
+            return JSONResponse({"traces": traces})
+        app.add_api_route("/start_profile", start_profile, methods=["POST"], dependencies=auth)
+        app.add_api_route("/stop_profile", stop_profile, methods=["POST"], dependencies=auth)
 
     @app.post("/invocations", dependencies=[Depends(state.check_api_key)])
     async def invocations(raw: Request) -> Response:
