@@ -167,7 +167,7 @@ for spec in $steps; do
                --shard "$i/$N" tests/test_triton_route.py tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
                tests/test_triton_norm.py tests/test_triton_launch.py tests/test_piecewise_graph.py tests/test_skinny_gemm.py tests/test_triton_argmax.py \
                tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_fp8_gemm.py tests/test_route_align.py \
-               tests/test_gpu_launch_opt_ins.py -k "not trained and not bf16_as_close and not w8a8_real and not splitk_r1" > "$OUT/quick_$i.txt" 2>&1 &
+               tests/test_gpu_launch_opt_ins.py tests/test_profiler.py -k "not trained and not bf16_as_close and not w8a8_real and not splitk_r1" > "$OUT/quick_$i.txt" 2>&1 &
              pids+=($!)
            done
            qrc=0; for p in "${pids[@]}"; do wait "$p"; r=$?; [ "$qrc" -eq 0 ] && qrc=$r; done  # the first failure's code

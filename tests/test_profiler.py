@@ -146,3 +146,24 @@ def test_every_rank_writes_a_trace(tmp_path, layout):
     for t in traces:
         assert t.endswith(".pt.trace.json") and _trace_events(t)
     assert not any(name.endswith(".ops.txt") for name in os.listdir(tmp_path))
+
+
+@pytest.mark.gpu
+def test_a_gpu_trace_holds_the_kernels(tmp_path):
+    """On a GPU the trace records the CUDA kernels too, and the op table sorts by their time."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from engine import LLM
+
+    llm = LLM(str(TINY_MODEL), num_kv_blocks=64,
+              profiler_config={"profiler": "torch", "torch_profiler_dir": str(tmp_path)})
+    try:
+        llm.start_profile()
+        llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))
+        [trace] = llm.stop_profile()
+    finally:
+        llm.engine.shutdown()
+    assert any(e.get("cat") == "kernel" for e in _trace_events(trace))
+    with open(trace.replace(".pt.trace.json.gz", ".ops.txt")) as f:
+        assert "CUDA" in f.read()
