@@ -26,7 +26,8 @@ from tests.server_fixtures import TINY_MODEL
     ('{"profiler": "torch"}', "needs torch_profiler_dir"),
     ('{"profiler": "torch", "torch_profiler_dir": "/t", "torch_profiler_use_gzip": 1}',
      "torch_profiler_use_gzip must be true or false"),
-    ('{"profiler": "torch", "torch_profiler_dir": "/t", "max_iterations": -1}', "max_iterations must be an integer >= 0"),
+    ('{"profiler": "torch", "torch_profiler_dir": "/t", "max_iterations": -1}',
+     "max_iterations must be an integer >= 0"),
 ])
 def test_profiler_config_refuses_bad_values(value, message):
     with pytest.raises(ValueError, match=f"--profiler-config.*{message}"):
