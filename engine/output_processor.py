@@ -33,6 +33,7 @@ class _Sample:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    engine_index: int = 0  # the DP rank of its engine request
 
     @property
     def finished(self) -> bool:
@@ -43,7 +44,7 @@ class _Sample:
         out = CompletionOutput(
             index=self.index, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             delta_text=self.delta_text, delta_token_ids=self.delta_token_ids,
-            delta_logprobs=self.delta_logprobs if self.want_logprobs else None)
+            delta_logprobs=self.delta_logprobs if self.want_logprobs else None, engine_index=self.engine_index)
         if final:
             out.text = "" if self.detok is None else self.detok.output_text
             out.token_ids = self.token_ids
@@ -120,6 +121,7 @@ class OutputProcessor:
             s = parent.samples[i]
             if s.finished:
                 continue
+            s.engine_index = o.engine_index
             if o.prompt_logprobs is not None and i == 0:
                 parent.prompt_logprobs = o.prompt_logprobs
             if o.num_cached_tokens:

@@ -27,6 +27,7 @@ class CompletionOutput:
     delta_text: str = ""  # text new since the previous RequestOutput of this request
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] | None = None  # parallel to delta_token_ids, when requested
+    engine_index: int = 0  # the DP rank that runs this sample (each sample is an engine request)
 
     @property
     def finished(self) -> bool:

@@ -252,12 +252,14 @@ class RequestTracker:
         self._choices: dict[tuple[int, int], list] = {}
         self._finished_choices = 0
         self._closed = False
-        self._engine = 0  # the DP rank of the last output (aborted choices count under it)
+        self._engine = 0  # the DP rank of the prompt's first choice admitted (0 until then)
+        self._choice_engine: dict[tuple[int, int], int] = {}  # unfinished choices seen -> their DP rank
 
     def observe(self, prompt_idx: int, out: RequestOutput) -> None:
         """Record one engine output of prompt `prompt_idx`."""
         now = time.perf_counter()
-        e = self._engine = out.engine_index  # the DP rank that runs the prompt (0 until admitted)
+        # per prompt: its first choice's DP rank; per choice (each an engine request): its own
+        e = self._engine = out.engine_index
         if out.queue_time is not None and prompt_idx not in self._queued:
             self._queued[prompt_idx] = out.queue_time
             self._m.queue.at(e).observe(out.queue_time)
@@ -273,6 +275,7 @@ class RequestTracker:
                     self._m.tpot.at(e).observe(per_token)
             self._last[prompt_idx] = now
         for o in out.outputs:
+            self._choice_engine[(prompt_idx, o.index)] = o.engine_index
             if o.delta_token_ids:
                 c = self._choices.setdefault((prompt_idx, o.index), [now, now, 0])
                 c[1] = now
@@ -283,18 +286,19 @@ class RequestTracker:
             most = 0
             for o in out.outputs:
                 first, last, tokens = self._choices.pop((prompt_idx, o.index), (None, None, 0))
+                ce = self._choice_engine.pop((prompt_idx, o.index), o.engine_index)
                 most = max(most, tokens)
-                self._m.prompt_tokens.at(e).observe(len(out.prompt_token_ids))
-                self._m.generation_tokens.at(e).observe(tokens)
+                self._m.prompt_tokens.at(ce).observe(len(out.prompt_token_ids))
+                self._m.generation_tokens.at(ce).observe(tokens)
                 if first is not None:
-                    self._m.prefill.at(e).observe(max(0.0, first - admitted))
-                    self._m.decode.at(e).observe(last - first)
-                    self._m.inference.at(e).observe(max(0.0, last - admitted))
+                    self._m.prefill.at(ce).observe(max(0.0, first - admitted))
+                    self._m.decode.at(ce).observe(last - first)
+                    self._m.inference.at(ce).observe(max(0.0, last - admitted))
                     if tokens > 1:
-                        self._m.request_tpot.at(e).observe((last - first) / (tokens - 1))
+                        self._m.request_tpot.at(ce).observe((last - first) / (tokens - 1))
                 reason = o.finish_reason or "unknown"
                 self._m.success.labels(finished_reason=reason).inc()
-                self._m.vllm_success.labels(self._m.model_name, str(e), reason).inc()
+                self._m.vllm_success.labels(self._m.model_name, str(ce), reason).inc()
                 self._finished_choices += 1
             self._m.max_generation_tokens.at(e).observe(most)
             # per engine request (prompt), as vLLM observes them
@@ -312,4 +316,8 @@ class RequestTracker:
         aborted = num_choices - self._finished_choices
         if aborted > 0:
             self._m.success.labels(finished_reason="abort").inc(aborted)
-            self._m.vllm_success.labels(self._m.model_name, str(self._engine), "abort").inc(aborted)
+            # each under its own DP rank where an output named it, the rest under the prompt's
+            engines = list(self._choice_engine.values())[:aborted]
+            engines += [self._engine] * (aborted - len(engines))
+            for d in sorted(set(engines)):
+                self._m.vllm_success.labels(self._m.model_name, str(d), "abort").inc(engines.count(d))

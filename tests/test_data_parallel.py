@@ -242,21 +242,26 @@ def test_served_engine_reports_every_dp_rank(tmp_path_factory):
         e = AsyncLLM(args, core_in_thread=False)
         metrics = ServerMetrics(e, "m")
 
-        async def one(prompt, n, rid):
-            tracker = metrics.tracker(max_tokens=n)
-            async for out in e.generate(prompt, SamplingParams(max_tokens=n, ignore_eos=True), rid):
+        async def one(prompt, max_tokens, rid, n=1):
+            tracker = metrics.tracker(n=n, max_tokens=max_tokens)
+            async for out in e.generate(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, n=n,
+                                                               seed=1), rid):
                 tracker.observe(0, out)
-            tracker.close(1)
-            return out.engine_index
+            tracker.close(n)
+            return out.engine_index if n == 1 else [o.engine_index for o in out.outputs]
         try:
             before = e.stats()
             # two requests at once: the least loaded rank takes each, so one on each rank
             engines = await asyncio.gather(one([5, 6, 7], 2, "x"), one([5, 6, 7, 8], 5, "y"))
             await asyncio.sleep(0.5)
-            return before, e.stats(), engines, metrics.render().decode()
+            stats, text = e.stats(), metrics.render().decode()
+            # then the two choices of an n = 2 request, each an engine request: one on each rank
+            choices = await one([9, 10, 11, 12, 13], 3, "z", n=2)
+            await asyncio.sleep(0.5)
+            return before, stats, engines, text, choices, metrics.render().decode()
         finally:
             e.shutdown()
-    before, after, engines, text = asyncio.run(run())
+    before, after, engines, text, choices, text_n = asyncio.run(run())
     assert before.num_total_blocks == after.num_total_blocks == before.num_free_blocks == 128
     assert [p.num_total_blocks for p in before.per_engine] == [64, 64]
     assert sorted(engines) == [0, 1]
@@ -267,7 +272,7 @@ def test_served_engine_reports_every_dp_rank(tmp_path_factory):
     hists = [p.iteration_tokens for p in after.per_engine]
     assert sum(h[2] for h in hists) == after.iteration_tokens[2] >= 7 + 5  # each rank's step tokens
 
-    def sample(name, engine):
+    def sample(name, engine, text=text):
         m = re.search(rf'^{re.escape(name)}{{engine="{engine}",(.*)}} (\S+)$', text, re.M)
         assert m, (name, engine)
         return float(m.group(2))
@@ -280,6 +285,12 @@ def test_served_engine_reports_every_dp_rank(tmp_path_factory):
         assert sample("vllm:request_success_total", d) == 1  # finished_reason="length"
     assert text.count('vllm:cache_config_info{') == 2 and 'num_gpu_blocks="64"' in text
     assert "mla_serve_generation_tokens_total 7.0" in text  # ours: the whole engine's, unlabelled
+    assert sorted(choices) == [0, 1]
+    for d in (0, 1):  # each choice's series under its own rank: they add up to the rank's counters
+        assert sample("vllm:request_success_total", d, text_n) == 2
+        assert sample("vllm:request_generation_tokens_sum", d, text_n) == sample("vllm:generation_tokens_total", d,
+                                                                                   text_n)
+        assert sample("vllm:request_prompt_tokens_sum", d, text_n) == sample("vllm:prompt_tokens_total", d, text_n)
 
 
 @pytest.mark.parametrize("when", ["between-steps", "mid-step"])
