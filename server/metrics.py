@@ -32,6 +32,7 @@ from engine.outputs import RequestOutput
 PREFIX = "mla_serve"
 VLLM = "vllm:"
 LABELS = ["model_name", "engine"]  # of every vLLM series, as vLLM labels them
+FINISH_REASONS = ("stop", "length", "abort", "error")
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
@@ -207,6 +208,10 @@ class ServerMetrics:
                                ["finished_reason"], registry=self.registry)
         self.vllm_success = Counter(f"{VLLM}request_success", "Finished choices by finish reason",
                                     [*LABELS, "finished_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:  # every series from the start, as vLLM's
+            self.success.labels(finished_reason=reason)
+            for d in range(self.num_engines):
+                self.vllm_success.labels(self.model_name, str(d), reason)
 
     def _histogram(self, name: str, doc: str) -> tuple[Histogram, PerEngine]:
         """Our histogram and vLLM's (labelled), observed together."""

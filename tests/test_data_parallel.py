@@ -272,8 +272,9 @@ def test_served_engine_reports_every_dp_rank(tmp_path_factory):
     hists = [p.iteration_tokens for p in after.per_engine]
     assert sum(h[2] for h in hists) == after.iteration_tokens[2] >= 7 + 5  # each rank's step tokens
 
-    def sample(name, engine, text=text):
-        m = re.search(rf'^{re.escape(name)}{{engine="{engine}",(.*)}} (\S+)$', text, re.M)
+    def sample(name, engine, text=text, finished_reason=None):
+        reason = "" if finished_reason is None else f'finished_reason="{finished_reason}",'
+        m = re.search(rf'^{re.escape(name)}{{engine="{engine}",{reason}(.*)}} (\S+)$', text, re.M)
         assert m, (name, engine)
         return float(m.group(2))
     for d, (prompt, generated) in ((engines[0], (3, 2)), (engines[1], (4, 5))):
@@ -282,12 +283,12 @@ def test_served_engine_reports_every_dp_rank(tmp_path_factory):
         assert sample("vllm:num_requests_running", d) == 0
         assert sample("vllm:time_to_first_token_seconds_count", d) == 1
         assert sample("vllm:request_generation_tokens_sum", d) == generated
-        assert sample("vllm:request_success_total", d) == 1  # finished_reason="length"
+        assert sample("vllm:request_success_total", d, finished_reason="length") == 1
     assert text.count('vllm:cache_config_info{') == 2 and 'num_gpu_blocks="64"' in text
     assert "mla_serve_generation_tokens_total 7.0" in text  # ours: the whole engine's, unlabelled
     assert sorted(choices) == [0, 1]
     for d in (0, 1):  # each choice's series under its own rank: they add up to the rank's counters
-        assert sample("vllm:request_success_total", d, text_n) == 2
+        assert sample("vllm:request_success_total", d, text_n, finished_reason="length") == 2
         assert sample("vllm:request_generation_tokens_sum", d, text_n) == sample("vllm:generation_tokens_total", d,
                                                                                    text_n)
         assert sample("vllm:request_prompt_tokens_sum", d, text_n) == sample("vllm:prompt_tokens_total", d, text_n)

@@ -338,6 +338,9 @@ def test_grafana_dashboard_series_are_served(client_for):
         assert any(ln.startswith(name + "{") and 'model_name="dash"' in ln for ln in lines), name
     assert _sample(text, 'vllm:request_max_num_generation_tokens_count{engine="0",model_name="dash"}') == 1
     assert _sample(text, 'vllm:request_max_num_generation_tokens_sum{engine="0",model_name="dash"}') == 3
+    for reason in ("stop", "abort", "error"):  # every finish reason's series exists from the start, as vLLM's
+        series = f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="dash"}}'
+        assert _sample(text, series) == 0
     assert _sample(text, 'vllm:gpu_cache_usage_perc{engine="0",model_name="dash"}') == _sample(
         text, 'vllm:kv_cache_usage_perc{engine="0",model_name="dash"}')
 
