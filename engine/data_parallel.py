@@ -17,6 +17,7 @@ the front end and the output processing see one engine; the metrics see the sum 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Iterable
@@ -84,6 +85,8 @@ class DataParallelScheduler:
     sizes and piecewise token counts the ranks captured as CUDA graphs (engine/worker.py
     `graph_sizes`)."""
 
+    ROUTED_BLOCKS = 1 << 16  # the prompt blocks `_routed` remembers (LRU; ~6 MB of hashes)
+
     def __init__(self, config: SchedulerConfig, dp: int, graph_sizes: tuple[list[int], list[int]] = ([], [])):
         self.config = config  # each DP rank's: capacity_tokens is what one request can have
         self.schedulers = [Scheduler(config) for _ in range(dp)]
@@ -93,6 +96,7 @@ class DataParallelScheduler:
         # how many more unfinished requests than the least loaded rank a rank may hold and still
         # take a request for its prefix-cache hit
         self.affinity_slack = max(1, config.max_num_seqs // 8)
+        self._routed: OrderedDict[bytes, int] = OrderedDict()  # block hash -> the rank it was routed to last
 
     def _owner(self, request_id: str) -> Scheduler | None:
         return next((s for s in self.schedulers if request_id in s.requests), None)
@@ -108,17 +112,32 @@ class DataParallelScheduler:
         self.schedulers[0].check_priority(params)
 
     def add_request(self, request: Request) -> None:
-        """To the DP rank whose prefix cache holds the most of its prompt among those within
-        `affinity_slack` unfinished requests of the least loaded, else to the least loaded (the
-        lowest index on a tie): a conversation's next turn finds its history where the last turn
-        left it, while no rank takes more than its share."""
+        """To the DP rank that holds the most of its prompt among those within `affinity_slack`
+        unfinished requests of the least loaded, else to the least loaded (the lowest index on a
+        tie): a conversation's next turn finds its history where the last turn left it, and
+        prompts sharing a prefix that arrive together (lm_eval's choices of one question, its
+        few-shot preamble) meet on one rank, while no rank takes more than its share. A rank
+        holds a prefix that its prefix cache has, or that a request routed there recently had
+        (`_routed`: its blocks are computed, or will be, on that rank)."""
         self.check_request(request)
         loads = [len(s.requests) for s in self.schedulers]
         least = min(loads)
         near = [d for d, n in enumerate(loads) if n <= least + self.affinity_slack]
         hits = {d: len(self.schedulers[d].block_manager.find_cached_prefix(request)) for d in near}
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.schedulers[0].block_manager.tokens_per_block]
+        for i, h in enumerate(hashes):  # the deepest prefix a request routed to each rank had
+            d = self._routed.get(h)
+            if d is None:
+                break
+            if d in hits:
+                hits[d] = max(hits[d], i + 1)
         best = max(near, key=lambda d: (hits[d], -loads[d], -d))
         self.schedulers[best].add_request(request)
+        for h in hashes:
+            self._routed[h] = best
+            self._routed.move_to_end(h)
+        while len(self._routed) > self.ROUTED_BLOCKS:
+            self._routed.popitem(last=False)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[EngineCoreOutput]:
         outputs = []

@@ -119,6 +119,22 @@ def test_requests_follow_their_cached_prefix_within_a_slack():
     assert not s.schedulers[0].block_manager.find_cached_prefix(Request("w", turn, SamplingParams(), None))
 
 
+def test_prompts_sharing_a_prefix_meet_on_one_rank_before_it_is_cached():
+    """Choices of one question sent together (lm_eval) go where the first went, before any of
+    its blocks is computed, while that rank is within the slack (here 2) of the least loaded."""
+    s = DataParallelScheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=64,
+                                              block_size=4, num_blocks=32), dp=2)
+    context = list(range(2, 22))  # 5 full blocks
+
+    def rank_of(rid, prompt):
+        s.add_request(Request(rid, prompt, SamplingParams(max_tokens=1), None))
+        return next(d for d, x in enumerate(s.schedulers) if rid in x.requests)
+    # the 4th choice: rank 0 would be 3 over the least loaded, so rank 1 takes it
+    assert [rank_of(f"a{i}", context + [40 + i]) for i in range(4)] == [0, 0, 0, 1]
+    assert rank_of("b0", list(range(60, 80))) == 1  # another question: the least loaded
+    assert rank_of("b1", list(range(60, 80)) + [5]) == 1  # with the first, rank 0 being no more loaded
+
+
 @pytest.fixture(scope="module")
 def workload():
     torch.manual_seed(5)

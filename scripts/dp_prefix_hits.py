@@ -1,0 +1,80 @@
+"""Prefix-cache hits under -dp for prompts that share a prefix and arrive together, as lm_eval
+sends the choices of a multiple-choice question: Q questions, each a C-token context shared by
+K choices of a few tokens, all submitted at once to the offline engine on the CPU (a tiny random
+V3, fp32, 4-token blocks). Prints, per layout, the prompt tokens found in the prefix cache, the
+requests each DP rank took, and whether the greedy tokens equal one rank's. `--no-routing` turns
+off the DP scheduler's memory of routed prefixes (DataParallelScheduler.ROUTED_BLOCKS = 0), to
+compare.
+
+    python scripts/dp_prefix_hits.py --dp 1 2 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--questions", type=int, default=16)
+    p.add_argument("--context", type=int, default=40, help="tokens of each question's shared context")
+    p.add_argument("--choices", type=int, default=4)
+    p.add_argument("--max-num-batched-tokens", type=int, default=64)
+    p.add_argument("--no-routing", action="store_true")
+    a = p.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    from engine import LLM, SamplingParams
+    from engine.data_parallel import DataParallelScheduler
+    from scheduler.scheduler import Scheduler
+    from tiny_models import make_model
+
+    if a.no_routing:
+        DataParallelScheduler.ROUTED_BLOCKS = 0
+    per_rank: Counter = Counter()
+    add = Scheduler.add_request
+
+    def counted(self, request):
+        per_rank[self.engine_index] += 1
+        return add(self, request)
+    Scheduler.add_request = counted
+    path = tempfile.mkdtemp(prefix="dp_prefix_")
+    make_model(path, "v3")
+    g = torch.Generator().manual_seed(0)
+    prompts = []
+    for _ in range(a.questions):
+        ctx = torch.randint(2, 320, (a.context,), generator=g).tolist()
+        prompts += [ctx + torch.randint(2, 320, (3 + c,), generator=g).tolist() for c in range(a.choices)]
+    print("| -dp | prefix hits (tokens) | looked up | requests per rank | same tokens as the first | s |")
+    print("|---|---|---|---|---|---|")
+    first = None
+    for dp in a.dp:
+        llm = LLM(path, device="cpu", dtype="float32", block_size=4, data_parallel_size=dp,
+                  max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=32)
+        try:
+            per_rank.clear()
+            t = time.time()
+            toks = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))]
+            s = llm.scheduler.stats
+            first = toks if first is None else first
+            print(f"| {dp} | {s.prefix_cache_hits} | {s.prefix_cache_queries} | "
+                  f"{'/'.join(str(per_rank[d]) for d in range(dp))} | {toks == first} | {time.time() - t:.1f} |",
+                  flush=True)
+        finally:
+            llm.engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
