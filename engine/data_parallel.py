@@ -115,8 +115,8 @@ class DataParallelScheduler:
         """To the DP rank that holds the most of its prompt among those within `affinity_slack`
         unfinished requests of the least loaded, else to the least loaded (the lowest index on a
         tie): a conversation's next turn finds its history where the last turn left it, and
-        prompts sharing a prefix that arrive together (lm_eval's choices of one question, its
-        few-shot preamble) meet on one rank, while no rank takes more than its share. A rank
+        prompts sharing a prefix that arrive together (the n choices of one request, a few-shot
+        preamble) meet on one rank, while no rank takes more than its share. A rank
         holds a prefix that its prefix cache has, or that a request routed there recently had
         (`_routed`: its blocks are computed, or will be, on that rank)."""
         self.check_request(request)

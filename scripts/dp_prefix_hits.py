@@ -1,7 +1,7 @@
-"""Prefix-cache hits under -dp for prompts that share a prefix and arrive together, as lm_eval
-sends the choices of a multiple-choice question: Q questions, each a C-token context shared by
-K choices of a few tokens, all submitted at once to the offline engine on the CPU (a tiny random
-V3, fp32, 4-token blocks). Prints, per layout, the prompt tokens found in the prefix cache, the
+"""Prefix-cache hits under -dp for prompts that share a prefix and arrive together (the n choices
+of one request, few-shot prompts with one preamble): Q groups, each a C-token prefix shared by K
+prompts that end in a few tokens of their own, all submitted at once to the offline engine on the
+CPU (a tiny random V3, fp32, 4-token blocks). Prints, per layout, the prompt tokens found in the prefix cache, the
 requests each DP rank took, and whether the greedy tokens equal one rank's. `--no-routing` turns
 off the DP scheduler's memory of routed prefixes (DataParallelScheduler.ROUTED_BLOCKS = 0), to
 compare.
@@ -27,9 +27,9 @@ sys.path.insert(0, str(REPO / "tests"))
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--questions", type=int, default=16)
-    p.add_argument("--context", type=int, default=40, help="tokens of each question's shared context")
-    p.add_argument("--choices", type=int, default=4)
+    p.add_argument("--questions", type=int, default=16, help="groups of prompts")
+    p.add_argument("--context", type=int, default=40, help="tokens of each group's shared prefix")
+    p.add_argument("--choices", type=int, default=4, help="prompts in a group")
     p.add_argument("--max-num-batched-tokens", type=int, default=64)
     p.add_argument("--no-routing", action="store_true")
     a = p.parse_args()

@@ -120,8 +120,9 @@ def test_requests_follow_their_cached_prefix_within_a_slack():
 
 
 def test_prompts_sharing_a_prefix_meet_on_one_rank_before_it_is_cached():
-    """Choices of one question sent together (lm_eval) go where the first went, before any of
-    its blocks is computed, while that rank is within the slack (here 2) of the least loaded."""
+    """Prompts sharing a prefix sent together (the n choices of one request) go where the first
+    went, before any of its blocks is computed, while that rank is within the slack (here 2) of
+    the least loaded."""
     s = DataParallelScheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=64,
                                               block_size=4, num_blocks=32), dp=2)
     context = list(range(2, 22))  # 5 full blocks
