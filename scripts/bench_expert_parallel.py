@@ -52,9 +52,10 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=8)
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 128, 512])
     p.add_argument("--layers", type=int, default=2, help="layers' weights cycled through, to defeat L2")
+    p.add_argument("--kernels", default="auto", help="the kernel plan (--kernels), e.g. auto,moe_fused_max_tokens=0")
     a = p.parse_args()
     cfg = ModelConfig.from_pretrained(a.model)
-    plan, _ = resolve_plan("auto", "auto", "cuda", "bfloat16", True, True, hopper=True)
+    plan, _ = resolve_plan(a.kernels, "auto", "cuda", "bfloat16", True, True, hopper=True)
     pd.moe_all_reduce = lambda t: t  # one process: the ranks' partial outputs are not summed here
     tp_layers = build(cfg, plan, a.tp, 0, False, a.layers)
     ep_ranks = [build(cfg, plan, a.tp, r, True, a.layers) for r in range(a.tp)]
