@@ -19,6 +19,19 @@ KV_CACHE_DTYPES = {"auto": "auto", "bf16": "bf16", "bfloat16": "bf16", "fp8": "f
 DEFAULT_MODEL = str(Path(__file__).resolve().parent.parent / "configs" / "models" / "tiny-deepseek-v3")
 
 
+def json_object(value: dict | str, flag: str) -> dict:
+    """A JSON-object flag's value (`--speculative-config`, `--profiler-config`), as text or a
+    dict; ValueError naming the flag."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return value
+
+
 def default_piecewise_sizes(max_tokens: int) -> list[int]:
     """128, 256, then multiples of 512 up to `max_tokens` (and `max_tokens` itself): a step of T
     tokens replays the smallest size >= T, so from 512 tokens on it pads fewer than 512 rows, and

@@ -14,13 +14,14 @@ before recording, and with `max_iterations` a stop of its own after that many st
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass, fields
 
 import torch
+
+from common.args import json_object
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,7 @@ class ProfilerConfig:
         and an object whose profiler is null, mean no profiling."""
         if value is None or isinstance(value, ProfilerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--profiler-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--profiler-config must be a JSON object")
+        value = json_object(value, "--profiler-config")
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(value) - set(known))
         if unknown:

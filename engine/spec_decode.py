@@ -16,10 +16,11 @@ distribution (p - q)+ normalised. Greedy requests accept by exact match of the a
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
+
+from common.args import json_object
 
 METHODS = ("ngram", "mtp")
 # vLLM's other names for these methods: "deepseek_mtp" is its name for the DeepSeek checkpoints'
@@ -42,13 +43,7 @@ class SpeculativeConfig:
             return None
         if isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--speculative-config must be a JSON object")
+        value = json_object(value, "--speculative-config")
         unknown = sorted(set(value) - _KEYS)
         if unknown:
             raise ValueError(f"--speculative-config: unknown key(s) {unknown}; supported: {sorted(_KEYS)}")
