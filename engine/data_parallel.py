@@ -85,7 +85,7 @@ class DataParallelScheduler:
     sizes and piecewise token counts the ranks captured as CUDA graphs (engine/worker.py
     `graph_sizes`)."""
 
-    ROUTED_BLOCKS = 1 << 16  # the prompt blocks `_routed` remembers (LRU; ~6 MB of hashes)
+    ROUTED_BLOCKS = 1 << 16  # the prompt blocks `_routed` remembers (LRU; ~10 MB of hashes)
 
     def __init__(self, config: SchedulerConfig, dp: int, graph_sizes: tuple[list[int], list[int]] = ([], [])):
         self.config = config  # each DP rank's: capacity_tokens is what one request can have
