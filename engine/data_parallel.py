@@ -26,7 +26,8 @@ from engine.cuda_graph import smallest_at_least
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request
-from scheduler.scheduler import Scheduler, SchedulerStats, SpecDecodeStats
+from scheduler.scheduler import Scheduler
+from scheduler.stats import SchedulerStats, SpecDecodeStats
 
 
 @dataclass

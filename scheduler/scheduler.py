@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Iterable
 
 from common.sampling_params import nothing_to_sample
@@ -25,52 +24,15 @@ from scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerO
                                NewRequestData, SchedulerOutput)
 from scheduler.policy import choose_victim, enqueue
 from scheduler.request import Request, RequestStatus
+from scheduler.stats import SchedulerStats, SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    num_total_blocks: int
-    kv_cache_usage: float  # used / total blocks, 0..1
-    num_preemptions: int  # cumulative
-    prefix_cache_queries: int  # tokens looked up, cumulative
-    prefix_cache_hits: int  # tokens found, cumulative
-    spec: SpecDecodeStats | None = None  # speculative decoding counters, when it is on
-    # cumulative, as vLLM counts them: each request's prompt when its first output comes (an n > 1
-    # request's every choice), and every token output
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-
-
-@dataclass
-class SpecDecodeStats:
-    """Cumulative counts with vLLM's spec_decode meaning: drafts verified (one per request and
-    step that had any), draft tokens verified, draft tokens accepted, and accepted per position."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] | None = None  # [num_speculative_tokens]
-
-    def record(self, num_draft: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += num_accepted
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a verifying step yields per request on average: 1 + accepted / drafts."""
-        return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)
-
-
 class Scheduler:
     """Owns the request queues and the KV block pool; talks to the runner only through outputs.py."""
+
+    IN_STEP_MIN_SHARED_TOKENS = 64  # prompt tokens that another request is computing, worth a step's wait
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -85,6 +47,7 @@ class Scheduler:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._prompt_tokens = self._generation_tokens = 0
+        self._computing_prev: set[bytes] = set()  # the prompt blocks the last schedule() computes
         self.engine_index = 0  # this scheduler's DP rank (engine/data_parallel.py sets it)
         k = config.num_speculative_tokens
         self._spec = SpecDecodeStats(accepted_per_pos=[0] * k) if k else None
@@ -163,6 +126,9 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         spec_tokens: dict[str, list[int]] = {}
         preempted_now = False
+        # prompt blocks this step computes, and (async scheduling) the step in flight: not cached
+        # yet, so a prompt sharing them waits a step to find them cached (_shares_computing)
+        computing: set[bytes] = set()
 
         # Running requests, oldest first. Under fcfs victims come from the end of the list, i.e.
         # from those not yet scheduled this step; under priority the lowest in priority order,
@@ -200,6 +166,7 @@ class Scheduler:
                 break  # the request preempted itself; it was the last one
             cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
                                                  request.num_computed_tokens))
+            self._mark_computing(computing, request, request.num_computed_tokens, n)
             num_scheduled[request.request_id] = n
             if drafts:
                 spec_tokens[request.request_id] = drafts
@@ -208,11 +175,15 @@ class Scheduler:
 
         # Waiting requests, in queue order (scheduler/policy.py). None are admitted in a step that had to
         # preempt: the pool is short, and a victim must not come straight back in the same step.
+        deferred: list[Request] = []
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
             use_cache = not request.wants_prompt_logprobs  # its prompt must really be computed
             hit_blocks = self.block_manager.find_cached_prefix(request) if use_cache else []
+            if use_cache and self._shares_computing(request, len(hit_blocks), computing):
+                deferred.append(self.waiting.popleft())
+                continue
             num_hit = len(hit_blocks) * self.block_manager.tokens_per_block
             request.num_computed_tokens = num_hit
             n = min(self._chunk(request.num_tokens - num_hit), budget)
@@ -237,7 +208,10 @@ class Scheduler:
                 num_computed_tokens=num_hit,
             ))
             num_scheduled[request.request_id] = n
+            self._mark_computing(computing, request, num_hit, n)
             budget -= n
+        self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
+        self._computing_prev = computing
 
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
@@ -250,6 +224,22 @@ class Scheduler:
         assert total <= self.config.max_num_batched_tokens and len(num_scheduled) <= self.config.max_num_seqs
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, finished,
                                scheduled_spec_decode_tokens=spec_tokens)
+
+    def _mark_computing(self, computing: set[bytes], request: Request, start: int, n: int) -> None:
+        """Add the prompt blocks a chunk of `n` tokens from `start` completes (none for a decode)."""
+        if n > 1 and self.config.enable_prefix_caching:
+            tpb = self.block_manager.tokens_per_block
+            computing.update(request.block_hashes[start // tpb:(start + n) // tpb])
+
+    def _shares_computing(self, request: Request, num_hit_blocks: int, computing: set[bytes]) -> bool:
+        """Whether the next IN_STEP_MIN_SHARED_TOKENS or more tokens of `request`'s prompt past
+        its cache hit are blocks that this step or the one in flight computes for another request
+        (the choices of an n > 1 request, prompts with one preamble, sent together): it then
+        waits for them to be cached rather than compute them again."""
+        hashes, tpb = request.block_hashes, self.block_manager.tokens_per_block
+        need = -(-self.IN_STEP_MIN_SHARED_TOKENS // tpb)
+        ahead = hashes[num_hit_blocks:min(num_hit_blocks + need, (request.num_tokens - 1) // tpb)]
+        return len(ahead) == need and all(h in computing or h in self._computing_prev for h in ahead)
 
     def _chunk(self, n: int) -> int:
         """A request's `n` remaining tokens, cut to long_prefill_token_threshold when set (a

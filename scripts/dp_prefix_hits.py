@@ -2,11 +2,15 @@
 of one request, few-shot prompts with one preamble): Q groups, each a C-token prefix shared by K
 prompts that end in a few tokens of their own, all submitted at once to the offline engine on the
 CPU (a tiny random V3, fp32, 4-token blocks). Prints, per layout, the prompt tokens found in the prefix cache, the
-requests each DP rank took, and whether the greedy tokens equal one rank's. `--no-routing` turns
-off the DP scheduler's memory of routed prefixes (DataParallelScheduler.ROUTED_BLOCKS = 0), to
-compare.
+requests each DP rank took, the engine steps, and whether the greedy tokens equal the first
+layout's. To compare: `--no-routing` turns off the DP scheduler's memory of routed prefixes
+(DataParallelScheduler.ROUTED_BLOCKS = 0), `--no-in-step-wait` the scheduler's wait for prompt
+blocks another request is computing (Scheduler.IN_STEP_MIN_SHARED_TOKENS = a huge number); with
+a step budget large enough to take a whole group at once (`--max-num-batched-tokens 2048`) the
+latter decides the hits.
 
     python scripts/dp_prefix_hits.py --dp 1 2 4
+    python scripts/dp_prefix_hits.py --dp 1 4 --max-num-batched-tokens 2048 [--no-in-step-wait]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ def main() -> None:
     p.add_argument("--choices", type=int, default=4, help="prompts in a group")
     p.add_argument("--max-num-batched-tokens", type=int, default=64)
     p.add_argument("--no-routing", action="store_true")
+    p.add_argument("--no-in-step-wait", action="store_true")
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -43,6 +48,8 @@ def main() -> None:
 
     if a.no_routing:
         DataParallelScheduler.ROUTED_BLOCKS = 0
+    if a.no_in_step_wait:
+        Scheduler.IN_STEP_MIN_SHARED_TOKENS = 1 << 40
     per_rank: Counter = Counter()
     add = Scheduler.add_request
 
@@ -57,20 +64,28 @@ def main() -> None:
     for _ in range(a.questions):
         ctx = torch.randint(2, 320, (a.context,), generator=g).tolist()
         prompts += [ctx + torch.randint(2, 320, (3 + c,), generator=g).tolist() for c in range(a.choices)]
-    print("| -dp | prefix hits (tokens) | looked up | requests per rank | same tokens as the first | s |")
-    print("|---|---|---|---|---|---|")
+    print("| -dp | prefix hits (tokens) | looked up | requests per rank | steps | same tokens as the first | s |")
+    print("|---|---|---|---|---|---|---|")
     first = None
     for dp in a.dp:
         llm = LLM(path, device="cpu", dtype="float32", block_size=4, data_parallel_size=dp,
                   max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=32)
         try:
             per_rank.clear()
+            steps = [0]
+            run_step = llm.engine.step
+
+            def counted_step():
+                steps[0] += 1
+                return run_step()
+            llm.engine.step = counted_step
             t = time.time()
             toks = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))]
             s = llm.scheduler.stats
             first = toks if first is None else first
             print(f"| {dp} | {s.prefix_cache_hits} | {s.prefix_cache_queries} | "
-                  f"{'/'.join(str(per_rank[d]) for d in range(dp))} | {toks == first} | {time.time() - t:.1f} |",
+                  f"{'/'.join(str(per_rank[d]) for d in range(dp))} | {steps[0]} | {toks == first} | "
+                  f"{time.time() - t:.1f} |",
                   flush=True)
         finally:
             llm.engine.shutdown()
