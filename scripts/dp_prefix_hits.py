@@ -11,6 +11,9 @@ latter decides the hits.
 
     python scripts/dp_prefix_hits.py --dp 1 2 4
     python scripts/dp_prefix_hits.py --dp 1 4 --max-num-batched-tokens 2048 [--no-in-step-wait]
+
+With `--n K` each group is instead one request of the shared prefix alone with n = K choices,
+sampled (temperature 1, seeded), 8 tokens each.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=64)
     p.add_argument("--no-routing", action="store_true")
     p.add_argument("--no-in-step-wait", action="store_true")
+    p.add_argument("--n", type=int, default=0, help="one request of n choices a group instead")
     a = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
@@ -63,7 +67,12 @@ def main() -> None:
     prompts = []
     for _ in range(a.questions):
         ctx = torch.randint(2, 320, (a.context,), generator=g).tolist()
-        prompts += [ctx + torch.randint(2, 320, (3 + c,), generator=g).tolist() for c in range(a.choices)]
+        if a.n:
+            prompts.append(ctx)
+        else:
+            prompts += [ctx + torch.randint(2, 320, (3 + c,), generator=g).tolist() for c in range(a.choices)]
+    params = (SamplingParams(temperature=1.0, seed=7, n=a.n, max_tokens=8) if a.n
+              else SamplingParams(temperature=0, max_tokens=1))
     print("| -dp | prefix hits (tokens) | looked up | requests per rank | steps | same tokens as the first | s |")
     print("|---|---|---|---|---|---|---|")
     first = None
@@ -80,7 +89,7 @@ def main() -> None:
                 return run_step()
             llm.engine.step = counted_step
             t = time.time()
-            toks = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1))]
+            toks = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params)]
             s = llm.scheduler.stats
             first = toks if first is None else first
             print(f"| {dp} | {s.prefix_cache_hits} | {s.prefix_cache_queries} | "
