@@ -183,6 +183,8 @@ class Scheduler:
             hit_blocks = self.block_manager.find_cached_prefix(request) if use_cache else []
             if use_cache and self._shares_computing(request, len(hit_blocks), computing):
                 deferred.append(self.waiting.popleft())
+                if len(deferred) >= self.config.max_num_seqs:
+                    break  # the scan's host time stays bounded behind a crowd sharing one prefix
                 continue
             num_hit = len(hit_blocks) * self.block_manager.tokens_per_block
             request.num_computed_tokens = num_hit

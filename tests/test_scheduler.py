@@ -461,3 +461,20 @@ def test_prompts_sharing_blocks_computed_this_step_wait_for_them(async_schedulin
     rest, _ = run_all(sched, runner)
     for rid, prompt in reqs.items():
         assert tokens_of(results.get(rid, []) + rest.get(rid, [])) == reference_tokens(prompt, 3), rid
+
+
+def test_the_wait_scan_stops_after_max_num_seqs_deferrals():
+    """Behind a crowd waiting for one prefix the scan of the queue stops after max_num_seqs of
+    them (its host time bounded); the request after them is admitted a step later."""
+    cfg = SchedulerConfig(max_num_batched_tokens=1024, max_num_seqs=3, num_blocks=128, block_size=16)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    prompt = [random.Random(2).randrange(VOCAB) for _ in range(100)]
+    for i in range(4):
+        sched.add_request(make_req(f"s{i}", prompt[:99] + [i], max_tokens=2))
+    sched.add_request(make_req("other", list(range(5, 30)), max_tokens=2))
+    so, _ = step(sched, runner)
+    assert list(so.num_scheduled_tokens) == ["s0"]  # s1..s3 wait for its blocks; the scan stops there
+    so, _ = step(sched, runner)
+    assert set(so.num_scheduled_tokens) == {"s0", "s1", "s2"}  # s1, s2 hit; max_num_seqs 3 reached
+    results, _ = run_all(sched, runner)
+    assert tokens_of(results["other"])
