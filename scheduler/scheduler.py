@@ -181,7 +181,8 @@ class Scheduler:
             request = self.waiting[0]
             use_cache = not request.wants_prompt_logprobs  # its prompt must really be computed
             hit_blocks = self.block_manager.find_cached_prefix(request) if use_cache else []
-            if use_cache and self._shares_computing(request, len(hit_blocks), computing):
+            if (use_cache and (computing or self._computing_prev)
+                    and self._shares_computing(request, len(hit_blocks), computing)):
                 deferred.append(self.waiting.popleft())
                 if len(deferred) >= self.config.max_num_seqs:
                     break  # the scan's host time stays bounded behind a crowd sharing one prefix
