@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from common.args import EngineArgs
 from engine.core import EngineCore
+from engine.data_parallel import summed_stats
 from models.config import ModelConfig
 from scheduler.outputs import EngineCoreOutput
 
@@ -275,14 +276,15 @@ def _report(core, sender: _Sender, outs: list[EngineCoreOutput], steps: int,
     """Queue one output message: the outputs and the scheduler's counters (the sender thread
     encodes and writes it)."""
     sched = core.scheduler
-    per_engine = None
-    if hasattr(sched, "stats_per_engine"):  # engine/data_parallel.DataParallelScheduler
-        step_parts = core.step_tokens_per_engine if step_tokens else None
-        per_engine = [_core_stats(s, core.num_compiling if d == 0 else 0, steps,
-                                  step_parts[d] if step_parts else 0)
-                      for d, s in enumerate(sched.stats_per_engine)]
-    stats = _core_stats(sched.stats, core.num_compiling, steps, step_tokens)
-    stats.per_engine = per_engine
+    if not hasattr(sched, "stats_per_engine"):
+        sender.put(("outputs", (outs, _core_stats(sched.stats, core.num_compiling, steps, step_tokens))))
+        return
+    # engine/data_parallel.DataParallelScheduler: each DP rank's counts, read once, and their sum
+    parts = sched.stats_per_engine
+    step_parts = core.step_tokens_per_engine if step_tokens else None
+    stats = _core_stats(summed_stats(parts), core.num_compiling, steps, step_tokens)
+    stats.per_engine = [_core_stats(s, core.num_compiling if d == 0 else 0, steps, step_parts[d] if step_parts else 0)
+                        for d, s in enumerate(parts)]
     sender.put(("outputs", (outs, stats)))
 
 

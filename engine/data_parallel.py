@@ -68,6 +68,20 @@ def padded_rows(so: SchedulerOutput, decode_sizes: list[int], piecewise_sizes: l
     return (decode_only and smallest_at_least(decode_sizes, T)) or smallest_at_least(piecewise_sizes, T) or T
 
 
+def summed_stats(parts: list[SchedulerStats]) -> SchedulerStats:
+    """DP ranks' counts as one engine's: summed, the KV usage over all their blocks."""
+    total = sum(p.num_total_blocks for p in parts)
+    summed = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(SchedulerStats)
+              if f.name not in ("kv_cache_usage", "spec")}
+    spec = None
+    if parts[0].spec is not None:  # speculative decoding's counters, summed
+        spec = SpecDecodeStats(*(sum(getattr(p.spec, f) for p in parts)
+                                 for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")),
+                               [sum(c) for c in zip(*(p.spec.accepted_per_pos for p in parts))])
+    used = sum(p.kv_cache_usage * p.num_total_blocks for p in parts)
+    return SchedulerStats(**summed, kv_cache_usage=used / total if total else 0.0, spec=spec)
+
+
 class Chained:
     """Every DP rank's queue (running or waiting) as one, read live: its length and its requests."""
 
@@ -166,17 +180,7 @@ class DataParallelScheduler:
     @property
     def stats(self) -> SchedulerStats:
         """Every DP rank's counts summed (the KV usage over all their blocks)."""
-        parts = self.stats_per_engine
-        total = sum(p.num_total_blocks for p in parts)
-        summed = {f.name: sum(getattr(p, f.name) for p in parts) for f in fields(SchedulerStats)
-                  if f.name not in ("kv_cache_usage", "spec")}
-        spec = None
-        if parts[0].spec is not None:  # speculative decoding's counters, summed
-            spec = SpecDecodeStats(*(sum(getattr(p.spec, f) for p in parts)
-                                     for f in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")),
-                                   [sum(c) for c in zip(*(p.spec.accepted_per_pos for p in parts))])
-        used = sum(p.kv_cache_usage * p.num_total_blocks for p in parts)
-        return SchedulerStats(**summed, kv_cache_usage=used / total if total else 0.0, spec=spec)
+        return summed_stats(self.stats_per_engine)
 
     @property
     def stats_per_engine(self) -> list[SchedulerStats]:

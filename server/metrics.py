@@ -291,7 +291,8 @@ class RequestTracker:
             most = 0
             for o in out.outputs:
                 first, last, tokens = self._choices.pop((prompt_idx, o.index), (None, None, 0))
-                ce = self._choice_engine.pop((prompt_idx, o.index), o.engine_index)
+                ce = o.engine_index  # the choice's own DP rank
+                self._choice_engine.pop((prompt_idx, o.index), None)
                 most = max(most, tokens)
                 self._m.prompt_tokens.at(ce).observe(len(out.prompt_token_ids))
                 self._m.generation_tokens.at(ce).observe(tokens)

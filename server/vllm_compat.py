@@ -102,25 +102,23 @@ def install(app: FastAPI, engine, args=None) -> None:
                           operation_id=f"flush_cache_{method.lower()}")
 
     if getattr(getattr(engine, "args", None), "profiler_config", None) is not None:
-        async def start_profile() -> Response:
+        async def profile_call(call):
+            """The engine's answer; misuse (already running, not running) a 400, a dead engine 503."""
             try:
-                await engine.start_profile()
-            except ValueError as e:  # already running
+                return await call()
+            except ValueError as e:
                 raise APIError(400, str(e)) from None
             except EngineDeadError as e:
                 raise APIError(503, str(e)) from None
+
+        async def start_profile() -> Response:
+            await profile_call(engine.start_profile)
             return JSONResponse({})
 
         async def stop_profile() -> Response:
             """Answers once every rank has written its trace (seconds to minutes for a long
             profile; the engine steps no further meanwhile)."""
-            try:
-                traces = await engine.stop_profile()
-            except ValueError as e:  # not running
-                raise APIError(400, str(e)) from None
-            except EngineDeadError as e:
-                raise APIError(503, str(e)) from None
-            return JSONResponse({"traces": traces})
+            return JSONResponse({"traces": await profile_call(engine.stop_profile)})
         app.add_api_route("/start_profile", start_profile, methods=["POST"], dependencies=auth)
         app.add_api_route("/stop_profile", stop_profile, methods=["POST"], dependencies=auth)
 
