@@ -91,7 +91,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))  # each id once, in order
         if self.top_k == -1:
             self.top_k = 0
         self._validate()

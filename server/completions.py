@@ -209,7 +209,7 @@ async def create_completion(state, req: CompletionRequest, raw: Request) -> Resp
                        {"logprobs": req.logprobs, "prompt_logprobs": req.prompt_logprobs})
     wanted = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None) if v is not None]
     state.limits.check_prompt_logprobs(req.prompts(), max(wanted, default=None),
-                                       "prompt_logprobs" if req.prompt_logprobs is not None else "echo")
+                                       "prompt_logprobs" if req.prompt_logprobs is not None else "echo", req.n)
     params = await sampling_params(req, state.tokenizer)
     return await respond(state, raw, req, req.prompts(), params, response_id("cmpl-", raw, req),
                          CompletionBuilder(state, req), "text_completion", "text_completion")

@@ -67,16 +67,18 @@ class ServerLimits:
             raise APIError(400, f"stop: a stop string of {longest} characters; at most "
                            f"{self.max_stop_str_len} (--max-stop-str-len)", param="stop")
 
-    def check_prompt_logprobs(self, prompts: list, k: int | None, field: str) -> None:
-        """400 when the prompts' logprob entries (tokens x (k + 1)) may exceed
-        max_prompt_logprob_entries; a text prompt counts its UTF-8 bytes + 2 (a byte-fallback
-        tokenizer makes at most a token a byte, plus BOS / EOS: an upper bound; exact for ids)."""
+    def check_prompt_logprobs(self, prompts: list, k: int | None, field: str, n: int = 1) -> None:
+        """400 when the prompts' logprob entries (tokens x (k + 1), in each of the n choices of
+        every prompt, as each choice carries its prompt's) may exceed max_prompt_logprob_entries;
+        a text prompt counts its UTF-8 bytes + 2 (a byte-fallback tokenizer makes at most a token a
+        byte, plus BOS / EOS: an upper bound; exact for ids)."""
         if k is None:
             return
         tokens = sum(len(p.encode("utf-8")) + 2 if isinstance(p, str) else len(p) for p in prompts)
-        entries = tokens * (k + 1)
+        entries = tokens * (k + 1) * n
         if entries > self.max_prompt_logprob_entries:
+            per = f" x n = {n} choices" if n > 1 else ""
             raise APIError(400, f"{field}: {tokens} prompt tokens (at most, for text) x {k + 1} logprob "
-                           f"entries each = {entries}; at most {self.max_prompt_logprob_entries} per "
-                           f"request (--max-prompt-logprob-entries): send fewer prompts per request",
+                           f"entries each{per} = {entries}; at most {self.max_prompt_logprob_entries} per "
+                           f"request (--max-prompt-logprob-entries): send fewer prompts or choices per request",
                            param=field)

@@ -21,7 +21,7 @@ from common.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LO
 from server.request_fields import (_SPEC_KINDS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS,
                                    MAX_CACHE_SALT_CHARS,
                                    MAX_CHOICE_CHARS, MAX_CHOICES, MAX_LOGIT_BIAS_TOKENS, MAX_N,
-                                   MAX_REQUEST_ID_CHARS, BaseRequest, Int64, NonNegInt64, ResponseFormat,
+                                   MAX_REQUEST_ID_CHARS, MAX_STOP_TOKEN_IDS, BaseRequest, Int64, NonNegInt64, ResponseFormat,
                                    StreamOptions, StructuredOutputsRequest, _json_spec, bounded,
                                    refuse_unsupported)
 
@@ -41,7 +41,7 @@ class SamplingFields(BaseRequest):
     n: bounded(1, MAX_N) = 1
     seed: Int64 | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[NonNegInt64] = Field(default_factory=list)
+    stop_token_ids: list[NonNegInt64] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: NonNegInt64 = 0
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)

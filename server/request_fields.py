@@ -26,6 +26,9 @@ MAX_LOGIT_BIAS_TOKENS = 1024
 # allowed_token_ids entries per request: their mask is built on the host for every row, every
 # step (a request's n and prompts multiply it), as logit_bias's entries are
 MAX_ALLOWED_TOKEN_IDS = 1024
+# stop_token_ids entries per request: each sampled token is looked up in them, and while
+# min_tokens holds they are masked out of the row on the host every step
+MAX_STOP_TOKEN_IDS = 1024
 # bad_words per request, and characters per word: each is matched against every output each step
 MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 64
 # guided_choice / structured_outputs.choice: compiled as one regex alternation, bounded in count

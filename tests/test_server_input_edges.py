@@ -89,6 +89,27 @@ def test_prompt_logprob_volume_is_bounded(server):
     # without prompt logprobs the same prompts are only bounded by the other limits
     assert post(server, "/v1/completions", {"prompt": ["x" * 100] * 4, "max_tokens": 1, "echo": True}
                 ).status_code == 200
+    # every choice carries its prompt's logprobs: n multiplies the entries (4 prompts of 120
+    # tokens, 10k entries, in bounds alone; with n = 128 over them)
+    four = [[7] * 120] * 4
+    assert limit < 4 * 120 * 21 * 128
+    assert post(server, "/v1/completions", {"prompt": four, "max_tokens": 1, "prompt_logprobs": 20}).status_code == 200
+    err = assert_error(post(server, "/v1/completions", {"prompt": four, "n": 128, "max_tokens": 1, "echo": True,
+                                                       "logprobs": 20}), 400, "echo")
+    assert "n = 128 choices" in err["message"]
+
+
+def test_stop_token_ids_are_bounded(server):
+    """Each sampled token is looked up in stop_token_ids (and they are masked out while
+    min_tokens holds): a request may send at most 1024, as for logit_bias and allowed_token_ids;
+    repeated ids count once in the engine."""
+    err = assert_error(post(server, "/v1/completions", {"prompt": "hi", "stop_token_ids": [5] * 1025}),
+                       400, "stop_token_ids")
+    assert "1024" in err["message"]
+    assert post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "stop_token_ids": [5] * 1024}
+                ).status_code == 200
+    from common.sampling_params import SamplingParams
+    assert SamplingParams(stop_token_ids=[5, 3, 5, 9, 3]).stop_token_ids == [5, 3, 9]
 
 
 def test_emoji_prompts_count_by_bytes_and_blank_bad_words_are_refused(server):
