@@ -158,12 +158,28 @@ class ChatBuilder:
         if self.echoed:
             message["content"] = self.echoed + (message["content"] or "")
         choice = {"index": index, "message": message,
-                  "logprobs": self.logprobs(list(o.logprobs or [])),
+                  "logprobs": self.logprobs(self._shown(list(o.logprobs or []))),
                   "finish_reason": self._finish_reason(index, o.finish_reason),
                   "stop_reason": o.stop_reason}
         if self.req.return_token_ids:
             choice["token_ids"] = list(o.token_ids)
         return choice
+
+    def _shown(self, lps: list[TokenLogprobs]) -> list[TokenLogprobs]:
+        """A whole answer's logprobs less those of reasoning that include_reasoning false leaves
+        out, token by token as a stream of one token a chunk leaves them out (`_delta`'s hidden:
+        a token whose text is reasoning and no content), so that the hidden reasoning cannot be
+        read back from its tokens' logprobs."""
+        if not self.think or self.req.include_reasoning:
+            return lps
+        parser, shown = ThinkParser(), []
+        for i, lp in enumerate(lps):
+            reasoning, content = parser.feed(self.state.token_str(lp.token_id))
+            if i == len(lps) - 1:
+                reasoning, content = (a + b for a, b in zip((reasoning, content), parser.finish()))
+            if content or not reasoning:
+                shown.append(lp)
+        return shown
 
     def _delta(self, index: int, new_text: str, finished: bool) -> tuple[dict, bool]:
         """The message delta of new text: content, or reasoning then content when thinking;
@@ -242,7 +258,7 @@ class ChatBuilder:
         # with new tokens.
         if ((new_text or new_lps) and not hidden) or new_ids or finish is not None:
             out.append({"index": index, "delta": delta,
-                        "logprobs": self.logprobs(new_lps) if new_lps else None,
+                        "logprobs": self.logprobs(new_lps) if new_lps and not hidden else None,
                         "finish_reason": self._finish_reason(index, finish),
                         "stop_reason": None if finish is None else o.stop_reason})
             if self.req.return_token_ids:
@@ -326,5 +342,5 @@ async def chat_inputs(state, req: ChatCompletionRequest) -> tuple[SamplingParams
                                 req.template_kwargs(), req.tool_dicts(),
                                 state.chat_template, req.continue_final_message,
                                 req.add_special_tokens)
-    state.limits.check_prompt_logprobs([prompt_ids], req.prompt_logprobs, "prompt_logprobs")
+    state.limits.check_prompt_logprobs([prompt_ids], req.prompt_logprobs, "prompt_logprobs", req.n)
     return params, prompt_ids

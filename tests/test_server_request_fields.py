@@ -183,6 +183,29 @@ def test_include_reasoning_false_leaves_only_the_content(r1):
     assert empty(stream_chat(r1, with_lps)) == empty(stream_chat(r1, {**with_lps, "include_reasoning": True}))
 
 
+@pytest.mark.parametrize("upto", [None, "inside"])
+def test_left_out_reasoning_has_no_logprobs_streamed_or_whole(r1, upto):
+    """With include_reasoning false the reasoning tokens' logprobs are left out of the whole
+    answer too (they would spell out the hidden reasoning), and the whole answer's logprobs are
+    the streamed ones; an output that stops inside the reasoning has none either way."""
+    n = len(r1.engine.script)
+    if upto == "inside":
+        n = len(r1.engine.tokenizer(REASONING[:10], add_special_tokens=False)["input_ids"])
+    body = {**CHAT, "max_tokens": n, "include_reasoning": False, "logprobs": True}
+    whole = post(r1, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+    streamed = [e for c in stream_chat(r1, body) if c["choices"] and c["choices"][0]["logprobs"]
+                for e in c["choices"][0]["logprobs"]["content"]]
+    assert [e["token"] for e in whole] == [e["token"] for e in streamed]
+    text = "".join(e["token"] for e in whole)
+    if upto == "inside":
+        assert whole == []
+    else:
+        # the closing tag's tokens stay (a stream sends their empty deltas), the reasoning's go
+        assert "Let me" not in text and "3 + 4" not in text and text.endswith("</think>" + CONTENT)
+    shown = post(r1, "/v1/chat/completions", {**body, "include_reasoning": True}).json()
+    assert len(shown["choices"][0]["logprobs"]["content"]) == n  # with the reasoning: every token's
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_r1_output_without_closing_tag_is_all_reasoning(r1, stream):
     # stops inside "</think>": the held-back "</th" is flushed as reasoning at the end
