@@ -121,10 +121,16 @@ class InputProcessor:
         room = self.max_model_len - len(ids)
         if room < 1:
             raise ContextLengthError(self.max_model_len, len(ids))
+        # The KV cache holds every token but the last: a request may grow to capacity + 1 tokens
+        # (the scheduler ends it there), so a smaller cache than the context bounds max_tokens too
+        fits = self.capacity_tokens + 1 - len(ids) if self.capacity_tokens else room
         if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=room)
+            params = dataclasses.replace(params, max_tokens=min(room, fits))
         elif params.max_tokens > room:
             raise ContextLengthError(self.max_model_len, len(ids), params.max_tokens)
+        elif params.max_tokens > fits:
+            raise ValueError(f"max_tokens: {params.max_tokens} after a prompt of {len(ids)} tokens is more than "
+                             f"the KV cache holds ({self.capacity_tokens} tokens, and the last one); at most {fits}")
         check_token_ids(params, self.vocab_size, self.eos_token_id)
         return text, ids, params
 
