@@ -99,7 +99,7 @@ def test_prompt_logprobs_in_row_chunks(tiny_v3, monkeypatch):
     """The runner computes a prompt's logprobs a few rows at a time (engine.logprobs bounds the
     logits held at once), equal to those of one chunk."""
     import engine.logprobs as el
-    llm = make_llm(tiny_v3[0])
+    llm = make_llm(tiny_v3[0], enable_prefix_caching=False)  # the second run computes the whole prompt again
     V = llm.engine.cfg.vocab_size
     prompt = torch.randint(2, 320, (41,), generator=torch.Generator().manual_seed(3)).tolist()
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
@@ -132,6 +132,18 @@ def test_bad_input_named_and_engine_keeps_serving(tiny_v3, prompt, params, field
         llm.generate([prompt], params)
     out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+def test_max_tokens_past_a_small_kv_cache_is_refused(tiny_v3):
+    """A KV cache smaller than the context (16 blocks of 4: 64 tokens) bounds a request too: it
+    can grow to 65 tokens (the last one is never cached), so a max_tokens past that is a
+    ValueError naming it, and without max_tokens the request stops there, as with max_tokens 15."""
+    llm = make_llm(tiny_v3[0], num_kv_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match=r"max_tokens: 16 after a prompt of 50 tokens .* at most 15"):
+        llm.generate([[5] * 50], SamplingParams(max_tokens=16))
+    for max_tokens in (15, None):
+        out = llm.generate([[5] * 50], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0].outputs[0]
+        assert len(out.token_ids) == 15 and out.finish_reason == "length"
 
 
 def test_engine_core_checks_token_ids_itself(tiny_v3):
