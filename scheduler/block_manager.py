@@ -11,6 +11,8 @@ So `num_free_blocks + num_used_blocks == num_total_blocks` by construction.
 
 A block is registered under its hash only when it is full and its tokens have been computed
 (`cache_full_blocks`, called after the runner step), so a block still being written is never shared.
+A cached block that a prompt-logprob request filled also keeps its tokens' prompt logprobs
+(scheduler/logprob_records.py) until its hash is evicted, so that such requests can use the cache.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import logging
 from array import array
 from collections import OrderedDict
 
+from scheduler.logprob_records import LogprobRecords
+from scheduler.outputs import TokenLogprobs
 from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -74,6 +78,8 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # block hash -> block id (full, computed blocks)
         self.req_blocks: dict[str, list[int]] = {}  # req_id -> block ids, in token order
         self._num_registered: dict[str, int] = {}  # req_id -> leading blocks already hashed/cached
+        self.lp_records = LogprobRecords()  # block hash -> its tokens' prompt logprobs (cached blocks)
+        self._num_recorded: dict[str, int] = {}  # req_id -> leading blocks whose logprobs were offered
 
     @property
     def num_total_blocks(self) -> int:
@@ -123,6 +129,43 @@ class BlockManager:
             hit.append(block_id)
         return hit
 
+    def find_logprob_prefix(self, request: Request, k: int) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """For a request that wants prompt logprobs with k alternatives: (block ids, logprobs) of the
+        longest cached prefix whose blocks all keep records of at least k (`LogprobRecords`),
+        less its last block, whose KV is computed again so that its second token on have their
+        logprobs computed; the logprobs are the records' for the tokens before that block and its
+        first token (`num tokens of the blocks + 1` entries, the first None). Nothing under two
+        such blocks, and never the request's last token."""
+        if not self.enable_prefix_caching:
+            return [], []
+        tpb, tokens = self.tokens_per_block, request.all_token_ids
+        hashes = self._update_hashes(request)
+        ids: list[int] = []
+        for h in hashes[:(request.num_tokens - 1) // tpb + 1]:  # the hit, one block less, stops short of the end
+            block_id = self.cached.get(h)
+            if block_id is None or not self.lp_records.covers(h, k):
+                break
+            ids.append(block_id)
+        if len(ids) < 2:
+            return [], []
+        entries: list[TokenLogprobs | None] = []
+        for j, h in enumerate(hashes[:len(ids)]):
+            entries += self.lp_records.entries(h, tokens[j * tpb:(j + 1) * tpb], k, 1 if j == len(ids) - 1 else tpb)
+        return ids[:-1], entries
+
+    def record_prompt_logprobs(self, request: Request) -> None:
+        """Keep the prompt logprobs of the request's cached blocks whose tokens all have theirs
+        (after a runner step added some), for `find_logprob_prefix`."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is None:
+            return
+        tpb, lps, rid = self.tokens_per_block, request.prompt_logprobs, request.request_id
+        hashes = self._update_hashes(request)
+        start, end = self._num_recorded.get(rid, 0), min(len(lps) // tpb, len(hashes))
+        for j in range(start, end):
+            if hashes[j] in self.cached:  # else not cached (yet): its record is not kept
+                self.lp_records.put(hashes[j], request.sampling_params.prompt_logprobs, lps[j * tpb:(j + 1) * tpb])
+        self._num_recorded[rid] = max(start, end)
+
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose tokens are all computed (after a runner step)."""
         if not self.enable_prefix_caching:
@@ -154,6 +197,7 @@ class BlockManager:
             self.blocks[block_id].block_hash = None
         n = len(self.cached)
         self.cached.clear()
+        self.lp_records.clear()
         return n
 
     # ---- allocation ----
@@ -193,6 +237,7 @@ class BlockManager:
             if block.block_hash is not None:  # evict: its content is about to be overwritten
                 if self.cached.get(block.block_hash) == b:
                     del self.cached[block.block_hash]
+                    self.lp_records.drop(block.block_hash)
                 block.block_hash = None
             block.ref_cnt = 1
             new_ids.append(b)
@@ -203,6 +248,7 @@ class BlockManager:
         """Drop the request's references; blocks reaching ref 0 go to the end of the LRU list."""
         block_ids = self.req_blocks.pop(req_id, [])
         self._num_registered.pop(req_id, None)
+        self._num_recorded.pop(req_id, None)
         # Reverse order: a request's tail blocks (least likely shared) are evicted before its head.
         for b in reversed(block_ids):
             block = self.blocks[b]

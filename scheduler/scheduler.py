@@ -23,6 +23,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
                                NewRequestData, SchedulerOutput)
 from scheduler.policy import choose_victim, enqueue
+from scheduler.prefix_reuse import PrefixReuse
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import SchedulerStats, SpecDecodeStats
 
@@ -31,8 +32,6 @@ logger = logging.getLogger(__name__)
 
 class Scheduler:
     """Owns the request queues and the KV block pool; talks to the runner only through outputs.py."""
-
-    IN_STEP_MIN_SHARED_TOKENS = 64  # prompt tokens that another request is computing, worth a step's wait
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
@@ -47,7 +46,7 @@ class Scheduler:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._prompt_tokens = self._generation_tokens = 0
-        self._computing_prev: set[bytes] = set()  # the prompt blocks the last schedule() computes
+        self.prefix = PrefixReuse(self.block_manager, config.enable_prefix_caching)
         self.engine_index = 0  # this scheduler's DP rank (engine/data_parallel.py sets it)
         k = config.num_speculative_tokens
         self._spec = SpecDecodeStats(accepted_per_pos=[0] * k) if k else None
@@ -126,9 +125,9 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         spec_tokens: dict[str, list[int]] = {}
         preempted_now = False
-        # prompt blocks this step computes, and (async scheduling) the step in flight: not cached
-        # yet, so a prompt sharing them waits a step to find them cached (_shares_computing)
-        computing: set[bytes] = set()
+        # prompt blocks this step computes (not cached yet: scheduler/prefix_reuse.py) -> whether a
+        # prompt-logprob request computes it
+        computing: dict[bytes, bool] = {}
 
         # Running requests, oldest first. Under fcfs victims come from the end of the list, i.e.
         # from those not yet scheduled this step; under priority the lowest in priority order,
@@ -166,7 +165,7 @@ class Scheduler:
                 break  # the request preempted itself; it was the last one
             cached_reqs.append(CachedRequestData(request.request_id, new_block_ids,
                                                  request.num_computed_tokens))
-            self._mark_computing(computing, request, request.num_computed_tokens, n)
+            self.prefix.mark(computing, request, request.num_computed_tokens, n)
             num_scheduled[request.request_id] = n
             if drafts:
                 spec_tokens[request.request_id] = drafts
@@ -179,10 +178,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and not preempted_now
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting[0]
-            use_cache = not request.wants_prompt_logprobs  # its prompt must really be computed
-            hit_blocks = self.block_manager.find_cached_prefix(request) if use_cache else []
-            if (use_cache and (computing or self._computing_prev)
-                    and self._shares_computing(request, len(hit_blocks), computing)):
+            hit_blocks, hit_logprobs = self.prefix.hit(request)
+            if self.prefix.waits(request, len(hit_blocks), computing):
                 deferred.append(self.waiting.popleft())
                 if len(deferred) >= self.config.max_num_seqs:
                     break  # the scan's host time stays bounded behind a crowd sharing one prefix
@@ -194,7 +191,9 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 break  # waits; only running requests may preempt
             self.waiting.popleft()
-            if use_cache and self.config.enable_prefix_caching:
+            if hit_logprobs:
+                request.prompt_logprobs = hit_logprobs  # the runner reports the rest, from num_hit + 1 on
+            if self.config.enable_prefix_caching:
                 self._prefix_queries += request.num_tokens
                 self._prefix_hits += num_hit
             if request.num_cached_tokens < 0:
@@ -211,10 +210,10 @@ class Scheduler:
                 num_computed_tokens=num_hit,
             ))
             num_scheduled[request.request_id] = n
-            self._mark_computing(computing, request, num_hit, n)
+            self.prefix.mark(computing, request, num_hit, n)
             budget -= n
         self.waiting.extendleft(reversed(deferred))  # back at the head, in their order
-        self._computing_prev = computing
+        self.prefix.prev = computing
 
         for req_id, n in num_scheduled.items():
             request = self.requests[req_id]
@@ -227,22 +226,6 @@ class Scheduler:
         assert total <= self.config.max_num_batched_tokens and len(num_scheduled) <= self.config.max_num_seqs
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled, total, finished,
                                scheduled_spec_decode_tokens=spec_tokens)
-
-    def _mark_computing(self, computing: set[bytes], request: Request, start: int, n: int) -> None:
-        """Add the prompt blocks a chunk of `n` tokens from `start` completes (none for a decode)."""
-        if n > 1 and self.config.enable_prefix_caching:
-            tpb = self.block_manager.tokens_per_block
-            computing.update(request.block_hashes[start // tpb:(start + n) // tpb])
-
-    def _shares_computing(self, request: Request, num_hit_blocks: int, computing: set[bytes]) -> bool:
-        """Whether the next IN_STEP_MIN_SHARED_TOKENS or more tokens of `request`'s prompt past
-        its cache hit are blocks that this step or the one in flight computes for another request
-        (the choices of an n > 1 request, prompts with one preamble, sent together): it then
-        waits for them to be cached rather than compute them again."""
-        hashes, tpb = request.block_hashes, self.block_manager.tokens_per_block
-        need = -(-self.IN_STEP_MIN_SHARED_TOKENS // tpb)
-        ahead = hashes[num_hit_blocks:min(num_hit_blocks + need, (request.num_tokens - 1) // tpb)]
-        return len(ahead) == need and all(h in computing or h in self._computing_prev for h in ahead)
 
     def _chunk(self, n: int) -> int:
         """A request's `n` remaining tokens, cut to long_prefill_token_threshold when set (a
@@ -336,6 +319,7 @@ class Scheduler:
             # is computed again from the start, and so are its prompt logprobs.
             if request is not None and request.status == RequestStatus.RUNNING and request.wants_prompt_logprobs:
                 request.prompt_logprobs.extend(chunk)
+                self.block_manager.record_prompt_logprobs(request)
 
         outputs = []
         spec = scheduler_output.scheduled_spec_decode_tokens

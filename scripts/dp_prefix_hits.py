@@ -5,7 +5,7 @@ CPU (a tiny random V3, fp32, 4-token blocks). Prints, per layout, the prompt tok
 requests each DP rank took, the engine steps, and whether the greedy tokens equal the first
 layout's. To compare: `--no-routing` turns off the DP scheduler's memory of routed prefixes
 (DataParallelScheduler.ROUTED_BLOCKS = 0), `--no-in-step-wait` the scheduler's wait for prompt
-blocks another request is computing (Scheduler.IN_STEP_MIN_SHARED_TOKENS = a huge number); with
+blocks another request is computing (PrefixReuse.MIN_SHARED_TOKENS = a huge number); with
 a step budget large enough to take a whole group at once (`--max-num-batched-tokens 2048`) the
 latter decides the hits.
 
@@ -47,13 +47,14 @@ def main() -> None:
 
     from engine import LLM, SamplingParams
     from engine.data_parallel import DataParallelScheduler
+    from scheduler.prefix_reuse import PrefixReuse
     from scheduler.scheduler import Scheduler
     from tiny_models import make_model
 
     if a.no_routing:
         DataParallelScheduler.ROUTED_BLOCKS = 0
     if a.no_in_step_wait:
-        Scheduler.IN_STEP_MIN_SHARED_TOKENS = 1 << 40
+        PrefixReuse.MIN_SHARED_TOKENS = 1 << 40
     per_rank: Counter = Counter()
     add = Scheduler.add_request
 

@@ -27,6 +27,13 @@ def next_token(tokens: list[int]) -> int:
     return (sum(tokens) * 31 + len(tokens) * 7 + tokens[-1]) % VOCAB + 3
 
 
+def fake_prompt_logprob(prefix: list[int], k: int) -> TokenLogprobs:
+    """Deterministic 'logprob' of prefix[-1] given the tokens before it, with k alternatives."""
+    h = sum(t * (i + 1) for i, t in enumerate(prefix))
+    top = [((next_token(prefix[:-1]) + t) % VOCAB, -0.25 * t - (h % 7) / 8) for t in range(k)]
+    return TokenLogprobs(prefix[-1], -(h % 997) / 64, 1 + h % 5, top)
+
+
 class FakeRunner:
     """Turns a SchedulerOutput into a ModelRunnerOutput using only the diffs it is given."""
 
@@ -70,9 +77,11 @@ class FakeRunner:
             st["computed"] = start + n
             sp = st["sp"]
             if sp.prompt_logprobs is not None and start < st["num_prompt"]:
-                out.prompt_logprobs[req_id] = [
-                    None if j == 0 else TokenLogprobs(tokens[j], -float(j), 1, [])
-                    for j in range(start, min(start + n, st["num_prompt"]))]
+                # as the real runner: positions start .. start + n - 1 predict prompt tokens
+                # start + 1 .. (the prompt's last at most), after a None for token 0
+                last = min(start + n, st["num_prompt"] - 1)
+                out.prompt_logprobs[req_id] = ([None] if start == 0 else []) + [
+                    fake_prompt_logprob(tokens[:j + 1], sp.prompt_logprobs) for j in range(start + 1, last + 1)]
             if start + n == len(tokens):
                 script = self.script.get(req_id)
                 tok = script[st["num_out"]] if script else next_token(tokens)
