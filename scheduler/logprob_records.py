@@ -38,10 +38,12 @@ class _Record:
         if any(e is None or len(e.top) != self.width for e in real):
             raise ValueError("a block's prompt logprobs need one entry a token (None only for the prompt's "
                              "first) with the same number of alternatives each")
-        # float32 values (the device's logprobs) and Python ints: array('f') / ('q') hold them exactly
+        # float32 values (the device's logprobs), and token ids and ranks below the vocabulary
+        # size: array('f') / ('i') hold them exactly, 8 bytes an alternative (a 16-token block with
+        # 1 alternative: ~0.6 KB with the objects; with 20, the most a request may ask, ~3 KB)
         self.logprob = array("f", [e.logprob for e in real])
-        self.rank = array("q", [e.rank for e in real])
-        self.top_ids = array("q", [t for e in real for t, _ in e.top])
+        self.rank = array("i", [e.rank for e in real])
+        self.top_ids = array("i", [t for e in real for t, _ in e.top])
         self.top_vals = array("f", [v for e in real for _, v in e.top])
 
     def entries(self, token_ids: list[int], k: int, count: int) -> list[TokenLogprobs | None]:
