@@ -116,7 +116,7 @@ def run_offline(a: argparse.Namespace) -> dict:
     install_stub(stub_settings(a))
     OutputProcessor.process = _timed("output processing", OutputProcessor.process)
     llm = LLM(**engine_kwargs(a))
-    sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True, prompt_logprobs=a.echo_logprobs)
     prompts = random_prompts(a.num_prompts, a.input_len, 512)
     llm.generate(prompts[:8], sp)
     TIMERS.reset()
@@ -196,8 +196,9 @@ async def _load_httpx(port: int, a: argparse.Namespace, prompts: list[list[int]]
 async def _load(port: int, a: argparse.Namespace, prompts: list[list[int]]) -> tuple[float, list]:
     if a.client == "httpx":
         return await _load_httpx(port, a, prompts)
+    echo = {} if a.echo_logprobs is None else {"echo": True, "logprobs": a.echo_logprobs}
     bodies = [json.dumps({"model": None, "prompt": p, "max_tokens": a.output_len, "ignore_eos": True,
-                          "temperature": 0.0, "stream": a.stream,
+                          "temperature": 0.0, "stream": a.stream, **echo,
                           **({"stream_options": {"include_usage": True}} if a.stream else {})}).encode()
               for p in prompts]
     t0 = time.perf_counter()
@@ -391,6 +392,9 @@ def main() -> None:
                    help="httpx client: clients the requests are shared among (default: one per 32 "
                         "requests, as bench_serving.py; 1: one pool for all, its cost grows as N^2)")
     p.add_argument("--tokenizer", action="store_true", help="load the tiny model's tokenizer (detokenize)")
+    p.add_argument("--echo-logprobs", type=int, default=None, metavar="K",
+                   help="lm_eval's loglikelihood requests: echo with logprobs K over HTTP, prompt_logprobs K "
+                        "offline (use with --output-len 1 --no-stream)")
     p.add_argument("--device-ms", type=float, default=0.0, help="imaginary device time per step")
     p.add_argument("--device-us-per-token", type=float, default=0.0, help="and per scheduled token")
     p.add_argument("--host-ms", type=float, default=0.0,
