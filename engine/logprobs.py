@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from common.transfer import to_host
 from scheduler.outputs import TokenLogprobs
+from scheduler.prompt_logprobs import PromptLogprobs
 
 
 class DeviceLogprobs(Sequence):
@@ -45,6 +47,19 @@ class DeviceLogprobs(Sequence):
 
     def __len__(self) -> int:
         return len(self._rows) if self._rows is not None else self._tensors[0].shape[0]
+
+    def prompt_run(self, first: bool) -> PromptLogprobs:
+        """These rows as a run of prompt logprobs (columns, no per-row objects), after a None
+        for the prompt's first token when `first`. The copy back must be done (the step has
+        finished) or the tensors on the CPU."""
+        if self._rows is not None:
+            return PromptLogprobs.from_entries(([None] if first else []) + self._rows)
+        # copied out of the (pinned) staging buffers: the run may outlive the step by far
+        token_ids, chosen, ranks, top_vals, top_ids = (None if t is None else t.numpy().copy() for t in self._tensors)
+        n = token_ids.shape[0]
+        if top_ids is None:
+            top_ids, top_vals = np.zeros((n, 0), np.int64), np.zeros((n, 0), np.float32)
+        return PromptLogprobs(first, token_ids, chosen.reshape(n), ranks, top_ids, top_vals)
 
     def __getitem__(self, i):
         return self._materialize()[i]

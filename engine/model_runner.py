@@ -25,6 +25,7 @@ from engine.spec_decode import SpeculativeConfig, accepted_prefix, ngram_propose
 from models.config import ModelConfig
 from models.deepseek import DeepseekForCausalLM
 from scheduler.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from scheduler.prompt_logprobs import PromptLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -309,8 +310,8 @@ class ModelRunner:
         if pending.event is not None:
             pending.event.synchronize()
         out = pending.out
-        for rid, first, lps in pending.prompt_jobs:
-            out.prompt_logprobs[rid] = ([None] if first else []) + list(lps)
+        for rid, first, lps in pending.prompt_jobs:  # columns, no object a token (scheduler/prompt_logprobs.py)
+            out.prompt_logprobs[rid] = lps.prompt_run(first) if len(lps) else PromptLogprobs.empty(first)
         accepted: dict[str, int] = {}  # req_id -> drafts accepted, for the requests that sampled
         if pending.token_ids is not None:
             self.agreement.record(pending.host_ids.numpy())

@@ -9,6 +9,7 @@ before the end accumulates the deltas itself.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler.outputs import TokenLogprobs
@@ -40,7 +41,8 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # first entry None
+    # first entry None; a PromptLogprobs (columns) from the engine, any sequence of entries otherwise
+    prompt_logprobs: Sequence[TokenLogprobs | None] | None = None
     finished: bool = False
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds the request waited before its first step

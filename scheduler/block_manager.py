@@ -23,7 +23,7 @@ from array import array
 from collections import OrderedDict
 
 from scheduler.logprob_records import LogprobRecords
-from scheduler.outputs import TokenLogprobs
+from scheduler.prompt_logprobs import PromptLogprobs
 from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class BlockManager:
             hit.append(block_id)
         return hit
 
-    def find_logprob_prefix(self, request: Request, k: int) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def find_logprob_prefix(self, request: Request, k: int) -> tuple[list[int], PromptLogprobs | list]:
         """For a request that wants prompt logprobs with k alternatives: (block ids, logprobs) of the
         longest cached prefix whose blocks all keep records of at least k (`LogprobRecords`),
         less its last block, whose KV is computed again so that its second token on have their
@@ -138,7 +138,7 @@ class BlockManager:
         such blocks, and never the request's last token."""
         if not self.enable_prefix_caching:
             return [], []
-        tpb, tokens = self.tokens_per_block, request.all_token_ids
+        tpb = self.tokens_per_block
         hashes = self._update_hashes(request)
         ids: list[int] = []
         for h in hashes[:(request.num_tokens - 1) // tpb + 1]:  # the hit, one block less, stops short of the end
@@ -148,10 +148,8 @@ class BlockManager:
             ids.append(block_id)
         if len(ids) < 2:
             return [], []
-        entries: list[TokenLogprobs | None] = []
-        for j, h in enumerate(hashes[:len(ids)]):
-            entries += self.lp_records.entries(h, tokens[j * tpb:(j + 1) * tpb], k, 1 if j == len(ids) - 1 else tpb)
-        return ids[:-1], entries
+        runs = [self.lp_records.entries(h, k, 1 if j == len(ids) - 1 else tpb) for j, h in enumerate(hashes[:len(ids)])]
+        return ids[:-1], PromptLogprobs.concat(runs)
 
     def record_prompt_logprobs(self, request: Request) -> None:
         """Keep the prompt logprobs of the request's cached blocks whose tokens all have theirs

@@ -7,6 +7,7 @@ The runner keeps its own per-request state (token ids, block table) and receives
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -79,9 +80,10 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None]  # parallel to req_ids; None unless requested
-    # req_id -> logprobs of the prompt tokens whose predictions were computed this step, in order.
-    # The first prompt token has no prediction; the runner reports it as None once.
-    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    # req_id -> logprobs of the prompt tokens whose predictions were computed this step, in order
+    # (the runner's are a PromptLogprobs: scheduler/prompt_logprobs.py). The first prompt token has
+    # no prediction; the runner reports it as None once.
+    prompt_logprobs: dict[str, Sequence[TokenLogprobs | None]] = field(default_factory=dict)
     # Speculative decoding: req_id -> its accepted drafts, the output tokens that precede its
     # sampled_token_ids entry this step (with their logprobs, parallel, when it wants them)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -97,7 +99,7 @@ class EngineCoreOutput:
     req_id: str
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # complete, once, when known
+    prompt_logprobs: Sequence[TokenLogprobs | None] | None = None  # complete, once, when known (a PromptLogprobs)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id that ended it, if any
     num_cached_tokens: int = 0

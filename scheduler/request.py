@@ -6,7 +6,7 @@ import enum
 import time
 
 from common.sampling_params import SamplingParams
-from scheduler.outputs import TokenLogprobs
+from scheduler.prompt_logprobs import PromptLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -65,7 +65,7 @@ class Request:
 
         self.num_cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.queue_time: float | None = None  # seconds from arrival to first admission
-        self.prompt_logprobs: list[TokenLogprobs | None] = []  # accumulated over prefill chunks
+        self.prompt_logprobs = PromptLogprobs.empty()  # accumulated over prefill chunks (new objects)
         self.prompt_logprobs_emitted = False
         # Chained hashes of this request's full virtual blocks, computed once each (block_manager).
         self.block_hashes: list[bytes] = []

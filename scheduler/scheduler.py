@@ -24,6 +24,7 @@ from scheduler.outputs import (CachedRequestData, EngineCoreOutput, ModelRunnerO
                                NewRequestData, SchedulerOutput)
 from scheduler.policy import choose_victim, enqueue
 from scheduler.prefix_reuse import PrefixReuse
+from scheduler.prompt_logprobs import PromptLogprobs
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import SchedulerStats, SpecDecodeStats
 
@@ -292,7 +293,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         if request.wants_prompt_logprobs:
-            request.prompt_logprobs.clear()  # the runner will report them again from the start
+            request.prompt_logprobs = PromptLogprobs.empty()  # the runner reports them again from the start
         enqueue(self.waiting, request, self.config.scheduling_policy, preempted=True)
         self._finished_req_ids.add(request.request_id)
         self._num_preemptions += 1
@@ -318,7 +319,7 @@ class Scheduler:
             # Not RUNNING: preempted after this step was launched (async scheduling); its prompt
             # is computed again from the start, and so are its prompt logprobs.
             if request is not None and request.status == RequestStatus.RUNNING and request.wants_prompt_logprobs:
-                request.prompt_logprobs.extend(chunk)
+                request.prompt_logprobs = request.prompt_logprobs + chunk
                 self.block_manager.record_prompt_logprobs(request)
 
         outputs = []
@@ -361,7 +362,7 @@ class Scheduler:
                 out.queue_time = request.queue_time
                 self._prompt_tokens += request.num_prompt_tokens
             if request.wants_prompt_logprobs:
-                out.prompt_logprobs = list(request.prompt_logprobs)
+                out.prompt_logprobs = request.prompt_logprobs  # never changed in place: shared
                 request.prompt_logprobs_emitted = True
             if not out.finished:
                 request.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])

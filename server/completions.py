@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from itertools import accumulate
+
+import numpy as np
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from engine.outputs import CompletionOutput, RequestOutput
 from scheduler.outputs import TokenLogprobs
-from server.handler import finite, respond, response_id, sampling_params, usage_of
+from scheduler.prompt_logprobs import PromptLogprobs
+from server.handler import MIN_LOGPROB, finite, respond, response_id, sampling_params, usage_of
 from server.protocol import CompletionRequest
 
 logger = logging.getLogger(__name__)
+
+
+def _finite(x: np.ndarray) -> np.ndarray:
+    """`finite` over an array: values at or below MIN_LOGPROB (-inf, NaN) become it."""
+    return np.where(x > MIN_LOGPROB, x, MIN_LOGPROB)
 
 
 def prompt_entries(out: RequestOutput) -> list[tuple[int, TokenLogprobs | None]]:
@@ -73,14 +82,14 @@ class CompletionBuilder:
             return f"token_id:{token_id}"
         return self.state.token_str(token_id)  # "token_id:N" too without a tokenizer
 
-    def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int) -> dict:
-        """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset."""
-        tokens, values, tops, offsets = [], [], [], []
+    def logprobs(self, entries: list[tuple[int, TokenLogprobs | None]], offset: int,
+                 prompt: RequestOutput | None = None) -> dict:
+        """OpenAI completions logprobs: tokens, token_logprobs, top_logprobs, text_offset; those
+        of `prompt`'s tokens (echo) before `entries`."""
+        tokens, values, tops = self._prompt_columns(prompt) if prompt is not None else ([], [], [])
         for tid, lp in entries:
             s = self.token_str(tid)
             tokens.append(s)
-            offsets.append(offset)
-            offset += len(s)
             if lp is None:
                 values.append(None)
                 tops.append(None)
@@ -91,8 +100,29 @@ class CompletionBuilder:
                 top.setdefault(self.token_str(alt_id), finite(alt_lp))
             top.setdefault(s, finite(lp.logprob))  # the chosen token is always listed
             tops.append(top)
+        offsets = list(accumulate((len(s) for s in tokens[:-1]), initial=offset)) if tokens else []
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def _prompt_columns(self, out: RequestOutput) -> tuple[list[str], list, list]:
+        """tokens, token_logprobs and top_logprobs of the prompt's tokens, read a column at a time
+        from the engine's PromptLogprobs (scheduler/prompt_logprobs.py) where it sent them so."""
+        plps, ts, k = out.prompt_logprobs, self.token_str, self.req.logprobs
+        if not isinstance(plps, PromptLogprobs) or len(plps) != len(out.prompt_token_ids):
+            got = self.logprobs(self._prompt_entries(out), 0)
+            return got["tokens"], got["token_logprobs"], got["top_logprobs"]
+        tokens = [ts(t) for t in out.prompt_token_ids]
+        f = int(plps.first)
+        values = [None] * f + _finite(plps.logprobs).tolist()
+        tops: list = [None] * f
+        for tok, v, alt_ids, alt_vals in zip(tokens[f:], values[f:], plps.top_ids[:, :k].tolist(),
+                                             _finite(plps.top_vals[:, :k]).tolist()):
+            top: dict[str, float] = {}
+            for a, b in zip(alt_ids, alt_vals):
+                top.setdefault(ts(a), b)
+            top.setdefault(tok, v)  # the chosen token is always listed
+            tops.append(top)
+        return tokens, values, tops
 
     def prompt_logprobs(self, out: RequestOutput) -> list[dict | None]:
         return prompt_logprob_rows(self.state, out, self.req.prompt_logprobs)
@@ -108,11 +138,11 @@ class CompletionBuilder:
     def choice(self, index: int, out: RequestOutput, o: CompletionOutput) -> dict:
         text, _, lps = self._generated(o)
         entries = [(lp.token_id, lp) for lp in lps]
+        prompt = None
         if self.req.echo:
             text = self.prompt_text(out) + text
-            if self.req.logprobs is not None:  # the prompt's logprobs exist only when asked for
-                entries = self._prompt_entries(out) + entries
-        logprobs = self.logprobs(entries, 0) if self.req.logprobs is not None else None
+            prompt = out if self.req.logprobs is not None else None  # its logprobs exist only when asked for
+        logprobs = self.logprobs(entries, 0, prompt) if self.req.logprobs is not None else None
         choice = {"index": index, "text": text, "logprobs": logprobs,
                   "finish_reason": _finish(o, self.drop_generated),
                   "stop_reason": None if self.drop_generated else o.stop_reason}
@@ -142,10 +172,10 @@ class CompletionBuilder:
         new_ids = [] if self.drop_generated else o.delta_token_ids
         lps = [] if self.drop_generated else (o.delta_logprobs or [])
         entries = [(lp.token_id, lp) for lp in lps]
+        prompt = None
         if self.req.echo and first:
             new_text = self.prompt_text(out) + new_text
-            if self.req.logprobs is not None:
-                entries = self._prompt_entries(out) + entries
+            prompt = out if self.req.logprobs is not None else None
         finish = _finish(o, self.drop_generated)
         if finish is not None:
             if index in self._finish_sent:
@@ -153,15 +183,15 @@ class CompletionBuilder:
             self._finish_sent.add(index)
         owes_prompt_logprobs = first and self.req.prompt_logprobs is not None
         owes_prompt_ids = first and self.req.return_token_ids
-        if not new_text and not entries and not new_ids and finish is None \
+        if not new_text and not entries and prompt is None and not new_ids and finish is None \
                 and not owes_prompt_logprobs and not owes_prompt_ids:
             return None
         logprobs = None
         if self.req.logprobs is not None:
             # offsets continue over the token strings sent so far, as in the whole response
-            logprobs = self.logprobs(entries, self._offset.get(index, 0))
+            logprobs = self.logprobs(entries, self._offset.get(index, 0), prompt)
             self._offset[index] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1]) \
-                if entries else self._offset.get(index, 0)
+                if logprobs["tokens"] else self._offset.get(index, 0)
         chunk = {"index": index, "text": new_text, "logprobs": logprobs, "finish_reason": finish,
                  "stop_reason": None if finish is None or self.drop_generated else o.stop_reason}
         if owes_prompt_ids:  # once, in the choice's first chunk
