@@ -11,13 +11,13 @@ ValueError is reported in-band as a 400 error event and anything else as a 500 o
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Protocol
 
+import orjson
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -52,8 +52,19 @@ def usage_of(state, prompt_tokens: int, completion_tokens: int,
     return usage
 
 
+class FastJSONResponse(JSONResponse):
+    """JSONResponse encoded by orjson: the compact UTF-8 JSON of starlette's (no spaces, no ASCII
+    escapes; floats in their shortest form, dict keys as strings), ~14x faster on logprob-heavy
+    answers (a 581-token echo answer of lm_eval: 0.05 ms against 0.73 on this machine's CPU, on the
+    event loop for every response). A non-finite float becomes null instead of an error (the
+    logprobs are clamped to finite values before this anyway)."""
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS)
+
+
 def sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, allow_nan=False)}\n\n"
+    return f"data: {obj if isinstance(obj, str) else orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS).decode()}\n\n"
 
 
 class Builder(Protocol):
@@ -193,7 +204,7 @@ async def respond(state, raw: Request, req, prompts: list, params: SamplingParam
         tracker.close(num_outputs)
 
     def whole() -> JSONResponse:
-        return JSONResponse({**head, "choices": builder.choices(finals), "usage": builder.usage(finals),
+        return FastJSONResponse({**head, "choices": builder.choices(finals), "usage": builder.usage(finals),
                              **builder.response_fields(finals)})
     # A large answer (many tokens, logprobs with many alternatives: n x 800 tokens x 21 entries
     # took seconds and 2 GB) is built and encoded on a worker thread, so that the event loop
