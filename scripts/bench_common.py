@@ -112,6 +112,14 @@ def environment() -> dict:
             "torch": torch.__version__, "command": " ".join(sys.argv)}
 
 
+def print_tuned_configs() -> None:
+    """The Triton autotuner's choice per MoE kernel and key (models/fused_moe.py tuned_configs)."""
+    from models.fused_moe import tuned_configs
+    for name, got in tuned_configs().items():
+        for key, cfg in got.items():
+            print(f"tuned {name} {key}: {cfg}")
+
+
 def write_json(path: str | None, payload: dict) -> None:
     path = path or (os.path.join(os.environ["OUT"], "bench.json") if "OUT" in os.environ else None)
     if path:

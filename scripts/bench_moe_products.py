@@ -18,7 +18,7 @@ import argparse
 import torch
 import triton
 import triton.language as tl
-from bench_common import graph_us
+from bench_common import graph_us, print_tuned_configs
 
 from common.launch_settings import use_autotune
 from models import blocked_moe as bm
@@ -108,10 +108,7 @@ def main() -> None:
         both = graph_us(lambda run, rows, bexp, pw, ids: run.launch(rows, bexp, pw, E, bmr), calls)
         print(f"| {T} | both (launch) | autotuned | {both:.1f} | {(up_bytes + down_bytes) / both / 1e3:.0f} | "
               f"{100 * (r_up + r_down) / both:.1f} |", flush=True)
-    from models.fused_moe import tuned_configs
-    for name, got in tuned_configs().items():
-        for key, cfg_ in got.items():
-            print(f"tuned {name} {key}: {cfg_}")
+    print_tuned_configs()
 
 
 if __name__ == "__main__":

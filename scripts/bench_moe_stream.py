@@ -26,14 +26,13 @@ import dataclasses
 
 import torch
 import triton
-from bench_common import graph_us
+from bench_common import graph_us, print_tuned_configs
 
 from common.kernel_plan import KernelPlan
 from common.launch_settings import use_autotune
 from models import blocked_moe as bm
 from models.config import ModelConfig
 from models.expert_sort import align_pairs
-from models.fused_moe import tuned_configs
 from models.loader import init_dummy_weights
 from models.moe import MoE, block_rows, side_stream
 
@@ -127,9 +126,7 @@ def main() -> None:
                 continue
             print(f"| {T} | shared blocks, {t['BLOCK_N']}x{t['BLOCK_K']} w{t['num_warps']} s{t['num_stages']} "
                   f"| {us:.1f} |", flush=True)
-    for name, got in tuned_configs().items():
-        for key, cfg_ in got.items():
-            print(f"tuned {name} {key}: {cfg_}")
+    print_tuned_configs()
 
 
 if __name__ == "__main__":
