@@ -158,11 +158,13 @@ class BlockManager:
             return
         tpb, lps, rid = self.tokens_per_block, request.prompt_logprobs, request.request_id
         hashes = self._update_hashes(request)
-        start, end = self._num_recorded.get(rid, 0), min(len(lps) // tpb, len(hashes))
-        for j in range(start, end):
-            if hashes[j] in self.cached:  # else not cached (yet): its record is not kept
-                self.lp_records.put(hashes[j], request.sampling_params.prompt_logprobs, lps[j * tpb:(j + 1) * tpb])
-        self._num_recorded[rid] = max(start, end)
+        j = self._num_recorded.get(rid, 0)
+        # A chunk's logprobs reach one token past its KV: a block whose logprobs are all known may
+        # not be full, hence not cached, yet. The walk stops there and takes it up after the next step.
+        while j < min(len(lps) // tpb, len(hashes)) and hashes[j] in self.cached:
+            self.lp_records.put(hashes[j], request.sampling_params.prompt_logprobs, lps[j * tpb:(j + 1) * tpb])
+            j += 1
+        self._num_recorded[rid] = j
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's full blocks whose tokens are all computed (after a runner step)."""

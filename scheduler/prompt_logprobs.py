@@ -93,11 +93,15 @@ class PromptLogprobs(Sequence):
         at most `width` alternatives each."""
         stop = max(start, min(stop, len(self)))
         f = int(self.first)
-        first = self.first and start == 0
+        first = self.first and start == 0 < stop
         a, b = max(start - f, 0), max(stop - f, 0)
         w = self.width if width is None else min(width, self.width)
         return PromptLogprobs(first, self.token_ids[a:b], self.logprobs[a:b], self.ranks[a:b],
                               self.top_ids[a:b, :w], self.top_vals[a:b, :w])
+
+    def num_alternatives(self) -> int:
+        """The alternatives over all entries (what a response spells out besides the tokens)."""
+        return self.top_ids.size
 
     def compact(self) -> PromptLogprobs:
         """A copy that owns its memory, ids and ranks as int32 (below any vocabulary size): what

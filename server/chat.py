@@ -105,6 +105,7 @@ class ChatBuilder:
         self._tool_parsers: dict[int, ToolCallParser] = {}
         self._forced_text: dict[int, str] = {}  # choice index -> constrained output so far
         self._called: set[int] = set()  # choice indices whose calls the auto parser found
+        self._lp_parsers: dict[int, ThinkParser] = {}  # choice index -> its tokens' reasoning split (_shown)
         self.as_token_ids = state.frontend.as_token_ids(req)  # logprobs name tokens "token_id:N"
 
     def chunk_usage(self, index: int, final: RequestOutput) -> dict:
@@ -165,17 +166,20 @@ class ChatBuilder:
             choice["token_ids"] = list(o.token_ids)
         return choice
 
-    def _shown(self, lps: list[TokenLogprobs]) -> list[TokenLogprobs]:
-        """A whole answer's logprobs less those of reasoning that include_reasoning false leaves
-        out, token by token as a stream of one token a chunk leaves them out (`_delta`'s hidden:
-        a token whose text is reasoning and no content), so that the hidden reasoning cannot be
-        read back from its tokens' logprobs."""
+    def _shown(self, lps: list[TokenLogprobs], parser: ThinkParser | None = None,
+               final: bool = True) -> list[TokenLogprobs]:
+        """Logprobs less those of reasoning that include_reasoning false leaves out, so that the
+        hidden reasoning cannot be read back from its tokens' logprobs: a token whose own text
+        (its token string, fed to `parser` token by token) is reasoning and no content is left
+        out. A whole answer runs its tokens through a new parser; a stream feeds the choice's own
+        parser each chunk's tokens (`final`: the last chunk, which flushes it), so both leave out
+        the same tokens whatever the chunks and the detokenizer hold back."""
         if not self.think or self.req.include_reasoning:
             return lps
-        parser, shown = ThinkParser(), []
+        parser, shown = parser or ThinkParser(), []
         for i, lp in enumerate(lps):
             reasoning, content = parser.feed(self.state.token_str(lp.token_id))
-            if i == len(lps) - 1:
+            if final and i == len(lps) - 1:
                 reasoning, content = (a + b for a, b in zip((reasoning, content), parser.finish()))
             if content or not reasoning:
                 shown.append(lp)
@@ -256,9 +260,10 @@ class ChatBuilder:
         # empty delta), and with logprobs; none for reasoning that include_reasoning false leaves
         # out (its logprobs neither), as vLLM sends none; with return_token_ids for every output
         # with new tokens.
+        shown = self._shown(new_lps, self._lp_parsers.setdefault(index, ThinkParser()), finish is not None)
         if ((new_text or new_lps) and not hidden) or new_ids or finish is not None:
             out.append({"index": index, "delta": delta,
-                        "logprobs": self.logprobs(new_lps) if new_lps and not hidden else None,
+                        "logprobs": self.logprobs(shown) if shown else None,
                         "finish_reason": self._finish_reason(index, finish),
                         "stop_reason": None if finish is None else o.stop_reason})
             if self.req.return_token_ids:
@@ -342,5 +347,5 @@ async def chat_inputs(state, req: ChatCompletionRequest) -> tuple[SamplingParams
                                 req.template_kwargs(), req.tool_dicts(),
                                 state.chat_template, req.continue_final_message,
                                 req.add_special_tokens)
-    state.limits.check_prompt_logprobs([prompt_ids], req.prompt_logprobs, "prompt_logprobs", req.n)
+    state.limits.check_prompt_logprobs([prompt_ids], req.prompt_logprobs, "prompt_logprobs")  # once a response
     return params, prompt_ids

@@ -25,6 +25,7 @@ from common.offload import check_off_loop
 from common.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
 from engine.input_processor import ContextLengthError
+from scheduler.prompt_logprobs import PromptLogprobs
 from server.beam_search import check_beam_request, respond_beams
 from server.errors import APIError, error_body, param_of
 from server.request_fields import MAX_REQUEST_ID_CHARS
@@ -225,7 +226,9 @@ def _entries(finals: list[RequestOutput]) -> int:
     for f in finals:
         if f is None:
             continue
-        n += len(f.prompt_token_ids) + sum(len(lp.top) for lp in f.prompt_logprobs or () if lp is not None)
+        plps = f.prompt_logprobs
+        n += len(f.prompt_token_ids) + (plps.num_alternatives() if isinstance(plps, PromptLogprobs) else
+                                        sum(len(lp.top) for lp in plps or () if lp is not None))
         for o in f.outputs:
             n += len(o.token_ids) + sum(len(lp.top) for lp in o.logprobs or () if lp is not None)
     return n

@@ -68,8 +68,8 @@ class ServerLimits:
                            f"{self.max_stop_str_len} (--max-stop-str-len)", param="stop")
 
     def check_prompt_logprobs(self, prompts: list, k: int | None, field: str, n: int = 1) -> None:
-        """400 when the prompts' logprob entries (tokens x (k + 1), in each of the n choices of
-        every prompt, as each choice carries its prompt's) may exceed max_prompt_logprob_entries;
+        """400 when the prompts' logprob entries (tokens x (k + 1), n times where each of the n
+        choices of a prompt carries its prompt's, as completions' do) may exceed max_prompt_logprob_entries;
         a text prompt counts its UTF-8 bytes + 2 (a byte-fallback tokenizer makes at most a token a
         byte, plus BOS / EOS: an upper bound; exact for ids)."""
         if k is None:

@@ -58,6 +58,22 @@ def test_a_prompt_logprob_request_takes_cached_blocks_with_their_logprobs(async_
     assert got["after"][0].num_cached_tokens == 28 and got["after"][0].prompt_logprobs == alone(other, 3)
 
 
+@pytest.mark.parametrize("budget", [7, 8, 11])
+def test_a_chunk_ending_a_token_short_of_a_block_keeps_its_record(budget):
+    """A chunk's logprobs reach one token past its KV: with a budget of 7 or 11 (4-token blocks)
+    a chunk's logprobs complete a block that is not full yet; its record is kept once it is
+    cached, so the same prompt again takes all but the last of its 7 full blocks (24 tokens)."""
+    cfg = SchedulerConfig(max_num_batched_tokens=budget, num_blocks=64, block_size=4)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    prompt = list(range(200, 230))
+    sched.add_request(make_req("a", prompt, prompt_logprobs=1, max_tokens=1))
+    run_all(sched, runner)
+    assert len(sched.block_manager.lp_records) == 7
+    sched.add_request(make_req("b", prompt, prompt_logprobs=1, max_tokens=1))
+    got, _ = run_all(sched, runner)
+    assert got["b"][0].num_cached_tokens == 24 and got["b"][0].prompt_logprobs == alone(prompt, 1)
+
+
 def test_records_go_with_their_blocks():
     """A reset of the prefix cache, or the eviction of the blocks, drops the records too."""
     cfg = SchedulerConfig(max_num_batched_tokens=64, num_blocks=16, block_size=4)

@@ -42,8 +42,21 @@ def test_columns_stand_for_their_entries(width):
         cut = p.slice(0, 21, width=1)
         assert [e.top for e in cut[1:]] == [e.top[:1] for e in ents[1:]]
     assert p.compact() == ents and p.compact().token_ids.dtype == np.int32
+    assert len(p[:0]) == 0 and p[:0] == [] and p[3:3] == [] and p[:1] == [None]
+    assert p.num_alternatives() == sum(len(e.top) for e in ents[1:])
     with pytest.raises(ValueError, match="only the first run"):
         PromptLogprobs.concat([p[2:], p])
+
+
+def test_a_responses_size_counts_the_columns_alternatives():
+    """The server's size estimate (which builds big answers off the event loop) reads a
+    PromptLogprobs's alternatives without walking its entries, and equals the count over them."""
+    from server.handler import _entries
+    ents = entries(40, 2)
+    gen = CompletionOutput(0, "x", [7], [TokenLogprobs(7, -0.5, 1, [(7, -0.5), (8, -1.5)])], "length")
+    as_columns, as_list = (RequestOutput("r", None, [1] * 41, [gen], plps, finished=True)
+                           for plps in (PromptLogprobs.from_entries(ents), ents))
+    assert _entries([as_columns]) == _entries([as_list]) == 41 + 80 + 1 + 2
 
 
 def test_device_rows_become_columns_without_objects():

@@ -206,6 +206,25 @@ def test_left_out_reasoning_has_no_logprobs_streamed_or_whole(r1, upto):
     assert len(shown["choices"][0]["logprobs"]["content"]) == n  # with the reasoning: every token's
 
 
+def test_left_out_reasoning_held_back_by_the_detokenizer_has_no_logprobs(r1):
+    """Reasoning with multi-byte characters: the stream's detokenizer holds back their partial
+    bytes (chunks with no text), yet those tokens' logprobs stay out as in the whole answer."""
+    tok, script = r1.engine.tokenizer, r1.engine.script
+    r1.engine.script = tok("Let me think: 3 + 4 \U0001F600 \u7b49\u4e8e\u4e03.</think>" + CONTENT,
+                           add_special_tokens=False)["input_ids"]
+    try:
+        body = {**CHAT, "max_tokens": len(r1.engine.script), "include_reasoning": False, "logprobs": True,
+                "top_logprobs": 2}
+        whole = post(r1, "/v1/chat/completions", body).json()["choices"][0]["logprobs"]["content"]
+        streamed = [e for c in stream_chat(r1, body) if c["choices"] and c["choices"][0]["logprobs"]
+                    for e in c["choices"][0]["logprobs"]["content"]]
+    finally:
+        r1.engine.script = script
+    assert whole == streamed
+    assert "".join(e["token"] for e in whole).endswith("</think>" + CONTENT)
+    assert not any("\u7b49" in e["token"] or "\ufffd" in e["token"] for e in whole)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_r1_output_without_closing_tag_is_all_reasoning(r1, stream):
     # stops inside "</think>": the held-back "</th" is flushed as reasoning at the end
