@@ -1,10 +1,13 @@
 """End to end: `lm_eval --model local-completions` against a live `serve`, chunked vs unchunked.
 
 The same lm_eval run (the local GSM8K-format task, generate_until, plus a loglikelihood variant
-that drives echo + logprobs) goes against a server with the default token budget, one with
+that drives echo + logprobs, and the multiple-choice tiny_arith_mc, 5-shot with one preamble for
+every question) goes against a server with the default token budget, one with
 `--max-num-batched-tokens 16`, where every prompt is prefilled in chunks, and one with ngram
-speculative decoding. Per-sample outputs
-must agree: the greedy generations exactly, the loglikelihoods to float32 rounding.
+speculative decoding; the multiple-choice task also against one without prefix caching, which
+computes every prompt whole. Per-sample outputs must agree: the greedy generations exactly, the
+loglikelihoods to float32 rounding; the cached servers take most of the multiple-choice prompts'
+tokens from the prefix cache (scheduler/logprob_records.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 import transformers
 
@@ -45,19 +49,20 @@ num_fewshot: 0
 """
 
 
-def run_lm_eval(url: str, out: Path, ll_task: Path) -> dict[str, list[dict]]:
+def run_lm_eval(url: str, out: Path, ll_task: Path, mc_only: bool = False) -> dict[str, list[dict]]:
     """One lm_eval run; returns {task: samples sorted by doc_id}."""
     model_args = (f"base_url={url}/v1/completions,model=tiny,num_concurrent=8,"
                   f"max_length={MAX_MODEL_LEN},max_retries=1")
+    tasks = ["tiny_arith_mc"] if mc_only else ["tiny_arith", str(ll_task), "tiny_arith_mc"]
     cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions",
-           "--model_args", model_args, "--tasks", f"tiny_arith,{ll_task}",
+           "--model_args", model_args, "--tasks", ",".join(tasks),
            "--include_path", "configs/lm_eval", "--limit", str(LIMIT),
            "--gen_kwargs", "max_gen_toks=48", "--log_samples", "--output_path", str(out)]
     env = {**os.environ, **OFFLINE_ENV, "OPENAI_API_KEY": API_KEY}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     samples = {}
-    for task in ("tiny_arith", "tiny_arith_ll"):
+    for task in ("tiny_arith_mc",) if mc_only else ("tiny_arith", "tiny_arith_ll", "tiny_arith_mc"):
         (path,) = glob.glob(str(out / "*" / f"samples_{task}_2*.jsonl"))
         rows = [json.loads(line) for line in open(path)]
         samples[task] = sorted(rows, key=lambda r: (r["doc_id"], r.get("filter", "")))
@@ -68,14 +73,18 @@ def test_lm_eval_outputs_equal_with_every_prompt_chunked(tmp_path_factory, tmp_p
     model = tiny_model_dir(tmp_path_factory)
     ll_task = tmp_path / "tiny_arith_ll.yaml"
     ll_task.write_text(LOGLIKELIHOOD_TASK)
-    runs = {}
+    runs, hits = {}, {}
     for name, extra in (("default", []),
                         ("chunked", ["--max-num-batched-tokens", str(CHUNK_BUDGET)]),
-                        ("ngram", ["--speculative-config", NGRAM])):
+                        ("ngram", ["--speculative-config", NGRAM]),
+                        ("no cache", ["--no-enable-prefix-caching"])):
         with ServeProcess("--model", model, "--served-model-name", "tiny", "--device", "cpu",
                           "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
                           "--num-kv-blocks", "1024", "--api-key", API_KEY, *extra) as server:
-            runs[name] = run_lm_eval(server.url, tmp_path / name, ll_task)
+            runs[name] = run_lm_eval(server.url, tmp_path / name, ll_task, mc_only=name == "no cache")
+            metrics = httpx.get(f"{server.url}/metrics").text
+            hits[name] = float(next(line.split()[-1] for line in metrics.splitlines()
+                                    if line.startswith("mla_serve_prefix_cache_hits_total")))
 
     tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
     gen_a, gen_b = runs["default"]["tiny_arith"], runs["chunked"]["tiny_arith"]
@@ -93,3 +102,18 @@ def test_lm_eval_outputs_equal_with_every_prompt_chunked(tmp_path_factory, tmp_p
     for a, b in zip(ll_a, ll_b):
         (la, ga), (lb, gb) = a["resps"][0][0], b["resps"][0][0]
         assert float(la) < 0 and abs(float(la) - float(lb)) < 1e-3 and ga == gb, (a, b)
+    # multiple choice: 4 loglikelihood requests a question, one few-shot preamble for all of them;
+    # the same scores from the prefix cache as computed whole, and the task solved
+    whole = runs["no cache"]["tiny_arith_mc"]
+    assert len(whole) == LIMIT and hits["no cache"] == 0
+    for name in ("default", "chunked", "ngram"):
+        got = runs[name]["tiny_arith_mc"]
+        assert [r["doc_id"] for r in got] == [r["doc_id"] for r in whole]
+        for a, b in zip(got, whole):
+            scores_a, scores_b = ([float(x[0][0]) for x in r["resps"]] for r in (a, b))
+            assert max(abs(x - y) for x, y in zip(scores_a, scores_b)) < 1e-3, (name, a["doc_id"])
+            assert a["acc"] == b["acc"] == 1.0, (name, a["doc_id"])
+        # 32 multiple-choice prompts of ~600 tokens share one preamble: 15k tokens came from the
+        # cache (CPU, fp32). The other tasks' 16 prompts hold under 6k tokens in all, so this many
+        # hits needs the multiple-choice requests' prompt logprobs to have come from it too.
+        assert hits[name] > 10_000, (name, hits)
