@@ -91,10 +91,11 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids or []))  # each id once, in order
+        self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+        self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # each id once, in order (validated ints)
         if self.temperature < GREEDY_TEMPERATURE_EPS:
             self.temperature = 0.0
 

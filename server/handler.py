@@ -131,6 +131,8 @@ def refusal_error(e: ValueError, fields: tuple[str, str] = ("prompt", "max_token
     prompt and max_tokens fields) and OpenAI's code."""
     if isinstance(e, ContextLengthError) and fields != ("prompt", "max_tokens"):
         e = e.renamed(*fields)
+    elif str(e).startswith("max_tokens:") and fields[1] != "max_tokens":  # e.g. the KV cache's bound
+        return APIError(400, fields[1] + str(e)[len("max_tokens"):], param=fields[1])
     return APIError(400, str(e), param=getattr(e, "param", None) or param_of(str(e)),
                     code=getattr(e, "code", None))
 

@@ -110,6 +110,19 @@ def test_stop_token_ids_are_bounded(server):
                 ).status_code == 200
     from common.sampling_params import SamplingParams
     assert SamplingParams(stop_token_ids=[5, 3, 5, 9, 3]).stop_token_ids == [5, 3, 9]
+    with pytest.raises(ValueError, match="stop_token_ids"):  # not a TypeError from the de-duplication
+        SamplingParams(stop_token_ids=[[1]])
+
+
+def test_the_kv_cache_bound_names_the_endpoints_field():
+    """The engine's refusal of a max_tokens past a small KV cache names the field the request
+    used: chat's max_completion_tokens, the Responses API's max_output_tokens."""
+    from server.handler import refusal_error
+    e = ValueError("max_tokens: 16 after a prompt of 50 tokens is more than the KV cache holds (64 tokens, "
+                   "and the last one); at most 15")
+    for fields in (("prompt", "max_tokens"), ("messages", "max_completion_tokens"), ("input", "max_output_tokens")):
+        err = refusal_error(e, fields)
+        assert err.param == fields[1] and err.message.startswith(fields[1] + ": 16 after"), (fields, err.message)
 
 
 def test_emoji_prompts_count_by_bytes_and_blank_bad_words_are_refused(server):
