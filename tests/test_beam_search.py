@@ -132,16 +132,21 @@ def test_a_prompt_too_long_for_its_beams_is_a_400():
 
 
 def test_beams_stop_where_the_kv_cache_ends_and_any_penalty_scores():
-    """A search runs as far as an ordinary request would (here the KV cache's 128 tokens, before
-    the context's 512); extreme penalties rank without overflowing; fields that ask for nothing
-    (a text response_format, parallel_tool_calls without tools) pass."""
+    """A search and an ordinary request are bounded alike by the KV cache (here 128 tokens, before
+    the context's 512): a max_tokens past it is a 400 for both, and up to it both run as far;
+    extreme penalties rank without overflowing; fields that ask for nothing (a text
+    response_format, parallel_tool_calls without tools) pass."""
     with tiny_engine_server(num_kv_blocks=8) as s:
         prompt = list(range(5, 125))  # 120 tokens: 9 more fit 128 + 1
-        greedy = {"model": s.model, "prompt": prompt, "max_tokens": 50, "temperature": 0, "ignore_eos": True,
+        greedy = {"model": s.model, "prompt": prompt, "temperature": 0, "ignore_eos": True,
                   "return_token_ids": True}
-        plain = httpx.post(f"{s.url}/v1/completions", json=greedy, timeout=120).json()["choices"][0]
+        for body in (greedy, {**greedy, "use_beam_search": True, "n": 1}):
+            r = httpx.post(f"{s.url}/v1/completions", json={**body, "max_tokens": 10}, timeout=120)
+            assert r.status_code == 400 and "KV cache" in r.json()["error"]["message"], r.text
+        plain = httpx.post(f"{s.url}/v1/completions", json={**greedy, "max_tokens": 9},
+                           timeout=120).json()["choices"][0]
         assert len(plain["token_ids"]) == 9 and plain["finish_reason"] == "length"
-        beams = _beams(s, prompt, n=1, max_tokens=50, ignore_eos=True)
+        beams = _beams(s, prompt, n=1, max_tokens=9, ignore_eos=True)
         assert [c["token_ids"] for c in beams] == [plain["token_ids"]]
         for penalty in (300.0, -400.0, 1e300):
             assert len(_beams(s, prompt[:20], n=3, max_tokens=3, length_penalty=penalty)) == 3
