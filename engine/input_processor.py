@@ -69,6 +69,21 @@ class ContextLengthError(ValueError):
                                   prompt_field, max_tokens_field)
 
 
+class CacheCapacityError(ValueError):
+    """A max_tokens past what a KV cache smaller than the context leaves after the prompt (the
+    cache holds every token but the last); `renamed` as ContextLengthError's."""
+
+    def __init__(self, capacity: int, prompt_tokens: int, max_tokens: int, max_tokens_field: str = "max_tokens"):
+        self.capacity, self.prompt_tokens, self.max_tokens, self.param = (capacity, prompt_tokens, max_tokens,
+                                                                           max_tokens_field)
+        super().__init__(f"{max_tokens_field}: {max_tokens} after a prompt of {prompt_tokens} tokens is more than "
+                         f"the KV cache holds ({capacity} tokens, and the last one); at most "
+                         f"{capacity + 1 - prompt_tokens}")
+
+    def renamed(self, prompt_field: str, max_tokens_field: str) -> CacheCapacityError:
+        return CacheCapacityError(self.capacity, self.prompt_tokens, self.max_tokens, max_tokens_field)
+
+
 class InputProcessor:
     def __init__(self, tokenizer, cfg: ModelConfig, max_model_len: int, capacity_tokens: int = 0):
         self.tokenizer, self.cfg, self.max_model_len = tokenizer, cfg, max_model_len
@@ -129,8 +144,7 @@ class InputProcessor:
         elif params.max_tokens > room:
             raise ContextLengthError(self.max_model_len, len(ids), params.max_tokens)
         elif params.max_tokens > fits:
-            raise ValueError(f"max_tokens: {params.max_tokens} after a prompt of {len(ids)} tokens is more than "
-                             f"the KV cache holds ({self.capacity_tokens} tokens, and the last one); at most {fits}")
+            raise CacheCapacityError(self.capacity_tokens, len(ids), params.max_tokens)
         check_token_ids(params, self.vocab_size, self.eos_token_id)
         return text, ids, params
 

@@ -118,13 +118,16 @@ class BlockManager:
         """Block ids of the longest cached prefix, never covering the request's last token."""
         if not self.enable_prefix_caching:
             return []
-        hashes = self._update_hashes(request)
         # At least one token must be computed so the runner has logits to sample from.
-        max_blocks = (request.num_tokens - 1) // self.tokens_per_block
+        return self._leading_cached(request, (request.num_tokens - 1) // self.tokens_per_block)
+
+    def _leading_cached(self, request: Request, max_blocks: int, keeps_logprobs: int | None = None) -> list[int]:
+        """Ids of the request's leading blocks (at most max_blocks) found cached, and with
+        `keeps_logprobs` = k only those whose record holds at least k alternatives."""
         hit: list[int] = []
-        for h in hashes[:max_blocks]:
+        for h in self._update_hashes(request)[:max_blocks]:
             block_id = self.cached.get(h)
-            if block_id is None:
+            if block_id is None or (keeps_logprobs is not None and not self.lp_records.covers(h, keeps_logprobs)):
                 break
             hit.append(block_id)
         return hit
@@ -139,15 +142,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return [], []
         tpb = self.tokens_per_block
-        hashes = self._update_hashes(request)
-        ids: list[int] = []
-        for h in hashes[:(request.num_tokens - 1) // tpb + 1]:  # the hit, one block less, stops short of the end
-            block_id = self.cached.get(h)
-            if block_id is None or not self.lp_records.covers(h, k):
-                break
-            ids.append(block_id)
+        # one block more than a plain hit may cover: the hit, one block less, stops short of the end
+        ids = self._leading_cached(request, (request.num_tokens - 1) // tpb + 1, keeps_logprobs=k)
         if len(ids) < 2:
             return [], []
+        hashes = request.block_hashes
         runs = [self.lp_records.entries(h, k, 1 if j == len(ids) - 1 else tpb) for j, h in enumerate(hashes[:len(ids)])]
         return ids[:-1], PromptLogprobs.concat(runs)
 

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from common.offload import check_off_loop
 from common.sampling_params import SamplingParams
 from engine.outputs import RequestOutput
-from engine.input_processor import ContextLengthError
+from engine.input_processor import CacheCapacityError, ContextLengthError
 from scheduler.prompt_logprobs import PromptLogprobs
 from server.beam_search import check_beam_request, respond_beams
 from server.errors import APIError, error_body, param_of
@@ -127,12 +127,10 @@ def submit_streams(state, prompts, params, request_id: str) -> EngineStreams:
 
 
 def refusal_error(e: ValueError, fields: tuple[str, str] = ("prompt", "max_tokens")) -> APIError:
-    """The 400 of a prompt the engine refused; a context overflow names `fields` (the request's
-    prompt and max_tokens fields) and OpenAI's code."""
-    if isinstance(e, ContextLengthError) and fields != ("prompt", "max_tokens"):
+    """The 400 of a prompt the engine refused; a context or KV-cache overflow names `fields` (the
+    request's prompt and max_tokens fields), a context overflow with OpenAI's code."""
+    if isinstance(e, (ContextLengthError, CacheCapacityError)) and fields != ("prompt", "max_tokens"):
         e = e.renamed(*fields)
-    elif str(e).startswith("max_tokens:") and fields[1] != "max_tokens":  # e.g. the KV cache's bound
-        return APIError(400, fields[1] + str(e)[len("max_tokens"):], param=fields[1])
     return APIError(400, str(e), param=getattr(e, "param", None) or param_of(str(e)),
                     code=getattr(e, "code", None))
 

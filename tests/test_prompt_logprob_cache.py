@@ -19,14 +19,18 @@ from scheduler.scheduler import Scheduler
 from test_scheduler import VOCAB, FakeRunner, make_req, run_all, step
 
 
+def scored(sched, runner, rid, prompt, k=1):
+    """Run one prompt-logprob request (one hidden token) to its end; its first output."""
+    sched.add_request(make_req(rid, prompt, prompt_logprobs=k, max_tokens=1))
+    got, _ = run_all(sched, runner)
+    return got[rid][0]
+
+
 def alone(prompt, k, block_size=4):
     """Prompt logprobs of `prompt` computed whole (prefix caching off)."""
     cfg = SchedulerConfig(max_num_batched_tokens=64, num_blocks=64, block_size=block_size,
                           enable_prefix_caching=False)
-    sched = Scheduler(cfg)
-    sched.add_request(make_req("x", prompt, prompt_logprobs=k, max_tokens=1))
-    results, _ = run_all(sched, FakeRunner(cfg))
-    return results["x"][0].prompt_logprobs
+    return scored(Scheduler(cfg), FakeRunner(cfg), "x", prompt, k).prompt_logprobs
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
@@ -66,12 +70,10 @@ def test_a_chunk_ending_a_token_short_of_a_block_keeps_its_record(budget):
     cfg = SchedulerConfig(max_num_batched_tokens=budget, num_blocks=64, block_size=4)
     sched, runner = Scheduler(cfg), FakeRunner(cfg)
     prompt = list(range(200, 230))
-    sched.add_request(make_req("a", prompt, prompt_logprobs=1, max_tokens=1))
-    run_all(sched, runner)
+    scored(sched, runner, "a", prompt)
     assert len(sched.block_manager.lp_records) == 7
-    sched.add_request(make_req("b", prompt, prompt_logprobs=1, max_tokens=1))
-    got, _ = run_all(sched, runner)
-    assert got["b"][0].num_cached_tokens == 24 and got["b"][0].prompt_logprobs == alone(prompt, 1)
+    b = scored(sched, runner, "b", prompt)
+    assert b.num_cached_tokens == 24 and b.prompt_logprobs == alone(prompt, 1)
 
 
 def test_records_go_with_their_blocks():
@@ -79,20 +81,17 @@ def test_records_go_with_their_blocks():
     cfg = SchedulerConfig(max_num_batched_tokens=64, num_blocks=16, block_size=4)
     sched, runner = Scheduler(cfg), FakeRunner(cfg)
     prompt = list(range(100, 130))
-    sched.add_request(make_req("a", prompt, prompt_logprobs=1, max_tokens=1))
-    run_all(sched, runner)
+    scored(sched, runner, "a", prompt)
     assert len(sched.block_manager.lp_records) == 7
     sched.block_manager.reset_prefix_cache()
     assert len(sched.block_manager.lp_records) == 0
-    sched.add_request(make_req("b", prompt, prompt_logprobs=1, max_tokens=1))
-    got, _ = run_all(sched, runner)
-    assert got["b"][0].num_cached_tokens == 0 and len(sched.block_manager.lp_records) == 7
+    b = scored(sched, runner, "b", prompt)
+    assert b.num_cached_tokens == 0 and len(sched.block_manager.lp_records) == 7
     sched.add_request(make_req("filler", list(range(500, 563)), max_tokens=1))  # takes all 16 blocks
     run_all(sched, runner)
     assert len(sched.block_manager.lp_records) == 0
-    sched.add_request(make_req("c", prompt, prompt_logprobs=1, max_tokens=1))
-    got, _ = run_all(sched, runner)
-    assert got["c"][0].num_cached_tokens == 0 and got["c"][0].prompt_logprobs == alone(prompt, 1)
+    c = scored(sched, runner, "c", prompt)
+    assert c.num_cached_tokens == 0 and c.prompt_logprobs == alone(prompt, 1)
 
 
 def test_a_prompt_logprob_request_waits_only_for_blocks_that_keep_logprobs():

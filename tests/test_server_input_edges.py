@@ -117,9 +117,9 @@ def test_stop_token_ids_are_bounded(server):
 def test_the_kv_cache_bound_names_the_endpoints_field():
     """The engine's refusal of a max_tokens past a small KV cache names the field the request
     used: chat's max_completion_tokens, the Responses API's max_output_tokens."""
+    from engine.input_processor import CacheCapacityError
     from server.handler import refusal_error
-    e = ValueError("max_tokens: 16 after a prompt of 50 tokens is more than the KV cache holds (64 tokens, "
-                   "and the last one); at most 15")
+    e = CacheCapacityError(64, 50, 16)
     for fields in (("prompt", "max_tokens"), ("messages", "max_completion_tokens"), ("input", "max_output_tokens")):
         err = refusal_error(e, fields)
         assert err.param == fields[1] and err.message.startswith(fields[1] + ": 16 after"), (fields, err.message)
