@@ -26,6 +26,11 @@ from scheduler.outputs import EngineCoreOutput
 log = logging.getLogger(__name__)
 
 _START_POLL_S = 0.5
+# The reader thread sees the core's death as the end of its pipe; `alive` polls the process too,
+# as a backstop, at most this often: each poll is a waitpid system call, which hands the GIL to
+# whichever thread waits for it (one poll a request was ~11% of the HTTP process's busy time in
+# bench_core_overhead.py --echo-logprobs 1, the event loop waiting to get the GIL back).
+_ALIVE_POLL_S = 0.25
 _JOIN_S = 30.0  # the core joins its workers (5 s each) before it exits
 
 
@@ -57,6 +62,7 @@ class CoreClient:
         self._out, out_w = ctx.Pipe(duplex=False)
         self.error: str | None = None
         self._closing = False
+        self._polled_at, self._was_alive = float("-inf"), True
         self._commands: queue.Queue = queue.Queue()
         core_args = (args, cfg, eos_token_id, cmd_r, out_w, not in_thread,
                      logging.getLogger().getEffectiveLevel())
@@ -107,7 +113,14 @@ class CoreClient:
 
     @property
     def alive(self) -> bool:
-        return self.error is None and self._alive()
+        """False once the reader has reported the core's death, or a poll (at most one per
+        _ALIVE_POLL_S; a dead core stays dead) found it gone."""
+        if self.error is not None or not self._was_alive:
+            return False
+        now = time.monotonic()
+        if now - self._polled_at >= _ALIVE_POLL_S:
+            self._polled_at, self._was_alive = now, self._alive()
+        return self._was_alive
 
     # ---- commands (any thread; never blocks) ----
 
