@@ -44,6 +44,13 @@ def _byte_token_ids(tokenizer) -> frozenset[int]:
     return frozenset(i for i, t in zip(ids, to_tokens(ids)) if t in pieces)
 
 
+@functools.lru_cache(maxsize=8)
+def _special_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's special token ids, once: transformers computes `all_special_ids` anew on
+    every read (a token-to-id lookup each), ~1% of the HTTP process's time at one read a request."""
+    return frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+
 class IncrementalDetokenizer:
     """Turns a request's output token ids into text as they arrive, and spots stop strings."""
 
@@ -60,7 +67,7 @@ class IncrementalDetokenizer:
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
         self._byte_ids = _byte_token_ids(tokenizer)
         # ids a run of byte tokens passes over: specials that decode() drops before decoding
-        self._skipped_ids = frozenset(getattr(tokenizer, "all_special_ids", ())) if self._skip_special else frozenset()
+        self._skipped_ids = _special_ids(tokenizer) if self._skip_special else frozenset()
 
         self.token_ids: list[int] = []  # every output id passed to update (incl. ones after a stop)
         self._ids: list[int] = []  # ids that are part of the text (a final stop token is excluded)

@@ -106,20 +106,32 @@ class CompletionBuilder:
 
     def _prompt_columns(self, out: RequestOutput) -> tuple[list[str], list, list]:
         """tokens, token_logprobs and top_logprobs of the prompt's tokens, read a column at a time
-        from the engine's PromptLogprobs (scheduler/prompt_logprobs.py) where it sent them so."""
-        plps, ts, k = out.prompt_logprobs, self.token_str, self.req.logprobs
+        from the engine's PromptLogprobs (scheduler/prompt_logprobs.py) where it sent them so.
+        An echo request's response is the front end's largest per-request cost (lm_eval scores
+        every choice so): token strings come from one lookup per distinct id, and the common
+        `logprobs: 1` builds each token's dict without an inner loop."""
+        plps, k = out.prompt_logprobs, self.req.logprobs
         if not isinstance(plps, PromptLogprobs) or len(plps) != len(out.prompt_token_ids):
             got = self.logprobs(self._prompt_entries(out), 0)
             return got["tokens"], got["token_logprobs"], got["top_logprobs"]
-        tokens = [ts(t) for t in out.prompt_token_ids]
         f = int(plps.first)
         values = [None] * f + _finite(plps.logprobs).tolist()
         tops: list = [None] * f
-        for tok, v, alt_ids, alt_vals in zip(tokens[f:], values[f:], plps.top_ids[:, :k].tolist(),
-                                             _finite(plps.top_vals[:, :k]).tolist()):
+        if k == 1 and plps.top_ids.shape[1]:
+            # flat columns: a list per row would be ~1,200 objects for the collector a request
+            alt_ids, alt_vals = plps.top_ids[:, 0].tolist(), _finite(plps.top_vals[:, 0]).tolist()
+            names = {t: self.token_str(t) for t in {*out.prompt_token_ids, *alt_ids}}
+            tokens = [names[t] for t in out.prompt_token_ids]
+            tops += [{a: b} if a == tok else {a: b, tok: v} for tok, v, a, b in
+                     zip(tokens[f:], values[f:], [names[a] for a in alt_ids], alt_vals)]
+            return tokens, values, tops
+        alt_ids, alt_vals = plps.top_ids[:, :k].tolist(), _finite(plps.top_vals[:, :k]).tolist()
+        names = {t: self.token_str(t) for t in {*out.prompt_token_ids, *(a for row in alt_ids for a in row)}}
+        tokens = [names[t] for t in out.prompt_token_ids]
+        for tok, v, ids, vals in zip(tokens[f:], values[f:], alt_ids, alt_vals):
             top: dict[str, float] = {}
-            for a, b in zip(alt_ids, alt_vals):
-                top.setdefault(ts(a), b)
+            for a, b in zip(ids, vals):
+                top.setdefault(names[a], b)
             top.setdefault(tok, v)  # the chosen token is always listed
             tops.append(top)
         return tokens, values, tops
