@@ -101,6 +101,13 @@ def _metric(url: str, name: str) -> float:
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"vllm:{name}_total"))
 
 
+def _thread_cpu_s(pid: int) -> float:
+    """CPU seconds of a process's main thread (its event loop, for `serve`), from /proc."""
+    import os
+    fields = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_http(a, tasks: dict, vocab_of, results: dict, got: dict) -> None:
     """Each setting's server, each task's requests through it (after /reset_prefix_cache)."""
     from bench_common import free_port, stop_server, wait_healthy
@@ -127,16 +134,19 @@ def run_http(a, tasks: dict, vocab_of, results: dict, got: dict) -> None:
                 for task, t in tasks.items():
                     prompts = workload(t, vocab)
                     urllib.request.urlopen(urllib.request.Request(f"{url}/reset_prefix_cache", method="POST"))
-                    hits = _metric(url, "prefix_cache_hits")
+                    hits, cpu = _metric(url, "prefix_cache_hits"), _thread_cpu_s(proc.pid)
                     dt, outs = asyncio.run(_score(url, prompts, a.concurrency))
+                    busy = (_thread_cpu_s(proc.pid) - cpu) / dt
                     total = sum(map(len, prompts))
                     computed = total - (_metric(url, "prefix_cache_hits") - hits)
                     results[f"{task} http {setting}"] = dict(seconds=dt, req_per_s=len(prompts) / dt,
-                                                             prompt_tokens=total, computed_prompt_tokens=computed)
+                                                             prompt_tokens=total, computed_prompt_tokens=computed,
+                                                             event_loop_busy=busy)
                     got.setdefault(task, {})[f"http {setting}"] = outs
                     print(f"{task}, HTTP, prefix caching {setting}: {len(prompts)} requests at most {a.concurrency} "
                           f"at once, {computed:.0f} of {total} prompt tokens computed: {dt:.2f} s, "
-                          f"{len(prompts) / dt:.1f} req/s", flush=True)
+                          f"{len(prompts) / dt:.1f} req/s; the server's event-loop thread busy {100 * busy:.0f}% of it",
+                          flush=True)
             finally:
                 stop_server(proc, 120)
 
