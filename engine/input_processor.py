@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 
@@ -95,8 +96,9 @@ class InputProcessor:
         self._max_token_chars = None if tokenizer is None else \
             max((len(t) for t in tokenizer.get_vocab()), default=1)
 
-    @property
+    @functools.cached_property
     def eos_token_id(self) -> int | None:
+        """Read once: transformers looks the EOS token's id up anew on every read (one a request)."""
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             return self.tokenizer.eos_token_id
         ids = self.cfg.eos_token_ids
