@@ -84,14 +84,6 @@ def uvicorn_config(app, ns: argparse.Namespace):
     return config
 
 
-def _loop_factory(ns: argparse.Namespace):
-    """--event-loop: uvloop's loop (its scheduling, sockets and timers in C) or asyncio's."""
-    if getattr(ns, "event_loop", "uvloop") == "asyncio":
-        return None
-    import uvloop
-    return uvloop.new_event_loop
-
-
 def _tune_gc() -> None:
     """Garbage collection in the HTTP process, whose event loop every stream waits on: its
     start-up objects (torch, transformers, the tokenizer, FastAPI, the app: over 200k after the
@@ -178,8 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve: error: {e}", file=sys.stderr)
         return 1
     try:
-        with asyncio.Runner(loop_factory=_loop_factory(ns)) as runner:
-            return runner.run(_serve(ns, engine_args, sock))
+        return asyncio.run(_serve(ns, engine_args, sock))
     except KeyboardInterrupt:
         return 0
     finally:

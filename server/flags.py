@@ -297,9 +297,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "constrains the output to the tools' schemas with or without it")
     g.add_argument("--disable-fastapi-docs", action="store_true",
                    help="serve no /docs, /redoc or /openapi.json (served by default, as in vLLM)")
-    g.add_argument("--event-loop", choices=["uvloop", "asyncio"], default="uvloop",
-                   help="the HTTP process's event loop: uvloop (libuv, as vLLM and SGLang serve) or "
-                        "Python's asyncio loop (slower; for debugging with asyncio's own tools)")
     g.add_argument("--shutdown-timeout", type=float, default=15.0,
                    help="on SIGTERM or SIGINT, seconds to let running requests finish before "
                         "the engine and its workers are stopped")
