@@ -158,32 +158,33 @@ class ChatBuilder:
                 self._called.add(index)
         if self.echoed:
             message["content"] = self.echoed + (message["content"] or "")
+        ids = list(o.token_ids)
+        keep = self._shown_mask(ids)
         choice = {"index": index, "message": message,
-                  "logprobs": self.logprobs(self._shown(list(o.logprobs or []))),
+                  "logprobs": self.logprobs(_lps_kept(list(o.logprobs or []), ids, keep)),
                   "finish_reason": self._finish_reason(index, o.finish_reason),
                   "stop_reason": o.stop_reason}
         if self.req.return_token_ids:
-            choice["token_ids"] = list(o.token_ids)
+            choice["token_ids"] = _kept(ids, keep)
         return choice
 
-    def _shown(self, lps: list[TokenLogprobs], parser: ThinkParser | None = None,
-               final: bool = True) -> list[TokenLogprobs]:
-        """Logprobs less those of reasoning that include_reasoning false leaves out, so that the
-        hidden reasoning cannot be read back from its tokens' logprobs: a token whose own text
-        (its token string, fed to `parser` token by token) is reasoning and no content is left
-        out. A whole answer runs its tokens through a new parser; a stream feeds the choice's own
-        parser each chunk's tokens (`final`: the last chunk, which flushes it), so both leave out
-        the same tokens whatever the chunks and the detokenizer hold back."""
+    def _shown_mask(self, token_ids: list[int], parser: ThinkParser | None = None,
+                    final: bool = True) -> list[bool] | None:
+        """Which of these tokens include_reasoning false leaves shown (None: all), so that the
+        hidden reasoning cannot be read back from its tokens' logprobs or ids: a token whose own
+        text (its token string, fed to `parser` token by token) is reasoning and no content is
+        left out. A whole answer runs its tokens through a new parser; a stream feeds the
+        choice's own parser each chunk's tokens (`final`: the last chunk, which flushes it), so
+        both leave out the same tokens whatever the chunks and the detokenizer hold back."""
         if not self.think or self.req.include_reasoning:
-            return lps
-        parser, shown = parser or ThinkParser(), []
-        for i, lp in enumerate(lps):
-            reasoning, content = parser.feed(self.state.token_str(lp.token_id))
-            if final and i == len(lps) - 1:
+            return None
+        parser, keep = parser or ThinkParser(), []
+        for i, tid in enumerate(token_ids):
+            reasoning, content = parser.feed(self.state.token_str(tid))
+            if final and i == len(token_ids) - 1:
                 reasoning, content = (a + b for a, b in zip((reasoning, content), parser.finish()))
-            if content or not reasoning:
-                shown.append(lp)
-        return shown
+            keep.append(bool(content) or not reasoning)
+        return keep
 
     def _delta(self, index: int, new_text: str, finished: bool) -> tuple[dict, bool]:
         """The message delta of new text: content, or reasoning then content when thinking;
@@ -253,21 +254,24 @@ class ChatBuilder:
         finish = None if index in self._finish_sent else o.finish_reason
         if finish is not None:  # a finished sample stays in its request's later outputs
             self._finish_sent.add(index)
-        new_ids = o.delta_token_ids if self.req.return_token_ids else []
         delta, hidden = self._delta(index, new_text, finish is not None) if new_text or finish is not None \
             else ({}, False)
         # A chunk for every output with new text, even while a possible tag is held back (an
         # empty delta), and with logprobs; none for reasoning that include_reasoning false leaves
-        # out (its logprobs neither), as vLLM sends none; with return_token_ids for every output
-        # with new tokens.
-        shown = self._shown(new_lps, self._lp_parsers.setdefault(index, ThinkParser()), finish is not None)
+        # out (its logprobs and ids neither), as vLLM sends none; with return_token_ids for every
+        # output with new tokens shown.
+        step_ids = list(o.delta_token_ids)  # every token of the step feeds the choice's parser
+        keep = self._shown_mask(step_ids, self._lp_parsers.setdefault(index, ThinkParser()), finish is not None) \
+            if self.req.logprobs or self.req.return_token_ids else None
+        shown = _lps_kept(list(new_lps), step_ids, keep)
+        new_ids = _kept(step_ids, keep) if self.req.return_token_ids else []
         if ((new_text or new_lps) and not hidden) or new_ids or finish is not None:
             out.append({"index": index, "delta": delta,
                         "logprobs": self.logprobs(shown) if shown else None,
                         "finish_reason": self._finish_reason(index, finish),
                         "stop_reason": None if finish is None else o.stop_reason})
             if self.req.return_token_ids:
-                out[-1]["token_ids"] = list(new_ids)
+                out[-1]["token_ids"] = new_ids
         return out
 
     def choices(self, finals: list[RequestOutput]) -> list[dict]:
@@ -349,3 +353,23 @@ async def chat_inputs(state, req: ChatCompletionRequest) -> tuple[SamplingParams
                                 req.add_special_tokens)
     state.limits.check_prompt_logprobs([prompt_ids], req.prompt_logprobs, "prompt_logprobs")  # once a response
     return params, prompt_ids
+
+
+def _kept(items: list, keep: list[bool] | None) -> list:
+    """`items` where `keep` says so (all of them for None)."""
+    return items if keep is None else [x for x, k in zip(items, keep) if k]
+
+
+def _lps_kept(lps: list[TokenLogprobs], ids: list[int], keep: list[bool] | None) -> list[TokenLogprobs]:
+    """The logprobs of the tokens of `ids` that `keep` keeps: each entry is matched to its token
+    in order (the engine leaves out a token's entry where it has none, so they may be fewer)."""
+    if keep is None:
+        return lps
+    out, j = [], 0
+    for lp in lps:
+        while j < len(ids) and ids[j] != lp.token_id:
+            j += 1
+        if j < len(ids) and keep[j]:
+            out.append(lp)
+        j += 1
+    return out

@@ -206,6 +206,24 @@ def test_left_out_reasoning_has_no_logprobs_streamed_or_whole(r1, upto):
     assert len(shown["choices"][0]["logprobs"]["content"]) == n  # with the reasoning: every token's
 
 
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_left_out_reasoning_has_no_token_ids_streamed_or_whole(r1, logprobs):
+    """return_token_ids with include_reasoning false: the reasoning tokens' ids are left out as
+    their logprobs are (the ids would spell the hidden reasoning out), the same tokens whole and
+    streamed, with or without logprobs beside them; with the reasoning shown, every id is sent."""
+    tok, n = r1.engine.tokenizer, len(r1.engine.script)
+    body = {**CHAT, "max_tokens": n, "include_reasoning": False, "return_token_ids": True, "logprobs": logprobs}
+    whole = post(r1, "/v1/chat/completions", body).json()["choices"][0]
+    streamed = [t for c in stream_chat(r1, body) if c["choices"] for t in c["choices"][0].get("token_ids") or []]
+    assert whole["token_ids"] == streamed
+    text = tok.decode(whole["token_ids"])
+    assert "Let me" not in text and "3 + 4" not in text and text.endswith("</think>" + CONTENT)
+    if logprobs:
+        assert [e["token"] for e in whole["logprobs"]["content"]] == [tok.decode([t]) for t in whole["token_ids"]]
+    shown = post(r1, "/v1/chat/completions", {**body, "include_reasoning": True}).json()["choices"][0]
+    assert shown["token_ids"] == r1.engine.script[:n]
+
+
 def test_left_out_reasoning_held_back_by_the_detokenizer_has_no_logprobs(r1):
     """Reasoning with multi-byte characters: the stream's detokenizer holds back their partial
     bytes (chunks with no text), yet those tokens' logprobs stay out as in the whole answer."""
