@@ -196,7 +196,6 @@ def build_app(engine, args=None) -> FastAPI:
     responses.install(v1, state, args)  # /v1/responses and its stored responses' routes
     app.include_router(v1)
 
-    @app.get("/health")
     async def health() -> Response:
         if engine.errored:
             return error_response(503, "the engine stopped; restart the server")
@@ -204,6 +203,11 @@ def build_app(engine, args=None) -> FastAPI:
         if reason is not None:
             return error_response(503, reason)
         return JSONResponse({})
+
+    # GET, and HEAD for load balancers that probe with it (the status alone; no body); a route
+    # each, so that each method has its own OpenAPI operation id
+    for method in ("GET", "HEAD"):
+        app.add_api_route("/health", health, methods=[method], operation_id=f"health_{method.lower()}")
 
     @app.get("/metrics")
     async def metrics() -> Response:

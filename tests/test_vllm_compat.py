@@ -68,8 +68,11 @@ def test_version_and_ping(client_for):
             assert v.status_code == 200 and v.json()["version"]
             for method in ("GET", "POST"):
                 assert (await c.request(method, "/ping")).status_code == 200
+            head = await c.head("/health")  # load balancers' probe: the status, no body
+            assert head.status_code == 200 and head.content == b""
             engine.errored = True
             assert (await c.get("/ping")).status_code == 503
+            assert (await c.head("/health")).status_code == 503
 
     asyncio.run(run())
 
