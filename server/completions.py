@@ -100,7 +100,7 @@ class CompletionBuilder:
                 top.setdefault(self.token_str(alt_id), finite(alt_lp))
             top.setdefault(s, finite(lp.logprob))  # the chosen token is always listed
             tops.append(top)
-        offsets = list(accumulate((len(s) for s in tokens[:-1]), initial=offset)) if tokens else []
+        offsets = list(accumulate(map(len, tokens[:-1]), initial=offset)) if tokens else []
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
 
