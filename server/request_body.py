@@ -83,7 +83,10 @@ def _parse(body: bytes, model) -> Any:
         raise APIError(400, body_parse_error(e)) from None
     if not isinstance(model, type):
         model = model(data)
-    clean = json.detect_encoding(body) == "utf-8" and _SURROGATE.search(body) is None
+    # each of _SURROGATE's two forms starts with `\u` or the byte 0xED: two substring scans (~5 µs
+    # for a 580-token body) skip the regex's (~23 µs) for the bodies that have neither
+    clean = json.detect_encoding(body) == "utf-8" and (
+        (b"\\u" not in body and b"\xed" not in body) or _SURROGATE.search(body) is None)
     try:
         if clean:
             with text_checked():
