@@ -111,7 +111,8 @@ class DataParallelScheduler:
         # how many more unfinished requests than the least loaded rank a rank may hold and still
         # take a request for its prefix-cache hit
         self.affinity_slack = max(1, config.max_num_seqs // 8)
-        self._routed: OrderedDict[bytes, int] = OrderedDict()  # block hash -> the rank it was routed to last
+        # block hash -> (the rank it was routed to last, that request's prompt_logprobs or None)
+        self._routed: OrderedDict[bytes, tuple[int, int | None]] = OrderedDict()
 
     def _owner(self, request_id: str) -> Scheduler | None:
         return next((s for s in self.schedulers if request_id in s.requests), None)
@@ -133,23 +134,28 @@ class DataParallelScheduler:
         prompts sharing a prefix that arrive together (the n choices of one request, a few-shot
         preamble) meet on one rank, while no rank takes more than its share. A rank
         holds a prefix that its prefix cache has, or that a request routed there recently had
-        (`_routed`: its blocks are computed, or will be, on that rank)."""
+        (`_routed`: its blocks are computed, or will be, on that rank). For a request that wants
+        prompt logprobs only blocks that keep them count (BlockManager.usable_prefix_blocks): a
+        prefix a plain request computed is computed again wherever it goes."""
         self.check_request(request)
         loads = [len(s.requests) for s in self.schedulers]
         least = min(loads)
         near = [d for d, n in enumerate(loads) if n <= least + self.affinity_slack]
-        hits = {d: len(self.schedulers[d].block_manager.find_cached_prefix(request)) for d in near}
+        hits = {d: self.schedulers[d].block_manager.usable_prefix_blocks(request) for d in near}
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.schedulers[0].block_manager.tokens_per_block]
-        for i, h in enumerate(hashes):  # the deepest prefix a request routed to each rank had
-            d = self._routed.get(h)
-            if d is None:
+        # the deepest prefix a request routed to each rank had; for a prompt-logprob request one
+        # that wanted at least as many alternatives (only its blocks will keep records it can use)
+        k = request.sampling_params.prompt_logprobs
+        for i, h in enumerate(hashes):
+            d, kept = self._routed.get(h, (None, None))
+            if d is None or (k is not None and (kept is None or kept < k)):
                 break
             if d in hits:
                 hits[d] = max(hits[d], i + 1)
         best = max(near, key=lambda d: (hits[d], -loads[d], -d))
         self.schedulers[best].add_request(request)
         for h in hashes:
-            self._routed[h] = best
+            self._routed[h] = (best, k)
             self._routed.move_to_end(h)
         while len(self._routed) > self.ROUTED_BLOCKS:
             self._routed.popitem(last=False)

@@ -139,16 +139,30 @@ class BlockManager:
         logprobs computed; the logprobs are the records' for the tokens before that block and its
         first token (`num tokens of the blocks + 1` entries, the first None). Nothing under two
         such blocks, and never the request's last token."""
-        if not self.enable_prefix_caching:
+        ids = self._logprob_hit(request, k)
+        if not ids:
             return [], []
-        tpb = self.tokens_per_block
-        # one block more than a plain hit may cover: the hit, one block less, stops short of the end
-        ids = self._leading_cached(request, (request.num_tokens - 1) // tpb + 1, keeps_logprobs=k)
-        if len(ids) < 2:
-            return [], []
-        hashes = request.block_hashes
+        tpb, hashes = self.tokens_per_block, request.block_hashes
         runs = [self.lp_records.entries(h, k, 1 if j == len(ids) - 1 else tpb) for j, h in enumerate(hashes[:len(ids)])]
         return ids[:-1], PromptLogprobs.concat(runs)
+
+    def _logprob_hit(self, request: Request, k: int) -> list[int]:
+        """The cached leading blocks keeping records of at least k that find_logprob_prefix uses
+        (its hit and the block after it); none under two."""
+        if not self.enable_prefix_caching:
+            return []
+        # one block more than a plain hit may cover: the hit, one block less, stops short of the end
+        ids = self._leading_cached(request, (request.num_tokens - 1) // self.tokens_per_block + 1, keeps_logprobs=k)
+        return ids if len(ids) >= 2 else []
+
+    def usable_prefix_blocks(self, request: Request) -> int:
+        """How many leading blocks the request would take from this cache: find_cached_prefix's
+        for a plain request, find_logprob_prefix's for one that wants prompt logprobs (only
+        blocks that kept their logprobs count; its logprobs are not built)."""
+        k = request.sampling_params.prompt_logprobs
+        if k is None:
+            return len(self.find_cached_prefix(request))
+        return max(0, len(self._logprob_hit(request, k)) - 1)
 
     def record_prompt_logprobs(self, request: Request) -> None:
         """Keep the prompt logprobs of the request's cached blocks whose tokens all have theirs

@@ -136,6 +136,36 @@ def test_prompts_sharing_a_prefix_meet_on_one_rank_before_it_is_cached():
     assert rank_of("b1", list(range(60, 80)) + [5]) == 1  # with the first, rank 0 being no more loaded
 
 
+def test_prompt_logprob_requests_go_where_the_prefix_kept_its_logprobs():
+    """A prefix cached on two ranks, computed by a plain request on rank 0 and by a prompt-logprob
+    request on rank 1: a prompt-logprob request sharing it goes to rank 1, whose blocks kept their
+    logprobs (rank 0's would all be computed again), a plain one to rank 0 (a tie: the lower
+    index). Prompts routed together meet where one wanting as many alternatives went."""
+    from test_prompt_logprob_cache import scored
+    from test_scheduler import FakeRunner, make_req, run_all
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16, max_model_len=64, block_size=4, num_blocks=64)
+    s = DataParallelScheduler(cfg, dp=2)
+    context = list(range(100, 124))  # 6 full blocks
+    s.schedulers[0].add_request(make_req("plain", context + [7], max_tokens=1))
+    run_all(s.schedulers[0], FakeRunner(cfg))
+    scored(s.schedulers[1], FakeRunner(cfg), "scored", context + [7])
+    assert [x.block_manager.usable_prefix_blocks(make_req("q", context + [9], prompt_logprobs=1))
+            for x in s.schedulers] == [0, 5]  # rank 1: all but the last of its 6 kept blocks
+
+    def rank_of(req):
+        s.add_request(req)
+        return next(d for d, x in enumerate(s.schedulers) if req.request_id in x.requests)
+    assert rank_of(make_req("lp", context + [8, 9], prompt_logprobs=1, max_tokens=1)) == 1
+    assert rank_of(make_req("pl", context + [8, 10], max_tokens=1)) == 0
+    # nothing cached: a prompt-logprob request follows one routed before it that wanted as many
+    # alternatives, not a plain one (whose rank is within the slack: it would have gone there)
+    fresh = list(range(200, 224))
+    assert rank_of(make_req("p0", fresh + [1], max_tokens=1)) == 0  # loads 1 / 1: the lower index
+    assert rank_of(make_req("l0", fresh + [2], prompt_logprobs=2, max_tokens=1)) == 1  # not p0's rank
+    assert rank_of(make_req("l1", fresh + [3], prompt_logprobs=1, max_tokens=1)) == 1  # l0's (2 >= 1)
+    assert rank_of(make_req("l2", fresh + [4], prompt_logprobs=3, max_tokens=1)) == 0  # none had 3
+
+
 @pytest.fixture(scope="module")
 def workload():
     torch.manual_seed(5)
