@@ -18,7 +18,7 @@ from server.completions import prompt_logprob_rows
 from server.errors import APIError, param_of
 from server.frontend_options import reserved_template_kwargs
 from server.handler import finite, respond, response_id, sampling_params, usage_of
-from server.reasoning import ThinkParser, split_reasoning, thinks
+from server.reasoning import ThinkParser, TokenMask, split_reasoning, thinks
 from server.tool_calls import Delta, ToolCallParser, call_id, forced_calls, parse_tool_calls
 
 logger = logging.getLogger(__name__)
@@ -105,7 +105,11 @@ class ChatBuilder:
         self._tool_parsers: dict[int, ToolCallParser] = {}
         self._forced_text: dict[int, str] = {}  # choice index -> constrained output so far
         self._called: set[int] = set()  # choice indices whose calls the auto parser found
-        self._lp_parsers: dict[int, ThinkParser] = {}  # choice index -> its tokens' reasoning split (_shown)
+        # include_reasoning false with logprobs or return_token_ids: each choice's tokens go through
+        # a TokenMask, and a stream holds back those it has not decided yet ((id, logprobs) each)
+        self._hides = self.think and not req.include_reasoning and bool(req.logprobs or req.return_token_ids)
+        self._masks: dict[int, TokenMask] = {}
+        self._undecided: dict[int, list[tuple[int, TokenLogprobs | None]]] = {}
         self.as_token_ids = state.frontend.as_token_ids(req)  # logprobs name tokens "token_id:N"
 
     def chunk_usage(self, index: int, final: RequestOutput) -> dict:
@@ -158,33 +162,28 @@ class ChatBuilder:
                 self._called.add(index)
         if self.echoed:
             message["content"] = self.echoed + (message["content"] or "")
-        ids = list(o.token_ids)
-        keep = self._shown_mask(ids)
-        choice = {"index": index, "message": message,
-                  "logprobs": self.logprobs(_lps_kept(list(o.logprobs or []), ids, keep)),
+        ids, lps = self._shown(TokenMask(self.state.token_str), [], list(o.token_ids), list(o.logprobs or []),
+                               final=True)
+        choice = {"index": index, "message": message, "logprobs": self.logprobs(lps),
                   "finish_reason": self._finish_reason(index, o.finish_reason),
                   "stop_reason": o.stop_reason}
         if self.req.return_token_ids:
-            choice["token_ids"] = _kept(ids, keep)
+            choice["token_ids"] = ids
         return choice
 
-    def _shown_mask(self, token_ids: list[int], parser: ThinkParser | None = None,
-                    final: bool = True) -> list[bool] | None:
-        """Which of these tokens include_reasoning false leaves shown (None: all), so that the
-        hidden reasoning cannot be read back from its tokens' logprobs or ids: a token whose own
-        text (its token string, fed to `parser` token by token) is reasoning and no content is
-        left out. A whole answer runs its tokens through a new parser; a stream feeds the
-        choice's own parser each chunk's tokens (`final`: the last chunk, which flushes it), so
-        both leave out the same tokens whatever the chunks and the detokenizer hold back."""
-        if not self.think or self.req.include_reasoning:
-            return None
-        parser, keep = parser or ThinkParser(), []
-        for i, tid in enumerate(token_ids):
-            reasoning, content = parser.feed(self.state.token_str(tid))
-            if final and i == len(token_ids) - 1:
-                reasoning, content = (a + b for a, b in zip((reasoning, content), parser.finish()))
-            keep.append(bool(content) or not reasoning)
-        return keep
+    def _shown(self, mask: TokenMask, undecided: list, ids: list[int], lps: list[TokenLogprobs],
+               final: bool) -> tuple[list[int], list[TokenLogprobs]]:
+        """The ids and logprobs that include_reasoning false leaves shown (all of them without
+        it), out of a choice's `undecided` tokens (updated in place) and these new ones: those
+        `mask` decides now, the rest kept for later. A whole answer passes them all with `final`;
+        a stream each chunk's, so both show the same tokens whatever the chunks."""
+        if not self._hides:
+            return ids, lps
+        undecided += zip(ids, _aligned(lps, ids))
+        keep = mask.feed(ids, final)
+        decided, undecided[:] = undecided[:len(keep)], undecided[len(keep):]
+        shown = [item for item, k in zip(decided, keep) if k]
+        return [t for t, _ in shown], [lp for _, lp in shown if lp is not None]
 
     def _delta(self, index: int, new_text: str, finished: bool) -> tuple[dict, bool]:
         """The message delta of new text: content, or reasoning then content when thinking;
@@ -260,11 +259,10 @@ class ChatBuilder:
         # empty delta), and with logprobs; none for reasoning that include_reasoning false leaves
         # out (its logprobs and ids neither), as vLLM sends none; with return_token_ids for every
         # output with new tokens shown.
-        step_ids = list(o.delta_token_ids)  # every token of the step feeds the choice's parser
-        keep = self._shown_mask(step_ids, self._lp_parsers.setdefault(index, ThinkParser()), finish is not None) \
-            if self.req.logprobs or self.req.return_token_ids else None
-        shown = _lps_kept(list(new_lps), step_ids, keep)
-        new_ids = _kept(step_ids, keep) if self.req.return_token_ids else []
+        shown_ids, shown = self._shown(self._masks.setdefault(index, TokenMask(self.state.token_str)),
+                                       self._undecided.setdefault(index, []), list(o.delta_token_ids),
+                                       list(new_lps), final=finish is not None)
+        new_ids = shown_ids if self.req.return_token_ids else []
         if ((new_text or new_lps) and not hidden) or new_ids or finish is not None:
             out.append({"index": index, "delta": delta,
                         "logprobs": self.logprobs(shown) if shown else None,
@@ -355,21 +353,18 @@ async def chat_inputs(state, req: ChatCompletionRequest) -> tuple[SamplingParams
     return params, prompt_ids
 
 
-def _kept(items: list, keep: list[bool] | None) -> list:
-    """`items` where `keep` says so (all of them for None)."""
-    return items if keep is None else [x for x, k in zip(items, keep) if k]
-
-
-def _lps_kept(lps: list[TokenLogprobs], ids: list[int], keep: list[bool] | None) -> list[TokenLogprobs]:
-    """The logprobs of the tokens of `ids` that `keep` keeps: each entry is matched to its token
-    in order (the engine leaves out a token's entry where it has none, so they may be fewer)."""
-    if keep is None:
+def _aligned(lps: list[TokenLogprobs], ids: list[int]) -> list[TokenLogprobs | None]:
+    """The logprobs entry of each token of `ids` (None where it has none): position by position
+    when there is one a token; else each entry matched to its token in order (the engine leaves
+    out a token's entry where it has none)."""
+    if len(lps) == len(ids):
         return lps
-    out, j = [], 0
+    out: list[TokenLogprobs | None] = [None] * len(ids)
+    j = 0
     for lp in lps:
         while j < len(ids) and ids[j] != lp.token_id:
             j += 1
-        if j < len(ids) and keep[j]:
-            out.append(lp)
+        if j < len(ids):
+            out[j] = lp
         j += 1
     return out

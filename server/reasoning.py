@@ -15,6 +15,9 @@ whole text at once is feeding it as one chunk, so streamed and whole responses a
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
+
 START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "deepseek_v3")
 
@@ -78,6 +81,69 @@ class ThinkParser:
         """Flush what was held back at the end of the output: it was not a tag."""
         rest, self._pending = self._pending, ""
         return ("", rest) if self._phase == "content" else (rest, "")
+
+    @property
+    def phase(self) -> str:
+        return self._phase
+
+    @property
+    def held(self) -> int:
+        """Characters fed and not yet decided."""
+        return len(self._pending)
+
+
+class TokenMask:
+    """Which of one choice's tokens a response that leaves its reasoning out (include_reasoning
+    false) may still show, with their logprobs and ids: the hidden reasoning must not be readable
+    from them. Each token's text (`token_str`) goes through a ThinkParser token by token; as the
+    parser decides its characters (reasoning, content, or a tag's), the token is decided: left
+    out when any of its characters is reasoning and none is content (a tag's own tokens are
+    shown, as a stream sends their empty deltas). A token whose text the parser holds back (a
+    possible "</think>": "<", "</th") waits until the parser decides it, so `feed` decides the
+    oldest undecided tokens, as many as it can (with `final`: every one). Fed the same tokens,
+    whole or in any chunks, it decides the same."""
+
+    def __init__(self, token_str: Callable[[int], str]) -> None:
+        self._token_str, self._parser = token_str, ThinkParser()
+        self._runs: deque[list] = deque()  # decided characters not yet matched to tokens: [kind, count]
+        self._open: deque[list] = deque()  # undecided tokens: [characters left, any reasoning, any content]
+
+    def feed(self, token_ids: list[int], final: bool = False) -> list[bool]:
+        """Decisions (True: shown) for the oldest undecided tokens, in order, after these."""
+        p = self._parser
+        for tid in token_ids:
+            text = self._token_str(tid)
+            phase, held = p.phase, p.held
+            r, c = p.feed(text)
+            self._open.append([len(text), False, False])
+            # decided now, in order: a start tag, reasoning, the end tag, content
+            tags = held + len(text) - p.held - len(r) - len(c)
+            end = len(END) if phase != "content" and p.phase == "content" else 0
+            self._runs.extend([["t", tags - end], ["r", len(r)], ["t", end], ["c", len(c)]])
+        if final:
+            r, c = p.finish()
+            self._runs.extend([["r", len(r)], ["c", len(c)]])
+        return self._decide()
+
+    def _decide(self) -> list[bool]:
+        out = []
+        while self._open:
+            tok = self._open[0]
+            while tok[0] and self._runs:
+                run = self._runs[0]
+                n = min(tok[0], run[1])
+                if n:
+                    tok[1] |= run[0] == "r"
+                    tok[2] |= run[0] == "c"
+                tok[0] -= n
+                run[1] -= n
+                if not run[1]:
+                    self._runs.popleft()
+            if tok[0]:
+                break  # some of its characters are still held back
+            self._open.popleft()
+            out.append(tok[2] or not tok[1])
+        return out
 
 
 def split_reasoning(text: str) -> tuple[str | None, str | None]:

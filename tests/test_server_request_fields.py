@@ -224,6 +224,25 @@ def test_left_out_reasoning_has_no_token_ids_streamed_or_whole(r1, logprobs):
     assert shown["token_ids"] == r1.engine.script[:n]
 
 
+def test_left_out_reasoning_that_looks_like_a_tag_start_stays_out(r1):
+    """Reasoning holding "</p>" and "<": the parser holds those tokens back as a possible
+    "</think>", then decides them as reasoning; their logprobs and ids stay out, whole and
+    streamed (they were shown before they were decided); the real tag's tokens are shown."""
+    tok, script = r1.engine.tokenizer, r1.engine.script
+    r1.engine.script = tok("Close it with </p> and a < b.</think>" + CONTENT, add_special_tokens=False)["input_ids"]
+    try:
+        body = {**CHAT, "max_tokens": len(r1.engine.script), "include_reasoning": False, "logprobs": True,
+                "return_token_ids": True}
+        whole = post(r1, "/v1/chat/completions", body).json()["choices"][0]
+        chunks = [c["choices"][0] for c in stream_chat(r1, body) if c["choices"]]
+    finally:
+        r1.engine.script = script
+    assert whole["token_ids"] == [t for c in chunks for t in c.get("token_ids") or []]
+    assert whole["logprobs"]["content"] == [e for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert tok.decode(whole["token_ids"]) == "</think>" + CONTENT
+    assert "".join(e["token"] for e in whole["logprobs"]["content"]) == "</think>" + CONTENT
+
+
 def test_left_out_reasoning_held_back_by_the_detokenizer_has_no_logprobs(r1):
     """Reasoning with multi-byte characters: the stream's detokenizer holds back their partial
     bytes (chunks with no text), yet those tokens' logprobs stay out as in the whole answer."""
