@@ -171,7 +171,7 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         """Forget every DP rank's cached blocks (scheduler/block_manager.py); returns how many."""
-        n = sum(s.block_manager.reset_prefix_cache() for s in getattr(self.scheduler, "schedulers", [self.scheduler]))
+        n = sum(s.block_manager.reset_prefix_cache() for s in self.scheduler.schedulers)
         log.info("prefix cache reset: %d cached blocks forgotten", n)
         return n
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from common.args import EngineArgs
 from engine.core import EngineCore
-from engine.data_parallel import summed_stats
+from engine.data_parallel import DataParallelScheduler, summed_stats
 from models.config import ModelConfig
 from scheduler.outputs import EngineCoreOutput
 
@@ -120,7 +120,7 @@ def core_main(args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None, cmd_
         _send(out_conn, ("ready", CoreInfo(core.max_model_len,
                                            core.scheduler.config.capacity_tokens,
                                            core.scheduler.stats.num_total_blocks,
-                                           len(getattr(core.scheduler, "schedulers", [None])))))
+                                           len(core.scheduler.schedulers))))
         sender = _Sender(out_conn)
         _loop(core, _Receiver(cmd_conn), sender)
     except (EOFError, BrokenPipeError):
@@ -276,10 +276,10 @@ def _report(core, sender: _Sender, outs: list[EngineCoreOutput], steps: int,
     """Queue one output message: the outputs and the scheduler's counters (the sender thread
     encodes and writes it)."""
     sched = core.scheduler
-    if not hasattr(sched, "stats_per_engine"):
+    if not isinstance(sched, DataParallelScheduler):
         sender.put(("outputs", (outs, _core_stats(sched.stats, core.num_compiling, steps, step_tokens))))
         return
-    # engine/data_parallel.DataParallelScheduler: each DP rank's counts, read once, and their sum
+    # each DP rank's counts, read once, and their sum
     parts = sched.stats_per_engine
     step_parts = core.step_tokens_per_engine if step_tokens else None
     stats = _core_stats(summed_stats(parts), core.num_compiling, steps, step_tokens)

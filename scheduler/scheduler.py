@@ -109,6 +109,11 @@ class Scheduler:
         return bool(self.requests)
 
     @property
+    def schedulers(self) -> list[Scheduler]:
+        """Each DP rank's scheduler: this one alone (engine/data_parallel.py's has one a rank)."""
+        return [self]
+
+    @property
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
         return SchedulerStats(len(self.running), len(self.waiting), bm.num_free_blocks,
