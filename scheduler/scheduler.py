@@ -131,9 +131,9 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         spec_tokens: dict[str, list[int]] = {}
         preempted_now = False
-        # prompt blocks this step computes (not cached yet: scheduler/prefix_reuse.py) -> whether a
-        # prompt-logprob request computes it
-        computing: dict[bytes, bool] = {}
+        # prompt blocks this step computes (not cached yet: scheduler/prefix_reuse.py) -> the most
+        # alternatives a prompt-logprob request computing it wants (NO_LOGPROBS: none)
+        computing: dict[bytes, int] = {}
 
         # Running requests, oldest first. Under fcfs victims come from the end of the list, i.e.
         # from those not yet scheduled this step; under priority the lowest in priority order,

@@ -117,6 +117,24 @@ def test_a_prompt_logprob_request_waits_only_for_blocks_that_keep_logprobs():
         assert results[rid][0].prompt_logprobs == alone(reqs[rid], 1, block_size=16), rid
 
 
+def test_a_prompt_logprob_request_waits_only_for_records_of_enough_alternatives():
+    """Behind a prompt-logprob request with 1 alternative, one that wants 2 does not wait (the
+    records will not cover it: it would compute the blocks anyway, a step later); one that wants
+    1 behind one with 2 does."""
+    cfg = SchedulerConfig(max_num_batched_tokens=512, num_blocks=128, block_size=16)
+    sched, runner = Scheduler(cfg), FakeRunner(cfg)
+    rng = random.Random(3)
+    shared, other = [rng.randrange(VOCAB) for _ in range(96)], [rng.randrange(VOCAB) for _ in range(96)]
+    for rid, prompt, k in (("one", shared + [1], 1), ("two", shared + [2], 2),
+                           ("two'", other + [1], 2), ("one'", other + [2], 1)):
+        sched.add_request(make_req(rid, prompt, prompt_logprobs=k, max_tokens=1))
+    results: dict = {}
+    so, _ = step(sched, runner, results)
+    assert set(so.num_scheduled_tokens) == {"one", "two", "two'"}  # one' waits for two''s blocks
+    so, _ = step(sched, runner, results)
+    assert so.num_scheduled_tokens == {"one'": 97 - 80}  # 6 kept blocks: 5 taken, 1 computed again
+
+
 def make_llm(path, **kw):
     return LLM(path, device="cpu", dtype="float32", **({"num_kv_blocks": 256, "block_size": 4} | kw))
 
