@@ -102,7 +102,10 @@ def _propose(runner, pending, accepted: dict[str, int], run_layer) -> dict[str, 
     mb = runner.prepare(toks, ctxs, tables, rids)
     index = to_device([r for rid in mb.order for r in rows[rid]], torch.int64, hidden.device)
     out = run_layer(mb, hidden[index])
-    sampled = set(accepted)
+    # a constrained request drafts nothing: its grammar must see each token before the next is
+    # allowed (the n-gram path's rule, ModelRunner._propose); its rows still fill the layer's cache
+    constrained = {rid for rid in accepted if runner.requests[rid].params.structured_outputs is not None}
+    sampled = set(accepted) - constrained
     ends, lasts, pos = [], [], {}
     row = 0
     for rid, n, ctx in zip(mb.order, mb.query_lens, mb.context_lens):
@@ -111,7 +114,7 @@ def _propose(runner, pending, accepted: dict[str, int], run_layer) -> dict[str, 
             lasts.append(row + n - 1)
             pos[rid] = ctx + n  # the position of the first draft's input (the sampled token)
         row += n
-    drafts: dict[str, list[int]] = {rid: [] for rid in ends}
+    drafts: dict[str, list[int]] = {rid: [] for rid in (*ends, *constrained)}
     if not ends:
         return drafts
     h = out[to_device(lasts, torch.int64, out.device)]

@@ -181,3 +181,32 @@ def test_mtp_under_data_parallelism(tiny_mtp):
     got, s, _ = generate(path, speculative_config={"method": "mtp", "num_speculative_tokens": 2},
                          max_num_batched_tokens=16, data_parallel_size=2, enable_expert_parallel=True)
     assert got == ref and s.spec.num_accepted_tokens > 0, s.spec
+
+
+@pytest.mark.parametrize("spec", [{"method": "mtp", "num_speculative_tokens": 2},
+                                  {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}],
+                         ids=["mtp", "ngram"])
+def test_constrained_requests_draft_nothing_beside_ones_that_do(spec):
+    """Structured outputs under speculation: a constrained request gets no drafts (its grammar
+    must see each token before the next is allowed), so its output is the one without
+    speculation; the unconstrained request beside it still drafts. MTP drafted for every request
+    and constrained ones failed ("the constraint could not be followed")."""
+    from common.sampling_params import StructuredOutputs
+    from tests.server_fixtures import TINY_MODEL
+    prompt = "Question: Tom has 3 apples and buys 5 more. How many apples does he have?\nAnswer:"
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputs(kind, arg))
+              for kind, arg in (("regex", "[0-9]{1,3} (apples|pears)"), ("choice", '["yes", "eight apples"]'),
+                                ("json_object", ""))]
+    params.append(SamplingParams(temperature=0, max_tokens=40))
+    outs = {}
+    for name, sc in (("plain", None), ("spec", spec)):
+        llm = LLM(str(TINY_MODEL), device="cpu", dtype="float32", speculative_config=sc)
+        try:
+            outs[name] = [(o.outputs[0].text, o.outputs[0].finish_reason) for o in llm.generate([prompt] * 4, params)]
+            drafted = llm.scheduler.stats.spec
+        finally:
+            llm.engine.shutdown()
+    assert outs["spec"] == outs["plain"]
+    assert [f for _, f in outs["spec"][:2]] == ["stop"] * 2  # the regex and the choice completed
+    assert drafted.num_draft_tokens > 0  # the unconstrained request drafted
+
