@@ -188,18 +188,21 @@ class ChatBuilder:
     def _delta(self, index: int, new_text: str, finished: bool) -> tuple[dict, bool]:
         """The message delta of new text: content, or reasoning then content when thinking;
         tool calls out of the content when the request has tools. Second: whether the text was
-        all reasoning that include_reasoning false leaves out (the delta is then empty)."""
-        reasoning, content = "", new_text
+        all reasoning that include_reasoning false leaves out (the delta is then empty), or text
+        the parser holds back while still in the reasoning (a chunk for it would tell how often
+        the hidden reasoning holds a possible tag's start, "<" or "</")."""
+        reasoning, content, in_reasoning = "", new_text, False
         if self.think:
             parser = self._parsers.setdefault(index, ThinkParser())
             reasoning, content = parser.feed(new_text)
             if finished:
                 tail_reasoning, tail_content = parser.finish()
                 reasoning, content = reasoning + tail_reasoning, content + tail_content
+            in_reasoning = parser.phase != "content"
         delta = {}
         if reasoning and self.req.include_reasoning:
             delta["reasoning_content"] = delta["reasoning"] = reasoning
-        hidden = bool(reasoning) and not self.req.include_reasoning
+        hidden = (bool(reasoning) or in_reasoning) and not self.req.include_reasoning
         calls = []
         if self.has_tools:
             content, calls = self._tool_delta(index, content, finished)
@@ -257,13 +260,13 @@ class ChatBuilder:
             else ({}, False)
         # A chunk for every output with new text, even while a possible tag is held back (an
         # empty delta), and with logprobs; none for reasoning that include_reasoning false leaves
-        # out (its logprobs and ids neither), as vLLM sends none; with return_token_ids for every
-        # output with new tokens shown.
+        # out, nor for text held back inside it (its logprobs and ids neither), as vLLM sends
+        # none; with return_token_ids or logprobs for every output with tokens shown.
         shown_ids, shown = self._shown(self._masks.setdefault(index, TokenMask(self.state.token_str)),
                                        self._undecided.setdefault(index, []), list(o.delta_token_ids),
                                        list(new_lps), final=finish is not None)
         new_ids = shown_ids if self.req.return_token_ids else []
-        if ((new_text or new_lps) and not hidden) or new_ids or finish is not None:
+        if (new_text and not hidden) or shown or new_ids or finish is not None:
             out.append({"index": index, "delta": delta,
                         "logprobs": self.logprobs(shown) if shown else None,
                         "finish_reason": self._finish_reason(index, finish),

@@ -98,7 +98,8 @@ class TokenMask:
     from them. Each token's text (`token_str`) goes through a ThinkParser token by token; as the
     parser decides its characters (reasoning, content, or a tag's), the token is decided: left
     out when any of its characters is reasoning and none is content (a tag's own tokens are
-    shown, as a stream sends their empty deltas). A token whose text the parser holds back (a
+    shown). A token without text counts as reasoning until the content begins. A token whose
+    text the parser holds back (a
     possible "</think>": "<", "</th") waits until the parser decides it, so `feed` decides the
     oldest undecided tokens, as many as it can (with `final`: every one). Fed the same tokens,
     whole or in any chunks, it decides the same."""
@@ -115,7 +116,9 @@ class TokenMask:
             text = self._token_str(tid)
             phase, held = p.phase, p.held
             r, c = p.feed(text)
-            self._open.append([len(text), False, False])
+            # a token without text (an id past the tokenizer's vocabulary decodes to "") is
+            # decided by where it stands: reasoning unless the content has begun
+            self._open.append([len(text), not text and p.phase != "content", False])
             # decided now, in order: a start tag, reasoning, the end tag, content
             tags = held + len(text) - p.held - len(r) - len(c)
             end = len(END) if phase != "content" and p.phase == "content" else 0

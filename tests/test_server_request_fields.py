@@ -172,15 +172,23 @@ def test_include_reasoning_false_leaves_only_the_content(r1):
     assert (joined(chunks, "reasoning"), joined(chunks, "reasoning_content")) == (None, None)
     assert joined(chunks, "content") == CONTENT
 
-    # the left-out reasoning sends no chunks: the only empty deltas are those of the held-back
-    # tag, as many as with the reasoning sent
+    # the left-out reasoning sends no chunks, nor does text held back inside it (a possible tag's
+    # start): reasoning with more "<" in it sends as many chunks, with logprobs or without; the
+    # one empty delta is the closing tag's
     def empty(cs):
         return sum(1 for c in cs if c["choices"] and c["choices"][0]["delta"] == {}
                    and c["choices"][0]["finish_reason"] is None)
-    assert empty(chunks) == empty(stream_chat(r1, {**body, "include_reasoning": True}))
-    # nor with logprobs: the left-out tokens' chunks are not sent for their logprobs either
-    with_lps = {**body, "logprobs": True}
-    assert empty(stream_chat(r1, with_lps)) == empty(stream_chat(r1, {**with_lps, "include_reasoning": True}))
+    assert empty(chunks) == 1 < empty(stream_chat(r1, {**body, "include_reasoning": True}))
+    tok, script = r1.engine.tokenizer, r1.engine.script
+    counts = []
+    for reasoning in ("Let me see: a b c d.", "Let me see: a<b</c<d."):
+        r1.engine.script = tok(reasoning + "</think>" + CONTENT, add_special_tokens=False)["input_ids"]
+        try:
+            counts.append([len(stream_chat(r1, {**body, "max_tokens": len(r1.engine.script), "logprobs": lps}))
+                           for lps in (False, True)])
+        finally:
+            r1.engine.script = script
+    assert counts[0] == counts[1], counts
 
 
 @pytest.mark.parametrize("upto", [None, "inside"])

@@ -37,8 +37,10 @@ CASES = [
     (["x</think", ">y"], [False, True]),
     # a leading <think> (and whitespace) is a tag: shown; reasoning after it is not
     (["\n", "<think>", "r", "</think>", "c"], [True, True, False, True, True]),
-    # an output that never closes the tag is reasoning only; an empty token is nobody's
-    (["r", "", "s"], [False, True, False]),
+    # an output that never closes the tag is reasoning only; a token without text (an id past
+    # the tokenizer's vocabulary) is reasoning inside it, content after it
+    (["r", "", "s"], [False, False, False]),
+    (["r", "", "</think>", "", "c"], [False, False, True, True, True]),
 ]
 
 
