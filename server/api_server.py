@@ -195,6 +195,9 @@ def build_app(engine, args=None) -> FastAPI:
 
     responses.install(v1, state, args)  # /v1/responses and its stored responses' routes
     app.include_router(v1)
+    # every route with its full path, for a 405's Allow header (server/errors.py): newer FastAPI
+    # keeps an included router whole in app.router.routes
+    app.state.method_routes = lambda: [*v1.routes, *app.router.routes]
 
     async def health() -> Response:
         if engine.errored:

@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,18 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 def error_response(status: int, message: str, param: str | None = None,
                    code: str | None = None) -> JSONResponse:
     return JSONResponse(error_body(status, message, param, code), status_code=status)
+
+
+def _allowed_methods(request: Request) -> set[str]:
+    """The methods of every route whose path matches the request's (a route per method, as
+    /health's GET and HEAD, each matches the path alone); `app.state.method_routes` lists the
+    routes of included routers too (server/api_server.py)."""
+    listed = getattr(request.app.state, "method_routes", None)
+    methods: set[str] = set()
+    for route in listed() if listed is not None else request.app.router.routes:
+        if getattr(route, "methods", None) and route.matches(request.scope)[0] != Match.NONE:
+            methods |= route.methods
+    return methods
 
 
 def param_of(message: str) -> str | None:
@@ -117,7 +130,10 @@ def install_error_handlers(app: FastAPI) -> None:
             msg = f"method {request.method} is not allowed on {_shown(request.url.path)}"
         elif exc.status_code == 400 and msg == "There was an error parsing the body":
             msg = body_parse_error(exc.__cause__)  # FastAPI raises it from the parser's error
-        return error_response(exc.status_code, msg)
+        response = error_response(exc.status_code, msg)
+        if exc.status_code == 405:  # RFC 9110: a 405 lists the methods the path allows
+            response.headers["Allow"] = ", ".join(sorted(_allowed_methods(request)))
+        return response
 
     @app.exception_handler(Exception)
     async def _fault(request: Request, exc: Exception) -> JSONResponse:

@@ -70,6 +70,10 @@ def test_version_and_ping(client_for):
                 assert (await c.request(method, "/ping")).status_code == 200
             head = await c.head("/health")  # load balancers' probe: the status, no body
             assert head.status_code == 200 and head.content == b""
+            for method, path, allow in (("POST", "/health", "GET, HEAD"), ("PUT", "/ping", "GET, POST"),
+                                        ("GET", "/v1/completions", "POST")):
+                r = await c.request(method, path)  # a 405 names the methods the path has (RFC 9110)
+                assert (r.status_code, r.headers.get("allow")) == (405, allow), (method, path)
             engine.errored = True
             assert (await c.get("/ping")).status_code == 503
             assert (await c.head("/health")).status_code == 503
