@@ -249,8 +249,9 @@ async def create_completion(state, req: CompletionRequest, raw: Request) -> Resp
     req.apply_defaults(state.request_defaults)
     state.limits.check(len(req.prompts()), req.n, req.stop,
                        {"logprobs": req.logprobs, "prompt_logprobs": req.prompt_logprobs})
+    # the answer spells the prompt's logprobs out once for echo and once for prompt_logprobs
     wanted = [v for v in (req.prompt_logprobs, req.logprobs if req.echo else None) if v is not None]
-    state.limits.check_prompt_logprobs(req.prompts(), max(wanted, default=None),
+    state.limits.check_prompt_logprobs(req.prompts(), wanted,
                                        "prompt_logprobs" if req.prompt_logprobs is not None else "echo", req.n)
     params = await sampling_params(req, state.tokenizer)
     return await respond(state, raw, req, req.prompts(), params, response_id("cmpl-", raw, req),

@@ -67,18 +67,22 @@ class ServerLimits:
             raise APIError(400, f"stop: a stop string of {longest} characters; at most "
                            f"{self.max_stop_str_len} (--max-stop-str-len)", param="stop")
 
-    def check_prompt_logprobs(self, prompts: list, k: int | None, field: str, n: int = 1) -> None:
-        """400 when the prompts' logprob entries (tokens x (k + 1), n times where each of the n
-        choices of a prompt carries its prompt's, as completions' do) may exceed max_prompt_logprob_entries;
-        a text prompt counts its UTF-8 bytes + 2 (a byte-fallback tokenizer makes at most a token a
-        byte, plus BOS / EOS: an upper bound; exact for ids)."""
-        if k is None:
+    def check_prompt_logprobs(self, prompts: list, k: int | list[int] | None, field: str, n: int = 1) -> None:
+        """400 when the prompts' logprob entries (tokens x (k + 1), summed over the fields that
+        spell them out, as echo's logprobs and prompt_logprobs both do in one completions answer;
+        n times where each of the n choices of a prompt carries its prompt's, as completions' do)
+        may exceed max_prompt_logprob_entries; a text prompt counts its UTF-8 bytes + 2 (a
+        byte-fallback tokenizer makes at most a token a byte, plus BOS / EOS: an upper bound; exact
+        for ids)."""
+        ks = [k] if isinstance(k, int) else list(k or [])
+        if not ks:
             return
         tokens = sum(len(p.encode("utf-8")) + 2 if isinstance(p, str) else len(p) for p in prompts)
-        entries = tokens * (k + 1) * n
+        per_token = sum(x + 1 for x in ks)
+        entries = tokens * per_token * n
         if entries > self.max_prompt_logprob_entries:
             per = f" x n = {n} choices" if n > 1 else ""
-            raise APIError(400, f"{field}: {tokens} prompt tokens (at most, for text) x {k + 1} logprob "
+            raise APIError(400, f"{field}: {tokens} prompt tokens (at most, for text) x {per_token} logprob "
                            f"entries each{per} = {entries}; at most {self.max_prompt_logprob_entries} per "
                            f"request (--max-prompt-logprob-entries): send fewer prompts or choices per request",
                            param=field)

@@ -97,6 +97,13 @@ def test_prompt_logprob_volume_is_bounded(server):
     err = assert_error(post(server, "/v1/completions", {"prompt": four, "n": 128, "max_tokens": 1, "echo": True,
                                                        "logprobs": 20}), 400, "echo")
     assert "n = 128 choices" in err["message"]
+    # echo's logprobs and prompt_logprobs each spell the prompt's out: both count (2 x 21 entries
+    # a token here: within the bound alone, over it together)
+    prompts = [[7] * 200] * (limit // (200 * 40))
+    ServerLimits().check_prompt_logprobs(prompts, [20], "prompt_logprobs")  # alone: within
+    both = {"prompt": prompts, "max_tokens": 1, "echo": True, "logprobs": 20, "prompt_logprobs": 20}
+    err = assert_error(post(server, "/v1/completions", both), 400, "prompt_logprobs")
+    assert "x 42 logprob entries" in err["message"]
 
 
 def test_stop_token_ids_are_bounded(server):
