@@ -99,10 +99,9 @@ class TokenMask:
     parser decides its characters (reasoning, content, or a tag's), the token is decided: left
     out when any of its characters is reasoning and none is content (a tag's own tokens are
     shown). A token without text counts as reasoning until the content begins. A token whose
-    text the parser holds back (a
-    possible "</think>": "<", "</th") waits until the parser decides it, so `feed` decides the
-    oldest undecided tokens, as many as it can (with `final`: every one). Fed the same tokens,
-    whole or in any chunks, it decides the same."""
+    text the parser holds back (a possible "</think>": "<", "</th") waits until the parser
+    decides it, so `feed` decides the oldest undecided tokens, as many as it can (with `final`:
+    every one). Fed the same tokens, whole or in any chunks, it decides the same."""
 
     def __init__(self, token_str: Callable[[int], str]) -> None:
         self._token_str, self._parser = token_str, ThinkParser()
