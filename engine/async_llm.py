@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from common.args import EngineArgs
 from common.offload import off_loop
-from engine.core_client import CoreClient, EngineStartError
+from engine.core_client import CoreClient, CoreLink, EngineStartError
 from engine.core_proc import CoreStats
 from engine.llm import load_front_end
 from engine.outputs import RequestOutput
@@ -65,9 +65,10 @@ class EngineDeadError(RuntimeError):
 
 class AsyncLLM:
     """`core_in_thread=True` runs the engine core in a thread of this process instead (same
-    protocol; for tests and debugging)."""
+    protocol; for tests and debugging); `core_link` attaches to a core another process started
+    (one of several API server processes: server/api_servers.py)."""
 
-    def __init__(self, args: EngineArgs, core_in_thread: bool = False):
+    def __init__(self, args: EngineArgs, core_in_thread: bool = False, core_link: CoreLink | None = None):
         self.args = args
         self.model_config, self.inputs, self.outputs = load_front_end(args)
         self.tokenizer = self.outputs.tokenizer
@@ -97,7 +98,7 @@ class AsyncLLM:
         self._control_ids = itertools.count()
         self.core = CoreClient(args, self.model_config, self.inputs.eos_token_id,
                                self._on_core_outputs, self._on_core_death, self._on_refused,
-                               in_thread=core_in_thread, on_control=self._on_control)
+                               in_thread=core_in_thread, on_control=self._on_control, link=core_link)
         n, dp = self.core.info.num_blocks, self.core.info.num_engines
         per = [CoreStats(num_free_blocks=n // dp, num_total_blocks=n // dp) for _ in range(dp)] if dp > 1 else None
         self._core_stats = CoreStats(num_free_blocks=n, num_total_blocks=n, per_engine=per)

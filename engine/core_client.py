@@ -4,6 +4,11 @@ commands, hands its outputs to a callback, and reports its death.
 Two threads of the front end's process keep the pipes moving, so neither the event loop nor the
 core ever waits on the other: a writer thread batches queued commands into one message, a reader
 thread receives output messages and passes them on. See engine/core_proc.py for the protocol.
+
+Under --api-server-count N (server/api_servers.py) serve's parent process starts the core with N
+pipe pairs and each API server process attaches to its own (`CoreLink`): its engine request ids
+carry the server's index, so that ids chosen by different servers (a client's X-Request-Id) never
+meet in the core.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from common.args import EngineArgs
 from engine.core_proc import CoreInfo, CoreStats, core_main, decode_outputs
@@ -38,6 +44,19 @@ class EngineStartError(RuntimeError):
     """The engine core failed to start (bad model directory, flag, out of memory...)."""
 
 
+@dataclass
+class CoreLink:
+    """An API server's pipe pair to a core started by another process (server/api_servers.py)."""
+
+    cmd: object  # multiprocessing Connection, written
+    out: object  # multiprocessing Connection, read
+    index: int  # the API server's index: its engine request ids' prefix
+
+    @property
+    def prefix(self) -> str:
+        return f"{self.index}|"
+
+
 class CoreClient:
     """Starts the engine core and talks to it.
 
@@ -46,37 +65,29 @@ class CoreClient:
     own values could not run); `on_control((id, error, result))` there for the answer to a
     `profile` command; `on_death(message)` there once if the core dies.
     `in_thread=True` runs the same loop in a thread of this process (same protocol), for tests
-    and debugging; the default is a spawned process (CUDA-safe, its own GIL).
+    and debugging; the default is a spawned process (CUDA-safe, its own GIL). `link` attaches to a
+    core another process started instead (one of several API servers).
     """
 
     def __init__(self, args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None,
                  on_outputs: Callable[[list[EngineCoreOutput], CoreStats], None],
                  on_death: Callable[[str], None],
                  on_refused: Callable[[list[tuple[str, str]]], None] | None = None,
-                 in_thread: bool = False, on_control: Callable[[tuple], None] | None = None):
+                 in_thread: bool = False, on_control: Callable[[tuple], None] | None = None,
+                 link: CoreLink | None = None):
         self._on_outputs, self._on_death = on_outputs, on_death
         self._on_refused = on_refused or (lambda refused: None)
         self._on_control = on_control or (lambda answer: None)
-        ctx = mp.get_context("spawn")
-        cmd_r, self._cmd = ctx.Pipe(duplex=False)
-        self._out, out_w = ctx.Pipe(duplex=False)
         self.error: str | None = None
         self._closing = False
         self._polled_at, self._was_alive = float("-inf"), True
         self._commands: queue.Queue = queue.Queue()
-        core_args = (args, cfg, eos_token_id, cmd_r, out_w, not in_thread,
-                     logging.getLogger().getEffectiveLevel())
-        if in_thread:
-            self._proc = None
-            self._runner = threading.Thread(target=core_main, args=core_args, name="engine-core",
-                                            daemon=True)
-            self._runner.start()
+        self._prefix = link.prefix if link is not None else ""
+        self._proc = self._runner = None
+        if link is not None:
+            self._cmd, self._out = link.cmd, link.out
         else:
-            # Not a daemon: the core spawns the worker processes under -tp.
-            self._proc = ctx.Process(target=core_main, args=core_args, name="engine-core")
-            self._proc.start()
-            cmd_r.close()
-            out_w.close()
+            self._start(args, cfg, eos_token_id, in_thread)
         try:
             self.info = self._wait_ready()
         except EngineStartError:
@@ -92,8 +103,30 @@ class CoreClient:
         ref = weakref.ref(self)
         atexit.register(lambda: ref() is not None and ref().shutdown())
 
+    def _start(self, args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None,
+               in_thread: bool) -> None:
+        ctx = mp.get_context("spawn")
+        cmd_r, self._cmd = ctx.Pipe(duplex=False)
+        self._out, out_w = ctx.Pipe(duplex=False)
+        core_args = (args, cfg, eos_token_id, [cmd_r], [out_w], not in_thread,
+                     logging.getLogger().getEffectiveLevel())
+        if in_thread:
+            self._runner = threading.Thread(target=core_main, args=core_args, name="engine-core",
+                                            daemon=True)
+            self._runner.start()
+        else:
+            # Not a daemon: the core spawns the worker processes under -tp.
+            self._proc = ctx.Process(target=core_main, args=core_args, name="engine-core")
+            self._proc.start()
+            cmd_r.close()
+            out_w.close()
+
     def _alive(self) -> bool:
-        return self._proc.is_alive() if self._proc is not None else self._runner.is_alive()
+        """The core process or thread runs; attached (another process's child), the end of the
+        output pipe is the only sign of its death, and the reader reports it."""
+        if self._proc is not None:
+            return self._proc.is_alive()
+        return self._runner.is_alive() if self._runner is not None else self.error is None
 
     def _wait_ready(self) -> CoreInfo:
         while not self._out.poll(_START_POLL_S):
@@ -125,9 +158,13 @@ class CoreClient:
     # ---- commands (any thread; never blocks) ----
 
     def add(self, requests: list[tuple[str, list[int], object]]) -> None:
+        if self._prefix:
+            requests = [(self._prefix + rid, ids, p) for rid, ids, p in requests]
         self._commands.put(("add", requests))
 
     def abort(self, req_ids: list[str]) -> None:
+        if self._prefix:
+            req_ids = [self._prefix + rid for rid in req_ids]
         self._commands.put(("abort", req_ids))
 
     def reset_prefix_cache(self) -> None:
@@ -159,8 +196,13 @@ class CoreClient:
                 kind, payload = pickle.loads(self._out.recv_bytes())
                 if kind == "outputs":
                     rows, stats = payload
+                    if self._prefix:
+                        n = len(self._prefix)
+                        rows = [(r[0][n:], *r[1:]) for r in rows]  # req_id is the first field
                     self._on_outputs(decode_outputs(rows), stats)
                 elif kind == "refused":
+                    if self._prefix:
+                        payload = [(rid[len(self._prefix):], m) for rid, m in payload]
                     self._on_refused(payload)
                 elif kind == "control":
                     self._on_control(payload)
@@ -193,9 +235,11 @@ class CoreClient:
             if self._proc.is_alive():
                 log.warning("engine core did not stop in %.0f s; killing it", timeout)
                 self._kill()
-        else:
+        elif self._runner is not None:
             self._runner.join(max(0.0, end - time.monotonic()))
-        self._reader.join(1.0)
+        # attached, the core closes this server's output pipe once it has read the shutdown: the
+        # outputs it sent before arrive first
+        self._reader.join(1.0 if self._prefix == "" else 5.0)
 
     def _kill(self, grace_s: float = 0.0) -> None:
         self._closing = True

@@ -17,6 +17,14 @@ Two threads of the core process do the pipe work, so that the step loop never wa
 front end: a receiver reads and unpickles commands into a queue the loop drains between steps,
 a sender encodes, pickles and writes output messages.
 
+Clients: one front end (serve's HTTP process), or under --api-server-count N one per API server
+process (server/api_servers.py), each with its own pipe pair, receiver and sender thread. Each
+client's engine request ids are unique across clients (engine/core_client.py prefixes them), and
+each request's outputs and refusals go to the client that added it; every client gets the
+scheduler's counters with every message (its gauges and stall watchdog read them). A client's
+`shutdown`, or the end of its pipe, is its leaving: its requests are aborted and the others go on;
+the loop stops when every client has left.
+
 The core process builds the executor itself, so under -tp it is the parent of the worker
 processes (engine/multiproc.py); rank 0's output comes back to it as before.
 """
@@ -95,10 +103,10 @@ def _send(conn, msg) -> None:
     conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def core_main(args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None, cmd_conn, out_conn,
-              own_process: bool = True, log_level: int = logging.INFO) -> None:
-    """Entry point of the engine-core process (or thread): build the core, then step until told
-    to stop or the front end goes away."""
+def core_main(args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None, cmd_conns: list,
+              out_conns: list, own_process: bool = True, log_level: int = logging.INFO) -> None:
+    """Entry point of the engine-core process (or thread): build the core, then step until every
+    client (one pipe pair each: `cmd_conns[i]`, `out_conns[i]`) has left."""
     if own_process:
         # Ctrl-C reaches the whole process group; the front end decides when the core stops
         # (and the workers it spawns inherit the ignore, so they too wait to be told).
@@ -109,29 +117,31 @@ def core_main(args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None, cmd_
         core = EngineCore(args, cfg, eos_token_id, serving=True)
     except BaseException as e:  # noqa: BLE001 - any start-up failure goes to the user as one line
         log.debug("engine core failed to start", exc_info=True)
-        try:
-            _send(out_conn, ("error", f"{e}" if isinstance(e, (ValueError, OSError))
-                             else f"{type(e).__name__}: {e}"))
-        except OSError:
-            pass
+        message = f"{e}" if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}"
+        for conn in out_conns:
+            try:
+                _send(conn, ("error", message))
+            except OSError:
+                pass
         return
-    sender = None
+    clients = None
     try:
-        _send(out_conn, ("ready", CoreInfo(core.max_model_len,
-                                           core.scheduler.config.capacity_tokens,
-                                           core.scheduler.stats.num_total_blocks,
-                                           len(core.scheduler.schedulers))))
-        sender = _Sender(out_conn)
-        _loop(core, _Receiver(cmd_conn), sender)
-    except (EOFError, BrokenPipeError):
-        pass  # the front end is gone: nobody to report to
-    except BaseException as e:  # noqa: BLE001 - report any fault; the front end fails its requests
+        info = CoreInfo(core.max_model_len, core.scheduler.config.capacity_tokens,
+                        core.scheduler.stats.num_total_blocks, len(core.scheduler.schedulers))
+        for conn in out_conns:
+            try:
+                _send(conn, ("ready", info))
+            except OSError:
+                pass  # that client is gone already: its command pipe's end says so
+        clients = _Clients(out_conns)
+        _loop(core, _Receiver(cmd_conns), clients)
+    except BaseException as e:  # noqa: BLE001 - report any fault; the front ends fail their requests
         log.exception("engine core died")
-        if sender is not None:
-            sender.put(("dead", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        if clients is not None:
+            clients.broadcast(("dead", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
-        if sender is not None:
-            sender.close()
+        if clients is not None:
+            clients.close()
         core.shutdown()
 
 
@@ -158,58 +168,124 @@ class _Sender:
             try:
                 _send(self._conn, msg)
             except OSError:
-                return  # the front end is gone
+                break  # the front end is gone
+        self._conn.close()  # the front end's reader sees the end
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         self._queue.put(None)
-        self._thread.join(10.0)
+        if wait:
+            self._thread.join(10.0)
 
 
 class _Receiver:
-    """Reads and unpickles command messages on its own thread, so that the step loop never
-    waits on the pipe: a message the front end's writer thread has only partly written (it
-    shares its GIL with the busy event loop) would otherwise hold the loop in a read."""
+    """Reads and unpickles command messages on one thread per client, so that the step loop never
+    waits on a pipe: a message a front end's writer thread has only partly written (it shares its
+    GIL with the busy event loop) would otherwise hold the loop in a read."""
 
-    _EOF = object()
-
-    def __init__(self, conn):
-        self._conn = conn
+    def __init__(self, conns: list):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="engine-core-receiver", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, args=(c, conn), daemon=True,
+                                          name=f"engine-core-receiver-{c}")
+                         for c, conn in enumerate(conns)]
+        for t in self._threads:
+            t.start()
 
-    def _run(self) -> None:
+    def _run(self, client: int, conn) -> None:
         try:
             while True:
-                commands = pickle.loads(self._conn.recv_bytes())
-                self._queue.put(commands)
+                commands = pickle.loads(conn.recv_bytes())
+                self._queue.put((client, commands))
                 if any(kind == "shutdown" for kind, _ in commands):
                     return
         except (EOFError, OSError):
-            self._queue.put(self._EOF)  # the front end is gone
+            self._queue.put((client, None))  # that front end is gone
         except BaseException as e:  # noqa: BLE001 - an undecodable message: the loop raises it
-            self._queue.put(e)
+            self._queue.put((client, e))
 
-    def get(self, timeout: float) -> list:
-        """The next message's commands, waiting up to `timeout` s (0: not at all); raises
-        queue.Empty when none came, EOFError once the front end has gone."""
-        commands = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
-        if commands is self._EOF:
-            self._queue.put(self._EOF)
-            raise EOFError("the front end closed the command pipe")
+    def get(self, timeout: float) -> tuple[int, list | None]:
+        """The next message: (client, its commands), or (client, None) once that client's pipe
+        has ended; waits up to `timeout` s (0: not at all) and raises queue.Empty when none came."""
+        client, commands = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
         if isinstance(commands, BaseException):
             raise commands
-        return commands
+        return client, commands
 
 
-def _loop(core, receiver: _Receiver, sender: _Sender) -> None:
+class _Clients:
+    """The front ends the core serves, each with its sender thread; routes each request's outputs
+    and refusals to the client that added it (with one client, all go to it unexamined)."""
+
+    def __init__(self, out_conns: list):
+        self._senders = [_Sender(conn) for conn in out_conns]
+        self.multi = len(out_conns) > 1
+        self.present = set(range(len(out_conns)))
+        self._owner: dict[str, int] = {}  # engine request id -> client (multi only)
+
+    def added(self, client: int, req_ids) -> None:
+        if self.multi:
+            for rid in req_ids:
+                self._owner[rid] = client
+
+    def to(self, client: int, msg) -> None:
+        if client in self.present:
+            self._senders[client].put(msg)
+
+    def broadcast(self, msg) -> None:
+        for c in self.present:
+            self._senders[c].put(msg)
+
+    def outputs(self, outs: list[EngineCoreOutput], stats: CoreStats) -> None:
+        if not self.multi:
+            self._senders[0].put(("outputs", (outs, stats)))
+            return
+        parts: list[list] = [[] for _ in self._senders]
+        owner = self._owner
+        for o in outs:
+            c = owner.pop(o.req_id, None) if o.finish_reason is not None else owner.get(o.req_id)
+            if c is not None:  # None: its client has left
+                parts[c].append(o)
+        for c in self.present:
+            self._senders[c].put(("outputs", (parts[c], stats)))
+
+    def refused(self, client: int, refused: list[tuple[str, str]]) -> None:
+        """Requests the core would not take: to the client that added each (`client` for those
+        refused at once; -1 for grammars refused later, each to its owner)."""
+        if not self.multi:
+            self._senders[0].put(("refused", refused))
+            return
+        parts: dict[int, list] = {}
+        for rid, message in refused:
+            c = self._owner.pop(rid, client)
+            parts.setdefault(c, []).append((rid, message))
+        for c, part in parts.items():
+            self.to(c, ("refused", part))
+
+    def leave(self, client: int) -> list[str]:
+        """The client is gone: stop writing to it (what was queued is still sent); returns its
+        requests' ids, to abort."""
+        if client not in self.present:
+            return []
+        self.present.discard(client)
+        self._senders[client].close(wait=not self.present)  # the step loop waits only at the end
+        mine = [rid for rid, c in self._owner.items() if c == client]
+        for rid in mine:
+            del self._owner[rid]
+        return mine
+
+    def close(self) -> None:
+        for c in sorted(self.present):
+            self._senders[c].close()
+        self.present.clear()
+
+
+def _loop(core, receiver: _Receiver, clients: _Clients) -> None:
     steps = 0
     last_report = time.monotonic()
     while True:
         # Idle: wait for work (polling often while grammars compile). Busy: take the commands
         # that arrived, then step.
         busy = core.has_unfinished_requests()
-        got = _take_commands(core, receiver, sender,
+        got = _take_commands(core, receiver, clients,
                              0 if busy else _COMPILE_POLL_S if core.num_compiling else _IDLE_POLL_S)
         if got is None:
             return  # shutdown
@@ -217,7 +293,7 @@ def _loop(core, receiver: _Receiver, sender: _Sender) -> None:
         if core.num_compiling:
             refused = core.admit_compiled()
             if refused:
-                sender.put(("refused", refused))
+                clients.refused(-1, refused)
             # a long compile with nothing else to run: report anyway, so that the front end's
             # stall watchdog sees the core alive
             changed = changed or time.monotonic() - last_report > _IDLE_POLL_S
@@ -228,32 +304,38 @@ def _loop(core, receiver: _Receiver, sender: _Sender) -> None:
             step_tokens = core.step_tokens
             changed = True
         if changed:
-            _report(core, sender, outs, steps, step_tokens)
+            _report(core, clients, outs, steps, step_tokens)
             last_report = time.monotonic()
 
 
-def _take_commands(core, receiver: _Receiver, sender: _Sender,
+def _take_commands(core, receiver: _Receiver, clients: _Clients,
                    timeout: float) -> tuple[list[EngineCoreOutput], bool] | None:
     """Apply the commands that arrived (waiting up to `timeout` for the first): a bounded number
     of messages, so that a flood of arrivals cannot hold the step back. Returns the outputs of
-    aborts and whether anything arrived, or None on shutdown."""
+    aborts and whether anything arrived, or None once every client has left."""
     outs: list[EngineCoreOutput] = []
     changed = False
     for _ in range(_MAX_MESSAGES_PER_STEP):
         try:
-            commands = receiver.get(timeout)
+            client, commands = receiver.get(timeout)
         except queue.Empty:
             break
+        if commands is None or any(kind == "shutdown" for kind, _ in commands):
+            if _leave(core, clients, client, outs):
+                return None
+            changed, timeout = True, 0
+            continue
         for kind, payload in commands:
             if kind == "add":
                 refused = []
+                clients.added(client, [p[0] for p in payload])
                 for req_id, prompt_ids, params in payload:
                     try:
                         core.add_request(req_id, prompt_ids, params)
                     except ValueError as e:  # this request's own fault: it fails alone
                         refused.append((req_id, str(e)))
                 if refused:
-                    sender.put(("refused", refused))
+                    clients.refused(client, refused)
             elif kind == "abort":
                 outs += core.abort_requests(payload)
             elif kind == "reset_prefix_cache":  # before any request sent after it is admitted
@@ -262,22 +344,32 @@ def _take_commands(core, receiver: _Receiver, sender: _Sender,
                 cid, action = payload
                 try:
                     traces = core.profile.start() if action == "start" else core.profile.stop()
-                    sender.put(("control", (cid, None, traces)))
+                    clients.to(client, ("control", (cid, None, traces)))
                 except ValueError as e:  # misuse (not configured, already running, not running)
-                    sender.put(("control", (cid, str(e), None)))
-            elif kind == "shutdown":
-                return None
+                    clients.to(client, ("control", (cid, str(e), None)))
         changed, timeout = True, 0
     return outs, changed
 
 
-def _report(core, sender: _Sender, outs: list[EngineCoreOutput], steps: int,
+def _leave(core, clients: _Clients, client: int, outs: list[EngineCoreOutput]) -> bool:
+    """A client sent `shutdown` or its pipe ended: abort its requests (their outputs go nowhere);
+    True when it was the last one (the loop then stops, the requests with it)."""
+    mine = clients.leave(client)
+    if not clients.present:
+        return True
+    if mine:
+        log.info("API server %d left: %d of its engine requests aborted", client, len(mine))
+        core.abort_requests(mine)
+    return False
+
+
+def _report(core, clients: _Clients, outs: list[EngineCoreOutput], steps: int,
             step_tokens: int) -> None:
     """Queue one output message: the outputs and the scheduler's counters (the sender thread
     encodes and writes it)."""
     sched = core.scheduler
     if not isinstance(sched, DataParallelScheduler):
-        sender.put(("outputs", (outs, _core_stats(sched.stats, core.num_compiling, steps, step_tokens))))
+        clients.outputs(outs, _core_stats(sched.stats, core.num_compiling, steps, step_tokens))
         return
     # each DP rank's counts, read once, and their sum
     parts = sched.stats_per_engine
@@ -285,7 +377,7 @@ def _report(core, sender: _Sender, outs: list[EngineCoreOutput], steps: int,
     stats = _core_stats(summed_stats(parts), core.num_compiling, steps, step_tokens)
     stats.per_engine = [_core_stats(s, core.num_compiling if d == 0 else 0, steps, step_parts[d] if step_parts else 0)
                         for d, s in enumerate(parts)]
-    sender.put(("outputs", (outs, stats)))
+    clients.outputs(outs, stats)
 
 
 def _core_stats(s, compiling: int, steps: int, step_tokens: int) -> CoreStats:
