@@ -35,10 +35,11 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _draining_server(config):
+def _draining_server(config, signals=(signal.SIGINT, signal.SIGTERM)):
     """uvicorn's Server, but SIGTERM and SIGINT both drain and return so that the engine and its
     workers are stopped (uvicorn re-raises the signal after its shutdown, and a re-raised SIGTERM
-    ends the process on the spot). A second signal stops at once."""
+    ends the process on the spot). A second signal stops at once. One of several API servers
+    takes its parent's SIGUSR1 instead (server/api_servers.py)."""
     import contextlib
 
     import uvicorn
@@ -51,7 +52,7 @@ def _draining_server(config):
                 self.should_exit = True
                 logger.info("%s: draining requests, then stopping", signal.Signals(sig).name)
 
-            old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+            old = {sig: signal.signal(sig, on_signal) for sig in signals}
             try:
                 yield
             finally:
@@ -94,15 +95,20 @@ def _tune_gc() -> None:
     freeze_startup_objects()
 
 
-async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket) -> int:
+async def serve_app(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket,
+                    core_link=None) -> int:
+    """The HTTP front end on `sock` until a signal drains it: with its own engine core, or attached
+    to one through `core_link` (an engine.core_client.CoreLink: one of several API servers)."""
     from engine.async_llm import AsyncLLM, EngineStartError
     from server.api_server import build_app
 
+    first = core_link is None or core_link.index == 0  # the one that logs what all would
     # Built inside the running loop, so that the engine binds its output queues to this loop.
     try:
-        engine = AsyncLLM(engine_args)
+        engine = AsyncLLM(engine_args, core_link=core_link)
     except (ValueError, FileNotFoundError, OSError, EngineStartError) as e:
-        print(f"serve: error: {e}", file=sys.stderr)
+        if first:
+            print(f"serve: error: {e}", file=sys.stderr)
         return 1
     try:
         try:
@@ -110,10 +116,12 @@ async def _serve(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.s
         except ValueError as e:
             print(f"serve: error: {e}", file=sys.stderr)
             return 1
-        server = _draining_server(uvicorn_config(app, ns))
+        server = _draining_server(uvicorn_config(app, ns),
+                                  (signal.SIGINT, signal.SIGTERM) if core_link is None else (signal.SIGUSR1,))
         _tune_gc()
-        logger.info("serving %s on %s://%s:%d/v1", engine.model_name,
-                    "https" if ns.ssl_certfile else "http", ns.host, ns.port)
+        if first:
+            logger.info("serving %s on %s://%s:%d/v1", engine.model_name,
+                        "https" if ns.ssl_certfile else "http", ns.host, ns.port)
         await server.serve(sockets=[sock])
         return 0 if server.started else 1
     finally:
@@ -170,7 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"serve: error: {e}", file=sys.stderr)
         return 1
     try:
-        return asyncio.run(_serve(ns, engine_args, sock))
+        if ns.api_server_count > 1:
+            from server.api_servers import serve_multi
+
+            return serve_multi(ns, engine_args, sock)
+        return asyncio.run(serve_app(ns, engine_args, sock))
     except KeyboardInterrupt:
         return 0
     finally:

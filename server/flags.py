@@ -11,6 +11,7 @@ import sys
 from common.args import DTYPE_ALIASES, KV_CACHE_DTYPES, EngineArgs, human_readable_int
 from common.hub import is_repo_id, resolve_model_dir
 from common.kernel_plan import kernels_help
+from server.api_servers import add_api_server_flags, check_api_server_count
 from server.config_file import config_args, config_path
 from server.frontend_options import JSON_LIST, FrontendOptions, add_frontend_flags
 from server.limits import ServerLimits
@@ -300,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=15.0,
                    help="on SIGTERM or SIGINT, seconds to let running requests finish before "
                         "the engine and its workers are stopped")
+    add_api_server_flags(g)
     add_frontend_flags(p)
     add_responses_flags(p)
     add_vllm_flags(p)
@@ -388,6 +390,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     check_parser_name(ns.reasoning_parser)
     check_tool_flags(ns.enable_auto_tool_choice, ns.tool_call_parser)
     _check_limits(ns)
+    check_api_server_count(ns)
     FrontendOptions.from_args(ns)  # its checks: --max-log-len
     ResponseStore.from_args(ns)  # its checks: --responses-store-size, --responses-store-max-bytes
     model = ns.model_tag or ns.model or _DEFAULTS["model"]

@@ -18,10 +18,17 @@ first to last token; inference = admission to last token.
 
 The token counters count as vLLM counts them, in the engine core: a request's prompt when its first
 output comes (each choice of an n > 1 request), and every token output.
+
+Under --api-server-count N (server/api_servers.py) each API server process counts its own requests
+in prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set before the process imports
+it), and /metrics, whichever process answers, sums every process's counters and histograms; the
+engine's gauges and counters come with every core message to every process, so each reads them
+itself.
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -166,8 +173,16 @@ class ServerMetrics:
         self.model_name = model_name or engine.model_name
         # vLLM's per-request series exist for each DP rank from the start, as vLLM's do
         self.num_engines = getattr(getattr(engine, "args", None), "data_parallel_size", 1)
+        # the per-request metrics are made in `registry`; /metrics renders `exposed`: the same
+        # registry, or in multiprocess mode every process's files read afresh
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(engine, self.model_name))
+        self.exposed = self.registry
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self.exposed = CollectorRegistry()
+            MultiProcessCollector(self.exposed)
+        self.exposed.register(_EngineCollector(engine, self.model_name))
         self.ttft = self._histogram("time_to_first_token_seconds",
                                     "Time from request arrival to its first generated token")
         self.itl = self._histogram("inter_token_latency_seconds",
@@ -226,7 +241,7 @@ class ServerMetrics:
         return RequestTracker(self, n, max_tokens)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)
 
 
 class PerEngine:

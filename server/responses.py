@@ -152,7 +152,7 @@ def _status_of(body: bytes) -> str | None:
 def _stored(store: ResponseStore, rid: str) -> Stored:
     found = store.get(rid)
     if found is None:
-        why = ("this server stores no responses (--responses-store-size 0)" if not store.enabled
+        why = (f"this server stores no responses ({store.off_reason})" if not store.enabled
                else "never stored (store false), evicted, or deleted")
         raise APIError(404, f"response_id: response {shown(rid)} not found: {why}", param="response_id",
                        code="not_found")
@@ -166,8 +166,8 @@ def _previous(store: ResponseStore, req: ResponsesRequest) -> Stored | None:
     if rid is None:
         return None
     if not store.enabled:
-        raise APIError(400, "previous_response_id: this server keeps no responses "
-                       "(--responses-store-size 0); send the whole conversation as input",
+        raise APIError(400, f"previous_response_id: this server keeps no responses "
+                       f"({store.off_reason}); send the whole conversation as input",
                        param="previous_response_id")
     found = store.get(rid)
     if found is None:
@@ -240,7 +240,8 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
     keep = req.store and store.enabled
     if req.background and not keep:
         raise APIError(400, "background: a background response is polled from the store, so it needs "
-                       "store true and a server that keeps responses (--responses-store-size > 0)",
+                       "store true and a server that keeps responses (--responses-store-size > 0"
+                       + ("" if store.enabled else f"; here {store.off_reason}") + ")",
                        param="background")
     if keep:
         background.check_running(store, rid, req.background)

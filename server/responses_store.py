@@ -27,11 +27,12 @@ DEFAULT_MAX_BYTES = 64 << 20
 def add_responses_flags(p: argparse.ArgumentParser) -> None:
     """The store's flags on the `serve` parser."""
     g = p.add_argument_group("Responses API (/v1/responses)")
-    g.add_argument("--responses-store-size", type=int, default=DEFAULT_SIZE, metavar="N",
-                   help="keep the last N responses of /v1/responses in memory (those sent with "
-                        "store true, OpenAI's default), for previous_response_id and GET "
-                        "/v1/responses/{id}; the oldest are evicted first; 0: keep none "
-                        "(previous_response_id is then a 400)")
+    g.add_argument("--responses-store-size", type=int, default=None, metavar="N",
+                   help=f"keep the last N responses of /v1/responses in memory (those sent with "
+                        f"store true, OpenAI's default), for previous_response_id and GET "
+                        f"/v1/responses/{{id}}; the oldest are evicted first; 0: keep none "
+                        f"(previous_response_id is then a 400); default {DEFAULT_SIZE}, and 0 under "
+                        f"--api-server-count > 1 (each process would keep its own)")
     g.add_argument("--responses-store-max-bytes", type=int, default=DEFAULT_MAX_BYTES, metavar="B",
                    help="at most this many bytes of stored responses and their conversations "
                         "(the response's JSON and the conversation's turns: their text and "
@@ -61,12 +62,14 @@ class Stored:
 class ResponseStore:
     """Finished responses by id, oldest evicted first; used on the event loop only."""
 
-    def __init__(self, max_entries: int = DEFAULT_SIZE, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, max_entries: int = DEFAULT_SIZE, max_bytes: int = DEFAULT_MAX_BYTES,
+                 off_reason: str = "--responses-store-size 0") -> None:
         if max_entries < 0:
             raise ValueError(f"--responses-store-size must be >= 0, got {max_entries}")
         if max_bytes < 1:
             raise ValueError(f"--responses-store-max-bytes must be >= 1, got {max_bytes}")
         self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.off_reason = off_reason  # why it keeps none, when it keeps none: named in 400s and 404s
         self._entries: OrderedDict[str, Stored] = OrderedDict()
         self.nbytes = 0
         # background responses still running, by id (server/responses.py): each task stores its
@@ -80,9 +83,20 @@ class ResponseStore:
 
     @classmethod
     def from_args(cls, args) -> ResponseStore:
-        """The store a parsed `serve` namespace asks for (defaults for a missing flag)."""
+        """The store a parsed `serve` namespace asks for (defaults for a missing flag). Several API
+        server processes keep none: a response kept by one would be missing from the others,
+        which answer the next request as often."""
         size = getattr(args, "responses_store_size", None)
         max_bytes = getattr(args, "responses_store_max_bytes", None)
+        servers = getattr(args, "api_server_count", 1) or 1
+        if servers > 1:
+            if size:
+                raise ValueError(f"--responses-store-size {size} and --api-server-count {servers}: each API "
+                                 "server process would keep its own responses, and a request naming one "
+                                 "would reach another process; keep responses with --api-server-count 1")
+            return cls(0, DEFAULT_MAX_BYTES if max_bytes is None else max_bytes,
+                       off_reason=f"--api-server-count {servers}: responses are not kept across API "
+                                  "server processes")
         return cls(DEFAULT_SIZE if size is None else size,
                    DEFAULT_MAX_BYTES if max_bytes is None else max_bytes)
 

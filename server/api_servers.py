@@ -1,0 +1,186 @@
+"""`serve --api-server-count N`: N HTTP server processes on one listening socket, one engine core.
+
+One API server process spends ~2.5 ms of a core on each of lm_eval's loglikelihood requests (an
+echoed prompt's logprobs: parse, tokenize, build the answer); with the prefix cache the engine
+answers them faster than that, so one event loop is the bound (RESULTS.md). Several processes share
+that work, as vLLM's --api-server-count does:
+
+- this process (serve's parent) binds the socket, loads the config and tokenizer, starts the engine
+  core with one pipe pair per API server (engine/core_proc.py serves them all), then starts the N
+  API server processes, each with the socket and its pipe pair (engine/core_client.py CoreLink);
+  the kernel hands each new connection to one of the processes waiting in accept();
+- each API server is `serve`'s whole HTTP front end (server/cli.py `serve_app`): tokenizer,
+  detokenizer, validation, streaming, its own requests' metrics, written for /metrics in
+  prometheus_client's multiprocess mode (server/metrics.py) so that any process's /metrics counts
+  them all;
+- SIGTERM or SIGINT here drains: each API server gets SIGUSR1, finishes its requests within
+  --shutdown-timeout and leaves the core, which stops once all have left; a second signal stops
+  the API servers at once. The API servers ignore SIGINT and SIGTERM themselves: Ctrl-C reaches the
+  whole process group, and so does systemd's stop, and a signal counted twice would skip the
+  drain. An API server whose parent is gone (killed) drains and stops by itself. If any process
+  exits on its own (a crash, a start-up error), the others are stopped the same way and `serve`
+  exits 1.
+
+The Responses API's store is off under N > 1 (server/responses_store.py): it is each process's
+memory, and the request that names a stored response would reach another process as often.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from typing import TYPE_CHECKING
+
+from common.args import EngineArgs
+
+if TYPE_CHECKING:  # engine.core_client imports torch: `serve --help` reads this module's flags
+    from engine.core_client import CoreLink
+
+logger = logging.getLogger("server")
+
+_CORE_STOP_S = 40.0  # the core joins its workers (5 s each) once the last API server has left
+DRAIN = signal.SIGUSR1  # parent -> API server: drain and stop (a second one: stop now)
+_PARENT_POLL_S = 1.0
+
+
+def add_api_server_flags(g) -> None:
+    g.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
+                   help="HTTP server processes sharing the port and one engine core (vLLM's flag): "
+                        "each parses, tokenizes and answers its own requests on its own CPU core, "
+                        "for request rates one process cannot keep up with (many short requests, "
+                        "echoed prompt logprobs). The Responses API keeps no responses when N > 1")
+
+
+def check_api_server_count(ns: argparse.Namespace) -> None:
+    n = getattr(ns, "api_server_count", 1)
+    if not 1 <= n <= 64:
+        raise ValueError(f"--api-server-count must be in [1, 64], got {n}")
+
+
+def serve_multi(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket) -> int:
+    """Run the engine core and ns.api_server_count API server processes until a signal, or until
+    one of them exits; returns serve's exit status."""
+    from engine.core_client import CoreLink
+    from engine.core_proc import core_main
+    from engine.llm import load_front_end
+
+    n = ns.api_server_count
+    own_dir = "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    if own_dir:  # inherited by the spawned processes, read when they import prometheus_client
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="mla-serve-metrics-")
+    ctx = mp.get_context("spawn")
+    procs: list = []
+    core = None
+    try:
+        try:
+            cfg, inputs, _ = load_front_end(engine_args)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            print(f"serve: error: {e}", file=sys.stderr)
+            return 1
+        cmd = [ctx.Pipe(duplex=False) for _ in range(n)]  # (core's read end, API server's write end)
+        out = [ctx.Pipe(duplex=False) for _ in range(n)]  # (API server's read end, core's write end)
+        # Not a daemon: the core spawns the worker processes under -tp.
+        core = ctx.Process(target=core_main, name="engine-core",
+                           args=(engine_args, cfg, inputs.eos_token_id, [r for r, _ in cmd],
+                                 [w for _, w in out], True, logging.getLogger().getEffectiveLevel()))
+        core.start()
+        for r, _ in cmd:
+            r.close()
+        for _, w in out:
+            w.close()
+        for i in range(n):
+            procs.append(ctx.Process(target=_api_server_main, name=f"api-server-{i}",
+                                     args=(i, ns, engine_args, sock, CoreLink(cmd[i][1], out[i][0], i))))
+            procs[-1].start()
+            cmd[i][1].close()  # this process's copies: an API server's death ends its pipes
+            out[i][0].close()
+        logger.info("started the engine core (pid %d) and %d API server processes", core.pid, n)
+        return _supervise(procs, core, ns.shutdown_timeout)
+    finally:  # after _supervise these have all exited; after an exception (Ctrl-C at start-up) not
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        if core is not None and core.is_alive():
+            core.terminate()
+            core.join(10.0)
+        if own_dir:
+            shutil.rmtree(os.environ.pop("PROMETHEUS_MULTIPROC_DIR"), ignore_errors=True)
+
+
+def _supervise(servers: list, core, shutdown_timeout: float) -> int:
+    """Wait for a signal or for a process to exit, then stop them all (API servers first: they
+    drain and leave the core, which then stops)."""
+    signals: list[int] = []
+
+    def on_signal(sig, frame):
+        signals.append(sig)
+        if len(signals) == 1:
+            logger.info("%s: draining requests in %d API server processes, then stopping",
+                        signal.Signals(sig).name, len(servers))
+        for p in servers:  # the first drains, a second stops at once (server/cli.py)
+            if p.is_alive():
+                os.kill(p.pid, DRAIN)
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        procs = {p.sentinel: p for p in [*servers, core]}
+        ended: list = []
+        while not signals and not ended:
+            ended = mp.connection.wait(list(procs), timeout=1.0)
+        if not signals:
+            gone = procs[ended[0]]
+            gone.join(5.0)
+            logger.error("%s exited (code %s): stopping serve", gone.name, gone.exitcode)
+            for p in servers:
+                if p.is_alive():
+                    os.kill(p.pid, DRAIN)
+        end = time.monotonic() + shutdown_timeout + _CORE_STOP_S
+        for p in servers:
+            p.join(max(0.0, end - time.monotonic()))
+        core.join(max(0.0, end + _CORE_STOP_S - time.monotonic()))
+        if core.is_alive():
+            logger.warning("engine core did not stop; killing it")
+            core.terminate()
+            core.join(5.0)
+            if core.is_alive():
+                core.kill()
+                core.join()
+        clean = signals and all(p.exitcode == 0 for p in servers) and core.exitcode == 0
+        return 0 if clean else 1
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _api_server_main(index: int, ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.socket,
+                     link: CoreLink) -> None:
+    """One API server process: serve's front end on the shared socket, attached to the core."""
+    import threading
+
+    from server.cli import serve_app
+
+    # The parent turns SIGINT and SIGTERM into one DRAIN for each API server (module docstring).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=ns.log_level.upper(),
+                        format=f"%(asctime)s api-server-{index} %(levelname)s %(name)s: %(message)s")
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        while os.getppid() == parent:
+            time.sleep(_PARENT_POLL_S)
+        logger.warning("serve's parent process is gone: draining and stopping")
+        os.kill(os.getpid(), DRAIN)
+
+    threading.Thread(target=watch_parent, name="parent-watch", daemon=True).start()
+    sys.exit(asyncio.run(serve_app(ns, engine_args, sock, link)))
