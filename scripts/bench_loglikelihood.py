@@ -108,6 +108,14 @@ def _thread_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _loop_pids(pid: int) -> list[int]:
+    """The HTTP processes of `serve` (pid): itself, or under --api-server-count N its N API server
+    children (its spawned children but the first, the engine core)."""
+    children = sorted(int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+                      if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes())
+    return children[1:] if len(children) > 1 else [pid]
+
+
 def _record(results: dict, key: str, row: dict) -> None:
     """A rep's row; with --reps, the fastest rep's row with every rep's req/s beside it."""
     reps = results.get(key, {}).get("reps_req_per_s", []) + [row["req_per_s"]]
@@ -143,9 +151,10 @@ def run_http(a, tasks: dict, vocab_of, results: dict, got: dict) -> None:
                     prompts = workload(t, vocab)
                     for _ in range(a.reps):
                         urllib.request.urlopen(urllib.request.Request(f"{url}/reset_prefix_cache", method="POST"))
-                        hits, cpu = _metric(url, "prefix_cache_hits"), _thread_cpu_s(proc.pid)
+                        loops = _loop_pids(proc.pid)
+                        hits, cpu = _metric(url, "prefix_cache_hits"), [_thread_cpu_s(p) for p in loops]
                         dt, outs = asyncio.run(_score(url, prompts, a.concurrency))
-                        busy = (_thread_cpu_s(proc.pid) - cpu) / dt
+                        busy = max((_thread_cpu_s(p) - c) / dt for p, c in zip(loops, cpu))
                         total = sum(map(len, prompts))
                         computed = total - (_metric(url, "prefix_cache_hits") - hits)
                         _record(results, f"{task} http {setting}", dict(
@@ -154,7 +163,7 @@ def run_http(a, tasks: dict, vocab_of, results: dict, got: dict) -> None:
                         print(f"{task}, HTTP, prefix caching {setting}: {len(prompts)} requests at most "
                               f"{a.concurrency} at once, {computed:.0f} of {total} prompt tokens computed: {dt:.2f} s, "
                               f"{len(prompts) / dt:.1f} req/s; the server's event-loop thread busy {100 * busy:.0f}% "
-                              "of it", flush=True)
+                              f"of it (the busiest of {len(loops)})", flush=True)
                     got.setdefault(task, {})[f"http {setting}"] = outs
             finally:
                 stop_server(proc, 120)
