@@ -54,7 +54,7 @@ _PARENT_POLL_S = 1.0
 
 
 def add_api_server_flags(g) -> None:
-    g.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
+    g.add_argument("--api-server-count", type=int, default=1, metavar="N",
                    help="HTTP server processes sharing the port and one engine core (vLLM's flag): "
                         "each parses, tokenizes and answers its own requests on its own CPU core, "
                         "for request rates one process cannot keep up with (many short requests, "
