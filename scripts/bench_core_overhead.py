@@ -148,7 +148,7 @@ def serve_argv(a: argparse.Namespace, port: int) -> list[str]:
             "--max-model-len", str(kw["max_model_len"]), "--max-num-batched-tokens", str(kw["max_num_batched_tokens"]),
             "--max-num-seqs", str(kw["max_num_seqs"]), "--num-kv-blocks", str(kw["num_kv_blocks"]),
             "--async-scheduling" if a.async_scheduling else "--no-async-scheduling",
-            "--port", str(port), "--log-level", "warning"]
+            "--port", str(port), "--log-level", "warning", "--api-server-count", str(a.api_server_count)]
     return argv + ([] if a.tokenizer else ["--skip-tokenizer-init"])
 
 
@@ -212,14 +212,17 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _core_pid(server_pid: int) -> int:
-    """The engine-core process: the server's child started by multiprocessing's spawn (not its
-    resource tracker)."""
+def _spawned(server_pid: int) -> list[int]:
+    """The server's children started by multiprocessing's spawn (not its resource tracker), in
+    start order: the engine core, then under --api-server-count N > 1 the N API servers."""
+    out = []
     for task in Path(f"/proc/{server_pid}/task").iterdir():
         for c in (task / "children").read_text().split():
             if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes():
-                return int(c)
-    raise SystemExit("no engine-core process found under the server")
+                out.append(int(c))
+    if not out:
+        raise SystemExit("no engine-core process found under the server")
+    return sorted(out)
 
 
 def run_http(a: argparse.Namespace) -> dict:
@@ -235,10 +238,15 @@ def run_http(a: argparse.Namespace) -> dict:
         prompts = random_prompts(a.num_prompts + 8, a.input_len, 512, seed=1)
         asyncio.run(_load(port, a, prompts[:8]))  # warm-up
         time.sleep(1.5)  # the core goes idle: its warm-up period closes
-        core_pid = _core_pid(proc.pid)
-        cpu0 = (_cpu_s(proc.pid), _cpu_s(core_pid), time.process_time())
+        core_pid, *servers = _spawned(proc.pid)
+        fronts = servers or [proc.pid]  # the HTTP processes
+
+        def cpu() -> tuple[float, float, float]:
+            return sum(map(_cpu_s, fronts)), _cpu_s(core_pid), time.process_time()
+
+        cpu0 = cpu()
         dt, results, t_send = asyncio.run(_load(port, a, prompts[8:]))
-        cpu1 = (_cpu_s(proc.pid), _cpu_s(core_pid), time.process_time())
+        cpu1 = cpu()
         bad = [r for r in results if (a.stream and r[0] < a.output_len) or
                f'"completion_tokens":{a.output_len}'.encode() not in r[1].replace(b" ", b"")]
         if bad:
@@ -402,6 +410,7 @@ def main() -> None:
     p.add_argument("--host-us-per-token", type=float, default=0.0, help="and per scheduled token")
     p.add_argument("--prefill-host-ms", type=float, default=0.0,
                    help="and per step that schedules prompt tokens (eager on the GPU: no CUDA graph)")
+    p.add_argument("--api-server-count", type=int, default=1, help="serve's: HTTP processes")
     p.add_argument("--json", default=None, help="write the results here")
     a = p.parse_args()
     sys.path.insert(0, str(REPO / "scripts"))
