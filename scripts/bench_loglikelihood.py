@@ -153,17 +153,19 @@ def run_http(a, tasks: dict, vocab_of, results: dict, got: dict) -> None:
                         urllib.request.urlopen(urllib.request.Request(f"{url}/reset_prefix_cache", method="POST"))
                         loops = _loop_pids(proc.pid)
                         hits, cpu = _metric(url, "prefix_cache_hits"), [_thread_cpu_s(p) for p in loops]
+                        client_cpu = time.process_time()
                         dt, outs = asyncio.run(_score(url, prompts, a.concurrency))
+                        client_cpu = (time.process_time() - client_cpu) / dt
                         busy = max((_thread_cpu_s(p) - c) / dt for p, c in zip(loops, cpu))
                         total = sum(map(len, prompts))
                         computed = total - (_metric(url, "prefix_cache_hits") - hits)
                         _record(results, f"{task} http {setting}", dict(
                             seconds=dt, req_per_s=len(prompts) / dt, prompt_tokens=total,
-                            computed_prompt_tokens=computed, event_loop_busy=busy))
+                            computed_prompt_tokens=computed, event_loop_busy=busy, client_cpu=client_cpu))
                         print(f"{task}, HTTP, prefix caching {setting}: {len(prompts)} requests at most "
                               f"{a.concurrency} at once, {computed:.0f} of {total} prompt tokens computed: {dt:.2f} s, "
                               f"{len(prompts) / dt:.1f} req/s; the server's event-loop thread busy {100 * busy:.0f}% "
-                              f"of it (the busiest of {len(loops)})", flush=True)
+                              f"of it (the busiest of {len(loops)}); this client's CPU {100 * client_cpu:.0f}%", flush=True)
                     got.setdefault(task, {})[f"http {setting}"] = outs
             finally:
                 stop_server(proc, 120)
