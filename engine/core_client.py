@@ -201,8 +201,9 @@ class CoreClient:
                         rows = [(r[0][n:], *r[1:]) for r in rows]  # req_id is the first field
                     self._on_outputs(decode_outputs(rows), stats)
                 elif kind == "refused":
-                    if self._prefix:
-                        payload = [(rid[len(self._prefix):], m) for rid, m in payload]
+                    if self._prefix:  # the message may name the id: as the front end knows it
+                        payload = [(rid[len(self._prefix):], m.replace(rid, rid[len(self._prefix):]))
+                                   for rid, m in payload]
                     self._on_refused(payload)
                 elif kind == "control":
                     self._on_control(payload)

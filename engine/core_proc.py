@@ -39,6 +39,7 @@ import operator
 import pickle
 import queue
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -108,9 +109,11 @@ def core_main(args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None, cmd_
     """Entry point of the engine-core process (or thread): build the core, then step until every
     client (one pipe pair each: `cmd_conns[i]`, `out_conns[i]`) has left."""
     if own_process:
-        # Ctrl-C reaches the whole process group; the front end decides when the core stops
-        # (and the workers it spawns inherit the ignore, so they too wait to be told).
+        # Ctrl-C, and a SIGTERM to the whole group (systemd's stop, `timeout`), reach the core
+        # too; the front end decides when it stops, after draining (a shutdown command, or the end
+        # of its pipes), and the workers it spawns inherit the ignore, so they too wait to be told.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         logging.basicConfig(level=log_level,
                             format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
     try:
@@ -123,6 +126,8 @@ def core_main(args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None, cmd_
                 _send(conn, ("error", message))
             except OSError:
                 pass
+        if own_process:
+            sys.exit(1)
         return
     clients = None
     try:
@@ -221,10 +226,9 @@ class _Clients:
         self.present = set(range(len(out_conns)))
         self._owner: dict[str, int] = {}  # engine request id -> client (multi only)
 
-    def added(self, client: int, req_ids) -> None:
+    def added(self, client: int, req_id: str) -> None:
         if self.multi:
-            for rid in req_ids:
-                self._owner[rid] = client
+            self._owner[req_id] = client
 
     def to(self, client: int, msg) -> None:
         if client in self.present:
@@ -247,16 +251,16 @@ class _Clients:
         for c in self.present:
             self._senders[c].put(("outputs", (parts[c], stats)))
 
-    def refused(self, client: int, refused: list[tuple[str, str]]) -> None:
-        """Requests the core would not take: to the client that added each (`client` for those
-        refused at once; -1 for grammars refused later, each to its owner)."""
+    def refused_later(self, refused: list[tuple[str, str]]) -> None:
+        """Requests taken, then refused (their grammar failed to compile): each to its client."""
         if not self.multi:
             self._senders[0].put(("refused", refused))
             return
         parts: dict[int, list] = {}
         for rid, message in refused:
-            c = self._owner.pop(rid, client)
-            parts.setdefault(c, []).append((rid, message))
+            c = self._owner.pop(rid, None)
+            if c is not None:
+                parts.setdefault(c, []).append((rid, message))
         for c, part in parts.items():
             self.to(c, ("refused", part))
 
@@ -293,7 +297,7 @@ def _loop(core, receiver: _Receiver, clients: _Clients) -> None:
         if core.num_compiling:
             refused = core.admit_compiled()
             if refused:
-                clients.refused(-1, refused)
+                clients.refused_later(refused)
             # a long compile with nothing else to run: report anyway, so that the front end's
             # stall watchdog sees the core alive
             changed = changed or time.monotonic() - last_report > _IDLE_POLL_S
@@ -328,14 +332,15 @@ def _take_commands(core, receiver: _Receiver, clients: _Clients,
         for kind, payload in commands:
             if kind == "add":
                 refused = []
-                clients.added(client, [p[0] for p in payload])
                 for req_id, prompt_ids, params in payload:
                     try:
                         core.add_request(req_id, prompt_ids, params)
                     except ValueError as e:  # this request's own fault: it fails alone
-                        refused.append((req_id, str(e)))
+                        refused.append((req_id, str(e)))  # (an id in use keeps its owner)
+                    else:
+                        clients.added(client, req_id)
                 if refused:
-                    clients.refused(client, refused)
+                    clients.to(client, ("refused", refused))
             elif kind == "abort":
                 outs += core.abort_requests(payload)
             elif kind == "reset_prefix_cache":  # before any request sent after it is admitted
