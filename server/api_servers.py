@@ -50,7 +50,15 @@ logger = logging.getLogger("server")
 
 _CORE_STOP_S = 40.0  # the core joins its workers (5 s each) once the last API server has left
 DRAIN = signal.SIGUSR1  # parent -> API server: drain and stop (a second one: stop now)
+_STARTUP_BLOCKED = {signal.SIGINT, signal.SIGTERM, DRAIN}
 _PARENT_POLL_S = 1.0
+_SERVERS_SEE_CORE_S = 10.0  # a core that exited: its API servers report its error and exit
+_stop_asked: list[int] = []  # in an API server: DRAIN signals that came before uvicorn took over
+
+
+def stop_asked() -> bool:
+    """In an API server: whether the parent asked it to stop while it was starting."""
+    return bool(_stop_asked)
 
 
 def add_api_server_flags(g) -> None:
@@ -101,9 +109,18 @@ def serve_multi(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.so
         for i in range(n):
             procs.append(ctx.Process(target=_api_server_main, name=f"api-server-{i}",
                                      args=(i, ns, engine_args, sock, CoreLink(cmd[i][1], out[i][0], i))))
-            procs[-1].start()
+            # started with these signals blocked (the mask is inherited): until the API server has
+            # its handlers, a signal waits instead of killing it mid-import
+            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STARTUP_BLOCKED)
+            try:
+                procs[-1].start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
             cmd[i][1].close()  # this process's copies: an API server's death ends its pipes
             out[i][0].close()
+        # and its copy of the socket: a draining API server closes its own, and then nothing
+        # should be listening for new connections that nobody would answer
+        sock.close()
         logger.info("started the engine core (pid %d) and %d API server processes", core.pid, n)
         return _supervise(procs, core, ns.shutdown_timeout)
     finally:  # after _supervise these have all exited; after an exception (Ctrl-C at start-up) not
@@ -111,7 +128,7 @@ def serve_multi(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.so
             if p.is_alive():
                 p.kill()
         if core is not None and core.is_alive():
-            core.terminate()
+            core.kill()
             core.join(10.0)
         if own_dir:
             shutil.rmtree(os.environ.pop("PROMETHEUS_MULTIPROC_DIR"), ignore_errors=True)
@@ -140,7 +157,11 @@ def _supervise(servers: list, core, shutdown_timeout: float) -> int:
         if not signals:
             gone = procs[ended[0]]
             gone.join(5.0)
-            logger.error("%s exited (code %s): stopping serve", gone.name, gone.exitcode)
+            if gone is core:  # its API servers read its start-up error, or its pipes' end, first
+                for p in servers:
+                    p.join(_SERVERS_SEE_CORE_S / len(servers))
+            if gone is not core or gone.exitcode != 1 or any(p.is_alive() for p in servers):
+                logger.error("%s exited (code %s): stopping serve", gone.name, gone.exitcode)
             for p in servers:
                 if p.is_alive():
                     os.kill(p.pid, DRAIN)
@@ -150,11 +171,8 @@ def _supervise(servers: list, core, shutdown_timeout: float) -> int:
         core.join(max(0.0, end + _CORE_STOP_S - time.monotonic()))
         if core.is_alive():
             logger.warning("engine core did not stop; killing it")
-            core.terminate()
-            core.join(5.0)
-            if core.is_alive():
-                core.kill()
-                core.join()
+            core.kill()  # it ignores SIGTERM (engine/core_proc.py)
+            core.join()
         clean = signals and all(p.exitcode == 0 for p in servers) and core.exitcode == 0
         return 0 if clean else 1
     finally:
@@ -169,9 +187,12 @@ def _api_server_main(index: int, ns: argparse.Namespace, engine_args: EngineArgs
 
     from server.cli import serve_app
 
-    # The parent turns SIGINT and SIGTERM into one DRAIN for each API server (module docstring).
+    # The parent turns SIGINT and SIGTERM into one DRAIN for each API server (module docstring);
+    # they came blocked, and are unblocked once the handlers are in place.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(DRAIN, lambda sig, frame: _stop_asked.append(sig))  # uvicorn's handler replaces it
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STARTUP_BLOCKED)
     logging.basicConfig(level=ns.log_level.upper(),
                         format=f"%(asctime)s api-server-{index} %(levelname)s %(name)s: %(message)s")
     parent = os.getppid()

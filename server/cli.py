@@ -35,11 +35,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _draining_server(config, signals=(signal.SIGINT, signal.SIGTERM)):
+def _draining_server(config, signals=(signal.SIGINT, signal.SIGTERM), asked=lambda: False):
     """uvicorn's Server, but SIGTERM and SIGINT both drain and return so that the engine and its
     workers are stopped (uvicorn re-raises the signal after its shutdown, and a re-raised SIGTERM
     ends the process on the spot). A second signal stops at once. One of several API servers
-    takes its parent's SIGUSR1 instead (server/api_servers.py)."""
+    takes its parent's SIGUSR1 instead (server/api_servers.py), and `asked()` says whether one
+    came before these handlers were in place."""
     import contextlib
 
     import uvicorn
@@ -53,6 +54,8 @@ def _draining_server(config, signals=(signal.SIGINT, signal.SIGTERM)):
                 logger.info("%s: draining requests, then stopping", signal.Signals(sig).name)
 
             old = {sig: signal.signal(sig, on_signal) for sig in signals}
+            if asked():
+                self.should_exit = True
             try:
                 yield
             finally:
@@ -116,8 +119,14 @@ async def serve_app(ns: argparse.Namespace, engine_args: EngineArgs, sock: socke
         except ValueError as e:
             print(f"serve: error: {e}", file=sys.stderr)
             return 1
-        server = _draining_server(uvicorn_config(app, ns),
-                                  (signal.SIGINT, signal.SIGTERM) if core_link is None else (signal.SIGUSR1,))
+        if core_link is None:
+            server = _draining_server(uvicorn_config(app, ns))
+        else:
+            from server.api_servers import DRAIN, stop_asked
+
+            if stop_asked():  # told to stop while starting: nothing to drain
+                return 0
+            server = _draining_server(uvicorn_config(app, ns), (DRAIN,), stop_asked)
         _tune_gc()
         if first:
             logger.info("serving %s on %s://%s:%d/v1", engine.model_name,

@@ -7,6 +7,8 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +25,7 @@ from engine.core_proc import core_main
 from engine.llm import load_front_end
 from server.cli import build_parser
 from server.responses_store import ResponseStore
-from tests.server_fixtures import TINY_MODEL, ServeProcess, metric
+from tests.server_fixtures import OFFLINE_ENV, REPO, TINY_MODEL, ServeProcess, free_port, metric
 from tests.test_engine_process import _alive, _spawned
 
 SERVE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "256",
@@ -37,8 +39,10 @@ class _Client:
     def __init__(self, args, cfg, eos, link: CoreLink):
         self.tokens: dict[str, list[int]] = {}
         self.finished: dict[str, str] = {}
+        self.refused: list[tuple[str, str]] = []
         self.done = threading.Condition()
-        self.core = CoreClient(args, cfg, eos, self._on_outputs, lambda message: None, link=link)
+        self.core = CoreClient(args, cfg, eos, self._on_outputs, lambda message: None, link=link,
+                               on_refused=self.refused.extend)
 
     def _on_outputs(self, outs, stats) -> None:
         with self.done:
@@ -80,6 +84,11 @@ def test_one_core_keeps_two_clients_apart():
     assert a.tokens["r#0"] == b.tokens["s#0"] and b.tokens["r#0"] == a.tokens["s#0"]
     assert a.tokens["r#0"] != b.tokens["r#0"]  # the prompts answer differently: a mix-up would show
     assert set(a.tokens) == set(b.tokens) == {"r#0", "s#0"}
+    # an id the client already has running is refused, naming it as the client knows it, and
+    # the running request's outputs still reach the client
+    b.core.add([("dup#0", ids[0], greedy), ("dup#0", ids[0], greedy)])
+    assert b.wait("dup#0") == "length" and b.tokens["dup#0"] == a.tokens["r#0"]
+    assert len(b.refused) == 1 and b.refused[0][0] == "dup#0" and "'dup#0'" in b.refused[0][1], b.refused
     # b leaves with a long request running: it is aborted; a's goes on and a new one runs
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     b.core.add([("long#0", ids[0], long)])
@@ -149,6 +158,21 @@ def test_an_api_server_dying_stops_serve():
         while any(_alive(p) for p in servers) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not any(_alive(p) for p in servers)
+
+
+def test_start_up_errors_and_signals_under_several_api_servers():
+    """The core's start-up error is serve's one error line (exit 1); a SIGTERM while the API
+    servers are still starting stops everything cleanly (exit 0, no traceback)."""
+    cmd = [sys.executable, "-m", "server", "--model", str(TINY_MODEL), *SERVE, "--port", str(free_port())]
+    bad = subprocess.run([*cmd, "--max-model-len", "100000"], cwd=REPO, env={**os.environ, **OFFLINE_ENV},
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "serve: error: --max-model-len 100000" in bad.stderr, bad.stderr[-2000:]
+    assert "Traceback" not in bad.stderr and "stopping serve" not in bad.stderr
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **OFFLINE_ENV}, stderr=subprocess.PIPE, text=True)
+    time.sleep(3.0)  # the API servers are importing, the core loading
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
 
 
 def test_store_flags_under_several_api_servers():
