@@ -137,11 +137,15 @@ def test_several_api_servers_serve_count_and_drain(tmp_path, monkeypatch):
         r = httpx.post(f"{s.url}/v1/responses", json={"input": "hi", "previous_response_id": "resp_x"}, timeout=30)
         assert r.status_code == 400 and "--api-server-count 2" in r.json()["error"]["message"]
         # a stream running when SIGTERM comes is finished, then everything stops
-        long = {"prompt": PROMPTS[1], "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True}
+        # (and a new connection is refused at once: no process keeps the port open meanwhile)
+        long = {"prompt": PROMPTS[1], "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", f"{s.url}/v1/completions", json=long, timeout=120) as r:
             lines = r.iter_lines()
             assert next(lines).startswith("data:")
             s.proc.send_signal(signal.SIGTERM)
+            time.sleep(1.0)
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{s.url}/health", timeout=5)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in "".join(rest)
         assert s.proc.wait(timeout=60) == 0
