@@ -114,6 +114,8 @@ def core_main(args: EngineArgs, cfg: ModelConfig, eos_token_id: int | None, cmd_
         # of its pipes), and the workers it spawns inherit the ignore, so they too wait to be told.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # serve --api-server-count starts it with them blocked (server/api_servers.py); ignored now
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
         logging.basicConfig(level=log_level,
                             format="%(asctime)s engine-core %(levelname)s %(name)s: %(message)s")
     try:

@@ -101,7 +101,7 @@ def serve_multi(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.so
         core = ctx.Process(target=core_main, name="engine-core",
                            args=(engine_args, cfg, inputs.eos_token_id, [r for r, _ in cmd],
                                  [w for _, w in out], True, logging.getLogger().getEffectiveLevel()))
-        core.start()
+        _start_blocked(core)
         for r, _ in cmd:
             r.close()
         for _, w in out:
@@ -109,13 +109,7 @@ def serve_multi(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.so
         for i in range(n):
             procs.append(ctx.Process(target=_api_server_main, name=f"api-server-{i}",
                                      args=(i, ns, engine_args, sock, CoreLink(cmd[i][1], out[i][0], i))))
-            # started with these signals blocked (the mask is inherited): until the API server has
-            # its handlers, a signal waits instead of killing it mid-import
-            old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STARTUP_BLOCKED)
-            try:
-                procs[-1].start()
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+            _start_blocked(procs[-1])
             cmd[i][1].close()  # this process's copies: an API server's death ends its pipes
             out[i][0].close()
         # and its copy of the socket: a draining API server closes its own, and then nothing
@@ -132,6 +126,17 @@ def serve_multi(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.so
             core.join(10.0)
         if own_dir:
             shutil.rmtree(os.environ.pop("PROMETHEUS_MULTIPROC_DIR"), ignore_errors=True)
+
+
+def _start_blocked(proc) -> None:
+    """Start a process with SIGINT, SIGTERM and DRAIN blocked (the mask is inherited): until it
+    has its handlers (core_main, _api_server_main), a signal waits instead of killing it
+    mid-import."""
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STARTUP_BLOCKED)
+    try:
+        proc.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
 def _supervise(servers: list, core, shutdown_timeout: float) -> int:
