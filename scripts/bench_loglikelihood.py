@@ -165,7 +165,8 @@ def run_http(a, tasks: dict, vocab_of, results: dict, got: dict) -> None:
                         print(f"{task}, HTTP, prefix caching {setting}: {len(prompts)} requests at most "
                               f"{a.concurrency} at once, {computed:.0f} of {total} prompt tokens computed: {dt:.2f} s, "
                               f"{len(prompts) / dt:.1f} req/s; the server's event-loop thread busy {100 * busy:.0f}% "
-                              f"of it (the busiest of {len(loops)}); this client's CPU {100 * client_cpu:.0f}%", flush=True)
+                              f"of it (the busiest of {len(loops)}); this client's CPU {100 * client_cpu:.0f}%",
+                              flush=True)
                     got.setdefault(task, {})[f"http {setting}"] = outs
             finally:
                 stop_server(proc, 120)
