@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,6 +274,22 @@ class ServeProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
+
+
+@contextlib.contextmanager
+def side_by_side(*servers: ServeProcess):
+    """Enter the ServeProcesses `servers` at once and exit them at once (those still running):
+    start-up is mostly one process at a time importing and loading, so two starting together
+    take little more than one, and a stop is mostly waiting."""
+    with ThreadPoolExecutor(len(servers)) as pool:
+        try:
+            starts = [pool.submit(s.__enter__) for s in servers]
+            wait(starts)
+            for started in starts:
+                started.result()
+            yield servers
+        finally:
+            list(pool.map(lambda s: s.proc is not None and s.__exit__(), servers))
 
 
 def metric(text: str, name: str) -> float:

@@ -204,10 +204,10 @@ def test_engine_with_data_parallel_equals_one_rank(tiny_v3, workload):
 
 
 def test_data_parallel_v2_dense_first_layer_and_ngram_drafts(tiny_v2, workload):
-    """V2's layout (a dense first layer, softmax routing): -dp 2 equals one rank, and so does -dp 2
-    with prompt-lookup drafts verified as multi-token decodes, their counters summed over the ranks."""
+    """V2's layout (a dense first layer, softmax routing): -dp 2 with prompt-lookup drafts verified
+    as multi-token decodes equals one rank, the drafts' counters summed over the ranks. (-dp 2
+    without drafts: the V3 test above.)"""
     ref, _, _ = _outputs(tiny_v2[0], workload, num_kv_blocks=256)
-    assert _outputs(tiny_v2[0], workload, dp=2, num_kv_blocks=256)[0] == ref
     ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
     got, s, _ = _outputs(tiny_v2[0], workload, dp=2, num_kv_blocks=256, speculative_config=ngram)
     assert got == ref and s.spec.num_drafts > 0 and sum(s.spec.accepted_per_pos) == s.spec.num_accepted_tokens

@@ -37,15 +37,18 @@ def outputs(path, prompts, tp, dcp, **kw):
 @pytest.mark.parametrize("budget", [2048, 16])
 def test_tp_and_dcp_equal_one_rank(tiny_v3, workload, budget):
     path = tiny_v3[0]
-    # Same KV capacity in tokens for every layout: DCP multiplies each block's tokens by D.
-    small_pool = budget == 16  # with the small budget, also a pool small enough to preempt
-    ref, s1, cap1 = outputs(path, workload, 1, 1, max_num_batched_tokens=budget,
-                            num_kv_blocks=28 if small_pool else 256)
+    # With the small budget, also a pool small enough to preempt, of the same KV capacity in
+    # tokens for every layout (DCP multiplies each block's tokens by D); with the large one, the
+    # same KV memory on every rank (--cpu-kv-cache-gb), which holds D times the tokens under DCP.
+    small_pool = budget == 16
+
+    def pool(dcp):
+        return dict(num_kv_blocks=28 // dcp) if small_pool else dict(cpu_kv_cache_gb=0.001)
+    ref, s1, cap1 = outputs(path, workload, 1, 1, max_num_batched_tokens=budget, **pool(1))
     for tp, dcp in [(2, 1), (2, 2)]:
-        got, s, cap = outputs(path, workload, tp, dcp, max_num_batched_tokens=budget,
-                              num_kv_blocks=(28 if small_pool else 256) // dcp)
+        got, s, cap = outputs(path, workload, tp, dcp, max_num_batched_tokens=budget, **pool(dcp))
         assert got == ref, (tp, dcp)
-        assert cap == cap1
+        assert cap == (cap1 if small_pool else dcp * cap1), (tp, dcp, cap, cap1)
         assert s.prefix_cache_hits > 0
         if small_pool:
             assert s.num_preemptions > 0
@@ -68,16 +71,6 @@ def test_four_ranks_equal_one_rank(tiny_v3_8heads, workload):
                               num_kv_blocks=256 // dcp)
         assert got == ref, (tp, dcp)
         assert cap == cap1 and s.prefix_cache_hits > 0
-
-
-def test_dcp_multiplies_kv_capacity(tiny_v3):
-    caps = {}
-    for tp, dcp in [(2, 1), (2, 2)]:
-        llm = LLM(tiny_v3[0], device="cpu", dtype="float32", cpu_kv_cache_gb=0.001,
-                  tensor_parallel_size=tp, decode_context_parallel_size=dcp)
-        caps[dcp] = llm.scheduler.config.capacity_tokens
-        llm.engine.shutdown()
-    assert caps[2] == 2 * caps[1]
 
 
 def test_impossible_layouts_refused(tiny_v3):
@@ -157,48 +150,63 @@ def test_dead_worker_fails_fast(tiny_v3, rank, when):
     llm.engine.shutdown()
 
 
-def _agreement_rank(rank: int, init: str, diverge_at: int | None, q) -> None:
-    """One of two gloo ranks recording 6 sampling steps; rank 1 samples differently from step
-    `diverge_at` on. Puts (rank, error message or None, steps agreed) on `q`."""
+def _agreement_rank(rank: int, init: str, q) -> None:
+    """One of two gloo ranks recording 6 sampling steps for each `diverge_at` of None and 3 (a
+    RankAgreement each); rank 1 samples differently from step `diverge_at` on. Puts (diverge_at,
+    rank, error message or None, steps agreed) on `q`."""
     import numpy as np
 
     from common import distributed as pd
     from engine.rank_agreement import RankAgreement, RankDivergenceError
 
     pd.init_parallel(2, 1, rank, init, "gloo", timeout_s=60)
-    a = RankAgreement(interval=2)
-    err = None
     try:
-        for step in range(1, 7):
-            ids = np.array([step, 7, 11])
-            if rank == 1 and diverge_at is not None and step >= diverge_at:
-                ids[1] = 8
-            a.record(ids)
-    except RankDivergenceError as e:
-        err = str(e)
+        for diverge_at in (None, 3):
+            a = RankAgreement(interval=2)
+            err = None
+            try:
+                for step in range(1, 7):
+                    ids = np.array([step, 7, 11])
+                    if rank == 1 and diverge_at is not None and step >= diverge_at:
+                        ids[1] = 8
+                    a.record(ids)
+            except RankDivergenceError as e:
+                err = str(e)
+            q.put((diverge_at, rank, err, a.checked))
     finally:
         pd.destroy_parallel()
-    q.put((rank, err, a.checked))
 
 
-@pytest.mark.parametrize("diverge_at", [None, 3])
-def test_rank_agreement_check(diverge_at, tmp_path):
-    """Ranks that sample alike pass every check; a difference fails the first check after it on
-    every rank, naming the steps since the last agreement."""
+@pytest.fixture(scope="module")
+def agreement(tmp_path_factory):
+    """{diverge_at: {rank: (error message or None, steps agreed)}} from one pair of spawned gloo
+    ranks (starting them takes seconds, both checks milliseconds)."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    init = f"file://{tmp_path}/rendezvous"
-    procs = [ctx.Process(target=_agreement_rank, args=(r, init, diverge_at, q)) for r in (0, 1)]
+    init = f"file://{tmp_path_factory.mktemp('agreement')}/rendezvous"
+    procs = [ctx.Process(target=_agreement_rank, args=(r, init, q)) for r in (0, 1)]
     for p in procs:
         p.start()
-    results = dict((r, (err, checked)) for r, err, checked in (q.get(timeout=120) for _ in procs))
+    results = {None: {}, 3: {}}
+    for _ in range(2 * len(procs)):
+        diverge_at, r, err, checked = q.get(timeout=120)
+        results[diverge_at][r] = (err, checked)
     for p in procs:
         p.join(timeout=30)
+    return results
+
+
+@pytest.mark.parametrize("diverge_at", [None, 3])
+def test_rank_agreement_check(diverge_at, agreement):
+    """Ranks that sample alike pass every check; a difference fails the first check after it on
+    every rank, naming the steps since the last agreement."""
+    results = agreement[diverge_at]
     if diverge_at is None:
         assert results == {0: (None, 6), 1: (None, 6)}
     else:
+        assert len(results) == 2
         for err, checked in results.values():
             assert checked == 2
             assert "sampled different tokens in sampling steps 3..4" in err

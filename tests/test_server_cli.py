@@ -10,12 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from server.cli import build_parser, engine_args_from
-from tests.server_fixtures import REPO, TINY_MODEL, ServeProcess, metric
+from tests.server_fixtures import REPO, TINY_MODEL, ServeProcess, metric, side_by_side
 
 FLAGS = ["--model", "--host", "--port", "-tp", "--tensor-parallel-size", "-dcp",
          "--decode-context-parallel-size", "--max-num-batched-tokens", "--max-num-seqs",
@@ -73,7 +74,7 @@ def test_flags_map_to_engine_args():
         assert engine_args_from(ns).async_scheduling is want
 
 
-@pytest.mark.parametrize("argv,needle", [
+BAD_FLAGS = [
     (["--model", "/no/such/dir"], "--model"),
     (["-tp", "3", "-dcp", "2"], "--decode-context-parallel-size"),
     (["-tp", "0"], "--tensor-parallel-size"),
@@ -88,11 +89,23 @@ def test_flags_map_to_engine_args():
     (["--speculative-config", '{"method": "ngram"}'], "num_speculative_tokens"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}', "--async-scheduling"],
      "--async-scheduling"),
-])
-def test_bad_flags_exit_with_one_line(argv, needle):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs():
+    """`serve` on each of BAD_FLAGS' argv, four at a time (each is a process importing torch on
+    its own): {argv: its CompletedProcess}."""
+    argvs = [tuple(argv if "--model" in argv else ["--model", str(TINY_MODEL), *argv]) for argv, _ in BAD_FLAGS]
+    with ThreadPoolExecutor(4) as pool:
+        return dict(zip(argvs, pool.map(lambda argv: serve(*argv), argvs)))
+
+
+@pytest.mark.parametrize("argv,needle", BAD_FLAGS)
+def test_bad_flags_exit_with_one_line(argv, needle, bad_flag_runs):
     if "--model" not in argv:
         argv = ["--model", str(TINY_MODEL), *argv]
-    out = serve(*argv)
+    out = bad_flag_runs[tuple(argv)]
     assert out.returncode != 0
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and lines[0].startswith("serve: error:"), out.stderr
@@ -112,12 +125,28 @@ def test_port_in_use_fails_before_the_model_loads():
     assert took < 30
 
 
-def _descendants(pid: int) -> set[int]:
-    """Every process under pid: the engine core, its rank workers, resource trackers."""
+def _children(pid: int) -> set[int]:
     kids = set()
     for task in os.listdir(f"/proc/{pid}/task"):
         with open(f"/proc/{pid}/task/{task}/children") as f:
             kids |= {int(k) for k in f.read().split()}
+    return kids
+
+
+def _core(pid: int) -> int:
+    """serve's engine core: its one child started by multiprocessing's spawn (not a resource tracker)."""
+    cores = []
+    for k in _children(pid):
+        with open(f"/proc/{k}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                cores.append(k)
+    (core,) = cores
+    return core
+
+
+def _descendants(pid: int) -> set[int]:
+    """Every process under pid: the engine core, its rank workers, resource trackers."""
+    kids = _children(pid)
     for k in list(kids):
         if os.path.exists(f"/proc/{k}"):
             kids |= _descendants(k)
@@ -136,31 +165,39 @@ def _alive(pids) -> list[int]:
     return out
 
 
+@pytest.fixture(scope="module")
+def drain_servers():
+    """A -tp 2 `serve` for each signal below, the two started side by side."""
+    flags = ("--model", str(TINY_MODEL), "--device", "cpu", "--dtype", "float32", "-tp", "2",
+             "--num-kv-blocks", "64", "--max-model-len", "256", "--shutdown-timeout", "60")
+    with side_by_side(ServeProcess(*flags), ServeProcess(*flags)) as (term, interrupt):
+        yield {signal.SIGTERM: term, signal.SIGINT: interrupt}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signals_drain_and_stop_every_worker(sig):
+def test_signals_drain_and_stop_every_worker(sig, drain_servers):
     max_tokens = 64
-    with ServeProcess("--model", str(TINY_MODEL), "--device", "cpu", "--dtype", "float32",
-                      "-tp", "2", "--num-kv-blocks", "64", "--max-model-len", "256",
-                      "--shutdown-timeout", "60") as s:
-        workers = _descendants(s.proc.pid)
-        assert len(workers) >= 3  # the engine core, its two ranks (and resource trackers)
-        result = {}
-        body = {"prompt": "Mia has", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-        t = threading.Thread(target=lambda: result.setdefault(
-            "r", httpx.post(f"{s.url}/v1/completions", json=body, timeout=120)))
-        t.start()
-        deadline = time.monotonic() + 30
-        while True:  # the signal goes once the request runs, however fast or slow the machine
-            m = httpx.get(f"{s.url}/metrics", timeout=30).text
-            if metric(m, "mla_serve_num_requests_running") == 1:
-                break
-            assert time.monotonic() < deadline, "the request never started"
-            time.sleep(0.01)
-        s.proc.send_signal(sig)
-        rc = s.proc.wait(timeout=120)
-        t.join(60)
-    assert rc == 0
+    s = drain_servers[sig]
+    workers = _descendants(s.proc.pid)
+    assert len(workers) >= 3  # the engine core, its two ranks (and resource trackers)
+    core = _core(s.proc.pid)
+    result = {}
+    body = {"prompt": "Mia has", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    t = threading.Thread(target=lambda: result.setdefault(
+        "r", httpx.post(f"{s.url}/v1/completions", json=body, timeout=120)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while True:  # the signal goes once the request runs, however fast or slow the machine
+        m = httpx.get(f"{s.url}/metrics", timeout=30).text
+        if metric(m, "mla_serve_num_requests_running") == 1:
+            break
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.01)
+    s.proc.send_signal(sig)
+    rc = s.proc.wait(timeout=120)
+    t.join(60)
+    assert rc == 0 and not _alive([core])  # serve joined its engine core before exiting
     assert result["r"].status_code == 200  # drained, not cut
     assert result["r"].json()["usage"]["completion_tokens"] == max_tokens
     # serve has joined the core and the ranks before exiting; multiprocessing's resource

@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_fixtures import OFFLINE_ENV, ServeProcess, metric, tiny_model_dir
+from tests.server_fixtures import OFFLINE_ENV, ServeProcess, metric, side_by_side, tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -86,10 +86,21 @@ async def _send(client: httpx.AsyncClient, path: str, body) -> httpx.Response:
     return await client.post(path, content=content, headers={"content-type": "application/json"})
 
 
-def test_burst_of_bad_requests_among_good_ones(tmp_path_factory):
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The burst's server and the stopped worker's (-tp 2), started side by side."""
     os.environ.update(OFFLINE_ENV)
-    with ServeProcess("--model", tiny_model_dir(tmp_path_factory), *FLAGS) as s:
-        asyncio.run(_burst(s.url, s.port))
+    model = tiny_model_dir(tmp_path_factory)
+    with side_by_side(ServeProcess("--model", model, *FLAGS),
+                      ServeProcess("--model", model, "--device", "cpu", "--dtype", "float32", "-tp", "2",
+                                   "--num-kv-blocks", "64", "--max-model-len", "256",
+                                   "--engine-stall-timeout", "1")) as (burst, tp2):
+        yield {"burst": burst, "tp2": tp2}
+
+
+def test_burst_of_bad_requests_among_good_ones(servers):
+    s = servers["burst"]
+    asyncio.run(_burst(s.url, s.port))
 
 
 async def _burst(url: str, port: int) -> None:
@@ -188,31 +199,28 @@ def _worker_pids(pid: int) -> list[int]:
     return [k for k in _children(cores[0]) if _spawned(k)]
 
 
-def test_health_sees_a_stopped_worker(tmp_path_factory):
-    os.environ.update(OFFLINE_ENV)
-    with ServeProcess("--model", tiny_model_dir(tmp_path_factory), "--device", "cpu",
-                      "--dtype", "float32", "-tp", "2", "--num-kv-blocks", "64",
-                      "--max-model-len", "256", "--engine-stall-timeout", "1") as s:
-        ranks = _worker_pids(s.proc.pid)
-        assert len(ranks) == 2
-        body = {"prompt": "Mia has", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
-        ref = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).json()
-        result = {}
-        os.kill(ranks[1], signal.SIGSTOP)
-        try:
-            t = threading.Thread(target=lambda: result.setdefault(
-                "r", httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)))
-            t.start()
-            deadline, r = time.time() + 15, None
-            while time.time() < deadline:
-                r = httpx.get(f"{s.url}/health", timeout=2)
-                if r.status_code == 503:
-                    break
-                time.sleep(0.1)
-            assert r.status_code == 503, r.text
-            assert "no progress" in r.json()["error"]["message"]
-        finally:
-            os.kill(ranks[1], signal.SIGCONT)
-        t.join(60)
-        assert result["r"].json()["choices"] == ref["choices"]  # it resumes where it stopped
-        assert httpx.get(f"{s.url}/health", timeout=2).status_code == 200
+def test_health_sees_a_stopped_worker(servers):
+    s = servers["tp2"]
+    ranks = _worker_pids(s.proc.pid)
+    assert len(ranks) == 2
+    body = {"prompt": "Mia has", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    ref = httpx.post(f"{s.url}/v1/completions", json=body, timeout=60).json()
+    result = {}
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        t = threading.Thread(target=lambda: result.setdefault(
+            "r", httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)))
+        t.start()
+        deadline, r = time.time() + 15, None
+        while time.time() < deadline:
+            r = httpx.get(f"{s.url}/health", timeout=2)
+            if r.status_code == 503:
+                break
+            time.sleep(0.1)
+        assert r.status_code == 503, r.text
+        assert "no progress" in r.json()["error"]["message"]
+    finally:
+        os.kill(ranks[1], signal.SIGCONT)
+    t.join(60)
+    assert result["r"].json()["choices"] == ref["choices"]  # it resumes where it stopped
+    assert httpx.get(f"{s.url}/health", timeout=2).status_code == 200

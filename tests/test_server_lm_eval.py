@@ -3,11 +3,11 @@
 The same lm_eval run (the local GSM8K-format task, generate_until, plus a loglikelihood variant
 that drives echo + logprobs, and the multiple-choice tiny_arith_mc, 5-shot with one preamble for
 every question) goes against a server with the default token budget, one with
-`--max-num-batched-tokens 16`, where every prompt is prefilled in chunks, the generations also
-against one with ngram speculative decoding, and the multiple-choice task also against one
-without prefix caching, which computes every prompt whole. Per-sample outputs must agree: the
-greedy generations exactly, the loglikelihoods to float32 rounding; the cached servers take most
-of the multiple-choice prompts' tokens from the prefix cache (scheduler/logprob_records.py).
+`--max-num-batched-tokens 16`, where every prompt is prefilled in chunks, and the generations and
+the multiple-choice task also against one with ngram speculative decoding and without prefix
+caching, which computes every prompt whole. Per-sample outputs must agree: the greedy generations
+exactly, the loglikelihoods to float32 rounding; the cached servers take most of the
+multiple-choice prompts' tokens from the prefix cache (scheduler/logprob_records.py).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -50,6 +51,11 @@ num_fewshot: 0
 
 
 ALL_TASKS = ("tiny_arith", "tiny_arith_ll", "tiny_arith_mc")
+# `lm_eval ...` with its task index limited to --include_path (the tasks run here): indexing the
+# thousands of task configs lm_eval ships took ~7 s of every run
+LM_EVAL = ("import runpy; from lm_eval.tasks.manager import TaskManager; init = TaskManager.__init__; "
+           "TaskManager.__init__ = lambda self, *a, **k: init(self, *a, **{'include_defaults': False, **k}); "
+           "runpy.run_module('lm_eval', run_name='__main__', alter_sys=True)")
 
 
 def run_lm_eval(url: str, out: Path, ll_task: Path, names: tuple[str, ...] = ALL_TASKS) -> dict[str, list[dict]]:
@@ -57,7 +63,7 @@ def run_lm_eval(url: str, out: Path, ll_task: Path, names: tuple[str, ...] = ALL
     model_args = (f"base_url={url}/v1/completions,model=tiny,num_concurrent=8,"
                   f"max_length={MAX_MODEL_LEN},max_retries=1")
     tasks = [str(ll_task) if t == "tiny_arith_ll" else t for t in names]
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions",
+    cmd = [sys.executable, "-c", LM_EVAL, "run", "--model", "local-completions",
            "--model_args", model_args, "--tasks", ",".join(tasks),
            "--include_path", "configs/lm_eval", "--limit", str(LIMIT),
            "--gen_kwargs", "max_gen_toks=48", "--log_samples", "--output_path", str(out)]
@@ -72,24 +78,38 @@ def run_lm_eval(url: str, out: Path, ll_task: Path, names: tuple[str, ...] = ALL
     return samples
 
 
+def serve_and_evaluate(model: str, out: Path, ll_task: Path, extra: list[str],
+                       names: tuple[str, ...]) -> tuple[dict[str, list[dict]], float]:
+    """`serve` with the flags `extra`, one lm_eval run of `names` against it: (samples, the
+    server's prefix-cache hits)."""
+    with ServeProcess("--model", model, "--served-model-name", "tiny", "--device", "cpu",
+                      "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+                      "--num-kv-blocks", "1024", "--api-key", API_KEY, *extra) as server:
+        samples = run_lm_eval(server.url, out, ll_task, names)
+        metrics = httpx.get(f"{server.url}/metrics").text
+    return samples, float(next(line.split()[-1] for line in metrics.splitlines()
+                               if line.startswith("mla_serve_prefix_cache_hits_total")))
+
+
 def test_lm_eval_outputs_equal_with_every_prompt_chunked(tmp_path_factory, tmp_path):
     model = tiny_model_dir(tmp_path_factory)
     ll_task = tmp_path / "tiny_arith_ll.yaml"
     ll_task.write_text(LOGLIKELIHOOD_TASK)
-    runs, hits = {}, {}
     # speculation drafts only where tokens are generated (the scoring tasks' requests sample one
-    # hidden token); the server without the cache is the multiple-choice task's reference
-    for name, extra, names in (("default", [], ALL_TASKS),
-                               ("chunked", ["--max-num-batched-tokens", str(CHUNK_BUDGET)], ALL_TASKS),
-                               ("ngram", ["--speculative-config", NGRAM], ("tiny_arith",)),
-                               ("no cache", ["--no-enable-prefix-caching"], ("tiny_arith_mc",))):
-        with ServeProcess("--model", model, "--served-model-name", "tiny", "--device", "cpu",
-                          "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-                          "--num-kv-blocks", "1024", "--api-key", API_KEY, *extra) as server:
-            runs[name] = run_lm_eval(server.url, tmp_path / name, ll_task, names)
-            metrics = httpx.get(f"{server.url}/metrics").text
-            hits[name] = float(next(line.split()[-1] for line in metrics.splitlines()
-                                    if line.startswith("mla_serve_prefix_cache_hits_total")))
+    # hidden token and never draft), so one server without the prefix cache is both the
+    # multiple-choice task's reference and the ngram run (speculation with prefix-cache hits:
+    # test_spec_decode.py::test_greedy_with_speculation_under_preemption_and_prefix_hits)
+    configs = (("default", [], ALL_TASKS),
+               ("chunked", ["--max-num-batched-tokens", str(CHUNK_BUDGET)], ALL_TASKS),
+               ("ngram no cache", ["--speculative-config", NGRAM, "--no-enable-prefix-caching"],
+                ("tiny_arith", "tiny_arith_mc")))
+    # the three servers, each with its lm_eval run, side by side: a run is its client and its
+    # server taking turns, and start-up is one process at a time, so one alone leaves a core idle
+    with ThreadPoolExecutor(len(configs)) as pool:
+        futures = {name: pool.submit(serve_and_evaluate, model, tmp_path / name, ll_task, extra, names)
+                   for name, extra, names in configs}
+    runs = {name: f.result()[0] for name, f in futures.items()}
+    hits = {name: f.result()[1] for name, f in futures.items()}
 
     tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
     gen_a, gen_b = runs["default"]["tiny_arith"], runs["chunked"]["tiny_arith"]
@@ -100,7 +120,7 @@ def test_lm_eval_outputs_equal_with_every_prompt_chunked(tmp_path_factory, tmp_p
         assert len(tok(context)["input_ids"]) > CHUNK_BUDGET  # really chunked
         assert a["resps"] == b["resps"], f"doc {a['doc_id']}: generations differ"
         assert a["resps"][0][0], "empty generation"
-    for a, b in zip(gen_a, runs["ngram"]["tiny_arith"]):  # drafts verified: the same generations
+    for a, b in zip(gen_a, runs["ngram no cache"]["tiny_arith"]):  # drafts verified: the same generations
         assert a["resps"] == b["resps"], f"doc {a['doc_id']}: generations differ with speculation"
     ll_a, ll_b = runs["default"]["tiny_arith_ll"], runs["chunked"]["tiny_arith_ll"]
     assert len(ll_a) == len(ll_b) == LIMIT
@@ -109,8 +129,8 @@ def test_lm_eval_outputs_equal_with_every_prompt_chunked(tmp_path_factory, tmp_p
         assert float(la) < 0 and abs(float(la) - float(lb)) < 1e-3 and ga == gb, (a, b)
     # multiple choice: 4 loglikelihood requests a question, one few-shot preamble for all of them;
     # the same scores from the prefix cache as computed whole, and the task solved
-    whole = runs["no cache"]["tiny_arith_mc"]
-    assert len(whole) == LIMIT and hits["no cache"] == 0
+    whole = runs["ngram no cache"]["tiny_arith_mc"]
+    assert len(whole) == LIMIT and hits["ngram no cache"] == 0
     for name in ("default", "chunked"):
         got = runs[name]["tiny_arith_mc"]
         assert [r["doc_id"] for r in got] == [r["doc_id"] for r in whole]
