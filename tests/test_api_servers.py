@@ -25,7 +25,7 @@ from engine.core_proc import core_main
 from engine.llm import load_front_end
 from server.cli import build_parser
 from server.responses_store import ResponseStore
-from tests.server_fixtures import OFFLINE_ENV, REPO, TINY_MODEL, ServeProcess, free_port, metric
+from tests.server_fixtures import OFFLINE_ENV, REPO, TINY_MODEL, ServeProcess, free_port, metric, side_by_side
 from tests.test_engine_process import _alive, _spawned
 
 SERVE = ["--device", "cpu", "--dtype", "float32", "--max-model-len", "512", "--num-kv-blocks", "256",
@@ -106,77 +106,98 @@ def test_one_core_keeps_two_clients_apart():
     assert not core.is_alive()
 
 
-def test_several_api_servers_serve_count_and_drain(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def two_serves(tmp_path_factory):
+    """Two `serve --api-server-count 2`, started side by side, their metrics files in one
+    directory: (that directory, the one drained, the one whose API server is killed)."""
+    path = tmp_path_factory.mktemp("prometheus")
+    old = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)  # read by the ServeProcesses as they start
+    try:
+        with side_by_side(*(ServeProcess("--model", str(TINY_MODEL), *SERVE) for _ in range(2))) as (a, b):
+            if old is None:
+                os.environ.pop("PROMETHEUS_MULTIPROC_DIR")
+            else:
+                os.environ["PROMETHEUS_MULTIPROC_DIR"] = old
+            yield path, a, b
+    finally:
+        if old is None:
+            os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+
+
+def test_several_api_servers_serve_count_and_drain(two_serves):
     """Both API servers answer requests on the one port, /metrics counts every process's
     requests, the Responses store is off, and SIGTERM drains a running stream before serve exits
     0 with every process gone."""
-    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    with ServeProcess("--model", str(TINY_MODEL), *SERVE) as s:
-        servers = _spawned(s.proc.pid)
-        assert len(servers) == 3  # the core and two API servers
-        body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
-        texts, sent = set(), 0
-        for _ in range(6):  # waves of new connections until both processes have answered some
-            with ThreadPoolExecutor(16) as pool:
-                rs = list(pool.map(lambda _: httpx.post(f"{s.url}/v1/completions", json=body, timeout=60),
-                                   range(16)))
-            sent += 16
-            assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
-            texts |= {r.json()["choices"][0]["text"] for r in rs}
-            per_pid = _finished_per_pid(tmp_path)
-            if len([n for n in per_pid.values() if n > 0]) == 2:
-                break
-        assert len(texts) == 1
-        assert len(per_pid) == 2 and set(per_pid) < set(servers), (per_pid, servers)
-        assert all(n > 0 for n in per_pid.values()), per_pid
-        assert sum(per_pid.values()) == sent
-        for _ in range(4):  # whichever process answers, /metrics counts them all
-            m = httpx.get(f"{s.url}/metrics", timeout=10).text
-            assert metric(m.replace('{finished_reason="length"}', "_length"),
-                          "mla_serve_request_success_total_length") == sent
-        r = httpx.post(f"{s.url}/v1/responses", json={"input": "hi", "previous_response_id": "resp_x"}, timeout=30)
-        assert r.status_code == 400 and "--api-server-count 2" in r.json()["error"]["message"]
-        # a stream running when SIGTERM comes is finished, then everything stops
-        # (and a new connection is refused at once: no process keeps the port open meanwhile)
-        long = {"prompt": PROMPTS[1], "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{s.url}/v1/completions", json=long, timeout=120) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data:")
-            s.proc.send_signal(signal.SIGTERM)
-            time.sleep(1.0)
-            with pytest.raises(httpx.ConnectError):
-                httpx.get(f"{s.url}/health", timeout=5)
-            rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in "".join(rest)
-        assert s.proc.wait(timeout=60) == 0
-        assert not any(_alive(p) for p in servers)
+    tmp_path, s, _ = two_serves
+    servers = _spawned(s.proc.pid)
+    assert len(servers) == 3  # the core and two API servers
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    texts, sent = set(), 0
+    for _ in range(6):  # waves of new connections until both processes have answered some
+        with ThreadPoolExecutor(16) as pool:
+            rs = list(pool.map(lambda _: httpx.post(f"{s.url}/v1/completions", json=body, timeout=60),
+                               range(16)))
+        sent += 16
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs if r.status_code != 200]
+        texts |= {r.json()["choices"][0]["text"] for r in rs}
+        per_pid = {p: n for p, n in _finished_per_pid(tmp_path).items() if p in servers}
+        if len([n for n in per_pid.values() if n > 0]) == 2:
+            break
+    assert len(texts) == 1
+    assert len(per_pid) == 2 and set(per_pid) < set(servers), (per_pid, servers)
+    assert all(n > 0 for n in per_pid.values()), per_pid
+    assert sum(per_pid.values()) == sent
+    for _ in range(4):  # whichever process answers, /metrics counts them all
+        m = httpx.get(f"{s.url}/metrics", timeout=10).text
+        assert metric(m.replace('{finished_reason="length"}', "_length"),
+                      "mla_serve_request_success_total_length") == sent
+    r = httpx.post(f"{s.url}/v1/responses", json={"input": "hi", "previous_response_id": "resp_x"}, timeout=30)
+    assert r.status_code == 400 and "--api-server-count 2" in r.json()["error"]["message"]
+    # a stream running when SIGTERM comes is finished, then everything stops
+    # (and a new connection is refused at once: no process keeps the port open meanwhile)
+    long = {"prompt": PROMPTS[1], "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{s.url}/v1/completions", json=long, timeout=120) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data:")
+        s.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{s.url}/health", timeout=5)
+        rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in "".join(rest)
+    assert s.proc.wait(timeout=60) == 0
+    assert not any(_alive(p) for p in servers)
 
 
-def test_an_api_server_dying_stops_serve():
+def test_an_api_server_dying_stops_serve(two_serves):
     """A killed API server stops serve (exit 1) and the rest: nothing is left running."""
-    with ServeProcess("--model", str(TINY_MODEL), *SERVE) as s:
-        servers = _spawned(s.proc.pid)
-        os.kill(max(servers), signal.SIGKILL)  # an API server: started after the core
-        assert s.proc.wait(timeout=60) == 1
-        deadline = time.monotonic() + 30
-        while any(_alive(p) for p in servers) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not any(_alive(p) for p in servers)
+    _, _, s = two_serves
+    servers = _spawned(s.proc.pid)
+    os.kill(max(servers), signal.SIGKILL)  # an API server: started after the core
+    assert s.proc.wait(timeout=60) == 1
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in servers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in servers)
 
 
 def test_start_up_errors_and_signals_under_several_api_servers():
     """The core's start-up error is serve's one error line (exit 1); a SIGTERM while the API
     servers are still starting stops everything cleanly (exit 0, no traceback)."""
-    cmd = [sys.executable, "-m", "server", "--model", str(TINY_MODEL), *SERVE, "--port", str(free_port())]
-    bad = subprocess.run([*cmd, "--max-model-len", "100000"], cwd=REPO, env={**os.environ, **OFFLINE_ENV},
-                         capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 1 and "serve: error: --max-model-len 100000" in bad.stderr, bad.stderr[-2000:]
-    assert "Traceback" not in bad.stderr and "stopping serve" not in bad.stderr
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **OFFLINE_ENV}, stderr=subprocess.PIPE, text=True)
+    def start(*flags: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "server", "--model", str(TINY_MODEL), *SERVE,
+                                 "--port", str(free_port()), *flags], cwd=REPO, env={**os.environ, **OFFLINE_ENV},
+                                stderr=subprocess.PIPE, text=True)
+
+    early, bad = start(), start("--max-model-len", "100000")  # side by side
     time.sleep(3.0)  # the API servers are importing, the core loading
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=90)
-    assert proc.returncode == 0 and "Traceback" not in err, err[-3000:]
+    early.send_signal(signal.SIGTERM)
+    _, err = early.communicate(timeout=90)
+    assert early.returncode == 0 and "Traceback" not in err, err[-3000:]
+    _, err = bad.communicate(timeout=120)
+    assert bad.returncode == 1 and "serve: error: --max-model-len 100000" in err, err[-2000:]
+    assert "Traceback" not in err and "stopping serve" not in err
 
 
 def test_store_flags_under_several_api_servers():
