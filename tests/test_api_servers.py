@@ -191,7 +191,12 @@ def test_start_up_errors_and_signals_under_several_api_servers():
                                 stderr=subprocess.PIPE, text=True)
 
     early, bad = start(), start("--max-model-len", "100000")  # side by side
-    time.sleep(3.0)  # the API servers are importing, the core loading
+    deadline = time.monotonic() + 120
+    # SIGTERM once serve has started the core and both API servers, which are then importing
+    # (before serve's own handlers, a SIGTERM ends it as any process: nothing is started yet)
+    while len(_spawned(early.pid)) < 3 and early.poll() is None:
+        assert time.monotonic() < deadline, "serve never started its processes"
+        time.sleep(0.02)
     early.send_signal(signal.SIGTERM)
     _, err = early.communicate(timeout=90)
     assert early.returncode == 0 and "Traceback" not in err, err[-3000:]
