@@ -208,10 +208,14 @@ class _LocalRanks:
             conn.send_bytes(data)
 
     def shutdown(self) -> None:
-        if self.conns:
+        # The stop goes to each rank on its own (across nodes to rank 0, which relays it): a rank
+        # whose pipe is already broken must not keep the others from hearing it, or each of them
+        # would wait out its join below.
+        data = pickle.dumps(None, protocol=pickle.HIGHEST_PROTOCOL)
+        for conn in self.conns[:1] if self.multi_node else self.conns:
             try:
-                self.send_step(None, self.multi_node)  # across nodes rank 0 relays the stop
-            except (OSError, BrokenPipeError):
+                conn.send_bytes(data)
+            except OSError:  # BrokenPipeError, ConnectionResetError: that rank is gone
                 pass
         for p in self.procs:
             p.join(timeout=5)

@@ -147,6 +147,10 @@ def test_dead_worker_fails_fast(tiny_v3, rank, when):
         else:
             llm.generate([[5, 6, 7]], GREEDY)
     assert time.monotonic() - t0 < 60
+    if when == "between-steps":
+        # the surviving rank heard the stop (a broken pipe to rank 0 must not keep it from rank 1)
+        # and left by itself rather than being killed after shutdown's join wait
+        assert [p.exitcode for i, p in enumerate(procs) if i != rank] == [0]
     llm.engine.shutdown()
 
 
