@@ -85,7 +85,7 @@ def serve_multi(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.so
     n = ns.api_server_count
     own_dir = "PROMETHEUS_MULTIPROC_DIR" not in os.environ
     if own_dir:  # inherited by the spawned processes, read when they import prometheus_client
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="mla-serve-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = _metrics_dir()
     ctx = mp.get_context("spawn")
     procs: list = []
     core = None
@@ -126,6 +126,30 @@ def serve_multi(ns: argparse.Namespace, engine_args: EngineArgs, sock: socket.so
             core.join(10.0)
         if own_dir:
             shutil.rmtree(os.environ.pop("PROMETHEUS_MULTIPROC_DIR"), ignore_errors=True)
+
+
+_METRICS_PREFIX = "mla-serve-metrics-"
+
+
+def _metrics_dir() -> str:
+    """A new temporary directory for the processes' metric files, named with this process's pid.
+    The `finally` of serve_multi removes it; a serve that was SIGKILLed could not, so the
+    directories of this user's serves that no longer run are removed here first."""
+    tmp = tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        pid = name[len(_METRICS_PREFIX):].split("-", 1)[0]
+        if not name.startswith(_METRICS_PREFIX) or not pid.isdigit():
+            continue
+        path = os.path.join(tmp, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)  # still running (or a process that took its pid): keep it
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # PermissionError: another user's process holds the pid; gone by now: skip
+            pass
+    return tempfile.mkdtemp(prefix=f"{_METRICS_PREFIX}{os.getpid()}-")
 
 
 def _start_blocked(proc) -> None:

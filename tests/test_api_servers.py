@@ -228,3 +228,22 @@ def _finished_per_pid(path) -> dict[int, float]:
         counts[pid] = metric(text, "mla_serve_request_success_total_length")
         shutil.rmtree(one)
     return counts
+
+
+def test_metrics_dir_sweeps_dead_serves_only(tmp_path, monkeypatch):
+    """A serve that was SIGKILLed leaves its metrics directory; the next one removes it, and keeps
+    those of serves still running and anything not named as its own."""
+    from server import api_servers
+
+    monkeypatch.setattr(api_servers.tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tmp_path / f"mla-serve-metrics-{gone.pid}-ab12"
+    live = tmp_path / f"mla-serve-metrics-{os.getppid()}-cd34"
+    other = tmp_path / "mla-serve-metrics-notapid"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "counter_1.db").write_bytes(b"x")
+    made = api_servers._metrics_dir()
+    assert not stale.exists() and live.exists() and other.exists()
+    assert os.path.basename(made).startswith(f"mla-serve-metrics-{os.getpid()}-") and os.path.isdir(made)
