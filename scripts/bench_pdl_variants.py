@@ -35,42 +35,50 @@ from models.deepseek import DeepseekDecoderLayer
 from models.layers import Linear
 from models.moe import MoE
 
-# name: (PDL graphs up to this batch, gemm_skinny_max_tokens, decode_merge_in_absorb on,
-# moe_norm_in_router_max_tokens, moe_route_align_max_tokens); None: the plan's own value. "base" is
-# the plan's default on sm_90; "norm_router_off" sets the norm in the router off whatever the
-# default, "norm_router_b1" on at batch 1 alone; 1024 is every step a key can take
+# name: what the variant sets; anything it leaves out is "base", the plan's default on sm_90: PDL in
+# the graphs of up to this batch (pdl), gemm_skinny_max_tokens (skinny), decode_merge_in_absorb
+# (merge_o), moe_norm_in_router_max_tokens (norm_router), moe_route_align_max_tokens (route_align),
+# fp8_gemm_fuse_act (fuse_act) and fp8_gemm_splitk_serial (serial) for the W8A8 projections of an
+# FP8 model (`--quantization fp8` or an FP8 checkpoint). "norm_router_off" sets the norm in the
+# router off whatever the default, "norm_router_b1" on at batch 1 alone; 1024 is every step a key
+# can take
 B = PDL_GRAPH_MAX_BATCH
 VARIANTS = {
-    "base": (B, 0, False, None, None),
-    "pdl": (1024, 0, False, None, None),
-    "skinny": (B, 1024, False, None, None),
-    "pdl+skinny": (1024, 1024, False, None, None),
-    "merge_o": (B, 0, True, None, None),
-    "norm_router": (B, 0, False, 1024, None),
-    "norm_router_off": (B, 0, False, 0, None),
-    "norm_router_b1": (B, 0, False, 1, None),
-    "route_align": (B, 0, False, None, 1024),
-    "merge_o+norm_router": (B, 0, True, 1024, None),
-    "norm_router+route_align": (B, 0, False, 1024, 1024),
-    "all3": (B, 0, True, 1024, 1024),
+    "base": {},
+    "pdl": {"pdl": 1024},
+    "skinny": {"skinny": 1024},
+    "pdl+skinny": {"pdl": 1024, "skinny": 1024},
+    "merge_o": {"merge_o": True},
+    "norm_router": {"norm_router": 1024},
+    "norm_router_off": {"norm_router": 0},
+    "norm_router_b1": {"norm_router": 1},
+    "route_align": {"route_align": 1024},
+    "merge_o+norm_router": {"merge_o": True, "norm_router": 1024},
+    "norm_router+route_align": {"norm_router": 1024, "route_align": 1024},
+    "all3": {"merge_o": True, "norm_router": 1024, "route_align": 1024},
+    "fuse_act": {"fuse_act": True},
+    "serial": {"serial": True},
+    "fuse_act+serial": {"fuse_act": True, "serial": True},
 }
 
 
 def set_variant(runner, model, name: str, plan) -> None:
-    pdl_max, skinny, merge_o, norm_router, route_align = VARIANTS[name]
-    merge_o = merge_o or plan.decode_merge_in_absorb
-    norm_router = plan.moe_norm_in_router_max_tokens if norm_router is None else norm_router
-    route_align = plan.moe_route_align_max_tokens if route_align is None else route_align
+    v = VARIANTS[name]
+    merge_o = v.get("merge_o", False) or plan.decode_merge_in_absorb
+    norm_router = v.get("norm_router", plan.moe_norm_in_router_max_tokens)
+    route_align = v.get("route_align", plan.moe_route_align_max_tokens)
     for m in model.modules():
         if isinstance(m, Linear):
-            m.skinny_max = skinny
+            m.skinny_max = v.get("skinny", 0)
+            m.fp8_fuse_act = v.get("fuse_act", plan.fp8_gemm_fuse_act)
+            m.fp8_serial = v.get("serial", plan.fp8_gemm_splitk_serial)
         mla = getattr(m, "mla", None)
         if mla is not None:
             mla.absorb_o_merge = triton_absorb.absorb_o_merge if merge_o else None
         if isinstance(m, DeepseekDecoderLayer) and isinstance(m.mlp, MoE):
             m.norm_in_router = m.mlp.gate.norm_in_logits = norm_router
             m.mlp.route_align = route_align
-    runner.graphs.pdl_max_batch = pdl_max
+    runner.graphs.pdl_max_batch = v.get("pdl", B)
     torch.cuda.synchronize()
     runner.graphs.capture()
 
@@ -89,13 +97,13 @@ def main() -> None:
     llm = LLM(**kw)
     core = llm.engine
     plan = core.executor.worker.plan
-    if any(VARIANTS[v][2] for v in a.variants) and not plan.attention == plan.absorb == "triton":
+    if any(VARIANTS[v].get("merge_o") for v in a.variants) and not plan.attention == plan.absorb == "triton":
         raise SystemExit(f"--variants merge_o folds the Triton decode's merge into the Triton absorb_o; this plan "
                          f"has attention={plan.attention} absorb={plan.absorb}")
-    if any(VARIANTS[v][3] for v in a.variants) and not plan.router == plan.norm == "triton":
+    if any(VARIANTS[v].get("norm_router") for v in a.variants) and not plan.router == plan.norm == "triton":
         raise SystemExit(f"--variants norm_router runs the Triton add + RMSNorm inside the Triton router's logits "
                          f"kernel; this plan has router={plan.router} norm={plan.norm}")
-    if any(VARIANTS[v][4] for v in a.variants):
+    if any(VARIANTS[v].get("route_align") for v in a.variants):
         from models.route_align import route_align_refusal
         from models.triton_route import router_grouped
         cfg = core.executor.worker.cfg
@@ -107,6 +115,13 @@ def main() -> None:
                              f"alignment in one launch: {why}")
     runner = core.executor.worker.runner
     model = runner.model
+    if any("fuse_act" in VARIANTS[v] or "serial" in VARIANTS[v] for v in a.variants):
+        if not any(isinstance(m, Linear) and m.fp8_block is not None for m in model.modules()):
+            raise SystemExit("--variants fuse_act / serial change the W8A8 projections of an FP8 model: pass "
+                             "--quantization fp8 or an FP8 checkpoint")
+        if not plan.fp8_gemm_splitk:
+            raise SystemExit("--variants fuse_act / serial act on the split-K W8A8 GEMM: this plan has "
+                             "fp8_gemm_splitk off")
     print(f"device {torch.cuda.get_device_name()}, --kernels {a.kernel_plan}, variants {a.variants}")
     table = {}
     for bs in a.batch_sizes:

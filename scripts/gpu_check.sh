@@ -103,10 +103,10 @@
 #   q8          V2-Lite's random-weight checkpoint (.bench/make_random_ckpt.py into /tmp/v2l, as peer)
 #               served with --quantization fp8 (quantized at load, W8A8) and in bf16: TPOT at batch
 #               1/8/32/128 of each (bench_latency.py); the start-up log has the load time (`q8:480`)
-#   q8fuse      the same checkpoint with --quantization fp8 at batch 1/4/8/16, each --kernels plan of
-#               AB_PLANS (default: auto; auto,fp8_gemm_fuse_act=1, the split-K W8A8 GEMM quantizing x
-#               itself; and that with fp8_gemm_splitk_serial=1, no reduce launch): three runs, each
-#               under 3/10 of the step's timeout (`q8fuse:540`)
+#   q8fuse      the same checkpoint with --quantization fp8 at batch 1/4/8/16, in one engine (its graphs
+#               captured again per variant, ABBA, bench_pdl_variants.py): the default; fp8_gemm_fuse_act
+#               (the split-K W8A8 GEMM quantizing x itself); fp8_gemm_splitk_serial (no reduce launch);
+#               both (`q8fuse:420`; 1/4 of it for the checkpoint where /tmp/v2l has none)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights (kept in FP8: the default): TPOT at batch 1 and 64
 #   v3gluon     the DeepSeek-V3 config, 4 layers, bf16 dummy weights (128 heads: the Gluon decode by
@@ -275,12 +275,10 @@ for spec in $steps; do
             timeout $((T * 2 / 5)) python3 scripts/bench_latency.py --model /tmp/v2l --load-format auto --skip-tokenizer-init \
               $q --batch-sizes 1 8 32 128 --decode-steps 50 --json "$OUT/v2l_latency${q:+_fp8}.json"
           done; } > "$log" 2>&1 ;;
-    q8fuse) { [ -f /tmp/v2l/config.json ] || timeout $((T / 5)) python3 .bench/make_random_ckpt.py configs/models/DeepSeek-V2-Lite /tmp/v2l
-              for k in ${AB_PLANS:-auto auto,fp8_gemm_fuse_act=1 auto,fp8_gemm_fuse_act=1,fp8_gemm_splitk_serial=1}; do
-                echo "## --kernels $k"
-                timeout $((T * 3 / 10)) python3 scripts/bench_latency.py --model /tmp/v2l --load-format auto --skip-tokenizer-init \
-                  --quantization fp8 --kernel-plan $k --batch-sizes 1 4 8 16 --decode-steps 50
-              done; } > "$log" 2>&1 ;;
+    q8fuse) { [ -f /tmp/v2l/config.json ] || timeout $((T / 4)) python3 .bench/make_random_ckpt.py configs/models/DeepSeek-V2-Lite /tmp/v2l
+              timeout $((T * 3 / 4)) python3 scripts/bench_pdl_variants.py --model /tmp/v2l --load-format auto \
+                --skip-tokenizer-init --quantization fp8 --batch-sizes 1 4 8 16 --reps 2 \
+                --variants base fuse_act serial fuse_act+serial; } > "$log" 2>&1 ;;
     fp8) timeout "$T" python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" > "$log" 2>&1 ;;
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
           --hf-overrides '{"num_hidden_layers": 4}' --batch-sizes 1 64 --decode-steps 50 \
