@@ -36,6 +36,8 @@ FP8_WGMMA_MIN_ROWS = 256
 # +0.1% / +1.4% / +0.1%; on an H100 (bench_pdl_variants.py, both in one engine, median of three)
 # batch 4 level, 8 -1.1%, 16 -0.6%, 24 -0.1%, 32 +0.1%, and 128 +5.0% (of two): a win up to 16.
 PDL_GRAPH_MAX_BATCH = 16
+# fp8_gemm_w8a16_max_tokens under base triton, and its bound (the kernel's one row tile)
+W8A16_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,10 @@ CHOICES: tuple[Choice, ...] = (
            "summed by each output tile's last program (a counter per tile, reset by that program) instead of "
            "a reduce launch: the same bits, one launch fewer a projection (opt-in: not yet timed on a GPU)",
            (), triton=False, torch=False),
+    Choice("fp8_gemm_w8a16_max_tokens", (int,), "projections kept in FP8 (--fp8-gemm) of steps with up to "
+           f"this many tokens (at most {W8A16_MAX_ROWS}) run on one Triton launch that streams the FP8 weight and "
+           "keeps the activations in their dtype (models/fp8_w8a16.py: no act_quant, no split reduce) "
+           "instead of the W8A8 GEMM (0: never)", ("models.fp8_w8a16",), triton=W8A16_MAX_ROWS, torch=0),
     Choice("decode_wgmma_min_heads", (int,), "query heads per rank from which the MLA decode runs on the "
            "Gluon wgmma kernel (attention/gluon_decode.py: sm_90, bf16 model and cache, kv_lora_rank 512, "
            "rope 64, heads a multiple of 64, Triton 3.6) instead of the Triton kernel (0: never)",
@@ -255,6 +261,7 @@ class KernelPlan:
     fp8_gemm_splitk: bool = False
     fp8_gemm_fuse_act: bool = False
     fp8_gemm_splitk_serial: bool = False
+    fp8_gemm_w8a16_max_tokens: int = 0
     decode_wgmma_min_heads: int = 0
     decode_wgmma_producer: bool = False
     decode_wgmma_seesaw: bool = False
@@ -400,6 +407,9 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
                              f"RMSNorm kernel; this plan has moe={values['moe']} norm={values['norm']} (set "
                              f"moe_sum_in_norm=0, or moe and norm triton)")
         values["moe_sum_in_norm"] = False
+    if values["fp8_gemm_w8a16_max_tokens"] > W8A16_MAX_ROWS:
+        raise ValueError(f"--kernels ...,fp8_gemm_w8a16_max_tokens={values['fp8_gemm_w8a16_max_tokens']}: the "
+                         f"weight-streaming FP8 kernel takes at most {W8A16_MAX_ROWS} rows")
     if values["moe_route_align_max_tokens"] and not values["router"] == values["moe"] == TRITON:
         raise ValueError(f"--kernels ...,moe_route_align_max_tokens={values['moe_route_align_max_tokens']} makes the "
                          f"Triton router's choice and the Triton block MoE's alignment in one launch; this plan has "

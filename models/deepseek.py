@@ -194,6 +194,7 @@ def finish_linears(module: nn.Module, plan: KernelPlan, keep_fp8: bool) -> None:
         if isinstance(m, Linear):
             m.fp8_gemm, m.fp8_splitk = plan.fp8_gemm, plan.fp8_gemm_splitk
             m.fp8_fuse_act, m.fp8_serial = plan.fp8_gemm_fuse_act, plan.fp8_gemm_splitk_serial
+            m.fp8_w8a16_max = plan.fp8_gemm_w8a16_max_tokens if m.fp8_block == (128, 128) else 0
             m.skinny_max = plan.gemm_skinny_max_tokens
             if not keep_fp8 or name.endswith("kv_b_proj"):
                 m.dequantize_weights()

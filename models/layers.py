@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common import distributed as pd
+from common.launch_settings import interpreting
 from models.config import RopeConfig, yarn_mscale
 from models.fp8 import FP8, dequantize
 from common.fused import EAGER, Glue
@@ -93,6 +94,7 @@ class Linear(nn.Module):
         self.fp8_splitk = False  # the plan's fp8_gemm_splitk
         self.fp8_fuse_act = False  # the plan's fp8_gemm_fuse_act
         self.fp8_serial = False  # the plan's fp8_gemm_splitk_serial
+        self.fp8_w8a16_max = 0  # the plan's fp8_gemm_w8a16_max_tokens
         self.skinny_max = 0  # the plan's gemm_skinny_max_tokens
         if fp8_block is None:
             self.weight = shard_param((out_features, in_features), tp_dim, dtype)
@@ -118,7 +120,12 @@ class Linear(nn.Module):
         self.fp8_block = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp8_block is not None:  # kept in FP8 for the W8A8 block GEMM (--fp8-gemm)
+        if self.fp8_block is not None and 0 < x.numel() <= self.fp8_w8a16_max * x.shape[-1] and (
+                x.is_cuda or interpreting()):  # kept in FP8, few rows: the weight-streaming kernel
+            from models.fp8_w8a16 import w8a16_linear  # triton: CUDA installs only
+            y = w8a16_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale_inv)
+            y = y.view(*x.shape[:-1], y.shape[-1])
+        elif self.fp8_block is not None:  # kept in FP8 for the W8A8 block GEMM (--fp8-gemm)
             from models.fp8_gemm import fp8_linear  # triton: CUDA installs only
             y = fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8_gemm, self.fp8_splitk,
                            self.fp8_fuse_act, self.fp8_serial)

@@ -38,10 +38,11 @@ from models.moe import MoE
 # name: what the variant sets; anything it leaves out is "base", the plan's default on sm_90: PDL in
 # the graphs of up to this batch (pdl), gemm_skinny_max_tokens (skinny), decode_merge_in_absorb
 # (merge_o), moe_norm_in_router_max_tokens (norm_router), moe_route_align_max_tokens (route_align),
-# fp8_gemm_fuse_act (fuse_act) and fp8_gemm_splitk_serial (serial) for the W8A8 projections of an
-# FP8 model (`--quantization fp8` or an FP8 checkpoint). "norm_router_off" sets the norm in the
-# router off whatever the default, "norm_router_b1" on at batch 1 alone; 1024 is every step a key
-# can take
+# and, for the projections of an FP8 model (`--quantization fp8` or an FP8 checkpoint),
+# fp8_gemm_w8a16_max_tokens (w8a16: 0 sends every row count to the W8A8 GEMM), fp8_gemm_fuse_act
+# (fuse_act) and fp8_gemm_splitk_serial (serial), the last two W8A8 options. "norm_router_off"
+# sets the norm in the router off whatever the default, "norm_router_b1" on at batch 1 alone; 1024
+# is every step a key can take
 B = PDL_GRAPH_MAX_BATCH
 VARIANTS = {
     "base": {},
@@ -56,9 +57,10 @@ VARIANTS = {
     "merge_o+norm_router": {"merge_o": True, "norm_router": 1024},
     "norm_router+route_align": {"norm_router": 1024, "route_align": 1024},
     "all3": {"merge_o": True, "norm_router": 1024, "route_align": 1024},
-    "fuse_act": {"fuse_act": True},
-    "serial": {"serial": True},
-    "fuse_act+serial": {"fuse_act": True, "serial": True},
+    "w8a8": {"w8a16": 0},
+    "fuse_act": {"fuse_act": True, "w8a16": 0},
+    "serial": {"serial": True, "w8a16": 0},
+    "fuse_act+serial": {"fuse_act": True, "serial": True, "w8a16": 0},
 }
 
 
@@ -72,6 +74,8 @@ def set_variant(runner, model, name: str, plan) -> None:
             m.skinny_max = v.get("skinny", 0)
             m.fp8_fuse_act = v.get("fuse_act", plan.fp8_gemm_fuse_act)
             m.fp8_serial = v.get("serial", plan.fp8_gemm_splitk_serial)
+            if m.fp8_block == (128, 128):
+                m.fp8_w8a16_max = v.get("w8a16", plan.fp8_gemm_w8a16_max_tokens)
         mla = getattr(m, "mla", None)
         if mla is not None:
             mla.absorb_o_merge = triton_absorb.absorb_o_merge if merge_o else None
@@ -115,10 +119,11 @@ def main() -> None:
                              f"alignment in one launch: {why}")
     runner = core.executor.worker.runner
     model = runner.model
-    if any("fuse_act" in VARIANTS[v] or "serial" in VARIANTS[v] for v in a.variants):
+    if any({"fuse_act", "serial", "w8a16"} & VARIANTS[v].keys() for v in a.variants):
         if not any(isinstance(m, Linear) and m.fp8_block is not None for m in model.modules()):
-            raise SystemExit("--variants fuse_act / serial change the W8A8 projections of an FP8 model: pass "
+            raise SystemExit("--variants w8a8 / fuse_act / serial change the projections of an FP8 model: pass "
                              "--quantization fp8 or an FP8 checkpoint")
+    if any({"fuse_act", "serial"} & VARIANTS[v].keys() for v in a.variants):
         if not plan.fp8_gemm_splitk:
             raise SystemExit("--variants fuse_act / serial act on the split-K W8A8 GEMM: this plan has "
                              "fp8_gemm_splitk off")

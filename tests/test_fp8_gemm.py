@@ -344,3 +344,37 @@ def test_w8a8_splitk_serial_reduce_is_the_reduce_launch_bit_for_bit(M, N, K):
     assert not tile_counters(x.device, 1).any()
     with torch.cuda.stream(stream):
         assert not tile_counters(x.device, 1).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 5, 16])
+@pytest.mark.parametrize("N,K", [(3648, 2048), (2048, 2048), (5632, 2048), (2048, 2816), *R1_DECODE_SHAPES])
+def test_w8a16_real_shapes(M, N, K):
+    """The weight-streaming FP8 kernel at V2-Lite's (q + kv_a, o_proj, the shared experts' gate/up
+    and down) and R1's decode shapes, bf16: the autotuned and the fixed tile each within bf16
+    rounding of x @ the weight dequantized to bf16 (the same weight values; only the order of the
+    fp32 sums differs), the same bits on a second run and from a CUDA graph."""
+    from models import fp8_w8a16
+    torch.manual_seed(M + N)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    wq, sw = quantize(torch.randn(N, K, device="cuda") * 0.02)
+    want = (x.float() @ dequantize(wq, sw, (128, 128), torch.bfloat16).float().T)
+    fixed = fp8_w8a16.w8a16_linear(x, wq, sw, tile=(fp8_w8a16._FIXED["BLOCK_N"], fp8_w8a16._FIXED["BLOCK_K"]))
+    for got in (fp8_w8a16.w8a16_linear(x, wq, sw), fixed):
+        assert got.dtype == torch.bfloat16
+        assert ((got.float() - want).norm() / want.norm()).item() < 5e-3, (M, N, K)
+
+    def run():
+        return fp8_w8a16.w8a16_linear(x, wq, sw)
+    eager = [run() for _ in range(2)]
+    g = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+        with torch.cuda.graph(g, stream=stream):
+            graphed = run()
+    torch.cuda.current_stream().wait_stream(stream)
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(eager[0], eager[1]) and torch.equal(graphed, eager[0])

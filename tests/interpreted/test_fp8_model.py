@@ -30,16 +30,28 @@ def emulated(x, wq, sw):
 
 def test_fp8_gemm_path_runs_the_model(fp8_model, monkeypatch):
     """--fp8-gemm keeps attention/MLP projections in FP8 and runs them through the Triton W8A8
-    kernels, and keeps the routed experts in FP8 (read as FP8 by the Triton MoE kernels). Every
-    W8A8 call the model makes equals `emulated` on the same input. Whole-model logprobs are not
+    kernels (the 40-token prefill) and the weight-streaming kernel (the decode steps' single rows,
+    fp8_gemm_w8a16_max_tokens), and keeps the routed experts in FP8 (read as FP8 by the Triton MoE
+    kernels). Every W8A8 call the model makes equals `emulated` on the same input, and every
+    weight-streaming call the product with the dequantized weight. Whole-model logprobs are not
     compared: with FP8 activations a one-ulp difference upstream flips an element's FP8 rounding
     downstream, so two correct implementations drift apart by ~1e-3 on a random tiny model."""
+    import models.fp8_w8a16 as w16
     llm = LLM(fp8_model, device="cpu", dtype="float32", num_kv_blocks=64, fp8_gemm=True, kernels="triton")
     model = llm.engine.executor.worker.model.model
     attn, moe = model.layers[0].self_attn, model.layers[1].mlp
     assert attn.qkv_a_proj.weight.dtype == torch.float8_e4m3fn and attn.kv_b_proj.weight.dtype == torch.float32
     assert moe.w13.dtype == torch.float8_e4m3fn and moe.w13_scale.shape[1:] == (2, 2)  # experts stay FP8
     errs, shapes, splitk, kernel = [], set(), set(), g.fp8_linear
+    streamed, w16_errs, w16_kernel = set(), [], w16.w8a16_linear
+
+    def checked_w16(x, wq, sw, tile=None):
+        y, want = w16_kernel(x, wq, sw, tile), x @ dequantize(wq, sw, (128, 128)).T
+        w16_errs.append(((y - want).norm() / want.norm()).item())
+        streamed.add((x.shape[0], tuple(wq.shape)))
+        return y
+
+    monkeypatch.setattr(w16, "w8a16_linear", checked_w16)
 
     def checked(x, wq, sw, backend, split_k, fuse_act=False, serial=False):
         y, want = kernel(x, wq, sw, backend, split_k, fuse_act, serial), emulated(x, wq, sw)
@@ -55,11 +67,16 @@ def test_fp8_gemm_path_runs_the_model(fp8_model, monkeypatch):
     assert len(shapes) >= 4, shapes  # q_a + kv_a, q_b, o_proj and the MLPs all went through it
     assert errs and max(errs) < 1e-5, max(errs)
     assert splitk == {True}  # the plan's fp8_gemm_splitk, on under triton
+    assert {rows for rows, _ in streamed} == {1} and {w for _, w in streamed} == shapes, (streamed, shapes)
+    assert max(w16_errs) < 1e-5, max(w16_errs)
     from models.layers import Linear
     llm = LLM(fp8_model, device="cpu", dtype="float32", num_kv_blocks=64, fp8_gemm=True,
-              kernels="triton,fp8_gemm_splitk=0")
+              kernels="triton,fp8_gemm_splitk=0,fp8_gemm_w8a16_max_tokens=0")
     kept = [m for m in llm.engine.executor.worker.model.modules() if isinstance(m, Linear) and m.fp8_block]
-    assert kept and not any(m.fp8_splitk for m in kept)
+    assert kept and not any(m.fp8_splitk or m.fp8_w8a16_max for m in kept)
+    streamed.clear()
+    llm.generate([list(range(5, 20))], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert not streamed  # with the key at 0 every projection goes through W8A8
 
 
 def test_quantization_fp8_at_load_keeps_the_scripts_fp8_bytes(tmp_path_factory):

@@ -126,3 +126,28 @@ def test_w8a8_splitk_serial_last_program_alone_writes_the_output(monkeypatch):
     finally:
         counters.zero_()
     assert early[:, :64].isnan().all() and torch.equal(early[:, 64:], want[:, 64:])
+
+
+def test_w8a16_interpreter():
+    """The weight-streaming FP8 kernel (models/fp8_w8a16.py) against x @ the dequantized weight,
+    fp32, exact to 1e-5 (a K step or scale block skipped or misplaced fails by far): one to 16
+    rows of different magnitudes, partial column tiles, K tails inside a scale block and across
+    one, forced tiles; and its argument checks."""
+    from models.fp8 import dequantize
+    from models.fp8_w8a16 import w8a16_linear
+    torch.manual_seed(2)
+    for M, N, K, tile in ((1, 300, 256, None), (5, 128, 200, None), (16, 384, 1000, None),
+                          (3, 200, 384, (32, 128)), (7, 256, 640, (64, 256)), (2, 130, 136, (16, 32))):
+        x = torch.randn(M, K) * (0.1 + 10 * torch.rand(M, 1))
+        wq, sw = quantize(torch.randn(N, K) * 0.05)
+        want = x @ dequantize(wq, sw, (128, 128)).T
+        got = w8a16_linear(x, wq, sw, tile=tile)
+        assert got.dtype == torch.float32 and got.shape == (M, N)
+        assert ((got - want).norm() / want.norm()).item() < 1e-5, (M, N, K, tile)
+    wq, sw = quantize(torch.randn(128, 256))
+    with pytest.raises(ValueError, match="at most 16"):
+        w8a16_linear(torch.randn(17, 256), wq, sw)
+    with pytest.raises(ValueError, match="must divide"):
+        w8a16_linear(torch.randn(2, 256), wq, sw, tile=(48, 64))
+    with pytest.raises(ValueError, match="does not fit"):
+        w8a16_linear(torch.randn(2, 256), wq, sw[:, :1])
