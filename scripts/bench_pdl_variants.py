@@ -39,7 +39,7 @@ from models.moe import MoE
 # the graphs of up to this batch (pdl), gemm_skinny_max_tokens (skinny), decode_merge_in_absorb
 # (merge_o), moe_norm_in_router_max_tokens (norm_router), moe_route_align_max_tokens (route_align),
 # and, for the projections of an FP8 model (`--quantization fp8` or an FP8 checkpoint),
-# fp8_gemm_w8a16_max_tokens (w8a16: 0 sends every row count to the W8A8 GEMM), fp8_gemm_fuse_act
+# fp8_gemm_w8a16_max_tokens (w8a16; "w8a8" sets it to 0, "w8a16" to 16), fp8_gemm_fuse_act
 # (fuse_act) and fp8_gemm_splitk_serial (serial), the last two W8A8 options. "norm_router_off"
 # sets the norm in the router off whatever the default, "norm_router_b1" on at batch 1 alone; 1024
 # is every step a key can take
@@ -58,6 +58,7 @@ VARIANTS = {
     "norm_router+route_align": {"norm_router": 1024, "route_align": 1024},
     "all3": {"merge_o": True, "norm_router": 1024, "route_align": 1024},
     "w8a8": {"w8a16": 0},
+    "w8a16": {"w8a16": 16},
     "fuse_act": {"fuse_act": True, "w8a16": 0},
     "serial": {"serial": True, "w8a16": 0},
     "fuse_act+serial": {"fuse_act": True, "serial": True, "w8a16": 0},

@@ -244,8 +244,8 @@ def test_fp8_gemm_splitk_in_the_engine(tmp_path, monkeypatch):
     dst = tmp_path / "fp8"
     make_fp8_model(tmp_path / "src", dst, hidden_size=1024)
     path, prompts = str(dst), _prompts64()[:16]
-    # fp8_gemm_w8a16_max_tokens=0: the decode's rows to the W8A8 GEMM (by default <= 16 rows take
-    # the weight-streaming kernel, test_fp8_w8a16_in_the_engine)
+    # fp8_gemm_w8a16_max_tokens=0: the decode's rows to the W8A8 GEMM, whatever that key's default
+    # (test_fp8_w8a16_in_the_engine runs them on the weight-streaming kernel)
     kernels = "auto,warmup=0,fp8_gemm=triton,fp8_gemm_splitk=1,fp8_gemm_w8a16_max_tokens=0"
     graphs = _decode_logprobs(path, prompts, "bfloat16", kernels=kernels, fp8_gemm=True)
     splits, splitk_gemm = [], g._splitk_gemm
@@ -260,8 +260,8 @@ def test_fp8_gemm_splitk_in_the_engine(tmp_path, monkeypatch):
 
 
 def test_fp8_w8a16_in_the_engine(tmp_path, monkeypatch):
-    """`--fp8-gemm` with the decode's projections (<= 16 rows, the default fp8_gemm_w8a16_max_tokens)
-    on the weight-streaming kernel, which keeps the activations in bf16: its decode log-probabilities
+    """`--fp8-gemm` with the decode's projections (<= 16 rows: fp8_gemm_w8a16_max_tokens=16) on the
+    weight-streaming kernel, which keeps the activations in bf16: its decode log-probabilities
     at least as close to the dequantized model's (`fp8_gemm=False`) as the W8A8 GEMM's
     (fp8_gemm_w8a16_max_tokens=0; the bound allows 1.25x), and CUDA graphs close to eager by
     `_assert_close_decode`'s bounds (the MoE's FP8 activations make token equality too strict, as in
@@ -273,9 +273,10 @@ def test_fp8_w8a16_in_the_engine(tmp_path, monkeypatch):
     path, prompts = str(dst), _prompts64()[:16]
     rows, kernel = [], w16.w8a16_linear
     monkeypatch.setattr(w16, "w8a16_linear", lambda x, *a, **kw: rows.append(x.shape[0]) or kernel(x, *a, **kw))
-    eager = _decode_logprobs(path, prompts, "bfloat16", fp8_gemm=True, enforce_eager=True)
+    w16_plan = "auto,warmup=0,fp8_gemm_w8a16_max_tokens=16"
+    eager = _decode_logprobs(path, prompts, "bfloat16", kernels=w16_plan, fp8_gemm=True, enforce_eager=True)
     assert rows and max(rows) <= 16, rows
-    graphs = _decode_logprobs(path, prompts, "bfloat16", fp8_gemm=True)
+    graphs = _decode_logprobs(path, prompts, "bfloat16", kernels=w16_plan, fp8_gemm=True)
     w8a8 = _decode_logprobs(path, prompts, "bfloat16", kernels="auto,warmup=0,fp8_gemm_w8a16_max_tokens=0",
                             fp8_gemm=True, enforce_eager=True)
     ref = _decode_logprobs(path, prompts, "bfloat16", fp8_gemm=False, enforce_eager=True)

@@ -31,13 +31,14 @@ def emulated(x, wq, sw):
 def test_fp8_gemm_path_runs_the_model(fp8_model, monkeypatch):
     """--fp8-gemm keeps attention/MLP projections in FP8 and runs them through the Triton W8A8
     kernels (the 40-token prefill) and the weight-streaming kernel (the decode steps' single rows,
-    fp8_gemm_w8a16_max_tokens), and keeps the routed experts in FP8 (read as FP8 by the Triton MoE
+    with fp8_gemm_w8a16_max_tokens=16), and keeps the routed experts in FP8 (read as FP8 by the Triton MoE
     kernels). Every W8A8 call the model makes equals `emulated` on the same input, and every
     weight-streaming call the product with the dequantized weight. Whole-model logprobs are not
     compared: with FP8 activations a one-ulp difference upstream flips an element's FP8 rounding
     downstream, so two correct implementations drift apart by ~1e-3 on a random tiny model."""
     import models.fp8_w8a16 as w16
-    llm = LLM(fp8_model, device="cpu", dtype="float32", num_kv_blocks=64, fp8_gemm=True, kernels="triton")
+    llm = LLM(fp8_model, device="cpu", dtype="float32", num_kv_blocks=64, fp8_gemm=True,
+              kernels="triton,fp8_gemm_w8a16_max_tokens=16")
     model = llm.engine.executor.worker.model.model
     attn, moe = model.layers[0].self_attn, model.layers[1].mlp
     assert attn.qkv_a_proj.weight.dtype == torch.float8_e4m3fn and attn.kv_b_proj.weight.dtype == torch.float32
@@ -76,7 +77,7 @@ def test_fp8_gemm_path_runs_the_model(fp8_model, monkeypatch):
     assert kept and not any(m.fp8_splitk or m.fp8_w8a16_max for m in kept)
     streamed.clear()
     llm.generate([list(range(5, 20))], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    assert not streamed  # with the key at 0 every projection goes through W8A8
+    assert not streamed  # with the key at 0 (its default) every projection is W8A8
 
 
 def test_quantization_fp8_at_load_keeps_the_scripts_fp8_bytes(tmp_path_factory):
