@@ -128,7 +128,9 @@ class AsyncLLM:
 
     def _fail_refused(self, refused: list[tuple[str, str]]) -> None:
         for cid, message in refused:
-            log.warning("request %s refused by the engine core: %s", cid, message)
+            # the client's error (answered 400 naming the field), not the server's: INFO, so that a
+            # client repeating it cannot fill the log with warnings
+            log.info("request %s refused by the engine core: %s", cid, message)
             q = self._queues.get(self._parent.get(cid, cid))
             if q is not None:
                 q.put_nowait(ValueError(message))
