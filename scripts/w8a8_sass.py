@@ -1,5 +1,6 @@
 """Compile the small-M W8A8 GEMM kernels (models/fp8_gemm.py's pointer kernel, its split-K form
-with and without x quantized in it and the serial reduce, and the split reduce, models/fp8_gemm_splitk.py) for sm_90a on any machine, no GPU needed: per
+with and without x quantized in it and the serial reduce, and the split reduce, models/fp8_gemm_splitk.py;
+the weight-streaming kernel, models/fp8_w8a16.py) for sm_90a on any machine, no GPU needed: per
 autotune candidate of the small range, Triton's shared memory, ptxas's registers and spills, and
 the main K loop's size and tensor-core ops.
 
@@ -29,6 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from decode_sass import main_loop_ops  # noqa: E402
 from models import fp8_gemm as g  # noqa: E402
 from models import fp8_gemm_splitk as sk  # noqa: E402
+from models import fp8_w8a16 as w16  # noqa: E402
 
 POINTERS = {"a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv", "sa_ptr": "*fp32", "sb_ptr": "*fp32", "c_ptr": "*bf16",
             "p_ptr": "*fp32", "y_ptr": "*bf16", "cnt_ptr": "*i32"}
@@ -117,6 +119,17 @@ def main() -> int:
                 ok = False
     ok &= report(f"split reduce (BLOCK {sk.REDUCE_BLOCK})",
                  compile_kernel(sk._splitk_reduce_kernel.kernel, dict(BLOCK=sk.REDUCE_BLOCK), 4, 1))
+    # the weight-streaming kernel (fp8_gemm_w8a16_max_tokens), bf16 x and y, each autotune candidate
+    w16_ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16"}
+    for bn, bk, w, st in w16._TILES:
+        try:
+            ok &= report(f"w8a16 ({bn}, {bk}, {w}, {st})",
+                         compile_kernel(w16._w8a16_kernel, dict(IEEE=False, PDL=False, BLOCK_N=bn, BLOCK_K=bk), w, st,
+                                        ptrs=w16_ptrs, divisible={"N", "K", "stride_xm", "stride_wn", "stride_ym"},
+                                        one={"stride_sk"}))
+        except Exception as e:  # noqa: BLE001 - reported, exit status 1
+            print(f"| w8a16 ({bn}, {bk}, {w}, {st}) | COMPILE FAILED: {type(e).__name__}: {str(e)[:300]} |")
+            ok = False
     print("\nRESULT:", "ok" if ok else "NOT OK (a compile failure or spills)")
     return 0 if ok else 1
 
