@@ -27,17 +27,13 @@ TRITON, TORCH = "triton", "torch"
 # 1.15-1.41x; RESULTS.md)
 WGMMA_MIN_HEADS = 64
 # decode_fp8_wgmma_min_rows under base triton: 16 tiles of 16 query rows (B 16 at 16 heads, B 2 at
-# 128), where the two FP8 decodes were level on the H200 (16 heads, S 4k: 38.0 us Triton, 39.3
-# Gluon; 128 heads, B 1: 28.2 against 34.1; B 8: 76.4 against 67.7; RESULTS.md)
+# 128), where the two FP8 decodes were level on the H200 (RESULTS.md)
 FP8_WGMMA_MIN_ROWS = 256
-# pdl_graph_max_batch under base triton on sm_90+: PDL in the decode graphs of up to 16 sequences.
-# V2-Lite TPOT with PDL against without: on the H200 (profile_graphs.py, three runs on three trees)
-# batch 1 -2.9% / -2.7% / -4.7%, batch 8 -1.5% / +2.2% / -1.6%, 32 +0.2% / +0.4% / +0.2%, 128
-# +0.1% / +1.4% / +0.1%; on an H100 (bench_pdl_variants.py, both in one engine, median of three)
-# batch 4 level, 8 -1.1%, 16 -0.6%, 24 -0.1%, 32 +0.1%, and 128 +5.0% (of two): a win up to 16.
+# pdl_graph_max_batch under base triton on sm_90+: PDL in the decode graphs of up to 16 sequences, where
+# it won in most runs of V2-Lite on the H200 and an H100 (batch 1 -2.7 to -4.7%, batch 8 and 16 -0.6
+# to -1.6%, one +2.2%), and was level or slower past it (RESULTS.md).
 PDL_GRAPH_MAX_BATCH = 16
-# fp8_gemm_w8a16_max_tokens' bound (the kernel's one row tile)
-W8A16_MAX_ROWS = 16
+W8A16_MAX_ROWS = 16  # fp8_gemm_w8a16_max_tokens' bound (the kernel's one row tile)
 
 
 @dataclass(frozen=True)
@@ -51,13 +47,9 @@ class Choice:
     triton_help: str | None = None  # the help's "triton:" entry where resolve_plan adjusts the value
 
 
-# moe_norm_in_router_max_tokens under base triton: off. On H100s (V2-Lite, scripts/bench_pdl_variants.py,
-# each comparison in one engine, reps in ABBA order) the norm inside the router's logits kernel at
-# batch 1 won 2.9% and 2.1% in two engines on 2026-12-06 (forty-second session) and lost 8%, 6.5%
-# and 3.5% in three on another machine later that day (2.670 / 2.634 / 2.572 against 2.472 / 2.474
-# / 2.486 ms; the last with fixed tiles): no consistent win. With the shared experts' stream taking
-# its own norm (models/moe.py SideNorm) it was 0.4-0.6% faster at batch 8 in three engines, 0.4%
-# at 16, level at 24-32 (RESULTS.md).
+# moe_norm_in_router_max_tokens under base triton: off. On H100s (V2-Lite, bench_pdl_variants.py) the
+# norm inside the router's logits kernel won at batch 1 in two engines and lost 3.5-8% in three on
+# another machine, and gained 0.4-0.6% at batch 8-16 with SideNorm: no consistent win (RESULTS.md).
 NORM_IN_ROUTER_MAX_TOKENS = 0
 
 
@@ -165,8 +157,7 @@ CHOICES: tuple[Choice, ...] = (
     Choice("fp8_gemm_w8a16_max_tokens", (int,), "projections kept in FP8 (--fp8-gemm) of steps with up to "
            f"this many tokens (at most {W8A16_MAX_ROWS}) run on one Triton launch that streams the FP8 weight and "
            "keeps the activations in their dtype (models/fp8_w8a16.py: no act_quant, no split reduce) "
-           "instead of the W8A8 GEMM (0: never; opt-in until timed on a GPU)", ("models.fp8_w8a16",), triton=0,
-           torch=0),
+           "instead of the W8A8 GEMM (0: never; opt-in until timed)", ("models.fp8_w8a16",), triton=0, torch=0),
     Choice("decode_wgmma_min_heads", (int,), "query heads per rank from which the MLA decode runs on the "
            "Gluon wgmma kernel (attention/gluon_decode.py: sm_90, bf16 model and cache, kv_lora_rank 512, "
            "rope 64, heads a multiple of 64, Triton 3.6) instead of the Triton kernel (0: never)",

@@ -156,7 +156,7 @@ for spec in $steps; do
   log="$OUT/$s.txt"; start=$(date +%s)
   case $s in
     tests) timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=8 \
-             tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_engine.py tests/test_triton_route.py \
+             tests/test_fused_moe.py tests/test_fp8_gemm.py tests/test_gpu_engine.py tests/test_gpu_fp8_engine.py tests/test_triton_route.py \
              tests/test_triton_absorb.py tests/test_triton_kv_finish.py tests/test_triton_norm.py \
              tests/test_triton_launch.py tests/test_piecewise_graph.py > "$log" 2>&1 ;;
     quick) N=${QUICK_SHARDS:-3}; pids=()
@@ -166,7 +166,7 @@ for spec in $steps; do
              timeout "$T" python3 -m pytest -q -p no:cacheprovider -m gpu --no-autotune -rfE --durations=5 \
                --shard "$i/$N" tests/test_triton_route.py tests/test_triton_absorb.py tests/test_triton_kv_finish.py \
                tests/test_triton_norm.py tests/test_triton_launch.py tests/test_piecewise_graph.py tests/test_skinny_gemm.py tests/test_triton_argmax.py \
-               tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_fp8_gemm.py tests/test_route_align.py \
+               tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_gpu_fp8_engine.py tests/test_fp8_gemm.py tests/test_route_align.py \
                tests/test_gpu_launch_opt_ins.py tests/test_profiler.py -k "not trained and not bf16_as_close and not w8a8_real and not splitk_r1" > "$OUT/quick_$i.txt" 2>&1 &
              pids+=($!)
            done
@@ -317,7 +317,7 @@ for spec in $steps; do
             done; } > "$log" 2>&1 ;;
     fp8ops) timeout "$T" python3 scripts/check_fp8_ops.py > "$log" 2>&1 ;;
     fp8dec) { timeout $((T * 3 / 5)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=8 \
-                tests/test_fused_moe.py tests/test_gpu_engine.py tests/test_fp8_gemm.py -k "splitk or w8a8_real"
+                tests/test_fused_moe.py tests/test_gpu_fp8_engine.py tests/test_fp8_gemm.py -k "splitk or w8a8_real"
               timeout $((T * 2 / 5)) python3 scripts/bench_fp8_gemm.py --decode --splits 2 4 8 16 32 \
                 --json "$OUT/fp8_decode.json"; } > "$log" 2>&1 ;;
     spec) { timeout "$T" python3 scripts/bench_spec_decode.py step --batch-sizes 1 4 16 64 --q-lens 1 2 3 4 \
