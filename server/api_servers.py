@@ -144,10 +144,10 @@ def _metrics_dir() -> str:
         try:
             if os.stat(path).st_uid != os.getuid():
                 continue
-            os.kill(int(pid), 0)  # still running (or a process that took its pid): keep it
-        except ProcessLookupError:
+            os.kill(int(pid), 0)  # a process of ours has that pid: that serve may still run, keep it
+        except (ProcessLookupError, PermissionError):  # no process, or another user's: that serve is gone
             shutil.rmtree(path, ignore_errors=True)
-        except OSError:  # PermissionError: another user's process holds the pid; gone by now: skip
+        except OSError:  # the directory went away meanwhile
             pass
     return tempfile.mkdtemp(prefix=f"{_METRICS_PREFIX}{os.getpid()}-")
 
