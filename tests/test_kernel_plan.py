@@ -82,6 +82,14 @@ def test_bad_kernels_spec_names_the_flag(spec, match):
         parse_kernels(spec)
 
 
+def test_fp8_w8a16_rows_are_bounded_by_its_row_tile():
+    """fp8_gemm_w8a16_max_tokens: opt-in (0 under every base), at most 16 rows (its one row tile)."""
+    assert _resolve("auto").fp8_gemm_w8a16_max_tokens == 0
+    assert _resolve("auto,fp8_gemm_w8a16_max_tokens=16").fp8_gemm_w8a16_max_tokens == 16
+    with pytest.raises(ValueError, match="w8a16_max_tokens=17: the weight-streaming FP8 kernel takes at most 16"):
+        _resolve("auto,fp8_gemm_w8a16_max_tokens=17")
+
+
 def test_triton_on_cpu_is_refused_with_the_flag():
     with pytest.raises(ValueError, match="--kernels triton: Triton kernels need a CUDA device"):
         _resolve("triton", device="cpu")
