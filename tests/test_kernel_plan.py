@@ -108,6 +108,11 @@ def test_a_failure_is_charged_to_the_module_that_raised_it():
     err = str(KernelPlan().error("warming up", info.value))
     assert "the fp8_gemm kernel failed while warming up: ValueError" in err
     assert "--kernels auto,fp8_gemm=triton (or --kernels torch) avoids it" in err
+    from models.fp8_w8a16 import w8a16_linear  # the weight-streaming FP8 kernel's own key
+    with pytest.raises(ValueError) as info:
+        w8a16_linear(torch.zeros(17, 128), torch.zeros(128, 128, dtype=torch.float8_e4m3fn), torch.ones(1, 1))
+    assert "--kernels auto,fp8_gemm_w8a16_max_tokens=0 (or --kernels torch) avoids it" in str(
+        KernelPlan().error("warming up", info.value))
     with pytest.raises(RuntimeError) as info:
         raise RuntimeError("elsewhere")
     assert charged_key(info.value) is None
