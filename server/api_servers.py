@@ -52,7 +52,10 @@ _CORE_STOP_S = 40.0  # the core joins its workers (5 s each) once the last API s
 DRAIN = signal.SIGUSR1  # parent -> API server: drain and stop (a second one: stop now)
 _STARTUP_BLOCKED = {signal.SIGINT, signal.SIGTERM, DRAIN}
 _PARENT_POLL_S = 1.0
-_SERVERS_SEE_CORE_S = 10.0  # a core that exited: its API servers report its error and exit
+# A core that exited: its API servers report its error and exit, once they have finished their
+# imports; on a busy 2-core machine, from a fresh checkout (no bytecode cached), that took over 10 s.
+# A healthy API server exits as soon as it reads the error, so this bounds only a stuck one.
+_SERVERS_SEE_CORE_S = 60.0
 _stop_asked: list[int] = []  # in an API server: DRAIN signals that came before uvicorn took over
 
 
@@ -187,8 +190,9 @@ def _supervise(servers: list, core, shutdown_timeout: float) -> int:
             gone = procs[ended[0]]
             gone.join(5.0)
             if gone is core:  # its API servers read its start-up error, or its pipes' end, first
+                until = time.monotonic() + _SERVERS_SEE_CORE_S
                 for p in servers:
-                    p.join(_SERVERS_SEE_CORE_S / len(servers))
+                    p.join(max(0.0, until - time.monotonic()))
             if gone is not core or gone.exitcode != 1 or any(p.is_alive() for p in servers):
                 logger.error("%s exited (code %s): stopping serve", gone.name, gone.exitcode)
             for p in servers:
