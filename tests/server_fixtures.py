@@ -323,3 +323,13 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
     if param is not None:
         assert (err["param"] or "").startswith(param) and param in err["message"], err
     return err
+
+
+def health_until(url: str, status: int, within: float, poll: float = 0.05) -> httpx.Response:
+    """GET {url}/health until it answers `status` or `within` seconds pass; the last answer."""
+    deadline = time.time() + within
+    while True:
+        r = httpx.get(f"{url}/health", timeout=2)
+        if r.status_code == status or time.time() > deadline:
+            return r
+        time.sleep(poll)

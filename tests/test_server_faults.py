@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from tests.server_fixtures import OFFLINE_ENV, ServeProcess, metric, side_by_side, tiny_model_dir
+from tests.server_fixtures import OFFLINE_ENV, ServeProcess, health_until, metric, side_by_side, tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
@@ -211,12 +211,7 @@ def test_health_sees_a_stopped_worker(servers):
         t = threading.Thread(target=lambda: result.setdefault(
             "r", httpx.post(f"{s.url}/v1/completions", json=body, timeout=60)))
         t.start()
-        deadline, r = time.time() + 15, None
-        while time.time() < deadline:
-            r = httpx.get(f"{s.url}/health", timeout=2)
-            if r.status_code == 503:
-                break
-            time.sleep(0.1)
+        r = health_until(s.url, 503, within=15)
         assert r.status_code == 503, r.text
         assert "no progress" in r.json()["error"]["message"]
     finally:

@@ -20,7 +20,7 @@ import transformers
 from common.args import EngineArgs
 from common.sampling_params import SamplingParams
 from server.api_server import build_app
-from tests.server_fixtures import TINY_MODEL, FakeEngine, InProcessServer, assert_error, post
+from tests.server_fixtures import TINY_MODEL, FakeEngine, InProcessServer, assert_error, health_until, post
 
 
 @pytest.fixture(scope="module")
@@ -134,13 +134,7 @@ def test_health_reports_a_stalled_engine(real):
     os.kill(pid, signal.SIGSTOP)
     try:
         t.start()
-        deadline, r = time.time() + 10, None
-        while time.time() < deadline:
-            r = httpx.get(f"{real.url}/health", timeout=2)
-            if r.status_code == 503:
-                break
-            time.sleep(0.05)
-        err = assert_error(r, 503)
+        err = assert_error(health_until(real.url, 503, within=10), 503)
         assert "no progress" in err["message"] and "--engine-stall-timeout" in err["message"]
     finally:
         os.kill(pid, signal.SIGCONT)
