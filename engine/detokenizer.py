@@ -108,8 +108,9 @@ class IncrementalDetokenizer:
         end = self._run_start()
         if end > self._read:
             self._advance(self._decode(self._ids[self._prefix:end]), end, final=False)
-        if len(self.token_ids) < self._min_tokens:
-            self._stop_checked = len(self.output_text)  # vLLM: no stop strings below min_tokens
+        if len(self.token_ids) <= self._min_tokens:
+            # vLLM: a stop string completed by the first min_tokens tokens does not count
+            self._stop_checked = len(self.output_text)
             return None
         return self._check_stop()
 
@@ -196,7 +197,7 @@ class IncrementalDetokenizer:
             # the tail still ends in U+FFFD (an incomplete character, or a real U+FFFD) or in a
             # run of byte tokens: emit it as decode() of the whole sequence would
             self._advance(self._decode(self._ids[self._prefix:]), len(self._ids), final=True)
-            if len(self.token_ids) >= self._min_tokens:
+            if len(self.token_ids) > self._min_tokens:
                 stop = self._check_stop()
         self.finished = True
         return stop

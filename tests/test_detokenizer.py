@@ -190,13 +190,18 @@ def test_hold_back_is_only_what_could_start_a_stop(tokenizer):
     assert detok.get_delta() == "Hello world"  # no tail of it begins the stop string
 
 
-def test_stop_strings_ignored_below_min_tokens(tokenizer):
+@pytest.mark.parametrize("extra", [-1, 0, 1])
+def test_stop_strings_ignored_below_min_tokens(tokenizer, extra):
+    """As vLLM: a stop string completed by one of the first min_tokens tokens does not count,
+    one completed by the token after them does (min_tokens at, past and before the first
+    "world"'s last token)."""
     ids = encode(tokenizer, "Hello world, Hello world")
     first = len(encode(tokenizer, "Hello world"))
-    params = SamplingParams(stop=["world"], min_tokens=first + 1)
+    params = SamplingParams(stop=["world"], min_tokens=first + extra)
     detok, deltas, stop = stream(tokenizer, ids, params)
     assert stop == "world"
-    assert detok.output_text == "Hello world, Hello " == "".join(deltas)
+    want = "Hello " if extra < 0 else "Hello world, Hello "
+    assert detok.output_text == want == "".join(deltas)
 
 
 def test_stop_terminated_token_is_left_out(tokenizer):
