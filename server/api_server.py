@@ -32,6 +32,7 @@ from server.reasoning import check_parser_name
 from server.request_body import add_body_schemas, body_openapi, parse_body
 from server.responses_protocol import ResponsesRequest
 from server.tool_calls import check_tool_flags
+from server.token_bytes import token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,14 @@ class ServerState:
         if self.tokenizer is None:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (server/token_bytes.py): its text's UTF-8, or for a token
+        holding part of a character the bytes that part is."""
+        text = self.token_str(token_id)
+        if self.tokenizer is None or "\ufffd" not in text:
+            return text.encode("utf-8")
+        return token_bytes(self.tokenizer, token_id, text)
 
     def need_tokenizer(self) -> None:
         """400 on routes that only a tokenizer can answer."""

@@ -121,11 +121,13 @@ class ChatBuilder:
 
     def _entry(self, tid: int, logprob: float, sampled: bool) -> dict:
         """One token's logprob entry. With token-id names, as vLLM: a sampled token's bytes are
-        still those of its text, an alternative's those of the "token_id:N" it shows."""
+        still its own, an alternative's those of the "token_id:N" it shows."""
         text = self.state.token_str(tid)
         token = f"token_id:{tid}" if self.as_token_ids else text
-        raw = text if sampled else token
-        return {"token": token, "logprob": finite(logprob), "bytes": list(raw.encode("utf-8"))}
+        # the token's raw bytes: part of a UTF-8 character where its text is U+FFFD (OpenAI's
+        # bytes join into the text; vLLM's are U+FFFD's)
+        raw = self.state.token_bytes(tid) if sampled or not self.as_token_ids else token.encode("utf-8")
+        return {"token": token, "logprob": finite(logprob), "bytes": list(raw)}
 
     def logprobs(self, lps: list[TokenLogprobs]) -> dict | None:
         if not self.req.logprobs:
