@@ -112,10 +112,11 @@ class ChatBuilder:
         self._undecided: dict[int, list[tuple[int, TokenLogprobs | None]]] = {}
         self.as_token_ids = state.frontend.as_token_ids(req)  # logprobs name tokens "token_id:N"
 
-    def chunk_usage(self, index: int, final: RequestOutput) -> dict:
-        """Usage so far of choice `index` (continuous_usage_stats, counted as vLLM does)."""
+    def chunk_usage(self, index: int, final: RequestOutput, completion: int | None = None) -> dict:
+        """Usage so far of choice `index` (continuous_usage_stats, counted as vLLM does), or with
+        `completion` tokens generated."""
         prompt = len(final.prompt_token_ids)
-        completion = self._num_tokens.get(index, 0)
+        completion = self._num_tokens.get(index, 0) if completion is None else completion
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion}
 
@@ -288,11 +289,15 @@ class ChatBuilder:
 
     def chunks(self, i: int, out: RequestOutput) -> Iterator[tuple[dict, dict, dict]]:
         for o in out.outputs:
+            before = self._num_tokens.get(o.index, 0)
             for delta in self.deltas(o.index, o):
                 # the prompt's ids ride with each choice's role chunk (vLLM's)
                 top = ({"prompt_token_ids": list(out.prompt_token_ids)}
                        if self.req.return_token_ids and "role" in delta["delta"] else {})
-                yield delta, self.chunk_usage(o.index, out), top
+                # the role chunk and the echoed message (the chunks without a stop_reason) go
+                # before this output's tokens: their usage does not count them (vLLM's 0)
+                head = "stop_reason" not in delta
+                yield delta, self.chunk_usage(o.index, out, before if head else None), top
 
     def response_fields(self, finals: list[RequestOutput]) -> dict:
         fields = {}
