@@ -191,16 +191,32 @@ def build_app(engine, args=None) -> FastAPI:
     async def chat_completions(raw: Request) -> Response:
         return await create_chat_completion(state, await parse_body(raw, ChatCompletionRequest), raw)
 
+    path = getattr(getattr(engine, "args", None), "model", None)
+    vocab = getattr(engine, "vocab_size", None)
+
+    def card(name: str) -> dict:
+        """vLLM's model card: root is the weights' path, parent null, one permission record;
+        vocab_size too (token-id clients need it when there is no /tokenizer_info)."""
+        c = {"id": name, "object": "model", "created": state.created, "owned_by": "mla-serve",
+             "root": path if isinstance(path, str) else state.model_name, "parent": None,
+             "max_model_len": state.max_model_len,
+             "permission": [{"id": f"modelperm-{name}", "object": "model_permission", "created": state.created,
+                             "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
+                             "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
+                             "organization": "*", "group": None, "is_blocking": False}]}
+        if vocab is not None:
+            c["vocab_size"] = vocab
+        return c
+
     @v1.get("/models")
     async def models() -> dict:
-        cards = [{"id": name, "object": "model", "created": state.created,
-                  "owned_by": "mla-serve", "root": state.model_name,
-                  "max_model_len": state.max_model_len} for name in state.model_names]
-        vocab = getattr(engine, "vocab_size", None)
-        if vocab is not None:  # token-id clients need it when there is no /tokenizer_info
-            for card in cards:
-                card["vocab_size"] = vocab
-        return {"object": "list", "data": cards}
+        return {"object": "list", "data": [card(name) for name in state.model_names]}
+
+    @v1.get("/models/{model:path}")
+    async def model(model: str) -> dict:
+        """OpenAI's retrieve (client.models.retrieve): the card of a name `model` accepts."""
+        state.check_model(model)
+        return card(model if model in state.model_names else state.model_name)
 
     responses.install(v1, state, args)  # /v1/responses and its stored responses' routes
     app.include_router(v1)

@@ -25,6 +25,11 @@ def test_models_health_tokenizer_routes(server):
     models = httpx.get(f"{server.url}/v1/models").json()
     assert [m["id"] for m in models["data"]] == [server.model]
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert models["data"][0]["parent"] is None and models["data"][0]["permission"][0]["allow_sampling"]
+    # OpenAI's retrieve: the served name's card; another name is a 404 naming `model`
+    assert httpx.get(f"{server.url}/v1/models/{server.model}").json() == models["data"][0]
+    r = httpx.get(f"{server.url}/v1/models/no/such-model")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
     vocab = models["data"][0].get("vocab_size")
     if vocab is not None:  # the ids a prompt may hold: the first one past them is refused
         body = {"model": server.model, "max_tokens": 1}
