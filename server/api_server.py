@@ -12,7 +12,7 @@ import secrets
 import time
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from common.offload import off_loop, text_chars
@@ -230,7 +230,7 @@ def build_app(engine, args=None) -> FastAPI:
         reason = state.stall_reason()
         if reason is not None:
             return error_response(503, reason)
-        return JSONResponse({})
+        return Response(status_code=200)  # an empty 200, as vLLM's
 
     # GET, and HEAD for load balancers that probe with it (the status alone; no body); a route
     # each, so that each method has its own OpenAPI operation id
@@ -268,8 +268,8 @@ def build_app(engine, args=None) -> FastAPI:
             ids = await off_loop(len(req.prompt), encode, state.tokenizer, req.prompt, "prompt",
                                  req.add_special_tokens)
         body = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
-        if req.return_token_strs:
-            body["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+        # vLLM's field: null unless asked for
+        body["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
         return body
 
     @app.post("/detokenize", openapi_extra=body_openapi(DetokenizeRequest))
