@@ -16,8 +16,8 @@ of the weights so that they stream from HBM as in a step, replayed). Each FP8 co
 + the GEMM, as `--fp8-gemm` runs a linear: the Triton kernel unsplit (splits 1), split-K at
 choose_k_splits' count for this GPU (and at `--splits` counts), cuBLAS's block-scaled GEMM
 (M >= 4), the default backend ("auto", what the engine runs); then the weight-streaming kernel
-(fp8_gemm_w8a16_max_tokens, models/fp8_w8a16.py: no act_quant) autotuned with its own K splits,
-and at its fixed tile unsplit and split; next to bf16 torch.matmul on the dequantized weights and
+(fp8_gemm_w8a16_max_tokens, models/fp8_w8a16.py: no act_quant) autotuned and at its fixed tile;
+next to bf16 torch.matmul on the dequantized weights and
 the FP8 weight-byte floor (N * K bytes / 4.3 TB/s).
 
     python scripts/bench_fp8_gemm.py --decode [--ms 1 2 4 8 16] [--splits 2 4 8 16] [--json PATH]
@@ -38,7 +38,6 @@ from models.fp8 import dequantize, quantize
 from models.fp8_gemm import act_quant, fp8_linear, tuned_configs, w8a8_block_gemm
 from models.fp8_gemm_splitk import choose_k_splits
 from models.fp8_w8a16 import _FIXED as W16_FIXED
-from models.fp8_w8a16 import choose_splits as w16_splits
 from models.fp8_w8a16 import w8a16_linear
 
 SHAPES = [(7168, 2048), (24576, 1536), (2048, 7168), (7168, 16384)]  # (N, K) of V3 projections
@@ -142,10 +141,7 @@ def decode_table(a) -> list[dict]:
         t["auto"] = timed(lambda x, wq, sw: fp8_linear(x, wq, sw), fp8_calls)
         t["w8a16"] = timed(lambda x, wq, sw: w8a16_linear(x, wq, sw), fp8_calls)
         w16_tile = (W16_FIXED["BLOCK_N"], W16_FIXED["BLOCK_K"])
-        r["w16_splits"] = w16_splits(N, K, *w16_tile, num_sms)
-        t["w8a16 fixed S=1"] = timed(lambda x, wq, sw: w8a16_linear(x, wq, sw, tile=w16_tile, splits=1), fp8_calls)
-        t["w8a16 fixed split"] = (timed(lambda x, wq, sw: w8a16_linear(x, wq, sw, tile=w16_tile), fp8_calls)
-                                  if r["w16_splits"] > 1 else None)
+        t["w8a16 fixed"] = timed(lambda x, wq, sw: w8a16_linear(x, wq, sw, tile=w16_tile), fp8_calls)
         t["act_quant"] = timed(lambda x: act_quant(x), [(x,) for x in xs])
         # the split product against the unsplit one (fp32 out), a check that the timed kernel is right
         x, wq, sw = fp8_calls[0]
@@ -164,7 +160,7 @@ def print_decode(rows: list[dict], splits: list[int]) -> None:
         return f"{v:.{d}f}" if v else "-"
     print("\nµs per call inside a CUDA graph; each FP8 column includes act_quant (as --fp8-gemm runs a linear)")
     print("| shape | M | N | K | fp8 floor | bf16 | triton unsplit | S | triton split-K | split / unsplit | "
-          "cuBLAS fp8 | auto | w8a16 | w8a16 fixed tile S=1 / split (S) | best fp8 / bf16 | act quant |"
+          "cuBLAS fp8 | auto | w8a16 | w8a16 fixed tile | best fp8 / bf16 | act quant |"
           + "".join(f" S={s} |" for s in splits))
     print("|" + "---|" * (16 + len(splits)))
     for r in rows:
@@ -174,8 +170,8 @@ def print_decode(rows: list[dict], splits: list[int]) -> None:
         best = min(fp8) if fp8 else None
         print(f"| {r['name']} | {r['M']} | {r['N']} | {r['K']} | {f(r['floor_us'])} | {f(u['bf16'])} | {f(u['unsplit'])} | "
               f"{r['splits']} | {f(sp)} | {f(sp and u['unsplit'] and sp / u['unsplit'], 2)} | {f(u['cublas'])} | "
-              f"{f(u['auto'])} | {f(u['w8a16'])} | {f(u['w8a16 fixed S=1'])} / {f(u['w8a16 fixed split'])} "
-              f"({r['w16_splits']}) | {f(best and u['bf16'] and best / u['bf16'], 2)} | {f(u['act_quant'])} |"
+              f"{f(u['auto'])} | {f(u['w8a16'])} | {f(u['w8a16 fixed'])} | "
+              f"{f(best and u['bf16'] and best / u['bf16'], 2)} | {f(u['act_quant'])} |"
               + "".join(f" {f(u.get(f'split{s}'))} |" for s in splits))
 
 

@@ -120,8 +120,7 @@ def main() -> int:
     ok &= report(f"split reduce (BLOCK {sk.REDUCE_BLOCK})",
                  compile_kernel(sk._splitk_reduce_kernel.kernel, dict(BLOCK=sk.REDUCE_BLOCK), 4, 1))
     # the weight-streaming kernel (fp8_gemm_w8a16_max_tokens), bf16 x and y, each autotune candidate
-    w16_ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16", "p_ptr": "*fp32",
-                "cnt_ptr": "*i32"}
+    w16_ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16"}
     for bn, bk, w, st in w16._TILES:
         try:
             ok &= report(f"w8a16 ({bn}, {bk}, {w}, {st})",

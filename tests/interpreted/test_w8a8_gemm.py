@@ -128,58 +128,6 @@ def test_w8a8_splitk_serial_last_program_alone_writes_the_output(monkeypatch):
     assert early[:, :64].isnan().all() and torch.equal(early[:, 64:], want[:, 64:])
 
 
-def test_w8a16_split_k_interpreter():
-    """K split across programs (models/fp8_w8a16.py): each column slice's last program sums the
-    fp32 partials in split order, so the result is x @ the dequantized weight as unsplit (1e-5),
-    and every counter is back at 0 after; uneven splits (5 steps in 2 and 3), a K tail in the last
-    split, more splits asked than steps (cut to one a step), and the split count rule."""
-    from models.fp8 import dequantize
-    from models.fp8_gemm_splitk import tile_counters
-    from models.fp8_w8a16 import choose_splits, w8a16_linear
-    torch.manual_seed(3)
-    for M, N, K, tile, splits in ((1, 300, 320, (16, 64), 2), (5, 128, 320, (32, 64), 3),
-                                  (16, 200, 1000, (16, 128), 4), (3, 64, 256, (64, 64), 9)):
-        x = torch.randn(M, K) * (0.1 + 10 * torch.rand(M, 1))
-        wq, sw = quantize(torch.randn(N, K) * 0.05)
-        want = x @ dequantize(wq, sw, (128, 128)).T
-        got = w8a16_linear(x, wq, sw, tile=tile, splits=splits)
-        assert ((got - want).norm() / want.norm()).item() < 1e-5, (M, N, K, tile, splits)
-        assert not tile_counters(x.device, 1).any()
-    # the counters order the sum (as the W8A8 serial test above): with the partials poisoned with
-    # NaN a launch reads only partials already stored; with slice 0's counter set as if three of
-    # its four splits had finished, its first program sums partials not yet stored (NaN)
-    import models.fp8_w8a16 as w16
-
-    class PoisonedTorch:  # models.fp8_w8a16's torch, its buffers NaN instead of uninitialised
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def empty(*shape, dtype=None, device=None):
-            return torch.full(shape[0] if len(shape) == 1 else shape, float("nan"), dtype=dtype, device=device)
-
-    x = torch.randn(2, 512)
-    wq, sw = quantize(torch.randn(32, 512) * 0.05)  # two 16-column slices, eight 64-wide K steps
-    want = w8a16_linear(x, wq, sw, tile=(16, 64), splits=1)
-    w16.torch = PoisonedTorch()
-    counters = tile_counters(torch.device("cpu"), 1)
-    try:
-        split = w8a16_linear(x, wq, sw, tile=(16, 64), splits=4)
-        assert split.isfinite().all() and ((split - want).norm() / want.norm()).item() < 1e-5
-        counters[0] = 3
-        early = w8a16_linear(x, wq, sw, tile=(16, 64), splits=4)
-    finally:
-        w16.torch = torch
-        counters.zero_()
-    assert early[:, :16].isnan().all() and torch.equal(early[:, 16:], split[:, 16:])
-    # a 576-column output in 16-column slices (36) on 132 SMs: 8 splits (264 programs), at most
-    # one a K step (2 of 512); 2048 columns in 16 (128 slices): 3; 2304 slices: none
-    assert choose_splits(576, 2048, 16, 256, 132) == 8
-    assert choose_splits(576, 512, 16, 256, 132) == 2
-    assert choose_splits(2048, 2048, 16, 256, 132) == 3
-    assert choose_splits(36864, 7168, 16, 256, 132) == 1 and choose_splits(576, 2048, 16, 256, None) == 1
-
-
 def test_w8a16_interpreter():
     """The weight-streaming FP8 kernel (models/fp8_w8a16.py) against x @ the dequantized weight,
     fp32, exact to 1e-5 (a K step or scale block skipped or misplaced fails by far): one to 16
@@ -199,8 +147,6 @@ def test_w8a16_interpreter():
     wq, sw = quantize(torch.randn(128, 256))
     with pytest.raises(ValueError, match="at most 16"):
         w8a16_linear(torch.randn(17, 256), wq, sw)
-    with pytest.raises(ValueError, match="0 splits"):
-        w8a16_linear(torch.randn(2, 256), wq, sw, splits=0)
     with pytest.raises(ValueError, match="must divide"):
         w8a16_linear(torch.randn(2, 256), wq, sw, tile=(48, 64))
     with pytest.raises(ValueError, match="does not fit"):
