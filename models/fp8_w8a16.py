@@ -23,8 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from common.launch_settings import autotuning, interpreting
-from common.pdl import pdl_launch, pdl_prologue
+from common.pdl import pdl_launch
 
 MAX_ROWS = 16  # one row tile: the rows are the product's M, padded to 16
 SCALE_BLOCK = 128  # the checkpoints' weight-scale block, rows and columns
@@ -32,9 +34,14 @@ SCALE_BLOCK = 128  # the checkpoints' weight-scale block, rows and columns
 
 @triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
-                  IEEE: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Program n: y[:, cols] = x @ (Wq[cols, :] * s[cols // 128, k // 128])^T, fp32 sums."""
-    pdl_prologue(PDL)
+                  IEEE: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  LATE: tl.constexpr = False):
+    """Program n: y[:, cols] = x @ (Wq[cols, :] * s[cols // 128, k // 128])^T, fp32 sums. PDL: the
+    successor may launch from the first statement on, or with LATE once the K loop is done."""
+    if PDL:
+        if not LATE:
+            gdc_launch_dependents()
+        gdc_wait()
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, 16)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -55,6 +62,8 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, stride_xm, stride_wn, str
             acc = tl.dot(x, tl.trans(wd), acc=acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(wd), acc=acc)
+    if PDL and LATE:
+        gdc_launch_dependents()
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
@@ -68,6 +77,12 @@ _CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=
 _w8a16_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "IEEE"])(_w8a16_kernel)
 _FIXED = dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=3)  # autotune=0
 _INTERPRET = dict(BLOCK_N=16, BLOCK_K=64)
+# When, under PDL, the kernel lets its successor launch: "start" (its first statement, as every
+# PDL-aware kernel here), "late" (after its K loop) or "none" (launched without PDL: its
+# successor launches at its end). A grid of more programs than fit one wave lets an early
+# successor's waiting programs hold SM slots its later programs need. A setting for
+# scripts/bench_pdl_variants.py's A/B; read at each launch.
+PDL_SIGNAL = "start"
 
 
 def w8a16_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
@@ -91,7 +106,9 @@ def w8a16_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,
     if M == 0:
         return y
     args = (x, wq, sw, y, M, N, K, x.stride(0), wq.stride(0), sw.stride(0), sw.stride(1), y.stride(0))
-    const = dict(IEEE=x.dtype == torch.float32, **pdl_launch())
+    const = dict(IEEE=x.dtype == torch.float32, **(pdl_launch() if PDL_SIGNAL != "none" else {"PDL": False}))
+    if const["PDL"] and PDL_SIGNAL == "late":
+        const["LATE"] = True
     if tile is not None or interpreting() or not autotuning():
         t = (dict(BLOCK_N=tile[0], BLOCK_K=tile[1]) if tile is not None
              else _INTERPRET if interpreting() else _FIXED)

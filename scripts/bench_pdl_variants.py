@@ -31,6 +31,7 @@ from bench_common import add_engine_flags, engine_kwargs, replay_ms, start_decod
 from attention import triton_absorb
 from common.kernel_plan import PDL_GRAPH_MAX_BATCH
 from engine import LLM
+from models import fp8_w8a16
 from models.deepseek import DeepseekDecoderLayer
 from models.layers import Linear
 from models.moe import MoE
@@ -40,7 +41,8 @@ from models.moe import MoE
 # (merge_o), moe_norm_in_router_max_tokens (norm_router), moe_route_align_max_tokens (route_align),
 # and, for the projections of an FP8 model (`--quantization fp8` or an FP8 checkpoint),
 # fp8_gemm_w8a16_max_tokens (w8a16; "w8a8" sets it to 0, "w8a16" to 16), fp8_gemm_fuse_act
-# (fuse_act) and fp8_gemm_splitk_serial (serial), the last two W8A8 options. "norm_router_off"
+# (fuse_act) and fp8_gemm_splitk_serial (serial), the last two W8A8 options; w8a16_signal: when
+# that kernel lets its successor launch under PDL (models/fp8_w8a16.py PDL_SIGNAL). "norm_router_off"
 # sets the norm in the router off whatever the default, "norm_router_b1" on at batch 1 alone; 1024
 # is every step a key can take
 B = PDL_GRAPH_MAX_BATCH
@@ -59,6 +61,8 @@ VARIANTS = {
     "all3": {"merge_o": True, "norm_router": 1024, "route_align": 1024},
     "w8a8": {"w8a16": 0},
     "w8a16": {"w8a16": 16},
+    "w8a16_late": {"w8a16": 16, "w8a16_signal": "late"},
+    "w8a16_nopdl": {"w8a16": 16, "w8a16_signal": "none"},
     "fuse_act": {"fuse_act": True, "w8a16": 0},
     "serial": {"serial": True, "w8a16": 0},
     "fuse_act+serial": {"fuse_act": True, "serial": True, "w8a16": 0},
@@ -83,6 +87,7 @@ def set_variant(runner, model, name: str, plan) -> None:
         if isinstance(m, DeepseekDecoderLayer) and isinstance(m.mlp, MoE):
             m.norm_in_router = m.mlp.gate.norm_in_logits = norm_router
             m.mlp.route_align = route_align
+    fp8_w8a16.PDL_SIGNAL = v.get("w8a16_signal", "start")
     runner.graphs.pdl_max_batch = v.get("pdl", B)
     torch.cuda.synchronize()
     runner.graphs.capture()

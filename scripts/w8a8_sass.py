@@ -121,10 +121,11 @@ def main() -> int:
                  compile_kernel(sk._splitk_reduce_kernel.kernel, dict(BLOCK=sk.REDUCE_BLOCK), 4, 1))
     # the weight-streaming kernel (fp8_gemm_w8a16_max_tokens), bf16 x and y, each autotune candidate
     w16_ptrs = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16"}
-    for bn, bk, w, st in w16._TILES:
+    for bn, bk, w, st, *late in w16._TILES + [(32, 512, 4, 3, True)]:  # the last: PDL, the late signal
         try:
-            ok &= report(f"w8a16 ({bn}, {bk}, {w}, {st})",
-                         compile_kernel(w16._w8a16_kernel, dict(IEEE=False, PDL=False, BLOCK_N=bn, BLOCK_K=bk), w, st,
+            const = dict(IEEE=False, PDL=bool(late), LATE=bool(late), BLOCK_N=bn, BLOCK_K=bk)
+            ok &= report(f"w8a16 ({bn}, {bk}, {w}, {st}){' PDL late' if late else ''}",
+                         compile_kernel(w16._w8a16_kernel, const, w, st,
                                         ptrs=w16_ptrs, divisible={"N", "K", "stride_xm", "stride_wn", "stride_ym"},
                                         one={"stride_sk"}))
         except Exception as e:  # noqa: BLE001 - reported, exit status 1
