@@ -191,14 +191,14 @@ def build_app(engine, args=None) -> FastAPI:
     async def chat_completions(raw: Request) -> Response:
         return await create_chat_completion(state, await parse_body(raw, ChatCompletionRequest), raw)
 
-    path = getattr(getattr(engine, "args", None), "model", None)
+    weights = getattr(getattr(engine, "args", None), "model", None)  # the --model path
     vocab = getattr(engine, "vocab_size", None)
 
     def card(name: str) -> dict:
         """vLLM's model card: root is the weights' path, parent null, one permission record;
         vocab_size too (token-id clients need it when there is no /tokenizer_info)."""
         c = {"id": name, "object": "model", "created": state.created, "owned_by": "mla-serve",
-             "root": path if isinstance(path, str) else state.model_name, "parent": None,
+             "root": weights if isinstance(weights, str) else state.model_name, "parent": None,
              "max_model_len": state.max_model_len,
              "permission": [{"id": f"modelperm-{name}", "object": "model_permission", "created": state.created,
                              "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
@@ -213,7 +213,7 @@ def build_app(engine, args=None) -> FastAPI:
         return {"object": "list", "data": [card(name) for name in state.model_names]}
 
     @v1.get("/models/{model:path}")
-    async def model(model: str) -> dict:
+    async def retrieve_model(model: str) -> dict:
         """OpenAI's retrieve (client.models.retrieve): the card of a name `model` accepts."""
         state.check_model(model)
         return card(model if model in state.model_names else state.model_name)
