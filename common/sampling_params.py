@@ -41,8 +41,15 @@ class StructuredOutputs:
     disable_additional_properties: bool = False
     # the request field it came from, which its errors name
     source: str = field(default="structured_outputs", compare=False)
+    # The constraint starts after this token (a reasoning model's `</think>`, as vLLM starts its
+    # grammar where the reasoning ends): the tokens up to and including it are free. None: from
+    # the first token. Not part of the constraint: requests differing only here share a compile.
+    start_after: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if self.start_after is not None and (isinstance(self.start_after, bool) or not isinstance(self.start_after, int)
+                                             or self.start_after < 0):
+            raise ValueError(f"structured_outputs: start_after must be a token id, got {self.start_after!r}")
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured_outputs: unknown kind {self.kind!r} "
                              f"(one of {', '.join(STRUCTURED_KINDS)})")

@@ -7,10 +7,8 @@ bad schema or regex is a 400 naming the field. The engine core compiles it once 
 gives each request its own copy (`RequestGrammar`). The core advances that matcher with every
 token the request samples (scheduler.update_from_output) and, before each step, fills one bitmask
 row per constrained request that samples in it (`fill_bitmask`); the bitmask travels in the
-SchedulerOutput to every rank, whose sampler masks the logits with it.
-
-llguidance is imported only when a request asks for structure: a server without it starts and
-serves everything else.
+SchedulerOutput to every rank, whose sampler masks the logits with it. llguidance is imported
+only when a request asks for structure: a server without it serves everything else.
 """
 
 from __future__ import annotations
@@ -34,9 +32,8 @@ from common.sampling_params import StructuredOutputs
 log = logging.getLogger(__name__)
 
 PACKAGE = "llguidance"
-# The compiled-grammar LRU, bounded in entries and in the characters of their constraints: a
-# matcher's memory follows its grammar's size (a 900 KB Lark grammar's took ~60 MB, so 256 of
-# them would have held ~15 GB); 8M characters is ~0.5 GB of such matchers.
+# The compiled-grammar LRU, bounded in entries and in characters: a matcher's memory follows its
+# grammar's size (a 900 KB Lark grammar's took ~60 MB); 8M characters is ~0.5 GB of matchers.
 MAX_CACHED_GRAMMARS, MAX_CACHED_GRAMMAR_CHARS = 256, 8_000_000
 MAX_ERROR_CHARS = 300  # of a matcher's error, as a request's answer carries it
 # threads that compute the bitmask rows of one step in parallel (llguidance's LLExecutor)
@@ -49,9 +46,8 @@ COMPILE_THREADS = 2  # compiles at once off the step loop: one huge grammar hold
 # so the requests behind a grammar the library takes minutes over still get most of their wait.
 COMPILE_TIMEOUT_S, HELD_COMPILE_S, MAX_COMPILE_THREADS = 60.0, 10.0, 6
 
-# JSON is generated compact, as json.dumps writes it ('{"a": 1, "b": [2, 3]}'): free whitespace
-# lets a model pad its output with newlines until max_tokens instead of closing the object.
-# `whitespace_pattern` allows more; `disable_any_whitespace` allows none at all ('{"a":1}').
+# JSON is generated compact, as json.dumps writes it ('{"a": 1}'): free whitespace lets a model pad
+# its output with newlines until max_tokens. `whitespace_pattern` allows more; `disable_any_whitespace` none.
 _JSON_COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _JSON_TIGHT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -208,24 +204,30 @@ def failure(so: StructuredOutputs, error: BaseException) -> ValueError:
 
 
 class RequestGrammar:
-    """One request's matcher: which tokens may come next, advanced by each sampled token."""
+    """One request's matcher: which tokens may come next, advanced by each sampled token. With
+    `start_after` (StructuredOutputs.start_after: a reasoning model's `</think>`) the matcher is
+    inactive, and every token free, until that token has been sampled; the tokens after it are
+    the constrained output."""
 
-    def __init__(self, matcher):
-        self.matcher = matcher  # llguidance.LLMatcher
+    def __init__(self, matcher, start_after: int | None = None):
+        self.matcher, self.start_after = matcher, start_after  # matcher: llguidance.LLMatcher
+        self.active = start_after is None
 
     def accept(self, token_id: int) -> None:
+        if not self.active:
+            self.active = token_id == self.start_after
+            return
         # a refusal puts the matcher in its error state: `failed`, which ends the request
         self.matcher.consume_token(token_id)
 
     @property
     def failed(self) -> bool:
-        """The matcher is in its error state (a limit of llguidance's hit while generating, e.g.
-        ParserTooComplex, or a token it did not allow): the request ends in an error."""
-        return self.matcher.is_error()
+        """The matcher is in its error state (a limit hit while generating, e.g. ParserTooComplex,
+        or a token it did not allow): the request ends in an error."""
+        return self.active and self.matcher.is_error()
 
     def error(self) -> str:
-        """The matcher's error, short: its first lines, at most MAX_ERROR_CHARS (llguidance's
-        messages can quote the whole grammar, as long as the request)."""
+        """The matcher's error: its first lines, at most MAX_ERROR_CHARS (it can quote the grammar)."""
         message = _first_lines(self.matcher.get_error() or "unknown error")
         if len(message) > MAX_ERROR_CHARS:
             message = message[:MAX_ERROR_CHARS] + "..."
@@ -236,11 +238,10 @@ class RequestGrammar:
     @property
     def terminated(self) -> bool:
         """Nothing but the end may follow: the request stops."""
-        return self.matcher.is_stopped()
+        return self.active and self.matcher.is_stopped()
 
     def fill(self, bitmask: np.ndarray, row: int) -> None:
-        """Write the allowed next tokens into bitmask[row] (int32 words, bit t % 32 of word
-        t // 32 set when token t is allowed)."""
+        """bitmask[row] <- the allowed next tokens (bit t % 32 of int32 word t // 32)."""
         v = bitmask[row]
         self.matcher.unsafe_compute_mask_ptr(v.ctypes.data, v.nbytes)
 
@@ -317,7 +318,7 @@ class GrammarCompiler:
             if template is None:
                 return None
             self._cache.move_to_end(key)
-        return RequestGrammar(template.deep_copy())
+        return RequestGrammar(template.deep_copy(), so.start_after)
 
     def _build(self, so: StructuredOutputs):
         """Compile a constraint (the slow part: llguidance's work, without the GIL) and cache it;
@@ -354,7 +355,7 @@ class GrammarCompiler:
         if grammar is not None:
             return grammar
         try:
-            return RequestGrammar(self._build(so).deep_copy())
+            return RequestGrammar(self._build(so).deep_copy(), so.start_after)
         except ValueError as e:
             raise failure(so, e) from None
 
@@ -434,7 +435,7 @@ class GrammarCompiler:
             template = future.result()
         except Exception as e:  # noqa: BLE001 - a library failure of any kind: the request's 400
             raise failure(so, e) from None
-        return RequestGrammar(template.deep_copy())
+        return RequestGrammar(template.deep_copy(), so.start_after)
 
     def fill_bitmask(self, grammars: list[RequestGrammar]) -> np.ndarray:
         """[len(grammars), words] int32: row i allows the tokens grammars[i] allows next."""

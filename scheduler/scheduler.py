@@ -279,13 +279,14 @@ class Scheduler:
 
     def grammar_rows(self, so: SchedulerOutput) -> list[Request]:
         """The constrained requests that sample in `so` (their scheduled tokens reach their end),
-        in no particular order; empty at no cost when no request has a grammar."""
+        in no particular order; empty at no cost when no request has a grammar. A grammar not yet
+        active (its start token not sampled: the reasoning) constrains nothing: no row."""
         if not self._structured:
             return []
         out = []
         for req_id in so.num_scheduled_tokens:
             r = self.requests[req_id]
-            if r.grammar is not None and r.num_computed_tokens >= r.num_tokens:
+            if r.grammar is not None and r.grammar.active and r.num_computed_tokens >= r.num_tokens:
                 out.append(r)
         return out
 

@@ -28,7 +28,7 @@ from server.limits import ServerLimits
 from server.metrics import ServerMetrics
 from server.overrides import load_chat_template, load_generation_defaults
 from server.protocol import CompletionRequest
-from server.reasoning import check_parser_name
+from server.reasoning import check_parser_name, end_token_id
 from server.request_body import add_body_schemas, body_openapi, parse_body
 from server.responses_protocol import ResponsesRequest
 from server.tool_calls import check_tool_flags
@@ -56,6 +56,8 @@ class ServerState:
         # --generation-config: values of fields a request does not set (server/overrides.py)
         self.request_defaults = dict(request_defaults or {})
         self.tokenizer = engine.tokenizer
+        # `</think>` as one token (a constraint with reasoning starts after it: server/chat.py)
+        self.think_end_id = end_token_id(self.tokenizer)
         if self.tokenizer is not None:
             self.frontend.check_template_defaults(self.tokenizer)
         self.model_name: str = engine.model_name  # the one responses report

@@ -91,9 +91,11 @@ class ChatBuilder:
         last = req.messages[-1]
         self.echoed = last.text() if req.echo and last.role == self.role else ""
         self.reasoning = state.reasoning_parser is not None
-        self.think = thinks(state.reasoning_parser, req.chat_template_kwargs)
-        # a forced tool choice constrains the output to JSON from its first token: no reasoning
-        self.think = self.think and req.forced_tool_choice is None
+        # A forced tool choice constrains the output to JSON from its first token: no reasoning.
+        # So does any other constraint where `</think>` is not one token; where it is, the
+        # constraint starts after it (chat_inputs), as vLLM's does, and the output reasons first.
+        self.think = (thinks(state.reasoning_parser, req.chat_template_kwargs) and req.forced_tool_choice is None
+                      and (state.think_end_id is not None or not req.asks_for_structure))
         self._parsers: dict[int, ThinkParser] = {}  # choice index -> its incremental split
         self._num_tokens: dict[int, int] = {}  # choice index -> tokens generated so far
         # tool calls: parsed out of the content (tool_choice "auto" with --tool-call-parser), or
@@ -339,6 +341,11 @@ async def chat_inputs(state, req: ChatCompletionRequest) -> tuple[SamplingParams
     req.apply_defaults(state.request_defaults)
     req.chat_template_kwargs = state.frontend.template_kwargs(req.chat_template_kwargs)
     params = await sampling_params(req, state.tokenizer)
+    so = params.structured_outputs
+    if (so is not None and req.forced_tool_choice is None and state.think_end_id is not None
+            and thinks(state.reasoning_parser, req.chat_template_kwargs)):
+        # the output reasons first: its constraint holds from the token after `</think>` on
+        params = dataclasses.replace(params, structured_outputs=dataclasses.replace(so, start_after=state.think_end_id))
     try:  # a long chat's turns are built off the event loop (450,000 messages: 0.25 s)
         conversation = (req.conversation() if len(req.messages) <= MANY_MESSAGES
                         else await large_lane(req.conversation))

@@ -22,6 +22,15 @@ START, END = "<think>", "</think>"
 PARSERS = ("deepseek_r1", "deepseek_v3")
 
 
+def end_token_id(tokenizer) -> int | None:
+    """The id of `</think>` where the tokenizer has it as one token (DeepSeek's R1 and V3.1
+    tokenizers), else None."""
+    if tokenizer is None:
+        return None
+    end = tokenizer.convert_tokens_to_ids(END)
+    return end if isinstance(end, int) and tokenizer.convert_ids_to_tokens(end) == END else None
+
+
 def check_parser_name(name: str | None) -> None:
     """ValueError naming the flag and the choices for an unknown parser name."""
     if name is not None and name not in PARSERS:

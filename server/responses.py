@@ -30,7 +30,7 @@ from server.chat import MANY_MESSAGES, ChatBuilder, chat_inputs
 from server.chat_protocol import ChatMessage
 from server.errors import APIError, param_of
 from server.handler import OFF_LOOP_ENTRIES, _collect, _entries, response_id, start_streams
-from server.reasoning import END
+from server.reasoning import end_token_id
 from server import responses_background as background
 from server.request_body import body_openapi, parse_body
 from server.request_fields import MAX_REQUEST_ID_CHARS
@@ -359,8 +359,8 @@ def reasoning_tokens(tokenizer, token_ids: list[int], reasoning: str) -> int:
     tokenizers), else the reasoning text's own tokens."""
     if not reasoning or tokenizer is None:
         return 0
-    end = tokenizer.convert_tokens_to_ids(END)
-    if isinstance(end, int) and tokenizer.convert_ids_to_tokens(end) == END:
+    end = end_token_id(tokenizer)
+    if end is not None:
         return token_ids.index(end) if end in token_ids else len(token_ids)
     return min(len(token_ids), len(tokenizer(reasoning, add_special_tokens=False)["input_ids"]))
 

@@ -152,6 +152,23 @@ class FakeEngine:
             self.blocks.pop(request_id, None)
 
 
+class ScriptedEngine(FakeEngine):
+    """The fake engine, generating `script`'s tokens in turn; `params` is the last request's."""
+
+    def __init__(self, tokenizer, script: list[int]) -> None:
+        super().__init__(tokenizer)
+        self.script, self._plen, self.params = script, 0, None
+
+    async def generate(self, prompt, params, request_id):
+        self._plen = len(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else len(prompt)
+        self.params = params
+        async for out in super().generate(prompt, params, request_id):
+            yield out
+
+    def _next(self, ctx, params, rng) -> int:
+        return self.script[(len(ctx) - self._plen) % len(self.script)]
+
+
 def _copy(o: CompletionOutput) -> CompletionOutput:
     return CompletionOutput(o.index, o.text, list(o.token_ids),
                             None if o.logprobs is None else list(o.logprobs), o.finish_reason,

@@ -13,7 +13,7 @@ import transformers
 from server.api_server import build_app
 from server.cli import build_parser
 from server.token_bytes import _BYTE_OF, piece_bytes, token_bytes
-from tests.server_fixtures import TINY_MODEL, FakeEngine
+from tests.server_fixtures import TINY_MODEL, ScriptedEngine
 
 TEXT = "é😀 ü €ñ 漢字"
 
@@ -44,22 +44,6 @@ def test_token_bytes_join_into_the_text(tok):
     assert all(r != "\ufffd".encode() for r in raw)
     # a whole token's bytes are its text's
     assert token_bytes(tok, ids[-1], "plain") == b"plain"
-
-
-class ScriptedEngine(FakeEngine):
-    """The fake engine, generating `script`'s tokens in turn."""
-
-    def __init__(self, tokenizer, script: list[int]) -> None:
-        super().__init__(tokenizer)
-        self.script, self._plen = script, 0
-
-    async def generate(self, prompt, params, request_id):
-        self._plen = len(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else len(prompt)
-        async for out in super().generate(prompt, params, request_id):
-            yield out
-
-    def _next(self, ctx, params, rng) -> int:
-        return self.script[(len(ctx) - self._plen) % len(self.script)]
 
 
 @pytest.mark.parametrize("stream", [False, True])
