@@ -153,20 +153,26 @@ class FakeEngine:
 
 
 class ScriptedEngine(FakeEngine):
-    """The fake engine, generating `script`'s tokens in turn; `params` is the last request's."""
+    """The fake engine writing `script` token by token (one stream chunk each), then EOS (id 1),
+    or with `cycle` the script again; `last_prompt` and `last_params` are the last request's."""
 
-    def __init__(self, tokenizer, script: list[int]) -> None:
-        super().__init__(tokenizer)
-        self.script, self._plen, self.params = script, 0, None
+    def __init__(self, tokenizer, script=(), max_model_len: int = 128, cycle: bool = False) -> None:
+        super().__init__(tokenizer, max_model_len=max_model_len)
+        self.script, self.cycle = list(script), cycle
+        self.last_prompt: list[int] = []
+        self.last_params: SamplingParams | None = None
 
     async def generate(self, prompt, params, request_id):
-        self._plen = len(self.tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else len(prompt)
-        self.params = params
+        self.last_prompt = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        self.last_params = params
         async for out in super().generate(prompt, params, request_id):
             yield out
 
     def _next(self, ctx, params, rng) -> int:
-        return self.script[(len(ctx) - self._plen) % len(self.script)]
+        i = len(ctx) - len(self.last_prompt)
+        if self.cycle:
+            return self.script[i % len(self.script)]
+        return self.script[i] if i < len(self.script) else 1
 
 
 def _copy(o: CompletionOutput) -> CompletionOutput:

@@ -52,15 +52,15 @@ def test_the_constraint_starts_after_the_reasoning(field):
     engine = ScriptedEngine(tok, script)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": len(script), "temperature": 0, **field}
     msg = chat(engine, body, "--reasoning-parser", "deepseek_r1")["choices"][0]["message"]
-    assert engine.params.structured_outputs.start_after == end
+    assert engine.last_params.structured_outputs.start_after == end
     assert msg["content"] == JSON and msg["reasoning_content"] == "Tom had 3, then 5 more."
     # without the parser, or with a forced tool choice, the constraint holds from the first token
     chat(engine, body)
-    assert engine.params.structured_outputs.start_after is None
+    assert engine.last_params.structured_outputs.start_after is None
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     forced = {k: v for k, v in body.items() if k not in field}
     chat(engine, {**forced, "tools": [tool], "tool_choice": "required"}, "--reasoning-parser", "deepseek_r1")
-    assert engine.params.structured_outputs.start_after is None
+    assert engine.last_params.structured_outputs.start_after is None
 
 
 def test_without_one_end_token_the_constrained_output_is_content():
@@ -70,7 +70,7 @@ def test_without_one_end_token_the_constrained_output_is_content():
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": len(script), "temperature": 0,
             "response_format": FORMAT}
     msg = chat(engine, body, "--reasoning-parser", "deepseek_r1")["choices"][0]["message"]
-    assert engine.params.structured_outputs.start_after is None
+    assert engine.last_params.structured_outputs.start_after is None
     assert msg["content"] == JSON and msg["reasoning_content"] is None
     # unconstrained, the same output is reasoning (deepseek_r1: all text before `</think>`)
     del body["response_format"]

@@ -18,7 +18,7 @@ import transformers
 from server.api_server import build_app
 from server.cli import build_parser
 from server.tool_calls import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP
-from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, InProcessServer, assert_error
+from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, InProcessServer, ScriptedEngine, assert_error
 
 os.environ.update(OFFLINE_ENV)
 
@@ -292,27 +292,21 @@ SCRIPT = f"Weather first.</think>Let me check.{CALLS_BEGIN}{v3_call('get_weather
          f"{v3_call('get_time', '{}')}{CALLS_END}"
 
 
-class ScriptedEngine(FakeEngine):
-    """Writes SCRIPT token by token (one stream chunk each), then EOS (id 1); a prompt holding
-    FAIL fails after its first output."""
+class FailingEngine(ScriptedEngine):
+    """The scripted engine (SCRIPT, then EOS); a prompt holding FAIL fails after its first output."""
 
     async def generate(self, prompt, params, request_id):
-        self.prompt = list(prompt)
-        fail = "FAIL" in self.tokenizer.decode(self.prompt)
+        fail = "FAIL" in self.tokenizer.decode(prompt if not isinstance(prompt, str) else [])
         async for out in super().generate(prompt, params, request_id):
             yield out
             if fail:
                 raise RuntimeError("the engine broke")
 
-    def _next(self, ctx, params, rng):
-        i = len(ctx) - len(self.prompt)
-        return self.script[i] if i < len(self.script) else 1
-
 
 @pytest.fixture(scope="module")
 def scripted():
     tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
-    engine = ScriptedEngine(tok, max_model_len=1024)
+    engine = FailingEngine(tok, max_model_len=1024)
     engine.script = tok(SCRIPT, add_special_tokens=False)["input_ids"]
     with _server(engine, ["--reasoning-parser", "deepseek_r1", "--enable-auto-tool-choice",
                           "--tool-call-parser", "deepseek_v3", "--api-key", "sk-test",

@@ -12,8 +12,8 @@ import pytest
 import transformers
 
 from server.responses_stream import ResponseEvents
-from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, assert_error
-from tests.test_responses_api import (CALLS_BEGIN, CALLS_END, SCRIPTED, WEATHER, ScriptedEngine, _server,
+from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, ScriptedEngine, assert_error
+from tests.test_responses_api import (CALLS_BEGIN, CALLS_END, SCRIPTED, WEATHER, _server,
                                       create, events_of, streamed_items, v3_call)
 
 os.environ.update(OFFLINE_ENV)

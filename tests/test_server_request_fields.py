@@ -11,7 +11,7 @@ import pytest
 import transformers
 
 from server.api_server import build_app
-from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, InProcessServer
+from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, InProcessServer, ScriptedEngine
 
 os.environ.update(OFFLINE_ENV)
 
@@ -81,25 +81,10 @@ THINK_TEMPLATE = (
 REASONING, CONTENT = "Let me think: 3 + 4.", "The answer is 7."
 
 
-class ScriptedEngine(FakeEngine):
-    """Emits `script` token by token (one stream chunk each) and records the last prompt."""
-
-    script: list[int] = []
-
-    async def generate(self, prompt, params, request_id):
-        self.last_prompt = list(prompt)
-        async for out in super().generate(prompt, params, request_id):
-            yield out
-
-    def _next(self, ctx, params, rng):
-        i = len(ctx) - len(self.last_prompt)
-        return self.script[i % len(self.script)]
-
-
 def reasoning_server(tok, parser: str, **flags):
     t = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
     t.chat_template = THINK_TEMPLATE
-    engine = ScriptedEngine(t, max_model_len=256)
+    engine = ScriptedEngine(t, max_model_len=256, cycle=True)
     engine.script = t(REASONING + "</think>" + CONTENT, add_special_tokens=False)["input_ids"]
     args = type("Args", (), {"reasoning_parser": parser, **flags})()
     return engine, InProcessServer(build_app(engine, args))
