@@ -162,7 +162,9 @@ class ChatBuilder:
             message["tool_calls"] = calls or []
         elif self.tool_parser is not None:
             parsed = parse_tool_calls(message["content"] or "", self.tool_parser)
-            message["content"], message["tool_calls"] = parsed.content, parsed.tool_calls
+            # parallel_tool_calls false: the first call alone (vLLM's)
+            calls = parsed.tool_calls if self.req.parallel_tool_calls else parsed.tool_calls[:1]
+            message["content"], message["tool_calls"] = parsed.content, calls
             if parsed.tool_calls:
                 self._called.add(index)
         if self.echoed:
@@ -227,7 +229,10 @@ class ChatBuilder:
             d = parser.feed(content)
             if finished:
                 d.merge(parser.finish())
-            return d.content, _call_entries(d)
+            entries = _call_entries(d)
+            if not self.req.parallel_tool_calls:  # the first call alone (vLLM's), as whole
+                entries = [e for e in entries if e["index"] == 0]
+            return d.content, entries
         if isinstance(self.forced, dict):  # named: the output is the arguments
             d = Delta(args=[(0, content)] if content else [])
             if index not in self._forced_text:

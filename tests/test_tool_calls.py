@@ -15,7 +15,7 @@ import transformers
 from server.api_server import build_app
 from server.tool_calls import (CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, ToolCallParser,
                                assemble, parse_tool_calls)
-from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, FakeEngine, InProcessServer, tiny_engine_server
+from tests.server_fixtures import OFFLINE_ENV, TINY_MODEL, InProcessServer, ScriptedEngine, tiny_engine_server
 
 os.environ.update(OFFLINE_ENV)
 
@@ -146,21 +146,6 @@ CHAT = {"messages": [{"role": "user", "content": "weather in Paris?"}], "tools":
         "stop_token_ids": [1]}
 
 
-class ScriptedEngine(FakeEngine):
-    """Writes `script` token by token (one stream chunk each) and records the last prompt."""
-
-    script: list[int] = []
-
-    async def generate(self, prompt, params, request_id):
-        self.last_prompt, self.last_params = list(prompt), params
-        async for out in super().generate(prompt, params, request_id):
-            yield out
-
-    def _next(self, ctx, params, rng):
-        i = len(ctx) - len(self.last_prompt)
-        return self.script[i] if i < len(self.script) else 1  # then EOS
-
-
 def _server(argv: list[str], script: str = V3_TWO):
     from server.cli import build_parser
 
@@ -237,6 +222,16 @@ def test_auto_tool_calls_streamed(auto):
     assert arg_chunks > 5  # the arguments came in fragments, token by token
     assert not any("｜" in (d.get("content") or "") for d in deltas)  # no markup leaked
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(auto):
+    """As vLLM: the auto parser's first call alone, whole and streamed (the script makes two)."""
+    body = {**CHAT, "parallel_tool_calls": False}
+    m = post(auto, body).json()["choices"][0]["message"]
+    assert [(t["function"]["name"], t["function"]["arguments"]) for t in m["tool_calls"]] == [
+        ("get_weather", WEATHER)] and m["content"] == "Let me check."
+    calls = _streamed_choices(stream(auto, body))[0]["calls"]
+    assert calls == {0: ["get_weather", WEATHER]}
 
 
 def _streamed_choices(chunks: list[dict]) -> dict[int, dict]:
