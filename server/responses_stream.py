@@ -26,7 +26,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 from engine.outputs import RequestOutput
-from server.errors import error_body
+from server.errors import error_body, param_of
 from server.handler import _check_failed
 from server.reasoning import split_reasoning
 from server.streams import EngineStreams
@@ -177,13 +177,18 @@ class ResponseEvents:
                                                                                     "response.completed")
         return self.event(kind, response=response)
 
-    def fail(self, status: int, message: str) -> list[str]:
-        """An `error` event, then `response.failed` with the items closed so far."""
-        err = error_body(status, message)["error"]
+    def failed(self, status: int, message: str) -> dict:
+        """The failed response, with the items closed so far."""
         code = "invalid_prompt" if status < 500 else "server_error"
-        response = {**self.head, "status": "failed", "output": self.items,
-                    "error": {"code": code, "message": message}}
-        return [self.event("error", code=err["type"], message=message, param=None),
+        return {**self.head, "status": "failed", "output": self.items, "error": {"code": code, "message": message}}
+
+    def fail(self, status: int, message: str, response: dict | None = None) -> list[str]:
+        """An `error` event (its param the field a 400's message names), then `response.failed`
+        with `response` (default: `failed`'s)."""
+        err = error_body(status, message)["error"]
+        response = self.failed(status, message) if response is None else response
+        return [self.event("error", code=err["type"], message=message,
+                           param=param_of(message) if status < 500 else None),
                 self.event("response.failed", response=response)]
 
     def _content(self, text: str) -> list[str]:
@@ -284,8 +289,12 @@ async def stream_events(streams: EngineStreams, builder, events: ResponseEvents,
             else:
                 logger.exception("response stream %s failed", events.head["id"])
             status = 400 if isinstance(e, ValueError) else 500
-            pieces += events.fail(status, str(e) if status == 400
-                                  else f"internal server error ({type(e).__name__})")
+            message = str(e) if status == 400 else f"internal server error ({type(e).__name__})"
+            failed = events.failed(status, message)
+            # kept as failed where asked (GET answers it, as for a background response); if it
+            # cannot be, its store says false
+            save(failed, None)
+            pieces += events.fail(status, message, failed)
         yield "".join(pieces)
     finally:
         streams.close()

@@ -293,13 +293,16 @@ SCRIPT = f"Weather first.</think>Let me check.{CALLS_BEGIN}{v3_call('get_weather
 
 
 class FailingEngine(ScriptedEngine):
-    """The scripted engine (SCRIPT, then EOS); a prompt holding FAIL fails after its first output."""
+    """The scripted engine (SCRIPT, then EOS); a prompt holding FAIL fails after its first output
+    (BADFIELD: as the request's own fault, naming a field)."""
 
     async def generate(self, prompt, params, request_id):
-        fail = "FAIL" in self.tokenizer.decode(prompt if not isinstance(prompt, str) else [])
+        text = self.tokenizer.decode(prompt if not isinstance(prompt, str) else [])
         async for out in super().generate(prompt, params, request_id):
             yield out
-            if fail:
+            if "BADFIELD" in text:
+                raise ValueError("allowed_token_ids: none of them may come next")
+            if "FAIL" in text:
                 raise RuntimeError("the engine broke")
 
 
@@ -353,6 +356,13 @@ def test_a_failure_mid_stream_ends_with_error_and_failed(scripted):
     assert events[-2]["message"] == "internal server error (RuntimeError)"
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert events[-2]["param"] is None
+    # kept as failed, as a background response is: GET answers what the last event said
+    assert failed["store"] is True
+    assert httpx.get(f"{scripted.url}/v1/responses/{failed['id']}", headers=KEY).json() == failed
+    # the request's own fault: its error event names the field
+    events = events_of(scripted, {"input": "BADFIELD now", "stop_token_ids": [1]}, headers=KEY)
+    assert events[-2]["param"] == "allowed_token_ids" and events[-1]["response"]["error"]["code"] == "invalid_prompt"
 
 
 def test_the_routes_need_the_api_key_and_are_counted(scripted):
