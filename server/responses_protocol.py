@@ -80,6 +80,8 @@ class TextFormat(BaseRequest):
     def _schema_with_json_schema(self):
         if self.type == "json_schema" and self.schema_ is None:
             raise ValueError("schema is required when type is json_schema")
+        if self.type == "json_schema" and self.name is None:  # OpenAI's, as chat's json_schema.name
+            raise ValueError("name is required when type is json_schema")
         if self.type != "json_schema" and self.schema_ is not None:  # else it would go unused
             raise ValueError(f"schema: only with type json_schema (this format is {self.type})")
         return self

@@ -399,6 +399,7 @@ REFUSED = [
     ({"include": ["file_search_call.results"]}, "include"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
+    ({"text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}, "text.format"),  # no name
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nope"}}}},
      "text.format.schema"),
     ({"reasoning": {"summary": "detailed"}}, "reasoning.summary"),
