@@ -252,9 +252,10 @@ class Sampler:
         # greedy rows divide by 1 here; their result is replaced by the argmax afterwards
         temp = torch.where(batch.temperature == 0.0, 1.0, batch.temperature)
         logits = logits / temp.unsqueeze(1)
-        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p, batch.max_top_k)
+        # vLLM's order: min_p on the tempered distribution, then top-k and top-p on what is left
         if batch.min_p is not None:
             logits = _apply_min_p(logits, batch.min_p)
+        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p, batch.max_top_k)
         probs = torch.softmax(logits, dim=-1)
         return _exponential_race(probs, batch.generators)
 

@@ -111,6 +111,9 @@ def test_min_p_filters_relative_to_the_max():
     ids = _draw_many(probs.log(), SamplingParams(min_p=0.45))  # threshold 0.18
     assert set(ids.tolist()) == {0, 1, 2}
     assert set(_draw_many(probs.log(), SamplingParams(min_p=0.0)).tolist()) == {0, 1, 2, 3, 4}
+    # vLLM's order, min_p before top_p: min_p keeps 0-2 (renormalised 0.476 / 0.298 / 0.226),
+    # then top_p 0.75 needs only 0 and 1 (0.774); top_p first would keep 0-2 (0.4 + 0.25 < 0.75)
+    assert set(_draw_many(probs.log(), SamplingParams(min_p=0.45, top_p=0.75)).tolist()) == {0, 1}
 
 
 def test_top_k_candidate_path_equals_full_sort():
