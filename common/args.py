@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -182,6 +183,10 @@ class EngineArgs:
              f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
              f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        need(self.cpu_kv_cache_gb > 0 and math.isfinite(self.cpu_kv_cache_gb),
+             f"--cpu-kv-cache-gb must be a positive number, got {self.cpu_kv_cache_gb}")
+        # torch.manual_seed's range (a uint64 or a negative int64)
+        need(-(1 << 63) <= self.seed < (1 << 64), f"--seed must be in [-2**63, 2**64), got {self.seed}")
         ranks = self.tensor_parallel_size * max(self.data_parallel_size, 1)
         need(self.nnodes >= 1 and ranks % self.nnodes == 0,
              f"--nnodes {self.nnodes} must divide --tensor-parallel-size {self.tensor_parallel_size}"

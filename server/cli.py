@@ -31,7 +31,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
     except OSError as e:
         if sock is not None:
             sock.close()
-        raise OSError(f"--port {port}: cannot listen on {host}:{port}: {e.strerror or e}") from None
+        # a name that does not resolve is the host's fault; anything else (in use, denied) the port's
+        flag = f"--host {host}" if isinstance(e, socket.gaierror) else f"--port {port}"
+        raise OSError(f"{flag}: cannot listen on {host}:{port}: {e.strerror or e}") from None
     return sock
 
 

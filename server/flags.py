@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "answer 400")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the name(s) clients pass as `model`; with several, any is accepted and "
-                        "the first is the one responses report; defaults to the --model path")
+                        "the first is the one responses report; defaults to the --model directory's name "
+                        "(the path is accepted as `model` too)")
     g.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default=d["load_format"],
                    help="weights to load; `dummy` fills random weights from config.json "
                         "(benchmarks without a checkpoint)")

@@ -25,11 +25,27 @@ def load_chat_template(value: str | None) -> str | None:
         return None
     if os.path.isfile(value):
         with open(value, encoding="utf-8") as f:
-            return f.read()
-    if any(c in value for c in _JINJA_CHARS):
-        return value
-    raise ValueError(f"--chat-template: no such file: {value} (an inline template must contain "
-                     "Jinja markup)")
+            text = f.read()
+    elif any(c in value for c in _JINJA_CHARS):
+        text = value
+    else:
+        raise ValueError(f"--chat-template: no such file: {value} (an inline template must contain "
+                         "Jinja markup)")
+    # compiled once here, as transformers compiles chat templates (its extensions, e.g. the
+    # generation tag): a syntax error is the flag's at start-up, not every chat request's 400
+    from jinja2 import TemplateSyntaxError
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template as compile_template
+    except ImportError:  # a transformers without it: plain Jinja with its loop controls
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def compile_template(t):
+            return ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).from_string(t)
+    try:
+        compile_template(text)
+    except TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template: not a valid Jinja template (line {e.lineno}: {e.message})") from None
+    return text
 
 
 def load_generation_defaults(value: str, model_dir: str | None, override: str | None = None) -> dict:

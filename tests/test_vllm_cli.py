@@ -255,11 +255,16 @@ def test_tool_launch_line_with_a_chat_template_file(tmp_path, monkeypatch):
 @pytest.mark.parametrize("argv,needle", [
     (["--chat-template", "/no/such/template.jinja"], "--chat-template: no such file"),
     (["--generation-config", "/no/such/dir"], "--generation-config: no generation_config.json"),
+    (["--chat-template", "{% for m in messages %}{{ m.content }"], "--chat-template: not a valid Jinja template"),
+    (["--seed", str(1 << 70)], "--seed must be in"),
+    (["--cpu-kv-cache-gb", "0"], "--cpu-kv-cache-gb must be a positive number"),
+    (["--cpu-kv-cache-gb", "nan"], "--cpu-kv-cache-gb must be a positive number"),
+    (["--host", "bogus.invalid"], "--host bogus.invalid: cannot listen"),  # found binding: exit 1
 ])
 def test_template_and_generation_config_errors_name_the_flag(argv, needle, capsys):
     from server.cli import main
 
-    assert main([*argv, "--device", "cpu"]) == 2
+    assert main([*argv, "--device", "cpu"]) == (1 if argv[0] == "--host" else 2)
     assert needle in capsys.readouterr().err
 
 
