@@ -293,8 +293,7 @@ SCRIPT = f"Weather first.</think>Let me check.{CALLS_BEGIN}{v3_call('get_weather
 
 
 class FailingEngine(ScriptedEngine):
-    """The scripted engine (SCRIPT, then EOS); a prompt holding FAIL fails after its first output
-    (BADFIELD: as the request's own fault, naming a field)."""
+    """The scripted engine; a prompt holding FAIL fails after its first output (BADFIELD: naming a field)."""
 
     async def generate(self, prompt, params, request_id):
         text = self.tokenizer.decode(prompt if not isinstance(prompt, str) else [])
@@ -355,13 +354,11 @@ def test_a_failure_mid_stream_ends_with_error_and_failed(scripted):
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["message"] == "internal server error (RuntimeError)"
     failed = events[-1]["response"]
-    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
-    assert events[-2]["param"] is None
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error" and events[-2]["param"] is None
     # kept as failed, as a background response is: GET answers what the last event said
-    assert failed["store"] is True
-    assert httpx.get(f"{scripted.url}/v1/responses/{failed['id']}", headers=KEY).json() == failed
-    # the request's own fault: its error event names the field
-    events = events_of(scripted, {"input": "BADFIELD now", "stop_token_ids": [1]}, headers=KEY)
+    got = httpx.get(f"{scripted.url}/v1/responses/{failed['id']}", headers=KEY).json()
+    assert failed["store"] is True and got == failed
+    events = events_of(scripted, {"input": "BADFIELD now", "stop_token_ids": [1]}, headers=KEY)  # names a field
     assert events[-2]["param"] == "allowed_token_ids" and events[-1]["response"]["error"]["code"] == "invalid_prompt"
 
 
