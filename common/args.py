@@ -82,7 +82,8 @@ class EngineArgs:
     # fcfs: admission in arrival order, the newest running request preempted first; priority:
     # by (priority, arrival), the lowest priority preempted first (vLLM's --scheduling-policy)
     scheduling_policy: str = "fcfs"
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    # None: the model's max_position_embeddings; "auto": that, cut to what the KV cache holds
+    max_model_len: int | str | None = None
     block_size: int = 16
     dtype: str = "auto"  # auto | bfloat16 | float16 | float32 (or an alias in DTYPE_ALIASES)
     device: str = "auto"  # auto | cuda | cpu
@@ -204,18 +205,27 @@ class EngineArgs:
              "inputs depend on how many drafts this step accepts; leave --async-scheduling unset")
         need(self.rank_check_interval >= 0,
              f"--rank-check-interval must be >= 0, got {self.rank_check_interval}")
-        need(self.max_model_len is None or self.max_model_len >= 1,
-             f"--max-model-len must be >= 1, got {self.max_model_len}")
+        need(self.max_model_len in (None, "auto") or (
+             isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+             f"--max-model-len must be >= 1 or auto, got {self.max_model_len!r}")
 
     def resolve_max_model_len(self, cfg) -> int:
-        """--max-model-len, or the model's max_position_embeddings (which it may not exceed)."""
+        """--max-model-len, or the model's max_position_embeddings (which it may not exceed).
+        Under `auto` this is the upper bound the KV cache is sized and profiled for; the engine
+        core cuts it to the cache's capacity (`fit_max_model_len`)."""
         limit = cfg.max_position_embeddings
-        if self.max_model_len is None:
+        if self.max_model_len in (None, "auto"):
             return limit
         if self.max_model_len > limit:
             raise ValueError(f"--max-model-len {self.max_model_len} exceeds the model's "
                              f"max_position_embeddings {limit}")
         return self.max_model_len
+
+    def fit_max_model_len(self, cfg, capacity_tokens: int) -> int:
+        """The served max_model_len once the KV cache is sized: `auto` takes the longest request
+        the cache holds (vLLM's `--max-model-len auto`), any other setting is unchanged."""
+        limit = self.resolve_max_model_len(cfg)
+        return min(limit, capacity_tokens) if self.max_model_len == "auto" else limit
 
     @property
     def tokenizer_path(self) -> str:

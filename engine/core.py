@@ -53,6 +53,11 @@ class EngineCore:
             self.grammars.prepare_in_background()
         self.executor = make_executor(args, cfg, [] if eos_token_id is None else [eos_token_id])
         num_blocks = self.executor.num_blocks
+        fitted = args.fit_max_model_len(cfg, num_blocks * args.block_size * args.decode_context_parallel_size)
+        if fitted < self.max_model_len:
+            log.warning("--max-model-len auto: %d tokens, what the KV cache holds (the model's "
+                        "max_position_embeddings is %d)", fitted, self.max_model_len)
+            self.max_model_len = fitted
         self.async_scheduling = (resolve_device(args).type == "cuda" if args.async_scheduling is None
                                  else args.async_scheduling)  # auto: overlap only pays with a GPU
         spec = args.speculative_config

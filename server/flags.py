@@ -76,6 +76,16 @@ def _token_count(value: str) -> int:
         raise argparse.ArgumentTypeError(f"not a token count: {e}") from None
 
 
+def _model_len(value: str) -> int | str:
+    """--max-model-len: a token count, or `auto` (also vLLM's -1): the longest the KV cache holds."""
+    if value.strip().lower() in ("auto", "-1"):
+        return "auto"
+    n = _token_count(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, or auto (-1), got {value!r}")
+    return n
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The `serve` flags, each with help text; defaults come from EngineArgs."""
     d = _DEFAULTS
@@ -137,9 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request defaults as a JSON object of generation_config.json's keys "
                         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
                         "over those --generation-config reads, e.g. '{\"temperature\": 0.6}'")
-    g.add_argument("--max-model-len", type=_token_count, default=None,
+    g.add_argument("--max-model-len", type=_model_len, default=None,
                    help="longest prompt + completion in tokens, as a number or vLLM's "
-                        "human-readable form (32k = 32000, 32K = 32768); default: the model's "
+                        "human-readable form (32k = 32000, 32K = 32768), or auto (or -1): the "
+                        "model's limit cut to what the KV cache holds; default: the model's "
                         "max_position_embeddings")
     g = p.add_argument_group("parallelism and devices")
     g.add_argument("-tp", "--tensor-parallel-size", type=int, default=d["tensor_parallel_size"],

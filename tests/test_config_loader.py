@@ -53,6 +53,19 @@ def test_dummy_weights_need_no_checkpoint(tiny_v3, tmp_path):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+def test_max_model_len_auto_fits_the_kv_cache(tiny_v3, caplog):
+    """`auto` is the model's limit cut to what the cache holds; a number is kept as given."""
+    limit = ModelConfig.from_pretrained(tiny_v3[0]).max_position_embeddings
+    assert limit > 8 * 16
+    with caplog.at_level(logging.WARNING, logger="engine.core"):
+        llm = LLM(tiny_v3[0], load_format="dummy", device="cpu", num_kv_blocks=8, max_model_len="auto")
+    assert llm.engine.max_model_len == 8 * 16 and f"{8 * 16} tokens" in caplog.text
+    with pytest.raises(ValueError, match="max_model_len"):  # the fitted length is what requests meet
+        llm.generate([[5] * 120], SamplingParams(max_tokens=20))
+    kept = LLM(tiny_v3[0], load_format="dummy", device="cpu", num_kv_blocks=8, max_model_len=100)
+    assert kept.engine.max_model_len == 100
+
+
 def test_mtp_layer_tensors_are_skipped_with_a_log(tiny_v3, tmp_path, caplog):
     dst = tmp_path / "with_mtp"
     shutil.copytree(tiny_v3[0], dst)

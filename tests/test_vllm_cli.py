@@ -201,7 +201,14 @@ def test_human_readable_lengths(text, want):
     assert ns.max_model_len == ns.max_num_batched_tokens == want
 
 
-@pytest.mark.parametrize("text", ["1.5K", "32kb", "k", "-", "auto"])
+@pytest.mark.parametrize("text", ["auto", "AUTO", "-1"])
+def test_max_model_len_auto(text):
+    """vLLM's `--max-model-len auto` (or -1): the engine fits it to the KV cache."""
+    ns = build_parser().parse_args(["--max-model-len", text])
+    assert ns.max_model_len == "auto" and engine_args_from(ns).max_model_len == "auto"
+
+
+@pytest.mark.parametrize("text", ["1.5K", "32kb", "k", "-", "-2", "autox"])
 def test_bad_lengths_are_refused(text, capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--max-model-len", text])
