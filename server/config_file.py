@@ -4,7 +4,8 @@ The file is a mapping of flag names (`max-model-len` or `max_model_len`, no dash
 values. Each entry becomes command-line words put before the command line's own, so a flag given
 on both wins from the command line (argparse keeps the last value). A true switch becomes the
 flag, a false one nothing (or `--no-flag` for a flag that has that form); a list becomes the
-flag followed by its items; a mapping becomes its JSON text (`--hf-overrides`, `--speculative-config`).
+flag followed by its items (for a flag that takes several; a list for a one-value flag is an
+error naming it); a mapping becomes its JSON text (`--hf-overrides`, `--speculative-config`).
 A name that is no flag of `serve` is reported as the command line's unknown flags are.
 """
 
@@ -60,6 +61,10 @@ def config_args(path: str, parser: argparse.ArgumentParser) -> list[str]:
         elif value is None:
             continue
         elif isinstance(value, list):
+            action = parser._option_string_actions.get(flag)
+            if action is not None and action.nargs not in ("+", "*") and \
+                    not isinstance(action, argparse._AppendAction):
+                raise ValueError(f"--config {path}: {key} takes one value, got a list {value!r}")
             words += [flag, *(json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value)]
         elif isinstance(value, dict):
             words += [flag, json.dumps(value)]

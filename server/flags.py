@@ -51,6 +51,7 @@ class _OneLineParser(argparse.ArgumentParser):
             self.error(str(e))
         argv = [_dashed(a) for a in given]
         spelled = dict(zip(argv, given))  # report a flag as the user wrote it
+        argv = self._explicit_switches(argv)
         ns, extra = self.parse_known_args(argv, namespace)
         flags = [spelled.get(a, a).split("=", 1)[0] for a in extra if a.startswith("-")]
         if flags:
@@ -59,6 +60,28 @@ class _OneLineParser(argparse.ArgumentParser):
         if extra:
             self.error(f"unexpected argument{'s' if len(extra) > 1 else ''}: {' '.join(extra)}")
         return ns
+
+
+    def _explicit_switches(self, argv: list[str]) -> list[str]:
+        """`--enable-chunked-prefill True` / `=false` (older vLLM's on/off flags took a value)
+        -> `--enable-chunked-prefill` / `--no-enable-chunked-prefill`, for every on/off flag
+        that has a --no- form; without this the value would be read as the model directory."""
+        switches = {s for a in self._actions if isinstance(a, argparse.BooleanOptionalAction)
+                    for s in a.option_strings if not s.startswith("--no-")}
+        out, i = [], 0
+        while i < len(argv):
+            a = argv[i]
+            name, eq, value = a.partition("=")
+            if name in switches and not eq and i + 1 < len(argv) and argv[i + 1].lower() in _ON_OFF:
+                value, i = argv[i + 1], i + 1
+            if name in switches and value.lower() in _ON_OFF:
+                a = name if _ON_OFF[value.lower()] else "--no-" + name[2:]
+            out.append(a)
+            i += 1
+        return out
+
+
+_ON_OFF = {"true": True, "false": False}
 
 
 def _dashed(arg: str) -> str:

@@ -333,6 +333,28 @@ def test_config_file_flags_under_the_command_line(tmp_path, capsys):
     assert "--config" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("words,want", [(["--enable-prefix-caching", "True"], True),
+                                         (["--enable-prefix-caching", "false"], False),
+                                         (["--enable-prefix-caching=FALSE"], False),
+                                         (["--no-enable-prefix-caching", "--enable-prefix-caching=true"], True)])
+def test_switches_take_older_vllms_explicit_value(words, want):
+    """`--flag True|False` (older vLLM's form) sets the switch; the value is not the model."""
+    ns = build_parser().parse_args([str(TINY_MODEL), *words, "--enable-chunked-prefill", "True"])
+    assert ns.enable_prefix_caching is want and ns.model_tag == str(TINY_MODEL)
+    assert engine_args_from(ns).enable_prefix_caching is want
+    with pytest.raises(ValueError, match="--no-enable-chunked-prefill"):  # still refused when off
+        engine_args_from(build_parser().parse_args([str(TINY_MODEL), "--enable-chunked-prefill", "false"]))
+
+
+def test_config_file_list_for_a_one_value_flag(tmp_path, capsys):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max-model-len: [64, 128]\n")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([str(TINY_MODEL), "--config", str(cfg)])
+    err = capsys.readouterr().err
+    assert "max-model-len takes one value" in err and str(cfg) in err
+
+
 def test_ssl_flags_are_checked(tmp_path):
     key = tmp_path / "k.pem"
     key.write_text("x")
