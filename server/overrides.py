@@ -108,13 +108,17 @@ def _defaults_from(config: dict, source: str) -> dict:
 
 
 def _check_ranges(defaults: dict, source: str) -> None:
-    """The defaults must be values a request could send (the same limits, the same messages)."""
+    """The defaults must be values a request could send (the same limits), each reported by
+    its generation_config.json key (max_new_tokens, not the request's max_tokens)."""
     from pydantic import ValidationError
 
     from server.protocol import CompletionRequest
-    try:
-        CompletionRequest(prompt="x", **defaults)
-    except ValidationError as e:
-        err = e.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        raise ValueError(f"{source}: {field}: {err['msg']} (got {err.get('input')!r})") from None
+    keys = {field: key for key, field in GENERATION_DEFAULTS.items()}
+    for field, v in defaults.items():
+        if field == "max_tokens" and v < 1:  # a request's 0 means echo only: no default
+            raise ValueError(f"{source}: max_new_tokens must be >= 1, got {v}")
+        try:
+            CompletionRequest(prompt="x", **{field: v})
+        except ValidationError as e:
+            msg = e.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ValueError(f"{source}: {keys[field]}: {msg} (got {v!r})") from None

@@ -339,7 +339,9 @@ def test_vllm_aliases_and_generation_overrides(tmp_path):
         {"temperature": 0.6, "top_k": 5, "max_tokens": 9}
     assert load_generation_defaults("vllm", str(tmp_path), '{"top_p": 0.5}') == {"top_p": 0.5}
     for bad, msg in (('{"nope": 1}', "unknown key"), ("[1]", "JSON object"), ("{", "not valid JSON"),
-                     ('{"temperature": -1}', "temperature")):
+                     ('{"temperature": -1}', "temperature"),
+                     ('{"max_new_tokens": 0}', r"max_new_tokens must be >= 1, got 0$"),
+                     ('{"top_p": 2}', r"^--override-generation-config: top_p: .*\(got 2.0\)$")):
         with pytest.raises(ValueError, match=msg):
             load_generation_defaults("vllm", None, bad)
     assert _engine_args('--override-generation-config {"temperature":0.5}').model == str(TINY_MODEL)
