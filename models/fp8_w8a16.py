@@ -77,12 +77,14 @@ _CONFIGS = [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=
 _w8a16_tuned = triton.autotune(configs=_CONFIGS, key=["N", "K", "IEEE"])(_w8a16_kernel)
 _FIXED = dict(BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=3)  # autotune=0
 _INTERPRET = dict(BLOCK_N=16, BLOCK_K=64)
-# When, under PDL, the kernel lets its successor launch: "start" (its first statement, as every
-# PDL-aware kernel here), "late" (after its K loop) or "none" (launched without PDL: its
-# successor launches at its end). A grid of more programs than fit one wave lets an early
-# successor's waiting programs hold SM slots its later programs need. A setting for
-# scripts/bench_pdl_variants.py's A/B; read at each launch.
-PDL_SIGNAL = "start"
+# When, under PDL, the kernel lets its successor launch: "late" (after its K loop, the
+# default), "start" (its first statement, as the other PDL-aware kernels here) or "none"
+# (launched without PDL: its successor launches at its end). Its grid is more programs than fit
+# one wave, so an early successor's waiting programs hold SM slots its later programs need: on an
+# H100 (V2-Lite, --quantization fp8) "start" lost to "late" at every batch from 1 to 16 (TPOT
+# 3.211 against 2.838 ms at batch 1; docs/kernel_notes.md). Read at each launch, so
+# scripts/bench_pdl_variants.py can set it per variant.
+PDL_SIGNAL = "late"
 
 
 def w8a16_linear(x: torch.Tensor, wq: torch.Tensor, sw: torch.Tensor,

@@ -42,10 +42,12 @@ from models.moe import MoE
 # and, for the projections of an FP8 model (`--quantization fp8` or an FP8 checkpoint),
 # fp8_gemm_w8a16_max_tokens (w8a16; "w8a8" sets it to 0, "w8a16" to 16), fp8_gemm_fuse_act
 # (fuse_act) and fp8_gemm_splitk_serial (serial), the last two W8A8 options; w8a16_signal: when
-# that kernel lets its successor launch under PDL (models/fp8_w8a16.py PDL_SIGNAL). "norm_router_off"
+# that kernel lets its successor launch under PDL (models/fp8_w8a16.py PDL_SIGNAL, whose default
+# the others keep). "norm_router_off"
 # sets the norm in the router off whatever the default, "norm_router_b1" on at batch 1 alone; 1024
 # is every step a key can take
 B = PDL_GRAPH_MAX_BATCH
+_W8A16_SIGNAL = fp8_w8a16.PDL_SIGNAL  # the module's default, for variants that leave it
 VARIANTS = {
     "base": {},
     "pdl": {"pdl": 1024},
@@ -61,7 +63,9 @@ VARIANTS = {
     "all3": {"merge_o": True, "norm_router": 1024, "route_align": 1024},
     "w8a8": {"w8a16": 0},
     "w8a16": {"w8a16": 16},
+    "w8a16_start": {"w8a16": 16, "w8a16_signal": "start"},
     "w8a16_late": {"w8a16": 16, "w8a16_signal": "late"},
+    "w8a16_8": {"w8a16": 8},
     "w8a16_nopdl": {"w8a16": 16, "w8a16_signal": "none"},
     "fuse_act": {"fuse_act": True, "w8a16": 0},
     "serial": {"serial": True, "w8a16": 0},
@@ -87,7 +91,7 @@ def set_variant(runner, model, name: str, plan) -> None:
         if isinstance(m, DeepseekDecoderLayer) and isinstance(m.mlp, MoE):
             m.norm_in_router = m.mlp.gate.norm_in_logits = norm_router
             m.mlp.route_align = route_align
-    fp8_w8a16.PDL_SIGNAL = v.get("w8a16_signal", "start")
+    fp8_w8a16.PDL_SIGNAL = v.get("w8a16_signal", _W8A16_SIGNAL)
     runner.graphs.pdl_max_batch = v.get("pdl", B)
     torch.cuda.synchronize()
     runner.graphs.capture()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the benchmarks; each step's full log lands in $OUT/<step>.txt
 # (written as it runs, so a step cut by its timeout still leaves what it printed).
-# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|seesaw|seesawtime|ep|pdl|mergeo|fewer|fewer2|sidenorm|b1norm|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|q8w16|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
+# Usage (GPU machine, repo root): bash scripts/gpu_check.sh [tests|quick|moe|moestream|mla|decode|gluon|seesaw|seesawtime|ep|pdl|mergeo|fewer|fewer2|sidenorm|b1norm|latency|latency_sync|profile|graphs|router|ops|host|throughput|offline|offline2|offlineab|http|q8|q8fuse|q8w16|q8w16r1|fp8|r1|v3gluon|r1fp8|r1dec|r1tput|r1fp8x|fp8ops|fp8dec]...
 #   tests       GPU-marked tests: fused MoE, FP8 GEMM, engine (CUDA graphs, Triton vs torch backend)
 #   quick       the GPU tests minus the slow ones (trained-model bf16, bf16 closeness, W8A8 shapes),
 #               with one fixed tile per Triton kernel (pytest --no-autotune: no tuning per test shape),
@@ -110,6 +110,10 @@
 #   q8w16       --quantization fp8 (dummy weights) at batch 1/4/8/16 in one engine: the W8A8 projections
 #               against the weight-streaming kernel (fp8_gemm_w8a16_max_tokens=16) with its PDL signal at
 #               its start, after its K loop, and without PDL (bench_pdl_variants.py; `q8w16:300`)
+#   q8w16r1     the same on DeepSeek-R1's config with 4 layers (dummy FP8 weights): W8A8 against the
+#               weight-streaming kernel up to 16 and 8 rows (its default signal), its signal at its
+#               start, and without PDL; first (1/4 of the timeout) the kernel's PDL-signal GPU test
+#               and its engine test (`q8w16r1:360`)
 #   fp8         block-FP8 GEMM vs bf16 at V3 shapes (bench_fp8_gemm.py)
 #   r1          DeepSeek-R1 config, 4 layers, dummy FP8 weights (kept in FP8: the default): TPOT at batch 1 and 64
 #   v3gluon     the DeepSeek-V3 config, 4 layers, bf16 dummy weights (128 heads: the Gluon decode by
@@ -283,7 +287,12 @@ for spec in $steps; do
                 --skip-tokenizer-init --quantization fp8 --batch-sizes 1 4 8 16 --reps 2 \
                 --variants base fuse_act serial fuse_act+serial; } > "$log" 2>&1 ;;
     q8w16) timeout "$T" python3 scripts/bench_pdl_variants.py --load-format dummy --quantization fp8 \
-             --batch-sizes 1 4 8 16 --reps 2 --variants w8a8 w8a16 w8a16_late w8a16_nopdl > "$log" 2>&1 ;;
+             --batch-sizes 1 4 8 16 --reps 2 --variants w8a8 w8a16_start w8a16_late w8a16_nopdl > "$log" 2>&1 ;;
+    q8w16r1) { timeout $((T / 4)) python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/test_fp8_gemm.py \
+                 tests/test_gpu_fp8_engine.py -k "w8a16_pdl_signal or w8a16_in_the_engine"
+               timeout $((T * 3 / 4)) python3 scripts/bench_pdl_variants.py --model configs/models/DeepSeek-R1 \
+                 --hf-overrides '{"num_hidden_layers": 4}' --batch-sizes 1 4 8 16 --reps 2 \
+                 --variants w8a8 w8a16 w8a16_8 w8a16_start w8a16_nopdl; } > "$log" 2>&1 ;;
     fp8) timeout "$T" python3 scripts/bench_fp8_gemm.py --json "$OUT/fp8_gemm.json" > "$log" 2>&1 ;;
     r1) timeout "$T" python3 scripts/bench_latency.py --model configs/models/DeepSeek-R1 \
           --hf-overrides '{"num_hidden_layers": 4}' --batch-sizes 1 64 --decode-steps 50 \

@@ -378,3 +378,41 @@ def test_w8a16_real_shapes(M, N, K):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(eager[0], eager[1]) and torch.equal(graphed, eager[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16])
+def test_w8a16_pdl_signal_changes_no_bits(M, monkeypatch):
+    """Where the weight-streaming kernel lets its successor launch under PDL (PDL_SIGNAL: after its
+    K loop, the default; at its first statement; or no PDL) moves scheduling only: the same bits
+    from each, eagerly and from a CUDA graph, chained to the next projection as in a layer."""
+    from common.launch_settings import use_pdl
+    from models import fp8_w8a16
+    torch.manual_seed(M)
+    x = torch.randn(M, 2048, device="cuda", dtype=torch.bfloat16)
+    w1, s1 = quantize(torch.randn(3648, 2048, device="cuda") * 0.02)
+    w2, s2 = quantize(torch.randn(2048, 3648, device="cuda") * 0.02)
+
+    def chain():
+        return fp8_w8a16.w8a16_linear(fp8_w8a16.w8a16_linear(x, w1, s1), w2, s2)
+    outs = {}
+    use_pdl(True)
+    try:
+        for signal in ("late", "start", "none"):
+            monkeypatch.setattr(fp8_w8a16, "PDL_SIGNAL", signal)
+            eager = chain()
+            g = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                chain()
+                with torch.cuda.graph(g, stream=stream):
+                    graphed = chain()
+            torch.cuda.current_stream().wait_stream(stream)
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(graphed, eager), signal
+            outs[signal] = eager
+    finally:
+        use_pdl(False)  # a process setting: later tests' kernels launch without it
+    assert torch.equal(outs["late"], outs["start"]) and torch.equal(outs["late"], outs["none"])
