@@ -40,10 +40,18 @@ PREFIX = "mla_serve"
 VLLM = "vllm:"
 LABELS = ["model_name", "engine"]  # of every vLLM series, as vLLM labels them
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# our own (mla_serve_) latency histograms: fine steps from 1 ms, for a decode's few-ms tokens
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+# vLLM's bucket boundaries for its series (vllm/v1/metrics), so that dashboards' and alerts' `le`
+# values match: time to first token; inter-token latency and time per output token; and the
+# request latencies (end to end, queue, prefill, decode, inference)
+_VLLM_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                      5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_VLLM_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                     7.5, 10.0, 20.0, 40.0, 80.0)
 _PHASE_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # vLLM's request_*_time
+                  60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
 def token_buckets(max_model_len: int) -> list[int]:
@@ -184,19 +192,21 @@ class ServerMetrics:
             MultiProcessCollector(self.exposed)
         self.exposed.register(_EngineCollector(engine, self.model_name))
         self.ttft = self._histogram("time_to_first_token_seconds",
-                                    "Time from request arrival to its first generated token")
+                                    "Time from request arrival to its first generated token", _VLLM_TTFT_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds",
-                                   "Time between successive engine outputs of a request, per token")
-        self.e2e = self._histogram("e2e_request_latency_seconds", "Time from request arrival to its last token")
+                                   "Time between successive engine outputs of a request, per token",
+                                   _VLLM_ITL_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "Time from request arrival to its last token",
+                                   _PHASE_BUCKETS)
         self.queue = self._vllm_histogram("request_queue_time_seconds",
                                           "Time a request waited in the engine before its first step",
-                                          _LATENCY_BUCKETS)
+                                          _PHASE_BUCKETS)
         self.tpot = self._vllm_histogram("time_per_output_token_seconds",
                                          "Time per output token (vLLM's older name of the inter-token latency)",
-                                         _LATENCY_BUCKETS)
+                                         _VLLM_ITL_BUCKETS)
         self.request_tpot = self._vllm_histogram(
             "request_time_per_output_token_seconds",
-            "Per choice: decode time / (generated tokens - 1)", _LATENCY_BUCKETS)
+            "Per choice: decode time / (generated tokens - 1)", _VLLM_ITL_BUCKETS)
         self.prefill = self._vllm_histogram("request_prefill_time_seconds",
                                             "Per choice: admission to first token", _PHASE_BUCKETS)
         self.decode = self._vllm_histogram("request_decode_time_seconds",
@@ -228,10 +238,10 @@ class ServerMetrics:
             for d in range(self.num_engines):
                 self.vllm_success.labels(self.model_name, str(d), reason)
 
-    def _histogram(self, name: str, doc: str) -> tuple[Histogram, PerEngine]:
-        """Our histogram and vLLM's (labelled), observed together."""
+    def _histogram(self, name: str, doc: str, vllm_buckets) -> tuple[Histogram, PerEngine]:
+        """Our histogram (our buckets) and vLLM's (labelled, its buckets), observed together."""
         ours = Histogram(f"{PREFIX}_{name}", doc, buckets=_LATENCY_BUCKETS, registry=self.registry)
-        return ours, self._vllm_histogram(name, doc, _LATENCY_BUCKETS)
+        return ours, self._vllm_histogram(name, doc, vllm_buckets)
 
     def _vllm_histogram(self, name: str, doc: str, buckets) -> PerEngine:
         return PerEngine(Histogram(f"{VLLM}{name}", doc, LABELS, buckets=buckets, registry=self.registry),

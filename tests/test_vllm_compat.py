@@ -350,6 +350,14 @@ def test_grafana_dashboard_series_are_served(client_for):
         assert _sample(text, series) == 0
     assert _sample(text, 'vllm:gpu_cache_usage_perc{engine="0",model_name="dash"}') == _sample(
         text, 'vllm:kv_cache_usage_perc{engine="0",model_name="dash"}')
+    # vLLM's bucket boundaries (vllm/v1/metrics), so that alerts' `le` values match
+    for name, top, count in (("time_to_first_token_seconds", "2560.0", 22),
+                             ("inter_token_latency_seconds", "80.0", 19),
+                             ("time_per_output_token_seconds", "80.0", 19),
+                             ("e2e_request_latency_seconds", "7680.0", 21),
+                             ("request_queue_time_seconds", "7680.0", 21)):
+        bounds = [ln.split('le="')[1].split('"')[0] for ln in lines if ln.startswith(f"vllm:{name}_bucket{{")]
+        assert bounds[-2:] == [top, "+Inf"] and len(bounds) == count + 1, (name, bounds)
 
 
 def test_reset_prefix_cache_route_on_the_real_engine():
