@@ -16,8 +16,11 @@ Per-request phases are timed on the front end, per choice, as vLLM times each en
 admission = arrival + the engine's queue time; prefill = admission to first token; decode =
 first to last token; inference = admission to last token.
 
-The token counters count as vLLM counts them, in the engine core: a request's prompt when its first
-output comes (each choice of an n > 1 request), and every token output.
+The prompt token counter counts as vLLM counts it, in the engine core: a request's prompt when its
+first output comes (each choice of an n > 1 request). vLLM's generated token counter counts here, on
+the front end, the tokens each choice returns, as vLLM's output processor does: the engine core
+samples a token or two past the one that completed a stop string (the front end matches stop
+strings), which our own `mla_serve_generation_tokens_total` (the engine's work) still counts.
 
 Under --api-server-count N (server/api_servers.py) each API server process counts its own requests
 in prometheus_client's multiprocess mode (PROMETHEUS_MULTIPROC_DIR, set before the process imports
@@ -92,7 +95,9 @@ class _EngineCollector:
         ]
         counters = [
             ("prompt_tokens", "prompt_tokens", "Prompt tokens processed", lambda e: e.prompt_tokens_total),
-            ("generation_tokens", "generation_tokens", "Tokens generated", lambda e: e.generation_tokens_total),
+            # vLLM's generation_tokens is the front end's count (ServerMetrics.generated): ours is the
+            # engine's, which also counts tokens sampled after a stop string ended the choice
+            ("generation_tokens", None, "Tokens the engine generated", lambda e: e.generation_tokens_total),
             ("num_preemptions", "num_preemptions", "Requests preempted to free KV blocks",
              lambda e: e.num_preemptions),
             ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
@@ -229,6 +234,9 @@ class ServerMetrics:
         self.params_max_tokens = self._vllm_histogram("request_params_max_tokens",
                                                       "The max_tokens of each finished request (unset: "
                                                       "what the context left)", token_buckets(max_len))
+        generated = Counter(f"{VLLM}generation_tokens", "Tokens generated (those returned: a choice's "
+                            "tokens up to the one that completed its stop string)", LABELS, registry=self.registry)
+        self.generated = [generated.labels(self.model_name, str(d)) for d in range(self.num_engines)]
         self.success = Counter(f"{PREFIX}_request_success", "Finished choices by finish reason",
                                ["finished_reason"], registry=self.registry)
         self.vllm_success = Counter(f"{VLLM}request_success", "Finished choices by finish reason",
@@ -307,6 +315,7 @@ class RequestTracker:
         for o in out.outputs:
             self._choice_engine[(prompt_idx, o.index)] = o.engine_index
             if o.delta_token_ids:
+                self._m.generated[o.engine_index].inc(len(o.delta_token_ids))
                 c = self._choices.setdefault((prompt_idx, o.index), [now, now, 0])
                 c[1] = now
                 c[2] += len(o.delta_token_ids)

@@ -201,14 +201,25 @@ def test_vllm_metric_names_with_model_name_label():
             app = build_app(llm, None)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
                 before = (await c.get("/metrics")).text
-                r = await c.post("/v1/completions", json={"model": "alias", "prompt": "Hello there",
-                                                          "max_tokens": 5, "ignore_eos": True})
+                body = {"model": "alias", "prompt": "Hello there", "max_tokens": 5, "ignore_eos": True,
+                        "temperature": 0}
+                r = await c.post("/v1/completions", json=body)
                 assert r.status_code == 200
-                return before, (await c.get("/metrics")).text, r.json()["usage"]["prompt_tokens"]
+                after = (await c.get("/metrics")).text
+                # then the same greedy request ended by a stop string inside its text: vLLM's
+                # generated count is the tokens returned, not those the engine sampled past it
+                text = r.json()["choices"][0]["text"]
+                stop = await c.post("/v1/completions", json={**body, "stop": [text[1:3]]})
+                await asyncio.sleep(0.3)  # the core's counters of its last step reach the front end
+                return before, after, r.json()["usage"]["prompt_tokens"], stop.json(), (await c.get("/metrics")).text
         finally:
             llm.shutdown()
 
-    before, after, prompt_tokens = asyncio.run(run())
+    before, after, prompt_tokens, stopped, last = asyncio.run(run())
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    returned = stopped["usage"]["completion_tokens"]
+    assert _sample(last, 'vllm:generation_tokens_total{engine="0",model_name="tiny"}') == 5 + returned
+    assert _sample(last, "mla_serve_generation_tokens_total") >= 5 + returned  # the engine's own work
     lab = '{engine="0",model_name="tiny"}'
 
     def delta(name):
