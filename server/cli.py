@@ -13,6 +13,7 @@ from common.args import EngineArgs
 from common.gc_tuning import freeze_startup_objects, thaw_frozen_objects
 from server.flags import api_key_from, build_parser, engine_args_from
 from server.frontend_options import filter_access_log
+from server.stats_log import stats_interval
 
 logger = logging.getLogger("server")
 
@@ -130,10 +131,18 @@ async def serve_app(ns: argparse.Namespace, engine_args: EngineArgs, sock: socke
                 return 0
             server = _draining_server(uvicorn_config(app, ns), (DRAIN,), stop_asked)
         _tune_gc()
+        stats_task = None
         if first:
             logger.info("serving %s on %s://%s:%d/v1", engine.model_name,
                         "https" if ns.ssl_certfile else "http", ns.host, ns.port)
-        await server.serve(sockets=[sock])
+            if getattr(ns, "stats_interval", None):  # vLLM's periodic stats line
+                from server.stats_log import log_stats_every
+                stats_task = asyncio.create_task(log_stats_every(engine, ns.stats_interval))
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            if stats_task is not None:
+                stats_task.cancel()
         return 0 if server.started else 1
     finally:
         engine.shutdown()
@@ -169,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine_args = engine_args_from(ns)
+        ns.stats_interval = None if ns.disable_log_stats else stats_interval()
     except ValueError as e:
         print(f"serve: error: {e}", file=sys.stderr)
         return 2

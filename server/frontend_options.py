@@ -42,6 +42,11 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="with --enable-log-requests, the request log (its debug line) shows at "
                         "most N characters of each prompt and N of its token ids; unset: all")
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic stats line in the log (vLLM's, every VLLM_LOG_STATS_INTERVAL "
+                        "seconds, default 10: prompt and generation throughput, running and waiting "
+                        "requests, KV cache usage, prefix cache hit rate, speculative acceptance); "
+                        "/metrics keeps every figure")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="count the completions and chat requests in flight (until their response "
                         "is sent) and report the count at GET /load as {\"server_load\": N}; "

@@ -24,7 +24,6 @@ VLLM_NOOPS = [
     ("-pp|--pipeline-parallel-size", (int, 1), "only 1: no pipeline parallelism (use -tp / -dcp)"),
     ("--distributed-executor-backend", (str, "mp"), "only mp: the ranks are worker processes"),
     ("--tokenizer-mode", (str, "auto"), "only auto: the Hugging Face tokenizer of the model"),
-    ("--disable-log-stats", bool, "accepted: this server logs no periodic stats (they are on /metrics)"),
     ("--disable-custom-all-reduce", bool,
      "accepted: the tensor-parallel ranks all-reduce through NCCL only (there is no custom all-reduce)"),
     ("--disable-cascade-attn", bool, "accepted: there is no cascade attention here"),

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
+import httpx
 import pytest
 
 from common.sampling_params import SamplingParams
@@ -223,11 +225,18 @@ def test_serve_freezes_the_start_up_objects_of_both_processes(tmp_path_factory, 
 
     log = tmp_path / "serve.log"
     monkeypatch.setenv("SERVE_TEST_LOG", str(log))
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "0.25")  # vLLM's periodic stats line, tested here too
     with ServeProcess("--model", tiny_model_dir(tmp_path_factory), "--skip-tokenizer-init",
                       "--device", "cpu", "--dtype", "float32", "--max-model-len", "256",
-                      "--num-kv-blocks", "64"):
-        pass
+                      "--num-kv-blocks", "64") as s:
+        r = httpx.post(f"{s.url}/v1/completions", timeout=60,
+                       json={"prompt": [5, 6, 7, 8], "max_tokens": 40, "ignore_eos": True})
+        assert r.status_code == 200
+        time.sleep(0.6)
     text = log.read_text()
+    stats = [line for line in text.splitlines() if "INFO server.stats: Engine 000: Avg prompt throughput" in line]
+    assert stats and any("Avg generation throughput: 0.0 " not in line for line in stats), text[-2000:]
+    assert all(" reqs, GPU KV cache usage: " in line and "Prefix cache hit rate: " in line for line in stats)
     frozen = [line for line in text.splitlines() if "start-up objects frozen" in line]
     assert any("engine-core" in line for line in frozen), text[-2000:]
     front = [line for line in frozen if "engine-core" not in line]
