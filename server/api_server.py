@@ -13,7 +13,6 @@ import time
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from common.offload import off_loop, text_chars
 from server import responses, vllm_compat
@@ -239,9 +238,18 @@ def build_app(engine, args=None) -> FastAPI:
     for method in ("GET", "HEAD"):
         app.add_api_route("/health", health, methods=[method], operation_id=f"health_{method.lower()}")
 
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(raw: Request) -> Response:
+        body, content_type, encoding = state.metrics.render_for(raw.headers.get("accept"),
+                                                                raw.headers.get("accept-encoding"))
+        headers = {"Content-Encoding": encoding} if encoding else None
+        return Response(body, media_type=content_type, headers=headers)
+
+    # as prometheus_client's own handler (vLLM's): the text or OpenMetrics format by the Accept
+    # header, gzip when asked; at /metrics and /metrics/, GET and HEAD
+    for path in ("/metrics", "/metrics/"):
+        for method in ("GET", "HEAD"):
+            app.add_api_route(path, metrics, methods=[method], include_in_schema=path == "/metrics",
+                              operation_id=f"metrics_{method.lower()}{'_slash' if path.endswith('/') else ''}")
 
     @app.post("/tokenize", openapi_extra=body_openapi(TokenizeRequest))
     async def tokenize(raw: Request) -> dict:

@@ -31,10 +31,13 @@ itself.
 
 from __future__ import annotations
 
+import gzip
 import os
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR, CollectorRegistry, Counter,
+                               Histogram, generate_latest)
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from engine.outputs import RequestOutput
@@ -195,6 +198,9 @@ class ServerMetrics:
 
             self.exposed = CollectorRegistry()
             MultiProcessCollector(self.exposed)
+        else:  # one process: its own process_*, python_info and python_gc_* series, as vLLM's
+            for collector in (PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR):  # default registry
+                self.exposed.register(collector)
         self.exposed.register(_EngineCollector(engine, self.model_name))
         self.ttft = self._histogram("time_to_first_token_seconds",
                                     "Time from request arrival to its first generated token", _VLLM_TTFT_BUCKETS)
@@ -260,6 +266,16 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.exposed)
+
+    def render_for(self, accept: str | None, accept_encoding: str | None) -> tuple[bytes, str, str | None]:
+        """(body, content type, content encoding or None) as prometheus_client's handler answers
+        a scrape: the OpenMetrics text format when Accept asks for it, else Prometheus' text
+        format; gzip-compressed when Accept-Encoding allows it."""
+        encoder, content_type = choose_encoder(accept or "")
+        body = encoder(self.exposed)
+        if "gzip" in (accept_encoding or ""):
+            return gzip.compress(body), content_type, "gzip"
+        return body, content_type, None
 
 
 class PerEngine:
