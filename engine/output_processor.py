@@ -34,6 +34,7 @@ class _Sample:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] = field(default_factory=list)
     engine_index: int = 0  # the DP rank of its engine request
+    queue_time: float | None = None  # seconds its engine request waited before its first step
 
     @property
     def finished(self) -> bool:
@@ -44,7 +45,8 @@ class _Sample:
         out = CompletionOutput(
             index=self.index, finish_reason=self.finish_reason, stop_reason=self.stop_reason,
             delta_text=self.delta_text, delta_token_ids=self.delta_token_ids,
-            delta_logprobs=self.delta_logprobs if self.want_logprobs else None, engine_index=self.engine_index)
+            delta_logprobs=self.delta_logprobs if self.want_logprobs else None, engine_index=self.engine_index,
+            queue_time=self.queue_time)
         if final:
             out.text = "" if self.detok is None else self.detok.output_text
             out.token_ids = self.token_ids
@@ -126,6 +128,8 @@ class OutputProcessor:
                 parent.prompt_logprobs = o.prompt_logprobs
             if o.num_cached_tokens:
                 parent.num_cached_tokens = max(parent.num_cached_tokens, o.num_cached_tokens)
+            if o.queue_time is not None and s.queue_time is None:
+                s.queue_time = o.queue_time
             if o.queue_time is not None and parent.queue_time is None:
                 parent.queue_time = o.queue_time  # the first sample admitted (n > 1)
                 parent.engine_index = o.engine_index

@@ -29,6 +29,7 @@ class CompletionOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[TokenLogprobs] | None = None  # parallel to delta_token_ids, when requested
     engine_index: int = 0  # the DP rank that runs this sample (each sample is an engine request)
+    queue_time: float | None = None  # seconds this sample's engine request waited before its first step
 
     @property
     def finished(self) -> bool:

@@ -294,16 +294,18 @@ def _observe(pair: tuple[Histogram, PerEngine], engine: int, value: float) -> No
 
 
 class RequestTracker:
-    """Latency bookkeeping of one HTTP request (possibly several engine requests)."""
+    """Latency bookkeeping of one HTTP request: each choice (an engine request) timed on its own,
+    as vLLM times each engine request; the per-prompt series once the prompt's choices are done."""
 
     def __init__(self, metrics: ServerMetrics, n: int = 1, max_tokens: int | None = None) -> None:
         self._m = metrics
         self._n, self._max_tokens = n, max_tokens  # the request's, for vLLM's request_params_*
         self._arrival = time.perf_counter()
-        self._last: dict[int, float] = {}  # prompt index -> time of its previous output
-        self._queued: dict[int, float] = {}  # prompt index -> its queue time in the engine
+        self._queued: dict[tuple[int, int], float] = {}  # (prompt, choice) -> its queue time
         # (prompt index, choice index) -> [time of first token, time of last token, tokens]
         self._choices: dict[tuple[int, int], list] = {}
+        self._done: set[tuple[int, int]] = set()  # choices whose finish was recorded
+        self._most: dict[int, int] = {}  # prompt index -> the most tokens one of its choices made
         self._finished_choices = 0
         self._closed = False
         self._engine = 0  # the DP rank of the prompt's first choice admitted (0 until then)
@@ -312,56 +314,58 @@ class RequestTracker:
     def observe(self, prompt_idx: int, out: RequestOutput) -> None:
         """Record one engine output of prompt `prompt_idx`."""
         now = time.perf_counter()
-        # per prompt: its first choice's DP rank; per choice (each an engine request): its own
-        e = self._engine = out.engine_index
-        if out.queue_time is not None and prompt_idx not in self._queued:
-            self._queued[prompt_idx] = out.queue_time
-            self._m.queue.at(e).observe(out.queue_time)
-        new_tokens = max((len(o.delta_token_ids) for o in out.outputs), default=0)
-        if new_tokens:
-            prev = self._last.get(prompt_idx)
-            if prev is None:
-                _observe(self._m.ttft, e, now - self._arrival)
-            else:
-                per_token = (now - prev) / new_tokens
-                for _ in range(new_tokens):
-                    _observe(self._m.itl, e, per_token)
-                    self._m.tpot.at(e).observe(per_token)
-            self._last[prompt_idx] = now
+        self._engine = out.engine_index
         for o in out.outputs:
-            self._choice_engine[(prompt_idx, o.index)] = o.engine_index
-            if o.delta_token_ids:
-                self._m.generated[o.engine_index].inc(len(o.delta_token_ids))
-                c = self._choices.setdefault((prompt_idx, o.index), [now, now, 0])
-                c[1] = now
-                c[2] += len(o.delta_token_ids)
-        if out.finished:
-            _observe(self._m.e2e, e, now - self._arrival)
-            admitted = self._arrival + self._queued.get(prompt_idx, 0.0)
-            most = 0
-            for o in out.outputs:
-                first, last, tokens = self._choices.pop((prompt_idx, o.index), (None, None, 0))
-                ce = o.engine_index  # the choice's own DP rank
-                self._choice_engine.pop((prompt_idx, o.index), None)
-                most = max(most, tokens)
-                self._m.prompt_tokens.at(ce).observe(len(out.prompt_token_ids))
-                self._m.generation_tokens.at(ce).observe(tokens)
-                if first is not None:
-                    self._m.prefill.at(ce).observe(max(0.0, first - admitted))
-                    self._m.decode.at(ce).observe(last - first)
-                    self._m.inference.at(ce).observe(max(0.0, last - admitted))
-                    if tokens > 1:
-                        self._m.request_tpot.at(ce).observe((last - first) / (tokens - 1))
-                reason = o.finish_reason or "unknown"
-                self._m.success.labels(finished_reason=reason).inc()
-                self._m.vllm_success.labels(self._m.model_name, str(ce), reason).inc()
-                self._finished_choices += 1
-            self._m.max_generation_tokens.at(e).observe(most)
-            # per engine request (prompt), as vLLM observes them
+            key, ce = (prompt_idx, o.index), o.engine_index  # each choice under its own DP rank
+            if key in self._done:
+                continue
+            self._choice_engine[key] = ce
+            if o.queue_time is not None and key not in self._queued:
+                self._queued[key] = o.queue_time
+                self._m.queue.at(ce).observe(o.queue_time)
+            new_tokens = len(o.delta_token_ids)
+            if new_tokens:
+                self._m.generated[ce].inc(new_tokens)
+                c = self._choices.get(key)
+                if c is None:
+                    _observe(self._m.ttft, ce, now - self._arrival)
+                    self._choices[key] = [now, now, new_tokens]
+                else:
+                    per_token = (now - c[1]) / new_tokens
+                    for _ in range(new_tokens):
+                        _observe(self._m.itl, ce, per_token)
+                        self._m.tpot.at(ce).observe(per_token)
+                    c[1] = now
+                    c[2] += new_tokens
+            if o.finish_reason is not None:
+                self._finish(key, o.finish_reason, ce, now, len(out.prompt_token_ids))
+        if out.finished:  # per engine request of vLLM's that stands for the prompt
+            e = out.engine_index
+            self._m.max_generation_tokens.at(e).observe(self._most.pop(prompt_idx, 0))
             self._m.params_n.at(e).observe(self._n)
             self._m.params_max_tokens.at(e).observe(
                 self._max_tokens if self._max_tokens is not None
                 else max(0, self._m.max_model_len - len(out.prompt_token_ids)))
+
+    def _finish(self, key: tuple[int, int], reason: str, ce: int, now: float, prompt_tokens: int) -> None:
+        """A choice's end: its end-to-end latency, phases, sizes and finish reason."""
+        self._done.add(key)
+        self._choice_engine.pop(key, None)
+        _observe(self._m.e2e, ce, now - self._arrival)
+        first, last, tokens = self._choices.pop(key, (None, None, 0))
+        self._most[key[0]] = max(self._most.get(key[0], 0), tokens)
+        self._m.prompt_tokens.at(ce).observe(prompt_tokens)
+        self._m.generation_tokens.at(ce).observe(tokens)
+        if first is not None:
+            admitted = self._arrival + self._queued.get(key, 0.0)
+            self._m.prefill.at(ce).observe(max(0.0, first - admitted))
+            self._m.decode.at(ce).observe(last - first)
+            self._m.inference.at(ce).observe(max(0.0, last - admitted))
+            if tokens > 1:
+                self._m.request_tpot.at(ce).observe((last - first) / (tokens - 1))
+        self._m.success.labels(finished_reason=reason).inc()
+        self._m.vllm_success.labels(self._m.model_name, str(ce), reason).inc()
+        self._finished_choices += 1
 
     def close(self, num_choices: int) -> None:
         """The HTTP request is over: its choices that never finished (client gone, fault) were

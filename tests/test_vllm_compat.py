@@ -355,6 +355,10 @@ def test_grafana_dashboard_series_are_served(client_for):
     for name in GRAFANA_SERIES:
         assert any(ln.startswith(name + "{") and 'model_name="dash"' in ln for ln in lines), name
     assert _sample(text, 'vllm:request_max_num_generation_tokens_count{engine="0",model_name="dash"}') == 1
+    # the n = 2 request is two engine requests to vLLM: each choice's latencies observed on its own
+    for name, count in (("time_to_first_token_seconds", 2), ("e2e_request_latency_seconds", 2),
+                        ("inter_token_latency_seconds", 4), ("request_params_n", 1)):
+        assert _sample(text, f'vllm:{name}_count{{engine="0",model_name="dash"}}') == count, name
     assert _sample(text, 'vllm:request_max_num_generation_tokens_sum{engine="0",model_name="dash"}') == 3
     for reason in ("stop", "abort", "error"):  # every finish reason's series exists from the start, as vLLM's
         series = f'vllm:request_success_total{{engine="0",finished_reason="{reason}",model_name="dash"}}'
