@@ -290,6 +290,8 @@ class AsyncLLM:
         self.outputs.abort(request_id)
         self._release(request_id)
         if children:
+            if self.args.enable_log_requests:
+                log.info("Aborted request %s.", request_id)
             self.core.abort(children)
 
     def reset_prefix_cache(self) -> None:

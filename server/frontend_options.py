@@ -42,6 +42,9 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-log-len", type=int, default=None, metavar="N",
                    help="with --enable-log-requests, the request log (its debug line) shows at "
                         "most N characters of each prompt and N of its token ids; unset: all")
+    g.add_argument("--enable-log-outputs", action="store_true",
+                   help="with --enable-log-requests, each finished choice's output at info level: "
+                        "its text and token ids (each cut to --max-log-len) and finish reason, as vLLM")
     g.add_argument("--disable-log-stats", action="store_true",
                    help="no periodic stats line in the log (vLLM's, every VLLM_LOG_STATS_INTERVAL "
                         "seconds, default 10: prompt and generation throughput, running and waiting "
@@ -150,6 +153,7 @@ class FrontendOptions:
     request_id_headers: bool = False  # --enable-request-id-headers
     server_load_tracking: bool = False  # --enable-server-load-tracking
     log_requests: bool = False  # --enable-log-requests, and not --disable-log-requests
+    log_outputs: bool = False  # --enable-log-outputs (with log_requests only, as vLLM)
     max_log_len: int | None = None  # --max-log-len; None: whole prompts
     response_role: str = "assistant"  # --response-role
     default_template_kwargs: dict | None = None  # --default-chat-template-kwargs
@@ -184,6 +188,7 @@ class FrontendOptions:
                    request_id_headers=bool(flag("enable_request_id_headers")),
                    server_load_tracking=bool(flag("enable_server_load_tracking")),
                    log_requests=bool(flag("enable_log_requests")) and not flag("disable_log_requests"),
+                   log_outputs=bool(flag("enable_log_outputs")),
                    max_log_len=flag("max_log_len"),
                    response_role="assistant" if flag("response_role") is None else flag("response_role"),
                    default_template_kwargs=flag("default_chat_template_kwargs"))
@@ -217,6 +222,22 @@ class FrontendOptions:
         if self.log_requests and not logger.isEnabledFor(logging.DEBUG):
             logger.info("--enable-log-requests: each request's prompt is logged at debug level "
                         "only (--log-level debug)")
+        if self.log_outputs and not self.log_requests:
+            logger.warning("--enable-log-outputs logs nothing without --enable-log-requests (as in vLLM)")
+
+    def output_logger(self):
+        """`log_output` where --enable-log-outputs (with --enable-log-requests) asks for it, else None."""
+        return self.log_output if self.log_outputs and self.log_requests else None
+
+    def log_output(self, out) -> None:
+        """A finished prompt's choices at info level: text and token ids cut to --max-log-len."""
+        n = self.max_log_len
+        for o in out.outputs:
+            text, ids = o.text, list(o.token_ids)
+            if n is not None:
+                text, ids = text[:n], ids[:n]
+            logger.info("Generated response %s#%d: output: %r, output_token_ids: %s, finish_reason: %s",
+                        out.request_id, o.index, text, ids, o.finish_reason)
 
     def log_prompts(self, request_ids: list[str], prompts: list) -> None:
         """With --enable-log-requests, each engine request's prompt at debug level (the engine

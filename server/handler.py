@@ -183,7 +183,7 @@ async def respond(state, raw: Request, req, prompts: list, params: SamplingParam
         return await respond_beams(state, raw, req, prompts, params, ids, builder, obj)
     request_id, engine_id = ids
     head = {"id": request_id, "object": obj, "created": int(time.time()), "model": state.model_name}
-    tracker = state.metrics.tracker(params.n, params.max_tokens)
+    tracker = state.metrics.tracker(params.n, params.max_tokens, state.frontend.output_logger())
     num_outputs = len(prompts) * req.n
     try:
         streams = await start_streams(state, raw, prompts, params, engine_id, _fields(req, obj))

@@ -261,8 +261,8 @@ class ServerMetrics:
         return PerEngine(Histogram(f"{VLLM}{name}", doc, LABELS, buckets=buckets, registry=self.registry),
                          self.model_name, self.num_engines)
 
-    def tracker(self, n: int = 1, max_tokens: int | None = None) -> RequestTracker:
-        return RequestTracker(self, n, max_tokens)
+    def tracker(self, n: int = 1, max_tokens: int | None = None, log_output=None) -> RequestTracker:
+        return RequestTracker(self, n, max_tokens, log_output)
 
     def render(self) -> bytes:
         return generate_latest(self.exposed)
@@ -297,8 +297,10 @@ class RequestTracker:
     """Latency bookkeeping of one HTTP request: each choice (an engine request) timed on its own,
     as vLLM times each engine request; the per-prompt series once the prompt's choices are done."""
 
-    def __init__(self, metrics: ServerMetrics, n: int = 1, max_tokens: int | None = None) -> None:
+    def __init__(self, metrics: ServerMetrics, n: int = 1, max_tokens: int | None = None,
+                 log_output=None) -> None:
         self._m = metrics
+        self._log_output = log_output  # called with each prompt's final output (--enable-log-outputs)
         self._n, self._max_tokens = n, max_tokens  # the request's, for vLLM's request_params_*
         self._arrival = time.perf_counter()
         self._queued: dict[tuple[int, int], float] = {}  # (prompt, choice) -> its queue time
@@ -340,6 +342,8 @@ class RequestTracker:
             if o.finish_reason is not None:
                 self._finish(key, o.finish_reason, ce, now, len(out.prompt_token_ids))
         if out.finished:  # per engine request of vLLM's that stands for the prompt
+            if self._log_output is not None:
+                self._log_output(out)
             e = out.engine_index
             self._m.max_generation_tokens.at(e).observe(self._most.pop(prompt_idx, 0))
             self._m.params_n.at(e).observe(self._n)

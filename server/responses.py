@@ -247,7 +247,7 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         background.check_running(store, rid, req.background)
     head = response_head(state, req, chat, rid, keep)
     builder = ChatBuilder(state, chat)
-    tracker = state.metrics.tracker(params.n, params.max_tokens)
+    tracker = state.metrics.tracker(params.n, params.max_tokens, state.frontend.output_logger())
 
     def save(response: dict, body: bytes | None) -> bool:
         """Keep the response (`body`: its JSON, None: written here) if asked, before it is sent;

@@ -4,6 +4,7 @@ death of the core and shutdown, against the real `serve` on the tiny model."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -186,10 +187,11 @@ def test_core_in_a_thread_or_a_process_gives_the_same_outputs(tmp_path_factory):
             assert ids == [t for step in deltas for t in step[k]] == lp_ids and len(ids) == 6
 
 
-def test_token_id_prompt_reaches_the_core_before_its_stream_is_read(tmp_path_factory):
+def test_token_id_prompt_reaches_the_core_before_its_stream_is_read(tmp_path_factory, caplog):
     """generate() hands a token-id prompt to the core at once: it runs while nobody reads the
     stream (a burst of requests starts on the core while the rest are still being parsed), and a
-    stream never read but aborted leaves no request behind."""
+    stream never read but aborted leaves no request behind (and, with --enable-log-requests, an
+    "Aborted request" line, as vLLM's)."""
     import asyncio
 
     from common.args import EngineArgs
@@ -197,7 +199,7 @@ def test_token_id_prompt_reaches_the_core_before_its_stream_is_read(tmp_path_fac
     from engine.async_llm import AsyncLLM
 
     args = EngineArgs(model=tiny_model_dir(tmp_path_factory), device="cpu", dtype="float32",
-                      max_model_len=512, num_kv_blocks=256)
+                      max_model_len=512, num_kv_blocks=256, enable_log_requests=True)
 
     async def run():
         engine = AsyncLLM(args, core_in_thread=True)
@@ -222,7 +224,10 @@ def test_token_id_prompt_reaches_the_core_before_its_stream_is_read(tmp_path_fac
         finally:
             engine.shutdown()
 
-    asyncio.run(run())
+    with caplog.at_level(logging.INFO, logger="engine.async_llm"):
+        asyncio.run(run())
+    aborted = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Aborted request")]
+    assert aborted == ["Aborted request dropped."]  # not the finished "eager" one
 
 
 def test_core_receiver_never_blocks_the_loop_on_a_partly_written_message():

@@ -191,6 +191,26 @@ def test_max_log_len(tok, caplog):
     assert run(go("--max-log-len", "3")) == []  # nothing without --enable-log-requests
 
 
+def test_log_outputs(tok, caplog):
+    """--enable-log-outputs (with --enable-log-requests): each finished choice's text and token
+    ids, cut to --max-log-len, and its finish reason, streamed or not, as vLLM logs them."""
+    async def go(*flags):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="server.frontend_options"):
+            async with client(FakeEngine(tok), *flags) as c:
+                r = await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "n": 2})
+                s = await c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "stream": True})
+                assert r.status_code == s.status_code == 200
+        return r.json(), [r.getMessage() for r in caplog.records if "Generated response" in r.getMessage()]
+
+    body, logged = run(go("--enable-log-requests", "--enable-log-outputs", "--max-log-len", "2"))
+    assert len(logged) == 3 and all("finish_reason: length" in m for m in logged)
+    assert logged[0].startswith("Generated response cmpl-") and "#0: output: " in logged[0] and "#1: " in logged[1]
+    assert f"output: {body['choices'][0]['text'][:2]!r}, output_token_ids: [" in logged[0]
+    assert len(logged[0].split("output_token_ids: [")[1].split("]")[0].split(", ")) == 2
+    assert run(go("--enable-log-outputs"))[1] == []  # nothing without --enable-log-requests
+
+
 @pytest.mark.parametrize("value,needle", [("-3", "--max-log-len must be >= 0"),
                                           ("abc", "argument --max-log-len: invalid int value")])
 def test_bad_max_log_len_names_the_flag(tok, value, needle, capsys):
