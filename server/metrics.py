@@ -107,6 +107,11 @@ class _EngineCollector:
              lambda e: e.prefix_cache_queries),
             ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache",
              lambda e: e.prefix_cache_hits),
+            # vLLM's older names of the same two (deprecated there, still exported by 0.10)
+            (None, "gpu_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+             lambda e: e.prefix_cache_queries),
+            (None, "gpu_prefix_cache_hits", "Prompt tokens found in the prefix cache",
+             lambda e: e.prefix_cache_hits),
         ]
         for family, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, vllm_name, doc, value in rows:

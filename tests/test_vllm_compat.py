@@ -365,6 +365,9 @@ def test_grafana_dashboard_series_are_served(client_for):
         assert _sample(text, series) == 0
     assert _sample(text, 'vllm:gpu_cache_usage_perc{engine="0",model_name="dash"}') == _sample(
         text, 'vllm:kv_cache_usage_perc{engine="0",model_name="dash"}')
+    for kind in ("queries", "hits"):  # vLLM's older names, beside the current ones
+        assert _sample(text, f'vllm:gpu_prefix_cache_{kind}_total{{engine="0",model_name="dash"}}') == _sample(
+            text, f'vllm:prefix_cache_{kind}_total{{engine="0",model_name="dash"}}')
     # vLLM's bucket boundaries (vllm/v1/metrics), so that alerts' `le` values match
     for name, top, count in (("time_to_first_token_seconds", "2560.0", 22),
                              ("inter_token_latency_seconds", "80.0", 19),
