@@ -158,8 +158,9 @@ class Scheduler:
                 if new_block_ids is not None:
                     break
                 victim = choose_victim(self.running, self.config.scheduling_policy)
-                if self.running.index(victim) < i:  # priority only: scheduled earlier this step
-                    budget += num_scheduled.pop(victim.request_id)
+                if self.running.index(victim) < i:  # priority only: earlier in the list this step,
+                    # scheduled, or skipped (async scheduling: its token in flight ends it)
+                    budget += num_scheduled.pop(victim.request_id, 0)
                     spec_tokens.pop(victim.request_id, None)
                     cached_reqs = [c for c in cached_reqs if c.req_id != victim.request_id]
                     i -= 1

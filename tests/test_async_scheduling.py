@@ -212,3 +212,29 @@ def test_async_tp_and_dcp_equal_sync(tiny_v3, prompts, tp, dcp):
         [(ids, fr, [t for t, _ in lps]) for ids, fr, lps in want]
     for (_, _, a), (_, _, b) in zip(got, want):
         assert all(abs(x - y) <= 1e-4 for (_, x), (_, y) in zip(a, b)), (a, b)
+
+
+def test_priority_preempts_a_request_whose_last_token_is_in_flight(tiny_v3):
+    """Priority scheduling under async scheduling: the victim may be a running request skipped this
+    step because its in-flight token ends it (nothing of it scheduled yet). Preempting it (the
+    token dropped and recomputed) must not fail, and both requests end as they do alone."""
+    kw = dict(device="cpu", dtype="float32", block_size=1, num_kv_blocks=12, max_num_batched_tokens=4,
+              scheduling_policy="priority", enable_prefix_caching=False)
+    a = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, priority=5)
+    b = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, priority=0)
+    alone = LLM(tiny_v3[0], **kw, async_scheduling=False)
+    want = [alone.generate([[5, 6, 7]], a)[0].outputs[0].token_ids,
+            alone.generate([list(range(10, 20))], b)[0].outputs[0].token_ids]
+    core = LLM(tiny_v3[0], **kw, async_scheduling=True).engine
+    core.add_request("A", [5, 6, 7], a)
+    got, preempted = {}, 0
+    for step in range(40):
+        if step == 1:  # A's first token is in flight; B needs blocks A holds
+            core.add_request("B", list(range(10, 20)), b)
+        for out in core.step():
+            got.setdefault(out.req_id, []).extend(out.new_token_ids)
+        preempted = max(preempted, core.scheduler.stats.num_preemptions)
+        if step > 1 and not core.has_unfinished_requests():
+            break
+    assert preempted >= 1 and not core.has_unfinished_requests()
+    assert [got["A"], got["B"]] == want
