@@ -61,7 +61,6 @@ class _OneLineParser(argparse.ArgumentParser):
             self.error(f"unexpected argument{'s' if len(extra) > 1 else ''}: {' '.join(extra)}")
         return ns
 
-
     def _explicit_switches(self, argv: list[str]) -> list[str]:
         """`--enable-chunked-prefill True` / `=false` (older vLLM's on/off flags took a value)
         -> `--enable-chunked-prefill` / `--no-enable-chunked-prefill`, for every on/off flag
