@@ -6,13 +6,12 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
-from common.args import DTYPE_ALIASES, KV_CACHE_DTYPES, EngineArgs, human_readable_int
+from common.args import DTYPE_ALIASES, KV_CACHE_DTYPES, EngineArgs
 from common.hub import is_repo_id, resolve_model_dir
 from common.kernel_plan import kernels_help
 from server.api_servers import add_api_server_flags, check_api_server_count
-from server.config_file import config_args, config_path
+from server.flag_parser import OneLineParser, model_len, token_count
 from server.frontend_options import JSON_LIST, FrontendOptions, add_frontend_flags
 from server.limits import ServerLimits
 from server.overrides import load_chat_template, load_generation_defaults
@@ -28,90 +27,10 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineArgs)
 _LIMITS = ServerLimits()
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line on stderr (no usage dump), exit code 2.
-
-    As vLLM's parser: `--flag_name` is read as `--flag-name`, and an unknown flag is an error
-    naming it (flags are matched exactly, never by abbreviation)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-    def parse_args(self, args=None, namespace=None):
-        given = list(sys.argv[1:] if args is None else args)
-        try:  # --config FILE: its flags first, so the command line's own win
-            path, given = config_path(given)
-            if path is not None:  # after a leading positional model, which must stay first
-                head = given[:1] if given and not given[0].startswith("-") else []
-                given = head + config_args(path, self) + given[len(head):]
-        except ValueError as e:
-            self.error(str(e))
-        argv = [_dashed(a) for a in given]
-        spelled = dict(zip(argv, given))  # report a flag as the user wrote it
-        argv = self._explicit_switches(argv)
-        ns, extra = self.parse_known_args(argv, namespace)
-        flags = [spelled.get(a, a).split("=", 1)[0] for a in extra if a.startswith("-")]
-        if flags:
-            self.error(f"unsupported flag{'s' if len(flags) > 1 else ''}: {', '.join(flags)} "
-                       "(serve takes a subset of vLLM's flags)")
-        if extra:
-            self.error(f"unexpected argument{'s' if len(extra) > 1 else ''}: {' '.join(extra)}")
-        return ns
-
-    def _explicit_switches(self, argv: list[str]) -> list[str]:
-        """`--enable-chunked-prefill True` / `=false` (older vLLM's on/off flags took a value)
-        -> `--enable-chunked-prefill` / `--no-enable-chunked-prefill`, for every on/off flag
-        that has a --no- form; without this the value would be read as the model directory."""
-        switches = {s for a in self._actions if isinstance(a, argparse.BooleanOptionalAction)
-                    for s in a.option_strings if not s.startswith("--no-")}
-        out, i = [], 0
-        while i < len(argv):
-            a = argv[i]
-            name, eq, value = a.partition("=")
-            if name in switches and not eq and i + 1 < len(argv) and argv[i + 1].lower() in _ON_OFF:
-                value, i = argv[i + 1], i + 1
-            if name in switches and value.lower() in _ON_OFF:
-                a = name if _ON_OFF[value.lower()] else "--no-" + name[2:]
-            out.append(a)
-            i += 1
-        return out
-
-
-_ON_OFF = {"true": True, "false": False}
-
-
-def _dashed(arg: str) -> str:
-    """`--max_model_len=8` -> `--max-model-len=8`: vLLM accepts underscores in flag names."""
-    if not arg.startswith("--"):
-        return arg
-    name, eq, value = arg.partition("=")
-    return name.replace("_", "-") + eq + value
-
-
-def _token_count(value: str) -> int:
-    try:
-        return human_readable_int(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"not a token count: {e}") from None
-
-
-def _model_len(value: str) -> int | str:
-    """--max-model-len: a token count, or `auto` (also vLLM's -1): the longest the KV cache holds."""
-    if value.strip().lower() in ("auto", "-1"):
-        return "auto"
-    n = _token_count(value)
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, or auto (-1), got {value!r}")
-    return n
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The `serve` flags, each with help text; defaults come from EngineArgs."""
     d = _DEFAULTS
-    p = _OneLineParser(prog="serve", description=(
+    p = OneLineParser(prog="serve", description=(
         "Serve a DeepSeek MLA model (V2, V2-Lite, V3, R1) over the OpenAI completions and chat "
         "completions API, e.g. `serve --model DIR -tp 2` then point the openai client or "
         "`lm_eval --model local-completions` at http://HOST:PORT/v1."),
@@ -169,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request defaults as a JSON object of generation_config.json's keys "
                         "(temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens), "
                         "over those --generation-config reads, e.g. '{\"temperature\": 0.6}'")
-    g.add_argument("--max-model-len", type=_model_len, default=None,
+    g.add_argument("--max-model-len", type=model_len, default=None,
                    help="longest prompt + completion in tokens, as a number or vLLM's "
                         "human-readable form (32k = 32000, 32K = 32768), or auto (or -1): the "
                         "model's limit cut to what the KV cache holds; default: the model's "
@@ -236,12 +155,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="schedule and launch step N+1 while the GPU runs step N "
                         "(default: on with CUDA, off on the CPU)")
     g = p.add_argument_group("scheduler and KV cache")
-    g.add_argument("--max-num-batched-tokens", type=_token_count, default=d["max_num_batched_tokens"],
+    g.add_argument("--max-num-batched-tokens", type=token_count, default=d["max_num_batched_tokens"],
                    help="token budget of one engine step (8k = 8000, 8K = 8192); longer prompts "
                         "are prefilled in chunks")
     g.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
                    help="most requests in one engine step")
-    g.add_argument("--long-prefill-token-threshold", type=_token_count,
+    g.add_argument("--long-prefill-token-threshold", type=token_count,
                    default=d["long_prefill_token_threshold"], metavar="N",
                    help="a step prefills at most N tokens of one prompt, so that a long prompt "
                         "leaves room for others to start in each step (vLLM's; 0: the step's "
