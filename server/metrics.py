@@ -245,6 +245,13 @@ class ServerMetrics:
         self.params_max_tokens = self._vllm_histogram("request_params_max_tokens",
                                                       "The max_tokens of each finished request (unset: "
                                                       "what the context left)", token_buckets(max_len))
+        self.prefill_computed = self._vllm_histogram(
+            "request_prefill_kv_computed_tokens",
+            "Per finished choice: prompt tokens computed in its prefill (not found in the prefix cache)",
+            token_buckets(max_len))
+        cached = Counter(f"{VLLM}prompt_tokens_cached", "Prompt tokens of finished choices found in the "
+                         "prefix cache", LABELS, registry=self.registry)
+        self.cached = [cached.labels(self.model_name, str(d)) for d in range(self.num_engines)]
         generated = Counter(f"{VLLM}generation_tokens", "Tokens generated (those returned: a choice's "
                             "tokens up to the one that completed its stop string)", LABELS, registry=self.registry)
         self.generated = [generated.labels(self.model_name, str(d)) for d in range(self.num_engines)]
@@ -345,7 +352,7 @@ class RequestTracker:
                     c[1] = now
                     c[2] += new_tokens
             if o.finish_reason is not None:
-                self._finish(key, o.finish_reason, ce, now, len(out.prompt_token_ids))
+                self._finish(key, o.finish_reason, ce, now, len(out.prompt_token_ids), out.num_cached_tokens)
         if out.finished:  # per engine request of vLLM's that stands for the prompt
             if self._log_output is not None:
                 self._log_output(out)
@@ -356,14 +363,18 @@ class RequestTracker:
                 self._max_tokens if self._max_tokens is not None
                 else max(0, self._m.max_model_len - len(out.prompt_token_ids)))
 
-    def _finish(self, key: tuple[int, int], reason: str, ce: int, now: float, prompt_tokens: int) -> None:
-        """A choice's end: its end-to-end latency, phases, sizes and finish reason."""
+    def _finish(self, key: tuple[int, int], reason: str, ce: int, now: float, prompt_tokens: int,
+                cached_tokens: int) -> None:
+        """A choice's end: its end-to-end latency, phases, sizes, prefix cache share and finish reason."""
         self._done.add(key)
         self._choice_engine.pop(key, None)
         _observe(self._m.e2e, ce, now - self._arrival)
         first, last, tokens = self._choices.pop(key, (None, None, 0))
         self._most[key[0]] = max(self._most.get(key[0], 0), tokens)
         self._m.prompt_tokens.at(ce).observe(prompt_tokens)
+        cached_tokens = min(cached_tokens, prompt_tokens)
+        self._m.prefill_computed.at(ce).observe(prompt_tokens - cached_tokens)
+        self._m.cached[ce].inc(cached_tokens)
         self._m.generation_tokens.at(ce).observe(tokens)
         if first is not None:
             admitted = self._arrival + self._queued.get(key, 0.0)

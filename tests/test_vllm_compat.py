@@ -411,9 +411,14 @@ def test_reset_prefix_cache_route_on_the_real_engine():
                 assert (await c.get("/flush_cache", headers=auth)).status_code == 200
                 seen.append(await send())
                 bad = await c.post("/reset_prefix_cache?reset_running_requests=maybe", headers=auth)
-                return seen, bad
+                return seen, bad, (await c.get("/metrics")).text
         finally:
             llm.shutdown()
-    seen, bad = asyncio.run(run())
+    seen, bad, text = asyncio.run(run())
     assert [b - a for a, b in zip(seen, seen[1:])] == [32, 0, 32, 0], seen
+    # per finished request: the prompt tokens found in the cache, and those its prefill computed
+    lab = '{engine="0",model_name="tiny"}'
+    assert _sample(text, f"vllm:prompt_tokens_cached_total{lab}") == hits(text) == 64
+    assert _sample(text, f"vllm:request_prefill_kv_computed_tokens_count{lab}") == 5
+    assert _sample(text, f"vllm:request_prefill_kv_computed_tokens_sum{lab}") == 5 * 40 - 64
     assert bad.status_code == 400 and "reset_running_requests" in bad.text
