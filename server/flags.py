@@ -284,6 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most prompt logprob entries (prompt tokens x (alternatives + 1), a text "
                         "prompt counted by characters) in one completions request with echo and "
                         "logprobs, or prompt_logprobs: the answer is built at once")
+    g.add_argument("--max-response-logprob-entries", type=int, default=lim.max_response_logprob_entries,
+                   help="most generated logprob entries (tokens x (alternatives + 1), over its choices) a "
+                        "request answered whole (not streamed) may gather; past it the request stops "
+                        "with a 400 naming this flag (a stream is not limited)")
     g.add_argument("--engine-stall-timeout", type=float, default=lim.engine_stall_timeout,
                    help="/health answers 503 once the engine holds requests and has finished "
                         "no step for this many seconds (a wedged worker or collective)")
@@ -297,7 +301,8 @@ def api_key_from(flag: str | None) -> str | None:
 
 def _check_limits(ns: argparse.Namespace) -> None:
     for flag in ("max_request_body_bytes", "max_prompts_per_request", "max_seqs_per_request",
-                 "max_stop_strings", "max_stop_str_len", "max_prompt_logprob_entries"):
+                 "max_stop_strings", "max_stop_str_len", "max_prompt_logprob_entries",
+                 "max_response_logprob_entries"):
         if getattr(ns, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(ns, flag)}")
     if not 0 <= ns.max_logprobs <= _LIMITS.max_logprobs:

@@ -195,7 +195,9 @@ async def respond(state, raw: Request, req, prompts: list, params: SamplingParam
                                          state.frontend.stream_usage(req), num_outputs),
                                  media_type="text/event-stream")
     try:
-        finals = await until_disconnect(raw, _collect(streams, tracker))
+        limit = state.limits.max_response_logprob_entries if params.logprobs is not None else None
+        field = "top_logprobs" if obj == "chat.completion" else "logprobs"
+        finals = await until_disconnect(raw, _collect(streams, tracker, limit, field))
     except ClientDisconnected:
         return Response(status_code=499)
     except ValueError as e:  # a sample failed (_check_failed)
@@ -242,13 +244,23 @@ def _check_failed(out: RequestOutput) -> None:
             raise ValueError(str(o.stop_reason))
 
 
-async def _collect(streams: EngineStreams, tracker) -> list[RequestOutput]:
-    """The final output of every prompt, in prompt order."""
+async def _collect(streams: EngineStreams, tracker, max_logprob_entries: int | None = None,
+                   field: str = "logprobs") -> list[RequestOutput]:
+    """The final output of every prompt, in prompt order. With `max_logprob_entries`, a 400
+    naming `field` once the generated logprob entries (tokens x (alternatives + 1)) pass it."""
     last: list[RequestOutput | None] = [None] * len(streams.request_ids)
+    entries = 0
     async for i, out in streams:
         tracker.observe(i, out)
         _check_failed(out)
         last[i] = out
+        if max_logprob_entries is not None:
+            entries += sum(1 + len(lp.top) for o in out.outputs for lp in o.delta_logprobs or () if lp is not None)
+            if entries > max_logprob_entries:
+                raise APIError(400, f"{field}: the answer reached {entries} logprob entries (tokens x "
+                               f"(alternatives + 1)), more than {max_logprob_entries} "
+                               "(--max-response-logprob-entries); stream it (stream: true), or ask for "
+                               "fewer tokens, choices or alternatives", param=field)
     if any(f is None or not f.finished for f in last):
         raise RuntimeError("engine stream ended without a finished output")
     return last

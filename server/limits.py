@@ -34,6 +34,12 @@ class ServerLimits:
     # 258 MB body that held /health for ~8 s. One lm_eval loglikelihood request (echo,
     # logprobs 1) of a 4k-token prompt is 8k entries.
     max_prompt_logprob_entries: int = 1_000_000
+    # Generated logprob entries (tokens x (alternatives + 1), over every choice) a whole (not
+    # streamed) answer may gather: its tokens' logprobs are held until the last token and the
+    # answer is then built at once (a TokenLogprobs of 20 alternatives is ~2 KB of Python objects).
+    # Counted as they come, so only a request that really produces that many is stopped; a stream
+    # sends its entries as they come and is not limited.
+    max_response_logprob_entries: int = 1_000_000
 
     @classmethod
     def from_args(cls, args) -> ServerLimits:

@@ -141,3 +141,27 @@ def test_emoji_prompts_count_by_bytes_and_blank_bad_words_are_refused(server):
     assert_error(post(server, "/v1/completions", {"prompt": "hi", "bad_words": ["   "]}), 400, "bad_words")
     assert_error(post(server, "/v1/completions", {"prompt": "hi", "allowed_token_ids": list(range(1025))}),
                  400, "allowed_token_ids")
+
+
+def test_generated_logprob_volume_of_a_whole_answer_is_bounded():
+    """A whole (not streamed) answer's logprobs are held until its last token: past
+    --max-response-logprob-entries the request stops with a 400 naming the field and the flag
+    (counted as the tokens come, so a request that ends early is never refused); a stream of the
+    same request is not limited."""
+    from server.cli import build_parser
+
+    tok = transformers.AutoTokenizer.from_pretrained(TINY_MODEL)
+    engine = FakeEngine(tok, max_model_len=256)
+    args = build_parser().parse_args(["--model", str(TINY_MODEL), "--max-response-logprob-entries", "100"])
+    with InProcessServer(build_app(engine, args)) as s:
+        body = {"prompt": "hi", "max_tokens": 30, "logprobs": 3, "ignore_eos": True}  # 30 x 4 = 120
+        err = assert_error(post(s, "/v1/completions", body), 400, "logprobs")
+        assert "--max-response-logprob-entries" in err["message"] and "more than 100" in err["message"]
+        assert post(s, "/v1/completions", {**body, "max_tokens": 25}).status_code == 200  # 100: at the bound
+        streamed = post(s, "/v1/completions", {**body, "stream": True})
+        assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]")
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "logprobs": True,
+                "top_logprobs": 3, "ignore_eos": True}
+        assert_error(post(s, "/v1/chat/completions", chat), 400, "top_logprobs")
+        assert post(s, "/v1/chat/completions", {**chat, "n": 1, "max_tokens": 20}).status_code == 200
+        assert post(s, "/v1/completions", {**body, "logprobs": None}).status_code == 200  # no logprobs asked
