@@ -139,6 +139,7 @@ async def _input_page(found: Stored, rid: str, after: str | None, before: str | 
 # client's, 6 bytes a character escaped), "object", "created_at", then "status". A quote inside a
 # string is escaped, so the first `"status": "` is that key.
 _STATUS = re.compile(rb'"status": "([a-z_]+)"')
+_NOT_IN_A_PATH = "/?#% "  # characters a response id may not hold: it is a URL path segment
 _HEAD_BYTES = 6 * MAX_REQUEST_ID_CHARS + 256
 
 
@@ -237,6 +238,10 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
     except APIError as e:
         raise _renamed(e) from None
     rid, engine_id = response_id("resp_", raw, chat)
+    if any(c in _NOT_IN_A_PATH for c in rid) or not rid.isprintable():
+        raise APIError(400, "request_id / X-Request-Id: a response's id names it in URL paths "
+                       "(GET /v1/responses/{id}), so it may not hold '/', '?', '#', '%', spaces or "
+                       f"control characters; got {rid.removeprefix('resp_')[:64]!r}", param="request_id")
     keep = req.store and store.enabled
     if req.background and not keep:
         raise APIError(400, "background: a background response is polled from the store, so it needs "

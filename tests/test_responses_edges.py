@@ -205,3 +205,17 @@ def test_input_items_lists_the_requests_input_by_page(roomy):
         assert_error(httpx.get(f"{url}/{r['id']}/input_items", params=params), 400, field)
     assert httpx.get(f"{url}/{r['id']}/input_items", params={"include": "reasoning.encrypted_content"}).status_code == 200
     assert_error(httpx.get(f"{url}/resp_none/input_items"), 404, "response_id")
+
+
+@pytest.mark.parametrize("client_id", ["a/b", "a?b", "x y", "50%", "a\tb"])
+def test_a_response_id_must_fit_a_url_path(roomy, client_id):
+    """A response is fetched, cancelled and deleted by its id in the URL path: a client id that
+    could not be (a '/', '?', space, ...) is a 400 naming request_id, by header or field; before,
+    a background response under such an id ran to its end and could never be fetched."""
+    url = f"{roomy.url}/v1/responses"
+    body = {"input": "hi", "max_output_tokens": 1}
+    assert_error(httpx.post(url, json={**body, "request_id": client_id}), 400, "request_id")
+    if client_id.isprintable():  # a header cannot carry a tab
+        assert_error(httpx.post(url, json=body, headers={"X-Request-Id": client_id}), 400, "request_id")
+    r = httpx.post(url, json={**body, "request_id": "mine-1.ok:2"})
+    assert r.status_code == 200 and httpx.get(f"{url}/{r.json()['id']}").status_code == 200
