@@ -288,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most generated logprob entries (tokens x (alternatives + 1), over its choices) a "
                         "request answered whole (not streamed) may gather; past it the request stops "
                         "with a 400 naming this flag (a stream is not limited)")
+    g.add_argument("--stream-stall-timeout", type=float, default=lim.stream_stall_timeout,
+                   help="seconds a stream's outputs may wait unread (its client not reading) before "
+                        "the request is aborted and what waits is dropped; the wait is bounded so "
+                        "that the front end's memory is")
     g.add_argument("--engine-stall-timeout", type=float, default=lim.engine_stall_timeout,
                    help="/health answers 503 once the engine holds requests and has finished "
                         "no step for this many seconds (a wedged worker or collective)")
@@ -309,7 +313,7 @@ def _check_limits(ns: argparse.Namespace) -> None:
         raise ValueError(f"--max-logprobs must be in [0, {_LIMITS.max_logprobs}] (the engine's "
                          f"cap), got {ns.max_logprobs}")
     for flag in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout",
-                 "engine_stall_timeout", "shutdown_timeout"):
+                 "engine_stall_timeout", "stream_stall_timeout", "shutdown_timeout"):
         if not getattr(ns, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(ns, flag)}")
 

@@ -29,7 +29,7 @@ from scheduler.prompt_logprobs import PromptLogprobs
 from server.beam_search import check_beam_request, respond_beams
 from server.errors import APIError, error_body, param_of
 from server.request_fields import MAX_REQUEST_ID_CHARS
-from server.streams import ClientDisconnected, EngineStreams, engine_request_ids, until_disconnect
+from server.streams import ClientDisconnected, EngineStreams, StreamStalled, engine_request_ids, until_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +191,7 @@ async def respond(state, raw: Request, req, prompts: list, params: SamplingParam
         tracker.close(num_outputs)
         return Response(status_code=499)
     if req.stream:
+        streams.stall_timeout = state.limits.stream_stall_timeout
         return StreamingResponse(_events(streams, builder, {**head, "object": chunk_obj}, tracker,
                                          state.frontend.stream_usage(req), num_outputs),
                                  media_type="text/event-stream")
@@ -290,12 +291,12 @@ async def _events(streams: EngineStreams, builder: Builder, head: dict, tracker,
             if wants.include_usage:
                 pieces.append(sse({**head, "choices": [], "usage": builder.usage(finals)}))
         except Exception as e:  # headers are gone: report in-band, as OpenAI does
-            if isinstance(e, ValueError):  # the request's own fault: no traceback
+            if isinstance(e, (ValueError, StreamStalled)):  # the client's doing: no traceback
                 logger.warning("stream %s failed: %s", head["id"], e)
             else:
                 logger.exception("stream %s failed", head["id"])
-            status = 400 if isinstance(e, ValueError) else 500
-            pieces.append(sse(error_body(status, str(e) if status == 400
+            status = 400 if isinstance(e, ValueError) else 408 if isinstance(e, StreamStalled) else 500
+            pieces.append(sse(error_body(status, str(e) if status != 500
                                          else f"internal server error ({type(e).__name__})")))
         pieces.append(sse("[DONE]"))
         yield "".join(pieces)

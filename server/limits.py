@@ -25,6 +25,9 @@ class ServerLimits:
     max_stop_strings: int = 16
     max_stop_str_len: int = 128  # characters
     engine_stall_timeout: float = 60.0  # /health 503 after this long without a finished step
+    # a stream whose client has read nothing for this long while its outputs wait is aborted:
+    # the outputs queue on the front end while the client does not read (server/streams.py)
+    stream_stall_timeout: float = 30.0
     # alternatives per token a request may ask for (logprobs, top_logprobs, prompt_logprobs): vLLM's
     # --max-logprobs, whose default is also the engine's cap (MAX_LOGPROBS)
     max_logprobs: int = MAX_LOGPROBS

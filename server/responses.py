@@ -284,6 +284,7 @@ async def create_response(state, store: ResponseStore, req: ResponsesRequest, ra
         return Response(status_code=499)
 
     if req.stream:
+        streams.stall_timeout = state.limits.stream_stall_timeout
         events = stream_events(streams, builder, ResponseEvents(head), tracker,
                                functools.partial(finished, state, head), save)
         return StreamingResponse(events, media_type="text/event-stream")

@@ -29,7 +29,7 @@ from engine.outputs import RequestOutput
 from server.errors import error_body, param_of
 from server.handler import _check_failed
 from server.reasoning import split_reasoning
-from server.streams import EngineStreams
+from server.streams import EngineStreams, StreamStalled
 from server.tool_calls import CALL_END, ToolCallParser
 
 logger = logging.getLogger(__name__)
@@ -284,12 +284,12 @@ async def stream_events(streams: EngineStreams, builder, events: ResponseEvents,
             save(response, None)  # not kept after all: the response says store false
             pieces.append(events.end(response))
         except Exception as e:  # headers are gone: report in-band, as OpenAI does
-            if isinstance(e, ValueError):  # the request's own fault: no traceback
+            if isinstance(e, (ValueError, StreamStalled)):  # the client's doing: no traceback
                 logger.warning("response stream %s failed: %s", events.head["id"], e)
             else:
                 logger.exception("response stream %s failed", events.head["id"])
-            status = 400 if isinstance(e, ValueError) else 500
-            message = str(e) if status == 400 else f"internal server error ({type(e).__name__})"
+            status = 400 if isinstance(e, ValueError) else 408 if isinstance(e, StreamStalled) else 500
+            message = str(e) if status != 500 else f"internal server error ({type(e).__name__})"
             failed = events.failed(status, message)
             # kept as failed where asked (GET answers it, as for a background response); if it
             # cannot be, its store says false

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
@@ -12,6 +13,7 @@ from engine.outputs import RequestOutput
 from common.sampling_params import SamplingParams
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class ClientDisconnected(Exception):
@@ -23,18 +25,32 @@ def engine_request_ids(request_id: str, num_prompts: int) -> list[str]:
     return [f"{request_id}-{i}" for i in range(num_prompts)]
 
 
+class StreamStalled(Exception):
+    """The consumer (a stream's client) read nothing for `stall_timeout` seconds while outputs waited."""
+
+
 class EngineStreams:
     """Runs one engine request per prompt and yields `(prompt_index, RequestOutput)` as they come.
 
     Each engine generator is drained by its own task into one queue, so a slow prompt never holds
     back the others. `close()` cancels what is still running and aborts it in the engine (its KV
     blocks are freed); call it on every exit path.
+
+    The queue holds what the consumer has not taken yet: for a stream, what its client has not
+    read. A client that stops reading would let it grow for as long as the engine runs (a request
+    of 128 choices with logprobs grew the HTTP process by 57 MB); so once outputs have waited
+    `stall_timeout` seconds with none taken, the requests are aborted, the waiting outputs dropped,
+    and the consumer, should it come back, gets StreamStalled.
     """
 
     def __init__(self, engine, prompts: list[str | list[int]], params: SamplingParams,
                  request_id: str, background: set[asyncio.Task]) -> None:
         self._engine = engine
         self._background = background  # strong refs to clean-up tasks that outlive the request
+        self.stall_timeout: float | None = None  # set for a stream (the client reads its outputs)
+        self._unread_since: float | None = None  # loop time since which outputs wait untaken
+        self.request_id = request_id
+        self.stalled = False
         self.request_ids = engine_request_ids(request_id, len(prompts))
         # items: (prompt_idx, output | None, exception | None); (i, None, None) = generator ended
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -58,12 +74,34 @@ class EngineStreams:
                 raise source
             async for out in source:
                 self._queue.put_nowait((i, out, None))
+                if self.stall_timeout is not None and self._stalled_now():
+                    return
         except asyncio.CancelledError:
             raise
         except Exception as e:  # delivered to the consumer, which maps it to 400/500
             self._queue.put_nowait((i, None, e))
             return
         self._queue.put_nowait((i, None, None))
+
+    def _stalled_now(self) -> bool:
+        """After a put: whether the oldest untaken output has waited past stall_timeout; if so
+        (once), drop what waits, hand the consumer StreamStalled, and abort every prompt."""
+        now = asyncio.get_running_loop().time()
+        if self._unread_since is None:
+            self._unread_since = now
+            return False
+        if now - self._unread_since <= self.stall_timeout:
+            return False
+        waiting = self._queue.qsize()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        logger.warning("request %s: its client read nothing for %.0f s while %d outputs waited: aborted "
+                       "(--stream-stall-timeout)", self.request_id, now - self._unread_since, waiting)
+        self.stalled = True
+        self._queue.put_nowait((min(self._open, default=0), None, StreamStalled(
+            f"the client read nothing for {self.stall_timeout:g} s (--stream-stall-timeout)")))
+        self.close()
+        return True
 
     async def _next(self) -> tuple[int, RequestOutput | None]:
         return self._take(await self._queue.get())
@@ -72,6 +110,8 @@ class EngineStreams:
         return self._take(self._queue.get_nowait())
 
     def _take(self, item: tuple) -> tuple[int, RequestOutput | None]:
+        # the consumer is reading: the clock runs again from now for what still waits
+        self._unread_since = None if self._queue.empty() else asyncio.get_running_loop().time()
         i, out, exc = item
         if exc is not None:
             raise exc

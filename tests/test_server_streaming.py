@@ -86,6 +86,56 @@ def test_batches_are_single_outputs_when_the_consumer_keeps_up():
     assert asyncio.run(main()) == [[(0, 0)], [(0, 1)], [(0, 2)], [(0, 3)]]
 
 
+class TickingEngine:
+    """generate() yields an output every `period` seconds for as long as it is read; abort() is
+    recorded."""
+
+    def __init__(self, period: float):
+        self.period, self.aborted = period, []
+
+    def generate(self, prompt, params, request_id):
+        async def stream():
+            k = 0
+            while True:
+                await asyncio.sleep(self.period)
+                yield _out(request_id, k, False)
+                k += 1
+        return stream()
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def test_a_stream_whose_client_stops_reading_is_aborted_and_its_backlog_dropped():
+    """Outputs that waited unread past stall_timeout: the prompts are aborted, what waited is
+    dropped (the front end's memory stays bounded), and the consumer, back, gets StreamStalled.
+    A consumer that keeps reading, however slowly, is never stopped."""
+    from server.streams import StreamStalled
+
+    async def main():
+        engine = TickingEngine(0.005)
+        streams = _streams(engine, prompts=2)
+        streams.stall_timeout = 1.0  # generous: a busy machine's pauses must not look like a stall
+        got, loop = [], asyncio.get_running_loop()
+        start = loop.time()
+        async for b in streams.batches():  # a client reading slowly, for 1.5x stall_timeout: kept
+            got += b
+            if loop.time() - start > 1.5:
+                break
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(2.5)  # then not reading at all
+        waiting = streams._queue.qsize()
+        with pytest.raises(StreamStalled, match="--stream-stall-timeout"):
+            async for _ in streams.batches():
+                pass
+        await asyncio.sleep(0.05)  # the abort runs in a background task
+        return got, waiting, sorted(engine.aborted), streams.stalled
+
+    got, waiting, aborted, stalled = asyncio.run(main())
+    assert len(got) >= 60 and stalled and waiting == 1  # only the StreamStalled item is left
+    assert aborted == ["cmpl-x-0", "cmpl-x-1"]
+
+
 def test_batches_yield_what_came_before_a_failure_then_raise():
     async def main():
         streams = _streams(QueuedEngine(5, fail_after=3))
