@@ -175,6 +175,7 @@ def build_app(engine, args=None) -> FastAPI:
     install_error_handlers(app)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(state.check_api_key)])
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=limits.max_request_body_bytes,
+                       max_inflight_bytes=limits.max_inflight_body_bytes,
                        body_timeout=limits.http_body_timeout)
     # outside the body limit: a request refused there (413, 408) is counted too, under the route
     # its path matches among the app's own and /v1's (FastAPI may keep an included router as one

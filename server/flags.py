@@ -262,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     lim = _LIMITS
     g.add_argument("--max-request-body-bytes", type=int, default=lim.max_request_body_bytes,
                    help="largest HTTP request body; larger ones get 413")
+    g.add_argument("--max-inflight-body-bytes", type=int, default=lim.max_inflight_body_bytes,
+                   help="bytes of request bodies being read at once over every connection (slow "
+                        "senders hold theirs); a body that would pass it gets 503")
     g.add_argument("--http-header-timeout", type=float, default=lim.http_header_timeout,
                    help="seconds a connection may take to send its request line and headers "
                         "before it is closed")
@@ -304,7 +307,7 @@ def api_key_from(flag: str | None) -> str | None:
 
 
 def _check_limits(ns: argparse.Namespace) -> None:
-    for flag in ("max_request_body_bytes", "max_prompts_per_request", "max_seqs_per_request",
+    for flag in ("max_request_body_bytes", "max_inflight_body_bytes", "max_prompts_per_request", "max_seqs_per_request",
                  "max_stop_strings", "max_stop_str_len", "max_prompt_logprob_entries",
                  "max_response_logprob_entries"):
         if getattr(ns, flag) < 1:

@@ -4,7 +4,7 @@ A client must not hold a socket or the server's memory without bound: the reques
 headers must arrive within `header_timeout` seconds of the connection (or of the previous
 response, on a kept-alive connection), the whole body within `body_timeout` seconds, and the body
 may not exceed `max_body_bytes` (413, checked on Content-Length before anything is read and again
-while reading).
+while reading); the bodies being read at once may not exceed `max_inflight_bytes` together (503).
 """
 
 from __future__ import annotations
@@ -23,8 +23,12 @@ class BodyLimitMiddleware:
     Later `receive()` calls go to the server's, so disconnect detection keeps working.
     """
 
-    def __init__(self, app, max_body_bytes: int, body_timeout: float) -> None:
+    def __init__(self, app, max_body_bytes: int, body_timeout: float,
+                 max_inflight_bytes: int | None = None) -> None:
         self.app, self.max_body_bytes, self.body_timeout = app, max_body_bytes, body_timeout
+        # bytes of bodies still being read, over every connection: each body is bounded alone,
+        # but many slow ones at once would hold max_body_bytes each (60 held ~1 GB)
+        self.max_inflight_bytes, self.inflight = max_inflight_bytes, 0
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -39,6 +43,10 @@ class BodyLimitMiddleware:
                                                  f"{self.body_timeout:g} s (--http-body-timeout)")
         except _TooLarge:
             return await self._refuse(send, 413, self._too_large())
+        except _Busy:
+            return await self._refuse(send, 503, f"the server is reading more than {self.max_inflight_bytes} "
+                                                 "bytes of request bodies at once (--max-inflight-body-bytes); "
+                                                 "retry later")
         except _Disconnected:
             return
         replayed = False
@@ -54,17 +62,27 @@ class BodyLimitMiddleware:
 
     async def _read(self, receive) -> bytes:
         chunks, total = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                raise _Disconnected()
-            chunk = message.get("body", b"")
-            total += len(chunk)
-            if total > self.max_body_bytes:
-                raise _TooLarge()
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
+        try:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise _Disconnected()
+                chunk = message.get("body", b"")
+                if not message.get("more_body", False) and not chunks:  # the whole body at once
+                    if len(chunk) > self.max_body_bytes:
+                        raise _TooLarge()
+                    return chunk
+                total += len(chunk)
+                self.inflight += len(chunk)
+                if total > self.max_body_bytes:
+                    raise _TooLarge()
+                if self.max_inflight_bytes is not None and self.inflight > self.max_inflight_bytes:
+                    raise _Busy()
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks)
+        finally:
+            self.inflight -= total
 
     def _too_large(self) -> str:
         return (f"request body is larger than {self.max_body_bytes} bytes "
@@ -93,6 +111,10 @@ async def _with_timeout(coro, seconds: float):
 
 
 class _TooLarge(Exception):
+    pass
+
+
+class _Busy(Exception):
     pass
 
 

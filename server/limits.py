@@ -15,6 +15,8 @@ from server.errors import APIError
 @dataclass(frozen=True)
 class ServerLimits:
     max_request_body_bytes: int = 16 * 1024 * 1024
+    # bytes of request bodies being read at once, over every connection (slow senders hold theirs)
+    max_inflight_body_bytes: int = 512 * 1024 * 1024
     http_header_timeout: float = 10.0  # seconds for the request line and headers
     http_body_timeout: float = 30.0  # seconds for the whole body
     http_keep_alive_timeout: float = 30.0  # seconds an idle kept-alive connection stays open

@@ -266,6 +266,54 @@ def test_a_slow_body_still_times_out():
     assert sent[0]["status"] == 408 and b"--http-body-timeout" in sent[1]["body"]
 
 
+def test_bodies_read_at_once_are_bounded_together():
+    """Each body is bounded alone; those being read at once together (--max-inflight-body-bytes):
+    a slow sender holds its bytes, so a body that would pass the sum is a 503, and the bytes of a
+    body read to its end or refused are given back. A body in one message holds nothing."""
+    from server.http_limits import BodyLimitMiddleware
+
+    async def inner(scope, receive, send):
+        body = (await receive())["body"]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": str(len(body)).encode()})
+
+    def chunks(*parts, hold: asyncio.Event | None = None):
+        async def receive():
+            if not parts_left:
+                await hold.wait()
+                return {"type": "http.disconnect"}
+            part = parts_left.pop(0)
+            return {"type": "http.request", "body": part, "more_body": bool(parts_left) or hold is not None}
+        parts_left = list(parts)
+        return receive
+
+    async def main():
+        mw = BodyLimitMiddleware(inner, max_body_bytes=1000, body_timeout=5, max_inflight_bytes=1500)
+        out = {}
+
+        def run(name, receive):
+            sent = out.setdefault(name, [])
+
+            async def send(m):
+                sent.append(m)
+            return asyncio.create_task(mw({"type": "http", "headers": []}, receive, send))
+        hold = asyncio.Event()
+        slow = run("slow", chunks(b"a" * 900, hold=hold))  # 900 bytes held, more to come
+        await asyncio.sleep(0.01)
+        assert mw.inflight == 900
+        await run("busy", chunks(b"b" * 400, b"b" * 400))  # 900 + 800 > 1500
+        await run("fits", chunks(b"c" * 300, b"c" * 300))  # 900 + 600
+        await run("whole", chunks(b"d" * 1000))  # one message: held by nothing here
+        hold.set()
+        await slow  # the slow sender leaves: its bytes are given back
+        return out, mw.inflight
+
+    out, left = asyncio.run(main())
+    assert out["busy"][0]["status"] == 503 and b"--max-inflight-body-bytes" in out["busy"][1]["body"]
+    assert out["fits"][1]["body"] == b"600" and out["whole"][1]["body"] == b"1000"
+    assert out["slow"] == [] and left == 0
+
+
 @pytest.mark.slow
 def test_serve_freezes_the_start_up_objects_of_both_processes(tmp_path_factory, tmp_path, monkeypatch):
     """The HTTP process, like the engine core, moves its start-up objects out of garbage
