@@ -367,17 +367,23 @@ def test_w8a16_real_shapes(M, N, K):
     def run():
         return fp8_w8a16.w8a16_linear(x, wq, sw)
     eager = [run() for _ in range(2)]
+    assert torch.equal(eager[0], eager[1]) and torch.equal(_graph_replay(run), eager[0])
+
+
+def _graph_replay(fn) -> torch.Tensor:
+    """fn() captured in a CUDA graph on a side stream (called once before, so that autotuning
+    and compiles happen outside the capture), replayed once: its output."""
     g = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run()
+        fn()
         with torch.cuda.graph(g, stream=stream):
-            graphed = run()
+            out = fn()
     torch.cuda.current_stream().wait_stream(stream)
     g.replay()
     torch.cuda.synchronize()
-    assert torch.equal(eager[0], eager[1]) and torch.equal(graphed, eager[0])
+    return out
 
 
 @pytest.mark.gpu
@@ -401,17 +407,7 @@ def test_w8a16_pdl_signal_changes_no_bits(M, monkeypatch):
         for signal in ("late", "start", "none"):
             monkeypatch.setattr(fp8_w8a16, "PDL_SIGNAL", signal)
             eager = chain()
-            g = torch.cuda.CUDAGraph()
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                chain()
-                with torch.cuda.graph(g, stream=stream):
-                    graphed = chain()
-            torch.cuda.current_stream().wait_stream(stream)
-            g.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(graphed, eager), signal
+            assert torch.equal(_graph_replay(chain), eager), signal
             outs[signal] = eager
     finally:
         use_pdl(False)  # a process setting: later tests' kernels launch without it
