@@ -29,6 +29,7 @@ from server.frontend_options import FrontendOptions
 from server.http_metrics import route_path
 from server.protocol import CompletionRequest
 from server.request_body import parse_body
+from server.request_fields import MAX_REQUEST_ID_CHARS
 
 # the routes whose POSTs --enable-server-load-tracking counts (vLLM's generating ones here)
 LOAD_TRACKED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations"})
@@ -144,7 +145,9 @@ def _invocation_model(body) -> type:
 
 class RequestIdHeaderMiddleware:
     """ASGI middleware: every HTTP response carries X-Request-Id, the request's own header when it
-    sent one (the completions' ids are built from it too), else a random hex id (vLLM's)."""
+    sent one (the completions' ids are built from it too), else a random hex id (vLLM's). A header
+    past MAX_REQUEST_ID_CHARS, which the API routes refuse, is not echoed: its response gets a
+    random id, so an oversized header costs the server no more than its parse."""
 
     def __init__(self, app) -> None:
         self.app = app
@@ -153,7 +156,8 @@ class RequestIdHeaderMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         given = [v for k, v in scope.get("headers") or [] if k.lower() == b"x-request-id"]
-        rid = given[0] if given else uuid.uuid4().hex.encode()
+        fits = given and len(given[0]) <= MAX_REQUEST_ID_CHARS
+        rid = given[0] if fits else uuid.uuid4().hex.encode()
 
         async def send_with_id(message) -> None:
             if message["type"] == "http.response.start":

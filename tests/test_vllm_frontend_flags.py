@@ -159,9 +159,13 @@ def test_request_id_headers(tok):
             return [await c.post("/v1/completions", json=CMPL, headers={"X-Request-Id": "trace-7"}),
                     await c.post("/v1/chat/completions", json=CHAT),
                     await c.post("/v1/completions", json={**CMPL, "model": "nope"}),
-                    await c.get("/health")]
+                    await c.get("/health"),
+                    await c.post("/v1/completions", json=CMPL, headers={"X-Request-Id": "x" * 8000})]
 
-    echoed, generated, refused, health = run(go("--enable-request-id-headers"))
+    echoed, generated, refused, health, oversized = run(go("--enable-request-id-headers"))
+    # refused as too long (400 naming the limit), and not echoed back
+    assert oversized.status_code == 400 and "at most 256" in oversized.json()["error"]["message"]
+    assert len(oversized.headers["x-request-id"]) == 32
     assert echoed.headers["x-request-id"] == "trace-7" and echoed.json()["id"] == "cmpl-trace-7"
     rid = generated.headers["x-request-id"]
     assert len(rid) == 32 and int(rid, 16) >= 0  # a fresh uuid4 hex
