@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from common.offload import off_loop, text_chars
 from server import responses, vllm_compat
 from server.chat import chat_prompt_ids, create_chat_completion, encode
-from server.chat_protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.chat_protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest, template_turns
 from server.completions import create_completion
 from server.errors import APIError, error_response, install_error_handlers
 from server.frontend_options import FrontendOptions
@@ -261,7 +261,7 @@ def build_app(engine, args=None) -> FastAPI:
         if req.messages is not None:
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
             try:
-                conversation = [{"role": m.role, "content": m.text()} for m in req.messages]
+                conversation = template_turns(req.messages)  # as chat renders them
             except ValueError as e:
                 raise APIError(400, str(e), param="messages") from None
             # with messages, as in chat: no special tokens on top of the template's unless asked

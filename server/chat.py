@@ -21,6 +21,11 @@ from server.handler import finite, respond, response_id, sampling_params, usage_
 from server.reasoning import ThinkParser, TokenMask, split_reasoning, thinks
 from server.tool_calls import Delta, ToolCallParser, call_id, forced_calls, parse_tool_calls
 
+try:
+    from transformers.utils.chat_template_utils import render_jinja_template
+except ImportError:  # older transformers: apply_chat_template renders the messages as they are
+    render_jinja_template = None
+
 logger = logging.getLogger(__name__)
 
 
@@ -31,6 +36,28 @@ def encode(tokenizer, text: str, field: str, add_special_tokens: bool) -> list[i
     except Exception as e:  # noqa: BLE001 - the tokenizer refused this input (TypeError, ...)
         raise APIError(400, f"{field}: the tokenizer cannot encode it ({type(e).__name__})",
                        param=field) from None
+
+
+def render_chat_template(tokenizer, conversation: list[dict], add_generation_prompt: bool,
+                         tools: list[dict] | None, chat_template: str | None,
+                         template_kwargs: dict) -> str:
+    """The chat template's text for `conversation`, its None values kept. transformers 5's
+    apply_chat_template drops every message key whose value is None before rendering; DeepSeek's
+    templates render an assistant turn of tool calls under `message['content'] is none` and fail
+    on a turn without the key (R1's, given "" in its place, would drop the calls). So the template is rendered here by
+    transformers' own renderer, with the tokenizer's special tokens as apply_chat_template passes
+    them. transformers releases without that renderer keep the Nones in apply_chat_template."""
+    if render_jinja_template is None:
+        return tokenizer.apply_chat_template(conversation, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             tools=tools, chat_template=chat_template,
+                                             **template_kwargs)
+    rendered, _ = render_jinja_template(
+        conversations=[conversation], tools=tools,
+        chat_template=tokenizer.get_chat_template(chat_template, tools),
+        add_generation_prompt=add_generation_prompt,
+        **{**tokenizer.special_tokens_map, **template_kwargs})
+    return rendered[0]
 
 
 def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: bool,
@@ -62,10 +89,8 @@ def chat_prompt_ids(tokenizer, conversation: list[dict], add_generation_prompt: 
     if continue_final_message:  # passed only when asked: older tokenizers lack the parameter
         template_kwargs = {**template_kwargs, "continue_final_message": True}
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt,
-                                             tools=tools, chat_template=chat_template,
-                                             **template_kwargs)
+        text = render_chat_template(tokenizer, conversation, add_generation_prompt, tools,
+                                    chat_template, template_kwargs)
     except Exception as e:  # jinja raises on conversations the template refuses
         raise APIError(400, f"messages: the chat template refused them: {e}",
                        param="messages") from None

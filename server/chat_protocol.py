@@ -14,6 +14,11 @@ from server.protocol import SamplingFields
 from server.request_fields import BaseRequest, Int64, bounded
 
 
+# Content part types that carry text, and the key that holds it: OpenAI's chat `text` and an
+# assistant's `refusal`, and the Responses API's `input_text` / `output_text` (vLLM reads all four).
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 class ChatMessage(BaseRequest):
     role: str
     content: str | list[dict] | None = None
@@ -51,10 +56,34 @@ class ChatMessage(BaseRequest):
             return self.content or ""
         texts = []
         for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError("messages: only text content parts are supported")
-            texts.append(part["text"])
+            kind = part.get("type")
+            key = TEXT_PARTS.get(kind)
+            if key is None:
+                raise ValueError(f"messages: only text content parts are supported "
+                                 f"({', '.join(TEXT_PARTS)}), got {str(kind)[:40]!r}")
+            if not isinstance(part.get(key), str):
+                raise ValueError(f"messages: a {kind!r} content part needs a string {key!r}")
+            texts.append(part[key])
         return "\n".join(texts)
+
+
+def template_turns(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as the chat template reads them. An assistant turn of tool calls without
+    content keeps `content: None`: DeepSeek's templates render the calls under `content is none`
+    (server/chat.py renders with the Nones kept). An empty `tool_calls` list is left out, as vLLM
+    leaves it out, so that the turn renders as plain text."""
+    turns = []
+    for m in messages:
+        turn: dict = {"role": m.role, "content": m.text()}
+        if m.tool_calls:
+            turn["tool_calls"] = m.tool_calls
+            if m.content is None:
+                turn["content"] = None
+        for key in ("tool_call_id", "name"):
+            if getattr(m, key) is not None:
+                turn[key] = getattr(m, key)
+        turns.append(turn)
+    return turns
 
 
 class FunctionDefinition(BaseRequest):
@@ -201,18 +230,7 @@ class ChatCompletionRequest(SamplingFields):
         return self.sampling_params(max_tokens, logprobs, None if self.stream else self.prompt_logprobs)
 
     def conversation(self) -> list[dict]:
-        turns = []
-        for m in self.messages:
-            turn: dict = {"role": m.role, "content": m.text()}
-            if m.tool_calls is not None:
-                turn["tool_calls"] = m.tool_calls
-                if m.content is None:
-                    turn["content"] = None  # DeepSeek's templates test for it
-            for key in ("tool_call_id", "name"):
-                if getattr(m, key) is not None:
-                    turn[key] = getattr(m, key)
-            turns.append(turn)
-        return turns
+        return template_turns(self.messages)
 
     def template_kwargs(self) -> dict[str, Any]:
         """The variables passed to the chat template besides the conversation."""
