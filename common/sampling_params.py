@@ -14,8 +14,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_TOP_K = 2**31 - 1  # any top_k at or above the vocabulary size keeps every token
 # OpenAI's range of a logit_bias value: -100 bans a token, 100 all but forces it.
 MAX_LOGIT_BIAS = 100.0
-# Temperatures below this sample greedily (vLLM's rule): dividing logits by ~1e-38 overflows
-# them to inf and the softmax to nan.
+# Temperatures below this sample greedily: dividing logits by ~1e-38 overflows them to inf and
+# the softmax to nan. (vLLM instead raises any temperature in (0, 0.01) to 0.01 and samples.)
 GREEDY_TEMPERATURE_EPS = 1e-5
 # temperature and repetition_penalty are unbounded above (vLLM's rule) but become fp32 columns:
 # the smallest magnitude that rounds to inf in fp32 is their limit

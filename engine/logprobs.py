@@ -66,9 +66,10 @@ class DeviceLogprobs(Sequence):
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> DeviceLogprobs:
-    """Logprob, rank (1 = most likely) and top-`num_top` of each row's chosen token."""
+    """Logprob, rank and top-`num_top` of each row's chosen token. The rank is vLLM's: the
+    tokens at least as likely as the chosen one, itself included (1 = most likely, untied)."""
     chosen = logprobs.gather(1, token_ids.unsqueeze(1))  # [N, 1]
-    ranks = (logprobs > chosen).sum(dim=-1) + 1  # [N]
+    ranks = (logprobs >= chosen).sum(dim=-1)  # [N]
     num_top = min(num_top, logprobs.shape[1])
     top_vals, top_ids = logprobs.topk(num_top, dim=-1) if num_top > 0 else (None, None)
     return DeviceLogprobs(token_ids, chosen, ranks, top_vals, top_ids)

@@ -1,12 +1,12 @@
 """Token sampling: penalties, temperature, top-k / top-p / min-p, per-request seeded draws, and the
 logprobs of what was sampled (gathered by engine/logprobs.py).
 
-Order per step (vLLM semantics): min_tokens and bad_words masking -> allowed_token_ids -> logit_bias ->
-repetition / frequency / presence penalties -> structured-output token bitmask -> (greedy rows:
-argmax here) ->
-temperature -> top-k -> top-p -> min-p -> sample.
-Reported logprobs are taken from the RAW logits (log_softmax of what the model produced), as
-vLLM and OpenAI report them, not from the processed distribution that was sampled.
+Order per step (vLLM semantics): structured-output token bitmask -> min_tokens and bad_words
+masking -> allowed_token_ids -> logit_bias -> repetition / frequency / presence penalties ->
+(greedy rows: argmax here) -> temperature -> min-p -> top-k -> top-p -> sample.
+Reported logprobs are taken from the RAW logits (log_softmax of what the model produced, after
+the grammar's mask, which vLLM applies before its sampler), as vLLM and OpenAI report them, not
+from the processed distribution that was sampled.
 
 Seeded rows draw an Exponential(1) noise vector from their own generator and take
 argmax(probs / q) (the "exponential race", equivalent to sampling from probs). The row's noise
@@ -158,7 +158,8 @@ class SamplingBatch:
         for i, (p, out) in enumerate(zip(params, output_token_ids)):
             banned = []
             if len(out) < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos_token_ids))
+                # EOS too under ignore_eos, as vLLM's min_tokens masks it: no EOS text before then
+                banned = list(p.stop_token_ids) + list(eos_token_ids)
             if p.bad_words_token_ids:
                 banned += bad_word_bans(p.bad_words_token_ids, out)
             if banned:
@@ -226,12 +227,16 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != batch.temperature.shape[0]:
             raise ValueError(f"logits must be [N, V] with N = {batch.temperature.shape[0]} rows, "
                              f"got {tuple(logits.shape)}")
+        if batch.token_bitmask is not None:
+            # the grammar's mask comes first, as vLLM applies it to the logits before its sampler:
+            # the reported logprobs are over the tokens the grammar allows
+            logits = _apply_token_bitmask(logits.float(), batch.token_bitmask, batch.bitmask_rows)
         if batch.all_greedy and batch.unmodified:
             token_ids = self.argmax(logits)
         else:
             token_ids = self._choose(logits.float(), batch)
         logprobs = None
-        if batch.max_num_logprobs is not None:  # of the raw distribution, whatever modified the choice
+        if batch.max_num_logprobs is not None:  # of the raw distribution, whatever else modified the choice
             logprobs = gather_logprobs(torch.log_softmax(logits.float(), dim=-1), token_ids,
                                         batch.max_num_logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
@@ -242,7 +247,6 @@ class Sampler:
         logits = _apply_allowed(logits, batch.allowed)
         logits = _apply_logit_bias(logits, batch.logit_bias)
         logits = _apply_penalties(logits, batch)
-        logits = _apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
         greedy_ids = self.argmax(logits)
         if batch.all_greedy:
             return greedy_ids
@@ -358,16 +362,19 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
     if top_k is None and top_p is None:
         return logits
     vocab = logits.shape[1]
-    if top_k is not None and max_top_k is not None and max_top_k < vocab:
-        # every row keeps at most max_top_k tokens: only those candidates need ordering
+    narrow = top_k is not None and max_top_k is not None and max_top_k < vocab
+    if narrow:
+        # every row keeps at most max_top_k tokens (and their ties): only those need ordering
         sorted_logits, order = logits.topk(max_top_k, dim=-1)  # [N, K] each, descending
     else:
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [N, V] each
     width = sorted_logits.shape[1]
     if top_k is not None:
+        # vLLM's rule: a token survives when its logit reaches the row's k-th largest, so every
+        # token tied with the k-th survives (bf16 logits tie often)
         k = torch.where(top_k <= 0, width, top_k).clamp(max=width)  # [N]
-        positions = torch.arange(width, device=logits.device).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(positions >= k.unsqueeze(1), _NEG_INF)
+        kth = sorted_logits.gather(1, (k - 1).unsqueeze(1))  # [N, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, _NEG_INF)
     if top_p is not None:
         probs = torch.softmax(sorted_logits, dim=-1)
         # keep the smallest prefix whose mass reaches top_p: drop a token when the mass strictly
@@ -376,7 +383,13 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
         drop[:, 0] = False  # also when top_p rounds to 0 in fp32 (a request's 1e-46 is > 0)
         sorted_logits = sorted_logits.masked_fill(drop, _NEG_INF)
-    return torch.full_like(logits, _NEG_INF).scatter_(1, order, sorted_logits)
+    kept = torch.full_like(logits, _NEG_INF).scatter_(1, order, sorted_logits)
+    if narrow:
+        # ties of the k-th value past the max_top_k candidates survive too, where top-p kept the
+        # k-th (top-p's mass was taken over the candidates alone)
+        kth_kept = sorted_logits.gather(1, (k - 1).unsqueeze(1)) > _NEG_INF  # [N, 1]
+        kept = torch.where((logits == kth) & kth_kept, logits, kept)
+    return kept
 
 
 def _apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
