@@ -157,7 +157,7 @@ CHOICES: tuple[Choice, ...] = (
     Choice("fp8_gemm_w8a16_max_tokens", (int,), "projections kept in FP8 (--fp8-gemm) of steps with up to "
            f"this many tokens (at most {W8A16_MAX_ROWS}) run on one Triton launch that streams the FP8 weight and "
            "keeps the activations in their dtype (models/fp8_w8a16.py: no act_quant, no split reduce) instead "
-           "of the W8A8 GEMM (0: never; opt-in: on an H100 it beat W8A8 by 2-5% at batch 1-8 on V2-Lite; R1 untimed)", ("models.fp8_w8a16",), triton=0, torch=0),
+           "of the W8A8 GEMM (0: never; opt-in: on an H100 it beat W8A8 by 2-5% at batch 1-8 on V2-Lite, lost 10-20% on R1)", ("models.fp8_w8a16",), triton=0, torch=0),
     Choice("decode_wgmma_min_heads", (int,), "query heads per rank from which the MLA decode runs on the "
            "Gluon wgmma kernel (attention/gluon_decode.py: sm_90, bf16 model and cache, kv_lora_rank 512, "
            "rope 64, heads a multiple of 64, Triton 3.6) instead of the Triton kernel (0: never)",
