@@ -32,14 +32,17 @@ class ChatMessage(BaseRequest):
     def _tool_calls_shaped(cls, calls: list[dict] | None) -> list[dict] | None:
         """Each earlier call as OpenAI shapes it, {"id", "type": "function", "function": {"name",
         "arguments"}}, which the chat template reads: a named function with its arguments (a
-        JSON string; an object is written as one), "type" "function" when left out. A call
-        without them failed in the template, with a message about the template."""
+        JSON string; an object is written as one; none or "" is "{}", as vLLM reads it), "type"
+        "function" when left out. A call without them failed in the template, with a message
+        about the template."""
         shaped = []
         for j, call in enumerate(calls or ()):
             fn = call.get("function")
             if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise ValueError(f"tool_calls[{j}].function must be an object with a non-empty name")
             args = fn.get("arguments")
+            if args is None or args == "":
+                args = "{}"
             if isinstance(args, dict):
                 args = json.dumps(args, ensure_ascii=False)
             if not isinstance(args, str):

@@ -64,6 +64,13 @@ def test_tool_call_turns_render_as_the_template_expects(tok):
     assert tok.decode(alone.json()["tokens"]) == tok.bos_token + RENDERED.split("<A>Hello!")[0]
 
 
+def test_a_call_without_arguments_renders_as_an_empty_object(tok):
+    bare = {"id": "call_2", "type": "function", "function": {"name": "now"}}
+    messages = [MESSAGES[0], {"role": "assistant", "content": None, "tool_calls": [bare]}]
+    (r,) = post_all(tok, ("/tokenize", {"messages": messages, "add_generation_prompt": False}))
+    assert tok.decode(r.json()["tokens"]) == tok.bos_token + "<U>Weather?<A><calls>now{}</calls>"
+
+
 @pytest.mark.parametrize("part, message", [
     ({"type": "image_url", "image_url": {"url": "x"}}, "only text content parts are supported"),
     ({"type": "text"}, "a 'text' content part needs a string 'text'"),

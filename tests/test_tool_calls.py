@@ -327,7 +327,7 @@ def test_tool_choice_none_leaves_the_text(auto):
                                                 ({"function": None}, "tool_calls[0].function must be"),
                                                 ({"function": {"arguments": "{}"}}, "non-empty name"),
                                                 ({"function": {"name": "f", "arguments": 3}}, "a JSON string"),
-                                                ({"function": {"name": "f"}}, "a JSON string"),
+                                                ({"function": {"name": "f", "arguments": [1]}}, "a JSON string"),
                                                 ({"type": "code", "function": {"name": "f", "arguments": "{}"}},
                                                  "type must be"))],
 ])
