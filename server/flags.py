@@ -179,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "per-tensor scale: half the bytes of bf16, twice the tokens; its decode is "
                         "slower than bf16's today, docs/kernel_notes.md); bfloat16 and fp8_e4m3 "
                         "are vLLM's aliases")
-    g.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV cache blocks to allocate; overrides the memory-based sizing")
+    g.add_argument("--num-kv-blocks", "--num-gpu-blocks-override", type=int, default=None,
+                   help="KV cache blocks (of --block-size tokens) to allocate; overrides the "
+                        "memory-based sizing (vLLM's name: --num-gpu-blocks-override)")
     g.add_argument("--cpu-kv-cache-gb", type=float, default=d["cpu_kv_cache_gb"],
                    help="KV cache size on CPU when --num-kv-blocks is not given")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,

@@ -59,6 +59,9 @@ def test_flags_map_to_engine_args():
     assert (a.dtype, a.device, a.load_format, a.model_name) == ("float32", "cpu", "dummy", "tiny")
     assert (a.num_kv_blocks, a.enable_prefix_caching, a.enforce_eager, a.seed) == (100, False, True, 7)
     assert (a.attention_backend, a.cpu_kv_cache_gb, a.hf_overrides) == ("torch", 0.5, {"num_hidden_layers": 2})
+    # vLLM's name for the block count
+    vllm = build_parser().parse_args(["--model", str(TINY_MODEL), "--num-gpu-blocks-override", "64"])
+    assert engine_args_from(vllm).num_kv_blocks == 64
     defaults = engine_args_from(build_parser().parse_args(["--model", str(TINY_MODEL)]))
     assert defaults.enable_prefix_caching and defaults.max_num_batched_tokens == 2048
     assert defaults.async_scheduling is None  # auto: on with CUDA
