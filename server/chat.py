@@ -44,9 +44,10 @@ def render_chat_template(tokenizer, conversation: list[dict], add_generation_pro
     """The chat template's text for `conversation`, its None values kept. transformers 5's
     apply_chat_template drops every message key whose value is None before rendering; DeepSeek's
     templates render an assistant turn of tool calls under `message['content'] is none` and fail
-    on a turn without the key (R1's, given "" in its place, would drop the calls). So the template is rendered here by
-    transformers' own renderer, with the tokenizer's special tokens as apply_chat_template passes
-    them. transformers releases without that renderer keep the Nones in apply_chat_template."""
+    on a turn without the key (R1's, given "" in its place, would drop the calls). So the
+    template is rendered here by transformers' own renderer, with the tokenizer's special tokens
+    as apply_chat_template passes them. transformers releases without that renderer keep the
+    Nones in apply_chat_template."""
     if render_jinja_template is None:
         return tokenizer.apply_chat_template(conversation, tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
