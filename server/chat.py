@@ -167,8 +167,9 @@ class ChatBuilder:
                             for lp in lps]}
 
     def _finish_reason(self, index: int, reason: str | None) -> str | None:
-        """"tool_calls" for an output that stopped after the auto parser found calls in it; a
-        forced choice's calls keep "stop" / "length" (vLLM's and OpenAI's)."""
+        """"tool_calls" for an output that stopped after calls were found in it (the auto parser's,
+        or "required"'s JSON array); a named choice's call keeps "stop", and a cut output "length"
+        (vLLM's and OpenAI's)."""
         return "tool_calls" if reason == "stop" and index in self._called else reason
 
     def choice(self, index: int, o: CompletionOutput) -> dict:
@@ -186,6 +187,8 @@ class ChatBuilder:
             calls = forced_calls(o.text)
             message["content"] = o.text if calls is None else None
             message["tool_calls"] = calls or []
+            if calls:
+                self._called.add(index)
         elif self.tool_parser is not None:
             parsed = parse_tool_calls(message["content"] or "", self.tool_parser)
             # parallel_tool_calls false: the first call alone (vLLM's)
@@ -243,7 +246,7 @@ class ChatBuilder:
             delta["content"] = content
         if calls:
             delta["tool_calls"] = calls
-            if self.forced is None:
+            if not isinstance(self.forced, dict):  # auto or "required", not a named choice
                 self._called.add(index)
         return delta, hidden and not delta
 

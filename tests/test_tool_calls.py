@@ -287,11 +287,13 @@ def test_forced_choice_with_a_reasoning_parser_is_all_call(choice):
         m = c["message"]
         want = [("get_weather", json.loads(WEATHER))]
         assert (m["reasoning_content"], m["content"]) == (None, None)
-        assert c["finish_reason"] == "stop"  # a forced choice's calls: vLLM's "stop"
+        # vLLM's: "tool_calls" for "required"'s calls, "stop" for a named choice's
+        finish = "stop" if choice == "named" else "tool_calls"
+        assert c["finish_reason"] == finish
         assert [(t["function"]["name"], json.loads(t["function"]["arguments"]))
                 for t in m["tool_calls"]] == want
         o = _streamed_choices(stream(s, body))[0]
-    assert (o["reasoning"], o["content"], o["finish"]) == ("", "", "stop")
+    assert (o["reasoning"], o["content"], o["finish"]) == ("", "", finish)
     assert [(n, json.loads(a)) for n, a in o["calls"].values()] == want
 
 
@@ -391,11 +393,12 @@ def test_forced_tool_choice_on_the_tiny_model(real, choice, streamed):
                    {"type": "function", "function": {"name": "get_weather"}})
     body = {**REAL, "tool_choice": tool_choice, "parallel_tool_calls": choice != "required"}
     names = {"get_weather"} if choice == "named" else set(SCHEMAS)
+    finish = "stop" if choice == "named" else "tool_calls"  # vLLM's
     if not streamed:
         r = post(real, body)
         assert r.status_code == 200, r.text
         c = r.json()["choices"][0]
-        assert c["finish_reason"] == "stop" and c["message"]["content"] is None, c  # forced: vLLM's "stop"
+        assert c["finish_reason"] == finish and c["message"]["content"] is None, c
         _check_calls(c["message"]["tool_calls"], names)
         if choice == "required":
             assert len(c["message"]["tool_calls"]) == 1  # parallel_tool_calls: false
@@ -408,7 +411,7 @@ def test_forced_tool_choice_on_the_tiny_model(real, choice, streamed):
                 calls[t["index"]] = {"id": t["id"], "type": t["type"],
                                      "function": {"name": t["function"]["name"], "arguments": ""}}
             calls[t["index"]]["function"]["arguments"] += t["function"].get("arguments") or ""
-    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["choices"][0]["finish_reason"] == finish
     _check_calls([calls[i] for i in sorted(calls)], names)
 
 
