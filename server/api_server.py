@@ -238,6 +238,9 @@ def build_app(engine, args=None) -> FastAPI:
     # each, so that each method has its own OpenAPI operation id
     for method in ("GET", "HEAD"):
         app.add_api_route("/health", health, methods=[method], operation_id=f"health_{method.lower()}")
+    # vLLM's /ping, GET and POST (as SageMaker's health check sends it): /health's answer
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", health, methods=[method], operation_id=f"ping_{method.lower()}")
 
     async def metrics(raw: Request) -> Response:
         body, content_type, encoding = state.metrics.render_for(raw.headers.get("accept"),

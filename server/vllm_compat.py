@@ -1,5 +1,5 @@
-"""vLLM's server extras that its users' scripts and load balancers call: `/version`, `/ping`
-(GET and POST, as SageMaker's health check sends it), `POST /invocations` (SageMaker's inference
+"""vLLM's server extras that its users' scripts and load balancers call: `/version`, `POST
+/invocations` (SageMaker's inference
 route: chat or completions by the body's shape), CORS from `--allowed-origins`,
 `--allowed-methods`, `--allowed-headers`, `--allow-credentials`, the X-Request-Id response header
 (`--enable-request-id-headers`), `/load` (`--enable-server-load-tracking`), `POST
@@ -56,18 +56,6 @@ def install(app: FastAPI, engine, args=None) -> None:
     @app.get("/version")
     async def get_version() -> dict:
         return {"version": version()}
-
-    async def ping() -> Response:  # as /health
-        if engine.errored:
-            return error_response(503, "the engine stopped; restart the server")
-        state = getattr(app.state, "server", None)
-        reason = state.stall_reason() if state is not None else None
-        if reason is not None:
-            return error_response(503, reason)
-        return JSONResponse({})
-
-    for method in ("GET", "POST"):  # a route each: each method its own OpenAPI operation id
-        app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_{method.lower()}")
 
     frontend = FrontendOptions.from_args(args)
     app.state.server_load_metrics = 0  # vLLM's name; stays 0 without load tracking
