@@ -9,9 +9,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from common.sampling_params import INT64_MAX, MAX_LOGPROBS, SamplingParams, StructuredOutputs
+from common.sampling_params import INT64_MAX, SamplingParams, StructuredOutputs
 from server.protocol import SamplingFields
-from server.request_fields import BaseRequest, Int64, bounded
+from server.request_fields import BaseRequest, Int64, Logprobs, bounded
 
 
 # Content part types that carry text, and the key that holds it: OpenAI's chat `text` and an
@@ -120,10 +120,10 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: bounded(1, INT64_MAX) | None = None
     max_completion_tokens: bounded(1, INT64_MAX) | None = None
     logprobs: bool = False
-    top_logprobs: bounded(0, MAX_LOGPROBS) | None = None
+    top_logprobs: Logprobs | None = None
     # vLLM's: the response's `prompt_logprobs`, the top-k of every token of the rendered prompt
     # (whole responses only, as in vLLM)
-    prompt_logprobs: bounded(0, MAX_LOGPROBS) | None = None
+    prompt_logprobs: Logprobs | None = None
     add_generation_prompt: bool = True
     # vLLM's: the last message stays open (no end-of-turn) and the output continues it; needs
     # add_generation_prompt false

@@ -16,14 +16,14 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from common.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_TOP_K,
+from common.sampling_params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_TOP_K,
                                     SamplingParams, StructuredOutputs)
 from server.request_fields import (_SPEC_KINDS, MAX_ALLOWED_TOKEN_IDS, MAX_BAD_WORD_CHARS, MAX_BAD_WORDS,
-                                   MAX_CACHE_SALT_CHARS,
-                                   MAX_CHOICE_CHARS, MAX_CHOICES, MAX_LOGIT_BIAS_TOKENS, MAX_N,
-                                   MAX_REQUEST_ID_CHARS, MAX_STOP_TOKEN_IDS, BaseRequest, Int64, NonNegInt64, ResponseFormat,
-                                   StreamOptions, StructuredOutputsRequest, _json_spec, bounded,
-                                   refuse_unsupported)
+                                   MAX_CACHE_SALT_CHARS, MAX_CHOICE_CHARS, MAX_CHOICES,
+                                   MAX_LOGIT_BIAS_TOKENS, MAX_N, MAX_REQUEST_ID_CHARS,
+                                   MAX_STOP_TOKEN_IDS, BaseRequest, Int64, Logprobs, NonNegInt64,
+                                   ResponseFormat, StreamOptions, StructuredOutputsRequest,
+                                   _json_spec, bounded, refuse_unsupported)
 
 
 class SamplingFields(BaseRequest):
@@ -268,10 +268,10 @@ class CompletionRequest(SamplingFields):
     endpoint: ClassVar[str] = "completions"
     prompt: Any  # str | list[str] | list[int] | list[list[int]], see _normalize_prompt
     max_tokens: NonNegInt64 | None = 16
-    logprobs: bounded(0, MAX_LOGPROBS) | None = None
+    logprobs: Logprobs | None = None
     echo: bool = False
     # vLLM: the top-k logprobs of every prompt token, as `prompt_logprobs` on each choice
-    prompt_logprobs: bounded(0, MAX_LOGPROBS) | None = None
+    prompt_logprobs: Logprobs | None = None
     best_of: bounded(1, MAX_N) | None = None  # only best_of == n (no ranking of extra samples)
     add_special_tokens: bool = True  # a text prompt's BOS (vLLM's field)
     # vLLM's: each choice also carries its `token_ids` and the prompt's `prompt_token_ids` (in a

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from common.sampling_params import INT64_MAX, INT64_MIN
+from common.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS
 
 MAX_N = 128  # OpenAI's cap on choices per prompt
 MAX_REQUEST_ID_CHARS = 256  # a client's request id (field or X-Request-Id header), echoed in ids
@@ -38,27 +38,33 @@ MAX_BAD_WORDS, MAX_BAD_WORD_CHARS = 128, 64
 MAX_CHOICES, MAX_CHOICE_CHARS = 10_000, 1_000_000
 
 
-def bounded(lo: int, hi: int):
+def bounded(lo: int, hi: int, why: str = ""):
     """An int field limited to [lo, hi]; the 400 names the whole range (Python ints are
-    unbounded, torch's are int64). JSON's true and false are not integers here (pydantic would
-    read them as 1 and 0), as in prompts of token ids. A whole number written as a float
-    (1e20) outside the range gets the same message (pydantic's would speak of parsing a string)."""
+    unbounded, torch's are int64), and `why` it is the range where a flag sets it. JSON's true
+    and false are not integers here (pydantic would read them as 1 and 0), as in prompts of token
+    ids. A whole number written as a float (1e20) outside the range gets the same message
+    (pydantic's would speak of parsing a string)."""
+    span = f"[{lo}, {hi}]" + (f" ({why})" if why else "")
+
     def not_bool(v: Any) -> Any:
         if isinstance(v, bool):
-            raise ValueError(f"must be an integer in [{lo}, {hi}], not a boolean")
+            raise ValueError(f"must be an integer in {span}, not a boolean")
         if isinstance(v, float) and not lo <= v <= hi:
-            raise ValueError(f"must be an integer in [{lo}, {hi}]")
+            raise ValueError(f"must be an integer in {span}")
         return v
 
     def check(v: int) -> int:
         if not lo <= v <= hi:
-            raise ValueError(f"must be an integer in [{lo}, {hi}]")
+            raise ValueError(f"must be an integer in {span}")
         return v
     return Annotated[int, BeforeValidator(not_bool), AfterValidator(check)]
 
 
 Int64 = bounded(INT64_MIN, INT64_MAX)
 NonNegInt64 = bounded(0, INT64_MAX)
+# alternatives per token (logprobs, top_logprobs, prompt_logprobs): the engine's cap, which
+# --max-logprobs may lower (server/limits.py names the flag then)
+Logprobs = bounded(0, MAX_LOGPROBS, "the most --max-logprobs allows")
 
 
 _CONTAINERS = (str, dict, list)

@@ -22,9 +22,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from common.sampling_params import INT64_MAX, MAX_LOGPROBS, StructuredOutputs
+from common.sampling_params import INT64_MAX, StructuredOutputs
 from server.chat_protocol import ChatCompletionRequest
-from server.request_fields import (UNSUPPORTED, BaseRequest, _json_spec, bounded, refuse_unsupported,
+from server.request_fields import (UNSUPPORTED, BaseRequest, Logprobs, _json_spec, bounded, refuse_unsupported,
                                    text_checked)
 
 # vLLM's extensions the chat route takes, handed to the chat request as they are (its checks
@@ -151,7 +151,7 @@ class ResponsesRequest(BaseRequest):
     max_output_tokens: bounded(1, INT64_MAX) | None = None
     temperature: float | None = None  # bounds: the chat request's
     top_p: float | None = None
-    top_logprobs: bounded(0, MAX_LOGPROBS) | None = None
+    top_logprobs: Logprobs | None = None
     include: list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None  # OpenAI's include_obfuscation: no padding is sent

@@ -390,6 +390,9 @@ def test_max_logprobs_and_fastapi_docs(tok):
                                   ("/v1/chat/completions", {**CHAT, "prompt_logprobs": 3}, "prompt_logprobs")):
             err = assert_error(post(s, path, body), 400, field)
             assert "--max-logprobs" in err["message"]
+            # past the engine's cap of 20 too, where the field's range refuses it
+            err = assert_error(post(s, path, {**body, field: 21}), 400, field)
+            assert "[0, 20] (the most --max-logprobs allows)" in err["message"]
         assert httpx.get(f"{s.url}/openapi.json").json()["paths"]["/v1/completions"]
         assert httpx.get(f"{s.url}/docs").status_code == 200
     Args.disable_fastapi_docs = True
