@@ -286,7 +286,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"top_logprobs, prompt_logprobs), in [0, {lim.max_logprobs}] (vLLM's flag)")
     g.add_argument("--max-prompt-logprob-entries", type=int, default=lim.max_prompt_logprob_entries,
                    help="most prompt logprob entries (prompt tokens x (alternatives + 1), a text "
-                        "prompt counted by characters) in one completions request with echo and "
+                        "prompt counted by its UTF-8 bytes + 2) in one completions request with echo and "
                         "logprobs, or prompt_logprobs: the answer is built at once")
     g.add_argument("--max-response-logprob-entries", type=int, default=lim.max_response_logprob_entries,
                    help="most generated logprob entries (tokens x (alternatives + 1), over its choices) a "

@@ -51,8 +51,8 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
                         "requests, KV cache usage, prefix cache hit rate, speculative acceptance); "
                         "/metrics keeps every figure")
     g.add_argument("--enable-server-load-tracking", action="store_true",
-                   help="count the completions and chat requests in flight (until their response "
-                        "is sent) and report the count at GET /load as {\"server_load\": N}; "
+                   help="count the completions, chat, responses and /invocations requests in flight "
+                        "(until their response is sent) and report the count at GET /load as {\"server_load\": N}; "
                         "without it /load answers 0")
 
 
