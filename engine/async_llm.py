@@ -88,7 +88,6 @@ class AsyncLLM:
         # tokens per step (written by the reader thread): [counts per bucket and +Inf, sum], of
         # the whole engine and then of each DP rank under -dp
         self._iter = [[[0] * (len(self._iter_buckets) + 1), 0] for _ in range(1 + args.data_parallel_size)]
-        self.last_output_time = time.monotonic()  # when outputs last reached the event loop
         # Stall detection (/health): the core reports after every step, outputs or not.
         self._last_core_message = self._busy_since = time.monotonic()
         self._parent: dict[str, str] = {}  # engine (child) request id -> request id
@@ -143,7 +142,6 @@ class AsyncLLM:
     # ---- event-loop side ----
 
     def _on_outputs(self, outs: list[EngineCoreOutput]) -> None:
-        self.last_output_time = time.monotonic()
         results, to_abort = self.outputs.process(outs)
         if to_abort:
             self.core.abort(to_abort)

@@ -39,14 +39,16 @@ class EngineCore:
         """`serving` (the server's core process): the grammar library's tokenizer is built on a
         background thread while the model loads, and a new constraint is compiled off the step
         loop while its request waits (`admit_compiled`), so that neither stalls the running
-        requests; the offline LLM compiles in add_request, which then raises on a bad one."""
+        requests; the offline LLM compiles in add_request, which then raises on a bad one. The
+        speculative-decoding acceptance line is the offline LLM's: a server logs it in its stats
+        line (server/stats_log.py, off under --disable-log-stats)."""
         self.args, self.cfg = args, cfg
         self.eos_token_id = eos_token_id
         self.max_model_len = args.resolve_max_model_len(cfg)
         # compiles each distinct constraint once, on its first request (llguidance)
         self.grammars = GrammarCompiler(None if args.skip_tokenizer_init else args.tokenizer_path,
                                         cfg.vocab_size)
-        self.compile_off_loop = serving
+        self.serving = serving
         # requests waiting for their grammar: (request, its compile, the monotonic time it gives up)
         self._compiling: dict[str, tuple[Request, Future, float]] = {}
         if serving:
@@ -112,7 +114,7 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already waiting for its grammar")
         so = params.structured_outputs
         if so is not None:
-            if self.compile_off_loop:
+            if self.serving:
                 request.grammar = self.grammars.cached(so)
                 if request.grammar is None:  # joins the scheduler once compiled (admit_compiled)
                     self.scheduler.check_request(request)  # its other refusals come now, not then
@@ -186,7 +188,8 @@ class EngineCore:
         return outputs
 
     def _step(self) -> list[EngineCoreOutput]:
-        self._log_spec_decode()
+        if not self.serving:  # offline: no stats line logs the acceptance
+            self._log_spec_decode()
         self.step_tokens, self.step_tokens_per_engine = 0, None
         if self._early:
             early, self._early = self._early, []

@@ -39,7 +39,3 @@ class SpecDecodeStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a verifying step yields per request on average: 1 + accepted / drafts."""
-        return 1.0 + self.num_accepted_tokens / max(self.num_drafts, 1)

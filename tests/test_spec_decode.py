@@ -265,5 +265,11 @@ def test_mean_acceptance_length_is_logged(tiny_v3, workload, caplog):
         with caplog.at_level("INFO", logger="engine.core"):
             core._log_spec_decode()  # nothing new, and the interval has not passed
         assert not caplog.records
+        # a server's core leaves the line to the front end's stats line (--disable-log-stats)
+        core.serving = True
+        core._spec_logged = (core._spec_logged[0] - 11, 0, 0, 0)
+        with caplog.at_level("INFO", logger="engine.core"):
+            llm.generate(workload[:1], GREEDY)
+        assert not any("speculative decoding" in r.getMessage() for r in caplog.records), caplog.text
     finally:
         llm.engine.shutdown()
