@@ -183,10 +183,10 @@ class EngineStreams:
     async def _reap(self, running: list[tuple[str, asyncio.Task]]) -> None:
         await asyncio.gather(*(t for _, t in running), return_exceptions=True)
         for rid, _ in running:
-            try:
+            try:  # abort is a no-op for a request already gone: a failure here is the engine's
                 await self._engine.abort(rid)
-            except Exception:  # already gone from the engine: nothing to free
-                pass
+            except Exception:
+                logger.warning("aborting %s after its stream was cancelled failed", rid, exc_info=True)
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
