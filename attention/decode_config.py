@@ -107,7 +107,7 @@ def choose_num_splits(batch: int, head_tiles: int, max_len: int, num_sms: int,
     From 70% of the slots on, one split: the wave model then asks for 3-5 splits, each adding
     its per-program work and partials, for a last wave that is only a fifth short. H200, 16
     heads, 1050-token contexts (bench_decode_splits.py, µs per call): batch 200 / 211 took 78.8
-    / 79.0 with one split against 93.5 / 98.7 with the model's 5 (80% was the bound before), and
+    / 79.0 with one split against 93.5 / 98.7 with the model's 5, and
     batch 160 (61% of the slots) keeps its 3 splits (70.3 against 78.1 with one).
     """
     programs = batch * head_tiles

@@ -40,7 +40,7 @@ registers a thread) issues every copy, q's latent part and both column halves of
 publishes each tile on a `full` mbarrier after waiting for and fencing its copies; the compute
 warpgroups wait on that barrier instead of on their own copy groups and release each tile's stage
 on an `empty` barrier. Their KV-tile loop drops from ~650 to ~455 instructions a warp; the kernel
-is bound by those instructions' latencies (docs/kernel_notes.md, twenty-second session).
+is bound by those instructions' latencies (docs/kernel_notes.md, "Gluon kernel for many heads").
 
 Why this split and not the alternatives: docs/kernel_notes.md, "Gluon kernel for many heads".
 Shared memory, by default: q's latent part 64 KB + 4 stages x 36 KB + one 8 KB
@@ -362,7 +362,7 @@ if _GLUON_ERROR is None:
 
 def launch_args(q, kv_cache, block_table, seq_lens, q_pos, o, lse, po_strides, plse_strides,
                 scale, H, num_splits, q_len, dcp_size, dcp_rank):
-    """The kernel's runtime arguments, in order (also used by scripts/compile_sm90.py)."""
+    """The kernel's runtime arguments, in order."""
     return (q, kv_cache, block_table, seq_lens, seq_lens if q_pos is None else q_pos, o, lse,
             scale * LOG2E, H, num_splits, q_len, dcp_size, dcp_rank,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), block_table.stride(0),

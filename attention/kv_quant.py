@@ -13,7 +13,7 @@ FlashMLA's FP8 format (one fp32 scale per 128 latent values, k_pe kept in bf16, 
 token) is more robust to outliers without calibration, at 1.76x capacity instead of 2x and a
 dequantisation per 128-value group inside the products.
 
-The kernels round explicitly (`triton_cache.fp8_round`) so that the stored bytes are exactly
+The kernels round explicitly (`triton_cache.fp8_store_value`) so that the stored bytes are exactly
 those of this torch reference on the GPU and under the Triton interpreter (whose own fp32->fp8
 cast mis-rounds values that round up to the next power of two).
 """

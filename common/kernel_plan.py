@@ -163,9 +163,6 @@ CHOICES: tuple[Choice, ...] = (
            "rope 64, heads a multiple of 64, Triton 3.6) instead of the Triton kernel (0: never)",
            ("attention.gluon_decode", "attention.gluon_decode_plan"), triton=0, torch=0,
            triton_help="64 where all of that holds, else 0"),
-    # decode_fuse_q_kv and argmax=triton: on by default since the H200's graph profile of V2-Lite
-    # decode (scripts/profile_graphs.py, with moe_sum_in_norm) put TPOT at batch 1 / 8 / 32 / 128 at
-    # 2.187 / 5.472 / 8.456 / 10.200 ms with both against 2.210 / 5.570 / 8.546 / 10.324 without
     Choice("decode_wgmma_producer", (bool,), "with decode_wgmma_min_heads, a third warpgroup of the Gluon decode "
            "issues every copy (GluonDecodeConfig.producer, attention/gluon_copies.py); opt-in: on the H200 at 128 "
            "heads, S 4096, B 8 / 32 / 128: 36.6 / 104.3 / 377.2 us against 38.9 / 111.8 / 396.8 (S 16k, B 128: "
@@ -185,6 +182,9 @@ CHOICES: tuple[Choice, ...] = (
            "heads, S 4k, B 1 / 4 / 8 / 16 / 32 it took 14.0 / 18.6 / 25.3 / 38.0 / 59.9 us against the Gluon "
            "kernel's 19.2 / 22.8 / 34.1 / 39.3 / 51.5 (0: every FP8 decode on the Gluon kernel)",
            triton=FP8_WGMMA_MIN_ROWS, torch=0),
+    # decode_fuse_q_kv and argmax=triton are on: the H200's graph profile of V2-Lite decode (scripts/
+    # profile_graphs.py, with moe_sum_in_norm) put TPOT at batch 1 / 8 / 32 / 128 at 2.187 / 5.472 /
+    # 8.456 / 10.200 ms with both against 2.210 / 5.570 / 8.546 / 10.324 without
     Choice("decode_fuse_q_kv", (bool,), "pure decode steps run absorb_q and kv_finish (the new tokens' cache "
            "rows) as one launch (attention/triton_absorb.py absorb_q_kv_finish): one kernel fewer per layer; "
            "needs absorb and finish_kv triton", ("attention.triton_absorb",), triton=True, torch=False,
@@ -420,7 +420,7 @@ def resolve_plan(spec: str, attention_backend: str, device_type: str, dtype_name
     if (base == TRITON and values["decode_wgmma_min_heads"] and "decode_wgmma_seesaw" not in over
             and not values["decode_wgmma_producer"]):
         # H100, 128 heads: B 128 S 4096 302.0 us against the lockstep schedule's 401.4, B 32 92.2
-        # against 114.2, B 8 level (RESULTS.md, issue 24)
+        # against 114.2, B 8 level (RESULTS.md, "Issue 24: MLA decode kernels")
         values["decode_wgmma_seesaw"] = True
     if (base == TRITON and fp8_wgmma_fit and values["attention"] == TRITON and "decode_fp8_wgmma" not in over
             and not values["decode_qk_fp8"]):

@@ -81,7 +81,7 @@ DECODE_SWEEP = {
                   dict(_H16, block_n=64, num_stages=3),
                   # qk_fp8: on sm_90 Triton runs an e4m3 dot with 16 rows as fp16 mma.sync after
                   # converting it (the first three); with scores transposed (64 cache rows as M) it is
-                  # an e4m3 wgmma (scripts/decode_sass.py); timed in RESULTS.md (sixteenth session)
+                  # an e4m3 wgmma (scripts/decode_sass.py); timed in RESULTS.md's History
                   dict(_H16, block_n=32, num_stages=2, reload_v=True, qk_fp8=True),
                   dict(_H16, block_n=32, num_stages=2, reload_v=True, stage_v=True, qk_fp8=True),
                   dict(_H16, block_n=64, num_stages=3, reload_v=True, programs_per_sm=1, num_warps=8, qk_fp8=True),

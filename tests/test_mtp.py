@@ -159,8 +159,8 @@ def test_bundled_model_mtp_drafts_are_mostly_accepted():
 
 def test_mtp_cache_holds_every_prompt_row_under_chunking(tiny_mtp):
     """A prompt prefilled in chunks by steps that sample nothing (one request, a 16-token budget):
-    the MTP layer still writes its cache at every prompt row, as one unchunked prefill does (the
-    drafter once ran only in steps that sampled, leaving the earlier chunks' rows unwritten)."""
+    the MTP layer still writes its cache at every prompt row, as one unchunked prefill does (a
+    drafter run only in steps that sample would leave the earlier chunks' rows unwritten)."""
     path, _ = tiny_mtp
     spec = {"method": "mtp", "num_speculative_tokens": 1}
     prompt = prompts()[2]  # 40 tokens: two chunks of 16 that sample nothing, then the last 8

@@ -33,9 +33,9 @@ def small_store(tok):
 
 
 REFUSED = [
-    ({"input": [{"role": ["user"], "content": "x"}]}, "input.0.role"),  # was a 500 (unhashable)
+    ({"input": [{"role": ["user"], "content": "x"}]}, "input.0.role"),  # unhashable: a 400, not a 500
     ({"input": [{"role": {"a": 1}, "content": "x"}]}, "input.0.role"),
-    # the chat route's fields, which this route used to drop without a word
+    # the chat route's fields, which this route does not take: refused, not dropped
     ({"guided_choice": ["yes", "no"]}, "guided_choice"),
     ({"structured_outputs": {"choice": ["yes"]}}, "structured_outputs"),
     ({"use_beam_search": True}, "use_beam_search"),

@@ -1,4 +1,4 @@
-"""The scheduler's wait for prompt blocks another request is computing (`_shares_computing`):
+"""The scheduler's wait for prompt blocks another request is computing (`PrefixReuse.waits`):
 a prompt whose next 64+ tokens are blocks computed in this step or the one in flight waits for
 them to be cached; the fake runner of tests/test_scheduler.py checks every step's KV."""
 
