@@ -50,7 +50,6 @@ exchange slot each way + alpha = 225 KB, so a tile's loads are issued two tiles 
 
 from __future__ import annotations
 
-import functools
 import torch
 
 from attention.decode_config import LAZY_TAU
@@ -60,6 +59,7 @@ from attention.gluon_decode_plan import (BLOCK_H, LKV, OPTION, SEESAW, SMEM_LIMI
 __all__ = ["GluonDecodeConfig", "SEESAW", "SMEM_LIMIT", "check_gluon_available", "mla_decode_wgmma",
            "plan_splits", "validate_inputs"]
 from attention.triton_decode import LOG2E, reduce_splits, split_outputs
+from common.launch_settings import sm_count
 
 try:  # Gluon is Triton's experimental dialect: present in Triton >= 3.4, its API moves
     from triton.experimental import gluon
@@ -385,7 +385,7 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     page = kv_cache.shape[1]
     if num_splits is None:
         if num_sms is None:
-            num_sms = _num_sms(q.device)
+            num_sms = sm_count(q.device)
         num_splits = plan_splits(B, q_len * H, block_table.shape[1] * page, num_sms, cfg)
     o = torch.empty(T, H, LKV, dtype=q.dtype, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
@@ -408,8 +408,3 @@ def mla_decode_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch
     if not direct:
         reduce_splits(po, plse, o, lse, num_splits, po_strides, plse_strides)
     return o, lse
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count

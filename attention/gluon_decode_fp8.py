@@ -42,7 +42,6 @@ are in attention/gluon_fp8_tiles.py; the config, checks and row order in gluon_d
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -51,6 +50,7 @@ from attention.gluon_decode_fp8_plan import (BLOCK_H, BLOCK_N, LAZY_TAU, LKV, OP
                                              engine_fit_problem, perm_rows, validate_inputs)
 
 from attention.triton_decode import LOG2E, reduce_splits, split_outputs
+from common.launch_settings import sm_count
 
 __all__ = ["BLOCK_H", "BLOCK_N", "LAZY_TAU", "LKV", "OPTION", "R", "SMEM_LIMIT", "Fp8DecodeConfig", "check_available",
            "engine_fit_problem", "mla_decode_fp8_wgmma", "perm_rows", "validate_inputs"]
@@ -322,7 +322,7 @@ def mla_decode_fp8_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     page = kv_cache.shape[1]
     if num_splits is None:
         if num_sms is None:
-            num_sms = _num_sms(q.device)
+            num_sms = sm_count(q.device)
         num_splits = choose_num_splits(B, (q_len * H) // BLOCK_H, block_table.shape[1] * page, num_sms,
                                        cfg.split_config())
     o = torch.empty(T, H, LKV, dtype=q.dtype, device=q.device)
@@ -342,8 +342,3 @@ def mla_decode_fp8_wgmma(q: torch.Tensor, kv_cache: torch.Tensor, block_table: t
     if not direct:
         reduce_splits(po, plse, o, lse, num_splits, po_strides, plse_strides)
     return o, lse
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count

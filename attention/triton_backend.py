@@ -17,6 +17,7 @@ from attention.triton_cache import gather_context, write_kv
 from attention.triton_decode import DecodeConfig, mla_decode
 from attention.triton_prefill import (PrefillConfig, merge_attn_states_, prefill_attention, prefill_attention_parts,
                                       split_width)
+from common.launch_settings import sm_count
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _CACHE_DTYPES = _FLOAT_DTYPES + (FP8_DTYPE,)
@@ -104,14 +105,6 @@ class TritonAttentionOps:
         self.decode_config = decode_config
         self.wgmma_min_heads = wgmma_min_heads
         self.prefill_config = prefill_config
-        self._num_sms: dict[torch.device, int] = {}
-
-    def _sm_count(self, device: torch.device) -> int:
-        if device.type != "cuda":
-            return 1
-        if device not in self._num_sms:
-            self._num_sms[device] = torch.cuda.get_device_properties(device).multi_processor_count
-        return self._num_sms[device]
 
     def write_kv(self, kv_cache, kv, slot_mapping):
         _check(kv_cache.dim() == 3, lambda: f"kv_cache must be [num_blocks, block_size, D], got {tuple(kv_cache.shape)}")
@@ -151,7 +144,7 @@ class TritonAttentionOps:
         args = (_last_contiguous(q), kv_cache, _last_contiguous(block_table), seq_lens.contiguous(), scale,
                 kv_lora_rank)
         kw = dict(q_len=q_len, q_pos=None if q_pos is None else q_pos.contiguous(), dcp_size=dcp_size,
-                  dcp_rank=dcp_rank, num_sms=self._sm_count(q.device))
+                  dcp_rank=dcp_rank, num_sms=sm_count(q.device) if q.is_cuda else 1)
         if self.wgmma_min_heads and q.shape[1] >= self.wgmma_min_heads:
             return _wgmma_decode(self.wgmma_min_heads, *args, **kw, cfg=self.wgmma_cfg)
         if self.fp8_wgmma and kv_cache.dtype == FP8_DTYPE and q.shape[0] * q.shape[1] >= self.fp8_wgmma_min_rows:

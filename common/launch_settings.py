@@ -5,7 +5,16 @@ at every launch; kernels called directly (benchmarks, kernel tests) see the defa
 
 from __future__ import annotations
 
+import functools
 import os
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, read once: grid sizes and split counts."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def interpreting() -> bool:

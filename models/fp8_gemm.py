@@ -26,7 +26,6 @@ these kernels run; `--no-fp8-gemm` dequantizes: engine/weight_memory.py).
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -38,7 +37,7 @@ from models import fp8_cublas as cb
 from models.fp8 import BLOCK, FP8, FP8_MAX
 from models.fp8_cublas import capability as _capability
 from models.fp8_gemm_splitk import SPLIT_MAX_M, _w8a8_splitk_kernel, choose_k_splits, splitk_reduce, tile_counters
-from common.launch_settings import autotuning, interpreting
+from common.launch_settings import autotuning, interpreting, sm_count
 
 GROUP = BLOCK
 log = logging.getLogger(__name__)
@@ -198,15 +197,10 @@ _TMA_TUNED = triton.autotune(
     key=["M_BUCKET", "N", "NKB"])(_w8a8_tma_kernel)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _num_sms(t: torch.Tensor) -> int | None:
     """SMs of t's GPU, for the split-K choice; None off CUDA and under the interpreter (no split
     unless asked for)."""
-    return _sm_count(t.device.index) if t.is_cuda and not interpreting() else None
+    return sm_count(t.device) if t.is_cuda and not interpreting() else None
 
 
 def _tma_ok(xq: torch.Tensor, N: int, K: int, out_dtype: torch.dtype) -> bool:
@@ -250,7 +244,7 @@ def _triton_gemm(xq, sx, wq, sw, y, tile=None, tma=None, splits=None, split_k=Fa
     if tma:
         # one program per SM whatever M is (programs without a tile exit): PROGS is a constant,
         # so the kernel compiles once, not once per tile count below the SM count
-        progs = _sm_count(xq.device.index) if xq.is_cuda else 4
+        progs = sm_count(xq.device) if xq.is_cuda else 4
         args = (TensorDescriptor.from_tensor(xq, [128, GROUP]), sx, TensorDescriptor.from_tensor(wq, [128, GROUP]),
                 sw, TensorDescriptor.from_tensor(y, [128, 128]), M, N, nkb, m_bucket, *scale_strides)
         if autotuning():
