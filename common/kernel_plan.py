@@ -2,9 +2,9 @@
 
 The plan is resolved from `--kernels` (and `--attention-backend`) with the device and dtype
 known, logged in one line, and passed to the model at construction; modules dispatch on its
-fields and nothing else (never on environment variables or on an earlier failure). A kernel
-that fails at start-up or in the warm-up stops the engine with a `KernelError` naming the
-`--kernels` setting that avoids it; nothing falls back at run time.
+fields and nothing else (never on environment variables). A kernel that fails at start-up or
+in the warm-up stops the engine with a `KernelError` naming the `--kernels` setting that avoids
+it; nothing falls back at run time but fp8_gemm=auto, which takes Triton for a shape cuBLAS refuses.
 
 `--kernels` is a base, `auto` | `triton` | `torch`, followed by comma-separated `key=value`
 overrides of single choices (`--kernels triton,router=torch,moe_fused_max_tokens=0`). `torch` is
