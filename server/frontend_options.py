@@ -52,8 +52,8 @@ def add_frontend_flags(p: argparse.ArgumentParser) -> None:
                         "/metrics keeps every figure")
     g.add_argument("--enable-server-load-tracking", action="store_true",
                    help="count the completions, chat, responses and /invocations requests in flight "
-                        "(until their response is sent) and report the count at GET /load as {\"server_load\": N}; "
-                        "without it /load answers 0")
+                        "(until their response is sent) and report the count at GET /load as "
+                        "{\"server_load\": N}; without it /load answers 0")
 
 
     g.add_argument("--response-role", default="assistant", metavar="ROLE",
