@@ -8,8 +8,8 @@ cache dtype sees the same prompts). Log-probabilities: the gold answer's tokens 
 prompt (lm_eval's loglikelihood request), teacher-forced.
 
 Prefill runs in chunks of --budget tokens, so every chunk after the first and every decode step read
-the earlier tokens from the cache (a single-chunk prefill attends to the new tokens' exact rows
-and would not show the cache's rounding at all).
+the earlier tokens from the cache (a chunk attends over its own new rows as the cache holds them
+too, attention/mla.py, so the budget changes the figures only by the order of the sums).
 
     python -m scripts.eval_kv_cache_dtype [--limit 200] [--budget 16]
 """
