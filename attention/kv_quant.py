@@ -9,8 +9,9 @@ One scale per cache tensor (vLLM's FP8 MLA cache format), 1.0 when no calibrated
   multiply per score and per output, no per-element dequantisation beyond the convert;
 - e4m3 is a float format: its relative precision (2^-4 at worst) does not depend on the scale,
   which only sets the range [2^-9 * scale, 448 * scale]; RMSNorm'd latents are O(1).
-A prefill attends over its own new rows as the cache holds them too (`as_cached`), so a token's
-keys are the same whether they were computed in the same pass or read back from the cache.
+A prefill attends over its own new rows as the cache holds them too (`as_cached`: FP8, or bf16
+under fp32 compute), so a token's keys are the same whether they were computed in the same pass
+or read back from the cache.
 FlashMLA's FP8 format (one fp32 scale per 128 latent values, k_pe kept in bf16, 656 bytes per
 token) is more robust to outliers without calibration, at 1.76x capacity instead of 2x and a
 dequantisation per 128-value group inside the products.
@@ -69,7 +70,8 @@ def load_as(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
 
 def as_cached(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
     """x as a read of the cache returns it after a write: quantised and dequantised for FP8 (the
-    kernels' write rounds x in its own dtype, as store_as does), x itself otherwise."""
-    if cache_dtype != FP8_DTYPE:
+    kernels' write rounds x in its own dtype, as store_as does), cast there and back for another
+    dtype (a bf16 cache under fp32 compute), x itself in a cache of x's dtype."""
+    if cache_dtype == x.dtype:
         return x
     return load_as(store_as(x, cache_dtype, scale), x.dtype, scale)

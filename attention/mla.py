@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from attention.backend import AttentionOps
-from attention.kv_quant import as_cached, is_fp8
+from attention.kv_quant import as_cached
 from attention.metadata import ContextChunk, MLAMetadata
 from attention.torch_backend import TorchAttentionOps
 from common import distributed as pd
@@ -138,9 +138,10 @@ class MLAAttention:
         if meta.prefill is None and nd == q_nope.shape[0]:  # pure decode: no copy into a joint output
             return self._decode(q_nope, q_pe, kv_cache, meta, cos_sin, out=out)
         q_pe = self._rope(q_pe, cos_sin)
-        if is_fp8(kv_cache):
-            # the prefill rows attend over their own keys as the cache holds them, as a later chunk
-            # or a prefix-cache hit reads them: a prompt's logprobs do not depend on what was cached
+        if kv_cache.dtype != kv_row.dtype:
+            # the prefill rows attend over their own keys as the cache holds them (FP8, or bf16
+            # under fp32 compute), as a later chunk or a prefix-cache hit reads them: a prompt's
+            # logprobs do not depend on what was cached
             c, k_pe = as_cached(kv_row, kv_cache.dtype, self.ops.kv_scale).split([self.Lkv, self.R], dim=-1)
         if meta.decode is None and nd == 0:
             return self._prefill(q_nope, q_pe, c, k_pe, kv_cache, meta, out=out)

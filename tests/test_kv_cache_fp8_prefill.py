@@ -20,7 +20,8 @@ def test_as_cached_is_a_write_then_a_read():
     cached = as_cached(x, FP8_DTYPE, 0.5)
     assert torch.equal(cached, load_as(store_as(x, FP8_DTYPE, 0.5), x.dtype, 0.5))
     assert not torch.equal(cached, x)  # e4m3 rounds
-    assert as_cached(x, torch.bfloat16, 1.0) is x  # other caches hold x (cast on the write)
+    assert torch.equal(as_cached(x, torch.bfloat16, 1.0), x.bfloat16().float())  # bf16 under fp32
+    assert as_cached(x, x.dtype, 1.0) is x  # a cache of x's own dtype holds x
 
 
 def prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
